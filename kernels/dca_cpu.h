@@ -1,0 +1,58 @@
+// Exact dense dual chunk attention on the CPU: KV append, prefill and decode over a paged KV pool.
+// fp32 arithmetic throughout; K/V stored as fp32 (float) or bf16 (uint16_t). Uses every thread of the
+// given pool. Semantics: shared/docs/DCA.md ("Dense prefill", "Decode", "Length scaling").
+#ifndef ATTND_KERNELS_DCA_CPU_H_
+#define ATTND_KERNELS_DCA_CPU_H_
+
+#include <cstdint>
+
+#include "absl/types/span.h"
+#include "kernels/dca.h"
+#include "kernels/paged_kv.h"
+#include "kernels/thread_pool.h"
+
+namespace attnd {
+
+// Writes new tokens' K/V into their pages; keys are multiplied by key_scale (s(L)) before storing.
+struct CpuAppendParams {
+  const float* k = nullptr;  // [num_tokens, num_kv_heads, head_dim], unscaled
+  const float* v = nullptr;  // [num_tokens, num_kv_heads, head_dim]
+  int64_t start = 0;         // position of the first new token
+  int64_t num_tokens = 0;
+  float key_scale = 1.f;
+};
+
+// Prefill attention for num_tokens new tokens at positions start .. start+num_tokens-1, whose K/V
+// are already appended (keys [0, start + num_tokens) are valid).
+struct CpuPrefillParams {
+  const float* q = nullptr;  // [num_tokens, 5, num_q_heads, head_dim]
+  float* out = nullptr;      // [num_tokens, num_q_heads, head_dim]
+  int64_t start = 0;
+  int64_t num_tokens = 0;
+  float softmax_scale = 0.f;  // geometry scale * s(prompt_len)
+};
+
+// One sequence's new token in a decode batch; its K/V is already appended.
+template <typename KvT>
+struct CpuDecodeItem {
+  PagedKv<KvT> kv;
+  const float* q = nullptr;  // [3, num_q_heads, head_dim]: intra, succ, inter; not yet scaled
+  float* out = nullptr;      // [num_q_heads, head_dim]
+  int64_t length = 0;        // sequence length including the new token (L)
+  float q_scale = 1.f;       // s(L); the softmax scale is the geometry's
+};
+
+template <typename KvT>
+void AppendKvCpu(const PagedKv<KvT>& kv, const CpuAppendParams& params, ThreadPool* pool);
+
+template <typename KvT>
+void DcaPrefillCpu(const DcaGeometry& geometry, const PagedKv<KvT>& kv,
+                   const CpuPrefillParams& params, ThreadPool* pool);
+
+template <typename KvT>
+void DcaDecodeCpu(const DcaGeometry& geometry, absl::Span<const CpuDecodeItem<KvT>> items,
+                  ThreadPool* pool);
+
+}  // namespace attnd
+
+#endif  // ATTND_KERNELS_DCA_CPU_H_

@@ -1,0 +1,42 @@
+// One layer's paged K/V, as the kernels see it. The only place that does page stride arithmetic;
+// shared by prefill, decode and (later) block-sparse code on the CPU and the GPU.
+#ifndef ATTND_KERNELS_PAGED_KV_H_
+#define ATTND_KERNELS_PAGED_KV_H_
+
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__CUDACC__)
+#define ATTND_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define ATTND_HOST_DEVICE inline
+#endif
+
+namespace attnd {
+
+// Layout of one layer in the pool: K and V each [num_pages, page_size, num_kv_heads, head_dim],
+// row-major; a sequence's token at position p lives in page page_table[p / page_size], slot
+// p % page_size. Trivially copyable: pass it by value to kernels.
+template <typename T>
+struct PagedKv {
+  T* k = nullptr;                        // [num_pages, page_size, num_kv_heads, head_dim]
+  T* v = nullptr;                        // [num_pages, page_size, num_kv_heads, head_dim]
+  const int32_t* page_table = nullptr;   // [ceil(capacity / page_size)] page ids of this sequence
+  int32_t page_size = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+
+  ATTND_HOST_DEVICE int64_t Offset(int64_t pos, int32_t kv_head) const {
+    const int64_t page = page_table[pos / page_size];
+    return ((page * page_size + pos % page_size) * num_kv_heads + kv_head) * head_dim;
+  }
+  // Pointer to head_dim elements: the key of token `pos`, kv head `kv_head`.
+  ATTND_HOST_DEVICE T* Key(int64_t pos, int32_t kv_head) const { return k + Offset(pos, kv_head); }
+  ATTND_HOST_DEVICE T* Value(int64_t pos, int32_t kv_head) const { return v + Offset(pos, kv_head); }
+};
+
+static_assert(std::is_trivially_copyable<PagedKv<float>>::value, "PagedKv must be trivially copyable");
+
+}  // namespace attnd
+
+#endif  // ATTND_KERNELS_PAGED_KV_H_

@@ -1,0 +1,36 @@
+// Hands out fixed-size KV pages from one pool. Pages are small integers (indices into the pool);
+// what a page holds is the backend's business (kvcache/kv_layout.h describes the bytes).
+#ifndef ATTND_KVCACHE_PAGE_ALLOCATOR_H_
+#define ATTND_KVCACHE_PAGE_ALLOCATOR_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+
+namespace attnd {
+
+// Thread-safe.
+class PageAllocator {
+ public:
+  explicit PageAllocator(int64_t num_pages);
+
+  // n pages, or RESOURCE_EXHAUSTED (and nothing allocated) when fewer than n are free.
+  absl::StatusOr<std::vector<int32_t>> Allocate(int64_t n);
+  // Returns pages to the pool. Each must have come from Allocate and not been freed since.
+  void Free(absl::Span<const int32_t> pages);
+
+  int64_t num_total() const { return num_total_; }
+  int64_t num_free() const;
+
+ private:
+  const int64_t num_total_;
+  mutable absl::Mutex mu_;
+  std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);  // LIFO: recently freed pages are reused first
+};
+
+}  // namespace attnd
+
+#endif  // ATTND_KVCACHE_PAGE_ALLOCATOR_H_

@@ -1,0 +1,78 @@
+// Live sequences: ids, owning tenant, the pages each holds and each layer's length.
+#ifndef ATTND_KVCACHE_SEQUENCE_TABLE_H_
+#define ATTND_KVCACHE_SEQUENCE_TABLE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvcache/page_allocator.h"
+
+namespace attnd {
+
+// One live sequence. Lock `mu` for every access; whoever holds it may read and write the K/V in the
+// sequence's pages (one request at a time per sequence, so compute never races an append).
+struct Sequence {
+  Sequence(std::string id_in, std::string tenant_in, int32_t num_layers)
+      : id(std::move(id_in)), tenant(std::move(tenant_in)), layer_lengths(num_layers, 0) {}
+
+  const std::string id;      // 32 lowercase hex characters (128 random bits)
+  const std::string tenant;  // who created it; "" when auth is off
+
+  absl::Mutex mu;
+  std::vector<int32_t> pages ABSL_GUARDED_BY(mu);          // page i holds positions [i*P, (i+1)*P)
+  std::vector<int64_t> layer_lengths ABSL_GUARDED_BY(mu);  // tokens cached per layer
+  bool released ABSL_GUARDED_BY(mu) = false;               // set once; a released sequence is dead
+  absl::Time last_used ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+};
+
+struct SequenceTableOptions {
+  int32_t num_layers = 0;
+  int32_t page_size = 0;
+  int64_t max_sequences = 0;  // 0 = unlimited
+};
+
+// Thread-safe. Pages come from (and go back to) the allocator given at construction.
+class SequenceTable {
+ public:
+  SequenceTable(const SequenceTableOptions& options, PageAllocator* allocator);
+
+  // A new empty sequence owned by `tenant`; RESOURCE_EXHAUSTED past max_sequences.
+  absl::StatusOr<std::shared_ptr<Sequence>> Create(absl::string_view tenant);
+  // INVALID_ARGUMENT for a malformed id; NOT_FOUND for an unknown id or another tenant's sequence
+  // (the message is the same either way: no existence oracle).
+  absl::StatusOr<std::shared_ptr<Sequence>> Find(absl::string_view id, absl::string_view tenant) const;
+  // Removes the sequence and frees its pages (waiting for a request in flight on it); returns the
+  // number of pages freed. Errors as Find.
+  absl::StatusOr<int64_t> Release(absl::string_view id, absl::string_view tenant);
+
+  // Grows seq's pages so positions [0, length) are backed, all or nothing; returns how many pages
+  // were added (0 if none were needed), or RESOURCE_EXHAUSTED with nothing changed.
+  absl::StatusOr<int64_t> EnsureCapacity(Sequence* seq, int64_t length)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
+  // Gives back the last `pages_added` pages of seq (undoes EnsureCapacity after a failed request).
+  void Rollback(Sequence* seq, int64_t pages_added) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
+
+  int64_t size() const;
+  // Ids of sequences last used before `cutoff` (for idle reclaim).
+  std::vector<std::string> IdleSince(absl::Time cutoff) const;
+
+  static bool IsWellFormedId(absl::string_view id);
+
+ private:
+  const SequenceTableOptions options_;
+  PageAllocator* const allocator_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace attnd
+
+#endif  // ATTND_KVCACHE_SEQUENCE_TABLE_H_

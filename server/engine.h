@@ -1,0 +1,75 @@
+// The backend seam: an Engine owns the KV pool's memory and computes attention over it. The CPU
+// engine (server/cpu_engine.h) is the embedded default; a CUDA engine implements the same interface.
+// Engines never see protobuf; the runtime validates requests and owns the page bookkeeping.
+#ifndef ATTND_SERVER_ENGINE_H_
+#define ATTND_SERVER_ENGINE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/dca.h"
+#include "kernels/dtype.h"
+#include "kvcache/kv_layout.h"
+
+namespace attnd {
+
+// A validated request tensor: dtype and shape checked against the model, data holding exactly
+// product(shape) * ElementSize(dtype) bytes (any alignment).
+struct TensorView {
+  DType dtype = DType::kFp32;
+  const void* data = nullptr;
+  std::vector<int64_t> shape;
+};
+
+// Append num_tokens tokens to one layer of one sequence and compute their attention.
+struct PrefillJob {
+  int32_t layer = 0;
+  const int32_t* page_table = nullptr;  // [num_pages] the sequence's pages, covering start+num_tokens
+  int64_t num_pages = 0;
+  int64_t start = 0;       // tokens already in this layer; the new ones are start .. start+num_tokens-1
+  int64_t num_tokens = 0;  // T >= 1
+  int64_t prompt_len = 0;  // L for length scaling (>= start + num_tokens)
+  TensorView q;            // [T, 5, Hq, D]
+  TensorView k;            // [T, Hkv, D]
+  TensorView v;            // [T, Hkv, D]
+  void* out = nullptr;     // [T, Hq, D] of out_dtype
+  DType out_dtype = DType::kFp32;
+};
+
+// One decode step in one layer for a batch of distinct sequences.
+struct DecodeJob {
+  struct Entry {
+    const int32_t* page_table = nullptr;  // the sequence's pages, covering `length`
+    int64_t num_pages = 0;
+    int64_t length = 0;   // L: the layer's length including the new token (>= 1)
+    TensorView q;         // [3 or 5, Hq, D]; only the first three variants are used
+    TensorView k;         // [Hkv, D]
+    TensorView v;         // [Hkv, D]
+    void* out = nullptr;  // [Hq, D] of out_dtype
+    DType out_dtype = DType::kFp32;
+  };
+  int32_t layer = 0;
+  std::vector<Entry> entries;
+};
+
+// Thread-safe for jobs on disjoint sequences (callers serialise jobs per sequence). A failed job
+// returns INTERNAL (or INVALID_ARGUMENT for a request the backend cannot serve) and may have
+// written K/V only at positions past the layer's committed length.
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  virtual std::string backend() const = 0;      // "cpu", "cuda"
+  virtual std::string device_name() const = 0;  // e.g. the CPU model or GPU name
+  virtual const KvLayout& layout() const = 0;
+  virtual const DcaGeometry& geometry() const = 0;
+
+  virtual absl::Status Prefill(const PrefillJob& job) = 0;
+  virtual absl::Status Decode(const DecodeJob& job) = 0;
+};
+
+}  // namespace attnd
+
+#endif  // ATTND_SERVER_ENGINE_H_

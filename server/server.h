@@ -1,0 +1,45 @@
+// The attnd daemon as a library: model config + engine + KV cache + gRPC service, started on an
+// address. main.cc wraps it with flags and signals; tests start it in-process on 127.0.0.1:0.
+#ifndef ATTND_SERVER_SERVER_H_
+#define ATTND_SERVER_SERVER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace attnd {
+
+struct ServerOptions {
+  std::string listen = "127.0.0.1:50051";  // host:port; port 0 picks a free one
+  std::string model_config;                // path to a Hugging Face config.json; "" = Qwen2.5-7B-1M
+  std::string device = "auto";             // auto | cpu | cuda
+  int64_t kv_cache_bytes = 0;              // 0 = the backend's default
+  std::string kv_dtype = "auto";           // auto | bf16 | fp32 (auto: fp32 on cpu)
+  int32_t page_size = 16;                  // tokens per page; must divide the DCA chunk length
+  int64_t max_message_bytes = 512ll << 20;  // fits a 4096-token fp32 prefill of the 14B model
+  int64_t max_sequence_length = 0;         // 0 = the model's max_position_embeddings
+  int64_t max_sequences = 0;               // 0 = unlimited
+  int32_t compute_threads = 0;             // CPU kernel threads; 0 = all cores
+  int32_t request_workers = 0;             // threads running requests; 0 = a default
+};
+
+class AttndServer {
+ public:
+  // Loads the model, allocates the pool, starts serving; health says SERVING once this returns.
+  // Errors name the flag, file or key that was wrong.
+  static absl::StatusOr<std::unique_ptr<AttndServer>> Start(const ServerOptions& options);
+  virtual ~AttndServer() = default;
+
+  virtual int port() const = 0;                 // the bound port
+  virtual std::string startup_summary() const = 0;  // address, backend, model, pool size
+  // Stops accepting work, lets in-flight RPCs finish until `deadline`, then cancels the rest.
+  virtual void Shutdown(absl::Time deadline) = 0;
+  virtual void Wait() = 0;  // blocks until Shutdown has completed
+};
+
+}  // namespace attnd
+
+#endif  // ATTND_SERVER_SERVER_H_
