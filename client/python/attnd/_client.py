@@ -1,0 +1,354 @@
+"""The attnd client: one gRPC channel, unary calls and the streaming Session."""
+import collections
+import os
+import queue
+import time
+
+import grpc
+
+from ._errors import AttndError, invalid_argument, status_code_from_int
+from ._proto import pb, pb_grpc
+from . import _tensors
+
+# gRPC Python caps received messages at 4 MiB by default; prefill outputs are larger. The server enforces its
+# own limit (GetServerInfo().limits.max_message_bytes) and answers RESOURCE_EXHAUSTED above it.
+_DEFAULT_OPTIONS = (
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+)
+
+
+def _read_pem(value):
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, str) and "-----BEGIN" in value:
+        return value.encode()
+    with open(os.fspath(value), "rb") as f:
+        return f.read()
+
+
+def _prefill_request(seq, layer, q, k, v, prompt_len):
+    if not isinstance(seq, str):
+        raise invalid_argument("sequence id must be a str, got %s" % type(seq).__name__)
+    qt, like = _tensors.to_proto(q, "q")
+    kt, _ = _tensors.to_proto(k, "k")
+    vt, _ = _tensors.to_proto(v, "v")
+    req = pb.PrefillRequest(sequence_id=seq, layer=int(layer), q=qt, k=kt, v=vt)
+    if prompt_len is not None:
+        req.prompt_len = int(prompt_len)
+    return req, like
+
+
+def _decode_request(layer, seqs, q, k, v):
+    if isinstance(seqs, str):
+        seqs = [seqs]
+    seqs = list(seqs)
+    if not seqs:
+        raise invalid_argument("decode needs at least one sequence")
+    for s in seqs:
+        if not isinstance(s, str):
+            raise invalid_argument("sequence id must be a str, got %s" % type(s).__name__)
+    qs, like = _tensors.split_batch(q, "q", len(seqs))
+    ks, _ = _tensors.split_batch(k, "k", len(seqs))
+    vs, _ = _tensors.split_batch(v, "v", len(seqs))
+    entries = [pb.DecodeEntry(sequence_id=s, q=qi, k=ki, v=vi) for s, qi, ki, vi in zip(seqs, qs, ks, vs)]
+    return pb.DecodeRequest(layer=int(layer), entries=entries), like
+
+
+def _prefill_output(resp, like):
+    return _tensors.from_proto(resp.o, like)
+
+
+def _decode_output(resp, like):
+    return _tensors.from_protos([o.o for o in resp.outputs], like)
+
+
+class Client:
+    """A connection to one attnd server.
+
+    Args:
+      target: "host:port" (any gRPC target string).
+      token: if given, every call carries the metadata ``authorization: Bearer <token>``.
+      root_cert: if given, the channel uses TLS with this root certificate: PEM bytes, a PEM string, or a path
+        to a PEM file. Without it the channel is plaintext.
+      timeout: default deadline in seconds for each unary call (None: no deadline).
+      options: extra gRPC channel options, e.g. (("grpc.ssl_target_name_override", "attnd.local"),).
+      client_cert, client_key: PEM (bytes, string or path) for mutual TLS.
+
+    Tensors: q/k/v may be numpy arrays (float32, float16, or uint16 holding bfloat16 bits) or torch tensors
+    (float32, float16, bfloat16). Outputs come back in the representation of the request's q.
+    Every failure raises AttndError (.code: grpc.StatusCode, .message).
+    A Client may be shared by threads (gRPC channels are thread safe); a Session may not.
+    """
+
+    def __init__(self, target, token=None, root_cert=None, *, timeout=None, options=(), client_cert=None,
+                 client_key=None):
+        self.target = target
+        self.timeout = timeout
+        self._metadata = (("authorization", "Bearer " + token),) if token else None
+        opts = list(_DEFAULT_OPTIONS) + list(options or ())
+        if root_cert is not None or client_cert is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=_read_pem(root_cert),
+                                                 private_key=_read_pem(client_key),
+                                                 certificate_chain=_read_pem(client_cert))
+            self._channel = grpc.secure_channel(target, creds, options=opts)
+        else:
+            self._channel = grpc.insecure_channel(target, options=opts)
+        self._stub = pb_grpc.AttentionStub(self._channel)
+
+    # -- lifecycle --
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, method, request, timeout):
+        try:
+            return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise AttndError.from_rpc_error(err) from None
+
+    def wait_ready(self, timeout=30.0, interval=0.05):
+        """Polls GetServerInfo until it answers OK; returns its response. Raises AttndError on timeout.
+
+        UNAVAILABLE (not listening yet, starting, draining) is retried; any other error is raised at once.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.info(timeout=max(0.05, min(left, 2.0)))
+            except AttndError as err:
+                if err.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                if time.monotonic() + interval >= deadline:
+                    raise AttndError(err.code, "server at %s not ready after %.1fs: %s"
+                                     % (self.target, timeout, err.message)) from None
+            time.sleep(interval)
+
+    # -- unary RPCs --
+    def info(self, timeout=None):
+        """GetServerInfo: the attnd.v1.GetServerInfoResponse (version, backend, model geometry, dca config,
+        kv_cache accounting, live_sequences, limits)."""
+        return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
+
+    def create_sequence(self, timeout=None):
+        """A new empty sequence; returns its id (32 hex characters; treat it as a secret capability)."""
+        return self._call(self._stub.CreateSequence, pb.CreateSequenceRequest(), timeout).sequence_id
+
+    def release(self, seq, timeout=None):
+        """Frees a sequence's pages; returns how many pages went back to the pool."""
+        return self._call(self._stub.ReleaseSequence, pb.ReleaseSequenceRequest(sequence_id=seq),
+                          timeout).pages_freed
+
+    def prefill(self, seq, layer, q, k, v, prompt_len=None, timeout=None, return_length=False):
+        """Appends T tokens to one layer of a sequence and returns their attention output.
+
+        q [T, 5, Hq, D] (intra, succ, inter, succ_critical, inter_critical), k/v [T, Hkv, D] -> out [T, Hq, D]
+        in q's dtype and kind. prompt_len: the whole prompt's length when the prompt is sent in several calls
+        (the same value in every call). return_length=True returns (out, layer length after the call).
+        """
+        req, like = _prefill_request(seq, layer, q, k, v, prompt_len)
+        resp = self._call(self._stub.Prefill, req, timeout)
+        out = _prefill_output(resp, like)
+        return (out, resp.length) if return_length else out
+
+    def decode(self, layer, seqs, q, k, v, timeout=None, return_lengths=False):
+        """One decode step of a batch of sequences in one layer (all or nothing).
+
+        seqs: B sequence ids (each at most once); q [B, 3 or 5, Hq, D], k/v [B, Hkv, D] -> out [B, Hq, D].
+        return_lengths=True returns (out, [layer length after the token, per sequence]).
+        """
+        req, like = _decode_request(layer, seqs, q, k, v)
+        resp = self._call(self._stub.Decode, req, timeout)
+        out = _decode_output(resp, like)
+        return (out, [o.length for o in resp.outputs]) if return_lengths else out
+
+    # -- streaming --
+    def session(self, timeout=None):
+        """A Session over one Session stream: use as a context manager.
+
+            with client.session() as s:
+                out = s.prefill(seq, layer, q, k, v)
+                out = s.decode(layer, seqs, q, k, v)
+
+        timeout: a deadline in seconds for the whole stream (None: none).
+        """
+        return Session(self, timeout)
+
+
+class Pending:
+    """A request sent on a Session whose answer has not been read yet. result() waits for it."""
+    __slots__ = ("_session", "tag", "_kind", "_like", "_done", "_value", "_error")
+
+    def __init__(self, session, tag, kind, like):
+        self._session, self.tag, self._kind, self._like = session, tag, kind, like
+        self._done, self._value, self._error = False, None, None
+
+    def done(self):
+        return self._done
+
+    def result(self):
+        """The output array/tensor; raises AttndError if the request failed."""
+        while not self._done:
+            self._session._read_one()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def _resolve(self, resp):
+        self._done = True
+        if resp.code != 0:
+            self._error = AttndError(status_code_from_int(resp.code), resp.message)
+            return
+        try:
+            if self._kind == "prefill":
+                if resp.WhichOneof("response") != "prefill":
+                    raise AttndError(grpc.StatusCode.INTERNAL, "session answered a prefill with %s"
+                                     % resp.WhichOneof("response"))
+                self._value = _prefill_output(resp.prefill, self._like)
+            else:
+                if resp.WhichOneof("response") != "decode":
+                    raise AttndError(grpc.StatusCode.INTERNAL, "session answered a decode with %s"
+                                     % resp.WhichOneof("response"))
+                self._value = _decode_output(resp.decode, self._like)
+        except AttndError as err:
+            self._error = err
+
+    def _fail(self, err):
+        self._done, self._error = True, err
+
+
+_CLOSE = object()
+
+
+class Session:
+    """Prefill and Decode requests over one bidirectional stream, answered in order.
+
+    prefill()/decode() send a request and wait for its answer. submit_prefill()/submit_decode() only send and
+    return a Pending, so several requests can be in flight (pipelining); read their results in any order (the
+    answers are read from the stream in request order). A failed request raises AttndError from its result and
+    the stream continues. Not thread safe: use one Session per thread.
+    """
+
+    def __init__(self, client, timeout=None):
+        self._client = client
+        self._requests = queue.Queue()
+        self._pending = collections.deque()
+        self._next_tag = 1
+        self._closed = False
+        self._broken = None
+        try:
+            self._call = client._stub.Session(self._request_iter(), timeout=timeout, metadata=client._metadata)
+        except grpc.RpcError as err:
+            raise AttndError.from_rpc_error(err) from None
+        self._responses = iter(self._call)
+
+    def _request_iter(self):
+        while True:
+            item = self._requests.get()
+            if item is _CLOSE:
+                return
+            yield item
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.cancel()
+        else:
+            self.close()
+
+    def _send(self, kind, like, **body):
+        if self._closed:
+            raise AttndError(grpc.StatusCode.FAILED_PRECONDITION, "the session is closed")
+        if self._broken is not None:
+            raise self._broken
+        tag = self._next_tag
+        self._next_tag += 1
+        pending = Pending(self, tag, kind, like)
+        self._pending.append(pending)
+        self._requests.put(pb.SessionRequest(tag=tag, **body))
+        return pending
+
+    def _read_one(self):
+        """Reads the next answer from the stream and hands it to the oldest pending request."""
+        if not self._pending:
+            raise AttndError(grpc.StatusCode.FAILED_PRECONDITION, "no request is waiting for an answer")
+        if self._broken is not None:
+            self._fail_all(self._broken)
+            return
+        try:
+            resp = next(self._responses)
+        except StopIteration:
+            self._broken = AttndError(grpc.StatusCode.UNAVAILABLE, "the session stream ended with requests "
+                                      "unanswered")
+            self._fail_all(self._broken)
+            return
+        except grpc.RpcError as err:
+            self._broken = AttndError.from_rpc_error(err)
+            self._fail_all(self._broken)
+            return
+        pending = self._pending.popleft()
+        if resp.tag != pending.tag:
+            self._broken = AttndError(grpc.StatusCode.INTERNAL, "session answer out of order: tag %d, expected %d"
+                                      % (resp.tag, pending.tag))
+            pending._fail(self._broken)
+            self._fail_all(self._broken)
+            return
+        pending._resolve(resp)
+
+    def _fail_all(self, err):
+        while self._pending:
+            self._pending.popleft()._fail(err)
+
+    def submit_prefill(self, seq, layer, q, k, v, prompt_len=None):
+        req, like = _prefill_request(seq, layer, q, k, v, prompt_len)
+        return self._send("prefill", like, prefill=req)
+
+    def submit_decode(self, layer, seqs, q, k, v):
+        req, like = _decode_request(layer, seqs, q, k, v)
+        return self._send("decode", like, decode=req)
+
+    def prefill(self, seq, layer, q, k, v, prompt_len=None):
+        """As Client.prefill, over the stream."""
+        return self.submit_prefill(seq, layer, q, k, v, prompt_len).result()
+
+    def decode(self, layer, seqs, q, k, v):
+        """As Client.decode, over the stream."""
+        return self.submit_decode(layer, seqs, q, k, v).result()
+
+    def close(self):
+        """Reads the answers still owed, half-closes the stream and waits for it to end with OK.
+
+        Raises AttndError if the stream itself failed (requests that failed individually raise from their
+        Pending.result(), not here)."""
+        if self._closed:
+            return
+        while self._pending and self._broken is None:
+            self._read_one()
+        self._closed = True
+        self._requests.put(_CLOSE)
+        if self._broken is not None:
+            self._call.cancel()
+            raise self._broken
+        try:
+            for resp in self._responses:
+                raise AttndError(grpc.StatusCode.INTERNAL, "unexpected session answer with tag %d" % resp.tag)
+        except grpc.RpcError as err:
+            raise AttndError.from_rpc_error(err) from None
+
+    def cancel(self):
+        """Abandons the stream (answers still owed fail with CANCELLED)."""
+        if not self._closed:
+            self._closed = True
+            self._requests.put(_CLOSE)
+            self._call.cancel()
+            self._fail_all(AttndError(grpc.StatusCode.CANCELLED, "the session was cancelled"))
