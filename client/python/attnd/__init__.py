@@ -7,10 +7,15 @@
         out = c.decode(layer, [seq], q1, k1, v1)      # q [B,3|5,Hq,D], k/v [B,Hkv,D] -> out [B,Hq,D]
         c.release(seq)
 """
-from ._errors import AttndError
-from ._client import Client, Pending, Session
-from ._tensors import bf16_to_float32, float32_to_bf16
-from ._proto import pb as proto
+import pkgutil
+
+# A source checkout gets the generated attnd/v1 stubs from another sys.path entry (client/python/generate.py).
+__path__ = pkgutil.extend_path(__path__, __name__)  # noqa: F821
+
+from ._errors import AttndError  # noqa: E402
+from ._client import Client, Pending, Session  # noqa: E402
+from ._tensors import bf16_to_float32, float32_to_bf16  # noqa: E402
+from ._proto import pb as proto  # noqa: E402
 
 __version__ = "0.1.0"
 
