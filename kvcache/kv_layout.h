@@ -28,7 +28,9 @@ struct KvLayout {
   int64_t pool_bytes() const { return num_pages * bytes_per_page(); }
   // Offsets of a layer's K and V regions from the pool base.
   int64_t k_offset(int32_t layer) const { return (2 * layer) * num_pages * page_stride_bytes(); }
-  int64_t v_offset(int32_t layer) const { return (2 * layer + 1) * num_pages * page_stride_bytes(); }
+  int64_t v_offset(int32_t layer) const {
+    return (2 * layer + 1) * num_pages * page_stride_bytes();
+  }
 
   // The layout with as many pages as fit in pool_bytes; INVALID_ARGUMENT when not even one fits.
   static absl::StatusOr<KvLayout> ForPoolBytes(int32_t num_layers, int32_t num_kv_heads,

@@ -15,11 +15,14 @@ namespace attnd {
 // Thread-safe.
 class PageAllocator {
  public:
+  // Page ids are int32_t, so num_pages must not exceed INT32_MAX (KvLayout::ForPoolBytes caps it).
   explicit PageAllocator(int64_t num_pages);
 
-  // n pages, or RESOURCE_EXHAUSTED (and nothing allocated) when fewer than n are free.
+  // n pages (the most recently freed first), or RESOURCE_EXHAUSTED (and nothing allocated) when
+  // fewer than n are free.
   absl::StatusOr<std::vector<int32_t>> Allocate(int64_t n);
-  // Returns pages to the pool. Each must have come from Allocate and not been freed since.
+  // Returns pages to the pool. Each must have come from Allocate and not been freed since; a page
+  // that is not currently allocated (double free, out of range) is logged and ignored.
   void Free(absl::Span<const int32_t> pages);
 
   int64_t num_total() const { return num_total_; }
@@ -29,6 +32,7 @@ class PageAllocator {
   const int64_t num_total_;
   mutable absl::Mutex mu_;
   std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);  // LIFO: recently freed pages are reused first
+  std::vector<bool> in_use_ ABSL_GUARDED_BY(mu_);   // [num_total_] handed out and not yet freed
 };
 
 }  // namespace attnd

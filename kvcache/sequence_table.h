@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -44,24 +45,29 @@ class SequenceTable {
  public:
   SequenceTable(const SequenceTableOptions& options, PageAllocator* allocator);
 
-  // A new empty sequence owned by `tenant`; RESOURCE_EXHAUSTED past max_sequences.
+  // A new empty sequence owned by `tenant`, its id 128 bits from the OS CSPRNG, last_used = now;
+  // RESOURCE_EXHAUSTED past max_sequences; INTERNAL if the OS has no randomness to give.
   absl::StatusOr<std::shared_ptr<Sequence>> Create(absl::string_view tenant);
   // INVALID_ARGUMENT for a malformed id; NOT_FOUND for an unknown id or another tenant's sequence
   // (the message is the same either way: no existence oracle).
-  absl::StatusOr<std::shared_ptr<Sequence>> Find(absl::string_view id, absl::string_view tenant) const;
-  // Removes the sequence and frees its pages (waiting for a request in flight on it); returns the
-  // number of pages freed. Errors as Find.
+  absl::StatusOr<std::shared_ptr<Sequence>> Find(absl::string_view id,
+                                                 absl::string_view tenant) const;
+  // Removes the sequence and frees its pages (waiting for a request in flight on it: it locks
+  // seq->mu), and marks it released; returns the number of pages freed. Errors as Find. Callers
+  // holding a Sequence from an earlier Find must check `released` after locking it.
   absl::StatusOr<int64_t> Release(absl::string_view id, absl::string_view tenant);
 
   // Grows seq's pages so positions [0, length) are backed, all or nothing; returns how many pages
-  // were added (0 if none were needed), or RESOURCE_EXHAUSTED with nothing changed.
+  // were added (0 if none were needed), or RESOURCE_EXHAUSTED with nothing changed (the message
+  // says how many pages were needed and how many are free). NOT_FOUND for a released sequence.
   absl::StatusOr<int64_t> EnsureCapacity(Sequence* seq, int64_t length)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
   // Gives back the last `pages_added` pages of seq (undoes EnsureCapacity after a failed request).
   void Rollback(Sequence* seq, int64_t pages_added) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
 
   int64_t size() const;
-  // Ids of sequences last used before `cutoff` (for idle reclaim).
+  // Ids of sequences last used before `cutoff` (for idle reclaim). A sequence whose lock is held
+  // right now is busy, hence not idle, and is skipped without waiting. Callers update last_used.
   std::vector<std::string> IdleSince(absl::Time cutoff) const;
 
   static bool IsWellFormedId(absl::string_view id);

@@ -1,0 +1,214 @@
+#include "kvcache/sequence_table.h"
+
+#include <fcntl.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace attnd {
+namespace {
+
+constexpr size_t kIdBytes = 16;  // 128 bits: unguessable, so an id is a capability
+constexpr size_t kIdChars = 2 * kIdBytes;
+// How much of a malformed id an error message echoes back (ids can be attacker-sized).
+constexpr size_t kMaxEchoedIdChars = 64;
+
+// Fills buf from the kernel CSPRNG: getrandom(2), or /dev/urandom where the syscall is missing
+// (old kernels, some sandboxes). Never a userspace PRNG: ids must not be predictable from others.
+absl::Status FillRandom(unsigned char* buf, size_t n) {
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = getrandom(buf + got, n - got, 0);
+    if (r > 0) {
+      got += static_cast<size_t>(r);
+    } else if (r < 0 && errno == EINTR) {
+      continue;
+    } else {
+      break;
+    }
+  }
+  if (got == n) return absl::OkStatus();
+
+  const int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot read random bytes for a sequence id: ", std::strerror(errno)));
+  }
+  while (got < n) {
+    const ssize_t r = read(fd, buf + got, n - got);
+    if (r > 0) {
+      got += static_cast<size_t>(r);
+    } else if (r < 0 && errno == EINTR) {
+      continue;
+    } else {
+      const int err = r < 0 ? errno : EIO;
+      close(fd);
+      return absl::InternalError(
+          absl::StrCat("cannot read /dev/urandom for a sequence id: ", std::strerror(err)));
+    }
+  }
+  close(fd);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> NewSequenceId() {
+  unsigned char bytes[kIdBytes];
+  absl::Status s = FillRandom(bytes, sizeof(bytes));
+  if (!s.ok()) return s;
+  // BytesToHexString emits lowercase, the only spelling IsWellFormedId accepts.
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+absl::Status MalformedIdError(absl::string_view id) {
+  const bool truncated = id.size() > kMaxEchoedIdChars;
+  return absl::InvalidArgumentError(
+      absl::StrCat("sequence_id must be 32 lowercase hex characters, got \"",
+                   absl::CHexEscape(id.substr(0, kMaxEchoedIdChars)), truncated ? "...\"" : "\"",
+                   " (", id.size(), " characters)"));
+}
+
+// One message for "never existed", "released" and "someone else's": callers must not be able to
+// probe for other tenants' ids.
+absl::Status SequenceNotFound(absl::string_view id) {
+  return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+}
+
+}  // namespace
+
+SequenceTable::SequenceTable(const SequenceTableOptions& options, PageAllocator* allocator)
+    : options_(options), allocator_(allocator) {}
+
+bool SequenceTable::IsWellFormedId(absl::string_view id) {
+  if (id.size() != kIdChars) return false;
+  for (char c : id) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Create(absl::string_view tenant) {
+  absl::StatusOr<std::string> id = NewSequenceId();
+  if (!id.ok()) return id.status();
+  auto seq = std::make_shared<Sequence>(*std::move(id), std::string(tenant), options_.num_layers);
+  {
+    // Nobody else can see seq yet; the lock only satisfies the annotations.
+    absl::MutexLock seq_lock(&seq->mu);
+    seq->last_used = absl::Now();
+  }
+  absl::MutexLock lock(&mu_);
+  if (options_.max_sequences > 0 &&
+      static_cast<int64_t>(sequences_.size()) >= options_.max_sequences) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "too many live sequences: the limit is ", options_.max_sequences, "; release one first"));
+  }
+  // A collision of 128 random bits does not happen; if the CSPRNG were broken it would, and
+  // silently replacing a live sequence would hand one client another's K/V.
+  if (!sequences_.emplace(seq->id, seq).second) {
+    return absl::InternalError("sequence id collision: the random source is not random");
+  }
+  return seq;
+}
+
+absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Find(absl::string_view id,
+                                                              absl::string_view tenant) const {
+  if (!IsWellFormedId(id)) return MalformedIdError(id);
+  absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(id);
+  if (it == sequences_.end() || it->second->tenant != tenant) return SequenceNotFound(id);
+  return it->second;
+}
+
+absl::StatusOr<int64_t> SequenceTable::Release(absl::string_view id, absl::string_view tenant) {
+  if (!IsWellFormedId(id)) return MalformedIdError(id);
+  std::shared_ptr<Sequence> seq;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sequences_.find(id);
+    if (it == sequences_.end() || it->second->tenant != tenant) return SequenceNotFound(id);
+    seq = std::move(it->second);
+    sequences_.erase(it);
+  }
+  // Outside the table lock: waiting here for a long request on this sequence must not stall
+  // every other lookup. Once the id is out of the map nobody new can find it; a request that found
+  // it earlier sees `released` when it gets the lock.
+  absl::MutexLock seq_lock(&seq->mu);
+  const int64_t freed = static_cast<int64_t>(seq->pages.size());
+  allocator_->Free(seq->pages);
+  seq->pages.clear();
+  seq->pages.shrink_to_fit();
+  seq->released = true;
+  return freed;
+}
+
+absl::StatusOr<int64_t> SequenceTable::EnsureCapacity(Sequence* seq, int64_t length) {
+  if (seq->released) return SequenceNotFound(seq->id);  // its pages would never be freed
+  if (length < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence length must be non-negative, got ", length));
+  }
+  const int64_t page_size = options_.page_size;
+  const int64_t pages_needed = length / page_size + (length % page_size != 0 ? 1 : 0);
+  const int64_t have = static_cast<int64_t>(seq->pages.size());
+  if (pages_needed <= have) return 0;
+  const int64_t more = pages_needed - have;
+  absl::StatusOr<std::vector<int32_t>> pages = allocator_->Allocate(more);
+  if (!pages.ok()) {
+    // The allocator's message says how many pages were needed and how many are free; add what
+    // for, so the client can tell a long request from a full server.
+    return absl::Status(pages.status().code(),
+                        absl::StrCat("cannot back ", length, " tokens of sequence ", seq->id, " (",
+                                     pages_needed, " pages of ", page_size, " tokens, ", have,
+                                     " held): ", pages.status().message()));
+  }
+  seq->pages.insert(seq->pages.end(), pages->begin(), pages->end());
+  return more;
+}
+
+void SequenceTable::Rollback(Sequence* seq, int64_t pages_added) {
+  const int64_t have = static_cast<int64_t>(seq->pages.size());
+  const int64_t n = pages_added < 0 ? 0 : (pages_added > have ? have : pages_added);
+  if (n == 0) return;
+  allocator_->Free(absl::MakeConstSpan(seq->pages).subspan(have - n));
+  seq->pages.resize(have - n);
+}
+
+int64_t SequenceTable::size() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(sequences_.size());
+}
+
+std::vector<std::string> SequenceTable::IdleSince(absl::Time cutoff) const {
+  // Copy the pointers out first: a caller may hold some sequence's lock while calling Find, so
+  // taking sequence locks under the table lock could deadlock.
+  std::vector<std::shared_ptr<Sequence>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    all.reserve(sequences_.size());
+    for (const auto& entry : sequences_) all.push_back(entry.second);
+  }
+  std::vector<std::string> idle;
+  for (const auto& seq : all) {
+    // A sequence whose lock is held has a request in flight: it is not idle, and waiting for it
+    // would stall the reaper behind the longest prefill.
+    if (!seq->mu.TryLock()) continue;
+    const bool is_idle = !seq->released && seq->last_used < cutoff;
+    seq->mu.Unlock();
+    if (is_idle) idle.push_back(seq->id);
+  }
+  return idle;
+}
+
+}  // namespace attnd
