@@ -20,7 +20,8 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  int num_threads() const { return static_cast<int>(workers_.size()); }
+  // Threads that run ParallelFor work: the workers plus the calling thread.
+  int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
 
   // Calls fn(i) for every i in [0, n), spread over the workers and the calling thread; returns when
   // all calls have returned. fn must not throw.
