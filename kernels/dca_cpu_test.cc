@@ -1,0 +1,436 @@
+// The CPU DCA kernels against the independent fp64 reference (kernels/testing/naive_dca.h):
+// every output element within the per-dtype tolerance, and no NaN/Inf. Unused pool slots are
+// filled with NaN, so a kernel that reads a key or value it should not see fails loudly.
+#include "kernels/dca_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/dca.h"
+#include "kernels/dtype.h"
+#include "kernels/paged_kv.h"
+#include "kernels/testing/naive_dca.h"
+#include "kernels/thread_pool.h"
+
+namespace attnd {
+namespace {
+
+struct Tolerance {
+  double max_abs;
+  double mean_abs;
+};
+constexpr Tolerance kFp32Tol = {1e-5, 1e-6};
+constexpr Tolerance kBf16Tol = {2e-2, 2e-3};  // DCA.md's bar for bf16 storage.
+
+template <typename KvT>
+Tolerance TolFor() {
+  return std::is_same<KvT, float>::value ? kFp32Tol : kBf16Tol;
+}
+
+template <typename KvT>
+KvT PoisonValue() {
+  if constexpr (std::is_same<KvT, float>::value) {
+    return std::numeric_limits<float>::quiet_NaN();
+  } else {
+    return FloatToBf16(std::numeric_limits<float>::quiet_NaN());
+  }
+}
+
+void ExpectClose(const std::vector<float>& actual, const std::vector<float>& expected,
+                 Tolerance tol, const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  double max_err = 0, sum_err = 0;
+  size_t worst = 0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(actual[i])) << what << ": element " << i << " = " << actual[i];
+    const double err = std::fabs(static_cast<double>(actual[i]) - expected[i]);
+    sum_err += err;
+    if (err > max_err) {
+      max_err = err;
+      worst = i;
+    }
+  }
+  EXPECT_LE(max_err, tol.max_abs) << what << ": worst element " << worst << " got "
+                                  << actual[worst] << " want " << expected[worst];
+  EXPECT_LE(sum_err / actual.size(), tol.mean_abs) << what << ": mean abs error";
+}
+
+DcaGeometry MakeGeometry(int hq, int hkv, int d, int64_t cl, int64_t orig) {
+  DcaGeometry geo;
+  geo.num_q_heads = hq;
+  geo.num_kv_heads = hkv;
+  geo.head_dim = d;
+  geo.chunk_len = cl;
+  geo.original_max_position_embeddings = orig;
+  geo.softmax_scale = 1.f / std::sqrt(static_cast<float>(d));
+  return geo;
+}
+
+std::vector<float> RandomVector(size_t n, std::mt19937* rng) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(*rng);
+  return v;
+}
+
+// A KV pool of one layer shared by several sequences (pages handed out by the test).
+template <typename KvT>
+struct Pool {
+  Pool(const DcaGeometry& geo, int32_t page_size, int64_t num_pages)
+      : page_size(page_size), row(static_cast<int64_t>(geo.num_kv_heads) * geo.head_dim) {
+    k.assign(num_pages * page_size * row, PoisonValue<KvT>());
+    v.assign(num_pages * page_size * row, PoisonValue<KvT>());
+  }
+  int32_t page_size;
+  int64_t row;
+  std::vector<KvT> k, v;
+};
+
+// One sequence run by both the kernels (paged) and the reference.
+template <typename KvT>
+class Sequence {
+ public:
+  Sequence(const DcaGeometry& geo, Pool<KvT>* pool, std::vector<int32_t> pages)
+      : geo_(geo), pool_(pool), pages_(std::move(pages)), naive_(geo, 1) {}
+
+  PagedKv<KvT> View() const {
+    PagedKv<KvT> kv;
+    kv.k = pool_->k.data();
+    kv.v = pool_->v.data();
+    kv.page_table = pages_.data();
+    kv.page_size = pool_->page_size;
+    kv.num_kv_heads = geo_.num_kv_heads;
+    kv.head_dim = geo_.head_dim;
+    return kv;
+  }
+
+  // Prefills t tokens (part of a prompt of prompt_len) and compares with the reference.
+  void Prefill(int64_t t, int64_t prompt_len, std::mt19937* rng, ThreadPool* threads,
+               const std::string& what) {
+    const int64_t hq = geo_.num_q_heads, d = geo_.head_dim;
+    const std::vector<float> q = RandomVector(t * kNumQueryVariants * hq * d, rng);
+    const std::vector<float> k = RandomVector(t * pool_->row, rng);
+    const std::vector<float> v = RandomVector(t * pool_->row, rng);
+    auto expected = naive_.Prefill(0, q, k, v, prompt_len);
+    ASSERT_TRUE(expected.ok()) << expected.status();
+
+    const float s = LengthScale(prompt_len, geo_.original_max_position_embeddings);
+    CpuAppendParams append;
+    append.k = k.data();
+    append.v = v.data();
+    append.start = length_;
+    append.num_tokens = t;
+    append.key_scale = s;
+    AppendKvCpu(View(), append, threads);
+    std::vector<float> out(t * hq * d, std::numeric_limits<float>::quiet_NaN());
+    CpuPrefillParams params;
+    params.q = q.data();
+    params.out = out.data();
+    params.start = length_;
+    params.num_tokens = t;
+    params.softmax_scale = geo_.softmax_scale * s;
+    DcaPrefillCpu(geo_, View(), params, threads);
+    length_ += t;
+    ExpectClose(out, *expected, TolFor<KvT>(),
+                absl::StrCat(what, " prefill of ", t, " ending at ", length_));
+  }
+
+  // Prepares one decode step; the caller batches items and then calls Check().
+  CpuDecodeItem<KvT> StartDecode(std::mt19937* rng, ThreadPool* threads) {
+    const int64_t hq = geo_.num_q_heads, d = geo_.head_dim;
+    q_ = RandomVector(kNumDecodeVariants * hq * d, rng);
+    const std::vector<float> k = RandomVector(pool_->row, rng);
+    const std::vector<float> v = RandomVector(pool_->row, rng);
+    auto expected = naive_.Decode(0, q_, k, v);
+    EXPECT_TRUE(expected.ok()) << expected.status();
+    expected_ = *std::move(expected);
+    const int64_t length = length_ + 1;
+    const float s = LengthScale(length, geo_.original_max_position_embeddings);
+    CpuAppendParams append;
+    append.k = k.data();
+    append.v = v.data();
+    append.start = length_;
+    append.num_tokens = 1;
+    append.key_scale = s;
+    AppendKvCpu(View(), append, threads);
+    out_.assign(hq * d, std::numeric_limits<float>::quiet_NaN());
+    length_ = length;
+    CpuDecodeItem<KvT> item;
+    item.kv = View();
+    item.q = q_.data();
+    item.out = out_.data();
+    item.length = length;
+    item.q_scale = s;
+    return item;
+  }
+  void CheckDecode(const std::string& what) {
+    ExpectClose(out_, expected_, TolFor<KvT>(), absl::StrCat(what, " decode at L=", length_));
+  }
+
+  int64_t length() const { return length_; }
+
+ private:
+  DcaGeometry geo_;
+  Pool<KvT>* pool_;
+  std::vector<int32_t> pages_;
+  naive::NaiveSequence naive_;
+  int64_t length_ = 0;
+  std::vector<float> q_, out_, expected_;
+};
+
+struct Scenario {
+  DcaGeometry geo;
+  int32_t page_size = 16;
+  bool shuffle_pages = false;
+  int threads = 2;
+  std::vector<int64_t> prefill_chunks;  // one prompt sent in these pieces
+  int decode_steps = 0;
+};
+
+template <typename KvT>
+void Run(const Scenario& sc, const std::string& what) {
+  const int64_t prompt = std::accumulate(sc.prefill_chunks.begin(), sc.prefill_chunks.end(),
+                                         int64_t{0});
+  const int64_t total = prompt + sc.decode_steps;
+  const int64_t pages_needed = (total + sc.page_size - 1) / sc.page_size;
+  // Twice the pages needed: the sequence's pages are scattered among unused (NaN) ones.
+  const int64_t num_pages = 2 * pages_needed + 1;
+  Pool<KvT> pool(sc.geo, sc.page_size, num_pages);
+  std::vector<int32_t> ids(num_pages);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::mt19937 rng(1234);
+  if (sc.shuffle_pages) std::shuffle(ids.begin(), ids.end(), rng);
+  ids.resize(pages_needed);
+  ThreadPool threads(sc.threads);
+  Sequence<KvT> seq(sc.geo, &pool, ids);
+  for (int64_t t : sc.prefill_chunks) {
+    seq.Prefill(t, prompt, &rng, &threads, what);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  for (int i = 0; i < sc.decode_steps; ++i) {
+    CpuDecodeItem<KvT> item = seq.StartDecode(&rng, &threads);
+    DcaDecodeCpu<KvT>(sc.geo, absl::MakeConstSpan(&item, 1), &threads);
+    seq.CheckDecode(what);
+  }
+}
+
+template <typename KvT>
+class DcaCpuTest : public ::testing::Test {};
+using KvTypes = ::testing::Types<float, uint16_t>;
+TYPED_TEST_SUITE(DcaCpuTest, KvTypes);
+
+TYPED_TEST(DcaCpuTest, OneToken) {
+  Scenario sc;
+  sc.geo = MakeGeometry(4, 2, 32, 128, 0);
+  sc.prefill_chunks = {1};
+  sc.decode_steps = 2;
+  Run<TypeParam>(sc, "one token");
+}
+
+TYPED_TEST(DcaCpuTest, PageBoundaryLengths) {
+  for (int64_t n : {15, 16, 17, 31, 32, 33}) {
+    Scenario sc;
+    sc.geo = MakeGeometry(4, 2, 32, 128, 0);
+    sc.page_size = 16;
+    sc.prefill_chunks = {n};
+    sc.decode_steps = 2;
+    Run<TypeParam>(sc, absl::StrCat("page boundary n=", n));
+  }
+}
+
+TYPED_TEST(DcaCpuTest, ChunkBoundaryLengths) {
+  // cl = 128; 520 tokens span 5 chunks, so inter keys cover several chunks.
+  for (int64_t n : {127, 128, 129, 255, 256, 257, 520}) {
+    Scenario sc;
+    sc.geo = MakeGeometry(4, 2, 32, 128, 0);
+    sc.prefill_chunks = {n};
+    sc.decode_steps = 1;
+    Run<TypeParam>(sc, absl::StrCat("chunk boundary n=", n));
+  }
+}
+
+TYPED_TEST(DcaCpuTest, DecodeAcrossChunkBoundaries) {
+  // Decode steps L = 126..131 and 254..259 cross cl = 128 and 2cl.
+  for (int64_t n : {125, 253}) {
+    Scenario sc;
+    sc.geo = MakeGeometry(4, 2, 32, 128, 0);
+    sc.prefill_chunks = {n};
+    sc.decode_steps = 6;
+    Run<TypeParam>(sc, absl::StrCat("decode across boundary from ", n));
+  }
+}
+
+TYPED_TEST(DcaCpuTest, ChunkLengthNotAPageMultiple) {
+  // cl = 50 with page_size 16: variant boundaries fall inside pages and tiles.
+  Scenario sc;
+  sc.geo = MakeGeometry(4, 2, 32, 50, 0);
+  sc.page_size = 16;
+  sc.prefill_chunks = {90, 1, 70};
+  sc.decode_steps = 4;
+  Run<TypeParam>(sc, "cl 50");
+}
+
+TYPED_TEST(DcaCpuTest, ChunkedPrefillThenDecode) {
+  Scenario sc;
+  sc.geo = MakeGeometry(4, 2, 32, 128, 64);  // scaling on: s(L) > 1
+  sc.prefill_chunks = {50, 1, 77, 130, 3, 100};
+  sc.decode_steps = 4;
+  Run<TypeParam>(sc, "chunked prefill");
+}
+
+TYPED_TEST(DcaCpuTest, GqaGroupSizes) {
+  for (int group : {1, 2, 7}) {
+    Scenario sc;
+    sc.geo = MakeGeometry(2 * group, 2, 64, 128, 0);
+    sc.prefill_chunks = {200, 100};
+    sc.decode_steps = 2;
+    Run<TypeParam>(sc, absl::StrCat("group ", group));
+  }
+}
+
+TYPED_TEST(DcaCpuTest, LengthScalingOnAndOff) {
+  for (int64_t orig : {0, 64, 100000}) {
+    Scenario sc;
+    sc.geo = MakeGeometry(4, 2, 32, 128, orig);
+    sc.prefill_chunks = {300};
+    sc.decode_steps = 3;
+    Run<TypeParam>(sc, absl::StrCat("orig ", orig));
+  }
+}
+
+TYPED_TEST(DcaCpuTest, ShuffledPages) {
+  for (int32_t page_size : {16, 5, 1}) {
+    Scenario sc;
+    sc.geo = MakeGeometry(6, 2, 32, 128, 64);
+    sc.page_size = page_size;
+    sc.shuffle_pages = true;
+    sc.prefill_chunks = {140, 160};
+    sc.decode_steps = 3;
+    Run<TypeParam>(sc, absl::StrCat("shuffled pages of ", page_size));
+  }
+}
+
+TYPED_TEST(DcaCpuTest, HeadDimNotAMultipleOfEight) {
+  Scenario sc;
+  sc.geo = MakeGeometry(4, 2, 20, 128, 0);
+  sc.prefill_chunks = {150};
+  sc.decode_steps = 2;
+  Run<TypeParam>(sc, "head_dim 20");
+}
+
+TYPED_TEST(DcaCpuTest, ThreadCountsAndKeySplits) {
+  // 1 thread: no key splitting. 8 threads: few work items, so long rows are split by key range
+  // and merged by log-sum-exp (decode and the 2-token prefill chunk over > 1024 keys).
+  for (int threads : {1, 3, 8}) {
+    Scenario sc;
+    sc.geo = MakeGeometry(4, 2, 32, 128, 64);
+    sc.threads = threads;
+    sc.prefill_chunks = {1200, 2};
+    sc.decode_steps = 2;
+    Run<TypeParam>(sc, absl::StrCat(threads, " threads"));
+  }
+}
+
+TYPED_TEST(DcaCpuTest, DecodeBatchWithMixedLengths) {
+  using KvT = TypeParam;
+  const DcaGeometry geo = MakeGeometry(14, 2, 32, 128, 64);
+  const int32_t page_size = 16;
+  const std::vector<int64_t> prompts = {1, 17, 130, 300, 1100};
+  const int steps = 3;
+  int64_t total_pages = 0;
+  for (int64_t p : prompts) total_pages += (p + steps + page_size - 1) / page_size;
+  Pool<KvT> pool(geo, page_size, total_pages);
+  // Deal the pages out shuffled, so the sequences' pages interleave in the pool.
+  std::vector<int32_t> ids(total_pages);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::mt19937 rng(99);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  ThreadPool threads(4);
+  std::vector<std::unique_ptr<Sequence<KvT>>> seqs;
+  size_t next = 0;
+  for (int64_t p : prompts) {
+    const int64_t n = (p + steps + page_size - 1) / page_size;
+    std::vector<int32_t> pages(ids.begin() + next, ids.begin() + next + n);
+    next += n;
+    seqs.push_back(std::make_unique<Sequence<KvT>>(geo, &pool, pages));
+    seqs.back()->Prefill(p, p, &rng, &threads, absl::StrCat("batch prompt ", p));
+  }
+  for (int step = 0; step < steps; ++step) {
+    std::vector<CpuDecodeItem<KvT>> items;
+    for (auto& s : seqs) items.push_back(s->StartDecode(&rng, &threads));
+    DcaDecodeCpu<KvT>(geo, items, &threads);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      seqs[i]->CheckDecode(absl::StrCat("batch item ", i, " step ", step));
+    }
+  }
+}
+
+// Append stores s * k and v in the slot the page table names, rounding to the KV type; checked
+// with the layout arithmetic written out here rather than PagedKv's.
+TYPED_TEST(DcaCpuTest, AppendWritesScaledKeysIntoTheirSlots) {
+  using KvT = TypeParam;
+  const DcaGeometry geo = MakeGeometry(4, 2, 8, 128, 0);
+  const int32_t page_size = 4;
+  Pool<KvT> pool(geo, page_size, 6);
+  const std::vector<int32_t> pages = {4, 1, 5};
+  PagedKv<KvT> kv;
+  kv.k = pool.k.data();
+  kv.v = pool.v.data();
+  kv.page_table = pages.data();
+  kv.page_size = page_size;
+  kv.num_kv_heads = 2;
+  kv.head_dim = 8;
+  std::mt19937 rng(5);
+  const int64_t start = 3, n = 7;
+  const std::vector<float> k = RandomVector(n * 16, &rng);
+  const std::vector<float> v = RandomVector(n * 16, &rng);
+  CpuAppendParams params;
+  params.k = k.data();
+  params.v = v.data();
+  params.start = start;
+  params.num_tokens = n;
+  params.key_scale = 1.25f;
+  ThreadPool threads(2);
+  AppendKvCpu(kv, params, &threads);
+  int written = 0;
+  for (size_t i = 0; i < pool.k.size(); ++i) {
+    const int64_t slot = static_cast<int64_t>(i) / 16;  // page * 4 + offset
+    const int64_t page = slot / page_size, offset = slot % page_size;
+    const int64_t logical = std::find(pages.begin(), pages.end(), page) - pages.begin();
+    const int64_t pos = logical * page_size + offset;
+    const bool in_range = logical < 3 && pos >= start && pos < start + n;
+    float got_k, got_v;
+    if constexpr (std::is_same<KvT, float>::value) {
+      got_k = pool.k[i];
+      got_v = pool.v[i];
+    } else {
+      got_k = Bf16ToFloat(pool.k[i]);
+      got_v = Bf16ToFloat(pool.v[i]);
+    }
+    if (!in_range) {
+      EXPECT_TRUE(std::isnan(got_k) && std::isnan(got_v)) << "slot " << slot << " was written";
+      continue;
+    }
+    const size_t src = (pos - start) * 16 + i % 16;
+    float want_k = k[src] * 1.25f, want_v = v[src];
+    if constexpr (!std::is_same<KvT, float>::value) {
+      want_k = Bf16ToFloat(FloatToBf16(want_k));
+      want_v = Bf16ToFloat(FloatToBf16(want_v));
+    }
+    EXPECT_EQ(got_k, want_k) << "pos " << pos;
+    EXPECT_EQ(got_v, want_v) << "pos " << pos;
+    ++written;
+  }
+  EXPECT_EQ(written, n * 16);
+}
+
+}  // namespace
+}  // namespace attnd
