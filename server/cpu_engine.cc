@@ -1,0 +1,244 @@
+#include "server/cpu_engine.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
+#include "kernels/dca_cpu.h"
+#include "kernels/dtype.h"
+#include "kernels/paged_kv.h"
+
+namespace attnd {
+namespace {
+
+constexpr size_t kPoolAlignment = 64;  // a cache line: kernels read whole rows
+
+std::string CpuModelName() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    absl::string_view rest(line);
+    if (absl::ConsumePrefix(&rest, "model name")) {
+      const size_t colon = rest.find(':');
+      if (colon != absl::string_view::npos) {
+        return std::string(absl::StripAsciiWhitespace(rest.substr(colon + 1)));
+      }
+    }
+  }
+  return "unknown CPU";
+}
+
+int64_t NumElements(const TensorView& t) {
+  int64_t n = 1;
+  for (int64_t d : t.shape) n *= d;
+  return n;
+}
+
+absl::Status CheckElements(absl::string_view name, const TensorView& t, int64_t expected) {
+  if (t.data == nullptr || NumElements(t) != expected) {
+    return absl::InvalidArgumentError(absl::StrCat("engine: ", name, " has ", NumElements(t),
+                                                   " elements, expected ", expected));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int64_t DefaultCpuPoolBytes() {
+  constexpr int64_t kCap = int64_t{4} << 30;
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_size <= 0) return kCap;
+  return std::min<int64_t>(kCap, static_cast<int64_t>(pages) * page_size / 4);
+}
+
+absl::StatusOr<std::unique_ptr<CpuEngine>> CpuEngine::Create(const CpuEngineOptions& options) {
+  const DcaGeometry& g = options.geometry;
+  const KvLayout& layout = options.layout;
+  if (g.num_q_heads <= 0 || g.num_kv_heads <= 0 || g.head_dim <= 0 ||
+      g.num_q_heads % g.num_kv_heads != 0 || g.chunk_len <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cpu engine: invalid geometry (q heads ", g.num_q_heads, ", kv heads ", g.num_kv_heads,
+        ", head_dim ", g.head_dim, ", chunk_len ", g.chunk_len, ")"));
+  }
+  if (layout.num_kv_heads != g.num_kv_heads || layout.head_dim != g.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cpu engine: KV layout [", layout.num_kv_heads, " kv heads, head_dim ", layout.head_dim,
+        "] does not match the model [", g.num_kv_heads, ", ", g.head_dim, "]"));
+  }
+  if (layout.kv_dtype != DType::kFp32 && layout.kv_dtype != DType::kBf16) {
+    return absl::InvalidArgumentError(absl::StrCat("cpu engine: KV dtype ",
+                                                   DTypeName(layout.kv_dtype),
+                                                   " is not supported; use fp32 or bf16"));
+  }
+  if (layout.num_layers <= 0 || layout.page_size <= 0 || layout.num_pages <= 0) {
+    return absl::InvalidArgumentError("cpu engine: the KV layout has no layers, pages or slots");
+  }
+  const size_t bytes = static_cast<size_t>(layout.pool_bytes());
+  const size_t rounded = (bytes + kPoolAlignment - 1) / kPoolAlignment * kPoolAlignment;
+  void* pool = std::aligned_alloc(kPoolAlignment, rounded);
+  if (pool == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cpu engine: cannot allocate a KV pool of ", bytes, " bytes"));
+  }
+  return std::unique_ptr<CpuEngine>(new CpuEngine(options, pool));
+}
+
+CpuEngine::CpuEngine(const CpuEngineOptions& options, void* pool)
+    : geometry_(options.geometry),
+      layout_(options.layout),
+      device_name_(CpuModelName()),
+      pool_(static_cast<char*>(pool)),
+      compute_(std::make_unique<ThreadPool>(options.compute_threads)) {}
+
+CpuEngine::~CpuEngine() {
+  compute_.reset();  // no kernel may run while the pool goes away
+  std::free(pool_);
+}
+
+template <typename KvT>
+PagedKv<KvT> CpuEngine::LayerView(int32_t layer, const int32_t* page_table) const {
+  PagedKv<KvT> kv;
+  kv.k = reinterpret_cast<KvT*>(pool_ + layout_.k_offset(layer));
+  kv.v = reinterpret_cast<KvT*>(pool_ + layout_.v_offset(layer));
+  kv.page_table = page_table;
+  kv.page_size = layout_.page_size;
+  kv.num_kv_heads = layout_.num_kv_heads;
+  kv.head_dim = layout_.head_dim;
+  return kv;
+}
+
+absl::Status CpuEngine::CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
+                                   int64_t length) const {
+  // The kernels index the pool without bounds checks, so a bad table must never reach them.
+  if (layer < 0 || layer >= layout_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine: layer ", layer, " is not in [0, ", layout_.num_layers, ")"));
+  }
+  if (num_pages * layout_.page_size < length || (num_pages > 0 && page_table == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat("engine: ", num_pages,
+                                                   " pages do not cover ", length, " tokens"));
+  }
+  for (int64_t i = 0; i < num_pages; ++i) {
+    if (page_table[i] < 0 || page_table[i] >= layout_.num_pages) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("engine: page id ", page_table[i], " is not in the pool"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuEngine::Prefill(const PrefillJob& job) {
+  return layout_.kv_dtype == DType::kFp32 ? PrefillTyped<float>(job)
+                                          : PrefillTyped<uint16_t>(job);
+}
+
+absl::Status CpuEngine::Decode(const DecodeJob& job) {
+  return layout_.kv_dtype == DType::kFp32 ? DecodeTyped<float>(job) : DecodeTyped<uint16_t>(job);
+}
+
+template <typename KvT>
+absl::Status CpuEngine::PrefillTyped(const PrefillJob& job) {
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  const int64_t t = job.num_tokens;
+  if (t < 1 || job.start < 0 || job.prompt_len < job.start + t || job.out == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("engine: bad prefill range (start ", job.start,
+                                                   ", tokens ", t, ", prompt_len ",
+                                                   job.prompt_len, ")"));
+  }
+  if (absl::Status s = CheckPages(job.layer, job.page_table, job.num_pages, job.start + t);
+      !s.ok()) {
+    return s;
+  }
+  const int64_t q_n = t * kNumQueryVariants * hq * d, kv_n = t * hkv * d, out_n = t * hq * d;
+  for (const auto& [name, view, n] : {std::make_tuple("q", &job.q, q_n),
+                                      std::make_tuple("k", &job.k, kv_n),
+                                      std::make_tuple("v", &job.v, kv_n)}) {
+    if (absl::Status s = CheckElements(name, *view, n); !s.ok()) return s;
+  }
+  std::vector<float> q(q_n), k(kv_n), v(kv_n), out(out_n);
+  ConvertToFloat(job.q.data, job.q.dtype, q_n, q.data());
+  ConvertToFloat(job.k.data, job.k.dtype, kv_n, k.data());
+  ConvertToFloat(job.v.data, job.v.dtype, kv_n, v.data());
+
+  const float s = LengthScale(job.prompt_len, geometry_.original_max_position_embeddings);
+  const PagedKv<KvT> kv = LayerView<KvT>(job.layer, job.page_table);
+  CpuAppendParams append;
+  append.k = k.data();
+  append.v = v.data();
+  append.start = job.start;
+  append.num_tokens = t;
+  append.key_scale = s;
+  AppendKvCpu<KvT>(kv, append, compute_.get());
+
+  CpuPrefillParams prefill;
+  prefill.q = q.data();
+  prefill.out = out.data();
+  prefill.start = job.start;
+  prefill.num_tokens = t;
+  prefill.softmax_scale = geometry_.softmax_scale * s;
+  DcaPrefillCpu<KvT>(geometry_, kv, prefill, compute_.get());
+
+  ConvertFromFloat(out.data(), out_n, job.out_dtype, job.out);
+  return absl::OkStatus();
+}
+
+template <typename KvT>
+absl::Status CpuEngine::DecodeTyped(const DecodeJob& job) {
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  const int64_t n = static_cast<int64_t>(job.entries.size());
+  const int64_t q_n = kNumDecodeVariants * hq * d, kv_n = hkv * d, out_n = hq * d;
+  for (const DecodeJob::Entry& e : job.entries) {
+    if (e.length < 1 || e.out == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("engine: bad decode length ", e.length));
+    }
+    if (absl::Status s = CheckPages(job.layer, e.page_table, e.num_pages, e.length); !s.ok()) {
+      return s;
+    }
+    // q may carry 3 or 5 variants; the first three are contiguous at the front.
+    if (e.q.data == nullptr || NumElements(e.q) < q_n) {
+      return absl::InvalidArgumentError("engine: decode q has fewer than 3 variants");
+    }
+    if (absl::Status s = CheckElements("k", e.k, kv_n); !s.ok()) return s;
+    if (absl::Status s = CheckElements("v", e.v, kv_n); !s.ok()) return s;
+  }
+  std::vector<float> q(n * q_n), kv_buf(2 * kv_n), out(n * out_n);
+  std::vector<CpuDecodeItem<KvT>> items(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const DecodeJob::Entry& e = job.entries[i];
+    const float s = LengthScale(e.length, geometry_.original_max_position_embeddings);
+    ConvertToFloat(e.q.data, e.q.dtype, q_n, q.data() + i * q_n);
+    ConvertToFloat(e.k.data, e.k.dtype, kv_n, kv_buf.data());
+    ConvertToFloat(e.v.data, e.v.dtype, kv_n, kv_buf.data() + kv_n);
+    const PagedKv<KvT> kv = LayerView<KvT>(job.layer, e.page_table);
+    CpuAppendParams append;
+    append.k = kv_buf.data();
+    append.v = kv_buf.data() + kv_n;
+    append.start = e.length - 1;
+    append.num_tokens = 1;
+    append.key_scale = s;
+    AppendKvCpu<KvT>(kv, append, compute_.get());
+
+    items[i].kv = kv;
+    items[i].q = q.data() + i * q_n;
+    items[i].out = out.data() + i * out_n;
+    items[i].length = e.length;
+    items[i].q_scale = s;
+  }
+  DcaDecodeCpu<KvT>(geometry_, absl::MakeConstSpan(items), compute_.get());
+  for (int64_t i = 0; i < n; ++i) {
+    const DecodeJob::Entry& e = job.entries[i];
+    ConvertFromFloat(out.data() + i * out_n, out_n, e.out_dtype, e.out);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnd

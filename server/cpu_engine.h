@@ -1,0 +1,66 @@
+// The CPU backend: the KV pool is one aligned host allocation laid out as kvcache/kv_layout.h says,
+// and attention runs on the exact fp32 kernels of kernels/dca_cpu.h over a private thread pool.
+#ifndef ATTND_SERVER_CPU_ENGINE_H_
+#define ATTND_SERVER_CPU_ENGINE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "kernels/dca.h"
+#include "kernels/paged_kv.h"
+#include "kernels/thread_pool.h"
+#include "kvcache/kv_layout.h"
+#include "server/engine.h"
+
+namespace attnd {
+
+struct CpuEngineOptions {
+  DcaGeometry geometry;
+  KvLayout layout;              // kv_dtype must be kFp32 or kBf16
+  int32_t compute_threads = 0;  // 0 = all cores
+};
+
+// min(4 GiB, a quarter of physical memory): a default that leaves room for the rest of the host.
+int64_t DefaultCpuPoolBytes();
+
+// Thread-safe for jobs on disjoint sequences, as Engine requires. Concurrent jobs share the
+// compute pool.
+class CpuEngine : public Engine {
+ public:
+  // INVALID_ARGUMENT for an inconsistent geometry/layout or an unsupported KV dtype;
+  // RESOURCE_EXHAUSTED when the pool cannot be allocated.
+  static absl::StatusOr<std::unique_ptr<CpuEngine>> Create(const CpuEngineOptions& options);
+  ~CpuEngine() override;
+
+  std::string backend() const override { return "cpu"; }
+  std::string device_name() const override { return device_name_; }
+  const KvLayout& layout() const override { return layout_; }
+  const DcaGeometry& geometry() const override { return geometry_; }
+
+  absl::Status Prefill(const PrefillJob& job) override;
+  absl::Status Decode(const DecodeJob& job) override;
+
+ private:
+  CpuEngine(const CpuEngineOptions& options, void* pool);
+
+  template <typename KvT>
+  PagedKv<KvT> LayerView(int32_t layer, const int32_t* page_table) const;
+  absl::Status CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
+                          int64_t length) const;
+  template <typename KvT>
+  absl::Status PrefillTyped(const PrefillJob& job);
+  template <typename KvT>
+  absl::Status DecodeTyped(const DecodeJob& job);
+
+  const DcaGeometry geometry_;
+  const KvLayout layout_;
+  const std::string device_name_;
+  char* const pool_;  // layout_.pool_bytes() bytes, 64-byte aligned; owned
+  std::unique_ptr<ThreadPool> compute_;
+};
+
+}  // namespace attnd
+
+#endif  // ATTND_SERVER_CPU_ENGINE_H_

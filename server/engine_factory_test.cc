@@ -1,0 +1,82 @@
+#include "server/engine_factory.h"
+
+#include <cmath>
+
+#include "gtest/gtest.h"
+#include "kernels/dca.h"
+#include "kernels/dtype.h"
+
+namespace attnd {
+namespace {
+
+EngineOptions Tiny() {
+  EngineOptions o;
+  o.geometry.num_q_heads = 4;
+  o.geometry.num_kv_heads = 2;
+  o.geometry.head_dim = 64;
+  o.geometry.chunk_len = 128;
+  o.geometry.original_max_position_embeddings = 256;
+  o.geometry.softmax_scale = 0.125f;
+  o.num_layers = 2;
+  o.page_size = 16;
+  o.kv_cache_bytes = 1 << 20;
+  o.compute_threads = 1;
+  return o;
+}
+
+TEST(EngineFactoryTest, CpuAndAutoBuildACpuEngineWithTheRequestedPool) {
+  for (const char* device : {"cpu", "auto"}) {
+    EngineOptions o = Tiny();
+    o.device = device;
+    absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    EXPECT_EQ((*engine)->backend(), "cpu");
+    const KvLayout& layout = (*engine)->layout();
+    EXPECT_EQ(layout.kv_dtype, DType::kFp32);  // auto on cpu
+    // One page: 2 layers x (K + V) x 16 tokens x 2 heads x 64 x 4 bytes = 32 KiB; 1 MiB holds 32.
+    EXPECT_EQ(layout.bytes_per_page(), 32768);
+    EXPECT_EQ(layout.num_pages, 32);
+    EXPECT_EQ((*engine)->geometry().chunk_len, 128);
+  }
+}
+
+TEST(EngineFactoryTest, Bf16KvHalvesThePage) {
+  EngineOptions o = Tiny();
+  o.kv_dtype = "bf16";
+  absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->layout().kv_dtype, DType::kBf16);
+  EXPECT_EQ((*engine)->layout().num_pages, 64);
+}
+
+TEST(EngineFactoryTest, CudaIsAClearStartupError) {
+  EngineOptions o = Tiny();
+  o.device = "cuda";
+  absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
+  ASSERT_FALSE(engine.ok());
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(engine.status().message(), "the CUDA backend is not built yet; use --device=cpu");
+}
+
+TEST(EngineFactoryTest, BadOptionsNameTheFlag) {
+  EngineOptions o = Tiny();
+  o.device = "tpu";
+  absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine.status().message(), "--device must be auto, cpu or cuda, got \"tpu\"");
+
+  o = Tiny();
+  o.kv_dtype = "fp8";
+  engine = CreateEngine(o);
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine.status().message(), "--kv-dtype must be auto, bf16 or fp32, got \"fp8\"");
+
+  o = Tiny();
+  o.kv_cache_bytes = 1000;  // less than one page
+  engine = CreateEngine(o);
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine.status().message().substr(0, 23), "--kv-cache-bytes 1000: ");
+}
+
+}  // namespace
+}  // namespace attnd
