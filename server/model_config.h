@@ -1,0 +1,62 @@
+// The served model's attention geometry and DCA settings, read from a Hugging Face config.json
+// (the file the model ships with) or the embedded Qwen2.5-7B-Instruct-1M default. Everything else
+// (engine, runtime, service) reads the model through this struct.
+#ifndef ATTND_SERVER_MODEL_CONFIG_H_
+#define ATTND_SERVER_MODEL_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/dca.h"
+
+namespace attnd {
+
+// Defaults for absent dual_chunk_attention_config keys (DCA.md, "Model constants"; the same as
+// the SGLang and vLLM backends).
+inline constexpr int64_t kDefaultChunkSize = 8192;
+inline constexpr int64_t kDefaultLocalSize = 1024;
+inline constexpr int64_t kDefaultOriginalMaxPositionEmbeddings = 0;  // no length scaling
+inline constexpr int64_t kDefaultSparseAttentionThreshold = 32768;
+inline constexpr int64_t kDefaultSparseAttentionLastQ = 64;
+
+struct ModelConfig {
+  std::string name;                     // "_name_or_path", else the config's directory or stem
+  int32_t num_layers = 0;               // num_hidden_layers
+  int32_t num_q_heads = 0;              // num_attention_heads
+  int32_t num_kv_heads = 0;             // num_key_value_heads (default: num_attention_heads)
+  int32_t head_dim = 0;                 // head_dim, or hidden_size / num_attention_heads
+  int64_t max_position_embeddings = 0;  // the longest sequence the model supports
+  // dual_chunk_attention_config, defaults applied:
+  int64_t chunk_size = kDefaultChunkSize;
+  int64_t local_size = kDefaultLocalSize;
+  int64_t original_max_position_embeddings = kDefaultOriginalMaxPositionEmbeddings;
+  // NOTE: in Hugging Face model folders the sparse pattern lives in sparse_attention_config.json,
+  // which this loader does not read; sparse is on only when config.json says
+  // "sparse_attention_enabled": true (as SGLang writes it back after loading that file).
+  bool sparse_attention_enabled = false;
+  int64_t sparse_attention_threshold = kDefaultSparseAttentionThreshold;
+  int64_t sparse_attention_last_q = kDefaultSparseAttentionLastQ;
+  float softmax_scale = 0.f;  // 1/sqrt(head_dim)
+
+  // chunk_size - local_size: the distance between DCA chunk boundaries ("cl").
+  int64_t chunk_len() const { return chunk_size - local_size; }
+  DcaGeometry geometry() const;
+};
+
+// Reads a Hugging Face config.json (or a model directory holding one). NOT_FOUND naming the path
+// when it does not exist; INVALID_ARGUMENT naming the file (and the key, and what was expected)
+// when it cannot be read, is not JSON, or describes an impossible model.
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path);
+
+// Parses config.json text. `source_name` (a path or a label) prefixes every error message and
+// names the model when the JSON has no "_name_or_path".
+absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view text, absl::string_view source_name);
+
+// Qwen2.5-7B-Instruct-1M (DCA.md "Model constants"): the model served when no config is given.
+ModelConfig Qwen25_7BInstruct1M();
+
+}  // namespace attnd
+
+#endif  // ATTND_SERVER_MODEL_CONFIG_H_
