@@ -1,4 +1,5 @@
-// Dual chunk attention: the constants and small rules every backend shares (docs/DCA.md in shared/).
+// Dual chunk attention: the constants and small rules every backend shares (docs/DCA.md in
+// shared/).
 #ifndef ATTND_KERNELS_DCA_H_
 #define ATTND_KERNELS_DCA_H_
 
@@ -12,22 +13,30 @@ struct DcaGeometry {
   int32_t num_q_heads = 0;
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
-  int64_t chunk_len = 0;  // chunk_size - local_size ("cl").
+  int64_t chunk_len = 0;                         // chunk_size - local_size ("cl").
   int64_t original_max_position_embeddings = 0;  // 0 = no length scaling.
-  float softmax_scale = 0.f;                       // 1/sqrt(head_dim) unless the model says otherwise.
+  float softmax_scale = 0.f;  // 1/sqrt(head_dim) unless the model says otherwise.
 
   int32_t group_size() const { return num_q_heads / num_kv_heads; }  // q heads per kv head.
 };
 
-// Number of query variants a prefill token carries: intra, succ, inter, succ_critical, inter_critical.
+// Number of query variants a prefill token carries: intra, succ, inter, succ_critical,
+// inter_critical.
 inline constexpr int kNumQueryVariants = 5;
 // Query variants decode uses (the first three).
 inline constexpr int kNumDecodeVariants = 3;
-enum QueryVariant : int { kIntra = 0, kSucc = 1, kInter = 2, kSuccCritical = 3, kInterCritical = 4 };
+enum QueryVariant : int {
+  kIntra = 0,
+  kSucc = 1,
+  kInter = 2,
+  kSuccCritical = 3,
+  kInterCritical = 4
+};
 
 // s(L) = max(1, 0.1 ln(L / orig) + 1) when orig > 0, else 1.
 inline float LengthScale(int64_t length, int64_t original_max_position_embeddings) {
-  if (original_max_position_embeddings <= 0 || length <= original_max_position_embeddings) return 1.f;
+  if (original_max_position_embeddings <= 0 || length <= original_max_position_embeddings)
+    return 1.f;
   const double s = 0.1 * std::log(static_cast<double>(length) /
                                   static_cast<double>(original_max_position_embeddings)) +
                    1.0;

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -19,41 +20,136 @@
 namespace attnd {
 namespace {
 
-constexpr int kLanes = 8;          // floats per unrolled step: GCC SLP-vectorizes these at -O2.
-constexpr int kTileKeys = 32;      // keys per tile: a K+V tile of D=128 fp32 is 32 KiB (L1-sized).
+constexpr int kTileKeys = 32;       // keys per tile: a K+V tile of D=128 fp32 is 32 KiB (L1-sized).
 constexpr int kTargetVectors = 64;  // query vectors (rows x group heads) per prefill block.
 constexpr int64_t kMinKeysPerSplit = 512;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// NOTE: the 8-wide partial sums change the summation order against a sequential loop; the error
-// stays at fp32 rounding level (tests bound it against an fp64 reference).
-inline float Dot(const float* __restrict a, const float* __restrict b, int n) {
-  float s[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int d = 0;
-  for (; d + kLanes <= n; d += kLanes) {
-    for (int u = 0; u < kLanes; ++u) s[u] += a[d + u] * b[d + u];
+// Four fp32 lanes: SSE2, which every x86-64 has, so no -march flag is needed. GCC vector
+// extensions keep the accumulators in registers (auto-vectorized reductions at -O2 spill them).
+// The vector paths need head_dim % 8 == 0 (every model we serve); others take the scalar tails.
+typedef float V4 __attribute__((vector_size(16)));
+inline V4 Load(const float* p) {
+  V4 v;
+  std::memcpy(&v, p, sizeof(v));  // unaligned load
+  return v;
+}
+inline void Store(float* p, V4 v) { std::memcpy(p, &v, sizeof(v)); }
+inline float Sum(V4 v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+
+// NOTE: the lane-wise partial sums change the summation order against a sequential loop; the
+// error stays at fp32 rounding level (tests bound it against an fp64 reference).
+inline float Dot(const float* a, const float* b, int n) {
+  if (n % 8 != 0) {
+    float s = 0.f;
+    for (int d = 0; d < n; ++d) s += a[d] * b[d];
+    return s;
   }
-  float tail = 0.f;
-  for (; d < n; ++d) tail += a[d] * b[d];
-  return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])) + tail;
+  V4 s0 = {0.f, 0.f, 0.f, 0.f}, s1 = s0;
+  for (int d = 0; d < n; d += 8) {
+    s0 += Load(a + d) * Load(b + d);
+    s1 += Load(a + d + 4) * Load(b + d + 4);
+  }
+  return Sum(s0 + s1);
+}
+
+// out[j] = q . k[j * stride] for j < 4: four keys share each load of q and give eight
+// independent accumulator chains.
+inline void Dot4(const float* q, const float* k, int64_t stride, int n, float* out) {
+  if (n % 8 != 0) {
+    for (int j = 0; j < 4; ++j) out[j] = Dot(q, k + j * stride, n);
+    return;
+  }
+  const float* k0 = k;
+  const float* k1 = k + stride;
+  const float* k2 = k + 2 * stride;
+  const float* k3 = k + 3 * stride;
+  const V4 zero = {0.f, 0.f, 0.f, 0.f};
+  V4 a0 = zero, b0 = zero, a1 = zero, b1 = zero, a2 = zero, b2 = zero, a3 = zero, b3 = zero;
+  for (int d = 0; d < n; d += 8) {
+    const V4 qa = Load(q + d), qb = Load(q + d + 4);
+    a0 += qa * Load(k0 + d);
+    b0 += qb * Load(k0 + d + 4);
+    a1 += qa * Load(k1 + d);
+    b1 += qb * Load(k1 + d + 4);
+    a2 += qa * Load(k2 + d);
+    b2 += qb * Load(k2 + d + 4);
+    a3 += qa * Load(k3 + d);
+    b3 += qb * Load(k3 + d + 4);
+  }
+  out[0] = Sum(a0 + b0);
+  out[1] = Sum(a1 + b1);
+  out[2] = Sum(a2 + b2);
+  out[3] = Sum(a3 + b3);
 }
 
 // y += alpha * x
-inline void Axpy(float alpha, const float* __restrict x, float* __restrict y, int n) {
-  int d = 0;
-  for (; d + kLanes <= n; d += kLanes) {
-    for (int u = 0; u < kLanes; ++u) y[d + u] += alpha * x[d + u];
+inline void Axpy(float alpha, const float* x, float* y, int n) {
+  if (n % 8 != 0) {
+    for (int d = 0; d < n; ++d) y[d] += alpha * x[d];
+    return;
   }
-  for (; d < n; ++d) y[d] += alpha * x[d];
+  for (int d = 0; d < n; d += 4) Store(y + d, Load(y + d) + alpha * Load(x + d));
+}
+
+// y += sum_j p[j] * x[j * stride] for j < 4: one load and store of y per four value rows.
+inline void Axpy4(const float* p, const float* x, int64_t stride, float* y, int n) {
+  if (n % 8 != 0) {
+    for (int j = 0; j < 4; ++j) Axpy(p[j], x + j * stride, y, n);
+    return;
+  }
+  const float* x0 = x;
+  const float* x1 = x + stride;
+  const float* x2 = x + 2 * stride;
+  const float* x3 = x + 3 * stride;
+  const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
+  for (int d = 0; d < n; d += 4) {
+    const V4 t = (p0 * Load(x0 + d) + p1 * Load(x1 + d)) + (p2 * Load(x2 + d) + p3 * Load(x3 + d));
+    Store(y + d, Load(y + d) + t);
+  }
+}
+
+// x[i] = exp(x[i]) for i < n rounded up to a multiple of 4, for x[i] <= 0 (softmax arguments
+// after subtracting the running max). Four lanes at a time instead of one libm call per score.
+// NOTE: range reduction x = k ln2 + r with ln2 split in two (exact k ln2_hi), then a degree-6
+// polynomial for e^r on |r| <= ln2/2 (the classic Cephes expf coefficients): relative error about
+// 2e-7. Inputs below -87 (e^-87 ~ 1.6e-38, nothing against the row max's e^0 = 1) are clamped
+// there, which keeps 2^k a normal number.
+inline void ExpNonPositive(float* x, int n) {
+  typedef int32_t V4i __attribute__((vector_size(16)));
+  const V4 lo = {-87.f, -87.f, -87.f, -87.f};
+  const V4 zero = {0.f, 0.f, 0.f, 0.f};
+  const V4 log2e = {1.44269504088896341f, 1.44269504088896341f, 1.44269504088896341f,
+                    1.44269504088896341f};
+  const V4 round_magic = {12582912.f, 12582912.f, 12582912.f, 12582912.f};  // 1.5 * 2^23
+  for (int i = 0; i < n; i += 4) {
+    V4 v = Load(x + i);
+    v = v < lo ? lo : v;      // also maps -inf to -87
+    v = v > zero ? zero : v;  // stale lanes past n: keeps 2^k in range (no int overflow)
+    const V4 k = (v * log2e + round_magic) - round_magic;  // round to nearest
+    V4 r = v - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    V4 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.f;
+    const V4i bits = (__builtin_convertvector(k, V4i) + 127) << 23;  // 2^k
+    V4 two_k;
+    std::memcpy(&two_k, &bits, sizeof(two_k));
+    Store(x + i, p * two_k);
+  }
 }
 
 // y *= alpha
-inline void ScaleInPlace(float alpha, float* __restrict y, int n) {
-  int d = 0;
-  for (; d + kLanes <= n; d += kLanes) {
-    for (int u = 0; u < kLanes; ++u) y[d + u] *= alpha;
-  }
-  for (; d < n; ++d) y[d] *= alpha;
+inline void ScaleInPlace(float alpha, float* y, int n) {
+  for (int d = 0; d < n; ++d) y[d] *= alpha;
+}
+
+// The query variant of a key for a row whose chunk starts at prev (DCA.md: intra, succ, inter).
+inline int VariantOf(int64_t key, int64_t prev, int64_t cl) {
+  return key >= prev ? kIntra : (key >= prev - cl ? kSucc : kInter);
 }
 
 // KV element <-> fp32 for one row.
@@ -111,7 +207,7 @@ struct RowBlock {
   const float* q = nullptr;
   int64_t q_row_stride = 0;
   int64_t q_variant_stride = 0;
-  float q_scale = 1.f;  // folded into the copied queries: softmax scale (and decode's s(L))
+  float q_scale = 1.f;   // folded into the copied queries: softmax scale (and decode's s(L))
   float* out = nullptr;  // row r, group head gi: out + r * out_row_stride + (kv_head*group+gi)*D
   int64_t out_row_stride = 0;
   int32_t num_splits = 1;
@@ -157,7 +253,7 @@ void AttendKeys(const DcaGeometry& geo, const RowBlock<KvT>& b, int64_t key_begi
   }
 
   std::vector<float> scratch(std::is_same<KvT, float>::value ? 0 : 2 * kTileKeys * d);
-  float scores[kTileKeys];
+  float scores[kTileKeys] = {};  // kTileKeys % 4 == 0: ExpNonPositive may run past n
   const int64_t last = std::min(key_end, b.key_end());
   for (int64_t t0 = key_begin; t0 < last;) {
     const int64_t page_end = (t0 / kv.page_size + 1) * kv.page_size;
@@ -173,14 +269,24 @@ void AttendKeys(const DcaGeometry& geo, const RowBlock<KvT>& b, int64_t key_begi
       for (int gi = 0; gi < g; ++gi) {
         const int vec = r * g + gi;
         const float* qv = q.data() + static_cast<size_t>(vec) * kNumDecodeVariants * d;
-        float tile_max = kNegInf;
-        for (int j = 0; j < n; ++j) {
-          const int64_t key = t0 + j;
-          const int variant = key >= prev ? kIntra : (key >= prev - cl ? kSucc : kInter);
-          const float s = Dot(qv + variant * d, tile.k + j * tile.stride, d);
-          scores[j] = s;
-          tile_max = std::max(tile_max, s);
+        // Variants only change at prev - cl and prev, so four keys whose first and last share a
+        // variant all do.
+        int j = 0;
+        for (; j + 4 <= n; j += 4) {
+          const int v_first = VariantOf(t0 + j, prev, cl);
+          if (v_first == VariantOf(t0 + j + 3, prev, cl)) {
+            Dot4(qv + v_first * d, tile.k + j * tile.stride, tile.stride, d, scores + j);
+          } else {
+            for (int u = j; u < j + 4; ++u) {
+              scores[u] = Dot(qv + VariantOf(t0 + u, prev, cl) * d, tile.k + u * tile.stride, d);
+            }
+          }
         }
+        for (; j < n; ++j) {
+          scores[j] = Dot(qv + VariantOf(t0 + j, prev, cl) * d, tile.k + j * tile.stride, d);
+        }
+        float tile_max = kNegInf;
+        for (j = 0; j < n; ++j) tile_max = std::max(tile_max, scores[j]);
         float* acc = st->acc.data() + static_cast<size_t>(vec) * d;
         const float m_old = st->m[vec];
         const float m_new = std::max(m_old, tile_max);
@@ -190,12 +296,14 @@ void AttendKeys(const DcaGeometry& geo, const RowBlock<KvT>& b, int64_t key_begi
           ScaleInPlace(correction, acc, d);
         }
         st->m[vec] = m_new;
+        for (j = 0; j < n; ++j) scores[j] -= m_new;
+        ExpNonPositive(scores, n);  // the lanes past n hold leftovers and are never read
         float sum = 0.f;
-        for (int j = 0; j < n; ++j) {
-          const float p = std::exp(scores[j] - m_new);
-          sum += p;
-          Axpy(p, tile.v + j * tile.stride, acc, d);
+        for (j = 0; j < n; ++j) sum += scores[j];
+        for (j = 0; j + 4 <= n; j += 4) {
+          Axpy4(scores + j, tile.v + j * tile.stride, tile.stride, acc, d);
         }
+        for (; j < n; ++j) Axpy(scores[j], tile.v + j * tile.stride, acc, d);
         st->l[vec] += sum;
       }
     }
@@ -399,9 +507,9 @@ void DcaDecodeCpu(const DcaGeometry& geometry, absl::Span<const CpuDecodeItem<Kv
     }
   }
   // Longest contexts first, for load balance.
-  std::stable_sort(blocks.begin(), blocks.end(), [](const RowBlock<KvT>& a, const RowBlock<KvT>& b) {
-    return a.first_pos > b.first_pos;
-  });
+  std::stable_sort(
+      blocks.begin(), blocks.end(),
+      [](const RowBlock<KvT>& a, const RowBlock<KvT>& b) { return a.first_pos > b.first_pos; });
   RunBlocks(geometry, &blocks, pool);
 }
 

@@ -110,14 +110,28 @@ void BM_Decode(benchmark::State& state) {
   state.counters["threads"] = pool.num_threads();
 }
 
-BENCHMARK_TEMPLATE(BM_Prefill, float)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond)
+BENCHMARK_TEMPLATE(BM_Prefill, float)
+    ->Arg(1024)
+    ->Arg(4096)
+    ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
-BENCHMARK_TEMPLATE(BM_Prefill, uint16_t)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond)
+BENCHMARK_TEMPLATE(BM_Prefill, uint16_t)
+    ->Arg(1024)
+    ->Arg(4096)
+    ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
-BENCHMARK_TEMPLATE(BM_Decode, float)->Args({4096, 1})->Args({32768, 1})->Args({4096, 8})
-    ->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_TEMPLATE(BM_Decode, uint16_t)->Args({4096, 1})->Args({32768, 1})->Args({4096, 8})
-    ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_TEMPLATE(BM_Decode, float)
+    ->Args({4096, 1})
+    ->Args({32768, 1})
+    ->Args({4096, 8})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(BM_Decode, uint16_t)
+    ->Args({4096, 1})
+    ->Args({32768, 1})
+    ->Args({4096, 8})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 }  // namespace
 }  // namespace attnd

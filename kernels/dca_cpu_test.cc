@@ -58,8 +58,8 @@ void ExpectClose(const std::vector<float>& actual, const std::vector<float>& exp
       worst = i;
     }
   }
-  EXPECT_LE(max_err, tol.max_abs) << what << ": worst element " << worst << " got "
-                                  << actual[worst] << " want " << expected[worst];
+  EXPECT_LE(max_err, tol.max_abs) << what << ": worst element " << worst << " got " << actual[worst]
+                                  << " want " << expected[worst];
   EXPECT_LE(sum_err / actual.size(), tol.mean_abs) << what << ": mean abs error";
 }
 
@@ -197,8 +197,8 @@ struct Scenario {
 
 template <typename KvT>
 void Run(const Scenario& sc, const std::string& what) {
-  const int64_t prompt = std::accumulate(sc.prefill_chunks.begin(), sc.prefill_chunks.end(),
-                                         int64_t{0});
+  const int64_t prompt =
+      std::accumulate(sc.prefill_chunks.begin(), sc.prefill_chunks.end(), int64_t{0});
   const int64_t total = prompt + sc.decode_steps;
   const int64_t pages_needed = (total + sc.page_size - 1) / sc.page_size;
   // Twice the pages needed: the sequence's pages are scattered among unused (NaN) ones.

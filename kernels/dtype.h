@@ -39,7 +39,8 @@ uint16_t FloatToHalf(float f);
 
 // Converts n little-endian elements of `src` (any alignment) to fp32.
 void ConvertToFloat(const void* src, DType src_type, size_t n, float* dst);
-// Converts n fp32 values to `dst_type`, writing raw little-endian elements to `dst` (any alignment).
+// Converts n fp32 values to `dst_type`, writing raw little-endian elements to `dst` (any
+// alignment).
 void ConvertFromFloat(const float* src, size_t n, DType dst_type, void* dst);
 
 }  // namespace attnd

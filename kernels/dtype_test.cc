@@ -114,13 +114,21 @@ uint16_t NearestHalf(float f) {
 
 TEST(HalfTest, RoundsToNearestEvenIncludingSubnormals) {
   std::vector<float> cases = {
-      1.0f + std::ldexp(1.0f, -11),        // tie between 1 and 1+2^-10: even (1.0)
-      1.0f + 3 * std::ldexp(1.0f, -11),    // tie: rounds up to even
-      std::ldexp(1.0f, -25),               // half the smallest subnormal: ties to zero
-      std::ldexp(1.5f, -25),               // above the tie: smallest subnormal
-      std::ldexp(3.0f, -25),               // 1.5 ulp of subnormals: tie to even (2)
+      1.0f + std::ldexp(1.0f, -11),                   // tie between 1 and 1+2^-10: even (1.0)
+      1.0f + 3 * std::ldexp(1.0f, -11),               // tie: rounds up to even
+      std::ldexp(1.0f, -25),                          // half the smallest subnormal: ties to zero
+      std::ldexp(1.5f, -25),                          // above the tie: smallest subnormal
+      std::ldexp(3.0f, -25),                          // 1.5 ulp of subnormals: tie to even (2)
       std::ldexp(1.0f, -14) - std::ldexp(1.0f, -25),  // rounds up to the smallest normal
-      65504.f, 65519.f, 65520.f, 1e6f, -2.5e-6f, 6.1e-5f, -0.f, 0.f, 1e-10f};
+      65504.f,
+      65519.f,
+      65520.f,
+      1e6f,
+      -2.5e-6f,
+      6.1e-5f,
+      -0.f,
+      0.f,
+      1e-10f};
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> exponent(-26.f, 17.f);
   std::uniform_real_distribution<float> mantissa(1.f, 2.f);

@@ -19,9 +19,9 @@ namespace attnd {
 // p % page_size. Trivially copyable: pass it by value to kernels.
 template <typename T>
 struct PagedKv {
-  T* k = nullptr;                        // [num_pages, page_size, num_kv_heads, head_dim]
-  T* v = nullptr;                        // [num_pages, page_size, num_kv_heads, head_dim]
-  const int32_t* page_table = nullptr;   // [ceil(capacity / page_size)] page ids of this sequence
+  T* k = nullptr;                       // [num_pages, page_size, num_kv_heads, head_dim]
+  T* v = nullptr;                       // [num_pages, page_size, num_kv_heads, head_dim]
+  const int32_t* page_table = nullptr;  // [ceil(capacity / page_size)] page ids of this sequence
   int32_t page_size = 0;
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
@@ -32,10 +32,13 @@ struct PagedKv {
   }
   // Pointer to head_dim elements: the key of token `pos`, kv head `kv_head`.
   ATTND_HOST_DEVICE T* Key(int64_t pos, int32_t kv_head) const { return k + Offset(pos, kv_head); }
-  ATTND_HOST_DEVICE T* Value(int64_t pos, int32_t kv_head) const { return v + Offset(pos, kv_head); }
+  ATTND_HOST_DEVICE T* Value(int64_t pos, int32_t kv_head) const {
+    return v + Offset(pos, kv_head);
+  }
 };
 
-static_assert(std::is_trivially_copyable<PagedKv<float>>::value, "PagedKv must be trivially copyable");
+static_assert(std::is_trivially_copyable<PagedKv<float>>::value,
+              "PagedKv must be trivially copyable");
 
 }  // namespace attnd
 

@@ -1,4 +1,5 @@
-// Local Status propagation macros: Debian's abseil 20220623 has no RETURN_IF_ERROR / ASSIGN_OR_RETURN.
+// Local Status propagation macros: Debian's abseil 20220623 has no RETURN_IF_ERROR /
+// ASSIGN_OR_RETURN.
 #ifndef ATTND_KERNELS_STATUS_MACROS_H_
 #define ATTND_KERNELS_STATUS_MACROS_H_
 
@@ -9,10 +10,10 @@
 #define ATTND_CONCAT_(a, b) ATTND_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function if `expr` (an absl::Status) is not OK.
-#define ATTND_RETURN_IF_ERROR(expr)                  \
-  do {                                               \
-    ::absl::Status attnd_status_ = (expr);           \
-    if (!attnd_status_.ok()) return attnd_status_;   \
+#define ATTND_RETURN_IF_ERROR(expr)                \
+  do {                                             \
+    ::absl::Status attnd_status_ = (expr);         \
+    if (!attnd_status_.ok()) return attnd_status_; \
   } while (0)
 
 // `lhs = value of expr` (an absl::StatusOr<T>), or returns its error status.

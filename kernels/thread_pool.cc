@@ -49,9 +49,8 @@ void ThreadPool::WorkerLoop() {
   absl::MutexLock lock(&mu_);
   while (true) {
     mu_.Await(absl::Condition(
-        +[](ThreadPool* p) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return p->stopping_ || !p->queue_.empty();
-        },
+        +[](ThreadPool* p)
+             ABSL_NO_THREAD_SAFETY_ANALYSIS { return p->stopping_ || !p->queue_.empty(); },
         this));
     if (queue_.empty()) return;  // stopping_ and nothing left to help with.
     Job* job = queue_.front();

@@ -12,9 +12,9 @@ namespace naive {
 
 double LengthScaleF64(int64_t length, int64_t original_max_position_embeddings) {
   if (original_max_position_embeddings <= 0) return 1.0;
-  const double s =
-      0.1 * std::log(static_cast<double>(length) /
-                     static_cast<double>(original_max_position_embeddings)) + 1.0;
+  const double s = 0.1 * std::log(static_cast<double>(length) /
+                                  static_cast<double>(original_max_position_embeddings)) +
+                   1.0;
   return std::max(1.0, s);
 }
 

@@ -40,8 +40,8 @@ class NaiveSequence {
   // INVALID_ARGUMENT on a bad layer, inconsistent sizes, T == 0, or prompt_len < the layer's new
   // length.
   absl::StatusOr<std::vector<float>> Prefill(int layer, absl::Span<const float> q,
-                                             absl::Span<const float> k,
-                                             absl::Span<const float> v, int64_t prompt_len);
+                                             absl::Span<const float> k, absl::Span<const float> v,
+                                             int64_t prompt_len);
 
   // Appends one token and returns its output [Hq, D]. q: [3 or 5, Hq, D] (only the first three
   // are used); k, v: [Hkv, D] unscaled. With L = the new length, the key is cached as s(L) k, the
