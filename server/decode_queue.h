@@ -1,0 +1,40 @@
+// Where the service sends decode requests. An interface so a cross-RPC batcher (which merges
+// decodes of one layer from many RPCs into one engine batch) can replace the direct implementation
+// without touching the service.
+#ifndef ATTND_SERVER_DECODE_QUEUE_H_
+#define ATTND_SERVER_DECODE_QUEUE_H_
+
+#include <functional>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/runtime.h"
+#include "server/work_queue.h"
+
+namespace attnd {
+
+// Where the service sends decode requests. `done` is called exactly once, on a worker thread, when
+// Submit returned OK; the call's tensors must stay valid until then. When Submit fails, done is
+// never called.
+class DecodeQueue {
+ public:
+  using Done = std::function<void(absl::StatusOr<DecodeResult>)>;
+  virtual ~DecodeQueue() = default;
+  virtual absl::Status Submit(DecodeCall call, Done done) = 0;
+};
+
+// Runs each decode request on its own as one batch on the work queue (no cross-RPC batching).
+class DirectDecodeQueue : public DecodeQueue {
+ public:
+  DirectDecodeQueue(Runtime* runtime, WorkQueue* work_queue)
+      : runtime_(runtime), work_queue_(work_queue) {}
+  absl::Status Submit(DecodeCall call, Done done) override;
+
+ private:
+  Runtime* const runtime_;
+  WorkQueue* const work_queue_;
+};
+
+}  // namespace attnd
+
+#endif  // ATTND_SERVER_DECODE_QUEUE_H_
