@@ -1,0 +1,266 @@
+// Launch functions for dca_cuda.h: size checks, the head_dim dispatch and grid planning.
+#include "kernels/cuda/dca_cuda.h"
+
+#include <algorithm>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/dca_cuda_kernels.cuh"
+
+namespace attnd {
+namespace {
+
+using cuda_kernels::kBlockM;
+using cuda_kernels::kBlockN;
+using cuda_kernels::kLog2e;
+using cuda_kernels::kThreads;
+
+constexpr int64_t kMaxPosition = (int64_t{1} << 31) - 1;
+
+template <int D>
+constexpr size_t PrefillSmemBytes() {
+  return 4 * kBlockN * (D + 8) * sizeof(Bf16);
+}
+template <int D>
+constexpr size_t DecodeSmemBytes() {
+  return (4 * kBlockN + 3 * 16) * (D + 8) * sizeof(Bf16);
+}
+
+bool ValidDType(DType t) { return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32; }
+
+absl::Status CheckKv(const DcaGeometry& g, const PagedKv<Bf16>& kv) {
+  if (kv.k == nullptr || kv.v == nullptr || kv.page_table == nullptr || kv.page_size <= 0) {
+    return absl::InvalidArgumentError("PagedKv: null pointer or page_size <= 0");
+  }
+  if (kv.num_kv_heads != g.num_kv_heads || kv.head_dim != g.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("PagedKv: ", kv.num_kv_heads, " kv heads x ",
+                                                   kv.head_dim, " does not match the geometry"));
+  }
+  return absl::OkStatus();
+}
+
+template <int D>
+absl::Status LaunchPrefillTyped(const DcaGeometry& g, const CudaPrefillParams& p,
+                                 cudaStream_t stream) {
+  cuda_kernels::PrefillArgs a;
+  a.kv = p.kv;
+  a.q = p.q;
+  a.out = p.out;
+  a.out_dtype = static_cast<int>(p.out_dtype);
+  a.start = static_cast<int32_t>(p.start);
+  a.num_tokens = static_cast<int32_t>(p.num_tokens);
+  a.chunk_len = static_cast<int32_t>(g.chunk_len);
+  a.num_q_heads = g.num_q_heads;
+  a.group = g.group_size();
+  a.scale_log2 = p.softmax_scale * kLog2e;
+  // Pieces: the first runs from start to the end of its chunk; the rest are whole chunks.
+  const int64_t cl = g.chunk_len;
+  const int64_t lk = p.start + p.num_tokens;
+  const int64_t prev0 = (p.start / cl) * cl;
+  const int64_t end0 = std::min(prev0 + cl, lk);
+  const int64_t rows_first = (end0 - p.start) * a.group;
+  const int64_t tiles_first = (rows_first + kBlockM - 1) / kBlockM;
+  const int64_t tiles_full = (cl * a.group + kBlockM - 1) / kBlockM;
+  const int64_t more_pieces = (lk - end0 + cl - 1) / cl;
+  const int64_t tiles = tiles_first + more_pieces * tiles_full;
+  if (tiles_full > INT32_MAX || tiles > INT32_MAX) {
+    return absl::InvalidArgumentError("prefill: too many query tiles");
+  }
+  a.tiles_first = static_cast<int32_t>(tiles_first);
+  a.tiles_full = static_cast<int32_t>(tiles_full);
+  constexpr size_t smem = PrefillSmemBytes<D>();
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      cuda_kernels::DcaPrefillKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cuda_kernels::DcaPrefillKernel<D>
+      <<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads), kThreads, smem, stream>>>(a);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaPrefillKernel");
+  return absl::OkStatus();
+}
+
+absl::Status CheckPrefill(const DcaGeometry& g, const CudaPrefillParams& p) {
+  if (absl::Status s = CheckCudaGeometry(g); !s.ok()) return s;
+  if (absl::Status s = CheckKv(g, p.kv); !s.ok()) return s;
+  if (p.q == nullptr || p.out == nullptr || !ValidDType(p.out_dtype)) {
+    return absl::InvalidArgumentError("prefill: null q/out or bad out_dtype");
+  }
+  if (p.start < 0 || p.num_tokens < 1 || p.start + p.num_tokens > kMaxPosition) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill: bad token range start=", p.start, " num_tokens=", p.num_tokens));
+  }
+  return absl::OkStatus();
+}
+
+template <int D>
+absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
+                               cudaStream_t stream) {
+  cuda_kernels::DecodeArgs a;
+  a.kv = p.kv;
+  a.lengths = p.lengths;
+  a.q = p.q;
+  a.chunk_len = static_cast<int32_t>(g.chunk_len);
+  a.num_q_heads = g.num_q_heads;
+  a.group = g.group_size();
+  a.max_splits = p.max_splits;
+  a.orig = g.original_max_position_embeddings;
+  a.scale_log2 = g.softmax_scale * kLog2e;
+  a.partial_out = p.partial_out;
+  a.partial_lse = p.partial_lse;
+  constexpr size_t smem = DecodeSmemBytes<D>();
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      cuda_kernels::DcaDecodeSplitKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cuda_kernels::DcaDecodeSplitKernel<D>
+      <<<dim3(p.max_splits, g.num_kv_heads, p.batch), kThreads, smem, stream>>>(a);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeSplitKernel");
+  cuda_kernels::DcaDecodeReduceKernel<D><<<dim3(p.batch, g.num_q_heads), D, 0, stream>>>(
+      p.partial_out, p.partial_lse, p.max_splits, p.out, static_cast<int>(p.out_dtype));
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReduceKernel");
+  return absl::OkStatus();
+}
+
+absl::Status CheckDecode(const DcaGeometry& g, const CudaDecodeParams& p) {
+  if (absl::Status s = CheckCudaGeometry(g); !s.ok()) return s;
+  if (absl::Status s = CheckKv(g, p.kv.Seq(0)); !s.ok()) return s;
+  if (p.lengths == nullptr || p.q == nullptr || p.out == nullptr || !ValidDType(p.out_dtype)) {
+    return absl::InvalidArgumentError("decode: null lengths/q/out or bad out_dtype");
+  }
+  if (p.batch < 1 || p.batch > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("decode: batch ", p.batch, " not in 1..65535"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckCudaGeometry(const DcaGeometry& g) {
+  if (g.head_dim != 64 && g.head_dim != 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda: head_dim ", g.head_dim, " unsupported (supported: 64, 128)"));
+  }
+  if (g.num_kv_heads < 1 || g.num_q_heads < g.num_kv_heads || g.num_q_heads % g.num_kv_heads != 0 ||
+      g.group_size() > 16) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda: ", g.num_q_heads, " q heads / ",
+                                                   g.num_kv_heads,
+                                                   " kv heads unsupported (group size 1..16)"));
+  }
+  if (g.chunk_len < 1 || g.chunk_len > kMaxPosition) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda: chunk_len ", g.chunk_len, " out of range"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LaunchAppendKv(const CudaAppendParams& p, cudaStream_t stream) {
+  if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.page_table == nullptr || p.k == nullptr ||
+      p.v == nullptr || !ValidDType(p.in_dtype) || p.start < 0 || p.num_tokens < 0 ||
+      p.start + p.num_tokens > kMaxPosition) {
+    return absl::InvalidArgumentError("append: bad params");
+  }
+  if (p.num_tokens == 0) return absl::OkStatus();
+  const int64_t n = p.num_tokens * p.kv.num_kv_heads * p.kv.head_dim;
+  const int64_t blocks = std::min<int64_t>((n + 255) / 256, 65536);
+  cuda_kernels::AppendKvKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      p.kv, p.k, p.v, static_cast<int>(p.in_dtype), static_cast<int32_t>(p.start), n, p.key_scale);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("AppendKvKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParams& p, cudaStream_t stream) {
+  if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.page_tables == nullptr ||
+      p.lengths == nullptr || p.k == nullptr || p.v == nullptr || !ValidDType(p.in_dtype) ||
+      p.batch < 0) {
+    return absl::InvalidArgumentError("decode append: bad params");
+  }
+  if (p.batch == 0) return absl::OkStatus();
+  cuda_kernels::DecodeAppendKvKernel<<<p.batch, 128, 0, stream>>>(
+      p.kv, p.lengths, p.k, p.v, static_cast<int>(p.in_dtype), p.original_max_position_embeddings);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DecodeAppendKvKernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchConvertToBf16(const void* src, DType src_dtype, int64_t n, Bf16* dst,
+                                 cudaStream_t stream) {
+  if (src == nullptr || dst == nullptr || !ValidDType(src_dtype) || n < 0) {
+    return absl::InvalidArgumentError("convert: bad params");
+  }
+  if (n == 0) return absl::OkStatus();
+  if (src_dtype == DType::kBf16) {
+    ATTND_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst, src, n * sizeof(Bf16), cudaMemcpyDeviceToDevice, stream));
+    return absl::OkStatus();
+  }
+  const int64_t blocks = std::min<int64_t>((n + 255) / 256, 65536);
+  cuda_kernels::ConvertToBf16Kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      src, static_cast<int>(src_dtype), n, dst);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("ConvertToBf16Kernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchDcaPrefill(const DcaGeometry& g, const CudaPrefillParams& p,
+                              cudaStream_t stream) {
+  if (absl::Status s = CheckPrefill(g, p); !s.ok()) return s;
+  return g.head_dim == 128 ? LaunchPrefillTyped<128>(g, p, stream)
+                           : LaunchPrefillTyped<64>(g, p, stream);
+}
+
+absl::Status LaunchDcaPrefillReference(const DcaGeometry& g, const CudaPrefillParams& p,
+                                       cudaStream_t stream) {
+  if (absl::Status s = CheckPrefill(g, p); !s.ok()) return s;
+  const dim3 grid(static_cast<unsigned>(p.num_tokens), g.num_q_heads);
+  const int out = static_cast<int>(p.out_dtype);
+  const auto start = static_cast<int32_t>(p.start);
+  const auto cl = static_cast<int32_t>(g.chunk_len);
+  if (g.head_dim == 128) {
+    cuda_kernels::DcaPrefillReferenceKernel<128><<<grid, 32, 0, stream>>>(
+        p.kv, p.q, p.out, out, start, cl, g.num_q_heads, g.group_size(), p.softmax_scale);
+  } else {
+    cuda_kernels::DcaPrefillReferenceKernel<64><<<grid, 32, 0, stream>>>(
+        p.kv, p.q, p.out, out, start, cl, g.num_q_heads, g.group_size(), p.softmax_scale);
+  }
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaPrefillReferenceKernel");
+  return absl::OkStatus();
+}
+
+int32_t PlanDecodeSplits(const DcaGeometry& g, int32_t batch, int64_t max_length,
+                         int32_t num_sms) {
+  const int64_t blocks = std::max<int64_t>(1, int64_t{batch} * std::max(1, g.num_kv_heads));
+  const int64_t want = (2 * int64_t{std::max(1, num_sms)} + blocks - 1) / blocks;
+  const int64_t cap = std::max<int64_t>(1, (max_length + 255) / 256);
+  return static_cast<int32_t>(std::clamp<int64_t>(want, 1, std::min<int64_t>(cap, 1024)));
+}
+
+size_t DecodeWorkspaceFloats(const DcaGeometry& g, int32_t batch, int32_t max_splits) {
+  const size_t slots = static_cast<size_t>(batch) * g.num_q_heads * max_splits;
+  return slots * g.head_dim + slots;
+}
+
+absl::Status LaunchDcaDecode(const DcaGeometry& g, const CudaDecodeParams& p,
+                             cudaStream_t stream) {
+  if (absl::Status s = CheckDecode(g, p); !s.ok()) return s;
+  if (p.max_splits < 1 || p.max_splits > 65535 || p.partial_out == nullptr ||
+      p.partial_lse == nullptr) {
+    return absl::InvalidArgumentError("decode: bad max_splits or null workspace");
+  }
+  return g.head_dim == 128 ? LaunchDecodeTyped<128>(g, p, stream)
+                           : LaunchDecodeTyped<64>(g, p, stream);
+}
+
+absl::Status LaunchDcaDecodeReference(const DcaGeometry& g, const CudaDecodeParams& p,
+                                      cudaStream_t stream) {
+  if (absl::Status s = CheckDecode(g, p); !s.ok()) return s;
+  const dim3 grid(p.batch, g.num_q_heads);
+  const int out = static_cast<int>(p.out_dtype);
+  const auto cl = static_cast<int32_t>(g.chunk_len);
+  if (g.head_dim == 128) {
+    cuda_kernels::DcaDecodeReferenceKernel<128><<<grid, 32, 0, stream>>>(
+        p.kv, p.lengths, p.q, p.out, out, cl, g.num_q_heads, g.group_size(), g.softmax_scale,
+        g.original_max_position_embeddings);
+  } else {
+    cuda_kernels::DcaDecodeReferenceKernel<64><<<grid, 32, 0, stream>>>(
+        p.kv, p.lengths, p.q, p.out, out, cl, g.num_q_heads, g.group_size(), g.softmax_scale,
+        g.original_max_position_embeddings);
+  }
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReferenceKernel");
+  return absl::OkStatus();
+}
+
+}  // namespace attnd

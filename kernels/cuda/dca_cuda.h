@@ -1,0 +1,149 @@
+// Dense dual chunk attention on NVIDIA GPUs (Hopper first): KV append, fused prefill and split-K
+// paged decode over one layer of a bf16 paged KV pool (kvcache/kv_layout.h, kernels/paged_kv.h).
+// Semantics: shared/docs/DCA.md ("Dense prefill", "Decode", "Length scaling").
+//
+// Plain C++ header: device code lives in dca_cuda_kernels.cuh, included by dca_cuda.cu only.
+// Every pointer in these Params structs is DEVICE memory unless it says otherwise. Launch functions
+// only enqueue work on `stream` (no host synchronisation) and return INTERNAL when a launch fails,
+// INVALID_ARGUMENT for shapes outside the supported set (CheckCudaGeometry).
+//
+// Supported set (one dispatch per kernel family): head_dim 64 or 128; group size (Hq / Hkv) 1..16;
+// bf16 KV. Query tensors are bf16; outputs are bf16, fp16 or fp32.
+//
+// NOTE next steps for speed: the fast prefill uses mma.sync m16n8k16 (HMMA) with cp.async double
+// buffering; a wgmma + TMA (cp.async.bulk.tensor) warp-specialised version is the next step.
+#ifndef ATTND_KERNELS_CUDA_DCA_CUDA_H_
+#define ATTND_KERNELS_CUDA_DCA_CUDA_H_
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/dca.h"
+#include "kernels/dtype.h"
+#include "kernels/paged_kv.h"
+
+namespace attnd {
+
+using Bf16 = __nv_bfloat16;
+
+// OK when the geometry is in the supported set above, else INVALID_ARGUMENT naming the field.
+absl::Status CheckCudaGeometry(const DcaGeometry& geometry);
+
+// A batch of sequences over one layer: sequence b's page table is row b of `page_tables`. Same page
+// arithmetic as PagedKv (Seq(b) is a PagedKv); trivially copyable, passed by value to kernels.
+struct PagedKvBatch {
+  Bf16* k = nullptr;                    // [num_pages, page_size, num_kv_heads, head_dim]
+  Bf16* v = nullptr;                    // [num_pages, page_size, num_kv_heads, head_dim]
+  const int32_t* page_tables = nullptr; // [batch, page_table_stride]
+  int64_t page_table_stride = 0;
+  int32_t page_size = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+
+  ATTND_HOST_DEVICE PagedKv<Bf16> Seq(int64_t b) const {
+    PagedKv<Bf16> kv;
+    kv.k = k;
+    kv.v = v;
+    kv.page_table = page_tables + b * page_table_stride;
+    kv.page_size = page_size;
+    kv.num_kv_heads = num_kv_heads;
+    kv.head_dim = head_dim;
+    return kv;
+  }
+};
+
+// ---- KV append ---------------------------------------------------------------------------------
+
+// Prefill append: tokens start .. start+num_tokens-1 of one sequence; keys are stored as
+// key_scale * k, rounded once to bf16 (k/v may be bf16, fp16 or fp32).
+struct CudaAppendParams {
+  PagedKv<Bf16> kv;           // one layer; kv.page_table in device memory
+  const void* k = nullptr;    // [num_tokens, num_kv_heads, head_dim] of in_dtype, unscaled
+  const void* v = nullptr;    // [num_tokens, num_kv_heads, head_dim] of in_dtype
+  DType in_dtype = DType::kBf16;
+  int64_t start = 0;
+  int64_t num_tokens = 0;
+  float key_scale = 1.f;      // s(prompt_len)
+};
+absl::Status LaunchAppendKv(const CudaAppendParams& params, cudaStream_t stream);
+
+// Decode append: one new token per sequence at position lengths[b] - 1, key stored as s(L) * k
+// with L = lengths[b] (computed on the device from original_max_position_embeddings).
+struct CudaDecodeAppendParams {
+  PagedKvBatch kv;
+  const int32_t* lengths = nullptr;  // [batch] L including the new token, >= 1
+  const void* k = nullptr;           // [batch, num_kv_heads, head_dim] of in_dtype, unscaled
+  const void* v = nullptr;           // [batch, num_kv_heads, head_dim] of in_dtype
+  DType in_dtype = DType::kBf16;
+  int32_t batch = 0;
+  int64_t original_max_position_embeddings = 0;
+};
+absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParams& params, cudaStream_t stream);
+
+// dst[i] = bf16(src[i]) for n elements (src bf16, fp16 or fp32).
+absl::Status LaunchConvertToBf16(const void* src, DType src_dtype, int64_t n, Bf16* dst,
+                                 cudaStream_t stream);
+
+// ---- Prefill -----------------------------------------------------------------------------------
+
+// Attention for num_tokens new tokens at positions start .. start+num_tokens-1 of one sequence,
+// whose K/V are already appended (keys [0, start+num_tokens) valid).
+struct CudaPrefillParams {
+  PagedKv<Bf16> kv;             // one layer; kv.page_table in device memory
+  const Bf16* q = nullptr;      // [num_tokens, 5, num_q_heads, head_dim] (variants as in dca.h)
+  void* out = nullptr;          // [num_tokens, num_q_heads, head_dim] of out_dtype
+  DType out_dtype = DType::kFp32;
+  int64_t start = 0;
+  int64_t num_tokens = 0;
+  float softmax_scale = 0.f;    // geometry scale * s(prompt_len)
+};
+
+// Fused tensor-core kernel: one launch covers every piece and the three stages. Grid: one block per
+// (64-row query tile of one piece, kv head); a tile's rows are (token, q head of the kv head's group)
+// pairs, so each K/V tile read through the page table serves the whole GQA group.
+absl::Status LaunchDcaPrefill(const DcaGeometry& geometry, const CudaPrefillParams& params,
+                              cudaStream_t stream);
+// Simple reference kernel (one warp per query row, scalar fp32, no tiling). Slow; for tests.
+absl::Status LaunchDcaPrefillReference(const DcaGeometry& geometry, const CudaPrefillParams& params,
+                                       cudaStream_t stream);
+
+// ---- Decode ------------------------------------------------------------------------------------
+
+// One decode step for a batch of sequences of mixed lengths. Launch configuration depends only on
+// (batch, num_kv_heads, max_splits): lengths are read from device memory, so a captured CUDA graph
+// can be replayed for other lengths up to the planned maximum.
+struct CudaDecodeParams {
+  PagedKvBatch kv;
+  const int32_t* lengths = nullptr;  // [batch] L including the new token (already appended), >= 1
+  const Bf16* q = nullptr;           // [batch, 3, num_q_heads, head_dim]: intra, succ, inter; unscaled
+  void* out = nullptr;               // [batch, num_q_heads, head_dim] of out_dtype
+  DType out_dtype = DType::kFp32;
+  int32_t batch = 0;
+  int32_t max_splits = 1;            // from PlanDecodeSplits
+  float* partial_out = nullptr;      // [batch, num_q_heads, max_splits, head_dim] workspace
+  float* partial_lse = nullptr;      // [batch, num_q_heads, max_splits] workspace
+};
+
+// Split-K plan: enough (batch x kv head x split) blocks to fill `num_sms` multiprocessors about
+// twice, with at least 256 keys per split at max_length. Host-only arithmetic.
+int32_t PlanDecodeSplits(const DcaGeometry& geometry, int32_t batch, int64_t max_length,
+                         int32_t num_sms);
+// Workspace floats needed for (batch, max_splits): partial_out then partial_lse.
+size_t DecodeWorkspaceFloats(const DcaGeometry& geometry, int32_t batch, int32_t max_splits);
+
+// Split-K (flash-decoding) kernel, grid (max_splits, num_kv_heads, batch): each block walks its key
+// range with the group's q heads as the M dimension of mma tiles, then a reduction kernel, grid
+// (batch, num_q_heads), merges the splits by log-sum-exp.
+absl::Status LaunchDcaDecode(const DcaGeometry& geometry, const CudaDecodeParams& params,
+                             cudaStream_t stream);
+// Simple reference kernel (one warp per (sequence, q head), scalar fp32). Ignores the workspace.
+absl::Status LaunchDcaDecodeReference(const DcaGeometry& geometry, const CudaDecodeParams& params,
+                                      cudaStream_t stream);
+
+}  // namespace attnd
+
+#endif  // ATTND_KERNELS_CUDA_DCA_CUDA_H_

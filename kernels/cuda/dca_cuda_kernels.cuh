@@ -1,0 +1,701 @@
+// Device code for dca_cuda.h. Included by dca_cuda.cu only.
+//
+// Fragment conventions (mma.sync.m16n8k16.row.col bf16, fp32 accumulate), lane = 4 * gid + tig:
+//   A 16x16: a0 (row gid, k 2tig..+1), a1 (row gid+8), a2 (row gid, k+8), a3 (row gid+8, k+8)
+//   B 16x8 : b0 (k 2tig..+1, n gid), b1 (k 2tig+8..+9, n gid)
+//   C 16x8 : c0,c1 (row gid, n 2tig..+1), c2,c3 (row gid+8, n 2tig..+1)
+// Shared-memory tiles are [rows][head_dim + 8] bf16: the 16-byte pad staggers rows across banks so
+// ldmatrix is conflict-free.
+#ifndef ATTND_KERNELS_CUDA_DCA_CUDA_KERNELS_CUH_
+#define ATTND_KERNELS_CUDA_DCA_CUDA_KERNELS_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math_constants.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/dca_cuda.h"
+
+namespace attnd {
+namespace cuda_kernels {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kThreads = 128;  // 4 warps for the tiled kernels
+constexpr int kBlockM = 64;    // prefill query rows per block (16 per warp)
+constexpr int kBlockN = 64;    // keys per K/V tile
+
+// ---- small helpers -------------------------------------------------------------------------------
+
+__device__ __forceinline__ float LengthScaleDevice(int64_t length, int64_t orig) {
+  if (orig <= 0 || length <= orig) return 1.f;
+  const double s = 0.1 * log(static_cast<double>(length) / static_cast<double>(orig)) + 1.0;
+  return static_cast<float>(s < 1.0 ? 1.0 : s);
+}
+
+// Variant of key k_pos for a query whose chunk starts at prev (k_pos <= query position).
+__device__ __forceinline__ int VariantOfKey(int64_t k_pos, int64_t prev, int64_t chunk_len) {
+  if (k_pos >= prev) return kIntra;
+  if (k_pos >= prev - chunk_len) return kSucc;
+  return kInter;
+}
+
+__device__ __forceinline__ float LoadAsFloat(const void* p, int dtype, int64_t i) {
+  switch (dtype) {
+    case static_cast<int>(DType::kBf16):
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case static_cast<int>(DType::kFp16):
+      return __half2float(static_cast<const __half*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
+  }
+}
+
+// Stores two adjacent outputs (index i even) as out_dtype.
+__device__ __forceinline__ void StorePair(void* out, int dtype, int64_t i, float x, float y) {
+  switch (dtype) {
+    case static_cast<int>(DType::kBf16):
+      *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(out) + i) =
+          __floats2bfloat162_rn(x, y);
+      break;
+    case static_cast<int>(DType::kFp16):
+      *reinterpret_cast<__half2*>(static_cast<__half*>(out) + i) = __floats2half2_rn(x, y);
+      break;
+    default:
+      *reinterpret_cast<float2*>(static_cast<float*>(out) + i) = make_float2(x, y);
+  }
+}
+
+__device__ __forceinline__ void StoreOne(void* out, int dtype, int64_t i, float x) {
+  switch (dtype) {
+    case static_cast<int>(DType::kBf16):
+      static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(x);
+      break;
+    case static_cast<int>(DType::kFp16):
+      static_cast<__half*>(out)[i] = __float2half_rn(x);
+      break;
+    default:
+      static_cast<float*>(out)[i] = x;
+  }
+}
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global->shared copy; when !valid the 16 bytes are zero-filled and nothing is read.
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
+  const int src_size = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(smem)), "l"(gmem),
+               "r"(src_size));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(smem)));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(smem)));
+}
+
+__device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Element offset of (pos, kv_head) in one layer's K or V region: PagedKv::Offset with 32-bit index
+// math (positions < 2^31) and a 64-bit final product (pools can exceed 2^31 elements).
+__device__ __forceinline__ int64_t PagedOffset(const PagedKv<Bf16>& kv, int32_t pos,
+                                               int32_t kv_head) {
+  const uint32_t ps = static_cast<uint32_t>(kv.page_size);
+  const uint32_t upos = static_cast<uint32_t>(pos);
+  const int64_t page = kv.page_table[upos / ps];
+  return ((page * kv.page_size + static_cast<int64_t>(upos % ps)) * kv.num_kv_heads + kv_head) *
+         kv.head_dim;
+}
+
+// Loads K and V rows [k0, k0 + kBlockN) of kv_head into shared tiles [kBlockN][D + 8]; rows at or
+// past k_hi are zero-filled and never read from global memory.
+template <int D>
+__device__ __forceinline__ void LoadKvTile(const PagedKv<Bf16>& kv, int32_t kv_head, int32_t k0,
+                                           int32_t k_hi, Bf16* ks, Bf16* vs) {
+  constexpr int kChunksPerRow = D / 8;
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  const int col = (threadIdx.x % kChunksPerRow) * 8;
+  for (int row = threadIdx.x / kChunksPerRow; row < kBlockN; row += kRowsPerPass) {
+    const int32_t pos = k0 + row;
+    const bool valid = pos < k_hi;
+    const int64_t off = valid ? PagedOffset(kv, pos, kv_head) : 0;
+    CpAsync16(ks + row * (D + 8) + col, kv.k + off + col, valid);
+    CpAsync16(vs + row * (D + 8) + col, kv.v + off + col, valid);
+  }
+}
+
+// ---- fused prefill -------------------------------------------------------------------------------
+
+struct PrefillArgs {
+  PagedKv<Bf16> kv;
+  const Bf16* q;
+  void* out;
+  int out_dtype;
+  int32_t start;
+  int32_t num_tokens;
+  int32_t chunk_len;
+  int32_t num_q_heads;
+  int32_t group;
+  int32_t tiles_first;  // query tiles of the first piece
+  int32_t tiles_full;   // query tiles of a full piece (chunk_len tokens)
+  float scale_log2;     // softmax_scale * log2(e)
+};
+
+// grid (query tiles over all pieces, num_kv_heads), block kThreads. Block (t, h): a tile of kBlockM
+// rows (token, q head of h's group) inside one piece; walks inter, succ, then intra key tiles with
+// that stage's query variant, one online softmax, and writes the normalised rows.
+template <int D>
+__global__ void __launch_bounds__(kThreads) DcaPrefillKernel(const PrefillArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);   // [2][kBlockN][D + 8]
+  Bf16* vs = ks + 2 * kBlockN * (D + 8);          // [2][kBlockN][D + 8]
+  constexpr int kTile = kBlockN * (D + 8);
+  constexpr int kKSteps = D / 16;
+  constexpr int kDimBlocks = D / 8;
+
+  const int kv_head = blockIdx.y;
+  // Heaviest tiles (last pieces, last rows) first.
+  const int tile = gridDim.x - 1 - blockIdx.x;
+  const int32_t cl = a.chunk_len;
+  const int32_t lk = a.start + a.num_tokens;
+  const int32_t prev0 = (a.start / cl) * cl;
+  const int32_t end0 = min(prev0 + cl, lk);
+  int32_t piece_begin, piece_end, prev, local;
+  if (tile < a.tiles_first) {
+    piece_begin = a.start;
+    piece_end = end0;
+    prev = prev0;
+    local = tile;
+  } else {
+    const int p = (tile - a.tiles_first) / a.tiles_full;
+    local = (tile - a.tiles_first) % a.tiles_full;
+    prev = end0 + p * cl;
+    piece_begin = prev;
+    piece_end = min(prev + cl, lk);
+  }
+  const int32_t piece_tokens = piece_end - piece_begin;
+  const int64_t row_base = static_cast<int64_t>(local) * kBlockM;
+  if (row_base >= static_cast<int64_t>(piece_tokens) * a.group) return;  // past a short last piece
+  const int32_t max_q_pos =
+      piece_begin +
+      static_cast<int32_t>(min(static_cast<int64_t>(piece_tokens) * a.group - 1,
+                               row_base + kBlockM - 1) / a.group);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gid = lane / 4, tig = lane % 4;
+  // This thread's two rows (gid, gid + 8 of the warp's 16).
+  int32_t q_pos[2];
+  int64_t q_row[2];  // index of (token, q head) in [num_tokens, *, num_q_heads]: token * Hq + head
+  bool row_valid[2];
+  for (int i = 0; i < 2; ++i) {
+    const int64_t flat = row_base + warp * 16 + gid + 8 * i;
+    const int32_t tok = static_cast<int32_t>(flat / a.group);
+    const int32_t head = kv_head * a.group + static_cast<int32_t>(flat % a.group);
+    row_valid[i] = tok < piece_tokens;
+    q_pos[i] = row_valid[i] ? piece_begin + tok : max_q_pos;
+    const int32_t t_idx = piece_begin + tok - a.start;
+    q_row[i] = row_valid[i] ? static_cast<int64_t>(t_idx) * a.num_q_heads + head : 0;
+  }
+
+  // Key tiles: inter [0, prev-cl), succ [prev-cl, prev), intra [prev, max_q_pos].
+  const int32_t inter_hi = prev >= 2 * cl ? prev - cl : 0;
+  const int32_t succ_lo = prev >= cl ? prev - cl : prev;
+  const int n_inter = (inter_hi + kBlockN - 1) / kBlockN;
+  const int n_succ = (prev - succ_lo + kBlockN - 1) / kBlockN;
+  const int n_intra = (max_q_pos + 1 - prev + kBlockN - 1) / kBlockN;
+  const int n_tiles = n_inter + n_succ + n_intra;
+  auto tile_range = [&](int j, int& stage, int32_t& k0, int32_t& khi) {
+    if (j < n_inter) {
+      stage = kInter; k0 = j * kBlockN; khi = inter_hi;
+    } else if (j < n_inter + n_succ) {
+      stage = kSucc; k0 = succ_lo + (j - n_inter) * kBlockN; khi = prev;
+    } else {
+      stage = kIntra; k0 = prev + (j - n_inter - n_succ) * kBlockN; khi = max_q_pos + 1;
+    }
+  };
+
+  float o[kDimBlocks][4];
+  for (int d = 0; d < kDimBlocks; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
+  float l[2] = {0.f, 0.f};
+  uint32_t qf[kKSteps][4];
+  int q_stage = -1;
+
+  {
+    int st; int32_t k0, khi;
+    tile_range(0, st, k0, khi);
+    LoadKvTile<D>(a.kv, kv_head, k0, khi, ks, vs);
+    CpAsyncCommit();
+  }
+  for (int j = 0; j < n_tiles; ++j) {
+    if (j + 1 < n_tiles) {
+      int st; int32_t k0, khi;
+      tile_range(j + 1, st, k0, khi);
+      LoadKvTile<D>(a.kv, kv_head, k0, khi, ks + ((j + 1) & 1) * kTile, vs + ((j + 1) & 1) * kTile);
+    }
+    CpAsyncCommit();
+    int stage; int32_t k0, khi;
+    tile_range(j, stage, k0, khi);
+    if (stage != q_stage) {  // load this stage's query variant into A fragments
+      q_stage = stage;
+      for (int kk = 0; kk < kKSteps; ++kk) {
+        for (int i = 0; i < 2; ++i) {
+          const uint32_t* src = reinterpret_cast<const uint32_t*>(
+              a.q + ((q_row[i] / a.num_q_heads) * kNumQueryVariants + stage) * a.num_q_heads * D +
+              (q_row[i] % a.num_q_heads) * D + kk * 16 + tig * 2);
+          qf[kk][i] = row_valid[i] ? src[0] : 0u;
+          qf[kk][2 + i] = row_valid[i] ? src[4] : 0u;
+        }
+      }
+    }
+    CpAsyncWait<1>();
+    __syncthreads();
+    const Bf16* kt = ks + (j & 1) * kTile;
+    const Bf16* vt = vs + (j & 1) * kTile;
+
+    // S = Q K^T for this warp's 16 rows x kBlockN keys.
+    float s[kBlockN / 8][4];
+    for (int nb = 0; nb < kBlockN / 8; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kBlockN / 16; ++np) {
+        uint32_t b[4];
+        const int row = np * 16 + (lane & 7) + ((lane >> 4) << 3);
+        const int col = kk * 16 + ((lane >> 3) & 1) * 8;
+        LdMatrixX4(b, kt + row * (D + 8) + col);
+        Mma16816(s[2 * np], qf[kk], b[0], b[1]);
+        Mma16816(s[2 * np + 1], qf[kk], b[2], b[3]);
+      }
+    }
+    // Mask, scale, online softmax.
+    float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+    for (int nb = 0; nb < kBlockN / 8; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e / 2;
+        const int32_t key = k0 + nb * 8 + tig * 2 + (e & 1);
+        const bool visible = key < khi && (stage != kIntra || key <= q_pos[i]);
+        const float x = visible ? s[nb][e] * a.scale_log2 : -CUDART_INF_F;
+        s[nb][e] = x;
+        tile_max[i] = fmaxf(tile_max[i], x);
+      }
+    }
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+      const float m_new = fmaxf(m[i], tile_max[i]);
+      m_use[i] = m_new == -CUDART_INF_F ? 0.f : m_new;
+      alpha[i] = exp2f(m[i] - m_use[i]);
+      m[i] = m_new;
+      l[i] *= alpha[i];
+    }
+#pragma unroll
+    for (int nb = 0; nb < kBlockN / 8; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = exp2f(s[nb][e] - m_use[e / 2]);
+        s[nb][e] = p;
+        l[e / 2] += p;
+      }
+    }
+#pragma unroll
+    for (int d = 0; d < kDimBlocks; ++d) {
+      o[d][0] *= alpha[0]; o[d][1] *= alpha[0];
+      o[d][2] *= alpha[1]; o[d][3] *= alpha[1];
+    }
+    // O += P V.
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      uint32_t pa[4];
+      pa[0] = PackBf16(s[2 * kk][0], s[2 * kk][1]);
+      pa[1] = PackBf16(s[2 * kk][2], s[2 * kk][3]);
+      pa[2] = PackBf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[3] = PackBf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t b[4];
+        const int row = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int col = dp * 16 + ((lane >> 4) << 3);
+        LdMatrixX4Trans(b, vt + row * (D + 8) + col);
+        Mma16816(o[2 * dp], pa, b[0], b[1]);
+        Mma16816(o[2 * dp + 1], pa, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // the next iteration's loads overwrite this buffer
+  }
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (!row_valid[i]) continue;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const int64_t base = q_row[i] * D;
+#pragma unroll
+    for (int d = 0; d < kDimBlocks; ++d) {
+      StorePair(a.out, a.out_dtype, base + d * 8 + tig * 2, o[d][2 * i] * inv,
+                o[d][2 * i + 1] * inv);
+    }
+  }
+}
+
+// ---- split-K decode ------------------------------------------------------------------------------
+
+struct DecodeArgs {
+  PagedKvBatch kv;
+  const int32_t* lengths;
+  const Bf16* q;
+  int32_t chunk_len;
+  int32_t num_q_heads;
+  int32_t group;
+  int32_t max_splits;
+  int64_t orig;        // original_max_position_embeddings
+  float scale_log2;    // softmax_scale * log2(e); times s(L) per sequence
+  float* partial_out;  // [batch, Hq, max_splits, D]
+  float* partial_lse;  // [batch, Hq, max_splits], log2 domain; -inf = empty split
+};
+
+// grid (max_splits, num_kv_heads, batch), block kThreads. Block (s, h, b): keys
+// [s * split_len, (s + 1) * split_len) of sequence b, split_len = roundup(ceil(L / max_splits), 64).
+// The group's q heads are the 16 rows of an mma tile (rows >= group are zero); each warp takes 16
+// keys of every 64-key tile with its own online softmax; the four warps merge through shared memory.
+template <int D>
+__global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int kTile = kBlockN * (D + 8);
+  constexpr int kKSteps = D / 16;
+  constexpr int kDimBlocks = D / 8;
+  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);  // [2][kBlockN][D + 8]
+  Bf16* vs = ks + 2 * kTile;                     // [2][kBlockN][D + 8]
+  Bf16* qs = vs + 2 * kTile;                     // [3][16][D + 8]
+
+  const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const int32_t len = a.lengths[b];
+  const int32_t per_split = (len + a.max_splits - 1) / a.max_splits;
+  const int32_t split_len = (per_split + kBlockN - 1) / kBlockN * kBlockN;
+  const int32_t k_begin = split * split_len;
+  const int32_t k_end = min(len, k_begin + split_len);
+  if (k_begin >= k_end) {  // empty split: mark it and leave
+    if (threadIdx.x < a.group) {
+      const int64_t head = kv_head * a.group + threadIdx.x;
+      a.partial_lse[(static_cast<int64_t>(b) * a.num_q_heads + head) * a.max_splits + split] =
+          -CUDART_INF_F;
+    }
+    return;
+  }
+  const PagedKv<Bf16> kv = a.kv.Seq(b);
+  const int32_t cl = a.chunk_len;
+  const int32_t prev = ((len - 1) / cl) * cl;  // the query is at position len - 1
+  const float scale_log2 = a.scale_log2 * LengthScaleDevice(len, a.orig);
+
+  // Stage Q: [3][16][D+8], rows >= group zero.
+  {
+    constexpr int kChunksPerRow = D / 8;
+    for (int c = threadIdx.x; c < 3 * 16 * kChunksPerRow; c += kThreads) {
+      const int v = c / (16 * kChunksPerRow);
+      const int r = (c / kChunksPerRow) % 16;
+      const int col = (c % kChunksPerRow) * 8;
+      const bool valid = r < a.group;
+      const Bf16* src = a.q + ((static_cast<int64_t>(b) * kNumDecodeVariants + v) * a.num_q_heads +
+                               kv_head * a.group + (valid ? r : 0)) * D + col;
+      CpAsync16(qs + (v * 16 + r) * (D + 8) + col, src, valid);
+    }
+  }
+  const int n_tiles = (k_end - k_begin + kBlockN - 1) / kBlockN;
+  LoadKvTile<D>(kv, kv_head, k_begin, k_end, ks, vs);
+  CpAsyncCommit();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gid = lane / 4, tig = lane % 4;
+  float o[kDimBlocks][4];
+  for (int d = 0; d < kDimBlocks; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
+  float l[2] = {0.f, 0.f};
+
+  for (int j = 0; j < n_tiles; ++j) {
+    if (j + 1 < n_tiles) {
+      LoadKvTile<D>(kv, kv_head, k_begin + (j + 1) * kBlockN, k_end, ks + ((j + 1) & 1) * kTile,
+                    vs + ((j + 1) & 1) * kTile);
+    }
+    CpAsyncCommit();
+    CpAsyncWait<1>();
+    __syncthreads();
+    const Bf16* kt = ks + (j & 1) * kTile + warp * 16 * (D + 8);  // this warp's 16 keys
+    const Bf16* vt = vs + (j & 1) * kTile + warp * 16 * (D + 8);
+    const int32_t kw = k_begin + j * kBlockN + warp * 16;  // first key of this warp's slice
+    if (kw < k_end) {
+      const int v_hi = VariantOfKey(kw, prev, cl);                 // largest variant index
+      const int v_lo = VariantOfKey(min(kw + 15, k_end - 1), prev, cl);
+      float s[2][4];
+      for (int nb = 0; nb < 2; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+      for (int v = v_lo; v <= v_hi; ++v) {  // usually one variant; two or three at a boundary
+        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        const Bf16* qv = qs + v * 16 * (D + 8);
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk) {
+          uint32_t qa[4], kb[4];
+          LdMatrixX4(qa, qv + (lane & 15) * (D + 8) + kk * 16 + (lane >> 4) * 8);
+          LdMatrixX4(kb, kt + ((lane & 7) + ((lane >> 4) << 3)) * (D + 8) + kk * 16 +
+                             ((lane >> 3) & 1) * 8);
+          Mma16816(acc[0], qa, kb[0], kb[1]);
+          Mma16816(acc[1], qa, kb[2], kb[3]);
+        }
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int32_t key = kw + nb * 8 + tig * 2 + (e & 1);
+            if (VariantOfKey(key, prev, cl) == v) s[nb][e] = acc[nb][e];
+          }
+      }
+      float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int32_t key = kw + nb * 8 + tig * 2 + (e & 1);
+          const float x = key < k_end ? s[nb][e] * scale_log2 : -CUDART_INF_F;
+          s[nb][e] = x;
+          tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
+        }
+      float alpha[2], m_use[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+        const float m_new = fmaxf(m[i], tile_max[i]);
+        m_use[i] = m_new == -CUDART_INF_F ? 0.f : m_new;
+        alpha[i] = exp2f(m[i] - m_use[i]);
+        m[i] = m_new;
+        l[i] *= alpha[i];
+      }
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = exp2f(s[nb][e] - m_use[e / 2]);
+          s[nb][e] = p;
+          l[e / 2] += p;
+        }
+#pragma unroll
+      for (int d = 0; d < kDimBlocks; ++d) {
+        o[d][0] *= alpha[0]; o[d][1] *= alpha[0];
+        o[d][2] *= alpha[1]; o[d][3] *= alpha[1];
+      }
+      uint32_t pa[4];
+      pa[0] = PackBf16(s[0][0], s[0][1]);
+      pa[1] = PackBf16(s[0][2], s[0][3]);
+      pa[2] = PackBf16(s[1][0], s[1][1]);
+      pa[3] = PackBf16(s[1][2], s[1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t vb[4];
+        LdMatrixX4Trans(vb, vt + ((lane & 7) + (((lane >> 3) & 1) << 3)) * (D + 8) + dp * 16 +
+                                ((lane >> 4) << 3));
+        Mma16816(o[2 * dp], pa, vb[0], vb[1]);
+        Mma16816(o[2 * dp + 1], pa, vb[2], vb[3]);
+      }
+    }
+    __syncthreads();
+  }
+  CpAsyncWait<0>();
+
+  // Merge the four warps: per-warp (m, l, O) through shared memory (reusing the K/V tiles).
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
+  float* so = reinterpret_cast<float*>(smem_raw);  // [4][16][D]
+  float* sm = so + 4 * 16 * D;                      // [4][16]
+  float* sl = sm + 4 * 16;                          // [4][16]
+  __syncthreads();
+#pragma unroll
+  for (int d = 0; d < kDimBlocks; ++d) {
+    const int col = d * 8 + tig * 2;
+    so[(warp * 16 + gid) * D + col] = o[d][0];
+    so[(warp * 16 + gid) * D + col + 1] = o[d][1];
+    so[(warp * 16 + gid + 8) * D + col] = o[d][2];
+    so[(warp * 16 + gid + 8) * D + col + 1] = o[d][3];
+  }
+  if (tig == 0) {
+    sm[warp * 16 + gid] = m[0];
+    sm[warp * 16 + gid + 8] = m[1];
+    sl[warp * 16 + gid] = l[0];
+    sl[warp * 16 + gid + 8] = l[1];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < a.group * D; idx += kThreads) {
+    const int r = idx / D, d = idx % D;
+    float mx = -CUDART_INF_F;
+    for (int w = 0; w < 4; ++w) mx = fmaxf(mx, sm[w * 16 + r]);
+    float lsum = 0.f, acc = 0.f;
+    for (int w = 0; w < 4; ++w) {
+      if (sm[w * 16 + r] == -CUDART_INF_F) continue;
+      const float wgt = exp2f(sm[w * 16 + r] - mx);
+      lsum += sl[w * 16 + r] * wgt;
+      acc += so[(w * 16 + r) * D + d] * wgt;
+    }
+    const int64_t head = kv_head * a.group + r;
+    const int64_t slot = (static_cast<int64_t>(b) * a.num_q_heads + head) * a.max_splits + split;
+    a.partial_out[slot * D + d] = lsum > 0.f ? acc / lsum : 0.f;
+    if (d == 0) a.partial_lse[slot] = lsum > 0.f ? mx + log2f(lsum) : -CUDART_INF_F;
+  }
+}
+
+// grid (batch, num_q_heads), block D threads: out = sum_s w_s * partial_out_s with
+// w_s = 2^(lse_s - max) / sum, skipping empty splits.
+template <int D>
+__global__ void __launch_bounds__(D) DcaDecodeReduceKernel(const float* partial_out,
+                                                           const float* partial_lse, int max_splits,
+                                                           void* out, int out_dtype) {
+  const int64_t slot = static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y;
+  const float* lse = partial_lse + slot * max_splits;
+  float mx = -CUDART_INF_F;
+  for (int s = 0; s < max_splits; ++s) mx = fmaxf(mx, lse[s]);
+  float wsum = 0.f, acc = 0.f;
+  for (int s = 0; s < max_splits; ++s) {
+    if (lse[s] == -CUDART_INF_F) continue;
+    const float w = exp2f(lse[s] - mx);
+    wsum += w;
+    acc += w * partial_out[(slot * max_splits + s) * D + threadIdx.x];
+  }
+  StoreOne(out, out_dtype, slot * D + threadIdx.x, wsum > 0.f ? acc / wsum : 0.f);
+}
+
+// ---- simple reference kernels --------------------------------------------------------------------
+
+// One warp computes one query row at position q_pos: q_variants points at the row's intra query,
+// successive variants `variant_stride` elements apart. Scalar fp32 with an online softmax.
+template <int D>
+__device__ void ReferenceRow(const PagedKv<Bf16>& kv, int32_t kv_head, const Bf16* q_intra,
+                             int64_t variant_stride, int32_t q_pos, int32_t chunk_len,
+                             float score_scale, void* out, int out_dtype, int64_t out_index) {
+  constexpr int kPerLane = D / 32;
+  const int lane = threadIdx.x % 32;
+  float qv[3][kPerLane];
+  for (int v = 0; v < 3; ++v)
+    for (int i = 0; i < kPerLane; ++i)
+      qv[v][i] = __bfloat162float(q_intra[v * variant_stride + lane + 32 * i]);
+  const int32_t prev = (q_pos / chunk_len) * chunk_len;
+  float m = -CUDART_INF_F, l = 0.f, acc[kPerLane];
+  for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
+  for (int32_t k = 0; k <= q_pos; ++k) {
+    const int v = VariantOfKey(k, prev, chunk_len);
+    const Bf16* key = kv.Key(k, kv_head);
+    const Bf16* val = kv.Value(k, kv_head);
+    float dot = 0.f;
+    for (int i = 0; i < kPerLane; ++i) dot += qv[v][i] * __bfloat162float(key[lane + 32 * i]);
+    for (int off = 16; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    const float x = dot * score_scale;
+    const float m_new = fmaxf(m, x);
+    const float alpha = expf(m - m_new);
+    const float p = expf(x - m_new);
+    l = l * alpha + p;
+    for (int i = 0; i < kPerLane; ++i) acc[i] = acc[i] * alpha + p * __bfloat162float(val[lane + 32 * i]);
+    m = m_new;
+  }
+  for (int i = 0; i < kPerLane; ++i) StoreOne(out, out_dtype, out_index + lane + 32 * i, acc[i] / l);
+}
+
+// grid (num_tokens, num_q_heads), block 32.
+template <int D>
+__global__ void DcaPrefillReferenceKernel(PagedKv<Bf16> kv, const Bf16* q, void* out, int out_dtype,
+                                          int32_t start, int32_t chunk_len, int32_t num_q_heads,
+                                          int32_t group, float softmax_scale) {
+  const int32_t t = blockIdx.x, h = blockIdx.y;
+  const Bf16* q_intra = q + (static_cast<int64_t>(t) * kNumQueryVariants * num_q_heads + h) * D;
+  ReferenceRow<D>(kv, h / group, q_intra, static_cast<int64_t>(num_q_heads) * D, start + t,
+                  chunk_len, softmax_scale, out, out_dtype,
+                  (static_cast<int64_t>(t) * num_q_heads + h) * D);
+}
+
+// grid (batch, num_q_heads), block 32.
+template <int D>
+__global__ void DcaDecodeReferenceKernel(PagedKvBatch kvb, const int32_t* lengths, const Bf16* q,
+                                         void* out, int out_dtype, int32_t chunk_len,
+                                         int32_t num_q_heads, int32_t group, float softmax_scale,
+                                         int64_t orig) {
+  const int32_t b = blockIdx.x, h = blockIdx.y;
+  const int32_t len = lengths[b];
+  const Bf16* q_intra = q + (static_cast<int64_t>(b) * kNumDecodeVariants * num_q_heads + h) * D;
+  ReferenceRow<D>(kvb.Seq(b), h / group, q_intra, static_cast<int64_t>(num_q_heads) * D, len - 1,
+                  chunk_len, softmax_scale * LengthScaleDevice(len, orig), out, out_dtype,
+                  (static_cast<int64_t>(b) * num_q_heads + h) * D);
+}
+
+// ---- append and conversion -----------------------------------------------------------------------
+
+// grid-stride over num_tokens * Hkv * D elements of one sequence.
+__global__ void AppendKvKernel(PagedKv<Bf16> kv, const void* k, const void* v, int in_dtype,
+                               int32_t start, int64_t n, float key_scale) {
+  const int64_t per_token = static_cast<int64_t>(kv.num_kv_heads) * kv.head_dim;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t t = static_cast<int32_t>(i / per_token);
+    const int32_t h = static_cast<int32_t>((i % per_token) / kv.head_dim);
+    const int32_t d = static_cast<int32_t>(i % kv.head_dim);
+    const int64_t off = PagedOffset(kv, start + t, h) + d;
+    kv.k[off] = __float2bfloat16_rn(LoadAsFloat(k, in_dtype, i) * key_scale);
+    kv.v[off] = __float2bfloat16_rn(LoadAsFloat(v, in_dtype, i));
+  }
+}
+
+// grid (batch), block 128: sequence b's new token at lengths[b] - 1.
+__global__ void DecodeAppendKvKernel(PagedKvBatch kvb, const int32_t* lengths, const void* k,
+                                     const void* v, int in_dtype, int64_t orig) {
+  const int32_t b = blockIdx.x;
+  const int32_t len = lengths[b];
+  const float key_scale = LengthScaleDevice(len, orig);
+  const PagedKv<Bf16> kv = kvb.Seq(b);
+  const int per_token = kv.num_kv_heads * kv.head_dim;
+  for (int i = threadIdx.x; i < per_token; i += blockDim.x) {
+    const int64_t src = static_cast<int64_t>(b) * per_token + i;
+    const int64_t off = PagedOffset(kv, len - 1, i / kv.head_dim) + i % kv.head_dim;
+    kv.k[off] = __float2bfloat16_rn(LoadAsFloat(k, in_dtype, src) * key_scale);
+    kv.v[off] = __float2bfloat16_rn(LoadAsFloat(v, in_dtype, src));
+  }
+}
+
+__global__ void ConvertToBf16Kernel(const void* src, int dtype, int64_t n, Bf16* dst) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = __float2bfloat16_rn(LoadAsFloat(src, dtype, i));
+  }
+}
+
+}  // namespace cuda_kernels
+}  // namespace attnd
+
+#endif  // ATTND_KERNELS_CUDA_DCA_CUDA_KERNELS_CUH_

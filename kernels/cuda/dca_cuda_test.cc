@@ -1,0 +1,543 @@
+// Tests of the CUDA DCA kernels (dca_cuda.h) against an fp64 CPU reference written here (it never
+// calls production code): every output element within the bf16 bars of DCA.md, NaN/Inf checked,
+// outputs and the KV pool poisoned with NaN before every run. Both the fast kernels and the simple
+// reference kernels are checked. Skips loudly where no CUDA device is present.
+#include "kernels/cuda/dca_cuda.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/dca.h"
+#include "kernels/dtype.h"
+#include "kernels/paged_kv.h"
+
+namespace attnd {
+namespace {
+
+constexpr double kMaxAbsBar = 2e-2;   // DCA.md: bf16 vs fp32/fp64 reference
+constexpr double kMeanAbsBar = 2e-3;
+
+bool GpuPresent(std::string* why) {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    *why = std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(err);
+    return false;
+  }
+  if (n == 0) {
+    *why = "no CUDA device";
+    return false;
+  }
+  return true;
+}
+
+#define REQUIRE_GPU()                                                                        \
+  do {                                                                                       \
+    std::string why_;                                                                        \
+    if (!GpuPresent(&why_)) {                                                                \
+      std::fprintf(stderr, "*** SKIPPING GPU TEST %s: %s ***\n",                             \
+                   ::testing::UnitTest::GetInstance()->current_test_info()->name(),          \
+                   why_.c_str());                                                            \
+      GTEST_SKIP() << "no usable CUDA device: " << why_;                                     \
+    }                                                                                        \
+  } while (0)
+
+#define CUDA_ASSERT(expr) ASSERT_EQ(cudaSuccess, (expr)) << #expr << ": " << cudaGetErrorString(expr)
+
+// A device allocation freed on scope exit.
+class DevBuf {
+ public:
+  explicit DevBuf(size_t bytes) : bytes_(bytes) {
+    if (cudaMalloc(&p_, std::max<size_t>(bytes, 16)) != cudaSuccess) p_ = nullptr;
+  }
+  ~DevBuf() { cudaFree(p_); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <typename T = void>
+  T* get() const { return static_cast<T*>(p_); }
+  size_t bytes() const { return bytes_; }
+  void Poison() const { cudaMemset(p_, 0xff, bytes_); }  // all-ones: NaN in bf16/fp16/fp32
+  void Upload(const void* src) const { cudaMemcpy(p_, src, bytes_, cudaMemcpyHostToDevice); }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_;
+};
+
+double LengthScaleRef(int64_t len, int64_t orig) {
+  if (orig <= 0) return 1.0;
+  return std::max(1.0, 0.1 * std::log(static_cast<double>(len) / static_cast<double>(orig)) + 1.0);
+}
+
+DcaGeometry Geometry(int hq, int hkv, int d, int64_t cl, int64_t orig) {
+  DcaGeometry g;
+  g.num_q_heads = hq;
+  g.num_kv_heads = hkv;
+  g.head_dim = d;
+  g.chunk_len = cl;
+  g.original_max_position_embeddings = orig;
+  g.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  return g;
+}
+
+// Random unit-scale values, exactly representable in `dtype`; raw bytes in `raw`, values in `val`.
+void RandomTensor(size_t n, DType dtype, std::mt19937* rng, std::vector<uint8_t>* raw,
+                  std::vector<double>* val) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  raw->resize(n * ElementSize(dtype));
+  val->resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const float x = dist(*rng);
+    if (dtype == DType::kFp32) {
+      std::memcpy(raw->data() + 4 * i, &x, 4);
+      (*val)[i] = x;
+    } else if (dtype == DType::kBf16) {
+      const uint16_t h = FloatToBf16(x);
+      std::memcpy(raw->data() + 2 * i, &h, 2);
+      (*val)[i] = Bf16ToFloat(h);
+    } else {
+      const uint16_t h = FloatToHalf(x);
+      std::memcpy(raw->data() + 2 * i, &h, 2);
+      (*val)[i] = HalfToFloat(h);
+    }
+  }
+}
+
+std::vector<float> ToFloat(const std::vector<uint8_t>& raw, DType dtype) {
+  std::vector<float> out(raw.size() / ElementSize(dtype));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (dtype == DType::kFp32) {
+      std::memcpy(&out[i], raw.data() + 4 * i, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, raw.data() + 2 * i, 2);
+      out[i] = dtype == DType::kBf16 ? Bf16ToFloat(h) : HalfToFloat(h);
+    }
+  }
+  return out;
+}
+
+// fp64 DCA for one query at position p, q head h: keys [0, p] with the variant DCA.md assigns
+// (intra from floor(p/cl)*cl, succ the chunk before, inter below), one softmax.
+//   q: pointers to the head's D values of the intra, succ and inter variants
+//   keys/values: [positions, Hkv, D] as cached (keys already length-scaled)
+void RefAttend(const DcaGeometry& g, int64_t p, int h, const double* const q[3],
+               const std::vector<double>& keys, const std::vector<double>& values,
+               double score_scale, double* out) {
+  const int d = g.head_dim, hkv = g.num_kv_heads, kvh = h / (g.num_q_heads / hkv);
+  const int64_t prev = (p / g.chunk_len) * g.chunk_len;
+  std::vector<double> logits(p + 1);
+  double mx = -INFINITY;
+  for (int64_t j = 0; j <= p; ++j) {
+    const int variant = j >= prev ? 0 : (j >= prev - g.chunk_len ? 1 : 2);
+    const double* k = &keys[(j * hkv + kvh) * d];
+    double dot = 0;
+    for (int i = 0; i < d; ++i) dot += q[variant][i] * k[i];
+    logits[j] = dot * score_scale;
+    mx = std::max(mx, logits[j]);
+  }
+  double sum = 0;
+  for (double& x : logits) sum += (x = std::exp(x - mx));
+  for (int i = 0; i < d; ++i) out[i] = 0;
+  for (int64_t j = 0; j <= p; ++j) {
+    const double* v = &values[(j * hkv + kvh) * d];
+    for (int i = 0; i < d; ++i) out[i] += logits[j] / sum * v[i];
+  }
+}
+
+struct ErrStats {
+  double max_abs = 0, sum_abs = 0;
+  size_t n = 0, nonfinite = 0;
+  void Add(float got, double want) {
+    ++n;
+    if (!std::isfinite(got)) {
+      ++nonfinite;
+      return;
+    }
+    const double e = std::fabs(got - want);
+    max_abs = std::max(max_abs, e);
+    sum_abs += e;
+  }
+  double mean() const { return n ? sum_abs / n : 0; }
+};
+
+void ExpectWithinBars(const ErrStats& s, const std::string& what) {
+  EXPECT_GT(s.n, 0u) << what;
+  EXPECT_EQ(s.nonfinite, 0u) << what << ": non-finite outputs (unwritten or NaN)";
+  EXPECT_LE(s.max_abs, kMaxAbsBar) << what;
+  EXPECT_LE(s.mean(), kMeanAbsBar) << what;
+  std::printf("  %-48s n=%zu max_abs=%.3g mean_abs=%.3g\n", what.c_str(), s.n, s.max_abs, s.mean());
+}
+
+// A shuffled page table drawn from a pool of num_pages pages.
+std::vector<int32_t> ShuffledPages(int64_t num_pages, std::mt19937* rng) {
+  std::vector<int32_t> pages(num_pages);
+  std::iota(pages.begin(), pages.end(), 0);
+  std::shuffle(pages.begin(), pages.end(), *rng);
+  return pages;
+}
+
+// ---- prefill -------------------------------------------------------------------------------------
+
+struct PrefillCase {
+  std::string name;
+  int hq, hkv, d;
+  int64_t cl;
+  int page_size;
+  int64_t orig;
+  std::vector<int64_t> chunks;  // token counts of successive prefill calls (chunked prefill)
+  DType in_dtype = DType::kBf16;
+  DType out_dtype = DType::kFp32;
+};
+
+void PrintTo(const PrefillCase& c, std::ostream* os) { *os << c.name; }
+
+class PrefillTest : public ::testing::TestWithParam<PrefillCase> {};
+
+TEST_P(PrefillTest, MatchesFp64Reference) {
+  REQUIRE_GPU();
+  const PrefillCase& c = GetParam();
+  const DcaGeometry g = Geometry(c.hq, c.hkv, c.d, c.cl, c.orig);
+  const int64_t prompt = std::accumulate(c.chunks.begin(), c.chunks.end(), int64_t{0});
+  const double s = LengthScaleRef(prompt, c.orig);
+  std::mt19937 rng(1234 + prompt);
+
+  const int64_t seq_pages = (prompt + c.page_size - 1) / c.page_size;
+  const int64_t pool_pages = seq_pages + 7;
+  const size_t kv_elems = static_cast<size_t>(pool_pages) * c.page_size * c.hkv * c.d;
+  DevBuf k_pool(kv_elems * 2), v_pool(kv_elems * 2);
+  k_pool.Poison();
+  v_pool.Poison();
+  std::vector<int32_t> table = ShuffledPages(pool_pages, &rng);
+  table.resize(seq_pages);
+  DevBuf d_table(table.size() * 4);
+  d_table.Upload(table.data());
+  PagedKv<Bf16> kv;
+  kv.k = k_pool.get<Bf16>();
+  kv.v = v_pool.get<Bf16>();
+  kv.page_table = d_table.get<int32_t>();
+  kv.page_size = c.page_size;
+  kv.num_kv_heads = c.hkv;
+  kv.head_dim = c.d;
+
+  std::vector<double> keys, values;  // as cached, fp64
+  int64_t start = 0;
+  for (const int64_t t : c.chunks) {
+    std::vector<uint8_t> q_raw, k_raw, v_raw;
+    std::vector<double> q_val, k_val, v_val;
+    RandomTensor(t * kNumQueryVariants * c.hq * c.d, DType::kBf16, &rng, &q_raw, &q_val);
+    RandomTensor(t * c.hkv * c.d, c.in_dtype, &rng, &k_raw, &k_val);
+    RandomTensor(t * c.hkv * c.d, c.in_dtype, &rng, &v_raw, &v_val);
+    for (double x : k_val) keys.push_back(s * x);
+    values.insert(values.end(), v_val.begin(), v_val.end());
+
+    DevBuf dq(q_raw.size()), dk(k_raw.size()), dv(v_raw.size());
+    dq.Upload(q_raw.data());
+    dk.Upload(k_raw.data());
+    dv.Upload(v_raw.data());
+    CudaAppendParams ap;
+    ap.kv = kv;
+    ap.k = dk.get();
+    ap.v = dv.get();
+    ap.in_dtype = c.in_dtype;
+    ap.start = start;
+    ap.num_tokens = t;
+    ap.key_scale = static_cast<float>(s);
+    ASSERT_TRUE(LaunchAppendKv(ap, nullptr).ok());
+
+    const size_t out_bytes = t * c.hq * c.d * ElementSize(c.out_dtype);
+    DevBuf out_fast(out_bytes), out_ref(out_bytes);
+    out_fast.Poison();
+    out_ref.Poison();
+    CudaPrefillParams pp;
+    pp.kv = kv;
+    pp.q = dq.get<Bf16>();
+    pp.out_dtype = c.out_dtype;
+    pp.start = start;
+    pp.num_tokens = t;
+    pp.softmax_scale = static_cast<float>(g.softmax_scale * s);
+    pp.out = out_fast.get();
+    absl::Status st = LaunchDcaPrefill(g, pp, nullptr);
+    ASSERT_TRUE(st.ok()) << st;
+    pp.out = out_ref.get();
+    st = LaunchDcaPrefillReference(g, pp, nullptr);
+    ASSERT_TRUE(st.ok()) << st;
+    CUDA_ASSERT(cudaDeviceSynchronize());
+    CUDA_ASSERT(cudaGetLastError());
+    std::vector<uint8_t> raw_fast(out_bytes), raw_ref(out_bytes);
+    CUDA_ASSERT(cudaMemcpy(raw_fast.data(), out_fast.get(), out_bytes, cudaMemcpyDeviceToHost));
+    CUDA_ASSERT(cudaMemcpy(raw_ref.data(), out_ref.get(), out_bytes, cudaMemcpyDeviceToHost));
+    const std::vector<float> got_fast = ToFloat(raw_fast, c.out_dtype);
+    const std::vector<float> got_ref = ToFloat(raw_ref, c.out_dtype);
+
+    ErrStats e_fast, e_ref;
+    std::vector<double> want(c.d);
+    for (int64_t i = 0; i < t; ++i) {
+      for (int h = 0; h < c.hq; ++h) {
+        const double* q[3];
+        for (int v = 0; v < 3; ++v) q[v] = &q_val[((i * kNumQueryVariants + v) * c.hq + h) * c.d];
+        RefAttend(g, start + i, h, q, keys, values, g.softmax_scale * s, want.data());
+        for (int x = 0; x < c.d; ++x) {
+          e_fast.Add(got_fast[(i * c.hq + h) * c.d + x], want[x]);
+          e_ref.Add(got_ref[(i * c.hq + h) * c.d + x], want[x]);
+        }
+      }
+    }
+    const std::string where = "[" + std::to_string(start) + "," + std::to_string(start + t) + ")";
+    ExpectWithinBars(e_fast, c.name + " fast " + where);
+    ExpectWithinBars(e_ref, c.name + " simple " + where);
+    start += t;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, PrefillTest,
+    ::testing::Values(
+        PrefillCase{"one_token_7b", 28, 4, 128, 128, 16, 0, {1}},
+        PrefillCase{"two_tokens_7b", 28, 4, 128, 128, 16, 0, {2}},
+        PrefillCase{"7b_3p5_chunks", 28, 4, 128, 128, 16, 0, {450}},
+        PrefillCase{"7b_exact_3_chunks_page_edge", 28, 4, 128, 128, 16, 0, {384}},
+        PrefillCase{"7b_chunked_odd", 28, 4, 128, 128, 16, 0, {100, 1, 155, 200}},
+        PrefillCase{"7b_scaled_fp32_in", 28, 4, 128, 128, 16, 200, {520}, DType::kFp32},
+        PrefillCase{"7b_scaled_chunked_bf16_out", 28, 4, 128, 128, 32, 150, {129, 127, 257},
+                    DType::kBf16, DType::kBf16},
+        PrefillCase{"gqa1_d64", 8, 8, 64, 256, 16, 0, {256, 544}},
+        PrefillCase{"gqa1_d64_scaled_fp16", 4, 4, 64, 128, 64, 100, {64, 448}, DType::kFp16,
+                    DType::kFp16},
+        PrefillCase{"14b_geometry", 40, 8, 128, 256, 16, 500, {333, 667}},
+        PrefillCase{"gqa16_d128", 32, 2, 128, 128, 16, 0, {300}}),
+    [](const ::testing::TestParamInfo<PrefillCase>& info) { return info.param.name; });
+
+// ---- decode --------------------------------------------------------------------------------------
+
+struct DecodeCase {
+  std::string name;
+  int hq, hkv, d;
+  int64_t cl;
+  int page_size;
+  int64_t orig;
+  int batch;
+  int64_t max_len;
+  DType in_dtype = DType::kBf16;
+  DType out_dtype = DType::kFp32;
+};
+
+void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
+
+// Mixed lengths: the interesting ones first (1, page and chunk edges), then random.
+std::vector<int32_t> MixedLengths(const DecodeCase& c, std::mt19937* rng) {
+  const std::vector<int64_t> edges = {1,          2,          c.page_size,    c.page_size + 1,
+                                      c.cl,       c.cl + 1,   2 * c.cl,       2 * c.cl + 1,
+                                      3 * c.cl,   3 * c.cl + 1, c.max_len,    c.cl - 1};
+  std::vector<int32_t> out;
+  std::uniform_int_distribution<int64_t> dist(1, c.max_len);
+  for (int b = 0; b < c.batch; ++b) {
+    const int64_t len = b < static_cast<int>(edges.size()) ? edges[b] : dist(*rng);
+    out.push_back(static_cast<int32_t>(std::min(len, c.max_len)));
+  }
+  if (c.batch == 1) out[0] = static_cast<int32_t>(c.max_len);
+  return out;
+}
+
+class DecodeTest : public ::testing::TestWithParam<DecodeCase> {};
+
+TEST_P(DecodeTest, MatchesFp64Reference) {
+  REQUIRE_GPU();
+  const DecodeCase& c = GetParam();
+  const DcaGeometry g = Geometry(c.hq, c.hkv, c.d, c.cl, c.orig);
+  std::mt19937 rng(99 + c.batch);
+  const std::vector<int32_t> lengths = MixedLengths(c, &rng);
+  const int64_t stride = (c.max_len + c.page_size - 1) / c.page_size;
+  int64_t total_pages = 0;
+  for (int32_t len : lengths) total_pages += (len + c.page_size - 1) / c.page_size;
+  const int64_t pool_pages = total_pages + 3;
+  const size_t kv_elems = static_cast<size_t>(pool_pages) * c.page_size * c.hkv * c.d;
+  DevBuf k_pool(kv_elems * 2), v_pool(kv_elems * 2);
+  k_pool.Poison();
+  v_pool.Poison();
+  const std::vector<int32_t> perm = ShuffledPages(pool_pages, &rng);
+  std::vector<int32_t> tables(c.batch * stride, -1);
+  int64_t next = 0;
+  for (int b = 0; b < c.batch; ++b) {
+    for (int64_t i = 0; i < (lengths[b] + c.page_size - 1) / c.page_size; ++i) {
+      tables[b * stride + i] = perm[next++];
+    }
+  }
+  DevBuf d_tables(tables.size() * 4), d_lengths(lengths.size() * 4);
+  d_tables.Upload(tables.data());
+  d_lengths.Upload(lengths.data());
+  PagedKvBatch kvb;
+  kvb.k = k_pool.get<Bf16>();
+  kvb.v = v_pool.get<Bf16>();
+  kvb.page_tables = d_tables.get<int32_t>();
+  kvb.page_table_stride = stride;
+  kvb.page_size = c.page_size;
+  kvb.num_kv_heads = c.hkv;
+  kvb.head_dim = c.d;
+
+  // History: positions [0, L-1) appended as one prefill with prompt L-1; fp64 copies kept.
+  const size_t tok = static_cast<size_t>(c.hkv) * c.d;
+  std::vector<std::vector<double>> keys(c.batch), values(c.batch);
+  for (int b = 0; b < c.batch; ++b) {
+    const int64_t hist = lengths[b] - 1;
+    if (hist == 0) continue;
+    const double s = LengthScaleRef(hist, c.orig);
+    std::vector<uint8_t> k_raw, v_raw;
+    std::vector<double> k_val, v_val;
+    RandomTensor(hist * tok, c.in_dtype, &rng, &k_raw, &k_val);
+    RandomTensor(hist * tok, c.in_dtype, &rng, &v_raw, &v_val);
+    for (double x : k_val) keys[b].push_back(s * x);
+    values[b] = v_val;
+    DevBuf dk(k_raw.size()), dv(v_raw.size());
+    dk.Upload(k_raw.data());
+    dv.Upload(v_raw.data());
+    CudaAppendParams ap;
+    ap.kv = kvb.Seq(b);
+    ap.k = dk.get();
+    ap.v = dv.get();
+    ap.in_dtype = c.in_dtype;
+    ap.start = 0;
+    ap.num_tokens = hist;
+    ap.key_scale = static_cast<float>(s);
+    ASSERT_TRUE(LaunchAppendKv(ap, nullptr).ok());
+    CUDA_ASSERT(cudaDeviceSynchronize());
+  }
+  // The new token of every sequence, appended by the decode append kernel (key scaled by s(L)).
+  std::vector<uint8_t> k_raw, v_raw, q_raw;
+  std::vector<double> k_val, v_val, q_val;
+  RandomTensor(c.batch * tok, c.in_dtype, &rng, &k_raw, &k_val);
+  RandomTensor(c.batch * tok, c.in_dtype, &rng, &v_raw, &v_val);
+  RandomTensor(static_cast<size_t>(c.batch) * kNumDecodeVariants * c.hq * c.d, DType::kBf16, &rng,
+               &q_raw, &q_val);
+  for (int b = 0; b < c.batch; ++b) {
+    const double s = LengthScaleRef(lengths[b], c.orig);
+    for (size_t i = 0; i < tok; ++i) {
+      keys[b].push_back(s * k_val[b * tok + i]);
+      values[b].push_back(v_val[b * tok + i]);
+    }
+  }
+  DevBuf dk(k_raw.size()), dv(v_raw.size()), dq(q_raw.size());
+  dk.Upload(k_raw.data());
+  dv.Upload(v_raw.data());
+  dq.Upload(q_raw.data());
+  CudaDecodeAppendParams dap;
+  dap.kv = kvb;
+  dap.lengths = d_lengths.get<int32_t>();
+  dap.k = dk.get();
+  dap.v = dv.get();
+  dap.in_dtype = c.in_dtype;
+  dap.batch = c.batch;
+  dap.original_max_position_embeddings = c.orig;
+  ASSERT_TRUE(LaunchDecodeAppendKv(dap, nullptr).ok());
+
+  // fp64 reference outputs.
+  std::vector<double> want(static_cast<size_t>(c.batch) * c.hq * c.d);
+  for (int b = 0; b < c.batch; ++b) {
+    const double s = LengthScaleRef(lengths[b], c.orig);
+    for (int h = 0; h < c.hq; ++h) {
+      const double* q[3];
+      for (int v = 0; v < 3; ++v) q[v] = &q_val[((b * kNumDecodeVariants + v) * c.hq + h) * c.d];
+      RefAttend(g, lengths[b] - 1, h, q, keys[b], values[b], g.softmax_scale * s,
+                &want[(b * c.hq + h) * c.d]);
+    }
+  }
+
+  const size_t out_bytes = static_cast<size_t>(c.batch) * c.hq * c.d * ElementSize(c.out_dtype);
+  const int32_t planned = PlanDecodeSplits(g, c.batch, c.max_len, 132);
+  for (const int32_t splits : {planned, 1, 7, 64}) {
+    DevBuf out(out_bytes);
+    out.Poison();
+    DevBuf ws(DecodeWorkspaceFloats(g, c.batch, splits) * 4);
+    ws.Poison();
+    CudaDecodeParams dp;
+    dp.kv = kvb;
+    dp.lengths = d_lengths.get<int32_t>();
+    dp.q = dq.get<Bf16>();
+    dp.out = out.get();
+    dp.out_dtype = c.out_dtype;
+    dp.batch = c.batch;
+    dp.max_splits = splits;
+    dp.partial_out = ws.get<float>();
+    dp.partial_lse = ws.get<float>() + static_cast<size_t>(c.batch) * c.hq * splits * c.d;
+    absl::Status st = LaunchDcaDecode(g, dp, nullptr);
+    ASSERT_TRUE(st.ok()) << st;
+    CUDA_ASSERT(cudaDeviceSynchronize());
+    CUDA_ASSERT(cudaGetLastError());
+    std::vector<uint8_t> raw(out_bytes);
+    CUDA_ASSERT(cudaMemcpy(raw.data(), out.get(), out_bytes, cudaMemcpyDeviceToHost));
+    const std::vector<float> got = ToFloat(raw, c.out_dtype);
+    ErrStats e;
+    for (size_t i = 0; i < want.size(); ++i) e.Add(got[i], want[i]);
+    ExpectWithinBars(e, c.name + " split-K max_splits=" + std::to_string(splits));
+  }
+  {
+    DevBuf out(out_bytes);
+    out.Poison();
+    CudaDecodeParams dp;
+    dp.kv = kvb;
+    dp.lengths = d_lengths.get<int32_t>();
+    dp.q = dq.get<Bf16>();
+    dp.out = out.get();
+    dp.out_dtype = c.out_dtype;
+    dp.batch = c.batch;
+    absl::Status st = LaunchDcaDecodeReference(g, dp, nullptr);
+    ASSERT_TRUE(st.ok()) << st;
+    CUDA_ASSERT(cudaDeviceSynchronize());
+    std::vector<uint8_t> raw(out_bytes);
+    CUDA_ASSERT(cudaMemcpy(raw.data(), out.get(), out_bytes, cudaMemcpyDeviceToHost));
+    const std::vector<float> got = ToFloat(raw, c.out_dtype);
+    ErrStats e;
+    for (size_t i = 0; i < want.size(); ++i) e.Add(got[i], want[i]);
+    ExpectWithinBars(e, c.name + " simple");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DecodeTest,
+    ::testing::Values(DecodeCase{"b1_7b_long", 28, 4, 128, 128, 16, 0, 1, 600},
+                      DecodeCase{"b1_len1", 28, 4, 128, 128, 16, 0, 1, 1},
+                      DecodeCase{"b12_7b_edges", 28, 4, 128, 128, 16, 0, 12, 520},
+                      DecodeCase{"b64_7b_scaled_fp32", 28, 4, 128, 128, 16, 200, 64, 700,
+                                 DType::kFp32},
+                      DecodeCase{"b256_7b_mixed", 28, 4, 128, 128, 16, 0, 256, 560},
+                      DecodeCase{"b37_gqa1_d64_scaled", 8, 8, 64, 128, 32, 150, 37, 600,
+                                 DType::kFp16, DType::kBf16},
+                      DecodeCase{"b20_14b", 40, 8, 128, 256, 16, 300, 20, 900},
+                      DecodeCase{"b9_gqa16", 32, 2, 128, 128, 64, 0, 9, 500}),
+    [](const ::testing::TestParamInfo<DecodeCase>& info) { return info.param.name; });
+
+// ---- host-only checks (run in CI without a GPU) ---------------------------------------------------
+
+TEST(CudaGeometry, RejectsUnsupportedShapes) {
+  DcaGeometry g = Geometry(28, 4, 96, 128, 0);
+  absl::Status s = CheckCudaGeometry(g);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("head_dim 96"), std::string::npos) << s;
+  g = Geometry(34, 2, 128, 128, 0);  // group 17
+  s = CheckCudaGeometry(g);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("group size"), std::string::npos) << s;
+  EXPECT_TRUE(CheckCudaGeometry(Geometry(28, 4, 128, 253952, 262144)).ok());
+  EXPECT_TRUE(CheckCudaGeometry(Geometry(8, 8, 64, 128, 0)).ok());
+}
+
+TEST(CudaDecodePlan, SplitsFillTheGpuAndStayBounded) {
+  const DcaGeometry g = Geometry(28, 4, 128, 253952, 262144);
+  EXPECT_EQ(PlanDecodeSplits(g, 1, 1, 132), 1);
+  EXPECT_GE(PlanDecodeSplits(g, 1, 1 << 20, 132) * 4, 132);
+  EXPECT_EQ(PlanDecodeSplits(g, 256, 1 << 17, 132), 1);
+  EXPECT_LE(PlanDecodeSplits(g, 1, int64_t{1} << 30, 132), 1024);
+}
+
+}  // namespace
+}  // namespace attnd
