@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -74,8 +75,8 @@ DcaGeometry MakeGeometry(int hq, int hkv, int d, int64_t cl, int64_t orig) {
   return geo;
 }
 
-std::vector<float> RandomVector(size_t n, std::mt19937* rng) {
-  std::normal_distribution<float> dist(0.f, 1.f);
+std::vector<float> RandomVector(size_t n, std::mt19937* rng, float stddev = 1.f) {
+  std::normal_distribution<float> dist(0.f, stddev);
   std::vector<float> v(n);
   for (float& x : v) x = dist(*rng);
   return v;
@@ -101,6 +102,15 @@ class Sequence {
   Sequence(const DcaGeometry& geo, Pool<KvT>* pool, std::vector<int32_t> pages)
       : geo_(geo), pool_(pool), pages_(std::move(pages)), naive_(geo, 1) {}
 
+  // Query magnitude and the tolerance that goes with it (large logits amplify fp32 rounding).
+  void SetQueryScale(float stddev, Tolerance tol) {
+    q_stddev_ = stddev;
+    tol_ = tol;
+  }
+  // Makes every generated K/V value a bf16 value, so that (with s = 1) bf16 storage is exact and
+  // the bf16 kernels can be held to the fp32 bar.
+  void SetBf16Inputs(bool on) { bf16_inputs_ = on; }
+
   PagedKv<KvT> View() const {
     PagedKv<KvT> kv;
     kv.k = pool_->k.data();
@@ -116,9 +126,9 @@ class Sequence {
   void Prefill(int64_t t, int64_t prompt_len, std::mt19937* rng, ThreadPool* threads,
                const std::string& what) {
     const int64_t hq = geo_.num_q_heads, d = geo_.head_dim;
-    const std::vector<float> q = RandomVector(t * kNumQueryVariants * hq * d, rng);
-    const std::vector<float> k = RandomVector(t * pool_->row, rng);
-    const std::vector<float> v = RandomVector(t * pool_->row, rng);
+    const std::vector<float> q = RandomVector(t * kNumQueryVariants * hq * d, rng, q_stddev_);
+    const std::vector<float> k = KvVector(t * pool_->row, rng);
+    const std::vector<float> v = KvVector(t * pool_->row, rng);
     auto expected = naive_.Prefill(0, q, k, v, prompt_len);
     ASSERT_TRUE(expected.ok()) << expected.status();
 
@@ -139,16 +149,16 @@ class Sequence {
     params.softmax_scale = geo_.softmax_scale * s;
     DcaPrefillCpu(geo_, View(), params, threads);
     length_ += t;
-    ExpectClose(out, *expected, TolFor<KvT>(),
+    ExpectClose(out, *expected, tol_,
                 absl::StrCat(what, " prefill of ", t, " ending at ", length_));
   }
 
   // Prepares one decode step; the caller batches items and then calls Check().
   CpuDecodeItem<KvT> StartDecode(std::mt19937* rng, ThreadPool* threads) {
     const int64_t hq = geo_.num_q_heads, d = geo_.head_dim;
-    q_ = RandomVector(kNumDecodeVariants * hq * d, rng);
-    const std::vector<float> k = RandomVector(pool_->row, rng);
-    const std::vector<float> v = RandomVector(pool_->row, rng);
+    q_ = RandomVector(kNumDecodeVariants * hq * d, rng, q_stddev_);
+    const std::vector<float> k = KvVector(pool_->row, rng);
+    const std::vector<float> v = KvVector(pool_->row, rng);
     auto expected = naive_.Decode(0, q_, k, v);
     EXPECT_TRUE(expected.ok()) << expected.status();
     expected_ = *std::move(expected);
@@ -172,17 +182,28 @@ class Sequence {
     return item;
   }
   void CheckDecode(const std::string& what) {
-    ExpectClose(out_, expected_, TolFor<KvT>(), absl::StrCat(what, " decode at L=", length_));
+    ExpectClose(out_, expected_, tol_, absl::StrCat(what, " decode at L=", length_));
   }
 
   int64_t length() const { return length_; }
 
  private:
+  std::vector<float> KvVector(size_t n, std::mt19937* rng) const {
+    std::vector<float> x = RandomVector(n, rng);
+    if (bf16_inputs_) {
+      for (float& e : x) e = Bf16ToFloat(FloatToBf16(e));
+    }
+    return x;
+  }
+
   DcaGeometry geo_;
   Pool<KvT>* pool_;
   std::vector<int32_t> pages_;
   naive::NaiveSequence naive_;
   int64_t length_ = 0;
+  float q_stddev_ = 1.f;
+  bool bf16_inputs_ = false;
+  Tolerance tol_ = TolFor<KvT>();
   std::vector<float> q_, out_, expected_;
 };
 
@@ -193,6 +214,9 @@ struct Scenario {
   int threads = 2;
   std::vector<int64_t> prefill_chunks;  // one prompt sent in these pieces
   int decode_steps = 0;
+  float q_stddev = 1.f;
+  Tolerance tol = {0, 0};  // {0, 0}: the KV type's default
+  bool bf16_inputs = false;
 };
 
 template <typename KvT>
@@ -211,6 +235,8 @@ void Run(const Scenario& sc, const std::string& what) {
   ids.resize(pages_needed);
   ThreadPool threads(sc.threads);
   Sequence<KvT> seq(sc.geo, &pool, ids);
+  seq.SetQueryScale(sc.q_stddev, sc.tol.max_abs > 0 ? sc.tol : TolFor<KvT>());
+  seq.SetBf16Inputs(sc.bf16_inputs);
   for (int64_t t : sc.prefill_chunks) {
     seq.Prefill(t, prompt, &rng, &threads, what);
     if (::testing::Test::HasFatalFailure()) return;
@@ -336,6 +362,57 @@ TYPED_TEST(DcaCpuTest, ThreadCountsAndKeySplits) {
     sc.prefill_chunks = {1200, 2};
     sc.decode_steps = 2;
     Run<TypeParam>(sc, absl::StrCat(threads, " threads"));
+  }
+}
+
+TYPED_TEST(DcaCpuTest, LargeLogits) {
+  // Logits with a standard deviation of ~20: most softmax weights underflow, which exercises the
+  // exp's clamp and the running-max rescaling. fp32 logit rounding (~1e-6 relative of |logit|)
+  // moves the weights by ~1e-5, so the bar is looser than the unit-scale one. bf16 rounding of
+  // keys would move such logits by ~0.1, so K/V are drawn as bf16 values with s = 1 (no scaling):
+  // storage is then exact and both KV types must meet the same fp32 bar.
+  Scenario sc;
+  sc.geo = MakeGeometry(4, 2, 32, 128, 0);
+  sc.q_stddev = 20.f;
+  sc.tol = {2e-4, 1e-5};
+  sc.bf16_inputs = true;
+  sc.prefill_chunks = {300, 40};
+  sc.decode_steps = 3;
+  Run<TypeParam>(sc, "large logits");
+}
+
+TYPED_TEST(DcaCpuTest, Bf16ExactInputsMeetTheFp32Bar) {
+  // With bf16-representable K/V and no length scaling, the bf16 path loses nothing to storage:
+  // any error beyond fp32 rounding is a kernel bug, not bf16.
+  Scenario sc;
+  sc.geo = MakeGeometry(14, 2, 64, 128, 0);
+  sc.tol = kFp32Tol;
+  sc.bf16_inputs = true;
+  sc.shuffle_pages = true;
+  sc.prefill_chunks = {200, 1, 150};
+  sc.decode_steps = 3;
+  Run<TypeParam>(sc, "bf16-exact inputs");
+}
+
+TYPED_TEST(DcaCpuTest, EmptyCallsDoNothing) {
+  using KvT = TypeParam;
+  const DcaGeometry geo = MakeGeometry(4, 2, 32, 128, 0);
+  Pool<KvT> pool(geo, 16, 1);
+  const std::vector<int32_t> pages = {0};
+  Sequence<KvT> seq(geo, &pool, pages);
+  ThreadPool threads(2);
+  DcaDecodeCpu<KvT>(geo, {}, &threads);
+  std::vector<float> out(4, 7.f);
+  CpuPrefillParams params;
+  params.out = out.data();
+  params.num_tokens = 0;
+  DcaPrefillCpu<KvT>(geo, seq.View(), params, &threads);
+  CpuAppendParams append;
+  append.num_tokens = 0;
+  AppendKvCpu<KvT>(seq.View(), append, &threads);
+  EXPECT_EQ(out, std::vector<float>(4, 7.f));
+  for (size_t i = 0; i < pool.k.size(); ++i) {
+    ASSERT_EQ(std::memcmp(&pool.k[i], &pool.v[i], sizeof(KvT)), 0);  // both still the poison
   }
 }
 
