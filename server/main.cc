@@ -1,0 +1,109 @@
+// attnd: the daemon. Flags live here only; they are read once into ServerOptions.
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "server/server.h"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "host:port to serve on; port 0 picks a free one");
+ABSL_FLAG(std::string, model_config, "",
+          "path to the model's Hugging Face config.json; empty = Qwen2.5-7B-Instruct-1M");
+ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda");
+ABSL_FLAG(int64_t, kv_cache_bytes, 0,
+          "bytes of KV pool; 0 = the backend's default (CPU: min(4 GiB, RAM / 4))");
+ABSL_FLAG(std::string, kv_dtype, "auto", "auto | bf16 | fp32 (auto: fp32 on cpu)");
+ABSL_FLAG(int32_t, page_size, 16, "tokens per KV page; must divide the DCA chunk length");
+ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest request or response, in bytes");
+ABSL_FLAG(int64_t, max_sequence_length, 0, "most tokens per sequence; 0 = the model's maximum");
+ABSL_FLAG(int64_t, max_sequences, 0, "most live sequences; 0 = unlimited");
+ABSL_FLAG(int32_t, compute_threads, 0, "CPU kernel threads; 0 = all cores");
+ABSL_FLAG(int32_t, request_workers, 0, "threads running requests; 0 = 2 x cores (at least 4)");
+ABSL_FLAG(std::string, log_level, "info", "trace | debug | info | warn | error | critical | off");
+ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
+          "on SIGINT/SIGTERM, how long in-flight requests may run before they are cancelled");
+
+namespace {
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "attnd: %s\n", message.c_str());
+  return 1;
+}
+
+// The documented spelling is --kv-cache-bytes, but Abseil flag names are C++ identifiers
+// (kv_cache_bytes), so dashes in flag names (not in values) become underscores before parsing.
+void DashesToUnderscores(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    char* arg = argv[i];
+    if (arg[0] != '-' || arg[1] != '-') continue;
+    if (arg[2] == '\0') break;  // "--" ends the flags
+    for (char* c = arg + 2; *c != '\0' && *c != '='; ++c) {
+      if (*c == '-') *c = '_';
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("attnd: dual chunk attention over gRPC. Flags: --helpfull");
+  DashesToUnderscores(argc, argv);
+  absl::ParseCommandLine(argc, argv);
+
+  const std::string level = absl::GetFlag(FLAGS_log_level);
+  const spdlog::level::level_enum parsed = spdlog::level::from_str(level);
+  // from_str maps unknown names to "off"; only "off" itself may mean off.
+  if (parsed == spdlog::level::off && level != "off") {
+    return Fail(absl::StrCat("--log-level must be trace, debug, info, warn, error, critical or "
+                             "off, got \"",
+                             level, "\""));
+  }
+  spdlog::set_level(parsed);
+  const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
+  if (drain < absl::ZeroDuration()) {
+    return Fail(absl::StrCat("--drain-timeout must be >= 0, got ", absl::FormatDuration(drain)));
+  }
+
+  // Block the shutdown signals in every thread (gRPC's included, which inherit the mask) before any
+  // is created; this thread then takes them synchronously with sigwait: no async handler at all.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  attnd::ServerOptions options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.model_config = absl::GetFlag(FLAGS_model_config);
+  options.device = absl::GetFlag(FLAGS_device);
+  options.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  options.kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
+  options.page_size = absl::GetFlag(FLAGS_page_size);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.max_sequence_length = absl::GetFlag(FLAGS_max_sequence_length);
+  options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  options.request_workers = absl::GetFlag(FLAGS_request_workers);
+
+  absl::StatusOr<std::unique_ptr<attnd::AttndServer>> server = attnd::AttndServer::Start(options);
+  if (!server.ok()) return Fail(std::string(server.status().message()));
+  spdlog::info("{}", (*server)->startup_summary());
+
+  int signal_number = 0;
+  while (sigwait(&signals, &signal_number) != 0) {
+  }
+  spdlog::info("received signal {}; draining for up to {}", signal_number,
+               absl::FormatDuration(drain));
+  (*server)->Shutdown(absl::Now() + drain);
+  (*server)->Wait();
+  spdlog::info("stopped");
+  return 0;
+}

@@ -1,0 +1,79 @@
+// The Attention gRPC service on the callback API. Handlers only translate: proto tensors become
+// views into the request's bytes (no copy), the work goes to the work queue (so gRPC threads never
+// compute), and outputs are written by the engine straight into the response's bytes field.
+#ifndef ATTND_SERVER_SERVICE_H_
+#define ATTND_SERVER_SERVICE_H_
+
+#include <atomic>
+#include <functional>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "attnd/v1/attention.grpc.pb.h"
+#include "server/decode_queue.h"
+#include "server/runtime.h"
+#include "server/work_queue.h"
+
+namespace attnd {
+
+class SessionReactor;
+
+// Thread-safe; gRPC calls the handlers from its own threads. runtime, work_queue and decode_queue
+// must outlive the service and every RPC it started.
+class AttentionService : public v1::Attention::CallbackService {
+ public:
+  AttentionService(Runtime* runtime, WorkQueue* work_queue, DecodeQueue* decode_queue);
+
+  // Sessions waiting for their next request end now with UNAVAILABLE; busy ones end after the
+  // response they are computing. Call before grpc::Server::Shutdown so idle streams do not hold
+  // the drain until its deadline.
+  void BeginShutdown();
+
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::GetServerInfoResponse* response) override;
+  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context,
+                                           const v1::CreateSequenceRequest* request,
+                                           v1::CreateSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext* context,
+                                            const v1::ReleaseSequenceRequest* request,
+                                            v1::ReleaseSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* context,
+                                    const v1::PrefillRequest* request,
+                                    v1::PrefillResponse* response) override;
+  grpc::ServerUnaryReactor* Decode(grpc::CallbackServerContext* context,
+                                   const v1::DecodeRequest* request,
+                                   v1::DecodeResponse* response) override;
+  grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* Session(
+      grpc::CallbackServerContext* context) override;
+
+ private:
+  friend class SessionReactor;
+
+  // Runs on a worker: validates and computes one prefill, filling `response` on success.
+  absl::Status RunPrefill(const v1::PrefillRequest& request, v1::PrefillResponse* response);
+  // Queues one decode on the decode queue; `done` gets its status after `response` is filled.
+  // When this returns an error, done is never called.
+  absl::Status SubmitDecode(const v1::DecodeRequest& request, v1::DecodeResponse* response,
+                            std::function<void(absl::Status)> done);
+
+  // False once shutdown has begun (the session is then not registered).
+  bool Register(SessionReactor* session);
+  void Unregister(SessionReactor* session);
+  bool shutting_down() const;
+
+  Runtime* const runtime_;
+  WorkQueue* const work_queue_;
+  DecodeQueue* const decode_queue_;
+
+  // Atomic, not under mu_: sessions read it under their own lock, and BeginShutdown takes mu_
+  // before the sessions' locks.
+  std::atomic<bool> shutting_down_{false};
+  mutable absl::Mutex mu_;
+  absl::flat_hash_set<SessionReactor*> sessions_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace attnd
+
+#endif  // ATTND_SERVER_SERVICE_H_
