@@ -1,0 +1,59 @@
+// attnctl's subcommands as functions over a connected client, so tests can run them against an
+// in-process daemon. main.cc owns the flags and fills these Options structs. Each returns the
+// process exit code: 0 success, 1 a failed check (smoke FAIL), 2 an error talking to the server.
+#ifndef ATTND_CLIENT_ATTNCTL_H_
+#define ATTND_CLIENT_ATTNCTL_H_
+
+#include <cstdint>
+#include <ostream>
+#include <vector>
+
+#include "client/attnd_client.h"
+#include "kernels/dtype.h"
+
+namespace attnd {
+namespace client {
+
+// `attnctl info`: GetServerInfo as aligned "key: value" lines.
+int RunInfo(AttndClient& client, std::ostream& out, std::ostream& err);
+
+inline constexpr int32_t kDefaultLayers = 0;
+inline constexpr int32_t kAllLayers = -1;
+
+struct SmokeOptions {
+  DType dtype = DType::kFp32;
+  // Layers to run: kDefaultLayers = all, capped (see kSmokeMaxLayers*); kAllLayers = all; n > 0.
+  int32_t layers = 0;
+  int64_t max_tokens = 0;      // tokens per sequence (prefill + decode); 0 = the default rule
+  int64_t decode_steps = 16;
+  uint64_t seed = 1;
+};
+// Layer caps when `layers` is 0: the reference is fp64 and single-process, so big models run
+// fewer layers by default (every layer exercises the same kernels; the geometry is what matters).
+inline constexpr int32_t kSmokeMaxLayersSmallModel = 8;
+inline constexpr int32_t kSmokeMaxLayersLargeModel = 2;
+
+// `attnctl smoke`: one sequence prefilled in several chunks spanning at least two DCA chunks
+// where the token cap allows, then decode steps; every output checked against the naive fp64
+// reference; PASS/FAIL with the max error. Releases what it created.
+int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out,
+             std::ostream& err);
+
+struct BenchOptions {
+  std::vector<int64_t> contexts = {1024, 4096};
+  int64_t prefill_chunk = 1024;
+  int64_t decode_steps = 32;
+  int32_t batch = 1;  // sequences per decode call
+  DType dtype = DType::kBf16;
+  int32_t layers = 1;  // 0 = all
+  uint64_t seed = 1;
+};
+// `attnctl bench`: prefill and decode latency/throughput; a progress line on `err` (rewritten
+// with \r) and a summary table on `out`. Releases everything it created, also on failure.
+int RunBench(AttndClient& client, const BenchOptions& options, std::ostream& out,
+             std::ostream& err);
+
+}  // namespace client
+}  // namespace attnd
+
+#endif  // ATTND_CLIENT_ATTNCTL_H_

@@ -1,0 +1,140 @@
+// attnctl: a command-line client for attnd.
+//   attnctl info                       server, model, DCA config, KV pool and limits
+//   attnctl smoke [--dtype ...]        end-to-end numeric check against the naive fp64 reference
+//   attnctl bench [--context ...]      prefill / decode latency and throughput
+// Flags may be spelled with dashes or underscores (--max-tokens == --max_tokens).
+#include <cstdint>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "client/attnctl.h"
+#include "client/attnd_client.h"
+#include "client/host_tensor.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address, host:port");
+ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest gRPC message sent or received");
+ABSL_FLAG(absl::Duration, connect_timeout, absl::Seconds(10), "how long to wait for the server");
+ABSL_FLAG(std::string, dtype, "", "request dtype: bf16 | fp16 | fp32 (default: smoke fp32, bench bf16)");
+ABSL_FLAG(int32_t, layers, -1,
+          "layers to run; 0 = all (default: smoke all, capped for big models; bench 1)");
+ABSL_FLAG(uint64_t, seed, 1, "random seed for the inputs");
+ABSL_FLAG(int64_t, max_tokens, 0,
+          "smoke: tokens per sequence; 0 = 2.5 DCA chunks, capped at 4096 on the cpu backend");
+ABSL_FLAG(int64_t, decode_steps, -1, "decode steps (default: smoke 16, bench 32)");
+ABSL_FLAG(std::vector<std::string>, context, std::vector<std::string>({"1024", "4096"}),
+          "bench: comma-separated context lengths");
+ABSL_FLAG(int64_t, prefill_chunk, 1024, "bench: tokens per prefill call");
+ABSL_FLAG(int32_t, batch, 1, "bench: sequences per decode call");
+
+namespace {
+
+constexpr char kUsage[] =
+    "attnctl <info|smoke|bench> [flags]\n"
+    "  info   print the server's model, DCA config, KV pool and limits\n"
+    "  smoke  prefill + decode one sequence and check every output against the naive fp64\n"
+    "         reference; exits non-zero on FAIL (--dtype --layers --max-tokens --decode-steps --seed)\n"
+    "  bench  prefill/decode latency and throughput (--context --prefill-chunk --decode-steps\n"
+    "         --batch --dtype --layers)";
+
+// absl flags are underscore names; accept the dashed spelling the docs use by rewriting the
+// name part of "--some-flag[=value]" before parsing.
+std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
+  std::vector<std::string> args;
+  bool after_double_dash = false;
+  for (int i = 0; i < argc; ++i) {
+    std::string a = argv[i];
+    if (i > 0 && !after_double_dash && a.size() > 2 && a[0] == '-') {
+      if (a == "--") {
+        after_double_dash = true;
+      } else {
+        const size_t start = a.find_first_not_of('-');
+        const size_t end = std::min(a.find('='), a.size());
+        for (size_t j = start; j < end; ++j) {
+          if (a[j] == '-') a[j] = '_';
+        }
+      }
+    }
+    args.push_back(std::move(a));
+  }
+  return args;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(kUsage);
+  std::vector<std::string> normalized = NormalizeFlagNames(argc, argv);
+  std::vector<char*> normalized_argv;
+  for (std::string& a : normalized) normalized_argv.push_back(a.data());
+  std::vector<char*> positional =
+      absl::ParseCommandLine(static_cast<int>(normalized_argv.size()), normalized_argv.data());
+  if (positional.size() != 2) {
+    std::cerr << kUsage << "\n";
+    return 2;
+  }
+  const std::string command = positional[1];
+  if (command != "info" && command != "smoke" && command != "bench") {
+    std::cerr << "attnctl: unknown command \"" << command << "\"\n" << kUsage << "\n";
+    return 2;
+  }
+
+  attnd::client::ClientOptions client_options;
+  client_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  client_options.connect_timeout = absl::GetFlag(FLAGS_connect_timeout);
+  absl::StatusOr<std::unique_ptr<attnd::client::AttndClient>> client =
+      attnd::client::AttndClient::Connect(absl::GetFlag(FLAGS_target), client_options);
+  if (!client.ok()) {
+    std::cerr << "attnctl: " << client.status() << "\n";
+    return 2;
+  }
+  if (command == "info") return attnd::client::RunInfo(**client, std::cout, std::cerr);
+
+  const std::string dtype_name =
+      absl::GetFlag(FLAGS_dtype).empty() ? (command == "smoke" ? "fp32" : "bf16")
+                                         : absl::GetFlag(FLAGS_dtype);
+  absl::StatusOr<attnd::DType> dtype = attnd::client::ParseDType(dtype_name);
+  if (!dtype.ok()) {
+    std::cerr << "attnctl: --dtype: " << dtype.status().message() << "\n";
+    return 2;
+  }
+  const int32_t layers = absl::GetFlag(FLAGS_layers);
+  const int64_t decode_steps = absl::GetFlag(FLAGS_decode_steps);
+
+  if (command == "smoke") {
+    attnd::client::SmokeOptions options;
+    options.dtype = *dtype;
+    options.layers = layers < 0   ? attnd::client::kDefaultLayers
+                     : layers == 0 ? attnd::client::kAllLayers
+                                   : layers;
+    options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+    if (decode_steps >= 0) options.decode_steps = decode_steps;
+    options.seed = absl::GetFlag(FLAGS_seed);
+    return attnd::client::RunSmoke(**client, options, std::cout, std::cerr);
+  }
+
+  attnd::client::BenchOptions options;
+  options.dtype = *dtype;
+  options.layers = layers < 0 ? 1 : layers;
+  if (decode_steps >= 0) options.decode_steps = decode_steps;
+  options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  options.batch = absl::GetFlag(FLAGS_batch);
+  options.seed = absl::GetFlag(FLAGS_seed);
+  options.contexts.clear();
+  for (const std::string& c : absl::GetFlag(FLAGS_context)) {
+    int64_t n = 0;
+    if (!absl::SimpleAtoi(c, &n) || n < 1) {
+      std::cerr << "attnctl: --context: \"" << c << "\" is not a positive integer\n";
+      return 2;
+    }
+    options.contexts.push_back(n);
+  }
+  return attnd::client::RunBench(**client, options, std::cout, std::cerr);
+}

@@ -1,0 +1,234 @@
+// Replays the golden DCA case dense_gqa_chunked (shared/testdata/dca) through a daemon over
+// loopback gRPC: chunked prefill with the case's prompt_len, then batched decode of two sequences
+// across a chunk boundary. fp32 requests must match the golden outputs within 1e-4; bf16 requests
+// within DCA.md's bf16 bars.
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/attnd_client.h"
+#include "client/host_tensor.h"
+#include "gtest/gtest.h"
+#include "kernels/dtype.h"
+#include "nlohmann/json.hpp"
+#include "tests/test_util.h"
+
+namespace attnd {
+namespace {
+
+using client::DecodeInput;
+using client::HostTensor;
+
+bool IsDir(const std::string& path) {
+  std::ifstream probe(path + "/dca/README.md");
+  return probe.good();
+}
+
+// The shared testdata directory. Bazel's runfiles hold only this workspace, not ../shared, so:
+// $ATTND_TESTDATA if set, else ../shared/testdata next to the real source checkout, found by
+// resolving this test's source file (a runfiles symlink into the workspace; spawn_strategy is
+// local). Returns "" with the places tried in `tried`.
+std::string FindTestdata(std::string* tried) {
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv("ATTND_TESTDATA")) candidates.push_back(env);
+  if (const char* srcdir = std::getenv("TEST_SRCDIR")) {
+    const std::string source = absl::StrCat(srcdir, "/attnd/tests/golden_test.cc");
+    char resolved[PATH_MAX];
+    if (realpath(source.c_str(), resolved) != nullptr) {
+      std::string dir(resolved);
+      dir = dir.substr(0, dir.rfind('/'));  // <workspace>/tests
+      dir = dir.substr(0, dir.rfind('/'));  // <workspace>
+      candidates.push_back(dir + "/../shared/testdata");
+    }
+  }
+  candidates.push_back("../shared/testdata");  // run by hand from the workspace root
+  for (const std::string& c : candidates) {
+    if (IsDir(c)) return c;
+    absl::StrAppend(tried, " ", c);
+  }
+  return "";
+}
+
+struct Tensor {
+  std::string dtype;  // "bf16" | "f32"
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+class GoldenCase {
+ public:
+  bool Load(const std::string& dir) {
+    std::ifstream json_file(dir + "/case.json");
+    if (!json_file) return false;
+    json_file >> json_;
+    std::ifstream bin(dir + "/tensors.bin", std::ios::binary);
+    std::stringstream buffer;
+    buffer << bin.rdbuf();
+    blob_ = buffer.str();
+    return !blob_.empty();
+  }
+  const nlohmann::json& json() const { return json_; }
+
+  Tensor Get(const std::string& name) const {
+    const nlohmann::json& entry = json_.at("tensors").at(name);
+    Tensor t;
+    t.dtype = entry.at("dtype").get<std::string>();
+    t.shape = entry.at("shape").get<std::vector<int64_t>>();
+    const int64_t offset = entry.at("offset").get<int64_t>();
+    const int64_t nbytes = entry.at("nbytes").get<int64_t>();
+    const DType dtype = t.dtype == "bf16" ? DType::kBf16 : DType::kFp32;
+    const size_t n = nbytes / ElementSize(dtype);
+    t.values.resize(n);
+    ConvertToFloat(blob_.data() + offset, dtype, n, t.values.data());
+    return t;
+  }
+
+ private:
+  nlohmann::json json_;
+  std::string blob_;
+};
+
+class GoldenTest : public ::testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override {
+    std::string tried;
+    const std::string root = FindTestdata(&tried);
+    ASSERT_FALSE(root.empty()) << "golden testdata not found; set ATTND_TESTDATA. Tried:" << tried;
+    ASSERT_TRUE(golden_.Load(root + "/dca/dense_gqa_chunked")) << "cannot read the case in " << root;
+  }
+  GoldenCase golden_;
+};
+
+TEST_P(GoldenTest, DenseGqaChunked) {
+  const DType dtype = GetParam();
+  const nlohmann::json& c = golden_.json();
+  testing::ModelGeometry geometry;
+  geometry.name = "golden-dense-gqa-chunked";
+  geometry.num_layers = 1;
+  geometry.num_q_heads = c.at("num_q_heads");
+  geometry.num_kv_heads = c.at("num_kv_heads");
+  geometry.head_dim = c.at("head_dim");
+  const nlohmann::json& dca = c.at("dual_chunk_attention_config");
+  geometry.chunk_size = dca.at("chunk_size");
+  geometry.local_size = dca.at("local_size");
+  geometry.original_max_position_embeddings = dca.at("original_max_position_embeddings");
+  geometry.max_position_embeddings = 8192;
+  ASSERT_FLOAT_EQ(c.at("softmax_scale").get<float>(), geometry.dca().softmax_scale)
+      << "the case's softmax scale is not 1/sqrt(head_dim); the config cannot express it";
+
+  ServerOptions options;
+  options.page_size = 16;
+  ASSERT_EQ(geometry.chunk_len() % options.page_size, 0);
+  options.kv_dtype = "fp32";
+  options.kv_cache_bytes = 32ll << 20;
+  options.compute_threads = 2;
+  absl::StatusOr<std::unique_ptr<testing::TestDaemon>> daemon =
+      testing::TestDaemon::Start(geometry, options);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  client::AttndClient& client = (*daemon)->client();
+
+  // The case's sequence numbers -> server ids, created on first use.
+  std::vector<std::string> ids;
+  auto id_of = [&](int seq) -> std::string {
+    while (static_cast<int>(ids.size()) <= seq) {
+      absl::StatusOr<std::string> id = client.CreateSequence();
+      EXPECT_TRUE(id.ok()) << id.status();
+      ids.push_back(id.ok() ? *id : "");
+    }
+    return ids[seq];
+  };
+
+  // fp32 is the golden path (1e-4); bf16 has DCA.md's bars against the fp32 reference.
+  const double max_bar = dtype == DType::kFp32 ? 1e-4 : 2e-2;
+  const double mean_bar = dtype == DType::kFp32 ? 1e-4 : 2e-3;
+  const int64_t q_row = geometry.q_elems_per_token();
+  const int64_t kv_row = geometry.kv_elems_per_token();
+  const int64_t o_row = geometry.o_elems_per_token();
+  int steps = 0;
+  double worst = 0;
+  for (const nlohmann::json& step : c.at("steps")) {
+    const std::string op = step.at("op");
+    const Tensor q = golden_.Get(step.at("q"));
+    const Tensor k = golden_.Get(step.at("k"));
+    const Tensor v = golden_.Get(step.at("v"));
+    const Tensor out = golden_.Get(step.at("out"));
+    SCOPED_TRACE(absl::StrCat("step ", steps, " (", op, ")"));
+    if (op == "prefill") {
+      const int64_t tokens = step.at("tokens");
+      const int64_t start = step.at("start");
+      absl::StatusOr<client::PrefillResult> r = client.Prefill(
+          id_of(step.at("seq")), 0,
+          HostTensor::FromFloats(dtype, {tokens, 5, geometry.num_q_heads, geometry.head_dim},
+                                 q.values),
+          HostTensor::FromFloats(dtype, {tokens, geometry.num_kv_heads, geometry.head_dim},
+                                 k.values),
+          HostTensor::FromFloats(dtype, {tokens, geometry.num_kv_heads, geometry.head_dim},
+                                 v.values),
+          step.at("prompt_len").get<int64_t>());
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->length, start + tokens);
+      EXPECT_EQ(r->o.dtype, dtype);
+      EXPECT_EQ(r->o.shape,
+                (std::vector<int64_t>{tokens, geometry.num_q_heads, geometry.head_dim}));
+      const testing::ErrorStats e = testing::CompareOutputs(r->o.ToFloats(), out.values);
+      EXPECT_TRUE(e.finite);
+      EXPECT_LE(e.max_abs, max_bar);
+      EXPECT_LE(e.mean_abs, mean_bar);
+      worst = std::max(worst, e.max_abs);
+    } else {
+      ASSERT_EQ(op, "decode");
+      const std::vector<int> seqs = step.at("seqs");
+      const std::vector<int64_t> lens = step.at("lens_after");
+      std::vector<DecodeInput> entries;
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        DecodeInput in;
+        in.sequence_id = id_of(seqs[i]);
+        in.q = HostTensor::FromFloats(dtype, {5, geometry.num_q_heads, geometry.head_dim},
+                                      testing::Rows(q.values, q_row, i, i + 1));
+        in.k = HostTensor::FromFloats(dtype, {geometry.num_kv_heads, geometry.head_dim},
+                                      testing::Rows(k.values, kv_row, i, i + 1));
+        in.v = HostTensor::FromFloats(dtype, {geometry.num_kv_heads, geometry.head_dim},
+                                      testing::Rows(v.values, kv_row, i, i + 1));
+        entries.push_back(std::move(in));
+      }
+      absl::StatusOr<std::vector<client::DecodeResult>> r = client.Decode(0, entries);
+      ASSERT_TRUE(r.ok()) << r.status();
+      ASSERT_EQ(r->size(), seqs.size());
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        EXPECT_EQ((*r)[i].length, lens[i]);
+        const testing::ErrorStats e = testing::CompareOutputs(
+            (*r)[i].o.ToFloats(), testing::Rows(out.values, o_row, i, i + 1));
+        EXPECT_TRUE(e.finite);
+        EXPECT_LE(e.max_abs, max_bar) << "entry " << i;
+        EXPECT_LE(e.mean_abs, mean_bar) << "entry " << i;
+        worst = std::max(worst, e.max_abs);
+      }
+    }
+    ++steps;
+  }
+  EXPECT_EQ(steps, static_cast<int>(c.at("steps").size()));
+  std::printf("%s: %d steps, worst max abs error %.3g\n", DTypeName(dtype).data(), steps, worst);
+
+  for (const std::string& id : ids) {
+    absl::StatusOr<int64_t> freed = client.Release(id);
+    EXPECT_TRUE(freed.ok()) << freed.status();
+  }
+  absl::StatusOr<v1::GetServerInfoResponse> info = client.Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->live_sequences(), 0);
+  EXPECT_EQ(info->kv_cache().pages_free(), info->kv_cache().pages_total());
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GoldenTest, ::testing::Values(DType::kFp32, DType::kBf16),
+                         [](const ::testing::TestParamInfo<DType>& info) {
+                           return std::string(DTypeName(info.param));
+                         });
+
+}  // namespace
+}  // namespace attnd
