@@ -44,8 +44,8 @@ int64_t NumElements(const TensorView& t) {
 
 absl::Status CheckElements(absl::string_view name, const TensorView& t, int64_t expected) {
   if (t.data == nullptr || NumElements(t) != expected) {
-    return absl::InvalidArgumentError(absl::StrCat("engine: ", name, " has ", NumElements(t),
-                                                   " elements, expected ", expected));
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine: ", name, " has ", NumElements(t), " elements, expected ", expected));
   }
   return absl::OkStatus();
 }
@@ -65,9 +65,9 @@ absl::StatusOr<std::unique_ptr<CpuEngine>> CpuEngine::Create(const CpuEngineOpti
   const KvLayout& layout = options.layout;
   if (g.num_q_heads <= 0 || g.num_kv_heads <= 0 || g.head_dim <= 0 ||
       g.num_q_heads % g.num_kv_heads != 0 || g.chunk_len <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cpu engine: invalid geometry (q heads ", g.num_q_heads, ", kv heads ", g.num_kv_heads,
-        ", head_dim ", g.head_dim, ", chunk_len ", g.chunk_len, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cpu engine: invalid geometry (q heads ", g.num_q_heads, ", kv heads ",
+                     g.num_kv_heads, ", head_dim ", g.head_dim, ", chunk_len ", g.chunk_len, ")"));
   }
   if (layout.num_kv_heads != g.num_kv_heads || layout.head_dim != g.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -124,8 +124,8 @@ absl::Status CpuEngine::CheckPages(int32_t layer, const int32_t* page_table, int
         absl::StrCat("engine: layer ", layer, " is not in [0, ", layout_.num_layers, ")"));
   }
   if (num_pages * layout_.page_size < length || (num_pages > 0 && page_table == nullptr)) {
-    return absl::InvalidArgumentError(absl::StrCat("engine: ", num_pages,
-                                                   " pages do not cover ", length, " tokens"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine: ", num_pages, " pages do not cover ", length, " tokens"));
   }
   for (int64_t i = 0; i < num_pages; ++i) {
     if (page_table[i] < 0 || page_table[i] >= layout_.num_pages) {
@@ -137,8 +137,7 @@ absl::Status CpuEngine::CheckPages(int32_t layer, const int32_t* page_table, int
 }
 
 absl::Status CpuEngine::Prefill(const PrefillJob& job) {
-  return layout_.kv_dtype == DType::kFp32 ? PrefillTyped<float>(job)
-                                          : PrefillTyped<uint16_t>(job);
+  return layout_.kv_dtype == DType::kFp32 ? PrefillTyped<float>(job) : PrefillTyped<uint16_t>(job);
 }
 
 absl::Status CpuEngine::Decode(const DecodeJob& job) {
@@ -151,17 +150,17 @@ absl::Status CpuEngine::PrefillTyped(const PrefillJob& job) {
   const int64_t t = job.num_tokens;
   if (t < 1 || job.start < 0 || job.prompt_len < job.start + t || job.out == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("engine: bad prefill range (start ", job.start,
-                                                   ", tokens ", t, ", prompt_len ",
-                                                   job.prompt_len, ")"));
+                                                   ", tokens ", t, ", prompt_len ", job.prompt_len,
+                                                   ")"));
   }
   if (absl::Status s = CheckPages(job.layer, job.page_table, job.num_pages, job.start + t);
       !s.ok()) {
     return s;
   }
   const int64_t q_n = t * kNumQueryVariants * hq * d, kv_n = t * hkv * d, out_n = t * hq * d;
-  for (const auto& [name, view, n] : {std::make_tuple("q", &job.q, q_n),
-                                      std::make_tuple("k", &job.k, kv_n),
-                                      std::make_tuple("v", &job.v, kv_n)}) {
+  for (const auto& [name, view, n] :
+       {std::make_tuple("q", &job.q, q_n), std::make_tuple("k", &job.k, kv_n),
+        std::make_tuple("v", &job.v, kv_n)}) {
     if (absl::Status s = CheckElements(name, *view, n); !s.ok()) return s;
   }
   std::vector<float> q(q_n), k(kv_n), v(kv_n), out(out_n);

@@ -153,8 +153,8 @@ TEST_P(CpuEngineMatchesNaive, PrefillChunksThenBatchedDecode) {
     job.out = out.data();
     job.out_dtype = c.io_dtype;
     ASSERT_TRUE(engine->Prefill(job).ok());
-    absl::StatusOr<std::vector<float>> want = ref_a.Prefill(1, q.values, k.values, v.values,
-                                                            prompt_a);
+    absl::StatusOr<std::vector<float>> want =
+        ref_a.Prefill(1, q.values, k.values, v.values, prompt_a);
     ASSERT_TRUE(want.ok()) << want.status();
     ExpectClose(ToFloats(out, c.io_dtype), *want, c.tol, "prefill a @" + std::to_string(start));
     start += t;
@@ -185,16 +185,22 @@ TEST_P(CpuEngineMatchesNaive, PrefillChunksThenBatchedDecode) {
   for (int step = 0; step < 3; ++step) {
     Tensor qa = RandomTensor({kNumQueryVariants, kHq, kD}, c.io_dtype, &rng);
     Tensor qb = RandomTensor({kNumDecodeVariants, kHq, kD}, c.io_dtype, &rng);
-    Tensor ka = RandomTensor({kHkv, kD}, c.io_dtype, &rng), va = RandomTensor({kHkv, kD}, c.io_dtype, &rng);
-    Tensor kb = RandomTensor({kHkv, kD}, c.io_dtype, &rng), vb = RandomTensor({kHkv, kD}, c.io_dtype, &rng);
+    Tensor ka = RandomTensor({kHkv, kD}, c.io_dtype, &rng),
+           va = RandomTensor({kHkv, kD}, c.io_dtype, &rng);
+    Tensor kb = RandomTensor({kHkv, kD}, c.io_dtype, &rng),
+           vb = RandomTensor({kHkv, kD}, c.io_dtype, &rng);
     std::string out_a(kHq * kD * ElementSize(c.io_dtype), '\0'), out_b = out_a;
     DecodeJob job;
     job.layer = 1;
     job.entries.resize(2);
-    job.entries[0] = {pages_a.data(), static_cast<int64_t>(pages_a.size()), 301 + step,
-                      qa.view(), ka.view(), va.view(), out_a.data(), c.io_dtype};
-    job.entries[1] = {pages_b.data(), static_cast<int64_t>(pages_b.size()), 41 + step,
-                      qb.view(), kb.view(), vb.view(), out_b.data(), c.io_dtype};
+    job.entries[0] = {pages_a.data(), static_cast<int64_t>(pages_a.size()),
+                      301 + step,     qa.view(),
+                      ka.view(),      va.view(),
+                      out_a.data(),   c.io_dtype};
+    job.entries[1] = {pages_b.data(), static_cast<int64_t>(pages_b.size()),
+                      41 + step,      qb.view(),
+                      kb.view(),      vb.view(),
+                      out_b.data(),   c.io_dtype};
     ASSERT_TRUE(engine->Decode(job).ok());
     absl::StatusOr<std::vector<float>> want_a = ref_a.Decode(1, qa.values, ka.values, va.values);
     absl::StatusOr<std::vector<float>> want_b = ref_b.Decode(1, qb.values, kb.values, vb.values);
@@ -228,7 +234,8 @@ TEST(CpuEngineTest, RejectsUnsupportedKvDtypeAndMismatchedLayout) {
   absl::StatusOr<std::unique_ptr<CpuEngine>> engine = CpuEngine::Create(options);
   ASSERT_FALSE(engine.ok());
   EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(engine.status().message(), "cpu engine: KV dtype fp16 is not supported; use fp32 or bf16");
+  EXPECT_EQ(engine.status().message(),
+            "cpu engine: KV dtype fp16 is not supported; use fp32 or bf16");
 
   options.layout = TinyLayout(DType::kFp32, 4);
   options.layout.head_dim = 32;

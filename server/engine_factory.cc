@@ -37,8 +37,8 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineOptions& option
       KvLayout::ForPoolBytes(options.num_layers, options.geometry.num_kv_heads,
                              options.geometry.head_dim, options.page_size, *kv_dtype, pool_bytes);
   if (!layout.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--kv-cache-bytes ", pool_bytes, ": ",
-                                                   layout.status().message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-cache-bytes ", pool_bytes, ": ", layout.status().message()));
   }
   CpuEngineOptions cpu;
   cpu.geometry = options.geometry;

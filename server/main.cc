@@ -62,9 +62,10 @@ int main(int argc, char** argv) {
   const spdlog::level::level_enum parsed = spdlog::level::from_str(level);
   // from_str maps unknown names to "off"; only "off" itself may mean off.
   if (parsed == spdlog::level::off && level != "off") {
-    return Fail(absl::StrCat("--log-level must be trace, debug, info, warn, error, critical or "
-                             "off, got \"",
-                             level, "\""));
+    return Fail(
+        absl::StrCat("--log-level must be trace, debug, info, warn, error, critical or "
+                     "off, got \"",
+                     level, "\""));
   }
   spdlog::set_level(parsed);
   const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);

@@ -17,9 +17,7 @@ std::string ShapeString(absl::Span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-bool IsKnownDType(DType t) {
-  return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32;
-}
+bool IsKnownDType(DType t) { return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32; }
 
 // Names a dtype as it arrived, including values that are not a DType (wire values 0, 4, ...).
 std::string DTypeString(DType t) {
@@ -30,17 +28,16 @@ std::string DTypeString(DType t) {
 
 absl::Status CheckDType(absl::string_view prefix, absl::string_view name, DType t) {
   if (IsKnownDType(t)) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(prefix, name,
-                                                 " dtype must be bf16, fp16 or fp32, got ",
-                                                 DTypeString(t)));
+  return absl::InvalidArgumentError(
+      absl::StrCat(prefix, name, " dtype must be bf16, fp16 or fp32, got ", DTypeString(t)));
 }
 
 absl::Status CheckSameDType(absl::string_view prefix, const RequestTensor& q,
                             const RequestTensor& k, const RequestTensor& v) {
   if (q.dtype == k.dtype && q.dtype == v.dtype) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      prefix, "q, k and v must share one dtype, got q ", DTypeString(q.dtype), ", k ",
-      DTypeString(k.dtype), ", v ", DTypeString(v.dtype)));
+  return absl::InvalidArgumentError(absl::StrCat(prefix, "q, k and v must share one dtype, got q ",
+                                                 DTypeString(q.dtype), ", k ", DTypeString(k.dtype),
+                                                 ", v ", DTypeString(v.dtype)));
 }
 
 // The byte count must match the (already validated, all positive) shape. Compares without
@@ -57,10 +54,10 @@ absl::Status CheckBytes(absl::string_view prefix, absl::string_view name, const 
     need *= d;
   }
   if (!overflow && static_cast<int64_t>(t.bytes.size()) == need) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      prefix, name, " holds ", t.bytes.size(), " bytes of data, but shape ", ShapeString(t.shape),
-      " of ", DTypeString(t.dtype), " needs ",
-      overflow ? std::string("more than 2^63") : absl::StrCat(need)));
+  return absl::InvalidArgumentError(
+      absl::StrCat(prefix, name, " holds ", t.bytes.size(), " bytes of data, but shape ",
+                   ShapeString(t.shape), " of ", DTypeString(t.dtype), " needs ",
+                   overflow ? std::string("more than 2^63") : absl::StrCat(need)));
 }
 
 TensorView ToView(const RequestTensor& t) {
@@ -97,12 +94,12 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const ModelConfig& mode
     return absl::InvalidArgumentError("runtime: the engine's geometry does not match the model");
   }
   if (options.max_sequence_length < 0 || options.max_sequences < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max sequence length and max sequences must be >= 0, got ", options.max_sequence_length,
-        " and ", options.max_sequences));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max sequence length and max sequences must be >= 0, got ",
+                     options.max_sequence_length, " and ", options.max_sequences));
   }
-  const int64_t max_len = options.max_sequence_length > 0 ? options.max_sequence_length
-                                                          : model.max_position_embeddings;
+  const int64_t max_len =
+      options.max_sequence_length > 0 ? options.max_sequence_length : model.max_position_embeddings;
   if (max_len <= 0) {
     return absl::InvalidArgumentError(
         "the model has no max_position_embeddings; set a max sequence length");
@@ -182,8 +179,8 @@ absl::Status Runtime::CheckLayer(int32_t layer) const {
 
 absl::Status Runtime::CheckPrefillTensors(const PrefillCall& call, int64_t* num_tokens) const {
   const DcaGeometry& g = engine_->geometry();
-  for (const auto& [name, t] : {std::make_pair("q", &call.q), std::make_pair("k", &call.k),
-                                std::make_pair("v", &call.v)}) {
+  for (const auto& [name, t] :
+       {std::make_pair("q", &call.q), std::make_pair("k", &call.k), std::make_pair("v", &call.v)}) {
     if (absl::Status s = CheckDType("", name, t->dtype); !s.ok()) return s;
   }
   if (absl::Status s = CheckSameDType("", call.q, call.k, call.v); !s.ok()) return s;
@@ -191,9 +188,9 @@ absl::Status Runtime::CheckPrefillTensors(const PrefillCall& call, int64_t* num_
   const absl::Span<const int64_t> qs = call.q.shape;
   if (qs.size() != 4 || qs[0] < 1 || qs[1] != kNumQueryVariants || qs[2] != g.num_q_heads ||
       qs[3] != g.head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "q must have shape [T, ", kNumQueryVariants, ", ", g.num_q_heads, ", ", g.head_dim,
-        "] (T >= 1), got ", ShapeString(qs)));
+    return absl::InvalidArgumentError(absl::StrCat("q must have shape [T, ", kNumQueryVariants,
+                                                   ", ", g.num_q_heads, ", ", g.head_dim,
+                                                   "] (T >= 1), got ", ShapeString(qs)));
   }
   const int64_t t = qs[0];
   const std::vector<int64_t> kv_shape = {t, g.num_kv_heads, g.head_dim};
@@ -204,8 +201,8 @@ absl::Status Runtime::CheckPrefillTensors(const PrefillCall& call, int64_t* num_
                                                      " from q), got ", ShapeString(tensor->shape)));
     }
   }
-  for (const auto& [name, tensor] : {std::make_pair("q", &call.q), std::make_pair("k", &call.k),
-                                     std::make_pair("v", &call.v)}) {
+  for (const auto& [name, tensor] :
+       {std::make_pair("q", &call.q), std::make_pair("k", &call.k), std::make_pair("v", &call.v)}) {
     if (absl::Status s = CheckBytes("", name, *tensor); !s.ok()) return s;
   }
   *num_tokens = t;
@@ -214,8 +211,8 @@ absl::Status Runtime::CheckPrefillTensors(const PrefillCall& call, int64_t* num_
 
 absl::Status Runtime::CheckDecodeEntry(const DecodeCall::Entry& e) const {
   const DcaGeometry& g = engine_->geometry();
-  for (const auto& [name, t] : {std::make_pair("q", &e.q), std::make_pair("k", &e.k),
-                                std::make_pair("v", &e.v)}) {
+  for (const auto& [name, t] :
+       {std::make_pair("q", &e.q), std::make_pair("k", &e.k), std::make_pair("v", &e.v)}) {
     if (absl::Status s = CheckDType("", name, t->dtype); !s.ok()) return s;
   }
   if (absl::Status s = CheckSameDType("", e.q, e.k, e.v); !s.ok()) return s;
@@ -223,9 +220,8 @@ absl::Status Runtime::CheckDecodeEntry(const DecodeCall::Entry& e) const {
   if (qs.size() != 3 || (qs[0] != kNumDecodeVariants && qs[0] != kNumQueryVariants) ||
       qs[1] != g.num_q_heads || qs[2] != g.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat("q must have shape [", kNumDecodeVariants,
-                                                   " or ", kNumQueryVariants, ", ",
-                                                   g.num_q_heads, ", ", g.head_dim, "], got ",
-                                                   ShapeString(qs)));
+                                                   " or ", kNumQueryVariants, ", ", g.num_q_heads,
+                                                   ", ", g.head_dim, "], got ", ShapeString(qs)));
   }
   const std::vector<int64_t> kv_shape = {g.num_kv_heads, g.head_dim};
   for (const auto& [name, tensor] : {std::make_pair("k", &e.k), std::make_pair("v", &e.v)}) {
@@ -234,8 +230,8 @@ absl::Status Runtime::CheckDecodeEntry(const DecodeCall::Entry& e) const {
           name, " must have shape ", ShapeString(kv_shape), ", got ", ShapeString(tensor->shape)));
     }
   }
-  for (const auto& [name, tensor] : {std::make_pair("q", &e.q), std::make_pair("k", &e.k),
-                                     std::make_pair("v", &e.v)}) {
+  for (const auto& [name, tensor] :
+       {std::make_pair("q", &e.q), std::make_pair("k", &e.k), std::make_pair("v", &e.v)}) {
     if (absl::Status s = CheckBytes("", name, *tensor); !s.ok()) return s;
   }
   return absl::OkStatus();
@@ -247,8 +243,8 @@ namespace {
 // failure, which the client sees as INTERNAL whatever the engine called it.
 absl::Status EngineError(const Engine& engine, const absl::Status& s) {
   if (s.code() == absl::StatusCode::kInvalidArgument) return s;
-  return absl::InternalError(absl::StrCat("the ", engine.backend(), " backend failed: ",
-                                          s.message()));
+  return absl::InternalError(
+      absl::StrCat("the ", engine.backend(), " backend failed: ", s.message()));
 }
 
 // Either the caller's buffer or one owned by `owned`.
@@ -273,9 +269,9 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
   if (seq->released) return NotFound("", seq->id);
   const int64_t start = seq->layer_lengths[call.layer];
   if (t > max_sequence_length_ - start) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "layer ", call.layer, " of sequence ", seq->id, " holds ", start, " tokens; ", t,
-        " more would pass the maximum sequence length ", max_sequence_length_));
+    return absl::OutOfRangeError(
+        absl::StrCat("layer ", call.layer, " of sequence ", seq->id, " holds ", start, " tokens; ",
+                     t, " more would pass the maximum sequence length ", max_sequence_length_));
   }
   const int64_t length = start + t;
   const int64_t prompt_len = call.prompt_len.value_or(length);
@@ -286,9 +282,8 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
                                                    length, ")"));
   }
   if (prompt_len > max_sequence_length_) {
-    return absl::OutOfRangeError(absl::StrCat("prompt_len ", prompt_len,
-                                              " is past the maximum sequence length ",
-                                              max_sequence_length_));
+    return absl::OutOfRangeError(absl::StrCat(
+        "prompt_len ", prompt_len, " is past the maximum sequence length ", max_sequence_length_));
   }
   absl::StatusOr<int64_t> pages_added = table_.EnsureCapacity(seq, length);
   if (!pages_added.ok()) return pages_added.status();
@@ -326,7 +321,8 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
   return result;
 }
 
-absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
   // (The analysis cannot follow a variable number of held locks; the lock set is the one built
   // below and released by `unlock_all`.)
   if (absl::Status s = CheckLayer(call.layer); !s.ok()) return s;
@@ -379,8 +375,9 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call) ABSL_NO_THR
     }
     if (len >= max_sequence_length_) {
       return absl::OutOfRangeError(absl::StrCat(prefix, "layer ", call.layer, " of sequence ",
-                                                seq.id, " already holds the maximum sequence"
-                                                        " length of ",
+                                                seq.id,
+                                                " already holds the maximum sequence"
+                                                " length of ",
                                                 max_sequence_length_, " tokens"));
     }
   }

@@ -39,9 +39,9 @@ struct PrefillCall {
   absl::string_view sequence_id;
   absl::string_view tenant;  // "" when auth is off
   int32_t layer = 0;
-  RequestTensor q;  // [T, 5, Hq, D]
-  RequestTensor k;  // [T, Hkv, D]
-  RequestTensor v;  // [T, Hkv, D]
+  RequestTensor q;                    // [T, 5, Hq, D]
+  RequestTensor k;                    // [T, Hkv, D]
+  RequestTensor v;                    // [T, Hkv, D]
   std::optional<int64_t> prompt_len;  // absent: the layer's length after this call
   OutputBufferFn output;              // unset: the result owns the output in `out`
 };
@@ -56,9 +56,9 @@ struct PrefillResult {
 struct DecodeCall {
   struct Entry {
     absl::string_view sequence_id;
-    RequestTensor q;  // [3 or 5, Hq, D]
-    RequestTensor k;  // [Hkv, D]
-    RequestTensor v;  // [Hkv, D]
+    RequestTensor q;        // [3 or 5, Hq, D]
+    RequestTensor k;        // [Hkv, D]
+    RequestTensor v;        // [Hkv, D]
     OutputBufferFn output;  // unset: the result owns the output
   };
   absl::string_view tenant;

@@ -105,7 +105,8 @@ class RuntimeTest : public testing::Test {
     ro.max_message_bytes = 1 << 20;
     ro.max_sequence_length = kMaxLen;
     ro.max_sequences = max_sequences;
-    absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(TinyModel(), std::move(flaky), ro);
+    absl::StatusOr<std::unique_ptr<Runtime>> rt =
+        Runtime::Create(TinyModel(), std::move(flaky), ro);
     ASSERT_TRUE(rt.ok()) << rt.status();
     rt_ = *std::move(rt);
   }
@@ -205,8 +206,8 @@ TEST_F(RuntimeTest, PrefillBadInputsChangeNothing) {
   const std::vector<BadCase> cases = {
       {"layer too big", [](PrefillCall* c) { c->layer = 2; }, absl::StatusCode::kInvalidArgument,
        "layer 2 is not in [0, 2)"},
-      {"negative layer", [](PrefillCall* c) { c->layer = -1; },
-       absl::StatusCode::kInvalidArgument, "layer -1 is not in [0, 2)"},
+      {"negative layer", [](PrefillCall* c) { c->layer = -1; }, absl::StatusCode::kInvalidArgument,
+       "layer -1 is not in [0, 2)"},
       {"unspecified dtype", [](PrefillCall* c) { c->q.dtype = static_cast<DType>(0); },
        absl::StatusCode::kInvalidArgument,
        "q dtype must be bf16, fp16 or fp32, got unspecified (0)"},
@@ -382,9 +383,8 @@ TEST_F(RuntimeTest, PoolExhaustionThenReleaseFreesPages) {
 
   absl::Status s = PrefillOk(b, 0, 1);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_TRUE(absl::StartsWith(
-      s.message(), absl::StrCat("cannot back 1 tokens of sequence ", b,
-                                " (1 pages of 16 tokens, 0 held): ")))
+  EXPECT_TRUE(absl::StartsWith(s.message(), absl::StrCat("cannot back 1 tokens of sequence ", b,
+                                                         " (1 pages of 16 tokens, 0 held): ")))
       << s.message();
   EXPECT_EQ(Lengths(b), (std::vector<int64_t>{0, 0}));
 
@@ -478,8 +478,8 @@ TEST_F(RuntimeTest, OutputsMatchTheNaiveReference) {
     EXPECT_EQ(r->out_dtype, DType::kBf16);
     EXPECT_EQ(r->out_shape, (std::vector<int64_t>{t, kHq, kD}));
     EXPECT_TRUE(r->out.empty());
-    absl::StatusOr<std::vector<float>> want = ref->Prefill(layer, q.values, k.values, v.values,
-                                                           prompt_len);
+    absl::StatusOr<std::vector<float>> want =
+        ref->Prefill(layer, q.values, k.values, v.values, prompt_len);
     ASSERT_TRUE(want.ok()) << want.status();
     expect_close(into, *want, absl::StrCat("prefill layer ", layer, " to ", want_length));
   };
@@ -492,8 +492,10 @@ TEST_F(RuntimeTest, OutputsMatchTheNaiveReference) {
     for (int32_t layer = 0; layer < 2; ++layer) {
       Owned qa = Random({5, kHq, kD}, &rng_, DType::kBf16);
       Owned qb = Random({3, kHq, kD}, &rng_, DType::kBf16);
-      Owned ka = Random({kHkv, kD}, &rng_, DType::kBf16), va = Random({kHkv, kD}, &rng_, DType::kBf16);
-      Owned kb = Random({kHkv, kD}, &rng_, DType::kBf16), vb = Random({kHkv, kD}, &rng_, DType::kBf16);
+      Owned ka = Random({kHkv, kD}, &rng_, DType::kBf16),
+            va = Random({kHkv, kD}, &rng_, DType::kBf16);
+      Owned kb = Random({kHkv, kD}, &rng_, DType::kBf16),
+            vb = Random({kHkv, kD}, &rng_, DType::kBf16);
       DecodeCall call;
       call.layer = layer;
       // b first: outputs must come back in request order, not lock (id) order.
@@ -505,8 +507,10 @@ TEST_F(RuntimeTest, OutputsMatchTheNaiveReference) {
       EXPECT_EQ(r->outputs[0].length, (layer == 0 ? 21 : 130) + step);
       EXPECT_EQ(r->outputs[1].length, 301 + step);
       EXPECT_EQ(r->outputs[1].out_shape, (std::vector<int64_t>{kHq, kD}));
-      absl::StatusOr<std::vector<float>> want_b = ref_b.Decode(layer, qb.values, kb.values, vb.values);
-      absl::StatusOr<std::vector<float>> want_a = ref_a.Decode(layer, qa.values, ka.values, va.values);
+      absl::StatusOr<std::vector<float>> want_b =
+          ref_b.Decode(layer, qb.values, kb.values, vb.values);
+      absl::StatusOr<std::vector<float>> want_a =
+          ref_a.Decode(layer, qa.values, ka.values, va.values);
       ASSERT_TRUE(want_a.ok() && want_b.ok());
       expect_close(r->outputs[0].out, *want_b, absl::StrCat("decode b layer ", layer));
       expect_close(r->outputs[1].out, *want_a, absl::StrCat("decode a layer ", layer));

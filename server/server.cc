@@ -17,9 +17,9 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "server/decode_queue.h"
 #include "server/engine_factory.h"
 #include "server/model_config.h"
-#include "server/decode_queue.h"
 #include "server/runtime.h"
 #include "server/service.h"
 #include "server/work_queue.h"
@@ -98,16 +98,16 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   if (!options.model_config.empty()) {
     model = LoadModelConfig(options.model_config);
     if (!model.ok()) {
-      return absl::Status(model.status().code(), absl::StrCat("--model-config ",
-                                                              options.model_config, ": ",
-                                                              model.status().message()));
+      return absl::Status(
+          model.status().code(),
+          absl::StrCat("--model-config ", options.model_config, ": ", model.status().message()));
     }
   }
   const DcaGeometry geometry = model->geometry();
   if (geometry.chunk_len % options.page_size != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--page-size ", options.page_size, " must divide the DCA chunk length ",
-        geometry.chunk_len, " (chunk_size - local_size) of model ", model->name));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--page-size ", options.page_size, " must divide the DCA chunk length ",
+                     geometry.chunk_len, " (chunk_size - local_size) of model ", model->name));
   }
 
   EngineOptions engine_options;
@@ -135,8 +135,8 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   queue_options.num_workers = options.request_workers;
   work_queue_ = std::make_unique<WorkQueue>(queue_options);
   decode_queue_ = std::make_unique<DirectDecodeQueue>(runtime_.get(), work_queue_.get());
-  service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
-                                                decode_queue_.get());
+  service_ =
+      std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(), decode_queue_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

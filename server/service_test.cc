@@ -67,8 +67,8 @@ std::vector<float> RandomTensor(std::vector<int64_t> shape, std::mt19937* rng, v
   return values;
 }
 
-void ExpectMatches(const v1::Tensor& got, std::vector<int64_t> shape, const std::vector<float>& want,
-                   const std::string& what) {
+void ExpectMatches(const v1::Tensor& got, std::vector<int64_t> shape,
+                   const std::vector<float>& want, const std::string& what) {
   EXPECT_EQ(got.dtype(), v1::DTYPE_FP32) << what;
   EXPECT_EQ(std::vector<int64_t>(got.shape().begin(), got.shape().end()), shape) << what;
   ASSERT_EQ(got.data().size(), want.size() * sizeof(float)) << what;
@@ -109,8 +109,8 @@ class ServiceTest : public testing::Test {
   // is field 1 (service name), the response field 1 (1 = SERVING, 2 = NOT_SERVING).
   grpc::Status HealthCheck(const std::string& service, std::string* response_bytes) {
     grpc::GenericStub generic(channel_);
-    std::string request = absl::StrCat("\x0a", std::string(1, static_cast<char>(service.size())),
-                                       service);
+    std::string request =
+        absl::StrCat("\x0a", std::string(1, static_cast<char>(service.size())), service);
     grpc::Slice slice(request);
     grpc::ByteBuffer req(&slice, 1), resp;
     grpc::ClientContext ctx;
@@ -296,9 +296,12 @@ TEST_F(ServiceTest, SessionAnswersInOrderAndSurvivesAFailedRequest) {
   prefill.set_tag(11);
   prefill.mutable_prefill()->set_sequence_id(id);
   prefill.mutable_prefill()->set_layer(1);
-  std::vector<float> q = RandomTensor({20, 5, kHq, kD}, &rng_, prefill.mutable_prefill()->mutable_q());
-  std::vector<float> k = RandomTensor({20, kHkv, kD}, &rng_, prefill.mutable_prefill()->mutable_k());
-  std::vector<float> v = RandomTensor({20, kHkv, kD}, &rng_, prefill.mutable_prefill()->mutable_v());
+  std::vector<float> q =
+      RandomTensor({20, 5, kHq, kD}, &rng_, prefill.mutable_prefill()->mutable_q());
+  std::vector<float> k =
+      RandomTensor({20, kHkv, kD}, &rng_, prefill.mutable_prefill()->mutable_k());
+  std::vector<float> v =
+      RandomTensor({20, kHkv, kD}, &rng_, prefill.mutable_prefill()->mutable_v());
   ASSERT_TRUE(stream->Write(prefill));
   v1::SessionResponse resp;
   ASSERT_TRUE(stream->Read(&resp));

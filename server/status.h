@@ -1,6 +1,6 @@
-// The one mapping between absl::Status (used everywhere inside attnd) and grpc::Status (used only at
-// the gRPC boundary in server/ and client/). Both use the google.rpc.Code numbering, so codes map
-// one to one and messages pass through unchanged.
+// The one mapping between absl::Status (used everywhere inside attnd) and grpc::Status (used only
+// at the gRPC boundary in server/ and client/). Both use the google.rpc.Code numbering, so codes
+// map one to one and messages pass through unchanged.
 #ifndef ATTND_SERVER_STATUS_H_
 #define ATTND_SERVER_STATUS_H_
 

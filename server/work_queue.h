@@ -16,8 +16,8 @@
 namespace attnd {
 
 struct WorkQueueOptions {
-  int32_t num_workers = 0;   // 0 = DefaultRequestWorkers()
-  int64_t capacity = 4096;   // most closures waiting (not counting running ones)
+  int32_t num_workers = 0;  // 0 = DefaultRequestWorkers()
+  int64_t capacity = 4096;  // most closures waiting (not counting running ones)
 };
 
 // 2 x cores, at least 4: requests mostly wait on the compute pool or on a sequence lock, so more
@@ -54,7 +54,7 @@ class WorkQueue {
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;  // workers exit once the queue is empty
-  absl::Mutex join_mu_;                        // serialises Shutdown callers
+  absl::Mutex join_mu_;                         // serialises Shutdown callers
   std::vector<std::thread> workers_;
 };
 

@@ -27,16 +27,20 @@ TEST(WorkQueueTest, RunsInSubmissionOrder) {
   absl::Notification started, release;
   absl::Mutex mu;
   std::vector<int> order;
-  ASSERT_TRUE(queue.Submit([&] {
-                started.Notify();
-                release.WaitForNotification();
-              }).ok());
+  ASSERT_TRUE(queue
+                  .Submit([&] {
+                    started.Notify();
+                    release.WaitForNotification();
+                  })
+                  .ok());
   started.WaitForNotification();  // the worker is busy: everything below waits in the queue
   for (int i = 0; i < 50; ++i) {
-    ASSERT_TRUE(queue.Submit([&, i] {
-                  absl::MutexLock lock(&mu);
-                  order.push_back(i);
-                }).ok());
+    ASSERT_TRUE(queue
+                    .Submit([&, i] {
+                      absl::MutexLock lock(&mu);
+                      order.push_back(i);
+                    })
+                    .ok());
   }
   EXPECT_EQ(queue.num_waiting(), 50);
   release.Notify();
@@ -53,10 +57,12 @@ TEST(WorkQueueTest, FullQueueRejectsWithResourceExhausted) {
   WorkQueue queue(options);
   absl::Notification started, release;
   std::atomic<int> ran{0};
-  ASSERT_TRUE(queue.Submit([&] {
-                started.Notify();
-                release.WaitForNotification();
-              }).ok());
+  ASSERT_TRUE(queue
+                  .Submit([&] {
+                    started.Notify();
+                    release.WaitForNotification();
+                  })
+                  .ok());
   started.WaitForNotification();  // the worker holds it: the queue itself is empty again
   ASSERT_TRUE(queue.Submit([&] { ++ran; }).ok());
   ASSERT_TRUE(queue.Submit([&] { ++ran; }).ok());
@@ -75,10 +81,12 @@ TEST(WorkQueueTest, StopAcceptingRejectsButDrainsWhatIsQueued) {
   absl::Notification release;
   std::atomic<int> ran{0};
   for (int i = 0; i < 2; ++i) {
-    ASSERT_TRUE(queue.Submit([&] {
-                  release.WaitForNotification();
-                  ++ran;
-                }).ok());
+    ASSERT_TRUE(queue
+                    .Submit([&] {
+                      release.WaitForNotification();
+                      ++ran;
+                    })
+                    .ok());
   }
   for (int i = 0; i < 5; ++i) ASSERT_TRUE(queue.Submit([&] { ++ran; }).ok());
   queue.StopAccepting();
