@@ -59,7 +59,17 @@ class Tensors:
             self.torch = torch
             self.torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
 
+        self.cache = {}
+
     def __call__(self, *shape):
+        # A few pre-made tensors per shape, rotated: making random data costs more than the call being shown.
+        pool = self.cache.get(shape)
+        if pool is None:
+            pool = self.cache[shape] = [[self._make(shape) for _ in range(3)], 0]
+        pool[1] = (pool[1] + 1) % len(pool[0])
+        return pool[0][pool[1]]
+
+    def _make(self, shape):
         x = self.rng.uniform(-1, 1, size=shape).astype(np.float32)
         if self.use_torch:
             return self.torch.from_numpy(x).to(self.torch_dtype)

@@ -2,7 +2,8 @@
 """The per-call cost of moving tensors through gRPC from Python: bytes per second on a live attnd.
 
 For a prefill of N tokens of the server's geometry it measures, median of --repeat runs:
-  encode     client only: numpy -> attnd.v1.PrefillRequest -> serialized bytes (what the client does per call)
+  encode     client only: numpy -> serialized PrefillRequest bytes (what the client does per call: one copy)
+  encodepb   the same through the generated protobuf classes (tobytes, into the message, serialize: 3 copies)
   upload     a Prefill to an unknown sequence id: the whole request crosses the channel and is parsed by the
              server, which answers NOT_FOUND without computing: request bytes / wall time
   prefill    a real Prefill of N tokens into a fresh sequence (one layer): request + response bytes / wall
@@ -60,13 +61,22 @@ def main():
           % (info.version, info.backend, info.device, m.name, h, hkv, d, n, args.dtype))
     print("request tensors %.2f MB, response tensor %.2f MB" % (req_bytes / 1e6, out_bytes / 1e6))
 
-    def encode():
+    def encode():  # what the client does per call: one copy of the tensors into the request bytes
         from attnd._client import _prefill_request
         req, _ = _prefill_request("0" * 32, 0, q, k, v, n)
-        return req.SerializeToString()
+        return req.tobytes()
+
+    def encode_protobuf():  # the same bytes through the generated protobuf classes (three copies)
+        pb = attnd.proto
+        dt = {"bf16": pb.DTYPE_BF16, "fp16": pb.DTYPE_FP16, "fp32": pb.DTYPE_FP32}[args.dtype]
+        t = [pb.Tensor(dtype=dt, shape=a.shape, data=a.tobytes()) for a in (q, k, v)]
+        return pb.PrefillRequest(sequence_id="0" * 32, layer=0, q=t[0], k=t[1], v=t[2],
+                                 prompt_len=n).SerializeToString()
 
     wire = len(encode())
+    assert encode() == encode_protobuf()
     t_enc = median_time(encode, args.repeat)
+    t_enc_pb = median_time(encode_protobuf, args.repeat)
 
     unknown = "f" * 32
 
@@ -110,6 +120,8 @@ def main():
 
     print("\n%-8s %12s %10s %10s" % ("path", "bytes", "ms", "MB/s"))
     print("%-8s %12d %10.2f %10.1f" % ("encode", wire, 1e3 * t_enc, wire / t_enc / 1e6))
+    print("%-8s %12d %10.2f %10.1f   (protobuf classes, for comparison)" % ("encodepb", wire, 1e3 * t_enc_pb,
+                                                                           wire / t_enc_pb / 1e6))
     print("%-8s %12d %10.2f %10.1f" % ("upload", wire, 1e3 * t_up, wire / t_up / 1e6))
     print("%-8s %12d %10.2f %10.1f" % ("prefill", req_bytes + out_bytes, 1e3 * t_pre,
                                        (req_bytes + out_bytes) / t_pre / 1e6))

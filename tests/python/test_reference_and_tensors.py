@@ -113,3 +113,89 @@ class TensorConversion(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class WireFormat(unittest.TestCase):
+    """attnd._wire against the protobuf library: what it writes must parse to the same message, and what the
+    library writes must decode to the same tensors."""
+
+    def setUp(self):
+        self.rng = np.random.default_rng(2)
+        self.wire = attnd._wire
+
+    def arrays(self, t, dt=np.float32):
+        return (self.rng.standard_normal((t, 5, 4, 8)).astype(dt), self.rng.standard_normal((t, 2, 8)).astype(dt),
+                self.rng.standard_normal((t, 2, 8)).astype(dt))
+
+    def test_prefill_request_parses(self):
+        from attnd._client import _prefill_request
+        for layer, prompt_len in ((0, None), (3, 0), (1, 123456789012)):
+            q, k, v = self.arrays(7)
+            msg, _ = _prefill_request("ab" * 16, layer, q, k, v, prompt_len)
+            parsed = pb.PrefillRequest.FromString(msg.tobytes())
+            want = pb.PrefillRequest(sequence_id="ab" * 16, layer=layer,
+                                     q=pb.Tensor(dtype=pb.DTYPE_FP32, shape=q.shape, data=q.tobytes()),
+                                     k=pb.Tensor(dtype=pb.DTYPE_FP32, shape=k.shape, data=k.tobytes()),
+                                     v=pb.Tensor(dtype=pb.DTYPE_FP32, shape=v.shape, data=v.tobytes()))
+            if prompt_len is not None:
+                want.prompt_len = prompt_len
+            self.assertEqual(parsed, want)
+            self.assertEqual(parsed.HasField("prompt_len"), prompt_len is not None)
+            self.assertEqual(len(msg.tobytes()), want.ByteSize())
+
+    def test_decode_and_session_requests_parse(self):
+        from attnd._client import _decode_request
+        q = attnd.float32_to_bf16(self.rng.standard_normal((3, 3, 4, 8)).astype(np.float32))
+        k = attnd.float32_to_bf16(self.rng.standard_normal((3, 2, 8)).astype(np.float32))
+        seqs = ["%032x" % i for i in range(3)]
+        msg, _ = _decode_request(2, seqs, q, k, k)
+        want = pb.DecodeRequest(layer=2, entries=[
+            pb.DecodeEntry(sequence_id=s, q=pb.Tensor(dtype=pb.DTYPE_BF16, shape=[3, 4, 8], data=q[i].tobytes()),
+                           k=pb.Tensor(dtype=pb.DTYPE_BF16, shape=[2, 8], data=k[i].tobytes()),
+                           v=pb.Tensor(dtype=pb.DTYPE_BF16, shape=[2, 8], data=k[i].tobytes()))
+            for i, s in enumerate(seqs)])
+        self.assertEqual(pb.DecodeRequest.FromString(msg.tobytes()), want)
+        sess = pb.SessionRequest.FromString(self.wire.session_request(2 ** 40, decode=msg).tobytes())
+        self.assertEqual(sess, pb.SessionRequest(tag=2 ** 40, decode=want))
+
+    def test_responses_decode(self):
+        out = self.rng.standard_normal((6, 4, 8)).astype(np.float16)
+        resp = pb.PrefillResponse(o=pb.Tensor(dtype=pb.DTYPE_FP16, shape=out.shape, data=out.tobytes()), length=77)
+        t, length = self.wire.parse_prefill_response(memoryview(resp.SerializeToString()))
+        self.assertEqual(length, 77)
+        self.assertEqual((t.dtype, t.shape), (pb.DTYPE_FP16, [6, 4, 8]))
+        like = attnd._tensors.Like("numpy", np_dtype=np.dtype(np.float16))
+        np.testing.assert_array_equal(attnd._tensors.from_proto(t, like), out)
+
+        outs = [self.rng.standard_normal((4, 8)).astype(np.float32) for _ in range(3)]
+        dresp = pb.DecodeResponse(outputs=[
+            pb.DecodeOutput(o=pb.Tensor(dtype=pb.DTYPE_FP32, shape=o.shape, data=o.tobytes()), length=10 + i)
+            for i, o in enumerate(outs)])
+        sresp = pb.SessionResponse(tag=9, decode=dresp)
+        mv = memoryview(sresp.SerializeToString())
+        tag, code, message, kind, span = self.wire.parse_session_response(mv)
+        self.assertEqual((tag, code, message, kind), (9, 0, "", "decode"))
+        parsed = self.wire.parse_decode_response(mv, *span)
+        self.assertEqual([n for _, n in parsed], [10, 11, 12])
+        like = attnd._tensors.Like("numpy", np_dtype=np.dtype(np.float32))
+        np.testing.assert_array_equal(attnd._tensors.from_protos([t for t, _ in parsed], like), np.stack(outs))
+
+        err = pb.SessionResponse(tag=3, code=5, message="sequence x not found")
+        self.assertEqual(self.wire.parse_session_response(memoryview(err.SerializeToString()))[:4],
+                         (3, 5, "sequence x not found", None))
+
+    def test_unpacked_shape_and_unknown_fields_are_accepted(self):
+        # Tensor: dtype=FP32 (field 1), shape 2 and 3 unpacked (field 2 varints), an unknown field 9, data.
+        data = np.arange(6, dtype="<f4").tobytes()
+        body = bytes([0x08, 3, 0x10, 2, 0x10, 3, 0x48, 1, 0x1A, len(data)]) + data
+        msg = bytes([0x0A, len(body)]) + body + bytes([0x10, 6])
+        self.assertEqual(pb.PrefillResponse.FromString(msg).o.shape, [2, 3])
+        t, length = self.wire.parse_prefill_response(memoryview(msg))
+        self.assertEqual((t.dtype, t.shape, length, bytes(t.data)), (3, [2, 3], 6, data))
+
+    def test_truncated_response_is_an_error(self):
+        resp = pb.PrefillResponse(o=pb.Tensor(dtype=pb.DTYPE_FP32, shape=[4], data=b"\0" * 16), length=4)
+        raw = resp.SerializeToString()[:-3]
+        with self.assertRaises(attnd.AttndError) as ctx:
+            self.wire.parse_prefill_response(memoryview(raw))
+        self.assertEqual(ctx.exception.code.name, "INTERNAL")

@@ -8,7 +8,7 @@ import grpc
 
 from ._errors import AttndError, invalid_argument, status_code_from_int
 from ._proto import pb, pb_grpc
-from . import _tensors
+from . import _tensors, _wire
 
 # gRPC Python caps received messages at 4 MiB by default; prefill outputs are larger. The server enforces its
 # own limit (GetServerInfo().limits.max_message_bytes) and answers RESOURCE_EXHAUSTED above it.
@@ -30,18 +30,17 @@ def _read_pem(value):
 
 
 def _prefill_request(seq, layer, q, k, v, prompt_len):
+    """-> (serialized attnd.v1.PrefillRequest as a _wire.Msg, Like of q)."""
     if not isinstance(seq, str):
         raise invalid_argument("sequence id must be a str, got %s" % type(seq).__name__)
-    qt, like = _tensors.to_proto(q, "q")
-    kt, _ = _tensors.to_proto(k, "k")
-    vt, _ = _tensors.to_proto(v, "v")
-    req = pb.PrefillRequest(sequence_id=seq, layer=int(layer), q=qt, k=kt, v=vt)
-    if prompt_len is not None:
-        req.prompt_len = int(prompt_len)
-    return req, like
+    qa, qd, like = _tensors.to_numpy(q, "q")
+    ka, kd, _ = _tensors.to_numpy(k, "k")
+    va, vd, _ = _tensors.to_numpy(v, "v")
+    return _wire.prefill_request(seq, int(layer), (qa, qd), (ka, kd), (va, vd), prompt_len), like
 
 
 def _decode_request(layer, seqs, q, k, v):
+    """-> (serialized attnd.v1.DecodeRequest as a _wire.Msg, Like of q)."""
     if isinstance(seqs, str):
         seqs = [seqs]
     seqs = list(seqs)
@@ -50,19 +49,20 @@ def _decode_request(layer, seqs, q, k, v):
     for s in seqs:
         if not isinstance(s, str):
             raise invalid_argument("sequence id must be a str, got %s" % type(s).__name__)
-    qs, like = _tensors.split_batch(q, "q", len(seqs))
-    ks, _ = _tensors.split_batch(k, "k", len(seqs))
-    vs, _ = _tensors.split_batch(v, "v", len(seqs))
-    entries = [pb.DecodeEntry(sequence_id=s, q=qi, k=ki, v=vi) for s, qi, ki, vi in zip(seqs, qs, ks, vs)]
-    return pb.DecodeRequest(layer=int(layer), entries=entries), like
+    qs, like = _tensors.split_arrays(q, "q", len(seqs))
+    ks, _ = _tensors.split_arrays(k, "k", len(seqs))
+    vs, _ = _tensors.split_arrays(v, "v", len(seqs))
+    return _wire.decode_request(int(layer), list(zip(seqs, qs, ks, vs))), like
 
 
-def _prefill_output(resp, like):
-    return _tensors.from_proto(resp.o, like)
+def _prefill_output(mv, start, end, like):
+    t, length = _wire.parse_prefill_response(mv, start, end)
+    return _tensors.from_proto(t, like), length
 
 
-def _decode_output(resp, like):
-    return _tensors.from_protos([o.o for o in resp.outputs], like)
+def _decode_output(mv, start, end, like):
+    outputs = _wire.parse_decode_response(mv, start, end)
+    return _tensors.from_protos([t for t, _ in outputs], like), [n for _, n in outputs]
 
 
 class Client:
@@ -97,6 +97,16 @@ class Client:
         else:
             self._channel = grpc.insecure_channel(target, options=opts)
         self._stub = pb_grpc.AttentionStub(self._channel)
+        # The tensor-carrying RPCs take and return raw bytes: _wire encodes requests straight from the arrays'
+        # buffers and decodes outputs as views into the response (see _wire.py for why).
+        self._prefill = self._channel.unary_unary("/attnd.v1.Attention/Prefill")
+        self._decode = self._channel.unary_unary("/attnd.v1.Attention/Decode")
+        self._session = self._channel.stream_stream("/attnd.v1.Attention/Session")
+
+    @property
+    def stub(self):
+        """The generated attnd.v1 AttentionStub on this channel, for anything the methods do not cover."""
+        return self._stub
 
     # -- lifecycle --
     def close(self):
@@ -155,9 +165,10 @@ class Client:
         (the same value in every call). return_length=True returns (out, layer length after the call).
         """
         req, like = _prefill_request(seq, layer, q, k, v, prompt_len)
-        resp = self._call(self._stub.Prefill, req, timeout)
-        out = _prefill_output(resp, like)
-        return (out, resp.length) if return_length else out
+        resp = self._call(self._prefill, req.tobytes(), timeout)
+        mv = memoryview(resp)
+        out, length = _prefill_output(mv, 0, len(mv), like)
+        return (out, length) if return_length else out
 
     def decode(self, layer, seqs, q, k, v, timeout=None, return_lengths=False):
         """One decode step of a batch of sequences in one layer (all or nothing).
@@ -166,9 +177,10 @@ class Client:
         return_lengths=True returns (out, [layer length after the token, per sequence]).
         """
         req, like = _decode_request(layer, seqs, q, k, v)
-        resp = self._call(self._stub.Decode, req, timeout)
-        out = _decode_output(resp, like)
-        return (out, [o.length for o in resp.outputs]) if return_lengths else out
+        resp = self._call(self._decode, req.tobytes(), timeout)
+        mv = memoryview(resp)
+        out, lengths = _decode_output(mv, 0, len(mv), like)
+        return (out, lengths) if return_lengths else out
 
     # -- streaming --
     def session(self, timeout=None):
@@ -202,22 +214,18 @@ class Pending:
             raise self._error
         return self._value
 
-    def _resolve(self, resp):
+    def _resolve(self, code, message, kind, span, mv):
         self._done = True
-        if resp.code != 0:
-            self._error = AttndError(status_code_from_int(resp.code), resp.message)
+        if code != 0:
+            self._error = AttndError(status_code_from_int(code), message)
             return
         try:
-            if self._kind == "prefill":
-                if resp.WhichOneof("response") != "prefill":
-                    raise AttndError(grpc.StatusCode.INTERNAL, "session answered a prefill with %s"
-                                     % resp.WhichOneof("response"))
-                self._value = _prefill_output(resp.prefill, self._like)
+            if kind != self._kind:
+                raise AttndError(grpc.StatusCode.INTERNAL, "session answered a %s with %s" % (self._kind, kind))
+            if kind == "prefill":
+                self._value = _prefill_output(mv, span[0], span[1], self._like)[0]
             else:
-                if resp.WhichOneof("response") != "decode":
-                    raise AttndError(grpc.StatusCode.INTERNAL, "session answered a decode with %s"
-                                     % resp.WhichOneof("response"))
-                self._value = _decode_output(resp.decode, self._like)
+                self._value = _decode_output(mv, span[0], span[1], self._like)[0]
         except AttndError as err:
             self._error = err
 
@@ -245,7 +253,7 @@ class Session:
         self._closed = False
         self._broken = None
         try:
-            self._call = client._stub.Session(self._request_iter(), timeout=timeout, metadata=client._metadata)
+            self._call = client._session(self._request_iter(), timeout=timeout, metadata=client._metadata)
         except grpc.RpcError as err:
             raise AttndError.from_rpc_error(err) from None
         self._responses = iter(self._call)
@@ -275,7 +283,7 @@ class Session:
         self._next_tag += 1
         pending = Pending(self, tag, kind, like)
         self._pending.append(pending)
-        self._requests.put(pb.SessionRequest(tag=tag, **body))
+        self._requests.put(_wire.session_request(tag, **body).tobytes())
         return pending
 
     def _read_one(self):
@@ -297,13 +305,21 @@ class Session:
             self._fail_all(self._broken)
             return
         pending = self._pending.popleft()
-        if resp.tag != pending.tag:
+        mv = memoryview(resp)
+        try:
+            tag, code, message, kind, span = _wire.parse_session_response(mv)
+        except AttndError as err:
+            self._broken = err
+            pending._fail(err)
+            self._fail_all(err)
+            return
+        if tag != pending.tag:
             self._broken = AttndError(grpc.StatusCode.INTERNAL, "session answer out of order: tag %d, expected %d"
-                                      % (resp.tag, pending.tag))
+                                      % (tag, pending.tag))
             pending._fail(self._broken)
             self._fail_all(self._broken)
             return
-        pending._resolve(resp)
+        pending._resolve(code, message, kind, span, mv)
 
     def _fail_all(self, err):
         while self._pending:
@@ -341,7 +357,8 @@ class Session:
             raise self._broken
         try:
             for resp in self._responses:
-                raise AttndError(grpc.StatusCode.INTERNAL, "unexpected session answer with tag %d" % resp.tag)
+                raise AttndError(grpc.StatusCode.INTERNAL, "unexpected session answer with tag %d"
+                                 % _wire.parse_session_response(memoryview(resp))[0])
         except grpc.RpcError as err:
             raise AttndError.from_rpc_error(err) from None
 

@@ -10,7 +10,9 @@ import sys
 
 import numpy as np
 
-from ._errors import invalid_argument
+import grpc
+
+from ._errors import AttndError, invalid_argument
 from ._proto import pb
 
 _NP_BY_DTYPE = {pb.DTYPE_FP32: np.dtype("<f4"), pb.DTYPE_FP16: np.dtype("<f2"), pb.DTYPE_BF16: np.dtype("<u2")}
@@ -81,6 +83,15 @@ def to_proto(x, name):
     return pb.Tensor(dtype=dtype, shape=a.shape, data=a.tobytes()), like
 
 
+def split_arrays(x, name, batch):
+    """Splits a [B, ...] batch into B C-contiguous views. Returns ([(array_i, DType)], Like)."""
+    a, dtype, like = to_numpy(x, name)
+    if a.ndim < 1 or a.shape[0] != batch:
+        raise invalid_argument("%s: expected a leading batch dimension of %d (one per sequence), got shape %s"
+                               % (name, batch, list(a.shape)))
+    return [(a[i], dtype) for i in range(batch)], like
+
+
 def split_batch(x, name, batch):
     """Splits a [B, ...] batch into B attnd.v1.Tensors (one per decode entry). Returns (tensors, Like)."""
     a, dtype, like = to_numpy(x, name)
@@ -93,17 +104,24 @@ def split_batch(x, name, batch):
     return [pb.Tensor(dtype=dtype, shape=shape, data=data[i * step:(i + 1) * step]) for i in range(batch)], like
 
 
+def _bad_response(message):
+    return AttndError(grpc.StatusCode.INTERNAL, message)
+
+
 def _check(t):
+    """t: an attnd.v1.Tensor or a _wire.TensorView."""
     if t.dtype not in _NP_BY_DTYPE:
-        raise invalid_argument("server returned a tensor of unknown dtype %d" % t.dtype)
+        raise _bad_response("server returned a tensor of unknown dtype %d" % t.dtype)
     want = int(np.prod(t.shape, dtype=np.int64)) * _NP_BY_DTYPE[t.dtype].itemsize
     if want != len(t.data):
-        raise invalid_argument("server returned %d bytes for shape %s %s" % (len(t.data), list(t.shape),
+        raise _bad_response("server returned %d bytes for shape %s %s" % (len(t.data), list(t.shape),
                                                                               _DTYPE_NAME[t.dtype]))
 
 
 def from_bytes(data, dtype, shape, like):
-    """Builds the output array/tensor of `like`'s kind from raw little-endian bytes."""
+    """Builds the output array/tensor of `like`'s kind from raw little-endian bytes (any buffer).
+
+    numpy outputs are read-only views of `data` (no copy); torch outputs own a copy."""
     if like.kind == "torch":
         torch = _torch()
         tdt = {pb.DTYPE_FP32: torch.float32, pb.DTYPE_FP16: torch.float16, pb.DTYPE_BF16: torch.bfloat16}[dtype]
@@ -124,6 +142,7 @@ def from_bytes(data, dtype, shape, like):
 
 
 def from_proto(t, like):
+    """t: an attnd.v1.Tensor or a _wire.TensorView."""
     _check(t)
     return from_bytes(t.data, t.dtype, list(t.shape), like)
 
@@ -131,12 +150,12 @@ def from_proto(t, like):
 def from_protos(tensors, like):
     """Stacks per-entry outputs ([Hq, D] each) into one [B, Hq, D] array/tensor."""
     if not tensors:
-        raise invalid_argument("server returned no outputs")
+        raise _bad_response("server returned no outputs")
     first = tensors[0]
     for t in tensors:
         _check(t)
         if t.dtype != first.dtype or list(t.shape) != list(first.shape):
-            raise invalid_argument("server returned outputs of different dtype/shape in one batch")
+            raise _bad_response("server returned outputs of different dtype/shape in one batch")
     data = b"".join(t.data for t in tensors)
     return from_bytes(data, first.dtype, [len(tensors)] + list(first.shape), like)
 
