@@ -1,0 +1,289 @@
+// GPU benchmark of the CUDA DCA kernels (kernels/cuda/dca_cuda.h), Qwen2.5-7B-1M geometry
+// (28 q heads, 4 kv heads, head_dim 128), bf16 paged KV with page_size 16 and shuffled pages.
+//
+//   dca_bench [--quick] [--out FILE]
+//
+// Prefill: one sequence, all L tokens in one call (start 0), L in {8K, 32K, 128K}, with
+// chunk_len = L/4 (4 DCA chunks: intra, succ and inter stages all active) and the real 253952.
+//   FLOPs = 4 * Hq * D * L(L+1)/2   (QK^T and PV, 2 FLOPs per MAC, every query sees keys <= itself,
+//   as in causal attention; DCA only changes which query variant scores each key)
+// Decode: batch {1, 8, 32, 128} x context {4K, 32K, 128K} plus 1 x 1M, chunk_len 253952; every
+// sequence of the batch has the same length. Bytes = K + V read once = B * L * Hkv * D * 2 * 2
+// (q, out and page tables are < 1% and not counted). Small cases rotate over several disjoint page
+// sets (>= 1 GiB of KV in total) so that repeated runs do not measure the 50 MB L2.
+// Also a device-to-device copy (bytes = read + write) as the bandwidth ceiling.
+// Timing: CUDA events around each launch after warm-up; the median of N runs.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/dca_cuda.h"
+#include "kernels/dca.h"
+#include "kernels/dtype.h"
+#include "kernels/paged_kv.h"
+
+namespace attnd {
+namespace {
+
+#define CHECK_CUDA(expr)                                                                    \
+  do {                                                                                      \
+    const cudaError_t e_ = (expr);                                                          \
+    if (e_ != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                         \
+    }                                                                                       \
+  } while (0)
+#define CHECK_OK(expr)                                                              \
+  do {                                                                              \
+    const absl::Status s_ = (expr);                                                 \
+    if (!s_.ok()) {                                                                 \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
+      std::exit(1);                                                                 \
+    }                                                                               \
+  } while (0)
+
+constexpr int kHq = 28, kHkv = 4, kD = 128, kPageSize = 16;
+constexpr int64_t kRealChunkLen = 253952;
+constexpr int64_t kOrig = 262144;
+
+FILE* g_out = nullptr;
+void Emit(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+void Emit(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  char buf[1024];
+  std::vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  std::fputs(buf, stdout);
+  std::fflush(stdout);
+  if (g_out) {
+    std::fputs(buf, g_out);
+    std::fflush(g_out);
+  }
+}
+
+DcaGeometry Geometry(int64_t cl) {
+  DcaGeometry g;
+  g.num_q_heads = kHq;
+  g.num_kv_heads = kHkv;
+  g.head_dim = kD;
+  g.chunk_len = cl;
+  g.original_max_position_embeddings = kOrig;
+  g.softmax_scale = 1.f / std::sqrt(static_cast<float>(kD));
+  return g;
+}
+
+// Fills `bytes` of device memory with a tiled block of random unit-scale bf16 values (never zeros).
+void FillRandomBf16(void* dst, size_t bytes) {
+  static std::vector<uint16_t> block;
+  static void* d_block = nullptr;
+  constexpr size_t kBlockElems = size_t{16} << 20;  // 32 MB
+  if (d_block == nullptr) {
+    std::mt19937 rng(42);
+    std::normal_distribution<float> dist(0.f, 1.f);
+    block.resize(kBlockElems);
+    for (auto& x : block) x = FloatToBf16(dist(rng));
+    CHECK_CUDA(cudaMalloc(&d_block, kBlockElems * 2));
+    CHECK_CUDA(cudaMemcpy(d_block, block.data(), kBlockElems * 2, cudaMemcpyHostToDevice));
+  }
+  for (size_t off = 0; off < bytes; off += kBlockElems * 2) {
+    CHECK_CUDA(cudaMemcpy(static_cast<char*>(dst) + off, d_block,
+                          std::min(kBlockElems * 2, bytes - off), cudaMemcpyDeviceToDevice));
+  }
+}
+
+template <typename F>
+double MedianMs(int warmup, int iters, F&& launch) {
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < warmup; ++i) launch(i);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> ms;
+  for (int i = 0; i < iters; ++i) {
+    CHECK_CUDA(cudaEventRecord(a));
+    launch(i);
+    CHECK_CUDA(cudaEventRecord(b));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaEventDestroy(a));
+  CHECK_CUDA(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+double CopyBandwidth() {
+  const size_t bytes = size_t{4} << 30;
+  void *a, *b;
+  CHECK_CUDA(cudaMalloc(&a, bytes));
+  CHECK_CUDA(cudaMalloc(&b, bytes));
+  CHECK_CUDA(cudaMemset(a, 1, bytes));
+  const double ms = MedianMs(3, 10, [&](int) {
+    CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+  });
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(b));
+  return 2.0 * bytes / (ms * 1e-3) / 1e9;
+}
+
+void BenchPrefill(bool quick) {
+  Emit("\n## Prefill (one call of L tokens from position 0; bf16 q/KV, bf16 out; page 16)\n");
+  Emit("FLOPs = 4*Hq*D*L(L+1)/2 (causal-equivalent), Hq=28 Hkv=4 D=128\n");
+  Emit("%-8s %-10s %-7s %12s %10s\n", "L", "chunk_len", "chunks", "median_ms", "TFLOP/s");
+  std::vector<int64_t> lens = {8192, 32768, 131072};
+  if (quick) lens = {8192};
+  for (int64_t len : lens) {
+    const int64_t pages = len / kPageSize;
+    const size_t kv_bytes = static_cast<size_t>(pages) * kPageSize * kHkv * kD * 2;
+    const size_t q_bytes = static_cast<size_t>(len) * kNumQueryVariants * kHq * kD * 2;
+    const size_t out_bytes = static_cast<size_t>(len) * kHq * kD * 2;
+    void *k, *v, *q, *out, *table;
+    CHECK_CUDA(cudaMalloc(&k, kv_bytes));
+    CHECK_CUDA(cudaMalloc(&v, kv_bytes));
+    CHECK_CUDA(cudaMalloc(&q, q_bytes));
+    CHECK_CUDA(cudaMalloc(&out, out_bytes));
+    CHECK_CUDA(cudaMalloc(&table, pages * 4));
+    FillRandomBf16(k, kv_bytes);
+    FillRandomBf16(v, kv_bytes);
+    FillRandomBf16(q, q_bytes);
+    std::vector<int32_t> perm(pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937(1));
+    CHECK_CUDA(cudaMemcpy(table, perm.data(), pages * 4, cudaMemcpyHostToDevice));
+    for (int64_t cl : {len / 4, kRealChunkLen}) {
+      const DcaGeometry g = Geometry(cl);
+      CudaPrefillParams p;
+      p.kv.k = static_cast<Bf16*>(k);
+      p.kv.v = static_cast<Bf16*>(v);
+      p.kv.page_table = static_cast<int32_t*>(table);
+      p.kv.page_size = kPageSize;
+      p.kv.num_kv_heads = kHkv;
+      p.kv.head_dim = kD;
+      p.q = static_cast<Bf16*>(q);
+      p.out = out;
+      p.out_dtype = DType::kBf16;
+      p.start = 0;
+      p.num_tokens = len;
+      p.softmax_scale = g.softmax_scale * LengthScale(len, kOrig);
+      const int iters = len >= 131072 ? 3 : 7;
+      const double ms = MedianMs(1, iters, [&](int) { CHECK_OK(LaunchDcaPrefill(g, p, nullptr)); });
+      const double flops = 4.0 * kHq * kD * static_cast<double>(len) * (len + 1) / 2;
+      Emit("%-8lld %-10lld %-7lld %12.3f %10.1f\n", static_cast<long long>(len),
+           static_cast<long long>(cl), static_cast<long long>((len + cl - 1) / cl), ms,
+           flops / (ms * 1e-3) / 1e12);
+    }
+    CHECK_CUDA(cudaFree(k));
+    CHECK_CUDA(cudaFree(v));
+    CHECK_CUDA(cudaFree(q));
+    CHECK_CUDA(cudaFree(out));
+    CHECK_CUDA(cudaFree(table));
+  }
+}
+
+void BenchDecode(bool quick, double copy_gbs) {
+  Emit("\n## Decode (split-K, chunk_len 253952, page 16; all sequences of length ctx)\n");
+  Emit("bytes = B*ctx*Hkv*D*2(K,V)*2B; %% of the measured D2D copy bandwidth %.0f GB/s\n", copy_gbs);
+  Emit("%-6s %-8s %-7s %-6s %12s %10s %7s\n", "batch", "ctx", "splits", "sets", "median_us",
+       "GB/s", "%copy");
+  struct Case { int batch; int64_t ctx; };
+  std::vector<Case> cases;
+  for (int b : {1, 8, 32, 128})
+    for (int64_t ctx : {4096, 32768, 131072}) cases.push_back({b, ctx});
+  cases.push_back({1, 1 << 20});
+  if (quick) cases = {{1, 4096}, {8, 32768}};
+  int num_sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+  const DcaGeometry g = Geometry(kRealChunkLen);
+  for (const Case& c : cases) {
+    const int64_t pages_per_seq = c.ctx / kPageSize;
+    const double step_bytes = 2.0 * c.batch * c.ctx * kHkv * kD * 2;
+    const int sets = static_cast<int>(std::max(1.0, std::ceil((1 << 30) / step_bytes)));
+    const int64_t pages = pages_per_seq * c.batch * sets;
+    const size_t kv_bytes = static_cast<size_t>(pages) * kPageSize * kHkv * kD * 2;
+    void *k, *v, *q, *out, *tables, *lengths, *ws;
+    CHECK_CUDA(cudaMalloc(&k, kv_bytes));
+    CHECK_CUDA(cudaMalloc(&v, kv_bytes));
+    FillRandomBf16(k, kv_bytes);
+    FillRandomBf16(v, kv_bytes);
+    const size_t q_bytes = static_cast<size_t>(c.batch) * kNumDecodeVariants * kHq * kD * 2;
+    CHECK_CUDA(cudaMalloc(&q, q_bytes));
+    FillRandomBf16(q, q_bytes);
+    CHECK_CUDA(cudaMalloc(&out, static_cast<size_t>(c.batch) * kHq * kD * 2));
+    std::vector<int32_t> perm(pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937(2));
+    CHECK_CUDA(cudaMalloc(&tables, pages * 4));
+    CHECK_CUDA(cudaMemcpy(tables, perm.data(), pages * 4, cudaMemcpyHostToDevice));
+    std::vector<int32_t> lens(c.batch, static_cast<int32_t>(c.ctx));
+    CHECK_CUDA(cudaMalloc(&lengths, c.batch * 4));
+    CHECK_CUDA(cudaMemcpy(lengths, lens.data(), c.batch * 4, cudaMemcpyHostToDevice));
+    const int32_t splits = PlanDecodeSplits(g, c.batch, c.ctx, num_sms);
+    CHECK_CUDA(cudaMalloc(&ws, DecodeWorkspaceFloats(g, c.batch, splits) * 4));
+    auto params = [&](int set) {
+      CudaDecodeParams p;
+      p.kv.k = static_cast<Bf16*>(k);
+      p.kv.v = static_cast<Bf16*>(v);
+      p.kv.page_tables = static_cast<int32_t*>(tables) + static_cast<int64_t>(set) * c.batch *
+                                                             pages_per_seq;
+      p.kv.page_table_stride = pages_per_seq;
+      p.kv.page_size = kPageSize;
+      p.kv.num_kv_heads = kHkv;
+      p.kv.head_dim = kD;
+      p.lengths = static_cast<int32_t*>(lengths);
+      p.q = static_cast<Bf16*>(q);
+      p.out = out;
+      p.out_dtype = DType::kBf16;
+      p.batch = c.batch;
+      p.max_splits = splits;
+      p.partial_out = static_cast<float*>(ws);
+      p.partial_lse = p.partial_out + static_cast<size_t>(c.batch) * kHq * splits * kD;
+      return p;
+    };
+    const double ms = MedianMs(3, 30, [&](int i) {
+      CHECK_OK(LaunchDcaDecode(g, params(i % sets), nullptr));
+    });
+    const double gbs = step_bytes / (ms * 1e-3) / 1e9;
+    Emit("%-6d %-8lld %-7d %-6d %12.1f %10.0f %6.0f%%\n", c.batch, static_cast<long long>(c.ctx),
+         splits, sets, ms * 1e3, gbs, 100.0 * gbs / copy_gbs);
+    for (void* p : {k, v, q, out, tables, lengths, ws}) CHECK_CUDA(cudaFree(p));
+  }
+}
+
+}  // namespace
+}  // namespace attnd
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) attnd::g_out = std::fopen(argv[++i], "w");
+  }
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    std::fprintf(stderr, "dca_bench: no CUDA device\n");
+    return 1;
+  }
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  attnd::Emit("# dca_bench on %s (%d SMs, %.0f MB L2)\n", prop.name, prop.multiProcessorCount,
+              prop.l2CacheSize / 1e6);
+  const double copy = attnd::CopyBandwidth();
+  attnd::Emit("D2D copy bandwidth (4 GiB, read+write): %.0f GB/s\n", copy);
+  attnd::BenchPrefill(quick);
+  attnd::BenchDecode(quick, copy);
+  if (attnd::g_out) std::fclose(attnd::g_out);
+  return 0;
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything the CUDA backend needs from one GPU-machine call: correctness tests, then benchmarks
+# (ours and the torch SDPA peer, in the same run). From the repo root, after building here:
+#   bazel build //kernels/cuda:dca_cuda_test //server:cuda_engine_test //bench/gpu:dca_bench
+#   /work/shared/tools/gpu-bundle .gpu bazel-bin/kernels/cuda/dca_cuda_test \
+#       bazel-bin/server/cuda_engine_test bazel-bin/bench/gpu/dca_bench
+# then on the GPU machine:  . .gpu/env.sh && bench/gpu/run_all.sh "$OUT" [--quick]
+set -uo pipefail
+out=${1:?usage: run_all.sh OUT_DIR [--quick]}
+quick=${2:-}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit,memory.total \
+  --format=csv >"$out/env.txt" 2>&1
+status=0
+for t in dca_cuda_test cuda_engine_test; do
+  if command -v "$t" >/dev/null; then
+    "$t" >"$out/$t.log" 2>&1
+    rc=$?
+    echo "$t: exit $rc; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/$t.log" | tr '\n' ' ')"
+    grep -E '^\[  FAILED  \]|Failure|SKIPPING' "$out/$t.log" | head -20
+    ((rc == 0)) || status=1
+  else
+    echo "$t: not in the bundle"
+  fi
+done
+dca_bench $quick --out "$out/dca_bench.txt" >/dev/null 2>"$out/dca_bench.err" || {
+  echo "dca_bench failed:"; cat "$out/dca_bench.err"; status=1; }
+PYTHONUNBUFFERED=1 python3 bench/gpu/sdpa_peer.py $quick --out "$out/sdpa_peer.txt" \
+  >/dev/null 2>"$out/sdpa_peer.err" || { echo "sdpa_peer failed:"; tail -5 "$out/sdpa_peer.err"; status=1; }
+cat "$out/dca_bench.txt" "$out/sdpa_peer.txt" 2>/dev/null
+exit $status

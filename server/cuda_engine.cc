@@ -1,0 +1,495 @@
+#include "server/cuda_engine.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/dca_cuda.h"
+#include "kernels/dtype.h"
+#include "kernels/status_macros.h"
+
+namespace attnd {
+namespace {
+
+constexpr size_t kAlign = 256;
+
+size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+int64_t NumElements(const TensorView& t) {
+  int64_t n = 1;
+  for (int64_t d : t.shape) n *= d;
+  return n;
+}
+
+absl::Status CheckElements(absl::string_view name, const TensorView& t, int64_t expected) {
+  if (t.data == nullptr || NumElements(t) != expected) {
+    return absl::InvalidArgumentError(absl::StrCat("engine: ", name, " has ", NumElements(t),
+                                                   " elements, expected ", expected));
+  }
+  return absl::OkStatus();
+}
+
+bool SupportedDType(DType t) {
+  return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32;
+}
+
+struct DeviceFree {
+  void operator()(void* p) const { cudaFree(p); }
+};
+struct HostFree {
+  void operator()(void* p) const { cudaFreeHost(p); }
+};
+using DevicePtr = std::unique_ptr<void, DeviceFree>;
+using PinnedPtr = std::unique_ptr<void, HostFree>;
+
+absl::StatusOr<DevicePtr> DeviceAlloc(size_t bytes, absl::string_view what) {
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, kAlign));
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear the (non-sticky) allocation error
+    return absl::ResourceExhaustedError(absl::StrCat("cuda engine: cannot allocate ", bytes,
+                                                     " device bytes for ", what, ": ",
+                                                     cudaGetErrorString(err)));
+  }
+  return DevicePtr(p);
+}
+
+absl::StatusOr<PinnedPtr> PinnedAlloc(size_t bytes, absl::string_view what) {
+  void* p = nullptr;
+  const cudaError_t err = cudaMallocHost(&p, std::max<size_t>(bytes, kAlign));
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat("cuda engine: cannot allocate ", bytes,
+                                                     " pinned host bytes for ", what, ": ",
+                                                     cudaGetErrorString(err)));
+  }
+  return PinnedPtr(p);
+}
+
+char* At(const DevicePtr& p, size_t off) { return static_cast<char*>(p.get()) + off; }
+char* At(const PinnedPtr& p, size_t off) { return static_cast<char*>(p.get()) + off; }
+
+class CudaEngine : public Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const CudaEngineOptions& options);
+  ~CudaEngine() override;
+
+  std::string backend() const override { return "cuda"; }
+  std::string device_name() const override { return device_name_; }
+  const KvLayout& layout() const override { return layout_; }
+  const DcaGeometry& geometry() const override { return geometry_; }
+
+  absl::Status Prefill(const PrefillJob& job) override;
+  absl::Status Decode(const DecodeJob& job) override;
+
+ private:
+  explicit CudaEngine(const CudaEngineOptions& options) : geometry_(options.geometry),
+      layout_(options.layout), device_(options.device),
+      max_decode_batch_(std::max(1, options.max_decode_batch)) {}
+
+  absl::Status Init(int64_t staging_bytes);
+  absl::Status CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
+                          int64_t length) const;
+  PagedKv<Bf16> LayerView(int32_t layer, const int32_t* device_page_table) const;
+  absl::Status PrefillChunk(const PrefillJob& job, int64_t first, int64_t count, float s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status DecodeBatch(const DecodeJob& job, size_t first, size_t count)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const DcaGeometry geometry_;
+  const KvLayout layout_;
+  const int32_t device_;
+  const int32_t max_decode_batch_;
+  std::string device_name_;
+  int32_t num_sms_ = 0;
+  DevicePtr pool_;
+
+  absl::Mutex mu_;  // one job at a time: one stream, one set of staging buffers
+  cudaStream_t stream_ ABSL_GUARDED_BY(mu_) = nullptr;
+
+  // Prefill: one chunk of at most max_chunk_ tokens. Host and device buffers mirror each other:
+  // q raw [chunk, 5, Hq, D] (<= fp32), k/v raw [chunk, Hkv, D], out [chunk, Hq, D] (<= fp32).
+  int64_t max_chunk_ = 0;
+  size_t q_off_ = 0, k_off_ = 0, v_off_ = 0, out_off_ = 0, prefill_bytes_ = 0;
+  PinnedPtr h_prefill_ ABSL_GUARDED_BY(mu_);
+  DevicePtr d_prefill_ ABSL_GUARDED_BY(mu_);
+  DevicePtr d_q_bf16_ ABSL_GUARDED_BY(mu_);      // [chunk, 5, Hq, D]
+  PinnedPtr h_table_ ABSL_GUARDED_BY(mu_);       // [num_pages]
+  DevicePtr d_table_ ABSL_GUARDED_BY(mu_);       // [num_pages]
+
+  // Decode: per batch, packed as lengths | q bf16 [B,3,Hq,D] | k fp32 [B,Hkv,D] | v | tables.
+  size_t decode_bytes_ = 0;
+  PinnedPtr h_decode_ ABSL_GUARDED_BY(mu_);
+  DevicePtr d_decode_ ABSL_GUARDED_BY(mu_);
+  PinnedPtr h_decode_out_ ABSL_GUARDED_BY(mu_);  // [B, Hq, D] fp32
+  DevicePtr d_decode_out_ ABSL_GUARDED_BY(mu_);
+  size_t workspace_floats_ = 0;
+  DevicePtr d_workspace_ ABSL_GUARDED_BY(mu_);
+  std::vector<float> scratch_ ABSL_GUARDED_BY(mu_);
+};
+
+absl::StatusOr<std::unique_ptr<Engine>> CudaEngine::Create(const CudaEngineOptions& options) {
+  const DcaGeometry& g = options.geometry;
+  const KvLayout& layout = options.layout;
+  if (absl::Status s = CheckCudaGeometry(g); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda engine: ", s.message()));
+  }
+  if (layout.num_kv_heads != g.num_kv_heads || layout.head_dim != g.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda engine: KV layout [", layout.num_kv_heads, " kv heads, head_dim ", layout.head_dim,
+        "] does not match the model [", g.num_kv_heads, ", ", g.head_dim, "]"));
+  }
+  if (layout.kv_dtype != DType::kBf16) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda engine: KV dtype ",
+                                                   DTypeName(layout.kv_dtype),
+                                                   " is not supported; use bf16"));
+  }
+  if (layout.num_layers <= 0 || layout.page_size <= 0 || layout.num_pages <= 0) {
+    return absl::InvalidArgumentError("cuda engine: the KV layout has no layers, pages or slots");
+  }
+  if (layout.num_pages > INT32_MAX || layout.num_pages * int64_t{layout.page_size} > INT32_MAX) {
+    return absl::InvalidArgumentError("cuda engine: more than 2^31 token slots in the pool");
+  }
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    if (err != cudaSuccess) cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda engine: no usable CUDA device (",
+        err != cudaSuccess ? cudaGetErrorString(err) : "cudaGetDeviceCount() == 0",
+        "); use --device=cpu"));
+  }
+  if (options.device < 0 || options.device >= count) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda engine: device ", options.device,
+                                                   " not in [0, ", count, ")"));
+  }
+  std::unique_ptr<CudaEngine> engine(new CudaEngine(options));
+  ATTND_RETURN_IF_ERROR(engine->Init(options.staging_bytes));
+  return std::unique_ptr<Engine>(std::move(engine));
+}
+
+absl::Status CudaEngine::Init(int64_t staging_bytes) {
+  absl::MutexLock lock(&mu_);
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  cudaDeviceProp prop;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
+  device_name_ = prop.name;
+  num_sms_ = prop.multiProcessorCount;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+
+  ATTND_ASSIGN_OR_RETURN(pool_, DeviceAlloc(layout_.pool_bytes(), "the KV pool"));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(pool_.get(), 0, layout_.pool_bytes(), stream_));
+
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  const int64_t per_token = (kNumQueryVariants * hq * d + 2 * hkv * d + hq * d) * 4;
+  max_chunk_ = std::max<int64_t>(1, staging_bytes / per_token);
+  q_off_ = 0;
+  k_off_ = AlignUp(q_off_ + max_chunk_ * kNumQueryVariants * hq * d * 4);
+  v_off_ = AlignUp(k_off_ + max_chunk_ * hkv * d * 4);
+  out_off_ = AlignUp(v_off_ + max_chunk_ * hkv * d * 4);
+  prefill_bytes_ = AlignUp(out_off_ + max_chunk_ * hq * d * 4);
+  ATTND_ASSIGN_OR_RETURN(h_prefill_, PinnedAlloc(prefill_bytes_, "prefill staging"));
+  ATTND_ASSIGN_OR_RETURN(d_prefill_, DeviceAlloc(prefill_bytes_, "prefill staging"));
+  ATTND_ASSIGN_OR_RETURN(
+      d_q_bf16_, DeviceAlloc(max_chunk_ * kNumQueryVariants * hq * d * 2, "prefill q"));
+  ATTND_ASSIGN_OR_RETURN(h_table_, PinnedAlloc(layout_.num_pages * 4, "page table"));
+  ATTND_ASSIGN_OR_RETURN(d_table_, DeviceAlloc(layout_.num_pages * 4, "page table"));
+
+  const int64_t b = max_decode_batch_;
+  decode_bytes_ = AlignUp(b * 4) + AlignUp(b * kNumDecodeVariants * hq * d * 2) +
+                  2 * AlignUp(b * hkv * d * 4) + AlignUp(b * layout_.num_pages * 4);
+  ATTND_ASSIGN_OR_RETURN(h_decode_, PinnedAlloc(decode_bytes_, "decode staging"));
+  ATTND_ASSIGN_OR_RETURN(d_decode_, DeviceAlloc(decode_bytes_, "decode staging"));
+  ATTND_ASSIGN_OR_RETURN(h_decode_out_, PinnedAlloc(b * hq * d * 4, "decode output"));
+  ATTND_ASSIGN_OR_RETURN(d_decode_out_, DeviceAlloc(b * hq * d * 4, "decode output"));
+  const int64_t max_len = layout_.num_pages * layout_.page_size;
+  for (int32_t batch = 1; batch <= max_decode_batch_; ++batch) {
+    const int32_t splits = PlanDecodeSplits(geometry_, batch, max_len, num_sms_);
+    workspace_floats_ =
+        std::max(workspace_floats_, DecodeWorkspaceFloats(geometry_, batch, splits));
+  }
+  ATTND_ASSIGN_OR_RETURN(d_workspace_, DeviceAlloc(workspace_floats_ * 4, "decode workspace"));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+CudaEngine::~CudaEngine() {
+  absl::MutexLock lock(&mu_);
+  if (stream_ != nullptr) {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+}
+
+absl::Status CudaEngine::CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
+                                    int64_t length) const {
+  // The kernels index the pool without bounds checks, so a bad table must never reach them.
+  if (layer < 0 || layer >= layout_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine: layer ", layer, " is not in [0, ", layout_.num_layers, ")"));
+  }
+  if (num_pages * layout_.page_size < length || (num_pages > 0 && page_table == nullptr) ||
+      num_pages > layout_.num_pages) {
+    return absl::InvalidArgumentError(absl::StrCat("engine: ", num_pages,
+                                                   " pages do not cover ", length, " tokens"));
+  }
+  for (int64_t i = 0; i < num_pages; ++i) {
+    if (page_table[i] < 0 || page_table[i] >= layout_.num_pages) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("engine: page id ", page_table[i], " is not in the pool"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+PagedKv<Bf16> CudaEngine::LayerView(int32_t layer, const int32_t* device_page_table) const {
+  PagedKv<Bf16> kv;
+  kv.k = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.k_offset(layer));
+  kv.v = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.v_offset(layer));
+  kv.page_table = device_page_table;
+  kv.page_size = layout_.page_size;
+  kv.num_kv_heads = layout_.num_kv_heads;
+  kv.head_dim = layout_.head_dim;
+  return kv;
+}
+
+absl::Status CudaEngine::Prefill(const PrefillJob& job) {
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  const int64_t t = job.num_tokens;
+  if (t < 1 || job.start < 0 || job.prompt_len < job.start + t || job.out == nullptr ||
+      !SupportedDType(job.out_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("engine: bad prefill range (start ", job.start,
+                                                   ", tokens ", t, ", prompt_len ",
+                                                   job.prompt_len, ")"));
+  }
+  ATTND_RETURN_IF_ERROR(CheckPages(job.layer, job.page_table, job.num_pages, job.start + t));
+  ATTND_RETURN_IF_ERROR(CheckElements("q", job.q, t * kNumQueryVariants * hq * d));
+  ATTND_RETURN_IF_ERROR(CheckElements("k", job.k, t * hkv * d));
+  ATTND_RETURN_IF_ERROR(CheckElements("v", job.v, t * hkv * d));
+  for (const TensorView* view : {&job.q, &job.k, &job.v}) {
+    if (!SupportedDType(view->dtype)) return absl::InvalidArgumentError("engine: bad dtype");
+  }
+  const float s = LengthScale(job.prompt_len, geometry_.original_max_position_embeddings);
+
+  absl::MutexLock lock(&mu_);
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  std::memcpy(h_table_.get(), job.page_table, job.num_pages * 4);
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_table_.get(), h_table_.get(), job.num_pages * 4,
+                                             cudaMemcpyHostToDevice, stream_));
+  for (int64_t first = 0; first < t; first += max_chunk_) {
+    ATTND_RETURN_IF_ERROR(PrefillChunk(job, first, std::min(max_chunk_, t - first), s));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int64_t count,
+                                      float s) {
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  const int64_t q_n = count * kNumQueryVariants * hq * d, kv_n = count * hkv * d;
+  const size_t q_bytes = q_n * ElementSize(job.q.dtype);
+  const size_t k_bytes = kv_n * ElementSize(job.k.dtype);
+  const size_t v_bytes = kv_n * ElementSize(job.v.dtype);
+  const size_t out_bytes = count * hq * d * ElementSize(job.out_dtype);
+  // Stage the chunk in pinned memory, then one stream: H2D, convert, append, attend, D2H.
+  std::memcpy(At(h_prefill_, q_off_),
+              static_cast<const char*>(job.q.data) + first * kNumQueryVariants * hq * d *
+                                                         ElementSize(job.q.dtype),
+              q_bytes);
+  std::memcpy(At(h_prefill_, k_off_),
+              static_cast<const char*>(job.k.data) + first * hkv * d * ElementSize(job.k.dtype),
+              k_bytes);
+  std::memcpy(At(h_prefill_, v_off_),
+              static_cast<const char*>(job.v.data) + first * hkv * d * ElementSize(job.v.dtype),
+              v_bytes);
+  Bf16* q_bf16 = static_cast<Bf16*>(d_q_bf16_.get());
+  if (job.q.dtype == DType::kBf16) {  // straight into the kernel's buffer
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(q_bf16, At(h_prefill_, q_off_), q_bytes,
+                                               cudaMemcpyHostToDevice, stream_));
+  } else {
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, q_off_), At(h_prefill_, q_off_),
+                                               q_bytes, cudaMemcpyHostToDevice, stream_));
+    ATTND_RETURN_IF_ERROR(
+        LaunchConvertToBf16(At(d_prefill_, q_off_), job.q.dtype, q_n, q_bf16, stream_));
+  }
+  // k and v regions are adjacent in both mirrors only per tensor; copy each.
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, k_off_), At(h_prefill_, k_off_),
+                                             k_bytes, cudaMemcpyHostToDevice, stream_));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, v_off_), At(h_prefill_, v_off_),
+                                             v_bytes, cudaMemcpyHostToDevice, stream_));
+
+  const PagedKv<Bf16> kv = LayerView(job.layer, static_cast<const int32_t*>(d_table_.get()));
+  if (job.k.dtype == job.v.dtype) {
+    CudaAppendParams ap;
+    ap.kv = kv;
+    ap.k = At(d_prefill_, k_off_);
+    ap.v = At(d_prefill_, v_off_);
+    ap.in_dtype = job.k.dtype;
+    ap.start = job.start + first;
+    ap.num_tokens = count;
+    ap.key_scale = s;
+    ATTND_RETURN_IF_ERROR(LaunchAppendKv(ap, stream_));
+  } else {  // rare: different k and v dtypes; normalise both to fp32 on the host
+    scratch_.resize(2 * kv_n);
+    ConvertToFloat(At(h_prefill_, k_off_), job.k.dtype, kv_n, scratch_.data());
+    ConvertToFloat(At(h_prefill_, v_off_), job.v.dtype, kv_n, scratch_.data() + kv_n);
+    ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));  // staging reuse below
+    std::memcpy(At(h_prefill_, k_off_), scratch_.data(), kv_n * 4);
+    std::memcpy(At(h_prefill_, v_off_), scratch_.data() + kv_n, kv_n * 4);
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, k_off_), At(h_prefill_, k_off_),
+                                               kv_n * 4, cudaMemcpyHostToDevice, stream_));
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, v_off_), At(h_prefill_, v_off_),
+                                               kv_n * 4, cudaMemcpyHostToDevice, stream_));
+    CudaAppendParams ap;
+    ap.kv = kv;
+    ap.k = At(d_prefill_, k_off_);
+    ap.v = At(d_prefill_, v_off_);
+    ap.in_dtype = DType::kFp32;
+    ap.start = job.start + first;
+    ap.num_tokens = count;
+    ap.key_scale = s;
+    ATTND_RETURN_IF_ERROR(LaunchAppendKv(ap, stream_));
+  }
+
+  CudaPrefillParams pp;
+  pp.kv = kv;
+  pp.q = q_bf16;
+  pp.out = At(d_prefill_, out_off_);
+  pp.out_dtype = job.out_dtype;
+  pp.start = job.start + first;
+  pp.num_tokens = count;
+  pp.softmax_scale = geometry_.softmax_scale * s;
+  ATTND_RETURN_IF_ERROR(LaunchDcaPrefill(geometry_, pp, stream_));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(h_prefill_, out_off_), At(d_prefill_, out_off_),
+                                             out_bytes, cudaMemcpyDeviceToHost, stream_));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  std::memcpy(static_cast<char*>(job.out) + first * hq * d * ElementSize(job.out_dtype),
+              At(h_prefill_, out_off_), out_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::Decode(const DecodeJob& job) {
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  const int64_t q_n = kNumDecodeVariants * hq * d, kv_n = hkv * d;
+  for (const DecodeJob::Entry& e : job.entries) {
+    if (e.length < 1 || e.out == nullptr || !SupportedDType(e.out_dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat("engine: bad decode length ", e.length));
+    }
+    ATTND_RETURN_IF_ERROR(CheckPages(job.layer, e.page_table, e.num_pages, e.length));
+    // q may carry 3 or 5 variants; the first three are contiguous at the front.
+    if (e.q.data == nullptr || NumElements(e.q) < q_n) {
+      return absl::InvalidArgumentError("engine: decode q has fewer than 3 variants");
+    }
+    ATTND_RETURN_IF_ERROR(CheckElements("k", e.k, kv_n));
+    ATTND_RETURN_IF_ERROR(CheckElements("v", e.v, kv_n));
+    for (const TensorView* view : {&e.q, &e.k, &e.v}) {
+      if (!SupportedDType(view->dtype)) return absl::InvalidArgumentError("engine: bad dtype");
+    }
+  }
+  if (job.entries.empty()) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  for (size_t first = 0; first < job.entries.size(); first += max_decode_batch_) {
+    ATTND_RETURN_IF_ERROR(DecodeBatch(
+        job, first, std::min<size_t>(max_decode_batch_, job.entries.size() - first)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t count) {
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  const int64_t q_n = kNumDecodeVariants * hq * d, kv_n = hkv * d, out_n = hq * d;
+  const int64_t b = static_cast<int64_t>(count);
+  int64_t stride = 1, max_len = 1;
+  for (size_t i = first; i < first + count; ++i) {
+    stride = std::max(stride, job.entries[i].num_pages);
+    max_len = std::max(max_len, job.entries[i].length);
+  }
+  // Packed staging: lengths | q bf16 | k fp32 | v fp32 | page tables [b, stride].
+  const size_t len_off = 0;
+  const size_t q_off = len_off + AlignUp(b * 4);
+  const size_t k_off = q_off + AlignUp(b * q_n * 2);
+  const size_t v_off = k_off + AlignUp(b * kv_n * 4);
+  const size_t tab_off = v_off + AlignUp(b * kv_n * 4);
+  const size_t total = tab_off + b * stride * 4;
+  int32_t* h_len = reinterpret_cast<int32_t*>(At(h_decode_, len_off));
+  uint16_t* h_q = reinterpret_cast<uint16_t*>(At(h_decode_, q_off));
+  float* h_k = reinterpret_cast<float*>(At(h_decode_, k_off));
+  float* h_v = reinterpret_cast<float*>(At(h_decode_, v_off));
+  int32_t* h_tab = reinterpret_cast<int32_t*>(At(h_decode_, tab_off));
+  scratch_.resize(q_n);
+  for (int64_t i = 0; i < b; ++i) {
+    const DecodeJob::Entry& e = job.entries[first + i];
+    h_len[i] = static_cast<int32_t>(e.length);
+    if (e.q.dtype == DType::kBf16) {
+      std::memcpy(h_q + i * q_n, e.q.data, q_n * 2);
+    } else {
+      ConvertToFloat(e.q.data, e.q.dtype, q_n, scratch_.data());
+      for (int64_t j = 0; j < q_n; ++j) h_q[i * q_n + j] = FloatToBf16(scratch_[j]);
+    }
+    ConvertToFloat(e.k.data, e.k.dtype, kv_n, h_k + i * kv_n);  // exact: keys round once on device
+    ConvertToFloat(e.v.data, e.v.dtype, kv_n, h_v + i * kv_n);
+    std::memcpy(h_tab + i * stride, e.page_table, e.num_pages * 4);
+  }
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_decode_.get(), h_decode_.get(), total,
+                                             cudaMemcpyHostToDevice, stream_));
+  PagedKvBatch kvb;
+  kvb.k = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.k_offset(job.layer));
+  kvb.v = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.v_offset(job.layer));
+  kvb.page_tables = reinterpret_cast<const int32_t*>(At(d_decode_, tab_off));
+  kvb.page_table_stride = stride;
+  kvb.page_size = layout_.page_size;
+  kvb.num_kv_heads = layout_.num_kv_heads;
+  kvb.head_dim = layout_.head_dim;
+  const int32_t* d_len = reinterpret_cast<const int32_t*>(At(d_decode_, len_off));
+
+  CudaDecodeAppendParams ap;
+  ap.kv = kvb;
+  ap.lengths = d_len;
+  ap.k = At(d_decode_, k_off);
+  ap.v = At(d_decode_, v_off);
+  ap.in_dtype = DType::kFp32;
+  ap.batch = static_cast<int32_t>(b);
+  ap.original_max_position_embeddings = geometry_.original_max_position_embeddings;
+  ATTND_RETURN_IF_ERROR(LaunchDecodeAppendKv(ap, stream_));
+
+  CudaDecodeParams dp;
+  dp.kv = kvb;
+  dp.lengths = d_len;
+  dp.q = reinterpret_cast<const Bf16*>(At(d_decode_, q_off));
+  dp.out = d_decode_out_.get();
+  dp.out_dtype = DType::kFp32;
+  dp.batch = static_cast<int32_t>(b);
+  dp.max_splits = PlanDecodeSplits(geometry_, dp.batch, max_len, num_sms_);
+  if (DecodeWorkspaceFloats(geometry_, dp.batch, dp.max_splits) > workspace_floats_) {
+    return absl::InternalError("cuda engine: decode workspace too small");
+  }
+  dp.partial_out = static_cast<float*>(d_workspace_.get());
+  dp.partial_lse = dp.partial_out + static_cast<size_t>(b) * hq * dp.max_splits * d;
+  ATTND_RETURN_IF_ERROR(LaunchDcaDecode(geometry_, dp, stream_));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_decode_out_.get(), d_decode_out_.get(),
+                                             b * out_n * 4, cudaMemcpyDeviceToHost, stream_));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  const float* out = static_cast<const float*>(h_decode_out_.get());
+  for (int64_t i = 0; i < b; ++i) {
+    const DecodeJob::Entry& e = job.entries[first + i];
+    ConvertFromFloat(out + i * out_n, out_n, e.out_dtype, e.out);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(const CudaEngineOptions& options) {
+  return CudaEngine::Create(options);
+}
+
+}  // namespace attnd

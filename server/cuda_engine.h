@@ -1,0 +1,43 @@
+// The CUDA backend: the KV pool is one cudaMalloc laid out as kvcache/kv_layout.h says (bf16 K/V),
+// and attention runs on the kernels of kernels/cuda/dca_cuda.h on one CUDA stream.
+//
+// Per job: request tensors are packed into pinned host staging buffers, copied to preallocated
+// device buffers with one stream, converted to bf16 on the device (prefill) or the host (decode),
+// appended to the pool, attended, and copied back; the only host synchronisation is the final
+// copy-out (a prefill longer than the staging buffers runs as consecutive chunks, one sync each,
+// which is exactly chunked prefill). No CUDA types in this header.
+#ifndef ATTND_SERVER_CUDA_ENGINE_H_
+#define ATTND_SERVER_CUDA_ENGINE_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "kernels/dca.h"
+#include "kvcache/kv_layout.h"
+#include "server/engine.h"
+
+namespace attnd {
+
+struct CudaEngineOptions {
+  DcaGeometry geometry;
+  KvLayout layout;                  // kv_dtype must be kBf16; pool_bytes() are cudaMalloc'ed at once
+  int32_t device = 0;               // CUDA device ordinal
+  int32_t max_decode_batch = 256;   // larger decode jobs run in batches of this many
+  // Pinned host staging for one prefill chunk (q, k, v in, output out, worst case fp32). Sets the
+  // largest prefill chunk: 7B geometry needs ~90 KiB per token, so 512 MiB is ~5.8K tokens.
+  int64_t staging_bytes = int64_t{512} << 20;
+};
+
+// INVALID_ARGUMENT for a geometry/layout the CUDA kernels do not support (kernels/cuda/dca_cuda.h:
+// head_dim 64/128, group size 1..16, bf16 KV); FAILED_PRECONDITION when no CUDA device is usable
+// (cudaGetDeviceCount() == 0 or no driver); RESOURCE_EXHAUSTED when the pool or staging buffers
+// cannot be allocated.
+//
+// The engine serialises its jobs internally (one stream, one set of staging buffers): it is
+// thread-safe, and concurrent jobs on disjoint sequences simply queue.
+absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(const CudaEngineOptions& options);
+
+}  // namespace attnd
+
+#endif  // ATTND_SERVER_CUDA_ENGINE_H_

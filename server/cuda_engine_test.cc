@@ -1,0 +1,296 @@
+// CudaEngine against the fp64 reference (//kernels/testing:naive_dca): chunked prefill in two layers
+// for several sequences, then decode steps over a mixed batch, with bf16/fp16/fp32 requests and
+// outputs, a pool with shuffled pages, tiny staging (forces chunking) and a small decode batch cap
+// (forces batching). Error paths are checked by code and message. GPU parts skip loudly without a
+// CUDA device; the option checks run everywhere.
+#include "server/cuda_engine.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/dca.h"
+#include "kernels/dtype.h"
+#include "kernels/testing/naive_dca.h"
+#include "kvcache/kv_layout.h"
+#include "server/engine.h"
+
+namespace attnd {
+namespace {
+
+bool GpuPresent(std::string* why) {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    *why = std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(err);
+    return false;
+  }
+  if (n == 0) *why = "no CUDA device";
+  return n > 0;
+}
+
+#define REQUIRE_GPU()                                                               \
+  do {                                                                              \
+    std::string why_;                                                               \
+    if (!GpuPresent(&why_)) {                                                       \
+      std::fprintf(stderr, "*** SKIPPING GPU TEST %s: %s ***\n",                    \
+                   ::testing::UnitTest::GetInstance()->current_test_info()->name(), \
+                   why_.c_str());                                                   \
+      GTEST_SKIP() << "no usable CUDA device: " << why_;                            \
+    }                                                                               \
+  } while (0)
+
+DcaGeometry TestGeometry() {
+  DcaGeometry g;
+  g.num_q_heads = 28;
+  g.num_kv_heads = 4;
+  g.head_dim = 128;
+  g.chunk_len = 64;
+  g.original_max_position_embeddings = 100;  // scaling on past 100 tokens
+  g.softmax_scale = 1.f / std::sqrt(128.f);
+  return g;
+}
+
+CudaEngineOptions TestOptions() {
+  CudaEngineOptions o;
+  o.geometry = TestGeometry();
+  o.layout.num_layers = 2;
+  o.layout.num_kv_heads = 4;
+  o.layout.head_dim = 128;
+  o.layout.page_size = 16;
+  o.layout.kv_dtype = DType::kBf16;
+  o.layout.num_pages = 96;
+  o.max_decode_batch = 2;                  // a 3-entry decode runs as 2 + 1
+  o.staging_bytes = int64_t{90112} * 48;   // 48 tokens of 7B-like geometry per prefill chunk
+  return o;
+}
+
+TEST(CudaEngineOptions, RejectsUnsupportedConfigurations) {
+  CudaEngineOptions o = TestOptions();
+  o.layout.kv_dtype = DType::kFp32;
+  auto e = CreateCudaEngine(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(e.status().message()).find("KV dtype fp32"), std::string::npos)
+      << e.status();
+
+  o = TestOptions();
+  o.geometry.head_dim = o.layout.head_dim = 96;
+  e = CreateCudaEngine(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(e.status().message()).find("head_dim 96"), std::string::npos)
+      << e.status();
+}
+
+TEST(CudaEngineOptions, NoDeviceIsFailedPrecondition) {
+  std::string why;
+  if (GpuPresent(&why)) {
+    std::fprintf(stderr, "*** a CUDA device is present: checking creation succeeds instead ***\n");
+    auto e = CreateCudaEngine(TestOptions());
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_EQ((*e)->backend(), "cuda");
+    EXPECT_FALSE((*e)->device_name().empty());
+    return;
+  }
+  auto e = CreateCudaEngine(TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(std::string(e.status().message()).find("no usable CUDA device"), std::string::npos)
+      << e.status();
+}
+
+// A request tensor in `dtype` plus the fp32 values it holds exactly.
+struct Tensor {
+  DType dtype;
+  std::vector<uint8_t> bytes;
+  std::vector<float> values;
+  std::vector<int64_t> shape;
+  TensorView view() const { return TensorView{dtype, bytes.data(), shape}; }
+};
+
+Tensor RandomTensor(std::vector<int64_t> shape, DType dtype, std::mt19937* rng) {
+  const int64_t n = std::accumulate(shape.begin(), shape.end(), int64_t{1},
+                                    [](int64_t a, int64_t b) { return a * b; });
+  std::normal_distribution<float> dist(0.f, 1.f);
+  std::vector<float> raw(n);
+  for (float& x : raw) x = dist(*rng);
+  Tensor t{dtype, std::vector<uint8_t>(n * ElementSize(dtype)), std::vector<float>(n), shape};
+  ConvertFromFloat(raw.data(), n, dtype, t.bytes.data());
+  ConvertToFloat(t.bytes.data(), dtype, n, t.values.data());
+  return t;
+}
+
+void ExpectClose(const std::vector<uint8_t>& got_bytes, DType dtype, const std::vector<float>& want,
+                 const std::string& what) {
+  std::vector<float> got(want.size());
+  ConvertToFloat(got_bytes.data(), dtype, want.size(), got.data());
+  double max_abs = 0, sum_abs = 0;
+  size_t bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) {
+      ++bad;
+      continue;
+    }
+    const double e = std::fabs(static_cast<double>(got[i]) - want[i]);
+    max_abs = std::max(max_abs, e);
+    sum_abs += e;
+  }
+  EXPECT_EQ(bad, 0u) << what << ": non-finite outputs";
+  EXPECT_LE(max_abs, 2e-2) << what;
+  EXPECT_LE(sum_abs / want.size(), 2e-3) << what;
+  std::printf("  %-40s n=%zu max_abs=%.3g mean_abs=%.3g\n", what.c_str(), want.size(), max_abs,
+              sum_abs / want.size());
+}
+
+TEST(CudaEngine, PrefillAndDecodeMatchReference) {
+  REQUIRE_GPU();
+  const CudaEngineOptions opts = TestOptions();
+  auto created = CreateCudaEngine(opts);
+  ASSERT_TRUE(created.ok()) << created.status();
+  Engine& engine = **created;
+  const DcaGeometry g = opts.geometry;
+  const int64_t hq = g.num_q_heads, hkv = g.num_kv_heads, d = g.head_dim;
+  std::mt19937 rng(7);
+
+  // Three sequences: prompt chunks, dtypes; pages dealt from a shuffled pool.
+  struct Seq {
+    std::vector<int64_t> chunks;
+    DType in, out;
+    std::vector<int32_t> pages;
+    int64_t length = 0;
+  };
+  std::vector<Seq> seqs = {{{300}, DType::kBf16, DType::kFp32},      // > 4 chunks of 64
+                           {{1}, DType::kFp32, DType::kBf16},        // one token
+                           {{100, 29, 3}, DType::kFp16, DType::kFp16}};  // chunked, page edges
+  std::vector<int32_t> perm(opts.layout.num_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  size_t next = 0;
+  for (Seq& s : seqs) {
+    const int64_t prompt = std::accumulate(s.chunks.begin(), s.chunks.end(), int64_t{0});
+    const int64_t pages = (prompt + 3 + opts.layout.page_size - 1) / opts.layout.page_size;
+    s.pages.assign(perm.begin() + next, perm.begin() + next + pages);
+    next += pages;
+  }
+  std::vector<naive::NaiveSequence> refs;
+  for (size_t i = 0; i < seqs.size(); ++i) refs.emplace_back(g, opts.layout.num_layers);
+
+  for (int layer = 0; layer < 2; ++layer) {
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Seq& s = seqs[i];
+      const int64_t prompt = std::accumulate(s.chunks.begin(), s.chunks.end(), int64_t{0});
+      int64_t start = 0;
+      for (int64_t t : s.chunks) {
+        const Tensor q = RandomTensor({t, kNumQueryVariants, hq, d}, s.in, &rng);
+        const Tensor k = RandomTensor({t, hkv, d}, s.in, &rng);
+        const Tensor v = RandomTensor({t, hkv, d}, s.in, &rng);
+        std::vector<uint8_t> out(t * hq * d * ElementSize(s.out), 0xff);  // poisoned
+        PrefillJob job;
+        job.layer = layer;
+        job.page_table = s.pages.data();
+        job.num_pages = static_cast<int64_t>(s.pages.size());
+        job.start = start;
+        job.num_tokens = t;
+        job.prompt_len = prompt;
+        job.q = q.view();
+        job.k = k.view();
+        job.v = v.view();
+        job.out = out.data();
+        job.out_dtype = s.out;
+        const absl::Status st = engine.Prefill(job);
+        ASSERT_TRUE(st.ok()) << st;
+        auto want = refs[i].Prefill(layer, q.values, k.values, v.values, prompt);
+        ASSERT_TRUE(want.ok()) << want.status();
+        ExpectClose(out, s.out, *want,
+                    "prefill seq" + std::to_string(i) + " layer" + std::to_string(layer) + " [" +
+                        std::to_string(start) + "," + std::to_string(start + t) + ")");
+        start += t;
+      }
+      s.length = start;
+    }
+  }
+
+  for (int step = 0; step < 3; ++step) {
+    for (int layer = 0; layer < 2; ++layer) {
+      DecodeJob job;
+      job.layer = layer;
+      std::vector<Tensor> qs, ks, vs;
+      std::vector<std::vector<uint8_t>> outs;
+      for (Seq& s : seqs) {
+        // q carries all 5 variants on even steps, only 3 on odd ones.
+        qs.push_back(RandomTensor({step % 2 ? 3 : 5, hq, d}, s.in, &rng));
+        ks.push_back(RandomTensor({hkv, d}, s.in, &rng));
+        vs.push_back(RandomTensor({hkv, d}, s.in, &rng));
+        outs.emplace_back(hq * d * ElementSize(s.out), 0xff);
+      }
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        DecodeJob::Entry e;
+        e.page_table = seqs[i].pages.data();
+        e.num_pages = static_cast<int64_t>(seqs[i].pages.size());
+        e.length = seqs[i].length + step + 1;
+        e.q = qs[i].view();
+        e.k = ks[i].view();
+        e.v = vs[i].view();
+        e.out = outs[i].data();
+        e.out_dtype = seqs[i].out;
+        job.entries.push_back(e);
+      }
+      const absl::Status st = engine.Decode(job);
+      ASSERT_TRUE(st.ok()) << st;
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        auto want = refs[i].Decode(layer, qs[i].values, ks[i].values, vs[i].values);
+        ASSERT_TRUE(want.ok()) << want.status();
+        ExpectClose(outs[i], seqs[i].out, *want,
+                    "decode seq" + std::to_string(i) + " layer" + std::to_string(layer) +
+                        " L=" + std::to_string(job.entries[i].length));
+      }
+    }
+  }
+}
+
+TEST(CudaEngine, RejectsBadPagesAndShapes) {
+  REQUIRE_GPU();
+  auto created = CreateCudaEngine(TestOptions());
+  ASSERT_TRUE(created.ok()) << created.status();
+  Engine& engine = **created;
+  std::mt19937 rng(3);
+  const Tensor q = RandomTensor({4, kNumQueryVariants, 28, 128}, DType::kBf16, &rng);
+  const Tensor k = RandomTensor({4, 4, 128}, DType::kBf16, &rng);
+  std::vector<float> out(4 * 28 * 128);
+  std::vector<int32_t> pages = {5, 1000};
+  PrefillJob job;
+  job.page_table = pages.data();
+  job.num_pages = 2;
+  job.num_tokens = 4;
+  job.prompt_len = 4;
+  job.q = q.view();
+  job.k = k.view();
+  job.v = k.view();
+  job.out = out.data();
+  absl::Status st = engine.Prefill(job);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("page id 1000"), std::string::npos) << st;
+  pages[1] = 6;
+  job.layer = 2;
+  st = engine.Prefill(job);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("layer 2"), std::string::npos) << st;
+  job.layer = 0;
+  job.k.shape = {3, 4, 128};
+  st = engine.Prefill(job);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("k has"), std::string::npos) << st;
+  job.k.shape = {4, 4, 128};
+  EXPECT_TRUE(engine.Prefill(job).ok());
+}
+
+}  // namespace
+}  // namespace attnd
