@@ -140,7 +140,7 @@ def random_bf16_exact(rng, shape):
 # A live daemon on loopback.
 
 def attnd_binary():
-    path = os.environ.get("ATTND_BIN") or os.path.join(REPO, "bazel-bin", "server", "attnd")
+    path = os.path.abspath(os.environ.get("ATTND_BIN") or os.path.join(REPO, "bazel-bin", "server", "attnd"))
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         raise AssertionError("attnd binary not found at %s: build it with `bazel build //server:attnd` or set "
                              "ATTND_BIN (the Python client tests need a live daemon and do not skip)" % path)
