@@ -80,8 +80,9 @@ Owned Random(std::vector<int64_t> shape, std::mt19937* rng, DType dtype = DType:
   t.dtype = dtype;
   t.shape = std::move(shape);
   t.bytes.resize(n * ElementSize(dtype));
-  ConvertFromFloat(raw.data(), n, dtype, t.bytes.data());
   t.values.resize(n);
+  if (n == 0) return t;  // memcpy of null pointers is undefined even for 0 bytes
+  ConvertFromFloat(raw.data(), n, dtype, t.bytes.data());
   ConvertToFloat(t.bytes.data(), dtype, n, t.values.data());
   return t;
 }
