@@ -31,7 +31,7 @@ struct SmokeOptions {
 // Layer caps when `layers` is 0: the reference is fp64 and single-process, so big models run
 // fewer layers by default (every layer exercises the same kernels; the geometry is what matters).
 inline constexpr int32_t kSmokeMaxLayersSmallModel = 8;
-inline constexpr int32_t kSmokeMaxLayersLargeModel = 2;
+inline constexpr int32_t kSmokeMaxLayersLargeModel = 1;
 
 // `attnctl smoke`: one sequence prefilled in several chunks spanning at least two DCA chunks
 // where the token cap allows, then decode steps; every output checked against the naive fp64
@@ -47,6 +47,7 @@ struct BenchOptions {
   DType dtype = DType::kBf16;
   int32_t layers = 1;  // 0 = all
   uint64_t seed = 1;
+  bool progress = true;  // the \r progress line on `err`; off when it is not a terminal
 };
 // `attnctl bench`: prefill and decode latency/throughput; a progress line on `err` (rewritten
 // with \r) and a summary table on `out`. Releases everything it created, also on failure.

@@ -131,6 +131,7 @@ int RunBench(AttndClient& client, const BenchOptions& options, std::ostream& out
     return ok;
   };
   auto progress = [&](const std::string& line) {
+    if (!options.progress) return;
     err << "\r" << absl::StrFormat("%-78s", line.substr(0, 78)) << std::flush;
   };
   int rc = 0;
@@ -200,7 +201,7 @@ int RunBench(AttndClient& client, const BenchOptions& options, std::ostream& out
       step_ms.push_back(Ms(Clock::now() - t0));
     }
     progress("");
-    err << "\r";
+    if (options.progress) err << "\r";
     const bool released = release_all();
     if (!failure.empty()) {
       err << "attnctl bench: context " << context << ": " << failure << "\n";

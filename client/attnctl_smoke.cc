@@ -165,7 +165,11 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
   out << "model:    " << m.name() << " (" << m.num_layers() << " layers, " << g.num_q_heads
       << " q / " << g.num_kv_heads << " kv heads, head_dim " << g.head_dim << ", DCA chunk_len "
       << cl << ")\n";
-  out << "server:   " << info->backend() << ", kv cache " << v1::DType_Name(m.kv_dtype())
+  const std::string kv_dtype = m.kv_dtype() == v1::DTYPE_FP32   ? "fp32"
+                              : m.kv_dtype() == v1::DTYPE_BF16 ? "bf16"
+                              : m.kv_dtype() == v1::DTYPE_FP16 ? "fp16"
+                                                               : v1::DType_Name(m.kv_dtype());
+  out << "server:   " << info->backend() << ", kv cache " << kv_dtype
       << "; requests " << DTypeName(dtype) << "\n";
   out << "sequence: " << total << " tokens = prefill " << prompt << " in " << calls.size()
       << " calls [" << absl::StrJoin(calls, ", ") << "] + " << decode_steps
@@ -173,7 +177,9 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
   out << "spans:    " << spanned << " DCA chunk" << (spanned == 1 ? "" : "s") << " (stages: intra"
       << (spanned >= 2 ? ", succ" : "") << (spanned >= 3 ? ", inter" : "") << ")\n";
   if (total < want_tokens) {
-    out << "NOTE: the token cap (" << max_tokens << ") is below " << want_tokens
+    out << "NOTE: the token cap (" << max_tokens
+        << (options.max_tokens > 0 ? ", --max-tokens" : ", the default on this backend; raise it with --max-tokens")
+        << ") is below " << want_tokens
         << " = 2.5 DCA chunks of " << cl << " tokens; this run spans only " << spanned
         << " chunk" << (spanned == 1 ? "" : "s")
         << (spanned < 2 ? ", so the succ and inter stages are not exercised"

@@ -3,6 +3,8 @@
 //   attnctl smoke [--dtype ...]        end-to-end numeric check against the naive fp64 reference
 //   attnctl bench [--context ...]      prefill / decode latency and throughput
 // Flags may be spelled with dashes or underscores (--max-tokens == --max_tokens).
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstring>
 #include <iostream>
@@ -127,6 +129,7 @@ int main(int argc, char** argv) {
   options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
   options.batch = absl::GetFlag(FLAGS_batch);
   options.seed = absl::GetFlag(FLAGS_seed);
+  options.progress = isatty(STDERR_FILENO) != 0;
   options.contexts.clear();
   for (const std::string& c : absl::GetFlag(FLAGS_context)) {
     int64_t n = 0;

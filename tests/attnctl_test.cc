@@ -1,0 +1,118 @@
+// attnctl's subcommands (client/attnctl.h) against an in-process daemon: info prints the served
+// geometry, smoke passes on a correct server and says when its token cap keeps it inside fewer DCA
+// chunks, bench prints its table; none of them leaves a sequence or a page behind.
+#include <sstream>
+#include <string>
+
+#include "client/attnctl.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/test_util.h"
+
+namespace attnd {
+namespace {
+
+using ::testing::ContainsRegex;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+class AttnctlTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    geometry_.name = "attnctl-tiny";
+    ServerOptions options;
+    options.page_size = 16;
+    options.kv_dtype = "fp32";
+    options.kv_cache_bytes = 16ll << 20;
+    options.compute_threads = 2;
+    absl::StatusOr<std::unique_ptr<testing::TestDaemon>> daemon =
+        testing::TestDaemon::Start(geometry_, options);
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = std::move(*daemon);
+  }
+
+  void ExpectNothingLeft() {
+    absl::StatusOr<v1::GetServerInfoResponse> info = daemon_->client().Info();
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->live_sequences(), 0);
+    EXPECT_EQ(info->kv_cache().pages_free(), info->kv_cache().pages_total());
+  }
+
+  testing::ModelGeometry geometry_;
+  std::unique_ptr<testing::TestDaemon> daemon_;
+};
+
+TEST_F(AttnctlTest, InfoPrintsAlignedGeometry) {
+  std::ostringstream out, err;
+  EXPECT_EQ(client::RunInfo(daemon_->client(), out, err), 0) << err.str();
+  const std::string s = out.str();
+  // Keys padded to one column: "layers:" is followed by spaces up to the widest key's colon.
+  EXPECT_THAT(s, ContainsRegex("\nlayers: +2\n"));
+  EXPECT_THAT(s, ContainsRegex("\nq heads: +4\n"));
+  EXPECT_THAT(s, ContainsRegex("\ndca chunk len: +128\n"));
+  EXPECT_THAT(s, ContainsRegex("\nkv dtype: +fp32\n"));
+  EXPECT_THAT(s, HasSubstr("model:"));
+  const size_t a = s.find("layers:"), b = s.find("dca chunk len:");
+  const size_t va = s.find_first_not_of(' ', a + 7), vb = s.find_first_not_of(' ', b + 14);
+  EXPECT_EQ(va - s.rfind('\n', a), vb - s.rfind('\n', b)) << "values are not aligned:\n" << s;
+}
+
+TEST_F(AttnctlTest, SmokePassesAcrossThreeChunksInEveryDtype) {
+  for (DType dtype : {DType::kFp32, DType::kBf16, DType::kFp16}) {
+    std::ostringstream out, err;
+    client::SmokeOptions options;
+    options.dtype = dtype;
+    options.decode_steps = 6;
+    EXPECT_EQ(client::RunSmoke(daemon_->client(), options, out, err), 0) << out.str() << err.str();
+    EXPECT_THAT(out.str(), HasSubstr("spans:    3 DCA chunks (stages: intra, succ, inter)"));
+    EXPECT_THAT(out.str(), HasSubstr("sequence: 320 tokens"));
+    EXPECT_THAT(out.str(), HasSubstr("\nPASS max_abs_err="));
+    EXPECT_THAT(out.str(), Not(HasSubstr("NOTE")));
+    ExpectNothingLeft();
+  }
+}
+
+TEST_F(AttnctlTest, SmokeSaysWhenTheCapKeepsItInsideFewerChunks) {
+  std::ostringstream out, err;
+  client::SmokeOptions options;
+  options.max_tokens = 200;  // chunk_len 128: two chunks, no inter stage
+  options.layers = 1;
+  options.decode_steps = 3;
+  EXPECT_EQ(client::RunSmoke(daemon_->client(), options, out, err), 0) << out.str() << err.str();
+  EXPECT_THAT(out.str(), HasSubstr("NOTE: the token cap (200, --max-tokens) is below 320"));
+  EXPECT_THAT(out.str(), HasSubstr("spans only 2 chunks, so the inter stage is not exercised"));
+  EXPECT_THAT(out.str(), HasSubstr("layers 1 of 2"));
+  EXPECT_THAT(out.str(), HasSubstr("\nPASS "));
+  ExpectNothingLeft();
+}
+
+TEST_F(AttnctlTest, SmokeRejectsTooManyLayers) {
+  std::ostringstream out, err;
+  client::SmokeOptions options;
+  options.layers = 3;
+  EXPECT_EQ(client::RunSmoke(daemon_->client(), options, out, err), 2);
+  EXPECT_THAT(err.str(), HasSubstr("--layers 3 is not in [1, 2]"));
+  ExpectNothingLeft();
+}
+
+TEST_F(AttnctlTest, BenchPrintsATableAndReleasesEverything) {
+  std::ostringstream out, err;
+  client::BenchOptions options;
+  options.contexts = {64, 300, 100000};  // the last is past max_position_embeddings (4096)
+  options.prefill_chunk = 100;
+  options.decode_steps = 5;
+  options.batch = 3;
+  options.layers = 0;
+  options.progress = false;
+  EXPECT_EQ(client::RunBench(daemon_->client(), options, out, err), 0) << err.str();
+  const std::string s = out.str();
+  EXPECT_THAT(s, HasSubstr("2 of 2 layers, bf16, batch 3, prefill chunk 100, 5 decode steps"));
+  EXPECT_THAT(s, HasSubstr("decode ms/step p99"));
+  EXPECT_THAT(s, ContainsRegex("\n +64 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+\n"));
+  EXPECT_THAT(s, ContainsRegex("\n +300 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+\n"));
+  EXPECT_THAT(s, HasSubstr("100000  skipped: context + decode steps > max sequence length 4096"));
+  ExpectNothingLeft();
+}
+
+}  // namespace
+}  // namespace attnd
