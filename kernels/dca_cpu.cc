@@ -9,6 +9,7 @@
 #include "kernels/dca_cpu.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -25,77 +26,138 @@ constexpr int kTargetVectors = 64;  // query vectors (rows x group heads) per pr
 constexpr int64_t kMinKeysPerSplit = 512;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Four fp32 lanes: SSE2, which every x86-64 has, so no -march flag is needed. GCC vector
-// extensions keep the accumulators in registers (auto-vectorized reductions at -O2 spill them).
-// The vector paths need head_dim % 8 == 0 (every model we serve); others take the scalar tails.
-typedef float V4 __attribute__((vector_size(16)));
-inline V4 Load(const float* p) {
-  V4 v;
+// SIMD. Binaries are built for baseline x86-64 (no -march), where SSE2 is guaranteed; AVX2+FMA
+// is chosen at run time when the CPU has it. The math is written once over GCC vector extensions
+// (which keep accumulators in registers; auto-vectorized reductions at -O2 spill them) and
+// instantiated per width. The helpers are always_inline so that, inlined into the
+// target("avx2,fma") entry points below, they are compiled for AVX2; nothing shared with other
+// translation units is ever compiled with AVX2.
+// -Wpsabi warns that passing 32-byte vectors by value has a different ABI with and without AVX;
+// these helpers are always inlined, so no such call exists. (Not popped: GCC reports it where
+// the templates are instantiated, at the end of the file.)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#define ATTND_INLINE __attribute__((always_inline)) inline
+
+struct Sse2 {
+  typedef float F __attribute__((vector_size(16)));
+  typedef int32_t I __attribute__((vector_size(16)));
+  static constexpr int kLanes = 4;
+};
+struct Avx2 {
+  typedef float F __attribute__((vector_size(32)));
+  typedef int32_t I __attribute__((vector_size(32)));
+  static constexpr int kLanes = 8;
+};
+
+template <typename S>
+ATTND_INLINE typename S::F Load(const float* p) {
+  typename S::F v;
   std::memcpy(&v, p, sizeof(v));  // unaligned load
   return v;
 }
-inline void Store(float* p, V4 v) { std::memcpy(p, &v, sizeof(v)); }
-inline float Sum(V4 v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+template <typename S>
+ATTND_INLINE void Store(float* p, typename S::F v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+template <typename S>
+ATTND_INLINE typename S::F Splat(float x) {
+  return typename S::F{} + x;
+}
+template <typename S>
+ATTND_INLINE float Sum(typename S::F v) {
+  float lanes[S::kLanes];
+  std::memcpy(lanes, &v, sizeof(v));
+  // Pairwise, so the rounding does not grow with the lane count.
+  for (int w = S::kLanes / 2; w > 0; w /= 2) {
+    for (int i = 0; i < w; ++i) lanes[i] += lanes[i + w];
+  }
+  return lanes[0];
+}
 
-// NOTE: the lane-wise partial sums change the summation order against a sequential loop; the
-// error stays at fp32 rounding level (tests bound it against an fp64 reference).
-inline float Dot(const float* a, const float* b, int n) {
-  if (n % 8 != 0) {
+// Horizontal sums of four vectors at once, out[j] = sum of tj's lanes: a transpose by shuffles
+// (unpack, then 64-bit halves) instead of four separate reductions through memory.
+ATTND_INLINE Sse2::F Fold(Sse2::F v) { return v; }
+ATTND_INLINE Sse2::F Fold(Avx2::F v) {
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+}
+template <typename S>
+ATTND_INLINE void Sum4(typename S::F t0, typename S::F t1, typename S::F t2, typename S::F t3,
+                       float* out) {
+  const Sse2::F u0 = Fold(t0), u1 = Fold(t1), u2 = Fold(t2), u3 = Fold(t3);
+  // s01 = [u0_0 + u0_2, u1_0 + u1_2, u0_1 + u0_3, u1_1 + u1_3], likewise s23.
+  const Sse2::F s01 =
+      __builtin_shufflevector(u0, u1, 0, 4, 1, 5) + __builtin_shufflevector(u0, u1, 2, 6, 3, 7);
+  const Sse2::F s23 =
+      __builtin_shufflevector(u2, u3, 0, 4, 1, 5) + __builtin_shufflevector(u2, u3, 2, 6, 3, 7);
+  Store<Sse2>(out, __builtin_shufflevector(s01, s23, 0, 1, 4, 5) +
+                       __builtin_shufflevector(s01, s23, 2, 3, 6, 7));
+}
+
+// The vector paths need head_dim % (2 * lanes) == 0; the dispatcher only picks a width that
+// divides it, and the scalar branches keep any head_dim correct.
+// NOTE: lane-wise partial sums change the summation order against a sequential loop; the error
+// stays at fp32 rounding level (tests bound it against an fp64 reference).
+template <typename S>
+ATTND_INLINE float Dot(const float* a, const float* b, int n) {
+  constexpr int L = S::kLanes;
+  if (n % (2 * L) != 0) {
     float s = 0.f;
     for (int d = 0; d < n; ++d) s += a[d] * b[d];
     return s;
   }
-  V4 s0 = {0.f, 0.f, 0.f, 0.f}, s1 = s0;
-  for (int d = 0; d < n; d += 8) {
-    s0 += Load(a + d) * Load(b + d);
-    s1 += Load(a + d + 4) * Load(b + d + 4);
+  typename S::F s0 = {}, s1 = {};
+  for (int d = 0; d < n; d += 2 * L) {
+    s0 += Load<S>(a + d) * Load<S>(b + d);
+    s1 += Load<S>(a + d + L) * Load<S>(b + d + L);
   }
-  return Sum(s0 + s1);
+  return Sum<S>(s0 + s1);
 }
 
 // out[j] = q . k[j * stride] for j < 4: four keys share each load of q and give eight
 // independent accumulator chains.
-inline void Dot4(const float* q, const float* k, int64_t stride, int n, float* out) {
-  if (n % 8 != 0) {
-    for (int j = 0; j < 4; ++j) out[j] = Dot(q, k + j * stride, n);
+template <typename S>
+ATTND_INLINE void Dot4(const float* q, const float* k, int64_t stride, int n, float* out) {
+  constexpr int L = S::kLanes;
+  if (n % (2 * L) != 0) {
+    for (int j = 0; j < 4; ++j) out[j] = Dot<S>(q, k + j * stride, n);
     return;
   }
   const float* k0 = k;
   const float* k1 = k + stride;
   const float* k2 = k + 2 * stride;
   const float* k3 = k + 3 * stride;
-  const V4 zero = {0.f, 0.f, 0.f, 0.f};
-  V4 a0 = zero, b0 = zero, a1 = zero, b1 = zero, a2 = zero, b2 = zero, a3 = zero, b3 = zero;
-  for (int d = 0; d < n; d += 8) {
-    const V4 qa = Load(q + d), qb = Load(q + d + 4);
-    a0 += qa * Load(k0 + d);
-    b0 += qb * Load(k0 + d + 4);
-    a1 += qa * Load(k1 + d);
-    b1 += qb * Load(k1 + d + 4);
-    a2 += qa * Load(k2 + d);
-    b2 += qb * Load(k2 + d + 4);
-    a3 += qa * Load(k3 + d);
-    b3 += qb * Load(k3 + d + 4);
+  typename S::F a0 = {}, b0 = {}, a1 = {}, b1 = {}, a2 = {}, b2 = {}, a3 = {}, b3 = {};
+  for (int d = 0; d < n; d += 2 * L) {
+    const typename S::F qa = Load<S>(q + d), qb = Load<S>(q + d + L);
+    a0 += qa * Load<S>(k0 + d);
+    b0 += qb * Load<S>(k0 + d + L);
+    a1 += qa * Load<S>(k1 + d);
+    b1 += qb * Load<S>(k1 + d + L);
+    a2 += qa * Load<S>(k2 + d);
+    b2 += qb * Load<S>(k2 + d + L);
+    a3 += qa * Load<S>(k3 + d);
+    b3 += qb * Load<S>(k3 + d + L);
   }
-  out[0] = Sum(a0 + b0);
-  out[1] = Sum(a1 + b1);
-  out[2] = Sum(a2 + b2);
-  out[3] = Sum(a3 + b3);
+  Sum4<S>(a0 + b0, a1 + b1, a2 + b2, a3 + b3, out);
 }
 
 // y += alpha * x
-inline void Axpy(float alpha, const float* x, float* y, int n) {
-  if (n % 8 != 0) {
+template <typename S>
+ATTND_INLINE void Axpy(float alpha, const float* x, float* y, int n) {
+  constexpr int L = S::kLanes;
+  if (n % L != 0) {
     for (int d = 0; d < n; ++d) y[d] += alpha * x[d];
     return;
   }
-  for (int d = 0; d < n; d += 4) Store(y + d, Load(y + d) + alpha * Load(x + d));
+  for (int d = 0; d < n; d += L) Store<S>(y + d, Load<S>(y + d) + alpha * Load<S>(x + d));
 }
 
 // y += sum_j p[j] * x[j * stride] for j < 4: one load and store of y per four value rows.
-inline void Axpy4(const float* p, const float* x, int64_t stride, float* y, int n) {
-  if (n % 8 != 0) {
-    for (int j = 0; j < 4; ++j) Axpy(p[j], x + j * stride, y, n);
+template <typename S>
+ATTND_INLINE void Axpy4(const float* p, const float* x, int64_t stride, float* y, int n) {
+  constexpr int L = S::kLanes;
+  if (n % L != 0) {
+    for (int j = 0; j < 4; ++j) Axpy<S>(p[j], x + j * stride, y, n);
     return;
   }
   const float* x0 = x;
@@ -103,47 +165,48 @@ inline void Axpy4(const float* p, const float* x, int64_t stride, float* y, int 
   const float* x2 = x + 2 * stride;
   const float* x3 = x + 3 * stride;
   const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
-  for (int d = 0; d < n; d += 4) {
-    const V4 t = (p0 * Load(x0 + d) + p1 * Load(x1 + d)) + (p2 * Load(x2 + d) + p3 * Load(x3 + d));
-    Store(y + d, Load(y + d) + t);
+  for (int d = 0; d < n; d += L) {
+    const typename S::F t = (p0 * Load<S>(x0 + d) + p1 * Load<S>(x1 + d)) +
+                            (p2 * Load<S>(x2 + d) + p3 * Load<S>(x3 + d));
+    Store<S>(y + d, Load<S>(y + d) + t);
   }
 }
 
-// x[i] = exp(x[i]) for i < n rounded up to a multiple of 4, for x[i] <= 0 (softmax arguments
-// after subtracting the running max). Four lanes at a time instead of one libm call per score.
+// x[i] = exp(x[i]) for i < n rounded up to a multiple of the lane count (x must have room), for
+// x[i] <= 0 (softmax arguments after subtracting the running max). Lanes at a time instead of
+// one libm call per score.
 // NOTE: range reduction x = k ln2 + r with ln2 split in two (exact k ln2_hi), then a degree-6
 // polynomial for e^r on |r| <= ln2/2 (the classic Cephes expf coefficients): relative error about
 // 2e-7. Inputs below -87 (e^-87 ~ 1.6e-38, nothing against the row max's e^0 = 1) are clamped
 // there, which keeps 2^k a normal number.
-inline void ExpNonPositive(float* x, int n) {
-  typedef int32_t V4i __attribute__((vector_size(16)));
-  const V4 lo = {-87.f, -87.f, -87.f, -87.f};
-  const V4 zero = {0.f, 0.f, 0.f, 0.f};
-  const V4 log2e = {1.44269504088896341f, 1.44269504088896341f, 1.44269504088896341f,
-                    1.44269504088896341f};
-  const V4 round_magic = {12582912.f, 12582912.f, 12582912.f, 12582912.f};  // 1.5 * 2^23
-  for (int i = 0; i < n; i += 4) {
-    V4 v = Load(x + i);
+template <typename S>
+ATTND_INLINE void ExpNonPositive(float* x, int n) {
+  using F = typename S::F;
+  const F lo = Splat<S>(-87.f);
+  const F zero = {};
+  const F round_magic = Splat<S>(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  for (int i = 0; i < n; i += S::kLanes) {
+    F v = Load<S>(x + i);
     v = v < lo ? lo : v;      // also maps -inf to -87
     v = v > zero ? zero : v;  // stale lanes past n: keeps 2^k in range (no int overflow)
-    const V4 k = (v * log2e + round_magic) - round_magic;  // round to nearest
-    V4 r = v - k * 0.693359375f;
+    const F k = (v * 1.44269504088896341f + round_magic) - round_magic;  // round(v log2 e)
+    F r = v - k * 0.693359375f;
     r = r - k * -2.12194440e-4f;
-    V4 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    F p = 1.9875691500e-4f * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * (r * r) + r + 1.f;
-    const V4i bits = (__builtin_convertvector(k, V4i) + 127) << 23;  // 2^k
-    V4 two_k;
+    const typename S::I bits = (__builtin_convertvector(k, typename S::I) + 127) << 23;  // 2^k
+    F two_k;
     std::memcpy(&two_k, &bits, sizeof(two_k));
-    Store(x + i, p * two_k);
+    Store<S>(x + i, p * two_k);
   }
 }
 
 // y *= alpha
-inline void ScaleInPlace(float alpha, float* y, int n) {
+ATTND_INLINE void ScaleInPlace(float alpha, float* y, int n) {
   for (int d = 0; d < n; ++d) y[d] *= alpha;
 }
 
@@ -229,9 +292,9 @@ struct SoftmaxState {
 // Runs the fused online softmax of a block over keys [key_begin, key_end): each key uses the
 // query variant DCA assigns it relative to the row's chunk (intra / succ / inter), which is the
 // piece loop of DCA.md with the log-sum-exp merge folded into one softmax.
-template <typename KvT>
-void AttendKeys(const DcaGeometry& geo, const RowBlock<KvT>& b, int64_t key_begin, int64_t key_end,
-                SoftmaxState* st) {
+template <typename S, typename KvT>
+ATTND_INLINE void AttendKeys(const DcaGeometry& geo, const RowBlock<KvT>& b, int64_t key_begin,
+                             int64_t key_end, SoftmaxState* st) {
   const int g = geo.group_size();
   const int d = geo.head_dim;
   const int64_t cl = geo.chunk_len;
@@ -253,7 +316,7 @@ void AttendKeys(const DcaGeometry& geo, const RowBlock<KvT>& b, int64_t key_begi
   }
 
   std::vector<float> scratch(std::is_same<KvT, float>::value ? 0 : 2 * kTileKeys * d);
-  float scores[kTileKeys] = {};  // kTileKeys % 4 == 0: ExpNonPositive may run past n
+  float scores[kTileKeys] = {};  // ExpNonPositive may run past n, up to a lane multiple
   const int64_t last = std::min(key_end, b.key_end());
   for (int64_t t0 = key_begin; t0 < last;) {
     const int64_t page_end = (t0 / kv.page_size + 1) * kv.page_size;
@@ -275,15 +338,15 @@ void AttendKeys(const DcaGeometry& geo, const RowBlock<KvT>& b, int64_t key_begi
         for (; j + 4 <= n; j += 4) {
           const int v_first = VariantOf(t0 + j, prev, cl);
           if (v_first == VariantOf(t0 + j + 3, prev, cl)) {
-            Dot4(qv + v_first * d, tile.k + j * tile.stride, tile.stride, d, scores + j);
+            Dot4<S>(qv + v_first * d, tile.k + j * tile.stride, tile.stride, d, scores + j);
           } else {
             for (int u = j; u < j + 4; ++u) {
-              scores[u] = Dot(qv + VariantOf(t0 + u, prev, cl) * d, tile.k + u * tile.stride, d);
+              scores[u] = Dot<S>(qv + VariantOf(t0 + u, prev, cl) * d, tile.k + u * tile.stride, d);
             }
           }
         }
         for (; j < n; ++j) {
-          scores[j] = Dot(qv + VariantOf(t0 + j, prev, cl) * d, tile.k + j * tile.stride, d);
+          scores[j] = Dot<S>(qv + VariantOf(t0 + j, prev, cl) * d, tile.k + j * tile.stride, d);
         }
         float tile_max = kNegInf;
         for (j = 0; j < n; ++j) tile_max = std::max(tile_max, scores[j]);
@@ -297,18 +360,55 @@ void AttendKeys(const DcaGeometry& geo, const RowBlock<KvT>& b, int64_t key_begi
         }
         st->m[vec] = m_new;
         for (j = 0; j < n; ++j) scores[j] -= m_new;
-        ExpNonPositive(scores, n);  // the lanes past n hold leftovers and are never read
+        ExpNonPositive<S>(scores, n);  // the lanes past n hold leftovers and are never read
         float sum = 0.f;
         for (j = 0; j < n; ++j) sum += scores[j];
         for (j = 0; j + 4 <= n; j += 4) {
-          Axpy4(scores + j, tile.v + j * tile.stride, tile.stride, acc, d);
+          Axpy4<S>(scores + j, tile.v + j * tile.stride, tile.stride, acc, d);
         }
-        for (; j < n; ++j) Axpy(scores[j], tile.v + j * tile.stride, acc, d);
+        for (; j < n; ++j) Axpy<S>(scores[j], tile.v + j * tile.stride, acc, d);
         st->l[vec] += sum;
       }
     }
     t0 = t1;
   }
+}
+
+// The entry points that fix the width. Only these carry a target attribute; everything they
+// inline is compiled for it.
+template <typename KvT>
+void AttendKeysSse2(const DcaGeometry& geo, const RowBlock<KvT>& b, int64_t key_begin,
+                    int64_t key_end, SoftmaxState* st) {
+  AttendKeys<Sse2>(geo, b, key_begin, key_end, st);
+}
+__attribute__((target("avx2,fma"))) void AttendKeysAvx2(const DcaGeometry& geo,
+                                                        const RowBlock<float>& b, int64_t key_begin,
+                                                        int64_t key_end, SoftmaxState* st) {
+  AttendKeys<Avx2>(geo, b, key_begin, key_end, st);
+}
+__attribute__((target("avx2,fma"))) void AttendKeysAvx2(const DcaGeometry& geo,
+                                                        const RowBlock<uint16_t>& b,
+                                                        int64_t key_begin, int64_t key_end,
+                                                        SoftmaxState* st) {
+  AttendKeys<Avx2>(geo, b, key_begin, key_end, st);
+}
+
+static_assert(kTileKeys % Avx2::kLanes == 0, "ExpNonPositive runs on whole vectors of scores");
+
+std::atomic<int> g_simd{static_cast<int>(CpuSimd::kAuto)};
+
+bool CpuHasAvx2Fma() {
+  // libgcc's check includes the OS saving YMM state (XGETBV), not just the CPUID bits.
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return has;
+}
+
+bool UseAvx2(int head_dim) {
+  const CpuSimd simd = static_cast<CpuSimd>(g_simd.load(std::memory_order_relaxed));
+  return simd != CpuSimd::kSse2 && CpuHasAvx2Fma() && head_dim % (2 * Avx2::kLanes) == 0;
 }
 
 template <typename KvT>
@@ -365,6 +465,7 @@ void RunBlocks(const DcaGeometry& geo, std::vector<RowBlock<KvT>>* blocks, Threa
     }
   }
   std::vector<float> partials(partial_offset[n_items]);
+  const bool avx2 = UseAvx2(d);
 
   pool->ParallelFor(n_items, [&](int64_t item) {
     const int64_t bi =
@@ -374,13 +475,17 @@ void RunBlocks(const DcaGeometry& geo, std::vector<RowBlock<KvT>>* blocks, Threa
     const int64_t keys = b.key_end();
     SoftmaxState st;
     st.Reset(b.num_rows * g, d);
+    const int64_t key_begin = b.num_splits == 1 ? 0 : SplitBound(keys, b.num_splits, split);
+    const int64_t key_end = b.num_splits == 1 ? keys : SplitBound(keys, b.num_splits, split + 1);
+    if (avx2) {
+      AttendKeysAvx2(geo, b, key_begin, key_end, &st);
+    } else {
+      AttendKeysSse2(geo, b, key_begin, key_end, &st);
+    }
     if (b.num_splits == 1) {
-      AttendKeys(geo, b, 0, keys, &st);
       WriteOutput(geo, b, st);
       return;
     }
-    AttendKeys(geo, b, SplitBound(keys, b.num_splits, split),
-               SplitBound(keys, b.num_splits, split + 1), &st);
     float* p = partials.data() + partial_offset[item];
     const size_t vectors = st.m.size();
     std::copy(st.m.begin(), st.m.end(), p);
@@ -412,12 +517,12 @@ void RunBlocks(const DcaGeometry& geo, std::vector<RowBlock<KvT>>* blocks, Threa
           const float c = std::exp(m_old - m_s);  // 0 when m_old is -inf
           st.l[vec] = st.l[vec] * c + p[vectors + vec];
           ScaleInPlace(c, acc, d);
-          Axpy(1.f, acc_s, acc, d);
+          Axpy<Sse2>(1.f, acc_s, acc, d);
           st.m[vec] = m_s;
         } else {
           const float c = std::exp(m_s - m_old);
           st.l[vec] += c * p[vectors + vec];
-          Axpy(c, acc_s, acc, d);
+          Axpy<Sse2>(c, acc_s, acc, d);
         }
       }
     }
@@ -426,6 +531,14 @@ void RunBlocks(const DcaGeometry& geo, std::vector<RowBlock<KvT>>* blocks, Threa
 }
 
 }  // namespace
+
+bool SetCpuSimd(CpuSimd simd) {
+  if (simd == CpuSimd::kAvx2 && !CpuHasAvx2Fma()) return false;
+  g_simd.store(static_cast<int>(simd), std::memory_order_relaxed);
+  return true;
+}
+
+const char* CpuSimdName(int head_dim) { return UseAvx2(head_dim) ? "avx2" : "sse2"; }
 
 template <typename KvT>
 void AppendKvCpu(const PagedKv<KvT>& kv, const CpuAppendParams& params, ThreadPool* pool) {

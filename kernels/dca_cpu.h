@@ -42,6 +42,16 @@ struct CpuDecodeItem {
   float q_scale = 1.f;       // s(L); the softmax scale is the geometry's
 };
 
+// The SIMD width of the CPU kernels. Binaries target baseline x86-64 (SSE2); kAuto, the default,
+// uses AVX2+FMA when the CPU has it (checked at run time) and head_dim % 16 == 0, else SSE2.
+enum class CpuSimd { kAuto, kSse2, kAvx2 };
+// Process-wide, for tests and benchmarks that compare the paths; takes effect for kernel calls
+// that start afterwards. kAvx2 behaves as kAuto. Returns false, changing nothing, when kAvx2 is
+// asked for on a CPU without AVX2+FMA.
+bool SetCpuSimd(CpuSimd simd);
+// "avx2" or "sse2": the path a kernel call with this head_dim takes now (for logs).
+const char* CpuSimdName(int head_dim);
+
 template <typename KvT>
 void AppendKvCpu(const PagedKv<KvT>& kv, const CpuAppendParams& params, ThreadPool* pool);
 

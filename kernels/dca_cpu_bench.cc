@@ -57,10 +57,18 @@ struct BenchSequence {
   PagedKv<KvT> kv;
 };
 
+// The last argument of each benchmark picks the SIMD path: 0 = auto (AVX2+FMA where present),
+// 1 = SSE2 (the baseline every x86-64 has).
+void PickSimd(benchmark::State& state, int64_t arg) {
+  SetCpuSimd(arg == 1 ? CpuSimd::kSse2 : CpuSimd::kAuto);
+  state.SetLabel(CpuSimdName(128));
+}
+
 template <typename KvT>
 void BM_Prefill(benchmark::State& state) {
   const DcaGeometry geo = Qwen7B();
   const int64_t t = state.range(0);
+  PickSimd(state, state.range(1));
   BenchSequence<KvT> seq(geo, t);
   const std::vector<float> q = Random(t * kNumQueryVariants * geo.num_q_heads * geo.head_dim, 1);
   const std::vector<float> kv = Random(t * geo.num_kv_heads * geo.head_dim, 2);
@@ -83,6 +91,7 @@ void BM_Decode(benchmark::State& state) {
   const DcaGeometry geo = Qwen7B();
   const int64_t context = state.range(0);
   const int64_t batch = state.range(1);
+  PickSimd(state, state.range(2));
   std::vector<BenchSequence<KvT>> seqs;
   seqs.reserve(batch);
   const std::vector<float> kv = Random(context * geo.num_kv_heads * geo.head_dim, 3);
@@ -111,25 +120,19 @@ void BM_Decode(benchmark::State& state) {
 }
 
 BENCHMARK_TEMPLATE(BM_Prefill, float)
-    ->Arg(1024)
-    ->Arg(4096)
+    ->ArgsProduct({{1024, 4096}, {0, 1}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK_TEMPLATE(BM_Prefill, uint16_t)
-    ->Arg(1024)
-    ->Arg(4096)
+    ->ArgsProduct({{1024, 4096}, {0, 1}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK_TEMPLATE(BM_Decode, float)
-    ->Args({4096, 1})
-    ->Args({32768, 1})
-    ->Args({4096, 8})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK_TEMPLATE(BM_Decode, uint16_t)
-    ->Args({4096, 1})
-    ->Args({32768, 1})
-    ->Args({4096, 8})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {0, 1}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

@@ -248,17 +248,42 @@ void Run(const Scenario& sc, const std::string& what) {
   }
 }
 
-template <typename KvT>
-class DcaCpuTest : public ::testing::Test {};
-using KvTypes = ::testing::Types<float, uint16_t>;
-TYPED_TEST_SUITE(DcaCpuTest, KvTypes);
+// Every test runs for both KV types and both SIMD paths (AVX2 ones skip on CPUs without it).
+template <typename KvT, CpuSimd kSimd>
+struct Config {
+  using Kv = KvT;
+  static constexpr CpuSimd simd = kSimd;
+};
+
+template <typename C>
+class DcaCpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!SetCpuSimd(C::simd)) GTEST_SKIP() << "this CPU has no AVX2+FMA";
+    // head_dim 64: both widths divide it, so the requested path is the one that runs.
+    ASSERT_STREQ(CpuSimdName(64), C::simd == CpuSimd::kAvx2 ? "avx2" : "sse2");
+  }
+  void TearDown() override { SetCpuSimd(CpuSimd::kAuto); }
+};
+
+struct ConfigName {
+  template <typename C>
+  static std::string GetName(int) {
+    return absl::StrCat(std::is_same<typename C::Kv, float>::value ? "fp32" : "bf16",
+                        C::simd == CpuSimd::kAvx2 ? "_avx2" : "_sse2");
+  }
+};
+
+using Configs = ::testing::Types<Config<float, CpuSimd::kSse2>, Config<uint16_t, CpuSimd::kSse2>,
+                                 Config<float, CpuSimd::kAvx2>, Config<uint16_t, CpuSimd::kAvx2>>;
+TYPED_TEST_SUITE(DcaCpuTest, Configs, ConfigName);
 
 TYPED_TEST(DcaCpuTest, OneToken) {
   Scenario sc;
   sc.geo = MakeGeometry(4, 2, 32, 128, 0);
   sc.prefill_chunks = {1};
   sc.decode_steps = 2;
-  Run<TypeParam>(sc, "one token");
+  Run<typename TypeParam::Kv>(sc, "one token");
 }
 
 TYPED_TEST(DcaCpuTest, PageBoundaryLengths) {
@@ -268,7 +293,7 @@ TYPED_TEST(DcaCpuTest, PageBoundaryLengths) {
     sc.page_size = 16;
     sc.prefill_chunks = {n};
     sc.decode_steps = 2;
-    Run<TypeParam>(sc, absl::StrCat("page boundary n=", n));
+    Run<typename TypeParam::Kv>(sc, absl::StrCat("page boundary n=", n));
   }
 }
 
@@ -279,7 +304,7 @@ TYPED_TEST(DcaCpuTest, ChunkBoundaryLengths) {
     sc.geo = MakeGeometry(4, 2, 32, 128, 0);
     sc.prefill_chunks = {n};
     sc.decode_steps = 1;
-    Run<TypeParam>(sc, absl::StrCat("chunk boundary n=", n));
+    Run<typename TypeParam::Kv>(sc, absl::StrCat("chunk boundary n=", n));
   }
 }
 
@@ -290,7 +315,7 @@ TYPED_TEST(DcaCpuTest, DecodeAcrossChunkBoundaries) {
     sc.geo = MakeGeometry(4, 2, 32, 128, 0);
     sc.prefill_chunks = {n};
     sc.decode_steps = 6;
-    Run<TypeParam>(sc, absl::StrCat("decode across boundary from ", n));
+    Run<typename TypeParam::Kv>(sc, absl::StrCat("decode across boundary from ", n));
   }
 }
 
@@ -301,7 +326,7 @@ TYPED_TEST(DcaCpuTest, ChunkLengthNotAPageMultiple) {
   sc.page_size = 16;
   sc.prefill_chunks = {90, 1, 70};
   sc.decode_steps = 4;
-  Run<TypeParam>(sc, "cl 50");
+  Run<typename TypeParam::Kv>(sc, "cl 50");
 }
 
 TYPED_TEST(DcaCpuTest, ChunkedPrefillThenDecode) {
@@ -309,7 +334,7 @@ TYPED_TEST(DcaCpuTest, ChunkedPrefillThenDecode) {
   sc.geo = MakeGeometry(4, 2, 32, 128, 64);  // scaling on: s(L) > 1
   sc.prefill_chunks = {50, 1, 77, 130, 3, 100};
   sc.decode_steps = 4;
-  Run<TypeParam>(sc, "chunked prefill");
+  Run<typename TypeParam::Kv>(sc, "chunked prefill");
 }
 
 TYPED_TEST(DcaCpuTest, GqaGroupSizes) {
@@ -318,7 +343,7 @@ TYPED_TEST(DcaCpuTest, GqaGroupSizes) {
     sc.geo = MakeGeometry(2 * group, 2, 64, 128, 0);
     sc.prefill_chunks = {200, 100};
     sc.decode_steps = 2;
-    Run<TypeParam>(sc, absl::StrCat("group ", group));
+    Run<typename TypeParam::Kv>(sc, absl::StrCat("group ", group));
   }
 }
 
@@ -328,7 +353,7 @@ TYPED_TEST(DcaCpuTest, LengthScalingOnAndOff) {
     sc.geo = MakeGeometry(4, 2, 32, 128, orig);
     sc.prefill_chunks = {300};
     sc.decode_steps = 3;
-    Run<TypeParam>(sc, absl::StrCat("orig ", orig));
+    Run<typename TypeParam::Kv>(sc, absl::StrCat("orig ", orig));
   }
 }
 
@@ -340,7 +365,7 @@ TYPED_TEST(DcaCpuTest, ShuffledPages) {
     sc.shuffle_pages = true;
     sc.prefill_chunks = {140, 160};
     sc.decode_steps = 3;
-    Run<TypeParam>(sc, absl::StrCat("shuffled pages of ", page_size));
+    Run<typename TypeParam::Kv>(sc, absl::StrCat("shuffled pages of ", page_size));
   }
 }
 
@@ -349,7 +374,7 @@ TYPED_TEST(DcaCpuTest, HeadDimNotAMultipleOfEight) {
   sc.geo = MakeGeometry(4, 2, 20, 128, 0);
   sc.prefill_chunks = {150};
   sc.decode_steps = 2;
-  Run<TypeParam>(sc, "head_dim 20");
+  Run<typename TypeParam::Kv>(sc, "head_dim 20");
 }
 
 TYPED_TEST(DcaCpuTest, ThreadCountsAndKeySplits) {
@@ -361,7 +386,7 @@ TYPED_TEST(DcaCpuTest, ThreadCountsAndKeySplits) {
     sc.threads = threads;
     sc.prefill_chunks = {1200, 2};
     sc.decode_steps = 2;
-    Run<TypeParam>(sc, absl::StrCat(threads, " threads"));
+    Run<typename TypeParam::Kv>(sc, absl::StrCat(threads, " threads"));
   }
 }
 
@@ -378,7 +403,7 @@ TYPED_TEST(DcaCpuTest, LargeLogits) {
   sc.bf16_inputs = true;
   sc.prefill_chunks = {300, 40};
   sc.decode_steps = 3;
-  Run<TypeParam>(sc, "large logits");
+  Run<typename TypeParam::Kv>(sc, "large logits");
 }
 
 TYPED_TEST(DcaCpuTest, Bf16ExactInputsMeetTheFp32Bar) {
@@ -391,11 +416,11 @@ TYPED_TEST(DcaCpuTest, Bf16ExactInputsMeetTheFp32Bar) {
   sc.shuffle_pages = true;
   sc.prefill_chunks = {200, 1, 150};
   sc.decode_steps = 3;
-  Run<TypeParam>(sc, "bf16-exact inputs");
+  Run<typename TypeParam::Kv>(sc, "bf16-exact inputs");
 }
 
 TYPED_TEST(DcaCpuTest, EmptyCallsDoNothing) {
-  using KvT = TypeParam;
+  using KvT = typename TypeParam::Kv;
   const DcaGeometry geo = MakeGeometry(4, 2, 32, 128, 0);
   Pool<KvT> pool(geo, 16, 1);
   const std::vector<int32_t> pages = {0};
@@ -417,7 +442,7 @@ TYPED_TEST(DcaCpuTest, EmptyCallsDoNothing) {
 }
 
 TYPED_TEST(DcaCpuTest, DecodeBatchWithMixedLengths) {
-  using KvT = TypeParam;
+  using KvT = typename TypeParam::Kv;
   const DcaGeometry geo = MakeGeometry(14, 2, 32, 128, 64);
   const int32_t page_size = 16;
   const std::vector<int64_t> prompts = {1, 17, 130, 300, 1100};
@@ -453,7 +478,7 @@ TYPED_TEST(DcaCpuTest, DecodeBatchWithMixedLengths) {
 // Append stores s * k and v in the slot the page table names, rounding to the KV type; checked
 // with the layout arithmetic written out here rather than PagedKv's.
 TYPED_TEST(DcaCpuTest, AppendWritesScaledKeysIntoTheirSlots) {
-  using KvT = TypeParam;
+  using KvT = typename TypeParam::Kv;
   const DcaGeometry geo = MakeGeometry(4, 2, 8, 128, 0);
   const int32_t page_size = 4;
   Pool<KvT> pool(geo, page_size, 6);
