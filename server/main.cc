@@ -101,10 +101,10 @@ int main(int argc, char** argv) {
   int signal_number = 0;
   while (sigwait(&signals, &signal_number) != 0) {
   }
-  spdlog::info("received signal {}; draining for up to {}", signal_number,
-               absl::FormatDuration(drain));
+  spdlog::info("received {}; shutting down: draining in-flight requests for up to {}",
+               signal_number == SIGINT ? "SIGINT" : "SIGTERM", absl::FormatDuration(drain));
   (*server)->Shutdown(absl::Now() + drain);
   (*server)->Wait();
-  spdlog::info("stopped");
+  spdlog::info("shut down");
   return 0;
 }
