@@ -7,6 +7,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -436,6 +437,35 @@ TEST_F(RuntimeTest, OtherTenantsSequencesAreNotFound) {
   EXPECT_EQ(rt_->Prefill(call).status().code(), absl::StatusCode::kNotFound);
   call.tenant = "alice";
   EXPECT_TRUE(rt_->Prefill(call).ok());
+}
+
+// Batches naming the same sequences in opposite orders, from several threads at once: the id-order
+// locking must neither deadlock nor lose a token.
+TEST_F(RuntimeTest, ConcurrentBatchesInOppositeOrdersAllCommit) {
+  Start(40);
+  const std::string a = NewSequence(), b = NewSequence();
+  ASSERT_TRUE(PrefillOk(a, 0, 1).ok());
+  ASSERT_TRUE(PrefillOk(b, 0, 1).ok());
+  Owned q = Random({3, kHq, kD}, &rng_), k = Random({kHkv, kD}, &rng_);
+  constexpr int kThreads = 4, kSteps = 25;
+  std::vector<std::thread> threads;
+  std::vector<int> failures(kThreads, 0);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      DecodeCall call;
+      call.layer = 0;
+      const std::string& first = t % 2 ? a : b;
+      const std::string& second = t % 2 ? b : a;
+      call.entries.push_back({first, q.req(), k.req(), k.req(), nullptr});
+      call.entries.push_back({second, q.req(), k.req(), k.req(), nullptr});
+      for (int i = 0; i < kSteps; ++i) failures[t] += rt_->Decode(call).ok() ? 0 : 1;
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(failures, std::vector<int>(kThreads, 0));
+  EXPECT_EQ(Lengths(a), (std::vector<int64_t>{1 + kThreads * kSteps, 0}));
+  EXPECT_EQ(Lengths(b), (std::vector<int64_t>{1 + kThreads * kSteps, 0}));
+  EXPECT_EQ(PagesFree(), 40 - 2 * 7);  // 101 tokens each: 7 pages of 16
 }
 
 // Prefill a 300-token prompt in two chunks (crossing chunk boundaries 128 and 256, s(300) > 1) in
