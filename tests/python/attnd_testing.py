@@ -237,11 +237,12 @@ class DaemonTestCase:
         cls.daemon = Daemon(cls.model_config(cls._tmp), kv_dtype=cls.KV_DTYPE, page_size=cls.PAGE_SIZE)
         try:
             cls.daemon.start()
+            cls.client = attnd.Client(cls.daemon.target, timeout=120)
+            cls.info = cls.client.info()
         except BaseException:
+            cls.daemon.stop()  # tearDownClass does not run when setUpClass fails
             shutil.rmtree(cls._tmp, True)
             raise
-        cls.client = attnd.Client(cls.daemon.target, timeout=120)
-        cls.info = cls.client.info()
 
     @classmethod
     def tearDownClass(cls):
