@@ -206,8 +206,13 @@ ATTND_INLINE void ExpNonPositive(float* x, int n) {
 }
 
 // y *= alpha
+template <typename S>
 ATTND_INLINE void ScaleInPlace(float alpha, float* y, int n) {
-  for (int d = 0; d < n; ++d) y[d] *= alpha;
+  if (n % S::kLanes != 0) {
+    for (int d = 0; d < n; ++d) y[d] *= alpha;
+    return;
+  }
+  for (int d = 0; d < n; d += S::kLanes) Store<S>(y + d, Load<S>(y + d) * alpha);
 }
 
 // The query variant of a key for a row whose chunk starts at prev (DCA.md: intra, succ, inter).
@@ -356,7 +361,7 @@ ATTND_INLINE void AttendKeys(const DcaGeometry& geo, const RowBlock<KvT>& b, int
         if (m_new > m_old && m_old != kNegInf) {
           const float correction = std::exp(m_old - m_new);
           st->l[vec] *= correction;
-          ScaleInPlace(correction, acc, d);
+          ScaleInPlace<S>(correction, acc, d);
         }
         st->m[vec] = m_new;
         for (j = 0; j < n; ++j) scores[j] -= m_new;
@@ -516,7 +521,7 @@ void RunBlocks(const DcaGeometry& geo, std::vector<RowBlock<KvT>>* blocks, Threa
         if (m_s > m_old) {
           const float c = std::exp(m_old - m_s);  // 0 when m_old is -inf
           st.l[vec] = st.l[vec] * c + p[vectors + vec];
-          ScaleInPlace(c, acc, d);
+          ScaleInPlace<Sse2>(c, acc, d);
           Axpy<Sse2>(1.f, acc_s, acc, d);
           st.m[vec] = m_s;
         } else {
