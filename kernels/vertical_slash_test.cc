@@ -257,13 +257,15 @@ TEST(MapToStagesTest, FallbacksForEmptyLists) {
   const std::array<VsStageLists, kVsNumStages> st = MapToStages(sel, piece, 100);
   EXPECT_THAT(st[kVsIntraStage].columns, ElementsAre(5, 59));
   EXPECT_THAT(st[kVsIntraStage].offsets, ElementsAre(0));
-  // succ: no column in [100, 200) -> arange(0, 100, 20); slash 259 is in [100, 230) ? no: 259 >=
-  // 230 -> no offset -> the same arange as offsets, descending.
+  // succ: no column in [100, 200) -> arange(0, 100, 20); the one slash (259) is outside
+  // [prev - cl, prev + nq) = [100, 230) -> the same arange as offsets, descending. inter: no
+  // column below 100 and 259 >= prev - cl + nq = 130 -> the same.
   EXPECT_THAT(st[kVsSuccStage].columns, ElementsAre(0, 20, 40, 60, 80));
   EXPECT_THAT(st[kVsSuccStage].offsets, ElementsAre(80, 60, 40, 20, 0));
   EXPECT_THAT(st[kVsInterStage].columns, ElementsAre(0, 20, 40, 60, 80));
   EXPECT_THAT(st[kVsInterStage].offsets, ElementsAre(80, 60, 40, 20, 0));
-  EXPECT_THAT(VsFallbackIndices(448), ElementsAre(0, 89, 179, 268, 358));
+  EXPECT_THAT(VsFallbackIndices(448), ElementsAre(0, 89, 178, 267, 356));
+  EXPECT_THAT(VsFallbackIndices(9), ElementsAre(0, 1, 2, 3, 4));
   EXPECT_THAT(VsFallbackIndices(3), ElementsAre(0, 1, 2));
   ExpectStagesMatchNaive(sel, piece, 100, "fallbacks");
 }

@@ -127,9 +127,12 @@ NaiveStage MapStage(int stage, const std::vector<int64_t>& vertical,
     }
   }
   if (!st.present) return NaiveStage();
-  // Fallback: {trunc(i * L / 5) : i = 0..4} (as a set; the same as 0..L-1 when L < 5).
+  // Fallback: the reference's arange(0, L, max(1, L/5)) with an int32 dtype, whose step is
+  // truncated to an integer: i * floor(L/5) for i < 5 (0..L-1 when L < 5). (DCA.md writes
+  // trunc(i * L / 5); the golden case sparse_vs follows the reference.)
   std::set<int64_t> fallback;
-  for (int64_t i = 0; i < 5; ++i) fallback.insert(i * st.kv_len / 5);
+  const int64_t step = st.kv_len / 5 > 0 ? st.kv_len / 5 : 1;
+  for (int64_t x = 0; x < st.kv_len && fallback.size() < 5; x += step) fallback.insert(x);
   if (cols.empty()) cols = fallback;
   if (offs.empty()) offs.insert(fallback.begin(), fallback.end());
   st.columns.assign(cols.begin(), cols.end());
