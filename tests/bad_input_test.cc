@@ -474,7 +474,8 @@ TEST_F(BadInputTest, SessionSurvivesBadRequests) {
   EXPECT_TRUE((*session)->Close().ok());
 }
 
-// A pool of a few pages: running out fails cleanly, all or nothing, and other sequences go on.
+// A pool of four pages and at most two live sequences: running out of either fails cleanly, all
+// or nothing, and the other sequences go on.
 TEST(PoolExhaustedTest, FailsWithoutChangingAnything) {
   testing::ModelGeometry geometry;
   geometry.name = "pool-exhausted-tiny";
@@ -483,6 +484,7 @@ TEST(PoolExhaustedTest, FailsWithoutChangingAnything) {
   options.kv_dtype = "fp32";
   // One page: 2 layers x (K + V) x 16 tokens x 2 kv heads x 64 x 4 B = 32 KB. Four pages.
   options.kv_cache_bytes = 4 * 32768;
+  options.max_sequences = 2;
   options.compute_threads = 2;
   absl::StatusOr<std::unique_ptr<testing::TestDaemon>> daemon =
       testing::TestDaemon::Start(geometry, options);
@@ -538,6 +540,10 @@ TEST(PoolExhaustedTest, FailsWithoutChangingAnything) {
 
   const std::string a = c.CreateSequence().value(), b = c.CreateSequence().value();
   naive::NaiveSequence ra(dca, 2), rb(dca, 2);
+  // max_sequences 2: a third is refused and nothing is created.
+  EXPECT_STATUS(c.CreateSequence().status(), kResourceExhausted,
+                "too many live sequences: the limit is 2; release one first");
+  EXPECT_EQ(c.Info().value().live_sequences(), 2);
   ASSERT_TRUE(prefill(a, &ra, 0, 48).ok());  // 3 pages
   EXPECT_EQ(pages_free(), 1);
   EXPECT_STATUS(prefill(b, &rb, 0, 32), kResourceExhausted,
@@ -560,6 +566,10 @@ TEST(PoolExhaustedTest, FailsWithoutChangingAnything) {
   absl::StatusOr<int64_t> freed = c.Release(b);
   ASSERT_TRUE(freed.ok()) << freed.status();
   EXPECT_EQ(*freed, 1);
+  // A slot is free again.
+  absl::StatusOr<std::string> third = c.CreateSequence();
+  ASSERT_TRUE(third.ok()) << third.status();
+  ASSERT_TRUE(c.Release(*third).ok());
   ASSERT_TRUE(decode({{a, &ra}}, 0).ok());
   EXPECT_EQ(ra.length(0), 49);
   EXPECT_EQ(pages_free(), 0);

@@ -26,9 +26,9 @@ namespace {
 using client::DecodeInput;
 using client::HostTensor;
 
-constexpr int kThreads = 8;
-constexpr int kSequencesPerThread = 2;
-constexpr int kDecodeSteps = 4;
+constexpr int kThreads = 12;
+constexpr int kSequencesPerThread = 3;
+constexpr int kDecodeSteps = 6;
 
 struct Seq {
   std::string id;
@@ -129,7 +129,7 @@ class Worker {
     for (const Call& c : calls) {
       if (!Prefill(&seqs[c.seq], c.layer, seqs[c.seq].chunks[c.chunk])) return;
     }
-    // Decode steps: both sequences in one batch, layers in a shuffled order each step.
+    // Decode steps: all of the thread's sequences in one batch, layers in a shuffled order each step.
     std::vector<int> layers(g_.num_layers);
     for (int l = 0; l < g_.num_layers; ++l) layers[l] = l;
     for (int step = 0; step < kDecodeSteps; ++step) {

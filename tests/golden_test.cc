@@ -8,7 +8,9 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -94,7 +96,8 @@ class GoldenCase {
   std::string blob_;
 };
 
-class GoldenTest : public ::testing::TestWithParam<DType> {
+// (request dtype, over a Session stream instead of unary calls)
+class GoldenTest : public ::testing::TestWithParam<std::tuple<DType, bool>> {
  protected:
   void SetUp() override {
     std::string tried;
@@ -106,7 +109,8 @@ class GoldenTest : public ::testing::TestWithParam<DType> {
 };
 
 TEST_P(GoldenTest, DenseGqaChunked) {
-  const DType dtype = GetParam();
+  const DType dtype = std::get<0>(GetParam());
+  const bool use_session = std::get<1>(GetParam());
   const nlohmann::json& c = golden_.json();
   testing::ModelGeometry geometry;
   geometry.name = "golden-dense-gqa-chunked";
@@ -132,6 +136,12 @@ TEST_P(GoldenTest, DenseGqaChunked) {
       testing::TestDaemon::Start(geometry, options);
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   client::AttndClient& client = (*daemon)->client();
+  std::unique_ptr<client::Session> session;
+  if (use_session) {
+    absl::StatusOr<std::unique_ptr<client::Session>> opened = client.OpenSession();
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    session = std::move(*opened);
+  }
 
   // The case's sequence numbers -> server ids, created on first use.
   std::vector<std::string> ids;
@@ -162,15 +172,17 @@ TEST_P(GoldenTest, DenseGqaChunked) {
     if (op == "prefill") {
       const int64_t tokens = step.at("tokens");
       const int64_t start = step.at("start");
-      absl::StatusOr<client::PrefillResult> r = client.Prefill(
-          id_of(step.at("seq")), 0,
-          HostTensor::FromFloats(dtype, {tokens, 5, geometry.num_q_heads, geometry.head_dim},
-                                 q.values),
-          HostTensor::FromFloats(dtype, {tokens, geometry.num_kv_heads, geometry.head_dim},
-                                 k.values),
-          HostTensor::FromFloats(dtype, {tokens, geometry.num_kv_heads, geometry.head_dim},
-                                 v.values),
-          step.at("prompt_len").get<int64_t>());
+      const std::string id = id_of(step.at("seq"));
+      // AttndClient and Session have the same Prefill signature.
+      auto prefill = [&](auto& target) {
+        const int64_t hq = geometry.num_q_heads, hkv = geometry.num_kv_heads;
+        const int64_t d = geometry.head_dim;
+        return target.Prefill(id, 0, HostTensor::FromFloats(dtype, {tokens, 5, hq, d}, q.values),
+                              HostTensor::FromFloats(dtype, {tokens, hkv, d}, k.values),
+                              HostTensor::FromFloats(dtype, {tokens, hkv, d}, v.values),
+                              step.at("prompt_len").get<int64_t>());
+      };
+      absl::StatusOr<client::PrefillResult> r = use_session ? prefill(*session) : prefill(client);
       ASSERT_TRUE(r.ok()) << r.status();
       EXPECT_EQ(r->length, start + tokens);
       EXPECT_EQ(r->o.dtype, dtype);
@@ -197,7 +209,8 @@ TEST_P(GoldenTest, DenseGqaChunked) {
                                       testing::Rows(v.values, kv_row, i, i + 1));
         entries.push_back(std::move(in));
       }
-      absl::StatusOr<std::vector<client::DecodeResult>> r = client.Decode(0, entries);
+      absl::StatusOr<std::vector<client::DecodeResult>> r =
+          use_session ? session->Decode(0, entries) : client.Decode(0, entries);
       ASSERT_TRUE(r.ok()) << r.status();
       ASSERT_EQ(r->size(), seqs.size());
       for (size_t i = 0; i < seqs.size(); ++i) {
@@ -213,7 +226,12 @@ TEST_P(GoldenTest, DenseGqaChunked) {
     ++steps;
   }
   EXPECT_EQ(steps, static_cast<int>(c.at("steps").size()));
-  std::printf("%s: %d steps, worst max abs error %.3g\n", DTypeName(dtype).data(), steps, worst);
+  std::printf("%s%s: %d steps, worst max abs error %.3g\n", DTypeName(dtype).data(),
+              use_session ? " session" : "", steps, worst);
+  if (session != nullptr) {
+    absl::Status closed = session->Close();
+    EXPECT_TRUE(closed.ok()) << closed;
+  }
 
   for (const std::string& id : ids) {
     absl::StatusOr<int64_t> freed = client.Release(id);
@@ -225,10 +243,13 @@ TEST_P(GoldenTest, DenseGqaChunked) {
   EXPECT_EQ(info->kv_cache().pages_free(), info->kv_cache().pages_total());
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, GoldenTest, ::testing::Values(DType::kFp32, DType::kBf16),
-                         [](const ::testing::TestParamInfo<DType>& info) {
-                           return std::string(DTypeName(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    DtypesAndTransports, GoldenTest,
+    ::testing::Combine(::testing::Values(DType::kFp32, DType::kBf16), ::testing::Bool()),
+    [](const ::testing::TestParamInfo<std::tuple<DType, bool>>& info) {
+      return absl::StrCat(DTypeName(std::get<0>(info.param)),
+                          std::get<1>(info.param) ? "_session" : "_unary");
+    });
 
 }  // namespace
 }  // namespace attnd
