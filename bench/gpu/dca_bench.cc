@@ -142,7 +142,8 @@ double CopyBandwidth() {
 void BenchPrefill(bool quick) {
   Emit("\n## Prefill (one call of L tokens from position 0; bf16 q/KV, bf16 out; page 16)\n");
   Emit("FLOPs = 4*Hq*D*L(L+1)/2 (causal-equivalent), Hq=28 Hkv=4 D=128\n");
-  Emit("%-8s %-10s %-7s %12s %10s\n", "L", "chunk_len", "chunks", "median_ms", "TFLOP/s");
+  Emit("%-8s %-10s %-7s %-12s %12s %10s\n", "L", "chunk_len", "chunks", "variant", "median_ms",
+       "TFLOP/s");
   std::vector<int64_t> lens = {8192, 32768, 131072};
   if (quick) lens = {8192};
   for (int64_t len : lens) {
@@ -164,26 +165,37 @@ void BenchPrefill(bool quick) {
     std::shuffle(perm.begin(), perm.end(), std::mt19937(1));
     CHECK_CUDA(cudaMemcpy(table, perm.data(), pages * 4, cudaMemcpyHostToDevice));
     for (int64_t cl : {len / 4, kRealChunkLen}) {
-      const DcaGeometry g = Geometry(cl);
-      CudaPrefillParams p;
-      p.kv.k = static_cast<Bf16*>(k);
-      p.kv.v = static_cast<Bf16*>(v);
-      p.kv.page_table = static_cast<int32_t*>(table);
-      p.kv.page_size = kPageSize;
-      p.kv.num_kv_heads = kHkv;
-      p.kv.head_dim = kD;
-      p.q = static_cast<Bf16*>(q);
-      p.out = out;
-      p.out_dtype = DType::kBf16;
-      p.start = 0;
-      p.num_tokens = len;
-      p.softmax_scale = g.softmax_scale * LengthScale(len, kOrig);
-      const int iters = len >= 131072 ? 3 : 7;
-      const double ms = MedianMs(1, iters, [&](int) { CHECK_OK(LaunchDcaPrefill(g, p, nullptr)); });
-      const double flops = 4.0 * kHq * kD * static_cast<double>(len) * (len + 1) / 2;
-      Emit("%-8lld %-10lld %-7lld %12.3f %10.1f\n", static_cast<long long>(len),
-           static_cast<long long>(cl), static_cast<long long>((len + cl - 1) / cl), ms,
-           flops / (ms * 1e-3) / 1e12);
+      for (int variant = 0; variant < kNumPrefillVariants; ++variant) {
+        if (cl == kRealChunkLen && len > 8192 && variant != kDefaultPrefillVariant && !quick) {
+          continue;  // the real chunk_len only with the default variant past 8K (time)
+        }
+        const DcaGeometry g = Geometry(cl);
+        CudaPrefillParams p;
+        p.kv.k = static_cast<Bf16*>(k);
+        p.kv.v = static_cast<Bf16*>(v);
+        p.kv.page_table = static_cast<int32_t*>(table);
+        p.kv.page_size = kPageSize;
+        p.kv.num_kv_heads = kHkv;
+        p.kv.head_dim = kD;
+        p.q = static_cast<Bf16*>(q);
+        p.out = out;
+        p.out_dtype = DType::kBf16;
+        p.start = 0;
+        p.num_tokens = len;
+        p.softmax_scale = g.softmax_scale * LengthScale(len, kOrig);
+        p.variant = variant;
+        const int iters = len >= 131072 ? 3 : 7;
+        const double ms =
+            MedianMs(1, iters, [&](int) { CHECK_OK(LaunchDcaPrefill(g, p, nullptr)); });
+        const double flops = 4.0 * kHq * kD * static_cast<double>(len) * (len + 1) / 2;
+        const PrefillVariant& pv = kPrefillVariants[variant];
+        char label[32];
+        std::snprintf(label, sizeof(label), "w%ds%dm%dn%d%s", pv.warps, pv.stages, pv.m_tiles,
+                      pv.block_n, variant == kDefaultPrefillVariant ? "*" : "");
+        Emit("%-8lld %-10lld %-7lld %-12s %12.3f %10.1f\n", static_cast<long long>(len),
+             static_cast<long long>(cl), static_cast<long long>((len + cl - 1) / cl), label, ms,
+             flops / (ms * 1e-3) / 1e12);
+      }
     }
     CHECK_CUDA(cudaFree(k));
     CHECK_CUDA(cudaFree(v));
@@ -196,8 +208,9 @@ void BenchPrefill(bool quick) {
 void BenchDecode(bool quick, double copy_gbs) {
   Emit("\n## Decode (split-K, chunk_len 253952, page 16; all sequences of length ctx)\n");
   Emit("bytes = B*ctx*Hkv*D*2(K,V)*2B; %% of the measured D2D copy bandwidth %.0f GB/s\n", copy_gbs);
-  Emit("%-6s %-8s %-7s %-6s %12s %10s %7s\n", "batch", "ctx", "splits", "sets", "median_us",
-       "GB/s", "%copy");
+  Emit("%-6s %-8s %-7s %-7s %-6s %12s %10s %7s %10s\n", "batch", "ctx", "stages", "splits", "sets",
+       "median_us", "GB/s", "%copy", "graph_us");
+  Emit("(graph_us: the step captured in a CUDA graph and replayed on one page set; -1 = capture failed)\n");
   struct Case { int batch; int64_t ctx; };
   std::vector<Case> cases;
   for (int b : {1, 8, 32, 128})
@@ -230,8 +243,15 @@ void BenchDecode(bool quick, double copy_gbs) {
     std::vector<int32_t> lens(c.batch, static_cast<int32_t>(c.ctx));
     CHECK_CUDA(cudaMalloc(&lengths, c.batch * 4));
     CHECK_CUDA(cudaMemcpy(lengths, lens.data(), c.batch * 4, cudaMemcpyHostToDevice));
-    const int32_t splits = PlanDecodeSplits(g, c.batch, c.ctx, num_sms);
-    CHECK_CUDA(cudaMalloc(&ws, DecodeWorkspaceFloats(g, c.batch, splits) * 4));
+    size_t ws_floats = 0;
+    for (int st : {2, 4}) {
+      ws_floats = std::max(ws_floats, DecodeWorkspaceFloats(g, c.batch,
+                                                            PlanDecodeSplits(g, c.batch, c.ctx,
+                                                                             num_sms, st)));
+    }
+    CHECK_CUDA(cudaMalloc(&ws, ws_floats * 4));
+    for (int stages : {2, 4}) {
+    const int32_t splits = PlanDecodeSplits(g, c.batch, c.ctx, num_sms, stages);
     auto params = [&](int set) {
       CudaDecodeParams p;
       p.kv.k = static_cast<Bf16*>(k);
@@ -248,6 +268,7 @@ void BenchDecode(bool quick, double copy_gbs) {
       p.out_dtype = DType::kBf16;
       p.batch = c.batch;
       p.max_splits = splits;
+      p.kv_stages = stages;
       p.partial_out = static_cast<float*>(ws);
       p.partial_lse = p.partial_out + static_cast<size_t>(c.batch) * kHq * splits * kD;
       return p;
@@ -256,8 +277,34 @@ void BenchDecode(bool quick, double copy_gbs) {
       CHECK_OK(LaunchDcaDecode(g, params(i % sets), nullptr));
     });
     const double gbs = step_bytes / (ms * 1e-3) / 1e9;
-    Emit("%-6d %-8lld %-7d %-6d %12.1f %10.0f %6.0f%%\n", c.batch, static_cast<long long>(c.ctx),
-         splits, sets, ms * 1e3, gbs, 100.0 * gbs / copy_gbs);
+    // The same step captured once in a CUDA graph (launch configuration is length-independent),
+    // replayed: median time per replay, or "-" when capture is not possible.
+    double graph_us = -1;
+    {
+      cudaStream_t st;
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      CHECK_CUDA(cudaStreamCreate(&st));
+      bool ok = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
+      ok = LaunchDcaDecode(g, params(0), st).ok() && ok;
+      ok = cudaStreamEndCapture(st, &graph) == cudaSuccess && ok;
+      ok = ok && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+      if (ok) {
+        graph_us = 1e3 * MedianMs(3, 30, [&](int) { CHECK_CUDA(cudaGraphLaunch(exec, st)); });
+      } else {
+        cudaGetLastError();
+      }
+      if (exec) cudaGraphExecDestroy(exec);
+      if (graph) cudaGraphDestroy(graph);
+      CHECK_CUDA(cudaStreamSynchronize(st));
+      CHECK_CUDA(cudaStreamDestroy(st));
+    }
+    char label[8];
+    std::snprintf(label, sizeof(label), "%d%s", stages, stages == kDefaultDecodeStages ? "*" : "");
+    Emit("%-6d %-8lld %-7s %-7d %-6d %12.1f %10.0f %6.0f%% %10.1f\n", c.batch,
+         static_cast<long long>(c.ctx), label, splits, sets, ms * 1e3, gbs, 100.0 * gbs / copy_gbs,
+         graph_us);
+    }
     for (void* p : {k, v, q, out, tables, lengths, ws}) CHECK_CUDA(cudaFree(p));
   }
 }

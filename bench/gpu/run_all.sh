@@ -4,7 +4,7 @@
 #   bazel build //kernels/cuda:dca_cuda_test //server:cuda_engine_test //bench/gpu:dca_bench
 #   /work/shared/tools/gpu-bundle .gpu bazel-bin/kernels/cuda/dca_cuda_test \
 #       bazel-bin/server/cuda_engine_test bazel-bin/bench/gpu/dca_bench
-# then on the GPU machine:  . .gpu/env.sh && bench/gpu/run_all.sh "$OUT" [--quick]
+# then on the GPU machine:  . .gpu/env.sh && bench/gpu/run_all.sh "$OUT" [--quick|--no-peer]
 set -uo pipefail
 out=${1:?usage: run_all.sh OUT_DIR [--quick]}
 quick=${2:-}
@@ -23,9 +23,14 @@ for t in dca_cuda_test cuda_engine_test; do
     echo "$t: not in the bundle"
   fi
 done
+peer=1
+if [[ $quick == --no-peer ]]; then quick=""; peer=0; fi
 dca_bench $quick --out "$out/dca_bench.txt" >/dev/null 2>"$out/dca_bench.err" || {
   echo "dca_bench failed:"; cat "$out/dca_bench.err"; status=1; }
-PYTHONUNBUFFERED=1 python3 bench/gpu/sdpa_peer.py $quick --out "$out/sdpa_peer.txt" \
-  >/dev/null 2>"$out/sdpa_peer.err" || { echo "sdpa_peer failed:"; tail -5 "$out/sdpa_peer.err"; status=1; }
-cat "$out/dca_bench.txt" "$out/sdpa_peer.txt" 2>/dev/null
+if ((peer)); then
+  PYTHONUNBUFFERED=1 python3 bench/gpu/sdpa_peer.py $quick --out "$out/sdpa_peer.txt" \
+    >/dev/null 2>"$out/sdpa_peer.err" || { echo "sdpa_peer failed:"; tail -5 "$out/sdpa_peer.err"; status=1; }
+fi
+cat "$out/dca_bench.txt" 2>/dev/null
+((peer)) && cat "$out/sdpa_peer.txt" 2>/dev/null
 exit $status

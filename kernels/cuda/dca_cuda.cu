@@ -11,20 +11,24 @@
 namespace attnd {
 namespace {
 
-using cuda_kernels::kBlockM;
 using cuda_kernels::kBlockN;
 using cuda_kernels::kLog2e;
 using cuda_kernels::kThreads;
 
 constexpr int64_t kMaxPosition = (int64_t{1} << 31) - 1;
 
-template <int D>
+template <int D, int Warps, int Stages, int MT, int BN>
 constexpr size_t PrefillSmemBytes() {
-  return 4 * kBlockN * (D + 8) * sizeof(Bf16);
+  return (2 * Stages * BN + (MT > 1 ? 16 * MT * Warps : 0)) * (D + 8) * sizeof(Bf16);
 }
-template <int D>
+template <int D, int Stages>
 constexpr size_t DecodeSmemBytes() {
-  return (4 * kBlockN + 3 * 16) * (D + 8) * sizeof(Bf16);
+  return (2 * Stages * kBlockN + 3 * 16) * (D + 8) * sizeof(Bf16);
+}
+// Resident decode blocks per multiprocessor (228 KB shared memory, 1 KB reserved per block).
+int DecodeBlocksPerSm(int head_dim, int stages) {
+  const size_t smem = (2 * stages * kBlockN + 3 * 16) * (head_dim + 8) * sizeof(Bf16) + 1024;
+  return std::max<int>(1, static_cast<int>((228 * 1024) / smem));
 }
 
 bool ValidDType(DType t) { return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32; }
@@ -40,9 +44,10 @@ absl::Status CheckKv(const DcaGeometry& g, const PagedKv<Bf16>& kv) {
   return absl::OkStatus();
 }
 
-template <int D>
+template <int D, int Warps, int Stages, int MT, int BN>
 absl::Status LaunchPrefillTyped(const DcaGeometry& g, const CudaPrefillParams& p,
                                  cudaStream_t stream) {
+  constexpr int kBlockM = 16 * MT * Warps;
   cuda_kernels::PrefillArgs a;
   a.kv = p.kv;
   a.q = p.q;
@@ -69,11 +74,12 @@ absl::Status LaunchPrefillTyped(const DcaGeometry& g, const CudaPrefillParams& p
   }
   a.tiles_first = static_cast<int32_t>(tiles_first);
   a.tiles_full = static_cast<int32_t>(tiles_full);
-  constexpr size_t smem = PrefillSmemBytes<D>();
-  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      cuda_kernels::DcaPrefillKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  cuda_kernels::DcaPrefillKernel<D>
-      <<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads), kThreads, smem, stream>>>(a);
+  constexpr size_t smem = PrefillSmemBytes<D, Warps, Stages, MT, BN>();
+  ATTND_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(cuda_kernels::DcaPrefillKernel<D, Warps, Stages, MT, BN>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cuda_kernels::DcaPrefillKernel<D, Warps, Stages, MT, BN>
+      <<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads), 32 * Warps, smem, stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaPrefillKernel");
   return absl::OkStatus();
 }
@@ -91,7 +97,7 @@ absl::Status CheckPrefill(const DcaGeometry& g, const CudaPrefillParams& p) {
   return absl::OkStatus();
 }
 
-template <int D>
+template <int D, int Stages>
 absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
                                cudaStream_t stream) {
   cuda_kernels::DecodeArgs a;
@@ -106,10 +112,11 @@ absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
   a.scale_log2 = g.softmax_scale * kLog2e;
   a.partial_out = p.partial_out;
   a.partial_lse = p.partial_lse;
-  constexpr size_t smem = DecodeSmemBytes<D>();
-  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      cuda_kernels::DcaDecodeSplitKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  cuda_kernels::DcaDecodeSplitKernel<D>
+  constexpr size_t smem = DecodeSmemBytes<D, Stages>();
+  ATTND_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(cuda_kernels::DcaDecodeSplitKernel<D, Stages>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cuda_kernels::DcaDecodeSplitKernel<D, Stages>
       <<<dim3(p.max_splits, g.num_kv_heads, p.batch), kThreads, smem, stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeSplitKernel");
   cuda_kernels::DcaDecodeReduceKernel<D><<<dim3(p.batch, g.num_q_heads), D, 0, stream>>>(
@@ -198,8 +205,26 @@ absl::Status LaunchConvertToBf16(const void* src, DType src_dtype, int64_t n, Bf
 absl::Status LaunchDcaPrefill(const DcaGeometry& g, const CudaPrefillParams& p,
                               cudaStream_t stream) {
   if (absl::Status s = CheckPrefill(g, p); !s.ok()) return s;
-  return g.head_dim == 128 ? LaunchPrefillTyped<128>(g, p, stream)
-                           : LaunchPrefillTyped<64>(g, p, stream);
+  const int variant = p.variant < 0 ? kDefaultPrefillVariant : p.variant;
+  const bool d128 = g.head_dim == 128;
+  switch (variant) {  // the supported set: kPrefillVariants (same order)
+#define ATTND_PREFILL_CASE(i, W, S, MT, BN)                                  \
+  case i:                                                                    \
+    static_assert(kPrefillVariants[i].warps == W && kPrefillVariants[i].stages == S && \
+                      kPrefillVariants[i].m_tiles == MT && kPrefillVariants[i].block_n == BN, \
+                  "kPrefillVariants order");                                 \
+    return d128 ? LaunchPrefillTyped<128, W, S, MT, BN>(g, p, stream)        \
+                : LaunchPrefillTyped<64, W, S, MT, BN>(g, p, stream);
+    ATTND_PREFILL_CASE(0, 4, 2, 1, 64)
+    ATTND_PREFILL_CASE(1, 8, 2, 1, 64)
+    ATTND_PREFILL_CASE(2, 8, 3, 1, 64)
+    ATTND_PREFILL_CASE(3, 4, 2, 2, 32)
+    ATTND_PREFILL_CASE(4, 4, 3, 2, 32)
+    ATTND_PREFILL_CASE(5, 4, 2, 2, 64)
+#undef ATTND_PREFILL_CASE
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("prefill: no variant ", p.variant));
+  }
 }
 
 absl::Status LaunchDcaPrefillReference(const DcaGeometry& g, const CudaPrefillParams& p,
@@ -221,9 +246,12 @@ absl::Status LaunchDcaPrefillReference(const DcaGeometry& g, const CudaPrefillPa
 }
 
 int32_t PlanDecodeSplits(const DcaGeometry& g, int32_t batch, int64_t max_length,
-                         int32_t num_sms) {
+                         int32_t num_sms, int32_t kv_stages) {
+  const int stages = kv_stages == 0 ? kDefaultDecodeStages : kv_stages;
+  const int64_t resident = int64_t{std::max(1, num_sms)} *
+                           DecodeBlocksPerSm(g.head_dim == 64 ? 64 : 128, stages);
   const int64_t blocks = std::max<int64_t>(1, int64_t{batch} * std::max(1, g.num_kv_heads));
-  const int64_t want = (2 * int64_t{std::max(1, num_sms)} + blocks - 1) / blocks;
+  const int64_t want = resident / blocks;  // splits that still fit in one wave
   const int64_t cap = std::max<int64_t>(1, (max_length + 255) / 256);
   return static_cast<int32_t>(std::clamp<int64_t>(want, 1, std::min<int64_t>(cap, 1024)));
 }
@@ -240,8 +268,17 @@ absl::Status LaunchDcaDecode(const DcaGeometry& g, const CudaDecodeParams& p,
       p.partial_lse == nullptr) {
     return absl::InvalidArgumentError("decode: bad max_splits or null workspace");
   }
-  return g.head_dim == 128 ? LaunchDecodeTyped<128>(g, p, stream)
-                           : LaunchDecodeTyped<64>(g, p, stream);
+  const int stages = p.kv_stages == 0 ? kDefaultDecodeStages : p.kv_stages;
+  const bool d128 = g.head_dim == 128;
+  switch (stages) {  // the supported set: 2, 4
+    case 2:
+      return d128 ? LaunchDecodeTyped<128, 2>(g, p, stream) : LaunchDecodeTyped<64, 2>(g, p, stream);
+    case 4:
+      return d128 ? LaunchDecodeTyped<128, 4>(g, p, stream) : LaunchDecodeTyped<64, 4>(g, p, stream);
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("decode: kv_stages ", p.kv_stages,
+                                                     " unsupported (2 or 4)"));
+  }
 }
 
 absl::Status LaunchDcaDecodeReference(const DcaGeometry& g, const CudaDecodeParams& p,

@@ -100,7 +100,24 @@ struct CudaPrefillParams {
   int64_t start = 0;
   int64_t num_tokens = 0;
   float softmax_scale = 0.f;    // geometry scale * s(prompt_len)
+  // Tuning variant of the fast kernel (tests and benchmarks sweep it): -1 = the default
+  // (kDefaultPrefillVariant), else an index into kPrefillVariants.
+  int32_t variant = -1;
 };
+
+// Query rows per block = 16 * m_tiles * warps (each warp owns m_tiles 16-row mma tiles, reusing
+// every K/V fragment m_tiles times); K/V tiles of block_n keys in a `stages`-deep cp.async ring.
+struct PrefillVariant {
+  int32_t warps;
+  int32_t stages;
+  int32_t m_tiles;
+  int32_t block_n;
+};
+inline constexpr PrefillVariant kPrefillVariants[] = {
+    {4, 2, 1, 64}, {8, 2, 1, 64}, {8, 3, 1, 64}, {4, 2, 2, 32}, {4, 3, 2, 32}, {4, 2, 2, 64}};
+inline constexpr int kNumPrefillVariants = 6;
+inline constexpr int kDefaultPrefillVariant = 0;
+inline constexpr int kDefaultDecodeStages = 2;
 
 // Fused tensor-core kernel: one launch covers every piece and the three stages. Grid: one block per
 // (64-row query tile of one piece, kv head); a tile's rows are (token, q head of the kv head's group)
@@ -126,12 +143,15 @@ struct CudaDecodeParams {
   int32_t max_splits = 1;            // from PlanDecodeSplits
   float* partial_out = nullptr;      // [batch, num_q_heads, max_splits, head_dim] workspace
   float* partial_lse = nullptr;      // [batch, num_q_heads, max_splits] workspace
+  // cp.async stages of the split kernel: 0 = the default, else 2 or 4 (tests/benchmarks sweep it).
+  int32_t kv_stages = 0;
 };
 
-// Split-K plan: enough (batch x kv head x split) blocks to fill `num_sms` multiprocessors about
-// twice, with at least 256 keys per split at max_length. Host-only arithmetic.
+// Split-K plan for the split kernel with `kv_stages` (0 = default): as many splits as keep every
+// (batch x kv head x split) block resident in one wave on `num_sms` multiprocessors, at least 1,
+// with at least 256 keys per split at max_length. Host-only arithmetic.
 int32_t PlanDecodeSplits(const DcaGeometry& geometry, int32_t batch, int64_t max_length,
-                         int32_t num_sms);
+                         int32_t num_sms, int32_t kv_stages = 0);
 // Workspace floats needed for (batch, max_splits): partial_out then partial_lse.
 size_t DecodeWorkspaceFloats(const DcaGeometry& geometry, int32_t batch, int32_t max_splits);
 

@@ -21,8 +21,7 @@ namespace attnd {
 namespace cuda_kernels {
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kThreads = 128;  // 4 warps for the tiled kernels
-constexpr int kBlockM = 64;    // prefill query rows per block (16 per warp)
+constexpr int kThreads = 128;  // 4 warps: decode blocks (prefill blocks are 32 * Warps)
 constexpr int kBlockN = 64;    // keys per K/V tile
 
 // ---- small helpers -------------------------------------------------------------------------------
@@ -131,15 +130,15 @@ __device__ __forceinline__ int64_t PagedOffset(const PagedKv<Bf16>& kv, int32_t 
          kv.head_dim;
 }
 
-// Loads K and V rows [k0, k0 + kBlockN) of kv_head into shared tiles [kBlockN][D + 8]; rows at or
-// past k_hi are zero-filled and never read from global memory.
-template <int D>
+// Loads K and V rows [k0, k0 + BN) of kv_head into shared tiles [BN][D + 8]; rows at or past k_hi
+// are zero-filled and never read from global memory.
+template <int D, int NThreads = kThreads, int BN = kBlockN>
 __device__ __forceinline__ void LoadKvTile(const PagedKv<Bf16>& kv, int32_t kv_head, int32_t k0,
                                            int32_t k_hi, Bf16* ks, Bf16* vs) {
   constexpr int kChunksPerRow = D / 8;
-  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  constexpr int kRowsPerPass = NThreads / kChunksPerRow;
   const int col = (threadIdx.x % kChunksPerRow) * 8;
-  for (int row = threadIdx.x / kChunksPerRow; row < kBlockN; row += kRowsPerPass) {
+  for (int row = threadIdx.x / kChunksPerRow; row < BN; row += kRowsPerPass) {
     const int32_t pos = k0 + row;
     const bool valid = pos < k_hi;
     const int64_t off = valid ? PagedOffset(kv, pos, kv_head) : 0;
@@ -165,17 +164,24 @@ struct PrefillArgs {
   float scale_log2;     // softmax_scale * log2(e)
 };
 
-// grid (query tiles over all pieces, num_kv_heads), block kThreads. Block (t, h): a tile of kBlockM
-// rows (token, q head of h's group) inside one piece; walks inter, succ, then intra key tiles with
-// that stage's query variant, one online softmax, and writes the normalised rows.
-template <int D>
-__global__ void __launch_bounds__(kThreads) DcaPrefillKernel(const PrefillArgs a) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);   // [2][kBlockN][D + 8]
-  Bf16* vs = ks + 2 * kBlockN * (D + 8);          // [2][kBlockN][D + 8]
-  constexpr int kTile = kBlockN * (D + 8);
+// grid (query tiles over all pieces, num_kv_heads), block 32 * Warps. Block (t, h): a tile of
+// kBlockM = 16 * MT * Warps rows (token, q head of h's group) inside one piece; walks inter, succ,
+// then intra key tiles of BN keys with that stage's query variant, one online softmax, and writes
+// the normalised rows. Each warp owns MT 16-row m-tiles, so every K/V fragment read from shared
+// memory feeds MT mma's. K/V tiles go through a Stages-deep cp.async ring. With MT == 1 the query
+// fragments live in registers; with MT > 1 the stage's queries are staged in shared memory.
+template <int D, int Warps, int Stages, int MT, int BN>
+__global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs a) {
+  constexpr int kBlockM = 16 * MT * Warps;
+  constexpr int kBlockThreads = 32 * Warps;
+  constexpr int kTile = BN * (D + 8);
   constexpr int kKSteps = D / 16;
   constexpr int kDimBlocks = D / 8;
+  constexpr int kKeyBlocks = BN / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);  // [Stages][BN][D + 8]
+  Bf16* vs = ks + Stages * kTile;                // [Stages][BN][D + 8]
+  Bf16* qs = vs + Stages * kTile;                // [kBlockM][D + 8] when MT > 1
 
   const int kv_head = blockIdx.y;
   // Heaviest tiles (last pieces, last rows) first.
@@ -198,174 +204,233 @@ __global__ void __launch_bounds__(kThreads) DcaPrefillKernel(const PrefillArgs a
     piece_end = min(prev + cl, lk);
   }
   const int32_t piece_tokens = piece_end - piece_begin;
+  const int64_t piece_rows = static_cast<int64_t>(piece_tokens) * a.group;
   const int64_t row_base = static_cast<int64_t>(local) * kBlockM;
-  if (row_base >= static_cast<int64_t>(piece_tokens) * a.group) return;  // past a short last piece
+  if (row_base >= piece_rows) return;  // past a short last piece
   const int32_t max_q_pos =
-      piece_begin +
-      static_cast<int32_t>(min(static_cast<int64_t>(piece_tokens) * a.group - 1,
-                               row_base + kBlockM - 1) / a.group);
+      piece_begin + static_cast<int32_t>(min(piece_rows - 1, row_base + kBlockM - 1) / a.group);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gid = lane / 4, tig = lane % 4;
-  // This thread's two rows (gid, gid + 8 of the warp's 16).
-  int32_t q_pos[2];
-  int64_t q_row[2];  // index of (token, q head) in [num_tokens, *, num_q_heads]: token * Hq + head
-  bool row_valid[2];
-  for (int i = 0; i < 2; ++i) {
-    const int64_t flat = row_base + warp * 16 + gid + 8 * i;
-    const int32_t tok = static_cast<int32_t>(flat / a.group);
-    const int32_t head = kv_head * a.group + static_cast<int32_t>(flat % a.group);
-    row_valid[i] = tok < piece_tokens;
-    q_pos[i] = row_valid[i] ? piece_begin + tok : max_q_pos;
-    const int32_t t_idx = piece_begin + tok - a.start;
-    q_row[i] = row_valid[i] ? static_cast<int64_t>(t_idx) * a.num_q_heads + head : 0;
+  // This thread's rows: (m-tile mt, gid) and (mt, gid + 8) of the warp's 16 * MT.
+  int32_t q_pos[MT][2];
+  int64_t q_row[MT][2];  // token * Hq + head, token relative to start
+  bool row_valid[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t flat = row_base + (warp * MT + mt) * 16 + gid + 8 * i;
+      const int32_t tok = static_cast<int32_t>(flat / a.group);
+      const int32_t head = kv_head * a.group + static_cast<int32_t>(flat % a.group);
+      row_valid[mt][i] = tok < piece_tokens;
+      q_pos[mt][i] = row_valid[mt][i] ? piece_begin + tok : max_q_pos;
+      const int32_t t_idx = piece_begin + tok - a.start;
+      q_row[mt][i] = row_valid[mt][i] ? static_cast<int64_t>(t_idx) * a.num_q_heads + head : 0;
+    }
   }
 
   // Key tiles: inter [0, prev-cl), succ [prev-cl, prev), intra [prev, max_q_pos].
   const int32_t inter_hi = prev >= 2 * cl ? prev - cl : 0;
   const int32_t succ_lo = prev >= cl ? prev - cl : prev;
-  const int n_inter = (inter_hi + kBlockN - 1) / kBlockN;
-  const int n_succ = (prev - succ_lo + kBlockN - 1) / kBlockN;
-  const int n_intra = (max_q_pos + 1 - prev + kBlockN - 1) / kBlockN;
+  const int n_inter = (inter_hi + BN - 1) / BN;
+  const int n_succ = (prev - succ_lo + BN - 1) / BN;
+  const int n_intra = (max_q_pos + 1 - prev + BN - 1) / BN;
   const int n_tiles = n_inter + n_succ + n_intra;
   auto tile_range = [&](int j, int& stage, int32_t& k0, int32_t& khi) {
     if (j < n_inter) {
-      stage = kInter; k0 = j * kBlockN; khi = inter_hi;
+      stage = kInter; k0 = j * BN; khi = inter_hi;
     } else if (j < n_inter + n_succ) {
-      stage = kSucc; k0 = succ_lo + (j - n_inter) * kBlockN; khi = prev;
+      stage = kSucc; k0 = succ_lo + (j - n_inter) * BN; khi = prev;
     } else {
-      stage = kIntra; k0 = prev + (j - n_inter - n_succ) * kBlockN; khi = max_q_pos + 1;
+      stage = kIntra; k0 = prev + (j - n_inter - n_succ) * BN; khi = max_q_pos + 1;
     }
   };
 
-  float o[kDimBlocks][4];
-  for (int d = 0; d < kDimBlocks; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-  float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
-  float l[2] = {0.f, 0.f};
-  uint32_t qf[kKSteps][4];
+  float o[MT][kDimBlocks][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int d = 0; d < kDimBlocks; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.f;
+  float m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    m[mt][0] = m[mt][1] = -CUDART_INF_F;
+    l[mt][0] = l[mt][1] = 0.f;
+  }
+  uint32_t qf[MT == 1 ? kKSteps : 1][4];  // MT == 1: the stage's query A fragments
   int q_stage = -1;
 
-  {
-    int st; int32_t k0, khi;
-    tile_range(0, st, k0, khi);
-    LoadKvTile<D>(a.kv, kv_head, k0, khi, ks, vs);
+  for (int t = 0; t < Stages - 1; ++t) {  // prologue: the first Stages-1 tiles
+    if (t < n_tiles) {
+      int st; int32_t k0, khi;
+      tile_range(t, st, k0, khi);
+      LoadKvTile<D, kBlockThreads, BN>(a.kv, kv_head, k0, khi, ks + t * kTile, vs + t * kTile);
+    }
     CpAsyncCommit();
   }
   for (int j = 0; j < n_tiles; ++j) {
-    if (j + 1 < n_tiles) {
+    if (j + Stages - 1 < n_tiles) {
       int st; int32_t k0, khi;
-      tile_range(j + 1, st, k0, khi);
-      LoadKvTile<D>(a.kv, kv_head, k0, khi, ks + ((j + 1) & 1) * kTile, vs + ((j + 1) & 1) * kTile);
+      const int t = j + Stages - 1;
+      tile_range(t, st, k0, khi);
+      LoadKvTile<D, kBlockThreads, BN>(a.kv, kv_head, k0, khi, ks + (t % Stages) * kTile,
+                                       vs + (t % Stages) * kTile);
     }
     CpAsyncCommit();
     int stage; int32_t k0, khi;
     tile_range(j, stage, k0, khi);
-    if (stage != q_stage) {  // load this stage's query variant into A fragments
+    if (stage != q_stage) {  // this stage's query variant
       q_stage = stage;
-      for (int kk = 0; kk < kKSteps; ++kk) {
-        for (int i = 0; i < 2; ++i) {
-          const uint32_t* src = reinterpret_cast<const uint32_t*>(
-              a.q + ((q_row[i] / a.num_q_heads) * kNumQueryVariants + stage) * a.num_q_heads * D +
-              (q_row[i] % a.num_q_heads) * D + kk * 16 + tig * 2);
-          qf[kk][i] = row_valid[i] ? src[0] : 0u;
-          qf[kk][2 + i] = row_valid[i] ? src[4] : 0u;
+      if constexpr (MT == 1) {
+        for (int kk = 0; kk < kKSteps; ++kk) {
+          for (int i = 0; i < 2; ++i) {
+            const uint32_t* src = reinterpret_cast<const uint32_t*>(
+                a.q + ((q_row[0][i] / a.num_q_heads) * kNumQueryVariants + stage) * a.num_q_heads * D +
+                (q_row[0][i] % a.num_q_heads) * D + kk * 16 + tig * 2);
+            qf[kk][i] = row_valid[0][i] ? src[0] : 0u;
+            qf[kk][2 + i] = row_valid[0][i] ? src[4] : 0u;
+          }
+        }
+      } else {
+        // Stage rows into qs (previous readers finished at the last iteration's barrier; the
+        // barrier below orders these stores before the ldmatrix reads).
+        constexpr int kChunksPerRow = D / 8;
+        for (int c = threadIdx.x; c < kBlockM * kChunksPerRow; c += kBlockThreads) {
+          const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+          const int64_t flat = row_base + r;
+          const int32_t tok = static_cast<int32_t>(flat / a.group);
+          uint4 val = make_uint4(0u, 0u, 0u, 0u);
+          if (tok < piece_tokens) {
+            const int32_t head = kv_head * a.group + static_cast<int32_t>(flat % a.group);
+            const int64_t t_idx = piece_begin + tok - a.start;
+            val = *reinterpret_cast<const uint4*>(
+                a.q + ((t_idx * kNumQueryVariants + stage) * a.num_q_heads + head) * D + col);
+          }
+          *reinterpret_cast<uint4*>(qs + r * (D + 8) + col) = val;
         }
       }
     }
-    CpAsyncWait<1>();
+    CpAsyncWait<Stages - 1>();  // tile j has landed
     __syncthreads();
-    const Bf16* kt = ks + (j & 1) * kTile;
-    const Bf16* vt = vs + (j & 1) * kTile;
+    const Bf16* kt = ks + (j % Stages) * kTile;
+    const Bf16* vt = vs + (j % Stages) * kTile;
 
-    // S = Q K^T for this warp's 16 rows x kBlockN keys.
-    float s[kBlockN / 8][4];
-    for (int nb = 0; nb < kBlockN / 8; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+    // S = Q K^T for this warp's MT x 16 rows x BN keys.
+    float s[MT][kKeyBlocks][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nb = 0; nb < kKeyBlocks; ++nb) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
+      uint32_t qa[MT][4];
 #pragma unroll
-      for (int np = 0; np < kBlockN / 16; ++np) {
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (MT == 1) {
+          qa[mt][0] = qf[kk][0]; qa[mt][1] = qf[kk][1]; qa[mt][2] = qf[kk][2]; qa[mt][3] = qf[kk][3];
+        } else {
+          LdMatrixX4(qa[mt], qs + ((warp * MT + mt) * 16 + (lane & 15)) * (D + 8) + kk * 16 +
+                                 (lane >> 4) * 8);
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
         uint32_t b[4];
         const int row = np * 16 + (lane & 7) + ((lane >> 4) << 3);
         const int col = kk * 16 + ((lane >> 3) & 1) * 8;
         LdMatrixX4(b, kt + row * (D + 8) + col);
-        Mma16816(s[2 * np], qf[kk], b[0], b[1]);
-        Mma16816(s[2 * np + 1], qf[kk], b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma16816(s[mt][2 * np], qa[mt], b[0], b[1]);
+          Mma16816(s[mt][2 * np + 1], qa[mt], b[2], b[3]);
+        }
       }
     }
     // Mask, scale, online softmax.
-    float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+    uint32_t pa[MT][BN / 16][4];
 #pragma unroll
-    for (int nb = 0; nb < kBlockN / 8; ++nb) {
+    for (int mt = 0; mt < MT; ++mt) {
+      float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e / 2;
-        const int32_t key = k0 + nb * 8 + tig * 2 + (e & 1);
-        const bool visible = key < khi && (stage != kIntra || key <= q_pos[i]);
-        const float x = visible ? s[nb][e] * a.scale_log2 : -CUDART_INF_F;
-        s[nb][e] = x;
-        tile_max[i] = fmaxf(tile_max[i], x);
+      for (int nb = 0; nb < kKeyBlocks; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e / 2;
+          const int32_t key = k0 + nb * 8 + tig * 2 + (e & 1);
+          const bool visible = key < khi && (stage != kIntra || key <= q_pos[mt][i]);
+          const float x = visible ? s[mt][nb][e] * a.scale_log2 : -CUDART_INF_F;
+          s[mt][nb][e] = x;
+          tile_max[i] = fmaxf(tile_max[i], x);
+        }
       }
-    }
-    float alpha[2], m_use[2];
+      float alpha[2], m_use[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
-      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
-      const float m_new = fmaxf(m[i], tile_max[i]);
-      m_use[i] = m_new == -CUDART_INF_F ? 0.f : m_new;
-      alpha[i] = exp2f(m[i] - m_use[i]);
-      m[i] = m_new;
-      l[i] *= alpha[i];
-    }
-#pragma unroll
-    for (int nb = 0; nb < kBlockN / 8; ++nb) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = exp2f(s[nb][e] - m_use[e / 2]);
-        s[nb][e] = p;
-        l[e / 2] += p;
+      for (int i = 0; i < 2; ++i) {
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+        const float m_new = fmaxf(m[mt][i], tile_max[i]);
+        m_use[i] = m_new == -CUDART_INF_F ? 0.f : m_new;
+        alpha[i] = exp2f(m[mt][i] - m_use[i]);
+        m[mt][i] = m_new;
+        l[mt][i] *= alpha[i];
       }
-    }
 #pragma unroll
-    for (int d = 0; d < kDimBlocks; ++d) {
-      o[d][0] *= alpha[0]; o[d][1] *= alpha[0];
-      o[d][2] *= alpha[1]; o[d][3] *= alpha[1];
+      for (int nb = 0; nb < kKeyBlocks; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = exp2f(s[mt][nb][e] - m_use[e / 2]);
+          s[mt][nb][e] = p;
+          l[mt][e / 2] += p;
+        }
+      }
+#pragma unroll
+      for (int d = 0; d < kDimBlocks; ++d) {
+        o[mt][d][0] *= alpha[0]; o[mt][d][1] *= alpha[0];
+        o[mt][d][2] *= alpha[1]; o[mt][d][3] *= alpha[1];
+      }
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        pa[mt][kk][0] = PackBf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][kk][1] = PackBf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][kk][2] = PackBf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][kk][3] = PackBf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
     }
     // O += P V.
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      uint32_t pa[4];
-      pa[0] = PackBf16(s[2 * kk][0], s[2 * kk][1]);
-      pa[1] = PackBf16(s[2 * kk][2], s[2 * kk][3]);
-      pa[2] = PackBf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[3] = PackBf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    for (int kk = 0; kk < BN / 16; ++kk) {
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t b[4];
         const int row = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
         const int col = dp * 16 + ((lane >> 4) << 3);
         LdMatrixX4Trans(b, vt + row * (D + 8) + col);
-        Mma16816(o[2 * dp], pa, b[0], b[1]);
-        Mma16816(o[2 * dp + 1], pa, b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma16816(o[mt][2 * dp], pa[mt][kk], b[0], b[1]);
+          Mma16816(o[mt][2 * dp + 1], pa[mt][kk], b[2], b[3]);
+        }
       }
     }
-    __syncthreads();  // the next iteration's loads overwrite this buffer
+    __syncthreads();  // the next iteration's loads overwrite this buffer (and maybe qs)
   }
+  CpAsyncWait<0>();
 
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-  }
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    if (!row_valid[i]) continue;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    const int64_t base = q_row[i] * D;
+    for (int i = 0; i < 2; ++i) {
+      l[mt][i] += __shfl_xor_sync(0xffffffffu, l[mt][i], 1);
+      l[mt][i] += __shfl_xor_sync(0xffffffffu, l[mt][i], 2);
+      if (!row_valid[mt][i]) continue;
+      const float inv = l[mt][i] > 0.f ? 1.f / l[mt][i] : 0.f;
+      const int64_t base = q_row[mt][i] * D;
 #pragma unroll
-    for (int d = 0; d < kDimBlocks; ++d) {
-      StorePair(a.out, a.out_dtype, base + d * 8 + tig * 2, o[d][2 * i] * inv,
-                o[d][2 * i + 1] * inv);
+      for (int d = 0; d < kDimBlocks; ++d) {
+        StorePair(a.out, a.out_dtype, base + d * 8 + tig * 2, o[mt][d][2 * i] * inv,
+                  o[mt][d][2 * i + 1] * inv);
+      }
     }
   }
 }
@@ -390,15 +455,15 @@ struct DecodeArgs {
 // [s * split_len, (s + 1) * split_len) of sequence b, split_len = roundup(ceil(L / max_splits), 64).
 // The group's q heads are the 16 rows of an mma tile (rows >= group are zero); each warp takes 16
 // keys of every 64-key tile with its own online softmax; the four warps merge through shared memory.
-template <int D>
+template <int D, int Stages>
 __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kTile = kBlockN * (D + 8);
   constexpr int kKSteps = D / 16;
   constexpr int kDimBlocks = D / 8;
-  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);  // [2][kBlockN][D + 8]
-  Bf16* vs = ks + 2 * kTile;                     // [2][kBlockN][D + 8]
-  Bf16* qs = vs + 2 * kTile;                     // [3][16][D + 8]
+  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);  // [Stages][kBlockN][D + 8]
+  Bf16* vs = ks + Stages * kTile;                // [Stages][kBlockN][D + 8]
+  Bf16* qs = vs + Stages * kTile;                // [3][16][D + 8]
 
   const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int32_t len = a.lengths[b];
@@ -433,8 +498,12 @@ __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArg
     }
   }
   const int n_tiles = (k_end - k_begin + kBlockN - 1) / kBlockN;
-  LoadKvTile<D>(kv, kv_head, k_begin, k_end, ks, vs);
-  CpAsyncCommit();
+  for (int t = 0; t < Stages - 1; ++t) {  // prologue (the Q staging joins the first group)
+    if (t < n_tiles) {
+      LoadKvTile<D>(kv, kv_head, k_begin + t * kBlockN, k_end, ks + t * kTile, vs + t * kTile);
+    }
+    CpAsyncCommit();
+  }
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gid = lane / 4, tig = lane % 4;
@@ -444,15 +513,16 @@ __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArg
   float l[2] = {0.f, 0.f};
 
   for (int j = 0; j < n_tiles; ++j) {
-    if (j + 1 < n_tiles) {
-      LoadKvTile<D>(kv, kv_head, k_begin + (j + 1) * kBlockN, k_end, ks + ((j + 1) & 1) * kTile,
-                    vs + ((j + 1) & 1) * kTile);
+    if (j + Stages - 1 < n_tiles) {
+      const int t = j + Stages - 1;
+      LoadKvTile<D>(kv, kv_head, k_begin + t * kBlockN, k_end, ks + (t % Stages) * kTile,
+                    vs + (t % Stages) * kTile);
     }
     CpAsyncCommit();
-    CpAsyncWait<1>();
+    CpAsyncWait<Stages - 1>();  // tile j (and the Q staging) has landed
     __syncthreads();
-    const Bf16* kt = ks + (j & 1) * kTile + warp * 16 * (D + 8);  // this warp's 16 keys
-    const Bf16* vt = vs + (j & 1) * kTile + warp * 16 * (D + 8);
+    const Bf16* kt = ks + (j % Stages) * kTile + warp * 16 * (D + 8);  // this warp's 16 keys
+    const Bf16* vt = vs + (j % Stages) * kTile + warp * 16 * (D + 8);
     const int32_t kw = k_begin + j * kBlockN + warp * 16;  // first key of this warp's slice
     if (kw < k_end) {
       const int v_hi = VariantOfKey(kw, prev, cl);                 // largest variant index

@@ -256,9 +256,6 @@ TEST_P(PrefillTest, MatchesFp64Reference) {
     ASSERT_TRUE(LaunchAppendKv(ap, nullptr).ok());
 
     const size_t out_bytes = t * c.hq * c.d * ElementSize(c.out_dtype);
-    DevBuf out_fast(out_bytes), out_ref(out_bytes);
-    out_fast.Poison();
-    out_ref.Poison();
     CudaPrefillParams pp;
     pp.kv = kv;
     pp.q = dq.get<Bf16>();
@@ -266,21 +263,29 @@ TEST_P(PrefillTest, MatchesFp64Reference) {
     pp.start = start;
     pp.num_tokens = t;
     pp.softmax_scale = static_cast<float>(g.softmax_scale * s);
-    pp.out = out_fast.get();
-    absl::Status st = LaunchDcaPrefill(g, pp, nullptr);
-    ASSERT_TRUE(st.ok()) << st;
-    pp.out = out_ref.get();
-    st = LaunchDcaPrefillReference(g, pp, nullptr);
-    ASSERT_TRUE(st.ok()) << st;
-    CUDA_ASSERT(cudaDeviceSynchronize());
-    CUDA_ASSERT(cudaGetLastError());
-    std::vector<uint8_t> raw_fast(out_bytes), raw_ref(out_bytes);
-    CUDA_ASSERT(cudaMemcpy(raw_fast.data(), out_fast.get(), out_bytes, cudaMemcpyDeviceToHost));
-    CUDA_ASSERT(cudaMemcpy(raw_ref.data(), out_ref.get(), out_bytes, cudaMemcpyDeviceToHost));
-    const std::vector<float> got_fast = ToFloat(raw_fast, c.out_dtype);
-    const std::vector<float> got_ref = ToFloat(raw_ref, c.out_dtype);
-
-    ErrStats e_fast, e_ref;
+    // Every fast variant and the simple kernel, each into its own poisoned output.
+    std::vector<std::vector<float>> got;
+    std::vector<std::string> label;
+    for (int variant = -1; variant < kNumPrefillVariants; ++variant) {
+      DevBuf out(out_bytes);
+      out.Poison();
+      pp.out = out.get();
+      pp.variant = variant;
+      absl::Status st = variant < 0 ? LaunchDcaPrefillReference(g, pp, nullptr)
+                                    : LaunchDcaPrefill(g, pp, nullptr);
+      ASSERT_TRUE(st.ok()) << st;
+      CUDA_ASSERT(cudaDeviceSynchronize());
+      CUDA_ASSERT(cudaGetLastError());
+      std::vector<uint8_t> raw(out_bytes);
+      CUDA_ASSERT(cudaMemcpy(raw.data(), out.get(), out_bytes, cudaMemcpyDeviceToHost));
+      got.push_back(ToFloat(raw, c.out_dtype));
+      label.push_back(variant < 0 ? std::string("simple")
+                                  : "fast w" + std::to_string(kPrefillVariants[variant].warps) +
+                                        "s" + std::to_string(kPrefillVariants[variant].stages) +
+                                        "m" + std::to_string(kPrefillVariants[variant].m_tiles) +
+                                        "n" + std::to_string(kPrefillVariants[variant].block_n));
+    }
+    std::vector<ErrStats> err(got.size());
     std::vector<double> want(c.d);
     for (int64_t i = 0; i < t; ++i) {
       for (int h = 0; h < c.hq; ++h) {
@@ -288,14 +293,14 @@ TEST_P(PrefillTest, MatchesFp64Reference) {
         for (int v = 0; v < 3; ++v) q[v] = &q_val[((i * kNumQueryVariants + v) * c.hq + h) * c.d];
         RefAttend(g, start + i, h, q, keys, values, g.softmax_scale * s, want.data());
         for (int x = 0; x < c.d; ++x) {
-          e_fast.Add(got_fast[(i * c.hq + h) * c.d + x], want[x]);
-          e_ref.Add(got_ref[(i * c.hq + h) * c.d + x], want[x]);
+          for (size_t r = 0; r < got.size(); ++r) {
+            err[r].Add(got[r][(i * c.hq + h) * c.d + x], want[x]);
+          }
         }
       }
     }
     const std::string where = "[" + std::to_string(start) + "," + std::to_string(start + t) + ")";
-    ExpectWithinBars(e_fast, c.name + " fast " + where);
-    ExpectWithinBars(e_ref, c.name + " simple " + where);
+    for (size_t r = 0; r < got.size(); ++r) ExpectWithinBars(err[r], c.name + " " + label[r] + " " + where);
     start += t;
   }
 }
@@ -453,8 +458,8 @@ TEST_P(DecodeTest, MatchesFp64Reference) {
   }
 
   const size_t out_bytes = static_cast<size_t>(c.batch) * c.hq * c.d * ElementSize(c.out_dtype);
-  const int32_t planned = PlanDecodeSplits(g, c.batch, c.max_len, 132);
-  for (const int32_t splits : {planned, 1, 7, 64}) {
+  for (const int32_t stages : {2, 4})
+  for (const int32_t splits : {PlanDecodeSplits(g, c.batch, c.max_len, 132, stages), 1, 7, 64}) {
     DevBuf out(out_bytes);
     out.Poison();
     DevBuf ws(DecodeWorkspaceFloats(g, c.batch, splits) * 4);
@@ -467,6 +472,7 @@ TEST_P(DecodeTest, MatchesFp64Reference) {
     dp.out_dtype = c.out_dtype;
     dp.batch = c.batch;
     dp.max_splits = splits;
+    dp.kv_stages = stages;
     dp.partial_out = ws.get<float>();
     dp.partial_lse = ws.get<float>() + static_cast<size_t>(c.batch) * c.hq * splits * c.d;
     absl::Status st = LaunchDcaDecode(g, dp, nullptr);
@@ -478,7 +484,8 @@ TEST_P(DecodeTest, MatchesFp64Reference) {
     const std::vector<float> got = ToFloat(raw, c.out_dtype);
     ErrStats e;
     for (size_t i = 0; i < want.size(); ++i) e.Add(got[i], want[i]);
-    ExpectWithinBars(e, c.name + " split-K max_splits=" + std::to_string(splits));
+    ExpectWithinBars(e, c.name + " split-K stages=" + std::to_string(stages) +
+                            " max_splits=" + std::to_string(splits));
   }
   {
     DevBuf out(out_bytes);
