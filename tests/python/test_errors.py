@@ -140,6 +140,14 @@ class Errors(at.DaemonTestCase, unittest.TestCase):
             with self.assertRaises(attnd.AttndError) as ctx:
                 c.create_sequence()
             self.assertCode(ctx, SC.UNAVAILABLE)
+            q, k, v = self.tokens(2)
+            s = c.session()
+            with self.assertRaises(attnd.AttndError) as ctx:  # the stream's failure reaches the request
+                s.prefill("0" * 32, 0, q, k, v)
+            self.assertCode(ctx, SC.UNAVAILABLE)
+            with self.assertRaises(attnd.AttndError) as ctx:  # and close() reports it too
+                s.close()
+            self.assertCode(ctx, SC.UNAVAILABLE)
         finally:
             c.close()
 

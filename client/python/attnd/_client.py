@@ -259,8 +259,16 @@ class Session:
         self._responses = iter(self._call)
 
     def _request_iter(self):
+        # Runs on gRPC's sending thread. The timeout lets it end if the call dies without close()/cancel()
+        # (e.g. the channel was closed or the Session dropped), instead of blocking that thread forever.
         while True:
-            item = self._requests.get()
+            try:
+                item = self._requests.get(timeout=1.0)
+            except queue.Empty:
+                call = getattr(self, "_call", None)
+                if call is not None and call.done():
+                    return
+                continue
             if item is _CLOSE:
                 return
             yield item
