@@ -24,7 +24,7 @@ struct SmokeOptions {
   DType dtype = DType::kFp32;
   // Layers to run: kDefaultLayers = all, capped (see kSmokeMaxLayers*); kAllLayers = all; n > 0.
   int32_t layers = 0;
-  int64_t max_tokens = 0;      // tokens per sequence (prefill + decode); 0 = the default rule
+  int64_t max_tokens = 0;  // tokens per sequence (prefill + decode); 0 = the default rule
   int64_t decode_steps = 16;
   uint64_t seed = 1;
 };

@@ -111,8 +111,8 @@ int RunBench(AttndClient& client, const BenchOptions& options, std::ostream& out
         << limit << " bytes); using " << chunk << "\n";
   }
   out << "bench: " << m.name() << " on " << info->backend() << " (" << info->device() << "), "
-      << layers << " of " << m.num_layers() << " layers, " << DTypeName(options.dtype)
-      << ", batch " << options.batch << ", prefill chunk " << chunk << ", " << options.decode_steps
+      << layers << " of " << m.num_layers() << " layers, " << DTypeName(options.dtype) << ", batch "
+      << options.batch << ", prefill chunk " << chunk << ", " << options.decode_steps
       << " decode steps\n";
 
   Inputs inputs(options.dtype, m.num_q_heads(), m.num_kv_heads(), m.head_dim(), options.seed);
@@ -211,8 +211,7 @@ int RunBench(AttndClient& client, const BenchOptions& options, std::ostream& out
       break;
     }
     if (!released) rc = 2;
-    row.prefill_tokens_per_s =
-        prefill_ms > 0 ? context * options.batch / (prefill_ms / 1000.0) : 0;
+    row.prefill_tokens_per_s = prefill_ms > 0 ? context * options.batch / (prefill_ms / 1000.0) : 0;
     row.prefill_ms_per_call = prefill_calls > 0 ? prefill_ms / prefill_calls : 0;
     double decode_total = 0;
     for (double ms : step_ms) decode_total += ms;

@@ -65,25 +65,23 @@ int RunInfo(AttndClient& client, std::ostream& out, std::ostream& err) {
       {"dca chunk size", absl::StrCat(d.chunk_size())},
       {"dca local size", absl::StrCat(d.local_size())},
       {"dca chunk len", absl::StrCat(d.chunk_len())},
-      {"dca original max positions",
-       d.original_max_position_embeddings() == 0
-           ? std::string("0 (no length scaling)")
-           : absl::StrCat(d.original_max_position_embeddings())},
-      {"sparse attention",
-       d.sparse_attention_enabled()
-           ? absl::StrCat("on (threshold ", d.sparse_attention_threshold(), ", last_q ",
-                          d.sparse_attention_last_q(), ")")
-           : std::string("off")},
+      {"dca original max positions", d.original_max_position_embeddings() == 0
+                                         ? std::string("0 (no length scaling)")
+                                         : absl::StrCat(d.original_max_position_embeddings())},
+      {"sparse attention", d.sparse_attention_enabled()
+                               ? absl::StrCat("on (threshold ", d.sparse_attention_threshold(),
+                                              ", last_q ", d.sparse_attention_last_q(), ")")
+                               : std::string("off")},
       {"page size", absl::StrCat(kv.page_size(), " tokens")},
-      {"pages", absl::StrCat(kv.pages_free(), " free of ", kv.pages_total(), " (",
-                             tokens_in_pool, " tokens)")},
+      {"pages", absl::StrCat(kv.pages_free(), " free of ", kv.pages_total(), " (", tokens_in_pool,
+                             " tokens)")},
       {"bytes per page", Bytes(kv.bytes_per_page())},
       {"pool bytes", Bytes(kv.pool_bytes())},
       {"live sequences", absl::StrCat(info->live_sequences())},
       {"max message bytes", Bytes(l.max_message_bytes())},
       {"max sequence length", absl::StrCat(l.max_sequence_length())},
-      {"max sequences", l.max_sequences() == 0 ? std::string("unlimited")
-                                               : absl::StrCat(l.max_sequences())},
+      {"max sequences",
+       l.max_sequences() == 0 ? std::string("unlimited") : absl::StrCat(l.max_sequences())},
   };
   size_t width = 0;
   for (const auto& [key, value] : lines) width = std::max(width, key.size());

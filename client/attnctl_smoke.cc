@@ -113,7 +113,7 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
   if (layers == kDefaultLayers) {
     const int64_t size = int64_t{g.num_q_heads} * g.head_dim * m.num_layers();
     layers = std::min<int32_t>(m.num_layers(), size >= kLargeModel ? kSmokeMaxLayersLargeModel
-                                                                    : kSmokeMaxLayersSmallModel);
+                                                                   : kSmokeMaxLayersSmallModel);
   }
   if (layers < 1 || layers > m.num_layers()) {
     err << "attnctl smoke: --layers " << layers << " is not in [1, " << m.num_layers() << "]\n";
@@ -166,11 +166,11 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
       << " q / " << g.num_kv_heads << " kv heads, head_dim " << g.head_dim << ", DCA chunk_len "
       << cl << ")\n";
   const std::string kv_dtype = m.kv_dtype() == v1::DTYPE_FP32   ? "fp32"
-                              : m.kv_dtype() == v1::DTYPE_BF16 ? "bf16"
-                              : m.kv_dtype() == v1::DTYPE_FP16 ? "fp16"
-                                                               : v1::DType_Name(m.kv_dtype());
-  out << "server:   " << info->backend() << ", kv cache " << kv_dtype
-      << "; requests " << DTypeName(dtype) << "\n";
+                               : m.kv_dtype() == v1::DTYPE_BF16 ? "bf16"
+                               : m.kv_dtype() == v1::DTYPE_FP16 ? "fp16"
+                                                                : v1::DType_Name(m.kv_dtype());
+  out << "server:   " << info->backend() << ", kv cache " << kv_dtype << "; requests "
+      << DTypeName(dtype) << "\n";
   out << "sequence: " << total << " tokens = prefill " << prompt << " in " << calls.size()
       << " calls [" << absl::StrJoin(calls, ", ") << "] + " << decode_steps
       << " decode steps; layers " << layers << " of " << m.num_layers() << "\n";
@@ -178,10 +178,10 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
       << (spanned >= 2 ? ", succ" : "") << (spanned >= 3 ? ", inter" : "") << ")\n";
   if (total < want_tokens) {
     out << "NOTE: the token cap (" << max_tokens
-        << (options.max_tokens > 0 ? ", --max-tokens" : ", the default on this backend; raise it with --max-tokens")
-        << ") is below " << want_tokens
-        << " = 2.5 DCA chunks of " << cl << " tokens; this run spans only " << spanned
-        << " chunk" << (spanned == 1 ? "" : "s")
+        << (options.max_tokens > 0 ? ", --max-tokens"
+                                   : ", the default on this backend; raise it with --max-tokens")
+        << ") is below " << want_tokens << " = 2.5 DCA chunks of " << cl
+        << " tokens; this run spans only " << spanned << " chunk" << (spanned == 1 ? "" : "s")
         << (spanned < 2 ? ", so the succ and inter stages are not exercised"
                         : (spanned < 3 ? ", so the inter stage is not exercised" : ""))
         << ". PASS still means every checked output matched the reference.\n";
@@ -211,9 +211,8 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
           *id, layer, HostTensor::FromFloats(dtype, {t, 5, g.num_q_heads, g.head_dim}, q),
           HostTensor::FromFloats(dtype, {t, g.num_kv_heads, g.head_dim}, k),
           HostTensor::FromFloats(dtype, {t, g.num_kv_heads, g.head_dim}, v), prompt);
-      const std::string where =
-          absl::StrCat("prefill call ", c, " layer ", layer, " (positions ", start, "..",
-                       start + t - 1, ")");
+      const std::string where = absl::StrCat("prefill call ", c, " layer ", layer, " (positions ",
+                                             start, "..", start + t - 1, ")");
       if (!r.ok()) {
         failure = absl::StrCat(where, ": ", r.status().ToString());
         break;
@@ -232,10 +231,9 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
       }
       const std::vector<float> got = r->o.ToFloats();
       for (size_t i = 0; i < rows.size(); ++i) {
-        prefill_errors.Add(
-            absl::MakeConstSpan(got).subspan(rows[i] * o_row, o_row),
-            absl::MakeConstSpan(*want).subspan(i * o_row, o_row),
-            absl::StrCat("prefill layer ", layer, " position ", start + rows[i]));
+        prefill_errors.Add(absl::MakeConstSpan(got).subspan(rows[i] * o_row, o_row),
+                           absl::MakeConstSpan(*want).subspan(i * o_row, o_row),
+                           absl::StrCat("prefill layer ", layer, " position ", start + rows[i]));
       }
       rows_checked += rows.size();
       rows_total += t;
@@ -279,9 +277,10 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
     return 1;
   }
 
-  out << absl::StrFormat("prefill:  %d of %d rows x %d layers checked: max abs err %.3g, mean %.3g\n",
-                         rows_checked / std::max(1, layers), rows_total / std::max(1, layers),
-                         layers, prefill_errors.max_abs, prefill_errors.mean());
+  out << absl::StrFormat(
+      "prefill:  %d of %d rows x %d layers checked: max abs err %.3g, mean %.3g\n",
+      rows_checked / std::max(1, layers), rows_total / std::max(1, layers), layers,
+      prefill_errors.max_abs, prefill_errors.mean());
   out << absl::StrFormat("decode:   %d steps x %d layers checked: max abs err %.3g, mean %.3g\n",
                          decode_steps, layers, decode_errors.max_abs, decode_errors.mean());
   Errors all = prefill_errors;

@@ -64,15 +64,13 @@ absl::Status FromGrpc(const grpc::Status& status) {
 }
 
 AttndClient::AttndClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
-    : options_(options),
-      channel_(std::move(channel)),
-      stub_(v1::Attention::NewStub(channel_)) {}
+    : options_(options), channel_(std::move(channel)), stub_(v1::Attention::NewStub(channel_)) {}
 
 absl::StatusOr<std::unique_ptr<AttndClient>> AttndClient::Connect(const std::string& target,
                                                                   const ClientOptions& options) {
   if (options.max_message_bytes <= 0 || options.max_message_bytes > INT32_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes must be in [1, 2^31), got ",
-                                                   options.max_message_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_message_bytes must be in [1, 2^31), got ", options.max_message_bytes));
   }
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
@@ -191,8 +189,8 @@ absl::StatusOr<v1::SessionResponse> Session::RoundTrip(v1::SessionRequest* reque
     return broken_;
   }
   if (response.tag() != request->tag()) {
-    broken_ = absl::InternalError(absl::StrCat("Session answered tag ", response.tag(),
-                                               " for request tag ", request->tag()));
+    broken_ = absl::InternalError(
+        absl::StrCat("Session answered tag ", response.tag(), " for request tag ", request->tag()));
     return broken_;
   }
   if (response.code() != 0) {

@@ -41,14 +41,15 @@ std::vector<float> HostTensor::ToFloats() const {
 
 absl::Status HostTensor::Validate() const {
   for (int64_t d : shape) {
-    if (d < 0) return absl::InvalidArgumentError(absl::StrCat("negative dimension in shape [",
-                                                              absl::StrJoin(shape, ", "), "]"));
+    if (d < 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("negative dimension in shape [", absl::StrJoin(shape, ", "), "]"));
   }
   const int64_t want = num_elements() * static_cast<int64_t>(ElementSize(dtype));
   if (static_cast<int64_t>(data.size()) != want) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor of shape [", absl::StrJoin(shape, ", "), "] and dtype ", DTypeName(dtype), " needs ",
-        want, " bytes, has ", data.size()));
+    return absl::InvalidArgumentError(absl::StrCat("tensor of shape [", absl::StrJoin(shape, ", "),
+                                                   "] and dtype ", DTypeName(dtype), " needs ",
+                                                   want, " bytes, has ", data.size()));
   }
   return absl::OkStatus();
 }
@@ -99,7 +100,8 @@ absl::StatusOr<HostTensor> FromProto(const v1::Tensor& proto) {
   t.data = proto.data();
   absl::Status valid = t.Validate();
   if (!valid.ok()) {
-    return absl::InternalError(absl::StrCat("server returned a malformed tensor: ", valid.message()));
+    return absl::InternalError(
+        absl::StrCat("server returned a malformed tensor: ", valid.message()));
   }
   return t;
 }

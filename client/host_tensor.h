@@ -1,6 +1,6 @@
 // A dense row-major tensor held in host memory, as the client sends and receives it: a dtype, a
-// shape and the raw little-endian bytes. Conversions go through kernels/dtype.h so the client rounds
-// exactly as the server does.
+// shape and the raw little-endian bytes. Conversions go through kernels/dtype.h so the client
+// rounds exactly as the server does.
 #ifndef ATTND_CLIENT_HOST_TENSOR_H_
 #define ATTND_CLIENT_HOST_TENSOR_H_
 

@@ -24,7 +24,8 @@
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address, host:port");
 ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest gRPC message sent or received");
 ABSL_FLAG(absl::Duration, connect_timeout, absl::Seconds(10), "how long to wait for the server");
-ABSL_FLAG(std::string, dtype, "", "request dtype: bf16 | fp16 | fp32 (default: smoke fp32, bench bf16)");
+ABSL_FLAG(std::string, dtype, "",
+          "request dtype: bf16 | fp16 | fp32 (default: smoke fp32, bench bf16)");
 ABSL_FLAG(int32_t, layers, -1,
           "layers to run; 0 = all (default: smoke all, capped for big models; bench 1)");
 ABSL_FLAG(uint64_t, seed, 1, "random seed for the inputs");
@@ -42,7 +43,8 @@ constexpr char kUsage[] =
     "attnctl <info|smoke|bench> [flags]\n"
     "  info   print the server's model, DCA config, KV pool and limits\n"
     "  smoke  prefill + decode one sequence and check every output against the naive fp64\n"
-    "         reference; exits non-zero on FAIL (--dtype --layers --max-tokens --decode-steps --seed)\n"
+    "         reference; exits non-zero on FAIL (--dtype --layers --max-tokens --decode-steps "
+    "--seed)\n"
     "  bench  prefill/decode latency and throughput (--context --prefill-chunk --decode-steps\n"
     "         --batch --dtype --layers)";
 
@@ -99,9 +101,9 @@ int main(int argc, char** argv) {
   }
   if (command == "info") return attnd::client::RunInfo(**client, std::cout, std::cerr);
 
-  const std::string dtype_name =
-      absl::GetFlag(FLAGS_dtype).empty() ? (command == "smoke" ? "fp32" : "bf16")
-                                         : absl::GetFlag(FLAGS_dtype);
+  const std::string dtype_name = absl::GetFlag(FLAGS_dtype).empty()
+                                     ? (command == "smoke" ? "fp32" : "bf16")
+                                     : absl::GetFlag(FLAGS_dtype);
   absl::StatusOr<attnd::DType> dtype = attnd::client::ParseDType(dtype_name);
   if (!dtype.ok()) {
     std::cerr << "attnctl: --dtype: " << dtype.status().message() << "\n";
@@ -113,7 +115,7 @@ int main(int argc, char** argv) {
   if (command == "smoke") {
     attnd::client::SmokeOptions options;
     options.dtype = *dtype;
-    options.layers = layers < 0   ? attnd::client::kDefaultLayers
+    options.layers = layers < 0    ? attnd::client::kDefaultLayers
                      : layers == 0 ? attnd::client::kAllLayers
                                    : layers;
     options.max_tokens = absl::GetFlag(FLAGS_max_tokens);

@@ -81,15 +81,15 @@ absl::StatusOr<std::vector<float>> SmokeReference::Decode(int layer, absl::Span<
   }
   const int64_t hq = geometry_.num_q_heads, d = geometry_.head_dim;
   const int64_t kv_row = int64_t{geometry_.num_kv_heads} * d;
-  if ((q.size() != static_cast<size_t>(3 * hq * d) && q.size() != static_cast<size_t>(5 * hq * d)) ||
+  if ((q.size() != static_cast<size_t>(3 * hq * d) &&
+       q.size() != static_cast<size_t>(5 * hq * d)) ||
       static_cast<int64_t>(k.size()) != kv_row || static_cast<int64_t>(v.size()) != kv_row) {
     return absl::InvalidArgumentError("reference: decode sizes do not match one token");
   }
   // DCA.md "Length scaling", decode: L includes the new token; key and the three query variants
   // times s(L); the softmax scale unscaled.
   const int64_t length_after = length(layer) + 1;
-  const double s =
-      naive::LengthScaleF64(length_after, geometry_.original_max_position_embeddings);
+  const double s = naive::LengthScaleF64(length_after, geometry_.original_max_position_embeddings);
   for (int64_t i = 0; i < kv_row; ++i) {
     keys_[layer].push_back(s * static_cast<double>(k[i]));
     values_[layer].push_back(static_cast<double>(v[i]));

@@ -24,9 +24,8 @@ class SmokeReference {
   // Appends T tokens (q [T, 5, Hq, D], k/v [T, Hkv, D], unscaled) to `layer` and returns the
   // outputs [rows.size(), Hq, D] of the listed rows (indices into the T new tokens, ascending).
   absl::StatusOr<std::vector<float>> Prefill(int layer, absl::Span<const float> q,
-                                             absl::Span<const float> k,
-                                             absl::Span<const float> v, int64_t prompt_len,
-                                             absl::Span<const int64_t> rows);
+                                             absl::Span<const float> k, absl::Span<const float> v,
+                                             int64_t prompt_len, absl::Span<const int64_t> rows);
   // Appends one token (q [3 or 5, Hq, D]) and returns its output [Hq, D].
   absl::StatusOr<std::vector<float>> Decode(int layer, absl::Span<const float> q,
                                             absl::Span<const float> k, absl::Span<const float> v);

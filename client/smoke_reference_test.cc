@@ -40,7 +40,8 @@ TEST(SmokeReferenceTest, MatchesNaiveSequenceOnEveryRowAndSubset) {
   const int64_t qrow = 5 * 4 * 8, kvrow = 2 * 8, orow = 4 * 8;
   for (int layer = 0; layer < 2; ++layer) {
     for (int64_t t : {30, 1, 59}) {
-      const auto q = Random(&rng, t * qrow), k = Random(&rng, t * kvrow), v = Random(&rng, t * kvrow);
+      const auto q = Random(&rng, t * qrow), k = Random(&rng, t * kvrow),
+                 v = Random(&rng, t * kvrow);
       const int64_t start = ref.length(layer);
       // Layer 1 checks a sampled subset; layer 0 every row.
       const std::vector<int64_t> rows = RowsToCheck(g, start, t, layer == 0 ? 1e12 : 2000);

@@ -1,10 +1,11 @@
 // attnctl's subcommands (client/attnctl.h) against an in-process daemon: info prints the served
 // geometry, smoke passes on a correct server and says when its token cap keeps it inside fewer DCA
 // chunks, bench prints its table; none of them leaves a sequence or a page behind.
+#include "client/attnctl.h"
+
 #include <sstream>
 #include <string>
 
-#include "client/attnctl.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/test_util.h"

@@ -29,11 +29,11 @@ using client::DecodeInput;
 using client::HostTensor;
 using ::testing::HasSubstr;
 
-#define EXPECT_STATUS(expr, want_code, want_substr)                                      \
-  do {                                                                                  \
-    const absl::Status status_ = (expr);                                                \
-    EXPECT_EQ(status_.code(), absl::StatusCode::want_code) << status_;                  \
-    EXPECT_THAT(std::string(status_.message()), HasSubstr(want_substr)) << status_;     \
+#define EXPECT_STATUS(expr, want_code, want_substr)                                 \
+  do {                                                                              \
+    const absl::Status status_ = (expr);                                            \
+    EXPECT_EQ(status_.code(), absl::StatusCode::want_code) << status_;              \
+    EXPECT_THAT(std::string(status_.message()), HasSubstr(want_substr)) << status_; \
   } while (0)
 
 constexpr double kFp32Bar = 1e-4;
@@ -193,15 +193,17 @@ TEST_F(BadInputTest, MalformedPrefillTensorsChangeNothing) {
     std::string message;
   };
   const std::vector<Case> cases = {
-      {"q dtype unspecified", [](v1::PrefillRequest* r) { r->mutable_q()->set_dtype(v1::DTYPE_UNSPECIFIED); },
+      {"q dtype unspecified",
+       [](v1::PrefillRequest* r) { r->mutable_q()->set_dtype(v1::DTYPE_UNSPECIFIED); },
        "q dtype must be bf16, fp16 or fp32, got unspecified (0)"},
-      {"k dtype out of the enum", [](v1::PrefillRequest* r) { r->mutable_k()->set_dtype(static_cast<v1::DType>(7)); },
+      {"k dtype out of the enum",
+       [](v1::PrefillRequest* r) { r->mutable_k()->set_dtype(static_cast<v1::DType>(7)); },
        "k dtype must be bf16, fp16 or fp32"},
       {"mixed dtypes",
        [&](v1::PrefillRequest* r) {
-         client::ToProto(KV(t, testing::RandomInputs(&rng_, t * g().kv_elems_per_token()),
-                            DType::kBf16),
-                         r->mutable_v());
+         client::ToProto(
+             KV(t, testing::RandomInputs(&rng_, t * g().kv_elems_per_token()), DType::kBf16),
+             r->mutable_v());
        },
        "q, k and v must share one dtype, got q fp32, k fp32, v bf16"},
       {"q rank 3",
@@ -226,14 +228,14 @@ TEST_F(BadInputTest, MalformedPrefillTensorsChangeNothing) {
        "k must have shape [8, 2, 64] (T = 8 from q), got [8, 4, 64]"},
       {"wrong head_dim", [&](v1::PrefillRequest* r) { r->mutable_v()->set_shape(2, 32); },
        "v must have shape [8, 2, 64] (T = 8 from q), got [8, 2, 32]"},
-      {"k and v disagree with q on T", [&](v1::PrefillRequest* r) {
-         r->mutable_k()->set_shape(0, 4);
-       },
+      {"k and v disagree with q on T",
+       [&](v1::PrefillRequest* r) { r->mutable_k()->set_shape(0, 4); },
        "k must have shape [8, 2, 64] (T = 8 from q), got [4, 2, 64]"},
       {"byte count mismatch",
        [&](v1::PrefillRequest* r) { r->mutable_v()->mutable_data()->resize(t * 128 * 4 - 4); },
        "v holds 4092 bytes of data, but shape [8, 2, 64] of fp32 needs 4096"},
-      {"zero tokens", [&](v1::PrefillRequest* r) {
+      {"zero tokens",
+       [&](v1::PrefillRequest* r) {
          for (v1::Tensor* x : {r->mutable_q(), r->mutable_k(), r->mutable_v()}) {
            x->set_shape(0, 0);
            x->clear_data();
@@ -252,9 +254,9 @@ TEST_F(BadInputTest, MalformedPrefillTensorsChangeNothing) {
     SCOPED_TRACE(c.what);
     v1::PrefillRequest request = GoodPrefillProto(m->id, 0, t);
     c.mutate(&request);
-    const absl::StatusCode want =
-        absl::StrContains(c.message, "maximum") ? absl::StatusCode::kOutOfRange
-                                                : absl::StatusCode::kInvalidArgument;
+    const absl::StatusCode want = absl::StrContains(c.message, "maximum")
+                                      ? absl::StatusCode::kOutOfRange
+                                      : absl::StatusCode::kInvalidArgument;
     const absl::Status s = client().PrefillRaw(request).status();
     EXPECT_EQ(s.code(), want) << s;
     EXPECT_THAT(std::string(s.message()), HasSubstr(c.message));
@@ -280,8 +282,9 @@ TEST_F(BadInputTest, SequenceIds) {
                 absl::StrCat("sequence ", unknown, " not found"));
 
   // Malformed: wrong length, upper case, non-hex, empty.
-  for (const std::string& bad : {std::string("xyz"), std::string("0123456789ABCDEF0123456789ABCDEF"),
-                                 std::string("0123456789abcdef0123456789abcdeg"), std::string()}) {
+  for (const std::string& bad :
+       {std::string("xyz"), std::string("0123456789ABCDEF0123456789ABCDEF"),
+        std::string("0123456789abcdef0123456789abcdeg"), std::string()}) {
     SCOPED_TRACE(bad);
     request = GoodPrefillProto(bad, 0, 4);
     EXPECT_STATUS(client().PrefillRaw(request).status(), kInvalidArgument,
@@ -365,8 +368,7 @@ TEST_F(BadInputTest, BadDecodeBatchesChangeNothing) {
                 kInvalidArgument, "entries[1]: q, k and v must share one dtype");
   const std::string unknown = "fedcba9876543210fedcba9876543210";
   EXPECT_STATUS(client()
-                    .Decode(0, {RandomDecode(a->id, &q, &k, &v),
-                                RandomDecode(unknown, &q, &k, &v)})
+                    .Decode(0, {RandomDecode(a->id, &q, &k, &v), RandomDecode(unknown, &q, &k, &v)})
                     .status(),
                 kNotFound, absl::StrCat("entries[1]: sequence ", unknown, " not found"));
   // Unspecified dtype needs a hand-built proto.
@@ -382,8 +384,8 @@ TEST_F(BadInputTest, BadDecodeBatchesChangeNothing) {
   EXPECT_STATUS(client().DecodeRaw(raw).status(), kInvalidArgument,
                 "entries[0]: q dtype must be bf16, fp16 or fp32, got unspecified (0)");
   // Layers out of range.
-  EXPECT_STATUS(client().Decode(-1, {RandomDecode(a->id, &q, &k, &v)}).status(),
-                kInvalidArgument, "layer -1 is not in [0, 2)");
+  EXPECT_STATUS(client().Decode(-1, {RandomDecode(a->id, &q, &k, &v)}).status(), kInvalidArgument,
+                "layer -1 is not in [0, 2)");
   EXPECT_STATUS(client().Decode(2, {RandomDecode(a->id, &q, &k, &v)}).status(), kInvalidArgument,
                 "layer 2 is not in [0, 2)");
 
@@ -430,9 +432,8 @@ TEST_F(BadInputTest, OversizedMessage) {
   const int64_t free_before = PagesFree();
   const int64_t t = 64;  // ~393 KB of fp32 against a 256 KB limit
   const PrefillInputs in = RandomPrefill(t);
-  EXPECT_STATUS(
-      client().Prefill(m->id, 0, Q(t, in.q), KV(t, in.k), KV(t, in.v)).status(),
-      kResourceExhausted, "larger than max");
+  EXPECT_STATUS(client().Prefill(m->id, 0, Q(t, in.q), KV(t, in.k), KV(t, in.v)).status(),
+                kResourceExhausted, "larger than max");
   EXPECT_EQ(PagesFree(), free_before);
   GoodDecode(m.get(), 0);
   // The same over a Session: the stream reports it as the stream's status.

@@ -101,7 +101,8 @@ class Worker {
     std::vector<Call> calls;
     for (int s = 0; s < kSequencesPerThread; ++s) {
       for (int l = 0; l < g_.num_layers; ++l) {
-        for (int c = 0; c < static_cast<int>(seqs[s].chunks.size()); ++c) calls.push_back({s, l, c});
+        for (int c = 0; c < static_cast<int>(seqs[s].chunks.size()); ++c)
+          calls.push_back({s, l, c});
       }
     }
     switch (index_ % 3) {
@@ -129,7 +130,8 @@ class Worker {
     for (const Call& c : calls) {
       if (!Prefill(&seqs[c.seq], c.layer, seqs[c.seq].chunks[c.chunk])) return;
     }
-    // Decode steps: all of the thread's sequences in one batch, layers in a shuffled order each step.
+    // Decode steps: all of the thread's sequences in one batch, layers in a shuffled order each
+    // step.
     std::vector<int> layers(g_.num_layers);
     for (int l = 0; l < g_.num_layers; ++l) layers[l] = l;
     for (int step = 0; step < kDecodeSteps; ++step) {
@@ -159,8 +161,8 @@ class Worker {
     if (o.dtype != dtype_) Fail(what, absl::StrCat("output dtype ", DTypeName(o.dtype)));
     const testing::ErrorStats e = testing::CompareOutputs(o.ToFloats(), want);
     if (!e.finite || !(e.max_abs <= max_bar_) || !(e.mean_abs <= mean_bar_)) {
-      Fail(what, absl::StrCat("max abs ", e.max_abs, " mean abs ", e.mean_abs, " finite ",
-                              e.finite));
+      Fail(what,
+           absl::StrCat("max abs ", e.max_abs, " mean abs ", e.mean_abs, " finite ", e.finite));
     }
   }
 

@@ -7,8 +7,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <sstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -103,7 +103,8 @@ class GoldenTest : public ::testing::TestWithParam<std::tuple<DType, bool>> {
     std::string tried;
     const std::string root = FindTestdata(&tried);
     ASSERT_FALSE(root.empty()) << "golden testdata not found; set ATTND_TESTDATA. Tried:" << tried;
-    ASSERT_TRUE(golden_.Load(root + "/dca/dense_gqa_chunked")) << "cannot read the case in " << root;
+    ASSERT_TRUE(golden_.Load(root + "/dca/dense_gqa_chunked"))
+        << "cannot read the case in " << root;
   }
   GoldenCase golden_;
 };
@@ -243,13 +244,13 @@ TEST_P(GoldenTest, DenseGqaChunked) {
   EXPECT_EQ(info->kv_cache().pages_free(), info->kv_cache().pages_total());
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    DtypesAndTransports, GoldenTest,
-    ::testing::Combine(::testing::Values(DType::kFp32, DType::kBf16), ::testing::Bool()),
-    [](const ::testing::TestParamInfo<std::tuple<DType, bool>>& info) {
-      return absl::StrCat(DTypeName(std::get<0>(info.param)),
-                          std::get<1>(info.param) ? "_session" : "_unary");
-    });
+INSTANTIATE_TEST_SUITE_P(DtypesAndTransports, GoldenTest,
+                         ::testing::Combine(::testing::Values(DType::kFp32, DType::kBf16),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<DType, bool>>& info) {
+                           return absl::StrCat(DTypeName(std::get<0>(info.param)),
+                                               std::get<1>(info.param) ? "_session" : "_unary");
+                         });
 
 }  // namespace
 }  // namespace attnd
