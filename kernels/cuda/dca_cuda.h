@@ -10,8 +10,11 @@
 // Supported set (one dispatch per kernel family): head_dim 64 or 128; group size (Hq / Hkv) 1..16;
 // bf16 KV. Query tensors are bf16; outputs are bf16, fp16 or fp32.
 //
-// NOTE next steps for speed: the fast prefill uses mma.sync m16n8k16 (HMMA) with cp.async double
-// buffering; a wgmma + TMA (cp.async.bulk.tensor) warp-specialised version is the next step.
+// NOTE next steps for speed: the fast prefill uses mma.sync m16n8k16 (HMMA) with a cp.async ring
+// (~215-240 TFLOP/s on an H200 vs ~550-590 for cuDNN SDPA); a wgmma + TMA (cp.async.bulk.tensor)
+// warp-specialised version is the next step. Decode reaches ~75-79% of copy bandwidth at large
+// batch; more bytes in flight per SM (bulk copies, leaner shared memory) is its next step.
+// bench/gpu/NOTES.md has the measurements.
 #ifndef ATTND_KERNELS_CUDA_DCA_CUDA_H_
 #define ATTND_KERNELS_CUDA_DCA_CUDA_H_
 
@@ -116,12 +119,13 @@ struct PrefillVariant {
 inline constexpr PrefillVariant kPrefillVariants[] = {
     {4, 2, 1, 64}, {8, 2, 1, 64}, {8, 3, 1, 64}, {4, 2, 2, 32}, {4, 3, 2, 32}, {4, 2, 2, 64}};
 inline constexpr int kNumPrefillVariants = 6;
-inline constexpr int kDefaultPrefillVariant = 0;
+inline constexpr int kDefaultPrefillVariant = 5;  // {4, 2, 2, 64}: fastest measured (NOTES.md)
 inline constexpr int kDefaultDecodeStages = 2;
 
 // Fused tensor-core kernel: one launch covers every piece and the three stages. Grid: one block per
-// (64-row query tile of one piece, kv head); a tile's rows are (token, q head of the kv head's group)
-// pairs, so each K/V tile read through the page table serves the whole GQA group.
+// (query tile of one piece, kv head); a tile's 16 * m_tiles * warps rows (128 by default) are
+// (token, q head of the kv head's group) pairs, so each K/V tile read through the page table serves
+// the whole GQA group. INVALID_ARGUMENT for a variant outside kPrefillVariants.
 absl::Status LaunchDcaPrefill(const DcaGeometry& geometry, const CudaPrefillParams& params,
                               cudaStream_t stream);
 // Simple reference kernel (one warp per query row, scalar fp32, no tiling). Slow; for tests.
