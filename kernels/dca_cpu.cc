@@ -172,6 +172,62 @@ ATTND_INLINE void Axpy4(const float* p, const float* x, int64_t stride, float* y
   }
 }
 
+// Two query vectors of a GQA group against the same four keys: each key load feeds two FMAs and
+// each q load four, with eight independent accumulators. out0[j] = q0 . k_j, out1[j] = q1 . k_j.
+template <typename S>
+ATTND_INLINE void Dot4x2(const float* q0, const float* q1, const float* k, int64_t stride, int n,
+                         float* out0, float* out1) {
+  constexpr int L = S::kLanes;
+  if (n % (2 * L) != 0) {
+    Dot4<S>(q0, k, stride, n, out0);
+    Dot4<S>(q1, k, stride, n, out1);
+    return;
+  }
+  const float* k0 = k;
+  const float* k1 = k + stride;
+  const float* k2 = k + 2 * stride;
+  const float* k3 = k + 3 * stride;
+  typename S::F a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+  for (int d = 0; d < n; d += L) {
+    const typename S::F x = Load<S>(q0 + d), y = Load<S>(q1 + d);
+    const typename S::F c0 = Load<S>(k0 + d), c1 = Load<S>(k1 + d);
+    a0 += x * c0;
+    b0 += y * c0;
+    a1 += x * c1;
+    b1 += y * c1;
+    const typename S::F c2 = Load<S>(k2 + d), c3 = Load<S>(k3 + d);
+    a2 += x * c2;
+    b2 += y * c2;
+    a3 += x * c3;
+    b3 += y * c3;
+  }
+  Sum4<S>(a0, a1, a2, a3, out0);
+  Sum4<S>(b0, b1, b2, b3, out1);
+}
+
+// y0 += sum_j p0[j] x_j and y1 += sum_j p1[j] x_j over four value rows x_j = x + j * stride:
+// each value load feeds both accumulators.
+template <typename S>
+ATTND_INLINE void Axpy4x2(const float* p0, const float* p1, const float* x, int64_t stride,
+                          float* y0, float* y1, int n) {
+  constexpr int L = S::kLanes;
+  if (n % L != 0) {
+    Axpy4<S>(p0, x, stride, y0, n);
+    Axpy4<S>(p1, x, stride, y1, n);
+    return;
+  }
+  const float* x0 = x;
+  const float* x1 = x + stride;
+  const float* x2 = x + 2 * stride;
+  const float* x3 = x + 3 * stride;
+  for (int d = 0; d < n; d += L) {
+    const typename S::F v0 = Load<S>(x0 + d), v1 = Load<S>(x1 + d);
+    const typename S::F v2 = Load<S>(x2 + d), v3 = Load<S>(x3 + d);
+    Store<S>(y0 + d, Load<S>(y0 + d) + ((p0[0] * v0 + p0[1] * v1) + (p0[2] * v2 + p0[3] * v3)));
+    Store<S>(y1 + d, Load<S>(y1 + d) + ((p1[0] * v0 + p1[1] * v1) + (p1[2] * v2 + p1[3] * v3)));
+  }
+}
+
 // x[i] = exp(x[i]) for i < n rounded up to a multiple of the lane count (x must have room), for
 // x[i] <= 0 (softmax arguments after subtracting the running max). Lanes at a time instead of
 // one libm call per score.
@@ -294,6 +350,28 @@ struct SoftmaxState {
   }
 };
 
+// One tile of one query vector's online softmax: folds the tile's scores[0, n) into the running
+// max *m and sum *l, rescales acc when the max grows, and turns scores into the unnormalized
+// weights exp(score - max) that the caller accumulates into acc.
+template <typename S>
+ATTND_INLINE void OnlineSoftmaxStep(float* scores, int n, float* m, float* l, float* acc, int d) {
+  float tile_max = kNegInf;
+  for (int j = 0; j < n; ++j) tile_max = std::max(tile_max, scores[j]);
+  const float m_old = *m;
+  const float m_new = std::max(m_old, tile_max);
+  if (m_new > m_old && m_old != kNegInf) {
+    const float correction = std::exp(m_old - m_new);
+    *l *= correction;
+    ScaleInPlace<S>(correction, acc, d);
+  }
+  *m = m_new;
+  for (int j = 0; j < n; ++j) scores[j] -= m_new;
+  ExpNonPositive<S>(scores, n);  // the lanes past n hold leftovers and are never read
+  float sum = 0.f;
+  for (int j = 0; j < n; ++j) sum += scores[j];
+  *l += sum;
+}
+
 // Runs the fused online softmax of a block over keys [key_begin, key_end): each key uses the
 // query variant DCA assigns it relative to the row's chunk (intra / succ / inter), which is the
 // piece loop of DCA.md with the log-sum-exp merge folded into one softmax.
@@ -321,7 +399,9 @@ ATTND_INLINE void AttendKeys(const DcaGeometry& geo, const RowBlock<KvT>& b, int
   }
 
   std::vector<float> scratch(std::is_same<KvT, float>::value ? 0 : 2 * kTileKeys * d);
-  float scores[kTileKeys] = {};  // ExpNonPositive may run past n, up to a lane multiple
+  // ExpNonPositive may run past n, up to a lane multiple: keep the spare lanes initialized.
+  float scores[kTileKeys] = {};
+  float scores2[kTileKeys] = {};
   const int64_t last = std::min(key_end, b.key_end());
   for (int64_t t0 = key_begin; t0 < last;) {
     const int64_t page_end = (t0 / kv.page_size + 1) * kv.page_size;
@@ -334,45 +414,63 @@ ATTND_INLINE void AttendKeys(const DcaGeometry& geo, const RowBlock<KvT>& b, int
       const int64_t end = std::min(t1, pos + 1);
       const int n = static_cast<int>(end - t0);
       const int64_t prev = (pos / cl) * cl;  // first key of the row's own chunk
-      for (int gi = 0; gi < g; ++gi) {
+      const auto variant = [&](int j) { return VariantOf(t0 + j, prev, cl); };
+      const auto key = [&](int j) { return tile.k + j * tile.stride; };
+      const auto value = [&](int j) { return tile.v + j * tile.stride; };
+      int gi = 0;
+      // Pairs of group heads: same row, so the same keys and variants.
+      for (; gi + 2 <= g; gi += 2) {
         const int vec = r * g + gi;
-        const float* qv = q.data() + static_cast<size_t>(vec) * kNumDecodeVariants * d;
+        const float* q0 = q.data() + static_cast<size_t>(vec) * kNumDecodeVariants * d;
+        const float* q1 = q0 + kNumDecodeVariants * d;
         // Variants only change at prev - cl and prev, so four keys whose first and last share a
         // variant all do.
         int j = 0;
         for (; j + 4 <= n; j += 4) {
-          const int v_first = VariantOf(t0 + j, prev, cl);
-          if (v_first == VariantOf(t0 + j + 3, prev, cl)) {
-            Dot4<S>(qv + v_first * d, tile.k + j * tile.stride, tile.stride, d, scores + j);
-          } else {
-            for (int u = j; u < j + 4; ++u) {
-              scores[u] = Dot<S>(qv + VariantOf(t0 + u, prev, cl) * d, tile.k + u * tile.stride, d);
-            }
+          const int vf = variant(j);
+          if (vf == variant(j + 3)) {
+            Dot4x2<S>(q0 + vf * d, q1 + vf * d, key(j), tile.stride, d, scores + j, scores2 + j);
+            continue;
+          }
+          for (int u = j; u < j + 4; ++u) {
+            scores[u] = Dot<S>(q0 + variant(u) * d, key(u), d);
+            scores2[u] = Dot<S>(q1 + variant(u) * d, key(u), d);
           }
         }
         for (; j < n; ++j) {
-          scores[j] = Dot<S>(qv + VariantOf(t0 + j, prev, cl) * d, tile.k + j * tile.stride, d);
+          scores[j] = Dot<S>(q0 + variant(j) * d, key(j), d);
+          scores2[j] = Dot<S>(q1 + variant(j) * d, key(j), d);
         }
-        float tile_max = kNegInf;
-        for (j = 0; j < n; ++j) tile_max = std::max(tile_max, scores[j]);
-        float* acc = st->acc.data() + static_cast<size_t>(vec) * d;
-        const float m_old = st->m[vec];
-        const float m_new = std::max(m_old, tile_max);
-        if (m_new > m_old && m_old != kNegInf) {
-          const float correction = std::exp(m_old - m_new);
-          st->l[vec] *= correction;
-          ScaleInPlace<S>(correction, acc, d);
-        }
-        st->m[vec] = m_new;
-        for (j = 0; j < n; ++j) scores[j] -= m_new;
-        ExpNonPositive<S>(scores, n);  // the lanes past n hold leftovers and are never read
-        float sum = 0.f;
-        for (j = 0; j < n; ++j) sum += scores[j];
+        float* acc0 = st->acc.data() + static_cast<size_t>(vec) * d;
+        float* acc1 = acc0 + d;
+        OnlineSoftmaxStep<S>(scores, n, &st->m[vec], &st->l[vec], acc0, d);
+        OnlineSoftmaxStep<S>(scores2, n, &st->m[vec + 1], &st->l[vec + 1], acc1, d);
         for (j = 0; j + 4 <= n; j += 4) {
-          Axpy4<S>(scores + j, tile.v + j * tile.stride, tile.stride, acc, d);
+          Axpy4x2<S>(scores + j, scores2 + j, value(j), tile.stride, acc0, acc1, d);
         }
-        for (; j < n; ++j) Axpy<S>(scores[j], tile.v + j * tile.stride, acc, d);
-        st->l[vec] += sum;
+        for (; j < n; ++j) {
+          Axpy<S>(scores[j], value(j), acc0, d);
+          Axpy<S>(scores2[j], value(j), acc1, d);
+        }
+      }
+      // The odd head out (and every head when the group is 1).
+      for (; gi < g; ++gi) {
+        const int vec = r * g + gi;
+        const float* qv = q.data() + static_cast<size_t>(vec) * kNumDecodeVariants * d;
+        int j = 0;
+        for (; j + 4 <= n; j += 4) {
+          const int vf = variant(j);
+          if (vf == variant(j + 3)) {
+            Dot4<S>(qv + vf * d, key(j), tile.stride, d, scores + j);
+            continue;
+          }
+          for (int u = j; u < j + 4; ++u) scores[u] = Dot<S>(qv + variant(u) * d, key(u), d);
+        }
+        for (; j < n; ++j) scores[j] = Dot<S>(qv + variant(j) * d, key(j), d);
+        float* acc = st->acc.data() + static_cast<size_t>(vec) * d;
+        OnlineSoftmaxStep<S>(scores, n, &st->m[vec], &st->l[vec], acc, d);
+        for (j = 0; j + 4 <= n; j += 4) Axpy4<S>(scores + j, value(j), tile.stride, acc, d);
+        for (; j < n; ++j) Axpy<S>(scores[j], value(j), acc, d);
       }
     }
     t0 = t1;
