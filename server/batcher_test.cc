@@ -5,6 +5,7 @@
 #include "server/batcher.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <deque>
 #include <map>
@@ -12,6 +13,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -28,6 +30,7 @@
 #include "server/engine_factory.h"
 #include "server/model_config.h"
 #include "server/runtime.h"
+#include "server/work_queue.h"
 
 namespace attnd {
 namespace {
@@ -616,6 +619,112 @@ TEST(BatcherTimerTest, TheTimerFlushesAnExpiredDelay) {
   ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->outputs[0].out, "a@1");
+}
+
+// Many threads, a real worker pool and the real clock with the timer on: the outcome is checked
+// only through invariants that hold under any interleaving: every call is answered exactly once
+// with its own outputs, no sequence is ever in two concurrently running batches of one layer, and
+// each sequence's length counts exactly its calls (in each thread's submission order).
+class CheckingExecutor : public DecodeExecutor {
+ public:
+  absl::StatusOr<DecodeResult> Decode(const DecodeCall& call, int32_t, bool* replay) override {
+    *replay = false;
+    std::vector<std::pair<int32_t, std::string>> keys;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& e : call.entries) {
+        keys.emplace_back(call.layer, std::string(e.sequence_id));
+        if (!busy_.insert(keys.back()).second) ++overlaps_;
+      }
+      ++launches_;
+      max_batch_ = std::max<int64_t>(max_batch_, call.entries.size());
+    }
+    std::this_thread::yield();
+    DecodeResult result;
+    absl::MutexLock lock(&mu_);
+    for (const auto& k : keys) {
+      busy_.erase(k);
+      DecodeResult::Output o;
+      o.length = ++lengths_[k];
+      o.out = k.second;
+      result.outputs.push_back(std::move(o));
+    }
+    return result;
+  }
+  absl::Mutex mu_;
+  std::set<std::pair<int32_t, std::string>> busy_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<int32_t, std::string>, int64_t> lengths_ ABSL_GUARDED_BY(mu_);
+  int64_t overlaps_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t launches_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t max_batch_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+TEST(BatcherStressTest, ConcurrentSubmittersKeepEveryInvariant) {
+  CheckingExecutor exec;
+  WorkQueueOptions wo;
+  wo.num_workers = 4;
+  WorkQueue workers(wo);
+  DecodeBatcherOptions o;
+  o.max_decode_batch = 16;
+  o.max_queue_delay = absl::Microseconds(50);
+  o.max_inflight_batches = 2;
+  auto q = BatchingDecodeQueue::Create(
+      o, &exec, [&workers](std::function<void()> f) { return workers.Submit(std::move(f)); },
+      Clock::Real(), /*start_timer=*/true);
+  ASSERT_TRUE(q.ok()) << q.status();
+  constexpr int kThreads = 8, kCalls = 300;
+  // Thread t uses sequences "s<t>" and "shared<t % 2>" (shared with other threads).
+  std::vector<std::string> own(kThreads), shared = {"shared0", "shared1"};
+  for (int t = 0; t < kThreads; ++t) own[t] = absl::StrCat("s", t);
+  std::atomic<int64_t> answers{0}, wrong{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      int64_t last_own_len[2] = {0, 0};
+      for (int i = 0; i < kCalls; ++i) {
+        const int32_t layer = static_cast<int32_t>(rng() % 2);
+        DecodeCall call;
+        call.layer = layer;
+        call.entries.resize(rng() % 3 == 0 ? 2 : 1);
+        call.entries[0].sequence_id = own[t];
+        if (call.entries.size() == 2) call.entries[1].sequence_id = shared[t % 2];
+        const size_t n = call.entries.size();
+        absl::Notification done;
+        absl::StatusOr<DecodeResult> got = absl::UnknownError("pending");
+        absl::Status s = (*q)->Submit(std::move(call), [&](absl::StatusOr<DecodeResult> r) {
+          got = std::move(r);
+          answers.fetch_add(1);
+          done.Notify();
+        });
+        if (!s.ok()) {
+          wrong.fetch_add(1);
+          continue;
+        }
+        done.WaitForNotification();
+        // Each thread's own sequence advances by exactly one per call, in submission order.
+        if (!got.ok() || got->outputs.size() != n || got->outputs[0].out != own[t] ||
+            got->outputs[0].length != ++last_own_len[layer]) {
+          wrong.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  (*q)->Shutdown();
+  workers.Shutdown();
+  EXPECT_EQ(answers.load(), kThreads * kCalls);
+  EXPECT_EQ(wrong.load(), 0);
+  absl::MutexLock lock(&exec.mu_);
+  EXPECT_EQ(exec.overlaps_, 0);
+  int64_t total = 0;
+  for (const auto& [key, len] : exec.lengths_) total += len;
+  const DecodeBatchingStats st = (*q)->Stats();
+  EXPECT_EQ(total, st.entries);
+  EXPECT_EQ(st.calls_completed, kThreads * kCalls);
+  EXPECT_EQ(st.queued_calls, 0);
+  EXPECT_EQ(st.inflight_batches, 0);
+  EXPECT_LE(exec.max_batch_, 16);
 }
 
 // ---- Through the real Runtime + CPU engine ----
