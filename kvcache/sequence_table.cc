@@ -145,12 +145,61 @@ absl::StatusOr<int64_t> SequenceTable::Release(absl::string_view id, absl::strin
   // every other lookup. Once the id is out of the map nobody new can find it; a request that found
   // it earlier sees `released` when it gets the lock.
   absl::MutexLock seq_lock(&seq->mu);
+  return FreeAllLocked(seq.get());
+}
+
+int64_t SequenceTable::FreeAllLocked(Sequence* seq) {
   const int64_t freed = static_cast<int64_t>(seq->pages.size());
   allocator_->Free(seq->pages);
   seq->pages.clear();
   seq->pages.shrink_to_fit();
   seq->released = true;
+  UncountPages(seq->tenant, freed);
   return freed;
+}
+
+void SequenceTable::UncountPages(const std::string& tenant, int64_t pages) {
+  if (pages <= 0) return;
+  absl::MutexLock lock(&tenant_mu_);
+  auto it = tenant_pages_.find(tenant);
+  if (it == tenant_pages_.end()) return;
+  it->second -= pages;
+  if (it->second <= 0) tenant_pages_.erase(it);
+}
+
+int64_t SequenceTable::TenantPages(absl::string_view tenant) const {
+  absl::MutexLock lock(&tenant_mu_);
+  auto it = tenant_pages_.find(tenant);
+  return it == tenant_pages_.end() ? 0 : it->second;
+}
+
+absl::StatusOr<ReclaimedSequence> SequenceTable::ReleaseIfIdle(absl::string_view id,
+                                                               absl::Time cutoff)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {  // (TryLock, then the lock is released on every path)
+  std::shared_ptr<Sequence> seq;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) return SequenceNotFound(id);
+    // TryLock under the table lock cannot deadlock (it never waits); holding both makes "still
+    // idle" and "out of the map" one step, so a request cannot slip in between.
+    if (!it->second->mu.TryLock()) {
+      return absl::FailedPreconditionError(absl::StrCat("sequence ", id, " is busy"));
+    }
+    if (it->second->released || it->second->last_used >= cutoff) {
+      it->second->mu.Unlock();
+      return absl::FailedPreconditionError(absl::StrCat("sequence ", id, " was used recently"));
+    }
+    seq = std::move(it->second);
+    sequences_.erase(it);
+  }
+  ReclaimedSequence out;
+  out.id = seq->id;
+  out.tenant = seq->tenant;
+  out.last_used = seq->last_used;
+  out.pages_freed = FreeAllLocked(seq.get());
+  seq->mu.Unlock();
+  return out;
 }
 
 absl::StatusOr<int64_t> SequenceTable::EnsureCapacity(Sequence* seq, int64_t length) {
@@ -164,8 +213,27 @@ absl::StatusOr<int64_t> SequenceTable::EnsureCapacity(Sequence* seq, int64_t len
   const int64_t have = static_cast<int64_t>(seq->pages.size());
   if (pages_needed <= have) return 0;
   const int64_t more = pages_needed - have;
+  const int64_t quota = options_.tenant_page_quota;
+  if (quota > 0) {
+    // Check and count in one step, so concurrent requests of one tenant cannot both pass.
+    absl::MutexLock lock(&tenant_mu_);
+    int64_t& held = tenant_pages_[seq->tenant];
+    if (held + more > quota) {
+      const int64_t held_now = held;
+      if (held == 0) tenant_pages_.erase(seq->tenant);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot back ", length, " tokens of sequence ", seq->id, " (", more,
+          " more pages of ", page_size, " tokens): tenant \"", seq->tenant, "\" holds ", held_now,
+          " pages; quota ", quota));
+    }
+    held += more;
+  } else {
+    absl::MutexLock lock(&tenant_mu_);
+    tenant_pages_[seq->tenant] += more;
+  }
   absl::StatusOr<std::vector<int32_t>> pages = allocator_->Allocate(more);
   if (!pages.ok()) {
+    UncountPages(seq->tenant, more);
     // The allocator's message says how many pages were needed and how many are free; add what
     // for, so the client can tell a long request from a full server.
     return absl::Status(pages.status().code(),
@@ -183,6 +251,7 @@ void SequenceTable::Rollback(Sequence* seq, int64_t pages_added) {
   if (n == 0) return;
   allocator_->Free(absl::MakeConstSpan(seq->pages).subspan(have - n));
   seq->pages.resize(have - n);
+  UncountPages(seq->tenant, n);
 }
 
 int64_t SequenceTable::size() const {

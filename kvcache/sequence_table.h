@@ -38,6 +38,17 @@ struct SequenceTableOptions {
   int32_t num_layers = 0;
   int32_t page_size = 0;
   int64_t max_sequences = 0;  // 0 = unlimited
+  // Most pages the sequences of one tenant may hold together; 0 = unlimited. Tenant "" (auth off)
+  // is a tenant like any other, so with auth off this caps every client together.
+  int64_t tenant_page_quota = 0;
+};
+
+// A sequence the idle reaper released.
+struct ReclaimedSequence {
+  std::string id;
+  std::string tenant;
+  int64_t pages_freed = 0;
+  absl::Time last_used;
 };
 
 // Thread-safe. Pages come from (and go back to) the allocator given at construction.
@@ -60,6 +71,8 @@ class SequenceTable {
   // Grows seq's pages so positions [0, length) are backed, all or nothing; returns how many pages
   // were added (0 if none were needed), or RESOURCE_EXHAUSTED with nothing changed (the message
   // says how many pages were needed and how many are free). NOT_FOUND for a released sequence.
+  // When seq's tenant would pass tenant_page_quota: RESOURCE_EXHAUSTED "... tenant T holds N
+  // pages; quota Q", nothing changed.
   absl::StatusOr<int64_t> EnsureCapacity(Sequence* seq, int64_t length)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
   // Gives back the last `pages_added` pages of seq (undoes EnsureCapacity after a failed request).
@@ -69,6 +82,14 @@ class SequenceTable {
   // Ids of sequences last used before `cutoff` (for idle reclaim). A sequence whose lock is held
   // right now is busy, hence not idle, and is skipped without waiting. Callers update last_used.
   std::vector<std::string> IdleSince(absl::Time cutoff) const;
+  // Releases sequence `id` (any tenant) only if it is still idle: not locked right now (checked
+  // without waiting), not released, last used before `cutoff`. Closes the race between IdleSince
+  // and a request that used the sequence since. NOT_FOUND when gone; FAILED_PRECONDITION when busy
+  // or used since the cutoff.
+  absl::StatusOr<ReclaimedSequence> ReleaseIfIdle(absl::string_view id, absl::Time cutoff);
+
+  // Pages held by `tenant`'s sequences now.
+  int64_t TenantPages(absl::string_view tenant) const;
 
   static bool IsWellFormedId(absl::string_view id);
 
@@ -77,6 +98,13 @@ class SequenceTable {
   PageAllocator* const allocator_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
+  // Pages held per tenant. Its own lock, taken last (under a sequence's lock, never the reverse).
+  mutable absl::Mutex tenant_mu_;
+  absl::flat_hash_map<std::string, int64_t> tenant_pages_ ABSL_GUARDED_BY(tenant_mu_);
+
+  // Frees seq's pages, marks it released and uncounts its pages from its tenant.
+  int64_t FreeAllLocked(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
+  void UncountPages(const std::string& tenant, int64_t pages);
 };
 
 }  // namespace attnd

@@ -395,6 +395,139 @@ TEST(SequenceTableTest, IdleSinceListsOnlyIdleUnlockedSequences) {
   EXPECT_THAT(table.IdleSince(t0), IsEmpty());
 }
 
+TEST(SequenceTableTest, ReleaseIfIdleReleasesOnlyWhatIsStillIdle) {
+  PageAllocator alloc(8);
+  SequenceTable table(Options(), &alloc);
+  const absl::Time t0 = absl::FromUnixSeconds(1700000000);
+  const absl::Time cutoff = t0 + absl::Seconds(10);
+  std::shared_ptr<Sequence> idle = MustCreate(table, "a");
+  std::shared_ptr<Sequence> fresh = MustCreate(table, "b");
+  std::shared_ptr<Sequence> busy = MustCreate(table, "a");
+  for (auto& [seq, t] : std::vector<std::pair<Sequence*, absl::Time>>{
+           {idle.get(), t0}, {fresh.get(), cutoff}, {busy.get(), t0}}) {
+    absl::MutexLock lock(&seq->mu);
+    ASSERT_TRUE(table.EnsureCapacity(seq, 2 * kPageSize).ok());
+    seq->last_used = t;
+  }
+  ASSERT_EQ(alloc.num_free(), 2);
+  ASSERT_EQ(table.TenantPages("a"), 4);
+
+  absl::StatusOr<ReclaimedSequence> r = table.ReleaseIfIdle(idle->id, cutoff);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->id, idle->id);
+  EXPECT_EQ(r->tenant, "a");
+  EXPECT_EQ(r->pages_freed, 2);
+  EXPECT_EQ(r->last_used, t0);
+  EXPECT_EQ(alloc.num_free(), 4);
+  EXPECT_EQ(table.TenantPages("a"), 2);
+  EXPECT_EQ(table.Find(idle->id, "a").status().code(), absl::StatusCode::kNotFound);
+  {
+    absl::MutexLock lock(&idle->mu);
+    EXPECT_TRUE(idle->released);
+    EXPECT_THAT(idle->pages, IsEmpty());
+  }
+  // Gone now: the same answer as any unknown id.
+  r = table.ReleaseIfIdle(idle->id, cutoff);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(r.status().message(), absl::StrCat("sequence ", idle->id, " not found"));
+
+  // Used at the cutoff (not before it): kept, pages untouched.
+  r = table.ReleaseIfIdle(fresh->id, cutoff);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(r.status().message(), absl::StrCat("sequence ", fresh->id, " was used recently"));
+  EXPECT_EQ(PagesOf(*fresh).size(), 2u);
+
+  {
+    absl::MutexLock lock(&busy->mu);  // a request in flight
+    r = table.ReleaseIfIdle(busy->id, cutoff);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(r.status().message(), absl::StrCat("sequence ", busy->id, " is busy"));
+  }
+  EXPECT_TRUE(table.Find(busy->id, "a").ok());
+  EXPECT_EQ(table.size(), 2);
+  EXPECT_EQ(alloc.num_free(), 4);
+}
+
+SequenceTableOptions QuotaOptions(int64_t quota) {
+  SequenceTableOptions o = Options();
+  o.tenant_page_quota = quota;
+  return o;
+}
+
+TEST(SequenceTableTest, TenantQuotaRejectsWithNothingChanged) {
+  PageAllocator alloc(16);
+  SequenceTable table(QuotaOptions(4), &alloc);
+  std::shared_ptr<Sequence> a1 = MustCreate(table, "a");
+  std::shared_ptr<Sequence> a2 = MustCreate(table, "a");
+  std::shared_ptr<Sequence> b1 = MustCreate(table, "b");
+  {
+    absl::MutexLock lock(&a1->mu);
+    absl::StatusOr<int64_t> added = table.EnsureCapacity(a1.get(), 3 * kPageSize);
+    ASSERT_TRUE(added.ok()) << added.status();
+    EXPECT_EQ(*added, 3);
+  }
+  EXPECT_EQ(table.TenantPages("a"), 3);
+  {
+    absl::MutexLock lock(&a2->mu);
+    ASSERT_TRUE(table.EnsureCapacity(a2.get(), 1).ok());  // the 4th page: exactly the quota
+    const std::vector<int32_t> before = a2->pages;
+    absl::StatusOr<int64_t> added = table.EnsureCapacity(a2.get(), kPageSize + 1);
+    ASSERT_FALSE(added.ok());
+    EXPECT_EQ(added.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_EQ(added.status().message(),
+              absl::StrCat("cannot back 17 tokens of sequence ", a2->id,
+                           " (1 more pages of 16 tokens): tenant \"a\" holds 4 pages; quota 4"));
+    EXPECT_EQ(a2->pages, before);
+  }
+  EXPECT_EQ(table.TenantPages("a"), 4);
+  EXPECT_EQ(alloc.num_free(), 12);
+
+  // Another tenant has its own quota, even with the pool far from full.
+  {
+    absl::MutexLock lock(&b1->mu);
+    ASSERT_TRUE(table.EnsureCapacity(b1.get(), 4 * kPageSize).ok());
+    absl::StatusOr<int64_t> added = table.EnsureCapacity(b1.get(), 5 * kPageSize);
+    EXPECT_EQ(added.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(std::string(added.status().message()),
+                ::testing::HasSubstr("tenant \"b\" holds 4 pages; quota 4"));
+    // Rollback uncounts.
+    table.Rollback(b1.get(), 2);
+  }
+  EXPECT_EQ(table.TenantPages("b"), 2);
+  EXPECT_EQ(alloc.num_free(), 10);
+
+  // Releasing gives the quota back.
+  absl::StatusOr<int64_t> freed = table.Release(a1->id, "a");
+  ASSERT_TRUE(freed.ok());
+  EXPECT_EQ(*freed, 3);
+  EXPECT_EQ(table.TenantPages("a"), 1);
+  absl::MutexLock lock(&a2->mu);
+  absl::StatusOr<int64_t> added = table.EnsureCapacity(a2.get(), 4 * kPageSize);
+  ASSERT_TRUE(added.ok()) << added.status();
+  EXPECT_EQ(*added, 3);
+  EXPECT_EQ(table.TenantPages("a"), 4);
+}
+
+TEST(SequenceTableTest, TenantQuotaHoldsUnderConcurrentGrowth) {
+  PageAllocator alloc(64);
+  SequenceTable table(QuotaOptions(10), &alloc);
+  std::vector<std::shared_ptr<Sequence>> seqs;
+  for (int i = 0; i < 8; ++i) seqs.push_back(MustCreate(table, "a"));
+  std::atomic<int64_t> granted{0};
+  std::vector<std::thread> threads;
+  for (auto& seq : seqs) {
+    threads.emplace_back([&table, &granted, seq] {
+      absl::MutexLock lock(&seq->mu);
+      absl::StatusOr<int64_t> added = table.EnsureCapacity(seq.get(), 3 * kPageSize);
+      if (added.ok()) granted += *added;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(granted.load(), 9);  // three sequences of 3 pages fit in 10; a fourth does not
+  EXPECT_EQ(table.TenantPages("a"), 9);
+  EXPECT_EQ(alloc.num_free(), 64 - 9);
+}
+
 // Threads create, grow, roll back, look up and release sequences against a pool too small for
 // all of them. An owner map checks that no page is ever held by two sequences at once; at the end
 // every page is back.
