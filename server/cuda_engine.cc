@@ -492,4 +492,20 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(const CudaEngineOptions
   return CudaEngine::Create(options);
 }
 
+int CudaDeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+absl::StatusOr<int64_t> CudaFreeMemoryBytes(int32_t device) {
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  size_t free_bytes = 0, total_bytes = 0;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return static_cast<int64_t>(free_bytes);
+}
+
 }  // namespace attnd

@@ -38,6 +38,12 @@ struct CudaEngineOptions {
 // thread-safe, and concurrent jobs on disjoint sequences simply queue.
 absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(const CudaEngineOptions& options);
 
+// Usable CUDA devices: 0 without a driver or a GPU (never fails; clears the CUDA error it caused).
+int CudaDeviceCount();
+
+// Free device memory of `device` in bytes, before the pool is allocated (for --kv-cache-fraction).
+absl::StatusOr<int64_t> CudaFreeMemoryBytes(int32_t device);
+
 }  // namespace attnd
 
 #endif  // ATTND_SERVER_CUDA_ENGINE_H_

@@ -21,14 +21,18 @@ struct EngineOptions {
   int32_t page_size = 16;
   std::string kv_dtype = "auto";  // auto | bf16 | fp32
   int64_t kv_cache_bytes = 0;     // 0 = the backend's default
+  // cuda, when kv_cache_bytes is 0: this fraction of the device's free memory (like vLLM's
+  // gpu_memory_utilization, but of what is free at start-up).
+  double kv_cache_fraction = 0.9;
   int32_t compute_threads = 0;    // 0 = all cores
 };
 
 // The KV dtype for `kv_dtype` on `backend` ("cpu": auto means fp32, exact against fp32 references).
 absl::StatusOr<DType> ResolveKvDType(const std::string& kv_dtype, const std::string& backend);
 
-// cpu and auto build a CpuEngine; cuda fails with FAILED_PRECONDITION until that backend exists.
-// Errors name the option that was wrong.
+// cpu builds a CpuEngine, cuda a CUDA engine (FAILED_PRECONDITION without a usable GPU), auto the
+// CUDA engine when a GPU is present and the CPU engine otherwise. Errors name the option that was
+// wrong.
 absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineOptions& options);
 
 }  // namespace attnd

@@ -1,10 +1,13 @@
 #include "server/engine_factory.h"
 
+#include "server/cuda_engine.h"
+
 #include <cmath>
 
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
+#include "server/cuda_engine.h"
 
 namespace attnd {
 namespace {
@@ -49,13 +52,38 @@ TEST(EngineFactoryTest, Bf16KvHalvesThePage) {
   EXPECT_EQ((*engine)->layout().num_pages, 64);
 }
 
-TEST(EngineFactoryTest, CudaIsAClearStartupError) {
+TEST(EngineFactoryTest, CudaWithoutAGpuIsAClearStartupError) {
   EngineOptions o = Tiny();
   o.device = "cuda";
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
+  if (CudaDeviceCount() > 0) {
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    EXPECT_EQ((*engine)->backend(), "cuda");
+    EXPECT_EQ((*engine)->layout().kv_dtype, DType::kBf16);
+    return;
+  }
   ASSERT_FALSE(engine.ok());
   EXPECT_EQ(engine.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(engine.status().message(), "the CUDA backend is not built yet; use --device=cpu");
+  EXPECT_EQ(engine.status().message(),
+            "--device=cuda: no usable CUDA device (no GPU or no driver); use --device=cpu");
+}
+
+TEST(EngineFactoryTest, AutoPicksCudaOnlyWithAGpu) {
+  EngineOptions o = Tiny();
+  o.device = "auto";
+  absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->backend(), CudaDeviceCount() > 0 ? "cuda" : "cpu");
+}
+
+TEST(EngineFactoryTest, CudaKeepsKvInBf16) {
+  EngineOptions o = Tiny();
+  o.device = "cuda";
+  o.kv_dtype = "fp32";
+  absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine.status().message(),
+            "--kv-dtype: the cuda backend stores K/V as bf16; use auto or bf16");
 }
 
 TEST(EngineFactoryTest, BadOptionsNameTheFlag) {
