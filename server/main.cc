@@ -19,8 +19,12 @@ ABSL_FLAG(std::string, model_config, "",
           "path to the model's Hugging Face config.json; empty = Qwen2.5-7B-Instruct-1M");
 ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda");
 ABSL_FLAG(int64_t, kv_cache_bytes, 0,
-          "bytes of KV pool; 0 = the backend's default (CPU: min(4 GiB, RAM / 4))");
-ABSL_FLAG(std::string, kv_dtype, "auto", "auto | bf16 | fp32 (auto: fp32 on cpu)");
+          "bytes of KV pool; 0 = the backend's default (CPU: min(4 GiB, RAM / 4); "
+          "cuda: --kv-cache-fraction of free GPU memory)");
+ABSL_FLAG(double, kv_cache_fraction, 0.9,
+          "cuda only, when --kv-cache-bytes is 0: the share of the GPU's free memory at start-up "
+          "that becomes the KV pool");
+ABSL_FLAG(std::string, kv_dtype, "auto", "auto | bf16 | fp32 (auto: fp32 on cpu, bf16 on cuda)");
 ABSL_FLAG(int32_t, page_size, 16, "tokens per KV page; must divide the DCA chunk length");
 ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest request or response, in bytes");
 ABSL_FLAG(int64_t, max_sequence_length, 0, "most tokens per sequence; 0 = the model's maximum");
@@ -30,6 +34,20 @@ ABSL_FLAG(int32_t, request_workers, 0, "threads running requests; 0 = 2 x cores 
 ABSL_FLAG(std::string, log_level, "info", "trace | debug | info | warn | error | critical | off");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
           "on SIGINT/SIGTERM, how long in-flight requests may run before they are cancelled");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9400",
+          "host:port for HTTP GET /metrics (Prometheus) and /healthz; empty = off");
+ABSL_FLAG(std::string, health_listen, "",
+          "host:port of a plaintext gRPC listener serving only grpc.health.v1.Health (for probes "
+          "that cannot do TLS); empty = off");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; with --tls-key the API uses TLS");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key (unencrypted) for --tls-cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle; set = mutual TLS: clients must present a certificate it signed");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "file of 'TENANT TOKEN' lines; clients send 'authorization: Bearer TOKEN'; empty = off");
+ABSL_FLAG(absl::Duration, sequence_idle_timeout, absl::ZeroDuration(),
+          "release sequences unused for this long (e.g. 10m), freeing their pages; 0 = never");
+ABSL_FLAG(int64_t, tenant_page_quota, 0, "most KV pages one tenant's sequences may hold; 0 = no limit");
 
 namespace {
 
@@ -86,6 +104,7 @@ int main(int argc, char** argv) {
   options.model_config = absl::GetFlag(FLAGS_model_config);
   options.device = absl::GetFlag(FLAGS_device);
   options.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  options.kv_cache_fraction = absl::GetFlag(FLAGS_kv_cache_fraction);
   options.kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
   options.page_size = absl::GetFlag(FLAGS_page_size);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
@@ -93,6 +112,14 @@ int main(int argc, char** argv) {
   options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.request_workers = absl::GetFlag(FLAGS_request_workers);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.health_listen = absl::GetFlag(FLAGS_health_listen);
+  options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  options.sequence_idle_timeout = absl::GetFlag(FLAGS_sequence_idle_timeout);
+  options.tenant_page_quota = absl::GetFlag(FLAGS_tenant_page_quota);
 
   absl::StatusOr<std::unique_ptr<attnd::AttndServer>> server = attnd::AttndServer::Start(options);
   if (!server.ok()) return Fail(std::string(server.status().message()));

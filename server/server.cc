@@ -1,11 +1,15 @@
 // AttndServer: wires model config, engine, runtime, work queue and the gRPC service together.
 #include "server/server.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -17,12 +21,17 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "server/auth.h"
 #include "server/decode_queue.h"
 #include "server/engine_factory.h"
+#include "server/metrics.h"
+#include "server/metrics_http.h"
 #include "server/model_config.h"
 #include "server/runtime.h"
 #include "server/service.h"
+#include "server/tls.h"
 #include "server/work_queue.h"
+#include "spdlog/spdlog.h"
 
 namespace attnd {
 namespace {
@@ -54,7 +63,20 @@ absl::Status CheckOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("--request-workers must be >= 0, got ", o.request_workers));
   }
+  if (o.sequence_idle_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--sequence-idle-timeout must be >= 0, got ",
+                     absl::FormatDuration(o.sequence_idle_timeout)));
+  }
+  if (o.tenant_page_quota < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tenant-page-quota must be >= 0, got ", o.tenant_page_quota));
+  }
   return absl::OkStatus();
+}
+
+absl::Status WithFlag(absl::string_view flag, const absl::Status& s) {
+  return absl::Status(s.code(), absl::StrCat(flag, ": ", s.message()));
 }
 
 std::string HumanBytes(int64_t bytes) {
@@ -73,24 +95,86 @@ class AttndServerImpl : public AttndServer {
   absl::Status Init(const ServerOptions& options);
 
   int port() const override { return port_; }
+  int metrics_port() const override {
+    return metrics_http_ != nullptr ? metrics_http_->port() : 0;
+  }
+  int health_port() const override { return health_only_ != nullptr ? health_only_->port() : 0; }
   std::string startup_summary() const override { return summary_; }
   void Shutdown(absl::Time deadline) override;
   void Wait() override { shutdown_done_.WaitForNotification(); }
 
  private:
+  absl::Status StartAuth(const ServerOptions& options,
+                         std::shared_ptr<grpc::AuthMetadataProcessor>* processor);
+  // Every min(timeout / 4, 10 s): releases sequences idle for longer than the timeout.
+  void ReaperLoop(absl::Duration timeout);
+  void StopReaper();
+
   int port_ = 0;
   std::string summary_;
   absl::Mutex shutdown_mu_;
   bool shutdown_started_ ABSL_GUARDED_BY(shutdown_mu_) = false;
   absl::Notification shutdown_done_;
-  // Destroyed in reverse order: the server before the service it calls, the queue (which drains)
-  // before the runtime its work uses.
+  // What /healthz answers: true from the end of Init to the start of Shutdown.
+  std::atomic<bool> serving_{false};
+  absl::Mutex reaper_mu_;
+  bool reaper_stop_ ABSL_GUARDED_BY(reaper_mu_) = false;
+  std::thread reaper_;
+  // Destroyed in reverse order: the listeners before the metrics and runtime their hooks read,
+  // the server before the service it calls, the queue (which drains) before the runtime its work
+  // uses.
+  std::unique_ptr<AttndMetrics> metrics_;
   std::unique_ptr<Runtime> runtime_;
   std::unique_ptr<WorkQueue> work_queue_;
   std::unique_ptr<DecodeQueue> decode_queue_;
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<HealthOnlyServer> health_only_;
+  std::unique_ptr<MetricsHttpServer> metrics_http_;
 };
+
+absl::Status AttndServerImpl::StartAuth(const ServerOptions& options,
+                                        std::shared_ptr<grpc::AuthMetadataProcessor>* processor) {
+  if (options.auth_token_file.empty()) return absl::OkStatus();
+  absl::StatusOr<TokenStore> store = TokenStore::LoadFile(options.auth_token_file);
+  if (!store.ok()) return WithFlag("--auth-token-file", store.status());
+  TokenAuthOptions auth_options;
+  CounterFamily* failures = metrics_->auth_failures_total;
+  auth_options.on_failure = [failures](absl::string_view reason) {
+    failures->Increment({reason});
+  };
+  *processor = std::make_shared<TokenAuthProcessor>(
+      std::make_shared<const TokenStore>(*std::move(store)), std::move(auth_options));
+  return absl::OkStatus();
+}
+
+void AttndServerImpl::ReaperLoop(absl::Duration timeout) {
+  const absl::Duration interval =
+      std::max(absl::Milliseconds(1), std::min(timeout / 4, absl::Seconds(10)));
+  while (true) {
+    {
+      absl::MutexLock lock(&reaper_mu_);
+      if (reaper_mu_.AwaitWithTimeout(absl::Condition(&reaper_stop_), interval)) return;
+    }
+    const absl::Time now = absl::Now();
+    for (const ReclaimedSequence& r : runtime_->ReclaimIdle(now - timeout)) {
+      metrics_->idle_reclaimed_total->Increment({});
+      spdlog::info("released idle sequence {} of tenant \"{}\" ({} pages): unused for {} "
+                   "(--sequence-idle-timeout {})",
+                   r.id, r.tenant, r.pages_freed,
+                   absl::FormatDuration(absl::Trunc(now - r.last_used, absl::Milliseconds(1))),
+                   absl::FormatDuration(timeout));
+    }
+  }
+}
+
+void AttndServerImpl::StopReaper() {
+  {
+    absl::MutexLock lock(&reaper_mu_);
+    reaper_stop_ = true;
+  }
+  if (reaper_.joinable()) reaper_.join();
+}
 
 absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   if (absl::Status s = CheckOptions(options); !s.ok()) return s;
@@ -117,6 +201,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   engine_options.page_size = options.page_size;
   engine_options.kv_dtype = options.kv_dtype;
   engine_options.kv_cache_bytes = options.kv_cache_bytes;
+  engine_options.kv_cache_fraction = options.kv_cache_fraction;
   engine_options.compute_threads = options.compute_threads;
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(engine_options);
   if (!engine.ok()) return engine.status();
@@ -126,22 +211,69 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   runtime_options.max_message_bytes = options.max_message_bytes;
   runtime_options.max_sequence_length = options.max_sequence_length;
   runtime_options.max_sequences = options.max_sequences;
+  runtime_options.tenant_page_quota = options.tenant_page_quota;
   absl::StatusOr<std::unique_ptr<Runtime>> runtime =
       Runtime::Create(*model, *std::move(engine), runtime_options);
   if (!runtime.ok()) return runtime.status();
   runtime_ = *std::move(runtime);
 
+  {
+    const ServerInfo info = runtime_->Info();
+    absl::StatusOr<std::unique_ptr<AttndMetrics>> metrics =
+        AttndMetrics::Create(BuildInfo{kVersion, "", info.backend, info.model.name});
+    if (!metrics.ok()) return metrics.status();
+    metrics_ = *std::move(metrics);
+  }
+  // Sampled at each scrape; the runtime outlives the metrics listener (stopped in Shutdown).
+  metrics_->registry().AddCollectHook([this] {
+    const ServerInfo info = runtime_->Info();
+    metrics_->kv_pages_used->Set({}, static_cast<double>(info.kv_cache.pages_total -
+                                                         info.kv_cache.pages_free));
+    metrics_->kv_pages_free->Set({}, static_cast<double>(info.kv_cache.pages_free));
+    metrics_->live_sequences->Set({}, static_cast<double>(info.live_sequences));
+  });
+
+  std::shared_ptr<grpc::AuthMetadataProcessor> auth;
+  if (absl::Status s = StartAuth(options, &auth); !s.ok()) return s;
+  const TlsOptions tls{options.tls_cert, options.tls_key, options.tls_client_ca};
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials(tls, auth, options.listen);
+  if (!credentials.ok()) return credentials.status();
+  if (!tls.enabled() && auth == nullptr && !IsLoopbackAddress(options.listen)) {
+    spdlog::warn(
+        "INSECURE: --listen {} is not a loopback address and neither TLS (--tls-cert/--tls-key) "
+        "nor tokens (--auth-token-file) are set: anyone who can reach it can read and write "
+        "every sequence",
+        options.listen);
+  }
+
+  // The side listeners first: a bad address fails startup before the API serves anything.
+  if (!options.metrics_listen.empty()) {
+    MetricsHttpOptions http_options;
+    http_options.listen = options.metrics_listen;
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http = MetricsHttpServer::Start(
+        http_options, &metrics_->registry(), [this] { return serving_.load(); });
+    if (!http.ok()) return WithFlag("--metrics-listen", http.status());
+    metrics_http_ = *std::move(http);
+  }
+  if (!options.health_listen.empty()) {
+    absl::StatusOr<std::unique_ptr<HealthOnlyServer>> health =
+        HealthOnlyServer::Start(options.health_listen);
+    if (!health.ok()) return WithFlag("--health-listen", health.status());
+    health_only_ = *std::move(health);
+  }
+
   WorkQueueOptions queue_options;
   queue_options.num_workers = options.request_workers;
   work_queue_ = std::make_unique<WorkQueue>(queue_options);
   decode_queue_ = std::make_unique<DirectDecodeQueue>(runtime_.get(), work_queue_.get());
-  service_ =
-      std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(), decode_queue_.get());
+  service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
+                                                decode_queue_.get(), metrics_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port_);
+  builder.AddListeningPort(options.listen, *credentials, &port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   builder.RegisterService(service_.get());
@@ -154,6 +286,12 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
   health->SetServingStatus("", true);
   health->SetServingStatus(kServiceName, true);
+  if (health_only_ != nullptr) health_only_->SetServing(true);
+  serving_.store(true);
+
+  if (options.sequence_idle_timeout > absl::ZeroDuration()) {
+    reaper_ = std::thread([this, timeout = options.sequence_idle_timeout] { ReaperLoop(timeout); });
+  }
 
   const ServerInfo info = runtime_->Info();
   const std::string host = options.listen.substr(0, options.listen.rfind(':'));
@@ -164,6 +302,15 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
       info.model.head_dim, ", chunk_len ", info.dca.chunk_len, "); KV pool ",
       HumanBytes(info.kv_cache.pool_bytes), " ", DTypeName(info.model.kv_dtype), " (",
       info.kv_cache.pages_total, " pages of ", info.kv_cache.page_size, " tokens)");
+  absl::StrAppend(&summary_, "; ",
+                  tls.enabled() ? (tls.client_ca_file.empty() ? "TLS" : "mutual TLS") : "plaintext",
+                  auth != nullptr ? ", bearer tokens" : ", no tokens");
+  if (metrics_http_ != nullptr) {
+    absl::StrAppend(&summary_, "; metrics on port ", metrics_http_->port());
+  }
+  if (health_only_ != nullptr) {
+    absl::StrAppend(&summary_, "; health-only on port ", health_only_->port());
+  }
   return absl::OkStatus();
 }
 
@@ -179,6 +326,8 @@ void AttndServerImpl::Shutdown(absl::Time deadline) {
     health->SetServingStatus("", false);
     health->SetServingStatus(kServiceName, false);
   }
+  serving_.store(false);
+  if (health_only_ != nullptr) health_only_->SetServing(false);
   if (service_ != nullptr) service_->BeginShutdown();
   if (work_queue_ != nullptr) work_queue_->StopAccepting();
   if (server_ != nullptr) {
@@ -186,6 +335,9 @@ void AttndServerImpl::Shutdown(absl::Time deadline) {
     server_->Wait();
   }
   if (work_queue_ != nullptr) work_queue_->Shutdown();
+  StopReaper();
+  if (metrics_http_ != nullptr) metrics_http_->Stop();
+  if (health_only_ != nullptr) health_only_->Shutdown();
   shutdown_done_.Notify();
 }
 

@@ -17,6 +17,7 @@ struct ServerOptions {
   std::string model_config;                // path to a Hugging Face config.json; "" = Qwen2.5-7B-1M
   std::string device = "auto";             // auto | cpu | cuda
   int64_t kv_cache_bytes = 0;              // 0 = the backend's default
+  double kv_cache_fraction = 0.9;          // cuda with kv_cache_bytes 0: share of free device memory
   std::string kv_dtype = "auto";           // auto | bf16 | fp32 (auto: fp32 on cpu)
   int32_t page_size = 16;                  // tokens per page; must divide the DCA chunk length
   int64_t max_message_bytes = 512ll << 20;  // fits a 4096-token fp32 prefill of the 14B model
@@ -24,6 +25,18 @@ struct ServerOptions {
   int64_t max_sequences = 0;               // 0 = unlimited
   int32_t compute_threads = 0;             // CPU kernel threads; 0 = all cores
   int32_t request_workers = 0;             // threads running requests; 0 = a default
+
+  // Operations (docs/operations.md).
+  // HTTP /metrics and /healthz; "" = off. Off here so in-process servers (tests) never collide
+  // on a fixed port; attnd's --metrics-listen defaults to 127.0.0.1:9400.
+  std::string metrics_listen;
+  std::string health_listen;                      // plaintext health-only gRPC; "" = off
+  std::string tls_cert;                           // PEM chain; with tls_key, the API uses TLS
+  std::string tls_key;                            // PEM private key
+  std::string tls_client_ca;                      // PEM CA bundle; set = mutual TLS
+  std::string auth_token_file;                    // "TENANT TOKEN" lines; "" = auth off
+  absl::Duration sequence_idle_timeout = absl::ZeroDuration();  // 0 = never reclaim
+  int64_t tenant_page_quota = 0;                  // KV pages per tenant; 0 = unlimited
 };
 
 class AttndServer {
@@ -34,8 +47,12 @@ class AttndServer {
   virtual ~AttndServer() = default;
 
   virtual int port() const = 0;                 // the bound port
+  virtual int metrics_port() const = 0;         // the bound metrics port; 0 = metrics off
+  virtual int health_port() const = 0;          // the bound health-only port; 0 = off
   virtual std::string startup_summary() const = 0;  // address, backend, model, pool size
-  // Stops accepting work, lets in-flight RPCs finish until `deadline`, then cancels the rest.
+  // Health turns NOT_SERVING (gRPC health, the health-only port, /healthz), new work gets
+  // UNAVAILABLE, in-flight RPCs may finish until `deadline`, then the rest are cancelled; then the
+  // idle reaper and the metrics and health listeners stop.
   virtual void Shutdown(absl::Time deadline) = 0;
   virtual void Wait() = 0;  // blocks until Shutdown has completed
 };
