@@ -39,29 +39,27 @@ ThreadPool::ThreadPool(int num_threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
+  work_cv_.notify_all();
   for (std::thread& t : workers_) t.join();
 }
 
 void ThreadPool::WorkerLoop() {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    mu_.Await(absl::Condition(
-        +[](ThreadPool* p)
-             ABSL_NO_THREAD_SAFETY_ANALYSIS { return p->stopping_ || !p->queue_.empty(); },
-        this));
+    work_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stopping_ and nothing left to help with.
     Job* job = queue_.front();
     ++job->active;
-    mu_.Unlock();
+    lock.unlock();
     RunJob(*job->fn, job->n, &job->next);
-    mu_.Lock();
+    lock.lock();
     // The job is exhausted: unlist it so idle workers stop picking it up.
     auto it = std::find(queue_.begin(), queue_.end(), job);
     if (it != queue_.end()) queue_.erase(it);
-    --job->active;
+    if (--job->active == 0) done_cv_.notify_all();
   }
 }
 
@@ -75,17 +73,17 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
   job.fn = &fn;
   job.n = n;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(&job);
   }
+  work_cv_.notify_all();
   // The caller works as well; this also makes nested ParallelFor calls from inside fn safe.
   RunJob(fn, n, &job.next);
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   auto it = std::find(queue_.begin(), queue_.end(), &job);
   if (it != queue_.end()) queue_.erase(it);
   // Every index is claimed; wait for the workers still running theirs.
-  mu_.Await(absl::Condition(
-      +[](Job* j) ABSL_NO_THREAD_SAFETY_ANALYSIS { return j->active == 0; }, &job));
+  done_cv_.wait(lock, [&job] { return job.active == 0; });
 }
 
 }  // namespace attnd

@@ -2,12 +2,12 @@
 #ifndef ATTND_KERNELS_THREAD_POOL_H_
 #define ATTND_KERNELS_THREAD_POOL_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
-
-#include "absl/synchronization/mutex.h"
 
 namespace attnd {
 
@@ -31,9 +31,15 @@ class ThreadPool {
   struct Job;
   void WorkerLoop();
 
-  absl::Mutex mu_;
-  std::vector<Job*> queue_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // std::mutex rather than absl::Mutex: Debian's abseil is not built with ThreadSanitizer, so
+  // TSan cannot see absl::Mutex's happens-before edges and would report every kernel's inputs
+  // and outputs handed across this pool as races. pthread mutexes it does see.
+  std::mutex mu_;
+  std::condition_variable work_cv_;  // a job was queued, or stopping_
+  std::condition_variable done_cv_;  // some Job::active dropped to 0
+  // Guarded by mu_ (no ABSL_GUARDED_BY: libstdc++'s std::mutex is not an annotated capability).
+  std::vector<Job*> queue_;  // jobs that may still have indices to claim
+  bool stopping_ = false;
   std::vector<std::thread> workers_;
 };
 

@@ -1,11 +1,11 @@
 #include "kernels/thread_pool.h"
 
 #include <atomic>
+#include <mutex>
 #include <set>
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 
 namespace attnd {
@@ -32,7 +32,7 @@ TEST(ThreadPoolTest, DefaultUsesHardwareConcurrency) {
 
 TEST(ThreadPoolTest, UsesSeveralThreads) {
   ThreadPool pool(3);
-  absl::Mutex mu;
+  std::mutex mu;
   std::set<std::thread::id> ids;
   std::atomic<int> arrived{0};
   // Each call waits (bounded) until three calls are in flight: only possible if the workers and
@@ -40,7 +40,7 @@ TEST(ThreadPoolTest, UsesSeveralThreads) {
   pool.ParallelFor(3, [&](int64_t) {
     arrived.fetch_add(1);
     for (int spin = 0; spin < 2000000 && arrived.load() < 3; ++spin) std::this_thread::yield();
-    absl::MutexLock lock(&mu);
+    std::lock_guard<std::mutex> lock(mu);
     ids.insert(std::this_thread::get_id());
   });
   EXPECT_EQ(arrived.load(), 3);
