@@ -4,7 +4,9 @@
 // are walked a tile at a time (at most kTileKeys, never crossing a page), so page lookups happen
 // once per tile, not per element. When there are too few items to keep the pool busy (decode,
 // short prefill chunks over long contexts) the key range is split and the partial softmax states
-// are merged by log-sum-exp in a second pass.
+// are merged by log-sum-exp in a second pass. Inside a tile, group heads go two at a time against
+// four keys at a time (register blocking), on 4-lane SSE2 or, where the CPU has it, 8-lane
+// AVX2+FMA (see "SIMD" below).
 
 #include "kernels/dca_cpu.h"
 
