@@ -64,7 +64,7 @@ absl::Status CheckDecodeBatcherOptions(const DecodeBatcherOptions& o) {
   }
   if (o.max_inflight_batches < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("max inflight batches must be >= 1, got ", o.max_inflight_batches));
+        absl::StrCat("--decode-batches-in-flight must be >= 1, got ", o.max_inflight_batches));
   }
   if (o.max_queued_calls < 1) {
     return absl::InvalidArgumentError(
@@ -195,11 +195,11 @@ void BatchingDecodeQueue::DropExpiredLocked(KeyState* state, absl::Time now,
     absl::Status status;
     if (now >= c.context.deadline) {
       status = absl::DeadlineExceededError(
-          "the decode's deadline passed while it waited for a batch; nothing was changed");
+          "the decode's deadline passed while it was queued; nothing was changed");
       ++stats_.calls_deadline_exceeded;
     } else if (c.context.cancelled && c.context.cancelled()) {
       status = absl::CancelledError(
-          "the client cancelled the decode while it waited for a batch; nothing was changed");
+          "the client cancelled the decode while it was queued; nothing was changed");
       ++stats_.calls_cancelled;
     } else {
       ++it;

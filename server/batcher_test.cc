@@ -348,7 +348,7 @@ TEST_F(BatcherTest, CancelledCallsAreDroppedWithoutReachingTheExecutor) {
   EXPECT_THAT(exec_.Batches(), ElementsAre("a", "c"));
   EXPECT_EQ(b->result.status().code(), absl::StatusCode::kCancelled);
   EXPECT_EQ(b->result.status().message(),
-            "the client cancelled the decode while it waited for a batch; nothing was changed");
+            "the client cancelled the decode while it was queued; nothing was changed");
   EXPECT_EQ(c->Summary(), "c@1");
   // Cancelled while waiting for its delay on an idle layer: dropped at the next look.
   Make(NoSizeFlush());
@@ -373,7 +373,7 @@ TEST_F(BatcherTest, ExpiredCallsAreDroppedAtTheirDeadline) {
   queue_->Poll();
   EXPECT_EQ(a->result.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(a->result.status().message(),
-            "the decode's deadline passed while it waited for a batch; nothing was changed");
+            "the decode's deadline passed while it was queued; nothing was changed");
   EXPECT_FALSE(b->called);
   clock_.Advance(absl::Microseconds(70));  // b's own delay (it arrived with a)
   queue_->Poll();
