@@ -115,7 +115,7 @@ Runtime::Runtime(const ModelConfig& model, std::unique_ptr<Engine> engine,
       max_sequence_length_(max_sequence_length),
       allocator_(engine_->layout().num_pages),
       table_(SequenceTableOptions{engine_->layout().num_layers, engine_->layout().page_size,
-                                  options.max_sequences},
+                                  options.max_sequences, options.tenant_page_quota},
              &allocator_) {}
 
 ServerInfo Runtime::Info() const {
@@ -160,6 +160,16 @@ absl::StatusOr<std::string> Runtime::CreateSequence(absl::string_view tenant) {
 
 absl::StatusOr<int64_t> Runtime::ReleaseSequence(absl::string_view id, absl::string_view tenant) {
   return table_.Release(id, tenant);
+}
+
+std::vector<ReclaimedSequence> Runtime::ReclaimIdle(absl::Time cutoff) {
+  std::vector<ReclaimedSequence> reclaimed;
+  for (const std::string& id : table_.IdleSince(cutoff)) {
+    // Re-checked at release: a request may have used (or released) it since IdleSince looked.
+    absl::StatusOr<ReclaimedSequence> r = table_.ReleaseIfIdle(id, cutoff);
+    if (r.ok()) reclaimed.push_back(*std::move(r));
+  }
+  return reclaimed;
 }
 
 absl::StatusOr<std::vector<int64_t>> Runtime::LayerLengths(absl::string_view id,
@@ -325,6 +335,9 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   // (The analysis cannot follow a variable number of held locks; the lock set is the one built
   // below and released by `unlock_all`.)
+  if (call.admit) {
+    if (absl::Status s = call.admit(); !s.ok()) return s;
+  }
   if (absl::Status s = CheckLayer(call.layer); !s.ok()) return s;
   const size_t n = call.entries.size();
   if (n == 0) return absl::InvalidArgumentError("a decode needs at least one entry");

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/dtype.h"
 #include "kvcache/page_allocator.h"
@@ -64,6 +65,11 @@ struct DecodeCall {
   absl::string_view tenant;
   int32_t layer = 0;
   std::vector<Entry> entries;  // at least one; distinct sequences
+  // Unset, or called once by Runtime::Decode before it looks anything up (so on the worker that
+  // runs the call): a non-OK status (the client's deadline passed, the call was cancelled) is
+  // returned as is and nothing is touched. Not carried into merged batches: the batcher checks
+  // deadlines of the calls it queues itself.
+  std::function<absl::Status()> admit;
 };
 
 struct DecodeResult {
@@ -120,6 +126,7 @@ struct RuntimeOptions {
   int64_t max_message_bytes = 0;    // reported only; gRPC enforces it
   int64_t max_sequence_length = 0;  // 0 = the model's max_position_embeddings
   int64_t max_sequences = 0;        // 0 = unlimited
+  int64_t tenant_page_quota = 0;    // KV pages per tenant; 0 = unlimited
 };
 
 // Thread-safe: any thread may call any method. Requests on one sequence run one at a time
@@ -137,6 +144,8 @@ class Runtime {
   absl::StatusOr<std::string> CreateSequence(absl::string_view tenant);
   // Pages freed. INVALID_ARGUMENT for a malformed id, NOT_FOUND for an unknown one.
   absl::StatusOr<int64_t> ReleaseSequence(absl::string_view id, absl::string_view tenant);
+  // Releases every sequence last used before `cutoff` that is not busy right now (any tenant).
+  std::vector<ReclaimedSequence> ReclaimIdle(absl::Time cutoff);
   // Tokens cached per layer (for tests and introspection).
   absl::StatusOr<std::vector<int64_t>> LayerLengths(absl::string_view id,
                                                     absl::string_view tenant) const;

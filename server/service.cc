@@ -1,14 +1,26 @@
 #include "server/service.h"
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "server/auth.h"
 #include "server/status.h"
 
 namespace attnd {
+
+// When one request reached the handler, when a worker picked it up and when the worker was done.
+struct RequestClock {
+  absl::Time received = absl::Now();
+  absl::Time started = absl::InfinitePast();   // InfinitePast: no worker ran it
+  absl::Time finished = absl::InfinitePast();  // InfinitePast: not known (e.g. a merged batch)
+};
+
 namespace {
 
 // The wire enum and DType share their numbers (DTYPE_BF16 = kBf16 = 1, ...); an unknown wire value
@@ -43,6 +55,24 @@ const absl::Status& ShuttingDown() {
   return *status;
 }
 
+// On the worker, before a request touches anything: a client that has stopped waiting (deadline
+// passed, call cancelled) gets that answer and the KV pool is left alone. Marks the start time.
+absl::Status Admit(grpc::CallbackServerContext* context, RequestClock* clock) {
+  clock->started = absl::Now();
+  if (context->deadline() <= std::chrono::system_clock::now()) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "the client's deadline passed while the request waited ",
+        absl::FormatDuration(absl::Trunc(clock->started - clock->received, absl::Milliseconds(1))),
+        " in the queue; nothing was done"));
+  }
+  if (context->IsCancelled()) {
+    return absl::CancelledError("the call was cancelled before it started; nothing was done");
+  }
+  return absl::OkStatus();
+}
+
+int64_t SizeOf(const google::protobuf::Message& m) { return static_cast<int64_t>(m.ByteSizeLong()); }
+
 }  // namespace
 
 // One Session stream: read a request, run it, write its response, read the next. Exactly one
@@ -51,8 +81,11 @@ const absl::Status& ShuttingDown() {
 class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse> {
  public:
   // Registers before taking mu_: BeginShutdown takes the service's lock, then each session's.
-  explicit SessionReactor(AttentionService* service)
-      : service_(service), registered_(service->Register(this)) {
+  SessionReactor(AttentionService* service, grpc::CallbackServerContext* context)
+      : service_(service),
+        context_(context),
+        tenant_(TenantOf(*context)),
+        registered_(service->Register(this)) {
     absl::MutexLock lock(&mu_);
     // A shutdown that began after Register saw this session still starting and skipped it.
     if (!registered_ || service_->shutting_down()) {
@@ -80,18 +113,29 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
     // Not under mu_: the work may complete (and call Complete) before Submit returns.
     response_.Clear();
     response_.set_tag(request_.tag());
+    clock_ = RequestClock();
     absl::Status submitted;
     switch (request_.request_case()) {
       case v1::SessionRequest::kPrefill:
+        rpc_ = "Session.Prefill";
         submitted = service_->work_queue_->Submit([this] {
-          Complete(service_->RunPrefill(request_.prefill(), response_.mutable_prefill()));
+          absl::Status s = Admit(context_, &clock_);
+          if (s.ok()) s = service_->RunPrefill(request_.prefill(), tenant_, response_.mutable_prefill());
+          clock_.finished = absl::Now();
+          Complete(std::move(s));
         });
         break;
       case v1::SessionRequest::kDecode:
-        submitted = service_->SubmitDecode(request_.decode(), response_.mutable_decode(),
-                                           [this](absl::Status s) { Complete(std::move(s)); });
+        rpc_ = "Session.Decode";
+        submitted = service_->SubmitDecode(
+            request_.decode(), tenant_, [this] { return Admit(context_, &clock_); },
+            response_.mutable_decode(), [this](absl::Status s) {
+              clock_.finished = absl::Now();
+              Complete(std::move(s));
+            });
         break;
       default:
+        rpc_ = "Session.Invalid";
         submitted = absl::OkStatus();
         Complete(absl::InvalidArgumentError(
             "a session request must hold a prefill or a decode request"));
@@ -144,6 +188,8 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
       response_.set_code(static_cast<int32_t>(status.code()));
       response_.set_message(std::string(status.message()));
     }
+    service_->Record(rpc_, static_cast<int>(status.code()), clock_, SizeOf(request_),
+                     SizeOf(response_));
     absl::MutexLock lock(&mu_);
     state_ = State::kWriting;
     StartWrite(&response_);
@@ -151,21 +197,44 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
 
   void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     state_ = State::kFinished;
+    // The stream itself: counted by its final code; its lifetime is not a request latency.
+    RequestClock no_latency;
+    no_latency.received = absl::InfinitePast();
+    service_->Record("Session", static_cast<int>(status.error_code()), no_latency, 0, 0);
     Finish(std::move(status));
   }
 
   AttentionService* const service_;
+  grpc::CallbackServerContext* const context_;
+  const std::string tenant_;
   const bool registered_;
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
   // Owned by the one request in flight: the work reads request_ and fills response_.
   v1::SessionRequest request_;
   v1::SessionResponse response_;
+  RequestClock clock_;
+  absl::string_view rpc_ = "Session.Invalid";
 };
 
 AttentionService::AttentionService(Runtime* runtime, WorkQueue* work_queue,
-                                   DecodeQueue* decode_queue)
-    : runtime_(runtime), work_queue_(work_queue), decode_queue_(decode_queue) {}
+                                   DecodeQueue* decode_queue, AttndMetrics* metrics)
+    : runtime_(runtime), work_queue_(work_queue), decode_queue_(decode_queue), metrics_(metrics) {}
+
+void AttentionService::Record(absl::string_view rpc, int code, const RequestClock& clock,
+                              int64_t bytes_received, int64_t bytes_sent) {
+  if (metrics_ == nullptr) return;
+  const absl::Time now = absl::Now();
+  const absl::Time past = absl::InfinitePast();
+  const bool started = clock.started != past;
+  const double queue_s =
+      started && clock.received != past ? absl::ToDoubleSeconds(clock.started - clock.received) : -1;
+  const double compute_s =
+      started && clock.finished != past ? absl::ToDoubleSeconds(clock.finished - clock.started) : -1;
+  const double total_s = clock.received != past ? absl::ToDoubleSeconds(now - clock.received) : -1;
+  metrics_->RecordRequest(rpc, StatusCodeName(code), queue_s, compute_s, total_s, bytes_received,
+                          bytes_sent);
+}
 
 void AttentionService::BeginShutdown() {
   shutting_down_.store(true);
@@ -189,9 +258,10 @@ void AttentionService::Unregister(SessionReactor* session) {
 }
 
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,
-                                                          const v1::GetServerInfoRequest*,
+                                                          const v1::GetServerInfoRequest* request,
                                                           v1::GetServerInfoResponse* response) {
   // Cheap and lock-light: answered on the gRPC thread.
+  RequestClock clock;
   const ServerInfo info = runtime_->Info();
   response->set_version(info.version);
   response->set_backend(info.backend);
@@ -224,21 +294,34 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   limits->set_max_message_bytes(info.limits.max_message_bytes);
   limits->set_max_sequence_length(info.limits.max_sequence_length);
   limits->set_max_sequences(info.limits.max_sequences);
+  Record("GetServerInfo", 0, clock, SizeOf(*request), SizeOf(*response));
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
 
 grpc::ServerUnaryReactor* AttentionService::CreateSequence(grpc::CallbackServerContext* context,
-                                                           const v1::CreateSequenceRequest*,
+                                                           const v1::CreateSequenceRequest* request,
                                                            v1::CreateSequenceResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status submitted = work_queue_->Submit([this, reactor, response] {
-    absl::StatusOr<std::string> id = runtime_->CreateSequence(/*tenant=*/"");
-    if (id.ok()) response->set_sequence_id(*id);
-    reactor->Finish(ToGrpcStatus(id.status()));
-  });
-  if (!submitted.ok()) reactor->Finish(ToGrpcStatus(submitted));
+  RequestClock clock;
+  absl::Status submitted = work_queue_->Submit(
+      [this, context, reactor, request, response, clock, tenant = TenantOf(*context)]() mutable {
+        absl::Status s = Admit(context, &clock);
+        if (s.ok()) {
+          absl::StatusOr<std::string> id = runtime_->CreateSequence(tenant);
+          if (id.ok()) response->set_sequence_id(*id);
+          s = id.status();
+        }
+        clock.finished = absl::Now();
+        Record("CreateSequence", static_cast<int>(s.code()), clock, SizeOf(*request),
+               SizeOf(*response));
+        reactor->Finish(ToGrpcStatus(s));
+      });
+  if (!submitted.ok()) {
+    Record("CreateSequence", static_cast<int>(submitted.code()), clock, SizeOf(*request), 0);
+    reactor->Finish(ToGrpcStatus(submitted));
+  }
   return reactor;
 }
 
@@ -246,20 +329,34 @@ grpc::ServerUnaryReactor* AttentionService::ReleaseSequence(
     grpc::CallbackServerContext* context, const v1::ReleaseSequenceRequest* request,
     v1::ReleaseSequenceResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  RequestClock clock;
   // On a worker: Release waits for a request in flight on the sequence.
-  absl::Status submitted = work_queue_->Submit([this, reactor, request, response] {
-    absl::StatusOr<int64_t> freed = runtime_->ReleaseSequence(request->sequence_id(), "");
-    if (freed.ok()) response->set_pages_freed(*freed);
-    reactor->Finish(ToGrpcStatus(freed.status()));
-  });
-  if (!submitted.ok()) reactor->Finish(ToGrpcStatus(submitted));
+  absl::Status submitted = work_queue_->Submit(
+      [this, context, reactor, request, response, clock, tenant = TenantOf(*context)]() mutable {
+        absl::Status s = Admit(context, &clock);
+        if (s.ok()) {
+          absl::StatusOr<int64_t> freed = runtime_->ReleaseSequence(request->sequence_id(), tenant);
+          if (freed.ok()) response->set_pages_freed(*freed);
+          s = freed.status();
+        }
+        clock.finished = absl::Now();
+        Record("ReleaseSequence", static_cast<int>(s.code()), clock, SizeOf(*request),
+               SizeOf(*response));
+        reactor->Finish(ToGrpcStatus(s));
+      });
+  if (!submitted.ok()) {
+    Record("ReleaseSequence", static_cast<int>(submitted.code()), clock, SizeOf(*request), 0);
+    reactor->Finish(ToGrpcStatus(submitted));
+  }
   return reactor;
 }
 
 absl::Status AttentionService::RunPrefill(const v1::PrefillRequest& request,
+                                          absl::string_view tenant,
                                           v1::PrefillResponse* response) {
   PrefillCall call;
   call.sequence_id = request.sequence_id();
+  call.tenant = tenant;
   call.layer = request.layer();
   call.q = FromProto(request.q());
   call.k = FromProto(request.k());
@@ -280,17 +377,30 @@ grpc::ServerUnaryReactor* AttentionService::Prefill(grpc::CallbackServerContext*
                                                     const v1::PrefillRequest* request,
                                                     v1::PrefillResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status submitted = work_queue_->Submit([this, reactor, request, response] {
-    reactor->Finish(ToGrpcStatus(RunPrefill(*request, response)));
-  });
-  if (!submitted.ok()) reactor->Finish(ToGrpcStatus(submitted));
+  RequestClock clock;
+  absl::Status submitted = work_queue_->Submit(
+      [this, context, reactor, request, response, clock, tenant = TenantOf(*context)]() mutable {
+        absl::Status s = Admit(context, &clock);
+        if (s.ok()) s = RunPrefill(*request, tenant, response);
+        clock.finished = absl::Now();
+        Record("Prefill", static_cast<int>(s.code()), clock, SizeOf(*request), SizeOf(*response));
+        reactor->Finish(ToGrpcStatus(s));
+      });
+  if (!submitted.ok()) {
+    Record("Prefill", static_cast<int>(submitted.code()), clock, SizeOf(*request), 0);
+    reactor->Finish(ToGrpcStatus(submitted));
+  }
   return reactor;
 }
 
 absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
+                                            absl::string_view tenant,
+                                            std::function<absl::Status()> admit,
                                             v1::DecodeResponse* response,
                                             std::function<void(absl::Status)> done) {
   DecodeCall call;
+  call.tenant = tenant;
+  call.admit = std::move(admit);
   call.layer = request.layer();
   call.entries.resize(request.entries_size());
   response->Clear();
@@ -305,8 +415,14 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
     e.v = FromProto(in.v());
     e.output = IntoTensor(response->mutable_outputs(i)->mutable_o());
   }
+  const int64_t entries = request.entries_size();
   return decode_queue_->Submit(
-      std::move(call), [response, done = std::move(done)](absl::StatusOr<DecodeResult> result) {
+      std::move(call),
+      [this, entries, response, done = std::move(done)](absl::StatusOr<DecodeResult> result) {
+        // One decode request is one executed batch (the direct decode queue does not merge).
+        if (result.ok() && metrics_ != nullptr) {
+          metrics_->decode_batch_size->Observe({}, static_cast<double>(entries));
+        }
         if (!result.ok()) {
           response->Clear();
           done(result.status());
@@ -326,15 +442,26 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
                                                    const v1::DecodeRequest* request,
                                                    v1::DecodeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // Shared by the admit check (on the worker) and the reply; the tenant outlives the call.
+  auto clock = std::make_shared<RequestClock>();
+  auto tenant = std::make_shared<const std::string>(TenantOf(*context));
   absl::Status submitted = SubmitDecode(
-      *request, response, [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); });
-  if (!submitted.ok()) reactor->Finish(ToGrpcStatus(submitted));
+      *request, *tenant, [context, clock] { return Admit(context, clock.get()); }, response,
+      [this, reactor, request, response, clock, tenant](absl::Status s) {
+        clock->finished = absl::Now();
+        Record("Decode", static_cast<int>(s.code()), *clock, SizeOf(*request), SizeOf(*response));
+        reactor->Finish(ToGrpcStatus(s));
+      });
+  if (!submitted.ok()) {
+    Record("Decode", static_cast<int>(submitted.code()), *clock, SizeOf(*request), 0);
+    reactor->Finish(ToGrpcStatus(submitted));
+  }
   return reactor;
 }
 
 grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* AttentionService::Session(
-    grpc::CallbackServerContext*) {
-  return new SessionReactor(this);
+    grpc::CallbackServerContext* context) {
+  return new SessionReactor(this, context);
 }
 
 }  // namespace attnd

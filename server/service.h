@@ -6,24 +6,35 @@
 
 #include <atomic>
 #include <functional>
+#include <memory>
+#include <string>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "server/decode_queue.h"
+#include "server/metrics.h"
 #include "server/runtime.h"
 #include "server/work_queue.h"
 
 namespace attnd {
 
 class SessionReactor;
+struct RequestClock;
 
 // Thread-safe; gRPC calls the handlers from its own threads. runtime, work_queue and decode_queue
-// must outlive the service and every RPC it started.
+// (and metrics, if given) must outlive the service and every RPC it started.
+//
+// Every RPC acts as the tenant TenantOf(context) ("" when auth is off). A request whose client
+// deadline has passed, or whose call was cancelled, by the time a worker picks it up is answered
+// DEADLINE_EXCEEDED / CANCELLED without touching the KV pool. With `metrics`, each RPC is recorded
+// (AttndMetrics::RecordRequest); requests on a Session stream as "Session.Prefill" and
+// "Session.Decode", and the stream's own end as "Session".
 class AttentionService : public v1::Attention::CallbackService {
  public:
-  AttentionService(Runtime* runtime, WorkQueue* work_queue, DecodeQueue* decode_queue);
+  AttentionService(Runtime* runtime, WorkQueue* work_queue, DecodeQueue* decode_queue,
+                   AttndMetrics* metrics = nullptr);
 
   // Sessions waiting for their next request end now with UNAVAILABLE; busy ones end after the
   // response they are computing. Call before grpc::Server::Shutdown so idle streams do not hold
@@ -51,12 +62,21 @@ class AttentionService : public v1::Attention::CallbackService {
  private:
   friend class SessionReactor;
 
-  // Runs on a worker: validates and computes one prefill, filling `response` on success.
-  absl::Status RunPrefill(const v1::PrefillRequest& request, v1::PrefillResponse* response);
-  // Queues one decode on the decode queue; `done` gets its status after `response` is filled.
-  // When this returns an error, done is never called.
-  absl::Status SubmitDecode(const v1::DecodeRequest& request, v1::DecodeResponse* response,
+  // Runs on a worker: validates and computes one prefill as `tenant`, filling `response` on
+  // success.
+  absl::Status RunPrefill(const v1::PrefillRequest& request, absl::string_view tenant,
+                          v1::PrefillResponse* response);
+  // Queues one decode as `tenant` on the decode queue; `done` gets its status after `response` is
+  // filled. `admit` runs on the worker before anything is looked up (deadline/cancel check, start
+  // time). `request` and `tenant` must stay valid until done. When this returns an error, done is
+  // never called.
+  absl::Status SubmitDecode(const v1::DecodeRequest& request, absl::string_view tenant,
+                            std::function<absl::Status()> admit, v1::DecodeResponse* response,
                             std::function<void(absl::Status)> done);
+  // Records one finished request with its google.rpc code (no-op without metrics). Latencies the
+  // clock does not know (InfinitePast) are not observed.
+  void Record(absl::string_view rpc, int code, const RequestClock& clock, int64_t bytes_received,
+              int64_t bytes_sent);
 
   // False once shutdown has begun (the session is then not registered).
   bool Register(SessionReactor* session);
@@ -66,6 +86,7 @@ class AttentionService : public v1::Attention::CallbackService {
   Runtime* const runtime_;
   WorkQueue* const work_queue_;
   DecodeQueue* const decode_queue_;
+  AttndMetrics* const metrics_;  // may be null
 
   // Atomic, not under mu_: sessions read it under their own lock, and BeginShutdown takes mu_
   // before the sessions' locks.

@@ -1,0 +1,167 @@
+// Client deadlines and graceful drain against the real daemon. Slow work is a long prefill
+// (4000 tokens of the tiny model) on a server with one request worker, so later requests queue.
+#include <future>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "tests/ops/ops_util.h"
+
+namespace attnd {
+namespace ops_testing {
+namespace {
+
+constexpr int64_t kSlowTokens = 4000;
+
+struct Reply {
+  grpc::Status status;
+  absl::Duration took;
+};
+
+// Starts a prefill on its own thread (own context, 60 s deadline).
+std::future<Reply> PrefillAsync(v1::Attention::Stub* stub, v1::PrefillRequest req) {
+  return std::async(std::launch::async, [stub, req = std::move(req)] {
+    const absl::Time start = absl::Now();
+    v1::PrefillResponse resp;
+    auto ctx = Context("", std::chrono::seconds(60));
+    Reply r;
+    r.status = stub->Prefill(ctx.get(), req, &resp);
+    r.length = resp.length();
+    r.took = absl::Now() - start;
+    return r;
+  });
+}
+
+// Waits until `pages` KV pages are in use: a prefill allocates its pages on the worker right
+// before computing, so this says the slow prefill holds the worker. GetServerInfo is answered on
+// gRPC's thread, not by a worker.
+::testing::AssertionResult WaitForPagesUsed(v1::Attention::Stub* stub, int64_t pages) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  int64_t used = -1;
+  while (absl::Now() < give_up) {
+    v1::GetServerInfoResponse info;
+    auto ctx = Context();
+    if (stub->GetServerInfo(ctx.get(), v1::GetServerInfoRequest(), &info).ok()) {
+      used = info.kv_cache().pages_total() - info.kv_cache().pages_free();
+      if (used >= pages) return ::testing::AssertionSuccess();
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return ::testing::AssertionFailure() << "pages used stayed at " << used << ", not " << pages;
+}
+
+std::string Metrics(Daemon& daemon) {
+  return HttpGet(daemon.server().metrics_port(), "/metrics").value_or("");
+}
+
+TEST(OpsDeadlineTest, ExpiredRequestsQueuedBehindSlowWorkChangeNothing) {
+  ServerOptions o = TinyOptions(512);
+  o.request_workers = 1;
+  Daemon daemon(o);
+  ASSERT_TRUE(daemon.ok());
+  auto stub = daemon.Stub();
+  std::mt19937 rng(9);
+  const std::string slow = MustCreate(stub.get());
+  const std::string victim = MustCreate(stub.get());
+  {
+    v1::PrefillResponse resp;
+    auto ctx = Context();
+    ASSERT_TRUE(stub->Prefill(ctx.get(), MakePrefill(victim, 1, 8, &rng), &resp).ok());
+    ASSERT_EQ(resp.length(), 8);
+  }
+  const v1::PrefillRequest victim_prefill = MakePrefill(victim, 0, 16, &rng);
+  const v1::DecodeRequest victim_decode = MakeDecode(1, {victim}, &rng);
+
+  std::future<Reply> slow_reply = PrefillAsync(stub.get(), MakePrefill(slow, 0, kSlowTokens, &rng));
+  // victim's 1 page, then the slow prefill's 250: it is on the only worker now.
+  ASSERT_TRUE(WaitForPagesUsed(stub.get(), 1 + kSlowTokens / kPageSize));
+
+  const absl::Time sent = absl::Now();
+  v1::PrefillResponse presp;
+  auto pctx = Context("", std::chrono::milliseconds(200));
+  grpc::Status ps = stub->Prefill(pctx.get(), victim_prefill, &presp);
+  v1::DecodeResponse dresp;
+  auto dctx = Context("", std::chrono::milliseconds(200));
+  grpc::Status ds = stub->Decode(dctx.get(), victim_decode, &dresp);
+  EXPECT_EQ(ps.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << ps.error_message();
+  EXPECT_EQ(ds.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << ds.error_message();
+
+  Reply r = slow_reply.get();
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.length, kSlowTokens);
+  // The precondition of this test: the slow prefill outlived both short deadlines.
+  ASSERT_GT(absl::Now() - sent, absl::Milliseconds(400))
+      << "the slow prefill was too fast to queue anything behind it (" << r.took << ")";
+
+  // The server answered both itself once a worker reached them, without running them.
+  std::string m;
+  for (int i = 0; i < 50; ++i) {  // the answers are recorded as the worker reaches them
+    m = Metrics(daemon);
+    if (SampleOr0(m, "attnd_requests_total{rpc=\"Decode\",code=\"DEADLINE_EXCEEDED\"}") >= 1) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(SampleOr0(m, "attnd_requests_total{rpc=\"Prefill\",code=\"DEADLINE_EXCEEDED\"}"), 1);
+  EXPECT_EQ(SampleOr0(m, "attnd_requests_total{rpc=\"Decode\",code=\"DEADLINE_EXCEEDED\"}"), 1);
+  EXPECT_EQ(SampleOr0(m, "attnd_requests_total{rpc=\"Decode\",code=\"OK\"}"), 0);
+
+  // Nothing changed: layer 0 is still empty, layer 1 still holds 8 tokens.
+  v1::PrefillResponse resp;
+  auto ctx = Context();
+  ASSERT_TRUE(stub->Prefill(ctx.get(), MakePrefill(victim, 0, 4, &rng), &resp).ok());
+  EXPECT_EQ(resp.length(), 4);
+  auto ctx2 = Context();
+  ASSERT_TRUE(stub->Decode(ctx2.get(), MakeDecode(1, {victim}, &rng), &dresp).ok());
+  EXPECT_EQ(dresp.outputs(0).length(), 9);
+}
+
+TEST(OpsDrainTest, ShutdownFinishesInFlightWorkRefusesNewWorkAndReportsNotServing) {
+  ServerOptions o = TinyOptions(512);
+  o.request_workers = 2;
+  o.health_listen = "127.0.0.1:0";
+  Daemon daemon(o);
+  ASSERT_TRUE(daemon.ok());
+  ASSERT_GT(daemon.server().health_port(), 0);
+  auto health_channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", daemon.server().health_port()),
+                          grpc::InsecureChannelCredentials());
+  EXPECT_EQ(HealthStatus(health_channel, ""), 1);
+  const int metrics_port = daemon.server().metrics_port();
+  int http_status = 0;
+  EXPECT_EQ(HttpGet(metrics_port, "/healthz", &http_status), "ok\n");
+  EXPECT_EQ(http_status, 200);
+
+  auto stub = daemon.Stub();
+  std::mt19937 rng(13);
+  const std::string slow = MustCreate(stub.get());
+  std::future<Reply> slow_reply = PrefillAsync(stub.get(), MakePrefill(slow, 0, kSlowTokens, &rng));
+  ASSERT_TRUE(WaitForPagesUsed(stub.get(), kSlowTokens / kPageSize));  // it is computing now
+
+  // SIGTERM's path in main.cc.
+  std::thread shutdown([&daemon] { daemon.server().Shutdown(absl::Now() + absl::Seconds(60)); });
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(HealthStatus(health_channel, ""), 2);  // NOT_SERVING while draining
+  std::optional<std::string> healthz = HttpGet(metrics_port, "/healthz", &http_status);
+  EXPECT_EQ(healthz, "not ready\n");
+  EXPECT_EQ(http_status, 503);
+
+  std::string id;
+  grpc::Status s = Create(stub.get(), "", &id);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_TRUE(id.empty());
+
+  Reply r = slow_reply.get();
+  EXPECT_TRUE(r.status.ok()) << r.status.error_code() << " " << r.status.error_message();
+  EXPECT_EQ(r.length, kSlowTokens);
+  shutdown.join();
+  daemon.server().Wait();
+  // Everything is down afterwards: no metrics, no health.
+  EXPECT_EQ(HttpGet(metrics_port, "/healthz"), std::nullopt);
+  EXPECT_EQ(HealthStatus(health_channel, ""), -1);
+}
+
+}  // namespace
+}  // namespace ops_testing
+}  // namespace attnd
