@@ -3,6 +3,7 @@
 // sequence indistinguishable from an unknown one and left untouched, and mTLS handshakes that
 // only a certificate from --tls-client-ca passes.
 #include <fstream>
+#include <sstream>
 #include <random>
 #include <string>
 
@@ -10,6 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
 #include "tests/ops/ops_util.h"
 
 namespace attnd {
@@ -163,6 +166,45 @@ TEST(OpsStartupTest, TokensWithoutTlsOffLoopbackAndBadTokenFilesFailStartup) {
       << server.status().message();
   EXPECT_NE(server.status().message().find("/nonexistent/tokens.txt"), absl::string_view::npos)
       << server.status().message();
+}
+
+int Count(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+TEST(OpsStartupTest, WarnsOnceWhenListeningOffLoopbackWithoutTlsOrTokens) {
+  ASSERT_TRUE(Certs::Get().ok());
+  std::ostringstream log;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(log);
+  spdlog::default_logger()->sinks().push_back(sink);
+  {
+    ServerOptions o = TinyOptions(8);
+    o.listen = "0.0.0.0:0";
+    Daemon daemon(o);
+    EXPECT_TRUE(daemon.ok());
+  }
+  const std::string insecure = log.str();
+  {
+    ServerOptions o = TinyOptions(8);  // loopback
+    Daemon daemon(o);
+    EXPECT_TRUE(daemon.ok());
+    o.listen = "0.0.0.0:0";  // off loopback, with TLS
+    o.tls_cert = Certs::Get().Path("server.pem");
+    o.tls_key = Certs::Get().Path("server.key");
+    Daemon tls_daemon(o);
+    EXPECT_TRUE(tls_daemon.ok());
+  }
+  spdlog::default_logger()->sinks().pop_back();
+  EXPECT_EQ(Count(insecure, "INSECURE"), 1) << insecure;
+  EXPECT_EQ(Count(insecure,
+                  "[warning] INSECURE: --listen 0.0.0.0:0 is not a loopback address and neither "
+                  "TLS (--tls-cert/--tls-key) nor tokens (--auth-token-file) are set: anyone who "
+                  "can reach it can read and write every sequence\n"),
+            1)
+      << insecure;
+  EXPECT_EQ(Count(log.str(), "INSECURE"), 1) << log.str();
 }
 
 class MutualTlsTest : public ::testing::Test {
