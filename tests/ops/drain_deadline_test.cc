@@ -18,6 +18,7 @@ constexpr int64_t kSlowTokens = 4000;
 
 struct Reply {
   grpc::Status status;
+  int64_t length = 0;
   absl::Duration took;
 };
 
