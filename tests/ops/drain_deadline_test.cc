@@ -89,6 +89,16 @@ TEST(OpsDeadlineTest, ExpiredRequestsQueuedBehindSlowWorkChangeNothing) {
   grpc::Status ds = stub->Decode(dctx.get(), victim_decode, &dresp);
   EXPECT_EQ(ps.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << ps.error_message();
   EXPECT_EQ(ds.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << ds.error_message();
+  // A third one, cancelled by its client while it waits.
+  auto cctx = Context();
+  const v1::PrefillRequest cancelled_prefill = MakePrefill(victim, 0, 8, &rng);
+  std::future<grpc::Status> cancelled = std::async(std::launch::async, [&] {
+    v1::PrefillResponse resp;
+    return stub->Prefill(cctx.get(), cancelled_prefill, &resp);
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  cctx->TryCancel();
+  EXPECT_EQ(cancelled.get().error_code(), grpc::StatusCode::CANCELLED);
 
   Reply r = slow_reply.get();
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
@@ -101,12 +111,14 @@ TEST(OpsDeadlineTest, ExpiredRequestsQueuedBehindSlowWorkChangeNothing) {
   std::string m;
   for (int i = 0; i < 50; ++i) {  // the answers are recorded as the worker reaches them
     m = Metrics(daemon);
-    if (SampleOr0(m, "attnd_requests_total{rpc=\"Decode\",code=\"DEADLINE_EXCEEDED\"}") >= 1) break;
+    if (SampleOr0(m, "attnd_requests_total{rpc=\"Prefill\",code=\"CANCELLED\"}") >= 1) break;
     absl::SleepFor(absl::Milliseconds(100));
   }
   EXPECT_EQ(SampleOr0(m, "attnd_requests_total{rpc=\"Prefill\",code=\"DEADLINE_EXCEEDED\"}"), 1);
   EXPECT_EQ(SampleOr0(m, "attnd_requests_total{rpc=\"Decode\",code=\"DEADLINE_EXCEEDED\"}"), 1);
   EXPECT_EQ(SampleOr0(m, "attnd_requests_total{rpc=\"Decode\",code=\"OK\"}"), 0);
+  EXPECT_EQ(SampleOr0(m, "attnd_requests_total{rpc=\"Prefill\",code=\"CANCELLED\"}"), 1);
+  EXPECT_EQ(SampleOr0(m, "attnd_requests_total{rpc=\"Prefill\",code=\"OK\"}"), 2);  // 8 + slow
 
   // Nothing changed: layer 0 is still empty, layer 1 still holds 8 tokens.
   v1::PrefillResponse resp;
