@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -12,7 +13,7 @@ namespace attnd {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kTile = 64;  // keys scored per online-softmax update
+constexpr int64_t kTile = 32;  // keys per tile: K+V of D=128 in fp32 is 32 KiB (L1-sized)
 
 inline void LoadRow(const float* src, int n, float* dst) { std::copy(src, src + n, dst); }
 inline void LoadRow(const uint16_t* src, int n, float* dst) {
@@ -21,14 +22,23 @@ inline void LoadRow(const uint16_t* src, int n, float* dst) {
 
 // The stage-relative keys a row block sees (before the causal limit): its key blocks clipped to
 // kv_len plus its columns, ascending. Blocks and columns never overlap (converter invariant).
-std::vector<int64_t> KeySet(const VsRowBlock& rb, int64_t kv_len) {
-  std::vector<int64_t> keys(rb.columns.begin(), rb.columns.end());
+void KeySet(const VsRowBlock& rb, int64_t kv_len, std::vector<int64_t>* keys) {
+  keys->assign(rb.columns.begin(), rb.columns.end());
   for (int64_t b : rb.block_starts) {
-    for (int64_t k = b; k < std::min(b + kVsBlock, kv_len); ++k) keys.push_back(k);
+    for (int64_t k = b; k < std::min(b + kVsBlock, kv_len); ++k) keys->push_back(k);
   }
-  std::sort(keys.begin(), keys.end());
-  keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
-  return keys;
+  std::sort(keys->begin(), keys->end());
+  keys->erase(std::unique(keys->begin(), keys->end()), keys->end());
+}
+
+// Per-thread scratch reused across work items (a fresh key list per item costs allocations).
+struct Scratch {
+  std::vector<int64_t> keys;
+  std::vector<float> k, v;
+};
+Scratch& ThreadScratch() {
+  thread_local Scratch scratch;
+  return scratch;
 }
 
 }  // namespace
@@ -55,84 +65,135 @@ std::vector<VsHeadPlan> PlanVerticalSlashPiece(const DcaGeometry& geometry, cons
   return plans;
 }
 
+namespace {
+
+// -Wpsabi: 32-byte vectors passed by value differ in ABI with and without AVX; the helpers are
+// always inlined, so no such call exists.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+// One work item of AttendVerticalSlashPiece: q head h, rows [r0, r0 + rows) of the piece.
+// Key tiles outer, rows inner, so a tile of K/V (copied as fp32 into L1-sized scratch) stays in
+// cache while every row of the block uses it; one online softmax per row across the three stages (the same result as
+// merging the stages' outputs by their log-sum-exp).
+template <typename S, typename KvT>
+ATTND_SPARSE_INLINE void AttendItem(const DcaGeometry& geometry, const PagedKv<KvT>& kv,
+                                    const CpuPrefillParams& params, const VsPiece& piece,
+                                    const VsHeadPlan& plan, int32_t h, int64_t m) {
+  using namespace sparse_math;
+  const int d = geometry.head_dim;
+  const int64_t hq = geometry.num_q_heads;
+  const int32_t kv_head = h / geometry.group_size();
+  const int64_t nq = piece.end - piece.begin;
+  const int64_t r0 = m * kVsBlock;
+  const int rows = static_cast<int>(std::min(kVsBlock, nq - r0));
+  const int variant_of_stage[kVsNumStages] = {kIntra, kSucc, kInter};
+
+  std::vector<float> mx(rows, kNegInf), l(rows, 0.f);
+  std::vector<float> acc(static_cast<size_t>(rows) * d, 0.f);
+  std::vector<float> q(static_cast<size_t>(rows) * d);
+  std::vector<int64_t> row_keys(rows);
+  Scratch& scratch = ThreadScratch();
+  std::vector<int64_t>& keys = scratch.keys;
+  std::vector<float>& kbuf = scratch.k;
+  std::vector<float>& vbuf = scratch.v;
+  kbuf.resize(kTile * d);
+  vbuf.resize(kTile * d);
+  float scores[kTile + 8];  // ExpNonPositive runs on whole vectors
+  for (int s = 0; s < kVsNumStages; ++s) {
+    const VsStageLists& st = plan.stages[s];
+    if (!st.present) continue;
+    KeySet(plan.row_blocks[s][m], st.kv_len, &keys);
+    if (keys.empty()) continue;
+    const int64_t n_keys = static_cast<int64_t>(keys.size());
+    const int64_t causal_off = st.kv_len - st.q_len;  // row r sees keys <= causal_off + r
+    for (int r = 0; r < rows; ++r) {
+      const int64_t row = r0 + r;
+      row_keys[r] = st.causal ? std::upper_bound(keys.begin(), keys.end(), causal_off + row) -
+                                    keys.begin()
+                              : n_keys;
+      const float* src = params.q + (piece.begin + row - params.start) * kNumQueryVariants * hq * d +
+                         variant_of_stage[s] * hq * d + static_cast<int64_t>(h) * d;
+      for (int e = 0; e < d; ++e) q[static_cast<size_t>(r) * d + e] = src[e] * params.softmax_scale;
+    }
+    for (int64_t t0 = 0; t0 < n_keys; t0 += kTile) {
+      // The tile's K/V rows as contiguous fp32 (an L1-sized copy, read by all the rows below).
+      const int64_t t1 = std::min(n_keys, t0 + kTile);
+      for (int64_t j = t0; j < t1; ++j) {
+        LoadRow(kv.Key(st.kv_begin + keys[j], kv_head), d, kbuf.data() + (j - t0) * d);
+        LoadRow(kv.Value(st.kv_begin + keys[j], kv_head), d, vbuf.data() + (j - t0) * d);
+      }
+      const float* kt = kbuf.data();
+      const float* vt = vbuf.data();
+      for (int r = 0; r < rows; ++r) {
+        const int n = static_cast<int>(std::min<int64_t>(kTile, row_keys[r] - t0));
+        if (n <= 0) continue;
+        const float* qr = q.data() + static_cast<size_t>(r) * d;
+        int j = 0;
+        for (; j + 4 <= n; j += 4) Dot4<S>(qr, kt + j * d, d, d, scores + j);
+        for (; j < n; ++j) scores[j] = Dot<S>(qr, kt + j * d, d);
+        float tile_max = kNegInf;
+        for (j = 0; j < n; ++j) tile_max = std::max(tile_max, scores[j]);
+        float* a = acc.data() + static_cast<size_t>(r) * d;
+        const float m_new = std::max(mx[r], tile_max);
+        if (m_new > mx[r] && mx[r] != kNegInf) {
+          const float c = std::exp(mx[r] - m_new);
+          l[r] *= c;
+          for (int e = 0; e < d; ++e) a[e] *= c;
+        }
+        mx[r] = m_new;
+        for (j = 0; j < n; ++j) scores[j] -= m_new;
+        ExpNonPositive<S>(scores, n);
+        float sum = 0.f;
+        for (j = 0; j < n; ++j) sum += scores[j];
+        for (j = 0; j + 4 <= n; j += 4) Axpy4<S>(scores + j, vt + j * d, d, a, d);
+        for (; j < n; ++j) Axpy<S>(scores[j], vt + j * d, a, d);
+        l[r] += sum;
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    float* out =
+        params.out + (piece.begin + r0 + r - params.start) * hq * d + static_cast<int64_t>(h) * d;
+    // A row with no visible key contributes nothing: zeros, never 0/0.
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const float* a = acc.data() + static_cast<size_t>(r) * d;
+    for (int e = 0; e < d; ++e) out[e] = a[e] * inv;
+  }
+}
+
+template <typename KvT>
+void AttendItemV4(const DcaGeometry& g, const PagedKv<KvT>& kv, const CpuPrefillParams& p,
+                  const VsPiece& piece, const VsHeadPlan& plan, int32_t h, int64_t m) {
+  AttendItem<sparse_math::V4>(g, kv, p, piece, plan, h, m);
+}
+template <typename KvT>
+__attribute__((target("avx2,fma"))) void AttendItemV8(const DcaGeometry& g, const PagedKv<KvT>& kv,
+                                                      const CpuPrefillParams& p,
+                                                      const VsPiece& piece,
+                                                      const VsHeadPlan& plan, int32_t h,
+                                                      int64_t m) {
+  AttendItem<sparse_math::V8>(g, kv, p, piece, plan, h, m);
+}
+#pragma GCC diagnostic pop
+
+}  // namespace
+
 template <typename KvT>
 void AttendVerticalSlashPiece(const DcaGeometry& geometry, const PagedKv<KvT>& kv,
                               const CpuPrefillParams& params, const VsPiece& piece,
                               absl::Span<const VsHeadPlan> plans, ThreadPool* pool) {
-  const int d = geometry.head_dim;
-  const int64_t hq = geometry.num_q_heads;
-  const int g = geometry.group_size();
   const int64_t nq = piece.end - piece.begin;
   const int64_t row_blocks = (nq + kVsBlock - 1) / kVsBlock;
-  const float scale = params.softmax_scale;
-  const int variant_of_stage[kVsNumStages] = {kIntra, kSucc, kInter};
-
-  pool->ParallelFor(hq * row_blocks, [&](int64_t item) {
+  // The dense kernels' SIMD choice (kernels/dca_cpu.h SetCpuSimd), so tests can force SSE2.
+  const bool avx2 = std::strcmp(CpuSimdName(geometry.head_dim), "avx2") == 0;
+  pool->ParallelFor(geometry.num_q_heads * row_blocks, [&](int64_t item) {
     const int32_t h = static_cast<int32_t>(item / row_blocks);
     const int64_t m = item % row_blocks;
-    const int32_t kv_head = h / g;
-    const VsHeadPlan& plan = plans[h];
-    const int64_t r0 = m * kVsBlock;
-    const int rows = static_cast<int>(std::min(kVsBlock, nq - r0));
-
-    // One online softmax per row across the three stages: the same result as merging the
-    // stages' outputs by their log-sum-exp.
-    std::vector<float> mx(rows, kNegInf), l(rows, 0.f);
-    std::vector<float> acc(static_cast<size_t>(rows) * d, 0.f);
-    std::vector<float> q(d), kbuf, vbuf, scores(kTile);
-    for (int s = 0; s < kVsNumStages; ++s) {
-      const VsStageLists& st = plan.stages[s];
-      if (!st.present) continue;
-      const std::vector<int64_t> keys = KeySet(plan.row_blocks[s][m], st.kv_len);
-      if (keys.empty()) continue;
-      kbuf.resize(keys.size() * d);
-      vbuf.resize(keys.size() * d);
-      for (size_t j = 0; j < keys.size(); ++j) {
-        LoadRow(kv.Key(st.kv_begin + keys[j], kv_head), d, kbuf.data() + j * d);
-        LoadRow(kv.Value(st.kv_begin + keys[j], kv_head), d, vbuf.data() + j * d);
-      }
-      const int64_t causal_off = st.kv_len - st.q_len;  // row r sees keys <= causal_off + r
-      for (int r = 0; r < rows; ++r) {
-        const int64_t row = r0 + r;
-        const int64_t n_keys =
-            st.causal ? std::upper_bound(keys.begin(), keys.end(), causal_off + row) - keys.begin()
-                      : static_cast<int64_t>(keys.size());
-        if (n_keys == 0) continue;
-        const float* src = params.q + (piece.begin + row - params.start) * kNumQueryVariants * hq * d +
-                           variant_of_stage[s] * hq * d + static_cast<int64_t>(h) * d;
-        for (int e = 0; e < d; ++e) q[e] = src[e] * scale;
-        float* a = acc.data() + static_cast<size_t>(r) * d;
-        for (int64_t t0 = 0; t0 < n_keys; t0 += kTile) {
-          const int n = static_cast<int>(std::min(kTile, n_keys - t0));
-          float tile_max = kNegInf;
-          for (int j = 0; j < n; ++j) {
-            scores[j] = DotF32(q.data(), kbuf.data() + (t0 + j) * d, d);
-            tile_max = std::max(tile_max, scores[j]);
-          }
-          const float m_new = std::max(mx[r], tile_max);
-          if (m_new > mx[r] && mx[r] != kNegInf) {
-            const float c = std::exp(mx[r] - m_new);
-            l[r] *= c;
-            for (int e = 0; e < d; ++e) a[e] *= c;
-          }
-          mx[r] = m_new;
-          float sum = 0.f;
-          for (int j = 0; j < n; ++j) {
-            const float p = std::exp(scores[j] - m_new);
-            sum += p;
-            AxpyF32(p, vbuf.data() + (t0 + j) * d, a, d);
-          }
-          l[r] += sum;
-        }
-      }
-    }
-    for (int r = 0; r < rows; ++r) {
-      float* out =
-          params.out + (piece.begin + r0 + r - params.start) * hq * d + static_cast<int64_t>(h) * d;
-      // A row with no visible key contributes nothing: zeros, never 0/0.
-      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-      const float* a = acc.data() + static_cast<size_t>(r) * d;
-      for (int e = 0; e < d; ++e) out[e] = a[e] * inv;
+    if (avx2) {
+      AttendItemV8<KvT>(geometry, kv, params, piece, plans[h], h, m);
+    } else {
+      AttendItemV4<KvT>(geometry, kv, params, piece, plans[h], h, m);
     }
   });
 }

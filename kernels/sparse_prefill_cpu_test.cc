@@ -159,6 +159,14 @@ TEST_F(SparsePrefillTest, SmallLastQAndBf16Storage) {
   RunPrompt<uint16_t>({120, 200}, budgets_, 16, 3, &pool_);
 }
 
+TEST_F(SparsePrefillTest, Sse2Path) {
+  // The estimation and attention loops exist per SIMD width; force the baseline one.
+  ASSERT_TRUE(SetCpuSimd(CpuSimd::kSse2));
+  RunPrompt<float>({70, 5, 230}, budgets_, 64, 12, &pool_);
+  RunPrompt<uint16_t>({300}, budgets_, 32, 13, &pool_);
+  ASSERT_TRUE(SetCpuSimd(CpuSimd::kAuto));
+}
+
 TEST_F(SparsePrefillTest, OneThread) {
   ThreadPool one(1);
   RunPrompt<float>({300}, budgets_, 64, 4, &one);

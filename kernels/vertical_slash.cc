@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/dtype.h"
@@ -137,6 +138,66 @@ std::vector<int64_t> TopKIndices(absl::Span<const double> scores, int64_t k,
   return idx;
 }
 
+namespace {
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"  // always-inlined helpers; no 32-byte by-value calls
+
+// The fp32 logits of one estimation row at position pos against keys [0, pos] (later keys are
+// the causal corner, probability 0), exponentiated relative to the row max; returns their sum.
+// q holds the row's three estimation queries, pre-scaled: intra, succ_critical, inter_critical.
+template <typename S, typename KvT>
+ATTND_SPARSE_INLINE double RowProbabilities(const PagedKv<KvT>& kv, int32_t kv_head,
+                                            const float* q, int64_t pos, int64_t prev, int64_t cl,
+                                            float* logits, float* key_buf) {
+  using namespace sparse_math;
+  const int d = kv.head_dim;
+  const int64_t stride = static_cast<int64_t>(kv.num_kv_heads) * d;
+  float max_logit = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j <= pos;) {
+    const int s = j >= prev ? 0 : (j >= prev - cl ? 1 : 2);
+    const float* qs = q + s * d;
+    // Keys that share a page and a query variant are 4-blocked (fp32 KV is read in place).
+    const int64_t variant_end = s == 0 ? pos + 1 : (s == 1 ? prev : prev - cl);
+    const int64_t page_end = (j / kv.page_size + 1) * kv.page_size;
+    const int64_t run_end = std::min({variant_end, page_end, pos + 1});
+    if constexpr (std::is_same<KvT, float>::value) {
+      const float* k = kv.Key(j, kv_head);
+      int64_t u = j;
+      for (; u + 4 <= run_end; u += 4) Dot4<S>(qs, k + (u - j) * stride, stride, d, logits + u);
+      for (; u < run_end; ++u) logits[u] = Dot<S>(qs, k + (u - j) * stride, d);
+    } else {
+      for (int64_t u = j; u < run_end; ++u) {
+        logits[u] = Dot<S>(qs, KeyRow(kv, u, kv_head, key_buf), d);
+      }
+    }
+    for (int64_t u = j; u < run_end; ++u) max_logit = std::max(max_logit, logits[u]);
+    j = run_end;
+  }
+  for (int64_t j = 0; j <= pos; ++j) logits[j] -= max_logit;
+  ExpNonPositive<S>(logits, static_cast<int>(pos + 1));
+  double sum = 0;
+  for (int64_t j = 0; j <= pos; ++j) sum += logits[j];
+  return sum;
+}
+
+template <typename KvT>
+double RowProbabilitiesV4(const PagedKv<KvT>& kv, int32_t kv_head, const float* q, int64_t pos,
+                          int64_t prev, int64_t cl, float* logits, float* key_buf) {
+  return RowProbabilities<sparse_math::V4>(kv, kv_head, q, pos, prev, cl, logits, key_buf);
+}
+template <typename KvT>
+__attribute__((target("avx2,fma"))) double RowProbabilitiesV8(const PagedKv<KvT>& kv,
+                                                              int32_t kv_head, const float* q,
+                                                              int64_t pos, int64_t prev,
+                                                              int64_t cl, float* logits,
+                                                              float* key_buf) {
+  return RowProbabilities<sparse_math::V8>(kv, kv_head, q, pos, prev, cl, logits, key_buf);
+}
+#pragma GCC diagnostic pop
+
+}  // namespace
+
 template <typename KvT>
 VsSelection EstimateVerticalSlash(const DcaGeometry& geometry, const PagedKv<KvT>& kv,
                                   const CpuPrefillParams& params, const VsPiece& piece,
@@ -148,30 +209,24 @@ VsSelection EstimateVerticalSlash(const DcaGeometry& geometry, const PagedKv<KvT
   const int64_t end = piece.end;
   const int64_t n = std::min(piece.end - piece.begin, last_q);
   const float scale = params.softmax_scale;
+  // The dense kernels' SIMD choice (kernels/dca_cpu.h SetCpuSimd), so tests can force SSE2.
+  const bool avx2 = std::strcmp(CpuSimdName(geometry.head_dim), "avx2") == 0;
 
   std::vector<double> vertical(end, 0.0), slash(end, 0.0);
-  std::vector<float> logits(end), key_buf(d);
-  // The three estimation queries of a row, pre-scaled: intra, succ_critical, inter_critical.
+  std::vector<float> logits(end + 8), key_buf(d);  // + 8: the exp runs on whole vectors
   std::vector<float> q(3 * static_cast<size_t>(d));
+  const int variants[3] = {kIntra, kSuccCritical, kInterCritical};
   for (int64_t i = 0; i < n; ++i) {
     const int64_t pos = end - n + i;
     const float* row = params.q + (pos - params.start) * kNumQueryVariants * hq * d + head * d;
-    const int variants[3] = {kIntra, kSuccCritical, kInterCritical};
     for (int s = 0; s < 3; ++s) {
       for (int e = 0; e < d; ++e) q[s * d + e] = row[variants[s] * hq * d + e] * scale;
     }
-    // Keys past the row's own position are the causal corner: probability 0.
-    float max_logit = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j <= pos; ++j) {
-      const int s = j >= piece.prev ? 0 : (j >= piece.prev - cl ? 1 : 2);
-      logits[j] = DotF32(q.data() + s * d, KeyRow(kv, j, kv_head, key_buf.data()), d);
-      max_logit = std::max(max_logit, logits[j]);
-    }
-    double sum = 0;
-    for (int64_t j = 0; j <= pos; ++j) {
-      logits[j] = std::exp(logits[j] - max_logit);
-      sum += logits[j];
-    }
+    const double sum =
+        avx2 ? RowProbabilitiesV8<KvT>(kv, kv_head, q.data(), pos, piece.prev, cl, logits.data(),
+                                       key_buf.data())
+             : RowProbabilitiesV4<KvT>(kv, kv_head, q.data(), pos, piece.prev, cl, logits.data(),
+                                       key_buf.data());
     const float inv = static_cast<float>(1.0 / sum);
     // Row i's key j lies on the diagonal anchored at t = j + (n - 1 - i).
     const int64_t shift = n - 1 - i;
