@@ -1,9 +1,12 @@
 #include "client/attnd_client.h"
 
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/status_macros.h"
 
 namespace attnd {
@@ -57,6 +60,18 @@ absl::StatusOr<std::vector<DecodeResult>> ParseDecode(const v1::DecodeResponse& 
 
 }  // namespace
 
+// The whole of a PEM file, or an error naming the file and what it was for.
+static absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(what, " file ", path, " cannot be read"));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (text.str().find("-----BEGIN") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " file ", path, " holds no PEM block"));
+  }
+  return text.str();
+}
+
 absl::Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   // absl::StatusCode and grpc::StatusCode share the google.rpc.Code values.
@@ -75,8 +90,24 @@ absl::StatusOr<std::unique_ptr<AttndClient>> AttndClient::Connect(const std::str
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
-  std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (!options.tls_ca_file.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    ATTND_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(options.tls_ca_file, "TLS CA"));
+    if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+      return absl::InvalidArgumentError(
+          "a client certificate needs both its certificate and its key file");
+    }
+    if (!options.tls_cert_file.empty()) {
+      ATTND_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
+                             ReadPem(options.tls_cert_file, "TLS client certificate"));
+      ATTND_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPem(options.tls_key_file, "TLS client key"));
+    }
+    credentials = grpc::SslCredentials(ssl);
+  } else if (!options.tls_cert_file.empty() || !options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("a TLS client certificate needs the server's CA file too");
+  }
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(target, credentials, args);
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
     return absl::UnavailableError(absl::StrCat("cannot connect to attnd at ", target, " within ",
                                                absl::FormatDuration(options.connect_timeout)));
@@ -88,6 +119,18 @@ void AttndClient::SetDeadline(grpc::ClientContext* context) const {
   if (options_.rpc_timeout != absl::InfiniteDuration()) {
     context->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
   }
+  if (!options_.token.empty()) context->AddMetadata("authorization", "Bearer " + options_.token);
+}
+
+absl::StatusOr<bool> AttndClient::Healthy(const std::string& service) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  ATTND_RETURN_IF_ERROR(
+      FromGrpc(grpc::health::v1::Health::NewStub(channel_)->Check(&context, request, &response)));
+  return response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
 }
 
 absl::StatusOr<v1::GetServerInfoResponse> AttndClient::Info() {

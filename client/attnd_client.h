@@ -32,6 +32,13 @@ struct ClientOptions {
   absl::Duration connect_timeout = absl::Seconds(10);
   // Per-RPC deadline; InfiniteDuration = none.
   absl::Duration rpc_timeout = absl::InfiniteDuration();
+  // Sent as "authorization: Bearer <token>" on every call when set (attnd --auth-token-file).
+  std::string token;
+  // TLS: the CA that signed the server's certificate (set = TLS on); a client certificate and key
+  // for mutual TLS (attnd --tls-client-ca). PEM files.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
 };
 
 struct PrefillResult {
@@ -84,10 +91,14 @@ class AttndClient {
   // A new Session stream.
   absl::StatusOr<std::unique_ptr<Session>> OpenSession();
 
+  // grpc.health.v1 Check for `service` ("" = the whole server): true when SERVING.
+  absl::StatusOr<bool> Healthy(const std::string& service);
+
   const ClientOptions& options() const { return options_; }
 
  private:
   AttndClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+  // Per-call settings every RPC shares: the deadline and the bearer token.
   void SetDeadline(grpc::ClientContext* context) const;
 
   const ClientOptions options_;

@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -36,12 +38,20 @@ ABSL_FLAG(std::vector<std::string>, context, std::vector<std::string>({"1024", "
           "bench: comma-separated context lengths");
 ABSL_FLAG(int64_t, prefill_chunk, 1024, "bench: tokens per prefill call");
 ABSL_FLAG(int32_t, batch, 1, "bench: sequences per decode call");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the bearer token (attnd --auth-token-file); default: $ATTND_TOKEN if set");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA of the server's certificate; set = TLS");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate, for mutual TLS");
+ABSL_FLAG(std::string, tls_key, "", "PEM client key, for mutual TLS");
+ABSL_FLAG(std::string, service, "",
+          "health: the service to check (\"\" = the server, or attnd.v1.Attention)");
 
 namespace {
 
 constexpr char kUsage[] =
-    "attnctl <info|smoke|bench> [flags]\n"
+    "attnctl <info|health|smoke|bench> [flags]\n"
     "  info   print the server's model, DCA config, KV pool and limits\n"
+    "  health grpc.health.v1 Check (--service); exits 0 when SERVING, 1 otherwise\n"
     "  smoke  prefill + decode one sequence and check every output against the naive fp64\n"
     "         reference; exits non-zero on FAIL (--dtype --layers --max-tokens --decode-steps "
     "--seed)\n"
@@ -71,6 +81,22 @@ std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
   return args;
 }
 
+// The bearer token: the first line of `path`, else $ATTND_TOKEN, else none. Kept out of argv so
+// it never shows in `ps`.
+absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  if (path.empty()) {
+    const char* env = std::getenv("ATTND_TOKEN");
+    return std::string(env ? env : "");
+  }
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, " cannot be read"));
+  std::string token;
+  std::getline(in, token);
+  while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
+  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": the first line is empty"));
+  return token;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -85,7 +111,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string command = positional[1];
-  if (command != "info" && command != "smoke" && command != "bench") {
+  if (command != "info" && command != "health" && command != "smoke" && command != "bench") {
     std::cerr << "attnctl: unknown command \"" << command << "\"\n" << kUsage << "\n";
     return 2;
   }
@@ -93,6 +119,15 @@ int main(int argc, char** argv) {
   attnd::client::ClientOptions client_options;
   client_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   client_options.connect_timeout = absl::GetFlag(FLAGS_connect_timeout);
+  client_options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
+  client_options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  client_options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  absl::StatusOr<std::string> token = ReadToken(absl::GetFlag(FLAGS_token_file));
+  if (!token.ok()) {
+    std::cerr << "attnctl: --token-file: " << token.status().message() << "\n";
+    return 2;
+  }
+  client_options.token = *token;
   absl::StatusOr<std::unique_ptr<attnd::client::AttndClient>> client =
       attnd::client::AttndClient::Connect(absl::GetFlag(FLAGS_target), client_options);
   if (!client.ok()) {
@@ -100,6 +135,17 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (command == "info") return attnd::client::RunInfo(**client, std::cout, std::cerr);
+  if (command == "health") {
+    const std::string service = absl::GetFlag(FLAGS_service);
+    absl::StatusOr<bool> serving = (*client)->Healthy(service);
+    if (!serving.ok()) {
+      std::cerr << "attnctl: health: " << serving.status() << "\n";
+      return 2;
+    }
+    std::cout << (service.empty() ? "server" : service) << ": "
+              << (*serving ? "SERVING" : "NOT_SERVING") << "\n";
+    return *serving ? 0 : 1;
+  }
 
   const std::string dtype_name = absl::GetFlag(FLAGS_dtype).empty()
                                      ? (command == "smoke" ? "fp32" : "bf16")
