@@ -15,6 +15,7 @@
 #include "kernels/dca_cpu.h"
 #include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
+#include "kernels/sparse_prefill_cpu.h"
 
 namespace attnd {
 namespace {
@@ -82,6 +83,16 @@ absl::StatusOr<std::unique_ptr<CpuEngine>> CpuEngine::Create(const CpuEngineOpti
   if (layout.num_layers <= 0 || layout.page_size <= 0 || layout.num_pages <= 0) {
     return absl::InvalidArgumentError("cpu engine: the KV layout has no layers, pages or slots");
   }
+  if (const SparseAttentionConfig* sp = options.sparse.get();
+      sp != nullptr && (sp->num_layers != layout.num_layers || sp->num_q_heads != g.num_q_heads ||
+                        sp->budgets.size() != static_cast<size_t>(sp->num_layers) *
+                                                  static_cast<size_t>(sp->num_q_heads) ||
+                        sp->last_q < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cpu engine: the sparse attention config (", sp->num_layers, " layers x ",
+        sp->num_q_heads, " heads, last_q ", sp->last_q, ") does not match the model (",
+        layout.num_layers, " layers x ", g.num_q_heads, " q heads)"));
+  }
   const size_t bytes = static_cast<size_t>(layout.pool_bytes());
   const size_t rounded = (bytes + kPoolAlignment - 1) / kPoolAlignment * kPoolAlignment;
   void* pool = std::aligned_alloc(kPoolAlignment, rounded);
@@ -95,6 +106,7 @@ absl::StatusOr<std::unique_ptr<CpuEngine>> CpuEngine::Create(const CpuEngineOpti
 CpuEngine::CpuEngine(const CpuEngineOptions& options, void* pool)
     : geometry_(options.geometry),
       layout_(options.layout),
+      sparse_(options.sparse),
       device_name_(CpuModelName()),
       pool_(static_cast<char*>(pool)),
       compute_(std::make_unique<ThreadPool>(options.compute_threads)) {}
@@ -184,7 +196,13 @@ absl::Status CpuEngine::PrefillTyped(const PrefillJob& job) {
   prefill.start = job.start;
   prefill.num_tokens = t;
   prefill.softmax_scale = geometry_.softmax_scale * s;
-  DcaPrefillCpu<KvT>(geometry_, kv, prefill, compute_.get());
+  // DCA.md: sparse when the config exists and the prompt (as for scaling) exceeds the threshold.
+  if (sparse_ != nullptr && sparse_->UseSparse(job.prompt_len)) {
+    DcaSparsePrefillCpu<KvT>(geometry_, kv, prefill, sparse_->layer(job.layer), sparse_->last_q,
+                             compute_.get());
+  } else {
+    DcaPrefillCpu<KvT>(geometry_, kv, prefill, compute_.get());
+  }
 
   ConvertFromFloat(out.data(), out_n, job.out_dtype, job.out);
   return absl::OkStatus();

@@ -13,6 +13,7 @@
 #include "kernels/thread_pool.h"
 #include "kvcache/kv_layout.h"
 #include "server/engine.h"
+#include "server/sparse_config.h"
 
 namespace attnd {
 
@@ -20,6 +21,9 @@ struct CpuEngineOptions {
   DcaGeometry geometry;
   KvLayout layout;              // kv_dtype must be kFp32 or kBf16
   int32_t compute_threads = 0;  // 0 = all cores
+  // Vertical-slash sparse prefill (kernels/sparse_prefill_cpu.h) for prompts longer than its
+  // threshold when set and enabled; its layers and q heads must match the layout and geometry.
+  std::shared_ptr<const SparseAttentionConfig> sparse;
 };
 
 // min(4 GiB, a quarter of physical memory): a default that leaves room for the rest of the host.
@@ -56,6 +60,7 @@ class CpuEngine : public Engine {
 
   const DcaGeometry geometry_;
   const KvLayout layout_;
+  const std::shared_ptr<const SparseAttentionConfig> sparse_;  // may be null
   const std::string device_name_;
   char* const pool_;  // layout_.pool_bytes() bytes, 64-byte aligned; owned
   std::unique_ptr<ThreadPool> compute_;

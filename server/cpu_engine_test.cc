@@ -17,7 +17,10 @@
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
 #include "kernels/testing/naive_dca.h"
+#include "kernels/testing/naive_sparse.h"
+#include "kernels/vertical_slash.h"
 #include "kvcache/kv_layout.h"
+#include "server/sparse_config.h"
 
 namespace attnd {
 namespace {
@@ -285,6 +288,110 @@ TEST(CpuEngineTest, RejectsBadLayerAndPagesBeforeTouchingThePool) {
 TEST(CpuEngineTest, DefaultPoolIsAQuarterOfRamCappedAt4GiB) {
   const int64_t ram = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
   EXPECT_EQ(DefaultCpuPoolBytes(), std::min<int64_t>(int64_t{4} << 30, ram / 4));
+}
+
+// ---- Vertical-slash sparse prefill (kernels/sparse_prefill_cpu.h) ----
+
+std::shared_ptr<const SparseAttentionConfig> TinySparse(int64_t threshold) {
+  auto sp = std::make_shared<SparseAttentionConfig>();
+  sp->source = "test";
+  sp->num_layers = kLayers;
+  sp->num_q_heads = kHq;
+  sp->enabled = true;
+  sp->threshold = threshold;
+  sp->last_q = 32;
+  // Layer 1 mixes forced-only, data-driven and larger-than-the-prompt budgets.
+  sp->budgets = {{130, 100}, {130, 100}, {130, 100}, {130, 100},
+                 {20, 50},   {130, 120}, {40, 160},  {1000, 1000}};
+  return sp;
+}
+
+TEST(CpuEngineSparseTest, PromptsOverTheThresholdTakeTheSparsePath) {
+  CpuEngineOptions options;
+  options.geometry = TinyGeometry();
+  options.layout = TinyLayout(DType::kFp32, 64);
+  options.compute_threads = 2;
+  options.sparse = TinySparse(/*threshold=*/200);
+  absl::StatusOr<std::unique_ptr<CpuEngine>> engine = CpuEngine::Create(options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const DcaGeometry g = TinyGeometry();
+  std::mt19937 rng(11);
+  std::vector<int32_t> pages(64);
+  std::iota(pages.rbegin(), pages.rend(), 0);
+
+  // A 300-token prompt (> 200, and length-scaled: s(300) > 1) in three chunks across the chunk
+  // boundaries at 128 and 256, against the naive sparse reference on the cached (scaled) keys.
+  const int64_t prompt = 300;
+  const float s = LengthScale(prompt, g.original_max_position_embeddings);
+  ASSERT_GT(s, 1.f);
+  std::vector<double> keys, values;
+  std::vector<naive::SparseBudget> budgets;
+  for (const VsBudget& b : options.sparse->layer(1)) budgets.push_back({b.vertical, b.slash});
+  int64_t start = 0;
+  for (int64_t t : {100, 120, 80}) {
+    Tensor q = RandomTensor({t, kNumQueryVariants, kHq, kD}, DType::kFp32, &rng);
+    Tensor k = RandomTensor({t, kHkv, kD}, DType::kFp32, &rng);
+    Tensor v = RandomTensor({t, kHkv, kD}, DType::kFp32, &rng);
+    for (float x : k.values) keys.push_back(x * s);  // cached as fp32(s * k)
+    for (float x : v.values) values.push_back(x);
+    std::string out(t * kHq * kD * sizeof(float), '\0');
+    PrefillJob job;
+    job.layer = 1;
+    job.page_table = pages.data();
+    job.num_pages = 64;
+    job.start = start;
+    job.num_tokens = t;
+    job.prompt_len = prompt;
+    job.q = q.view();
+    job.k = k.view();
+    job.v = v.view();
+    job.out = out.data();
+    ASSERT_TRUE((*engine)->Prefill(job).ok());
+    const std::vector<double> want =
+        naive::SparsePrefill(g, q.values, start, keys, values,
+                             static_cast<double>(g.softmax_scale * s), budgets, 32);
+    ExpectClose(ToFloats(out, DType::kFp32), std::vector<float>(want.begin(), want.end()), 1e-4,
+                "sparse prefill @" + std::to_string(start));
+    start += t;
+  }
+
+  // At the threshold (not strictly above it) the same engine runs dense.
+  naive::NaiveSequence ref(g, kLayers);
+  std::vector<int32_t> other(pages.begin(), pages.begin() + 20);
+  const int64_t t = 200;
+  Tensor q = RandomTensor({t, kNumQueryVariants, kHq, kD}, DType::kFp32, &rng);
+  Tensor k = RandomTensor({t, kHkv, kD}, DType::kFp32, &rng);
+  Tensor v = RandomTensor({t, kHkv, kD}, DType::kFp32, &rng);
+  std::string out(t * kHq * kD * sizeof(float), '\0');
+  PrefillJob job;
+  job.layer = 0;
+  job.page_table = other.data();
+  job.num_pages = 20;
+  job.num_tokens = t;
+  job.prompt_len = t;
+  job.q = q.view();
+  job.k = k.view();
+  job.v = v.view();
+  job.out = out.data();
+  ASSERT_TRUE((*engine)->Prefill(job).ok());
+  absl::StatusOr<std::vector<float>> want = ref.Prefill(0, q.values, k.values, v.values, t);
+  ASSERT_TRUE(want.ok()) << want.status();
+  ExpectClose(ToFloats(out, DType::kFp32), *want, 1e-4, "dense at the threshold");
+}
+
+TEST(CpuEngineSparseTest, ConfigMustMatchTheModel) {
+  CpuEngineOptions options;
+  options.geometry = TinyGeometry();
+  options.layout = TinyLayout(DType::kFp32, 8);
+  auto sp = std::make_shared<SparseAttentionConfig>(*TinySparse(10));
+  sp->num_q_heads = 2;
+  sp->budgets.resize(4);
+  options.sparse = sp;
+  absl::StatusOr<std::unique_ptr<CpuEngine>> engine = CpuEngine::Create(options);
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine.status().message(),
+            "cpu engine: the sparse attention config (2 layers x 2 heads, last_q 32) does not "
+            "match the model (2 layers x 4 q heads)");
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -263,6 +264,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view text,
                                           kDefaultOriginalMaxPositionEmbeddings));
   ATTND_ASSIGN_OR_RETURN(config.sparse_attention_enabled,
                          dca_reader.BoolOr("sparse_attention_enabled", false));
+  config.sparse_attention_enabled_set = dca_reader.Get("sparse_attention_enabled") != nullptr;
   ATTND_ASSIGN_OR_RETURN(config.sparse_attention_threshold,
                          dca_reader.IntOr("sparse_attention_threshold", 0, kInt64Max,
                                           kDefaultSparseAttentionThreshold));
@@ -324,7 +326,23 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path) {
     return absl::InvalidArgumentError(
         absl::StrCat(file, ": too large for a config.json (limit ", kMaxConfigBytes, " bytes)"));
   }
-  return ParseModelConfig(text, file);
+  ATTND_ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(text, file));
+  // The sparse pattern file sits beside config.json (Hugging Face model folders; SGLang/vLLM read
+  // it the same way).
+  const size_t slash = file.rfind('/');
+  SparseSettings settings;
+  if (config.sparse_attention_enabled_set) settings.enabled = config.sparse_attention_enabled;
+  settings.threshold = config.sparse_attention_threshold;
+  settings.last_q = config.sparse_attention_last_q;
+  ATTND_ASSIGN_OR_RETURN(
+      std::optional<SparseAttentionConfig> sparse,
+      LoadSparseAttentionConfig(slash == std::string::npos ? "." : file.substr(0, slash),
+                                config.num_layers, config.num_q_heads, settings));
+  if (sparse.has_value()) {
+    config.sparse_attention_enabled = sparse->enabled;
+    config.sparse = std::make_shared<const SparseAttentionConfig>(*std::move(sparse));
+  }
+  return config;
 }
 
 ModelConfig Qwen25_7BInstruct1M() {

@@ -5,11 +5,13 @@
 #define ATTND_SERVER_MODEL_CONFIG_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "kernels/dca.h"
+#include "server/sparse_config.h"
 
 namespace attnd {
 
@@ -32,12 +34,15 @@ struct ModelConfig {
   int64_t chunk_size = kDefaultChunkSize;
   int64_t local_size = kDefaultLocalSize;
   int64_t original_max_position_embeddings = kDefaultOriginalMaxPositionEmbeddings;
-  // NOTE: in Hugging Face model folders the sparse pattern lives in sparse_attention_config.json,
-  // which this loader does not read; sparse is on only when config.json says
-  // "sparse_attention_enabled": true (as SGLang writes it back after loading that file).
+  // Vertical-slash sparse prefill. In Hugging Face model folders the per-head budgets live in
+  // sparse_attention_config.json beside config.json; LoadModelConfig reads it into `sparse` and
+  // turns sparse on unless config.json sets "sparse_attention_enabled": false
+  // (server/sparse_config.h). ParseModelConfig alone sees only config.json's keys.
   bool sparse_attention_enabled = false;
+  bool sparse_attention_enabled_set = false;  // config.json has the key
   int64_t sparse_attention_threshold = kDefaultSparseAttentionThreshold;
   int64_t sparse_attention_last_q = kDefaultSparseAttentionLastQ;
+  std::shared_ptr<const SparseAttentionConfig> sparse;  // the budgets, when the file was found
   float softmax_scale = 0.f;  // 1/sqrt(head_dim)
 
   // chunk_size - local_size: the distance between DCA chunk boundaries ("cl").
@@ -45,9 +50,11 @@ struct ModelConfig {
   DcaGeometry geometry() const;
 };
 
-// Reads a Hugging Face config.json (or a model directory holding one). NOT_FOUND naming the path
-// when it does not exist; INVALID_ARGUMENT naming the file (and the key, and what was expected)
-// when it cannot be read, is not JSON, or describes an impossible model.
+// Reads a Hugging Face config.json (or a model directory holding one), and the
+// sparse_attention_config.json beside it when there is one. NOT_FOUND naming the path when it does
+// not exist; INVALID_ARGUMENT naming the file (and the key or entry, and what was expected) when
+// either file cannot be read, is not JSON, or describes an impossible model, and when config.json
+// enables sparse attention without the pattern file.
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path);
 
 // Parses config.json text. `source_name` (a path or a label) prefixes every error message and

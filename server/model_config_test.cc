@@ -79,7 +79,10 @@ TEST(ModelConfigTest, ShippedQwen7B) {
   EXPECT_EQ(c->local_size, 8192);
   EXPECT_EQ(c->chunk_len(), 253952);
   EXPECT_EQ(c->original_max_position_embeddings, 262144);
-  EXPECT_FALSE(c->sparse_attention_enabled);
+  // The folder ships sparse_attention_config.json, which turns sparse prefill on.
+  EXPECT_TRUE(c->sparse_attention_enabled);
+  ASSERT_NE(c->sparse, nullptr);
+  EXPECT_EQ(c->sparse->budgets.size(), 28u * 28u);
   EXPECT_EQ(c->sparse_attention_threshold, 32768);
   EXPECT_EQ(c->sparse_attention_last_q, 64);
   EXPECT_FLOAT_EQ(c->softmax_scale, 0.08838834764831845f);
@@ -93,8 +96,11 @@ TEST(ModelConfigTest, ShippedQwen7B) {
   EXPECT_EQ(g.original_max_position_embeddings, 262144);
   EXPECT_FLOAT_EQ(g.softmax_scale, 0.08838834764831845f);
 
-  // The embedded default is the same model.
-  ExpectSameConfig(Qwen25_7BInstruct1M(), *c);
+  // The embedded default is the same model, without the pattern file.
+  ModelConfig dense = *c;
+  dense.sparse_attention_enabled = false;
+  ExpectSameConfig(Qwen25_7BInstruct1M(), dense);
+  EXPECT_EQ(Qwen25_7BInstruct1M().sparse, nullptr);
 }
 
 TEST(ModelConfigTest, ShippedQwen14B) {
@@ -384,6 +390,81 @@ TEST(ModelConfigTest, InvalidFileNamesThePath) {
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(c.status().message()),
               StartsWith(path + ": not valid JSON (parse error at line 1"));
+}
+
+// ---- sparse_attention_config.json beside config.json (server/sparse_config.h) ----
+
+TEST(ModelConfigTest, ShippedTinySparse) {
+  absl::StatusOr<ModelConfig> c = LoadModelConfig("configs/tiny-sparse");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->sparse_attention_enabled);
+  ASSERT_NE(c->sparse, nullptr);
+  EXPECT_TRUE(c->sparse->enabled);
+  EXPECT_EQ(c->sparse->threshold, 256);
+  EXPECT_EQ(c->sparse->last_q, 64);
+  EXPECT_EQ(c->sparse->source, "configs/tiny-sparse/sparse_attention_config.json");
+  EXPECT_EQ(c->sparse->layer(0)[0].vertical, 130);  // 30 read as 130
+  EXPECT_FALSE(c->sparse->UseSparse(256));
+  EXPECT_TRUE(c->sparse->UseSparse(257));
+}
+
+std::string SparseModelDir(const std::string& name, const char* enabled_key) {
+  const std::string dir = TempDir() + "/" + name;
+  mkdir(dir.c_str(), 0755);
+  std::ofstream(dir + "/config.json") << R"({
+  "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+  "max_position_embeddings": 4096,
+  "dual_chunk_attention_config": {"chunk_size": 160, "local_size": 32)"
+                                      << enabled_key << "}}";
+  return dir;
+}
+
+TEST(ModelConfigTest, SparsePatternFileRules) {
+  const std::string pattern =
+      R"([{"0": ["vertical_and_slash", 30, 100, 0.9], "1": ["vertical_and_slash", 64, 200, 0.9]}])";
+  // The file alone turns sparse on.
+  std::string dir = SparseModelDir("sparse_on", "");
+  std::ofstream(dir + "/sparse_attention_config.json") << pattern;
+  absl::StatusOr<ModelConfig> c = LoadModelConfig(dir + "/config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->sparse_attention_enabled);
+  ASSERT_NE(c->sparse, nullptr);
+  EXPECT_EQ(c->sparse->layer(0)[1].slash, 200);
+
+  // config.json can turn it off; the budgets are still read and checked.
+  dir = SparseModelDir("sparse_off", R"(, "sparse_attention_enabled": false)");
+  std::ofstream(dir + "/sparse_attention_config.json") << pattern;
+  c = LoadModelConfig(dir);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->sparse_attention_enabled);
+  ASSERT_NE(c->sparse, nullptr);
+  EXPECT_FALSE(c->sparse->enabled);
+
+  // Enabled without the file: a load error, not a silent dense fallback.
+  dir = SparseModelDir("sparse_no_file", R"(, "sparse_attention_enabled": true)");
+  c = LoadModelConfig(dir);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.status().message(),
+            "dual_chunk_attention_config.sparse_attention_enabled is true but " + dir +
+                "/sparse_attention_config.json does not exist; sparse prefill needs its per-head "
+                "budgets");
+
+  // A file that does not fit the model names the file and the entry.
+  dir = SparseModelDir("sparse_bad_file", "");
+  std::ofstream(dir + "/sparse_attention_config.json")
+      << R"([{"0": ["vertical_and_slash", 30, 100, 0.9], "1": ["a_shape", 64, 200, 0.9]}])";
+  c = LoadModelConfig(dir);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.status().message(),
+            dir + R"(/sparse_attention_config.json: layer 0 head "1": unknown pattern type )"
+                  R"("a_shape" (only "vertical_and_slash" is supported))");
+  dir = SparseModelDir("sparse_wrong_layers", "");
+  std::ofstream(dir + "/sparse_attention_config.json") << "[" << pattern.substr(1, pattern.size() - 2)
+                                                       << ", {}]";
+  c = LoadModelConfig(dir);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.status().message(),
+            dir + "/sparse_attention_config.json: has 2 layers, the model has 1");
 }
 
 }  // namespace
