@@ -84,6 +84,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineOptions& option
   cpu.geometry = options.geometry;
   cpu.layout = *layout;
   cpu.compute_threads = options.compute_threads;
+  cpu.sparse = options.sparse;
   absl::StatusOr<std::unique_ptr<CpuEngine>> engine = CpuEngine::Create(cpu);
   if (!engine.ok()) return engine.status();
   return std::unique_ptr<Engine>(std::move(*engine));

@@ -11,6 +11,7 @@
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
 #include "server/engine.h"
+#include "server/sparse_config.h"
 
 namespace attnd {
 
@@ -25,6 +26,9 @@ struct EngineOptions {
   // gpu_memory_utilization, but of what is free at start-up).
   double kv_cache_fraction = 0.9;
   int32_t compute_threads = 0;    // 0 = all cores
+  // Vertical-slash sparse prefill budgets (ModelConfig::sparse), or null. Only the CPU backend
+  // runs the sparse path so far; the CUDA engine ignores it (dense prefill).
+  std::shared_ptr<const SparseAttentionConfig> sparse;
 };
 
 // The KV dtype for `kv_dtype` on `backend` ("cpu": auto means fp32, exact against fp32 references).
