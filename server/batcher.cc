@@ -314,7 +314,16 @@ void BatchingDecodeQueue::Execute(Batch* batch) {
       stats_.queue_delay_total_us += us;
     }
   }
-  int64_t eager = 0, graphs = 0;
+  if (options_.on_batch) options_.on_batch(batch->num_entries);
+
+  int64_t eager = 0, graphs = 0, completed = 0, deadline = 0, cancelled = 0;
+  auto answer = [&](Pending* c, absl::StatusOr<DecodeResult> r) {
+    const absl::StatusCode code = r.status().code();
+    ++(code == absl::StatusCode::kDeadlineExceeded ? deadline
+       : code == absl::StatusCode::kCancelled      ? cancelled
+                                                   : completed);
+    c->done(std::move(r));
+  };
   auto run = [&](const DecodeCall& call, int64_t n) {
     bool replayed = false;
     absl::StatusOr<DecodeResult> r = executor_->Decode(call, PaddedSize(n), &replayed);
@@ -327,37 +336,55 @@ void BatchingDecodeQueue::Execute(Batch* batch) {
     return r;
   };
 
+  // A call alone keeps its admit hook for Runtime::Decode. A merged batch carries none, so each
+  // call's hook runs here, once, just before the launch (and not again if the call is re-run on
+  // its own below).
+  std::vector<Pending*> calls;
+  for (const auto& c : batch->calls) {
+    if (batch->calls.size() > 1 && c->call.admit) {
+      std::function<absl::Status()> admit = std::move(c->call.admit);
+      c->call.admit = nullptr;
+      if (absl::Status s = admit(); !s.ok()) {
+        answer(c.get(), std::move(s));
+        continue;
+      }
+    }
+    calls.push_back(c.get());
+  }
+
   bool split = false;
-  if (batch->calls.size() == 1) {
-    Pending& c = *batch->calls.front();
-    c.done(run(c.call, c.num_entries));
-  } else {
+  if (calls.size() == 1) {
+    answer(calls.front(), run(calls.front()->call, calls.front()->num_entries));
+  } else if (calls.size() > 1) {
     DecodeCall merged;
     merged.layer = batch->key.first;
     merged.tenant = batch->key.second;
-    merged.entries.reserve(static_cast<size_t>(batch->num_entries));
-    for (const auto& c : batch->calls) {
+    int64_t n = 0;
+    for (const Pending* c : calls) {
       merged.entries.insert(merged.entries.end(), c->call.entries.begin(), c->call.entries.end());
+      n += c->num_entries;
     }
-    absl::StatusOr<DecodeResult> result = run(merged, batch->num_entries);
+    absl::StatusOr<DecodeResult> result = run(merged, n);
     if (result.ok()) {
       size_t offset = 0;
-      for (const auto& c : batch->calls) {
+      for (Pending* c : calls) {
         DecodeResult own;
         auto first = result->outputs.begin() + static_cast<std::ptrdiff_t>(offset);
         own.outputs.assign(std::make_move_iterator(first),
                            std::make_move_iterator(first + c->num_entries));
         offset += static_cast<size_t>(c->num_entries);
-        c->done(std::move(own));
+        answer(c, std::move(own));
       }
     } else {
       // The merged batch changed nothing; each call now gets the answer it alone would get.
       split = true;
-      for (const auto& c : batch->calls) c->done(run(c->call, c->num_entries));
+      for (Pending* c : calls) answer(c, run(c->call, c->num_entries));
     }
   }
   absl::MutexLock lock(&mu_);
-  stats_.calls_completed += static_cast<int64_t>(batch->calls.size());
+  stats_.calls_completed += completed;
+  stats_.calls_deadline_exceeded += deadline;
+  stats_.calls_cancelled += cancelled;
   stats_.eager_launches += eager;
   stats_.graph_replays += graphs;
   if (split) ++stats_.split_retries;

@@ -20,6 +20,10 @@
 //   * A queued call whose deadline passes, or whose client cancels, is answered DEADLINE_EXCEEDED /
 //     CANCELLED when the batcher next looks at its key (on any Submit, at the next timer wake-up,
 //     when a batch of the key finishes), without touching the KV pool.
+//   * DecodeCall::admit (the RPC's own check of its deadline and cancellation, run on the worker
+//     just before the call executes) runs once per call: for a call alone by Runtime::Decode, for
+//     a merged batch by the batcher just before the launch; a call it refuses is answered with its
+//     status and left out of the batch.
 //   * A merged batch that fails (validation, out of pages, engine error) changed nothing (the
 //     runtime is all-or-nothing), so its calls are re-run one by one: each call gets exactly the
 //     status it would have got on its own, and a bad call fails only its own RPC.
@@ -94,6 +98,9 @@ struct DecodeBatcherOptions {
   bool cuda_graphs = true;
   int32_t max_inflight_batches = 1;  // per (layer, tenant), >= 1
   int64_t max_queued_calls = 4096;   // Submit beyond it: RESOURCE_EXHAUSTED
+  // Called with each merged batch's entry count as it starts, on the worker (e.g. a metrics
+  // histogram). Unset: nothing.
+  std::function<void(int64_t entries)> on_batch;
 };
 
 absl::Status CheckDecodeBatcherOptions(const DecodeBatcherOptions& options);
@@ -109,9 +116,11 @@ struct DecodeContext {
 // A snapshot of the batcher's counters (cumulative since start).
 struct DecodeBatchingStats {
   int64_t calls_submitted = 0;
-  int64_t calls_completed = 0;           // done called with the executor's result
-  int64_t calls_deadline_exceeded = 0;   // dropped while queued
-  int64_t calls_cancelled = 0;           // dropped while queued
+  int64_t calls_completed = 0;           // answered with the executor's result
+  // Answered DEADLINE_EXCEEDED / CANCELLED without running: while queued, or by the call's admit
+  // hook just before its batch ran.
+  int64_t calls_deadline_exceeded = 0;
+  int64_t calls_cancelled = 0;
   int64_t batches = 0;                   // merged batches formed
   int64_t entries = 0;                   // entries in them
   std::map<int32_t, int64_t> batches_by_size;  // entries -> batches

@@ -55,6 +55,10 @@ class FakeExecutor : public DecodeExecutor {
     for (const auto& e : call.entries) launch.ids.emplace_back(e.sequence_id);
     launches.push_back(launch);
     *graph_replay = replay_graphs && padded_size > 0;
+    // Like Runtime::Decode: the call's admit hook first, nothing touched when it refuses.
+    if (call.admit) {
+      if (absl::Status s = call.admit(); !s.ok()) return s;
+    }
     if (call.entries.empty()) return absl::InvalidArgumentError("a decode needs at least one entry");
     std::set<std::string> seen;
     for (size_t i = 0; i < call.entries.size(); ++i) {
@@ -150,10 +154,11 @@ class BatcherTest : public testing::Test {
 
   // Submits a call naming `ids` (string literals: they must outlive the call) in `layer`.
   Reply* Submit(std::vector<const char*> ids, int32_t layer = 0, DecodeContext context = {},
-                absl::string_view tenant = "") {
+                absl::string_view tenant = "", std::function<absl::Status()> admit = nullptr) {
     DecodeCall call;
     call.layer = layer;
     call.tenant = tenant;
+    call.admit = std::move(admit);
     for (const char* id : ids) {
       DecodeCall::Entry e;
       e.sequence_id = id;
@@ -461,6 +466,41 @@ TEST_F(BatcherTest, AFailingCallFailsOnlyItself) {
   EXPECT_EQ(queue_->Stats().eager_launches, 6);
 }
 
+// DecodeCall::admit (the service's deadline/cancel check) runs exactly once per call: by the
+// executor (the runtime) for a call alone, by the batcher before a merged launch; a refused call
+// is left out of the merged batch and answered with the hook's status.
+TEST_F(BatcherTest, AdmitHooksRunOnceAndARefusedCallIsLeftOut) {
+  Make(DecodeBatcherOptions());
+  std::map<std::string, int> admits;
+  auto hook = [&admits](const char* id, absl::Status s) -> std::function<absl::Status()> {
+    return [&admits, id, s] {
+      ++admits[id];
+      return s;
+    };
+  };
+  Submit({"a"}, 0, {}, "", hook("a", absl::OkStatus()));  // alone, at once
+  Reply* b = Submit({"b"}, 0, {}, "", hook("b", absl::OkStatus()));
+  Reply* c = Submit({"c"}, 0, {}, "", hook("c", absl::DeadlineExceededError("late")));
+  Reply* d = Submit({"d", "bad-d"}, 0, {}, "", hook("d", absl::OkStatus()));
+  Reply* e = Submit({"e"}, 0, {}, "", hook("e", absl::OkStatus()));
+  dispatcher_.RunAll();
+  clock_.Advance(absl::Microseconds(100));  // 5 entries queued: not a captured size
+  queue_->Poll();
+  dispatcher_.RunAll();
+  // c never reaches the executor; the merged b,d,bad-d,e fails and is re-run call by call.
+  EXPECT_THAT(exec_.Batches(), ElementsAre("a", "b,d,bad-d,e", "b", "d,bad-d", "e"));
+  EXPECT_EQ(admits, (std::map<std::string, int>{{"a", 1}, {"b", 1}, {"c", 1}, {"d", 1}, {"e", 1}}));
+  EXPECT_EQ(b->Summary(), "b@1");
+  EXPECT_EQ(c->result.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(c->result.status().message(), "late");
+  EXPECT_EQ(d->result.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(e->Summary(), "e@1");
+  const DecodeBatchingStats s = queue_->Stats();
+  EXPECT_EQ(s.calls_deadline_exceeded, 1);
+  EXPECT_EQ(s.calls_completed, 4);
+  EXPECT_EQ(s.batches_by_size, (std::map<int32_t, int64_t>{{1, 1}, {5, 1}}));
+}
+
 TEST_F(BatcherTest, CallsNamingTheSameSequenceGoInSeparateBatchesInArrivalOrder) {
   Make(DecodeBatcherOptions());
   Submit({"z"});  // in flight
@@ -567,6 +607,8 @@ TEST_F(BatcherTest, CountsPaddingAndGraphReplays) {
   o.cuda_graph_batch_sizes = {1, 2, 4, 8};
   o.max_queue_delay = absl::ZeroDuration();
   o.max_decode_batch = 16;
+  std::vector<int64_t> observed;
+  o.on_batch = [&observed](int64_t n) { observed.push_back(n); };
   Make(o);
   Submit({"a"});  // in flight
   Submit({"b", "c", "d"});
@@ -583,6 +625,7 @@ TEST_F(BatcherTest, CountsPaddingAndGraphReplays) {
   EXPECT_EQ(s.graph_replays, 2);
   EXPECT_EQ(s.eager_launches, 1);
   EXPECT_EQ(s.batches_by_size, (std::map<int32_t, int64_t>{{1, 1}, {5, 1}, {9, 1}}));
+  EXPECT_THAT(observed, ElementsAre(1, 5, 9));
 
   // --disable-cuda-graphs: the sizes still flush, but nothing is padded or replayed.
   o.cuda_graphs = false;
