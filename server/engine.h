@@ -68,6 +68,10 @@ class Engine {
 
   virtual absl::Status Prefill(const PrefillJob& job) = 0;
   virtual absl::Status Decode(const DecodeJob& job) = 0;
+
+  // False once the device is lost for good (e.g. a GPU fell off the bus): the server then turns
+  // its health NOT_SERVING (it polls this). Engines that cannot lose their device keep the default.
+  virtual bool healthy() const { return true; }
 };
 
 }  // namespace attnd

@@ -109,6 +109,10 @@ class AttndServerImpl : public AttndServer {
   // Every min(timeout / 4, 10 s): releases sequences idle for longer than the timeout.
   void ReaperLoop(absl::Duration timeout);
   void StopReaper();
+  // Every 100 ms until Shutdown: once the engine reports its device lost (Engine::healthy),
+  // health turns NOT_SERVING for good.
+  void HealthWatchLoop();
+  void StopHealthWatch();
 
   int port_ = 0;
   std::string summary_;
@@ -120,6 +124,9 @@ class AttndServerImpl : public AttndServer {
   absl::Mutex reaper_mu_;
   bool reaper_stop_ ABSL_GUARDED_BY(reaper_mu_) = false;
   std::thread reaper_;
+  absl::Mutex health_mu_;
+  bool health_stop_ ABSL_GUARDED_BY(health_mu_) = false;
+  std::thread health_watch_;
   // Destroyed in reverse order: the listeners before the metrics and runtime their hooks read,
   // the server before the service it calls, the queue (which drains) before the runtime its work
   // uses.
@@ -176,6 +183,34 @@ void AttndServerImpl::StopReaper() {
   if (reaper_.joinable()) reaper_.join();
 }
 
+void AttndServerImpl::HealthWatchLoop() {
+  while (true) {
+    {
+      absl::MutexLock lock(&health_mu_);
+      if (health_mu_.AwaitWithTimeout(absl::Condition(&health_stop_), absl::Milliseconds(100))) {
+        return;
+      }
+    }
+    if (runtime_->engine().healthy()) continue;
+    spdlog::error("the {} device ({}) is lost: health is NOT_SERVING from now on; restart attnd",
+                  runtime_->engine().backend(), runtime_->engine().device_name());
+    grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+    health->SetServingStatus("", false);
+    health->SetServingStatus(kServiceName, false);
+    serving_.store(false);
+    if (health_only_ != nullptr) health_only_->SetServing(false);
+    return;
+  }
+}
+
+void AttndServerImpl::StopHealthWatch() {
+  {
+    absl::MutexLock lock(&health_mu_);
+    health_stop_ = true;
+  }
+  if (health_watch_.joinable()) health_watch_.join();
+}
+
 absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   if (absl::Status s = CheckOptions(options); !s.ok()) return s;
   absl::StatusOr<ModelConfig> model = Qwen25_7BInstruct1M();
@@ -205,6 +240,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   engine_options.compute_threads = options.compute_threads;
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(engine_options);
   if (!engine.ok()) return engine.status();
+  if (options.wrap_engine) *engine = options.wrap_engine(*std::move(engine));
 
   RuntimeOptions runtime_options;
   runtime_options.version = kVersion;
@@ -289,6 +325,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   if (health_only_ != nullptr) health_only_->SetServing(true);
   serving_.store(true);
 
+  health_watch_ = std::thread([this] { HealthWatchLoop(); });
   if (options.sequence_idle_timeout > absl::ZeroDuration()) {
     reaper_ = std::thread([this, timeout = options.sequence_idle_timeout] { ReaperLoop(timeout); });
   }
@@ -320,6 +357,7 @@ void AttndServerImpl::Shutdown(absl::Time deadline) {
     if (shutdown_started_) return;
     shutdown_started_ = true;
   }
+  StopHealthWatch();
   if (server_ != nullptr) {
     // Load balancers stop sending first; then no new work; then in-flight RPCs get until deadline.
     grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();

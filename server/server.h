@@ -4,6 +4,7 @@
 #define ATTND_SERVER_SERVER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -11,6 +12,8 @@
 #include "absl/time/time.h"
 
 namespace attnd {
+
+class Engine;
 
 struct ServerOptions {
   std::string listen = "127.0.0.1:50051";  // host:port; port 0 picks a free one
@@ -37,6 +40,10 @@ struct ServerOptions {
   std::string auth_token_file;                    // "TENANT TOKEN" lines; "" = auth off
   absl::Duration sequence_idle_timeout = absl::ZeroDuration();  // 0 = never reclaim
   int64_t tenant_page_quota = 0;                  // KV pages per tenant; 0 = unlimited
+
+  // Tests only (fault injection, tests/reliability): wraps the engine before the runtime takes it,
+  // e.g. in server/fault_engine.h's FaultEngine. Unset = the engine as created.
+  std::function<std::unique_ptr<Engine>(std::unique_ptr<Engine>)> wrap_engine;
 };
 
 class AttndServer {

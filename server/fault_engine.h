@@ -1,0 +1,56 @@
+// Tests only: an Engine decorator that fails on command (tests/reliability). It forwards to the
+// engine it wraps until told to fail: the next N prefills/decodes, every job on one layer, or
+// everything from now on because the device is "lost" (then healthy() is false and the server
+// turns its health NOT_SERVING). A failed job returns INTERNAL and never reaches the wrapped engine,
+// so it writes nothing. Thread-safe.
+#ifndef ATTND_SERVER_FAULT_ENGINE_H_
+#define ATTND_SERVER_FAULT_ENGINE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "server/engine.h"
+
+namespace attnd {
+
+class FaultEngine : public Engine {
+ public:
+  explicit FaultEngine(std::unique_ptr<Engine> inner);
+
+  void FailNextPrefills(int64_t n) { prefill_failures_.store(n); }
+  void FailNextDecodes(int64_t n) { decode_failures_.store(n); }
+  void FailLayer(int32_t layer) { failing_layer_.store(layer); }  // -1: none
+  void LoseDevice() { lost_.store(true); }
+
+  int64_t injected_failures() const { return injected_.load(); }
+  int64_t prefills() const { return prefills_.load(); }  // jobs forwarded to the wrapped engine
+  int64_t decodes() const { return decodes_.load(); }
+
+  std::string backend() const override { return inner_->backend(); }
+  std::string device_name() const override { return inner_->device_name(); }
+  const KvLayout& layout() const override { return inner_->layout(); }
+  const DcaGeometry& geometry() const override { return inner_->geometry(); }
+  absl::Status Prefill(const PrefillJob& job) override;
+  absl::Status Decode(const DecodeJob& job) override;
+  bool healthy() const override { return !lost_.load() && inner_->healthy(); }
+
+ private:
+  // INTERNAL if this job is to fail (and counts it), else OK.
+  absl::Status Inject(const char* what, int32_t layer, std::atomic<int64_t>* budget);
+
+  const std::unique_ptr<Engine> inner_;
+  std::atomic<int64_t> prefill_failures_{0};
+  std::atomic<int64_t> decode_failures_{0};
+  std::atomic<int32_t> failing_layer_{-1};
+  std::atomic<bool> lost_{false};
+  std::atomic<int64_t> injected_{0};
+  std::atomic<int64_t> prefills_{0};
+  std::atomic<int64_t> decodes_{0};
+};
+
+}  // namespace attnd
+
+#endif  // ATTND_SERVER_FAULT_ENGINE_H_
