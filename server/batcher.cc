@@ -314,7 +314,6 @@ void BatchingDecodeQueue::Execute(Batch* batch) {
       stats_.queue_delay_total_us += us;
     }
   }
-  if (options_.on_batch) options_.on_batch(batch->num_entries);
 
   int64_t eager = 0, graphs = 0, completed = 0, deadline = 0, cancelled = 0;
   auto answer = [&](Pending* c, absl::StatusOr<DecodeResult> r) {
@@ -333,6 +332,7 @@ void BatchingDecodeQueue::Execute(Batch* batch) {
           "decode batcher: the executor returned ", r->outputs.size(), " outputs for ", n,
           " entries")));
     }
+    if (r.ok() && options_.on_batch) options_.on_batch(n);
     return r;
   };
 

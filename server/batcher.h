@@ -98,8 +98,8 @@ struct DecodeBatcherOptions {
   bool cuda_graphs = true;
   int32_t max_inflight_batches = 1;  // per (layer, tenant), >= 1
   int64_t max_queued_calls = 4096;   // Submit beyond it: RESOURCE_EXHAUSTED
-  // Called with each merged batch's entry count as it starts, on the worker (e.g. a metrics
-  // histogram). Unset: nothing.
+  // Called on the worker with the entry count of each engine launch that succeeded (an executed
+  // batch; e.g. a metrics histogram). Unset: nothing.
   std::function<void(int64_t entries)> on_batch;
 };
 

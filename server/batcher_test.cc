@@ -470,7 +470,10 @@ TEST_F(BatcherTest, AFailingCallFailsOnlyItself) {
 // executor (the runtime) for a call alone, by the batcher before a merged launch; a refused call
 // is left out of the merged batch and answered with the hook's status.
 TEST_F(BatcherTest, AdmitHooksRunOnceAndARefusedCallIsLeftOut) {
-  Make(DecodeBatcherOptions());
+  DecodeBatcherOptions o;
+  std::vector<int64_t> executed;  // on_batch sees only launches that succeeded
+  o.on_batch = [&executed](int64_t n) { executed.push_back(n); };
+  Make(o);
   std::map<std::string, int> admits;
   auto hook = [&admits](const char* id, absl::Status s) -> std::function<absl::Status()> {
     return [&admits, id, s] {
@@ -499,6 +502,7 @@ TEST_F(BatcherTest, AdmitHooksRunOnceAndARefusedCallIsLeftOut) {
   EXPECT_EQ(s.calls_deadline_exceeded, 1);
   EXPECT_EQ(s.calls_completed, 4);
   EXPECT_EQ(s.batches_by_size, (std::map<int32_t, int64_t>{{1, 1}, {5, 1}}));
+  EXPECT_THAT(executed, ElementsAre(1, 1, 1));
 }
 
 TEST_F(BatcherTest, CallsNamingTheSameSequenceGoInSeparateBatchesInArrivalOrder) {
