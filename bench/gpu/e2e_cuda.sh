@@ -30,7 +30,7 @@ JSON
 serve_and_smoke() {  # NAME CONFIG SMOKE-ARGS...
   local name=$1 config=$2; shift 2
   local port=$((50100 + RANDOM % 1000))
-  local args=(--device cuda --listen 127.0.0.1:$port --kv-cache-bytes $((16 << 30)))
+  local args=(--device cuda --listen 127.0.0.1:$port --kv-cache-bytes $((16 << 30)) --metrics-listen 127.0.0.1:0)
   [[ -n $config ]] && args+=(--model-config "$config")
   attnd "${args[@]}" >"$out/attnd_$name.log" 2>&1 &
   local pid=$!

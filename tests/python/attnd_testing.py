@@ -158,7 +158,9 @@ class Daemon:
 
     def __init__(self, model_config, kv_dtype="fp32", page_size=16, kv_cache_bytes=256 << 20, extra_args=()):
         self.args = ["--model-config", model_config, "--device", "cpu", "--kv-dtype", kv_dtype,
-                     "--page-size", str(page_size), "--kv-cache-bytes", str(kv_cache_bytes)] + list(extra_args)
+                     "--page-size", str(page_size), "--kv-cache-bytes", str(kv_cache_bytes),
+                     # metrics on a free port, so test daemons never contend for the default 9400
+                     "--metrics-listen", "127.0.0.1:0"] + list(extra_args)
         self.proc = None
         self.target = None
         self.log_path = None
