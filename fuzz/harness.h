@@ -1,0 +1,199 @@
+// The attnd service in-process for the libFuzzer targets (fuzz/*_fuzz.cc, built by script/fuzz):
+// a tiny model on the CPU engine with a 16-page pool, the real AttentionService (the same
+// proto -> Runtime translation, work queue and decode queue as attnd) behind a gRPC server with no
+// port, reached through an in-process channel. Each input gets fresh sequences; after it the
+// harness checks the invariants and aborts (a libFuzzer crash) when one does not hold:
+//   - every call returns OK or a code attention.proto documents for it, with a non-empty message;
+//     INTERNAL counts as a finding (the CPU engine only fails on input validation missed);
+//   - pages_free + the pages the live sequences hold == pages_total, during and after;
+//   - after releasing the input's sequences: pages_free == pages_total, live_sequences == 0.
+#ifndef ATTND_FUZZ_HARNESS_H_
+#define ATTND_FUZZ_HARNESS_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attnd/v1/attention.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "server/cpu_engine.h"
+#include "server/decode_queue.h"
+#include "server/model_config.h"
+#include "server/runtime.h"
+#include "server/service.h"
+#include "server/work_queue.h"
+
+namespace attnd {
+namespace fuzz {
+
+// 2 layers, Hq 2, Hkv 1, D 8, chunk_len 24, pages of 8 tokens, 16 pages (128 tokens), max 256.
+inline constexpr char kTinyConfig[] = R"({
+  "_name_or_path": "fuzz-tiny", "num_hidden_layers": 2, "num_attention_heads": 2,
+  "num_key_value_heads": 1, "head_dim": 8, "hidden_size": 16, "max_position_embeddings": 256,
+  "dual_chunk_attention_config": {"chunk_size": 32, "local_size": 8,
+                                  "original_max_position_embeddings": 64}})";
+inline constexpr int32_t kPageSize = 8;
+inline constexpr int64_t kPages = 16;
+
+// Inputs with malformed UTF-8 in string fields fail to parse by design; protobuf would log each.
+inline const bool kQuietProtobuf = (google::protobuf::SetLogHandler(nullptr), true);
+
+#define ATTND_FUZZ_CHECK(cond, ...)                                        \
+  do {                                                                     \
+    if (!(cond)) {                                                         \
+      std::fprintf(stderr, "invariant violated: %s: ", #cond);              \
+      std::fprintf(stderr, __VA_ARGS__);                                   \
+      std::fprintf(stderr, "\n");                                          \
+      std::abort();                                                        \
+    }                                                                      \
+  } while (0)
+
+class Harness {
+ public:
+  static Harness& Get() {
+    static Harness* h = new Harness();  // never destroyed: libFuzzer exits with the process
+    return *h;
+  }
+
+  v1::Attention::Stub& stub() { return *stub_; }
+  Runtime& runtime() { return *runtime_; }
+
+  // Two fresh sequences for one input.
+  std::vector<std::string> NewSequences(int n) {
+    std::vector<std::string> ids;
+    for (int i = 0; i < n; ++i) {
+      absl::StatusOr<std::string> id = runtime_->CreateSequence("");
+      ATTND_FUZZ_CHECK(id.ok(), "CreateSequence: %s", id.status().ToString().c_str());
+      ids.push_back(*id);
+    }
+    return ids;
+  }
+
+  // Prefills `tokens` tokens of ones into every layer of `id` through the runtime.
+  void Warm(const std::string& id, int64_t tokens) {
+    const ModelConfig& m = runtime_->model();
+    const std::vector<int64_t> q_shape = {tokens, 5, m.num_q_heads, m.head_dim};
+    const std::vector<int64_t> kv_shape = {tokens, m.num_kv_heads, m.head_dim};
+    const std::string q(tokens * 5 * m.num_q_heads * m.head_dim * 4, '\0');
+    std::vector<float> kv(tokens * m.num_kv_heads * m.head_dim, 0.5f);
+    const absl::string_view kv_bytes(reinterpret_cast<const char*>(kv.data()), kv.size() * 4);
+    for (int32_t layer = 0; layer < m.num_layers; ++layer) {
+      PrefillCall call;
+      call.sequence_id = id;
+      call.layer = layer;
+      call.q = {DType::kFp32, absl::MakeConstSpan(q_shape), q};
+      call.k = {DType::kFp32, absl::MakeConstSpan(kv_shape), kv_bytes};
+      call.v = {DType::kFp32, absl::MakeConstSpan(kv_shape), kv_bytes};
+      absl::StatusOr<PrefillResult> r = runtime_->Prefill(call);
+      ATTND_FUZZ_CHECK(r.ok(), "warm-up prefill: %s", r.status().ToString().c_str());
+    }
+  }
+
+  // The fuzzer cannot guess 128-bit ids: an id of 0 or 1 bytes names one of this input's
+  // sequences (by its first byte); longer ids are sent as they are (malformed or unknown).
+  static void MapId(const std::vector<std::string>& ids, std::string* id) {
+    if (id->size() > 1 || ids.empty()) return;
+    const size_t i = id->empty() ? 0 : static_cast<unsigned char>((*id)[0]) % ids.size();
+    *id = ids[i];
+  }
+
+  // OK, or a documented code with a message.
+  static void CheckStatus(const char* rpc, int code, const std::string& message) {
+    if (code == 0) return;
+    const bool documented = code == grpc::StatusCode::INVALID_ARGUMENT ||
+                            code == grpc::StatusCode::NOT_FOUND ||
+                            code == grpc::StatusCode::OUT_OF_RANGE ||
+                            code == grpc::StatusCode::RESOURCE_EXHAUSTED ||
+                            code == grpc::StatusCode::FAILED_PRECONDITION;
+    ATTND_FUZZ_CHECK(documented, "%s answered code %d: %s", rpc, code, message.c_str());
+    ATTND_FUZZ_CHECK(!message.empty(), "%s answered code %d with no message", rpc, code);
+  }
+
+  // pages_free + pages held by `ids` (ceil(longest layer / page size) each) == pages_total.
+  void CheckPages(const std::vector<std::string>& ids) {
+    int64_t held = 0;
+    for (const std::string& id : ids) {
+      absl::StatusOr<std::vector<int64_t>> lengths = runtime_->LayerLengths(id, "");
+      ATTND_FUZZ_CHECK(lengths.ok(), "LayerLengths: %s", lengths.status().ToString().c_str());
+      int64_t longest = 0;
+      for (int64_t l : *lengths) longest = std::max(longest, l);
+      held += (longest + kPageSize - 1) / kPageSize;
+    }
+    const ServerInfo info = runtime_->Info();
+    ATTND_FUZZ_CHECK(info.kv_cache.pages_free + held == info.kv_cache.pages_total,
+                     "pages_free %lld + held %lld != total %lld",
+                     static_cast<long long>(info.kv_cache.pages_free),
+                     static_cast<long long>(held),
+                     static_cast<long long>(info.kv_cache.pages_total));
+    ATTND_FUZZ_CHECK(info.live_sequences == static_cast<int64_t>(ids.size()),
+                     "live_sequences %lld, expected %zu",
+                     static_cast<long long>(info.live_sequences), ids.size());
+  }
+
+  // Releases `ids`; then the pool must be whole again.
+  void ReleaseAll(const std::vector<std::string>& ids) {
+    CheckPages(ids);
+    for (const std::string& id : ids) {
+      absl::StatusOr<int64_t> freed = runtime_->ReleaseSequence(id, "");
+      ATTND_FUZZ_CHECK(freed.ok(), "release: %s", freed.status().ToString().c_str());
+    }
+    const ServerInfo info = runtime_->Info();
+    ATTND_FUZZ_CHECK(info.kv_cache.pages_free == info.kv_cache.pages_total && info.live_sequences == 0,
+                     "leak: %lld of %lld pages free, %lld live",
+                     static_cast<long long>(info.kv_cache.pages_free),
+                     static_cast<long long>(info.kv_cache.pages_total),
+                     static_cast<long long>(info.live_sequences));
+  }
+
+ private:
+  Harness() {
+    absl::StatusOr<ModelConfig> model = ParseModelConfig(kTinyConfig, "fuzz-tiny");
+    ATTND_FUZZ_CHECK(model.ok(), "%s", model.status().ToString().c_str());
+    CpuEngineOptions engine_options;
+    engine_options.geometry = model->geometry();
+    engine_options.layout.num_layers = model->num_layers;
+    engine_options.layout.num_kv_heads = model->num_kv_heads;
+    engine_options.layout.head_dim = model->head_dim;
+    engine_options.layout.page_size = kPageSize;
+    engine_options.layout.kv_dtype = DType::kFp32;
+    engine_options.layout.num_pages = kPages;
+    engine_options.compute_threads = 1;
+    absl::StatusOr<std::unique_ptr<CpuEngine>> engine = CpuEngine::Create(engine_options);
+    ATTND_FUZZ_CHECK(engine.ok(), "%s", engine.status().ToString().c_str());
+    absl::StatusOr<std::unique_ptr<Runtime>> runtime =
+        Runtime::Create(*model, std::unique_ptr<Engine>(std::move(*engine)), RuntimeOptions());
+    ATTND_FUZZ_CHECK(runtime.ok(), "%s", runtime.status().ToString().c_str());
+    runtime_ = std::move(*runtime);
+    WorkQueueOptions queue_options;
+    queue_options.num_workers = 2;
+    work_queue_ = std::make_unique<WorkQueue>(queue_options);
+    decode_queue_ = std::make_unique<DirectDecodeQueue>(runtime_.get(), work_queue_.get());
+    service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
+                                                  decode_queue_.get());
+    grpc::ServerBuilder builder;
+    builder.SetMaxReceiveMessageSize(64 << 20);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ATTND_FUZZ_CHECK(server_ != nullptr, "BuildAndStart failed");
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    stub_ = v1::Attention::NewStub(server_->InProcessChannel(args));
+  }
+
+  std::unique_ptr<Runtime> runtime_;
+  std::unique_ptr<WorkQueue> work_queue_;
+  std::unique_ptr<DecodeQueue> decode_queue_;
+  std::unique_ptr<AttentionService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::Attention::Stub> stub_;
+};
+
+}  // namespace fuzz
+}  // namespace attnd
+
+#endif  // ATTND_FUZZ_HARNESS_H_
