@@ -11,10 +11,12 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -37,6 +39,10 @@ ABSL_FLAG(int32_t, decodes, 128, "decodes per client per round");
 ABSL_FLAG(double, min_seconds, 2.0, "decode time to collect per client count");
 ABSL_FLAG(int32_t, max_rounds, 50, "most rounds per client count");
 ABSL_FLAG(std::string, label, "", "printed in each result line (e.g. the server's mode)");
+ABSL_FLAG(int32_t, server_pid, 0,
+          "attnd's pid on this machine: also report its CPU time (utime + stime from /proc) per "
+          "decode over the timed phases, which other load on the machine disturbs less than "
+          "wall-clock throughput; 0 = off");
 
 namespace {
 
@@ -60,6 +66,27 @@ void Fill(int64_t n, std::mt19937* rng, v1::Tensor* t, std::vector<int64_t> shap
   std::fprintf(stderr, "batching_bench: %s: %d %s\n", what.c_str(), s.error_code(),
                s.error_message().c_str());
   std::exit(1);
+}
+
+// utime + stime of `pid` in clock ticks; -1 when unreadable.
+int64_t CpuTicks(int pid) {
+  std::FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/stat").c_str(), "r");
+  if (f == nullptr) return -1;
+  char buf[4096];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  // Fields after the command (which may hold spaces) start after the last ')': state is field 3,
+  // utime 14, stime 15.
+  const char* p = std::strrchr(buf, ')');
+  if (p == nullptr) return -1;
+  std::vector<std::string> fields = absl::StrSplit(p + 2, ' ');
+  int64_t utime = 0, stime = 0;
+  if (fields.size() < 13 || !absl::SimpleAtoi(fields[11], &utime) ||
+      !absl::SimpleAtoi(fields[12], &stime)) {
+    return -1;
+  }
+  return utime + stime;
 }
 
 struct BatchCounters {
@@ -184,6 +211,8 @@ int main(int argc, char** argv) {
     int64_t done = 0;
     BatchCounters counted;
     std::vector<double> latencies;
+    int64_t server_ticks = 0;
+    const int pid = absl::GetFlag(FLAGS_server_pid);
     for (int round = 0; round < absl::GetFlag(FLAGS_max_rounds) &&
                         absl::ToDoubleSeconds(total) < absl::GetFlag(FLAGS_min_seconds);
          ++round) {
@@ -208,10 +237,13 @@ int main(int argc, char** argv) {
           clients[i]->Decode(decodes, &lat[i]);
         });
       }
+      const int64_t ticks_before = pid > 0 ? CpuTicks(pid) : -1;
       const absl::Time start = absl::Now();
       go.Notify();
       for (std::thread& t : threads) t.join();
       total += absl::Now() - start;
+      const int64_t ticks_after = pid > 0 ? CpuTicks(pid) : -1;
+      if (ticks_before >= 0 && ticks_after >= 0) server_ticks += ticks_after - ticks_before;
       done += int64_t{n} * decodes;
       const BatchCounters after = ReadCounters(info_stub.get(), nullptr);
       counted.batches += after.batches - before.batches;
@@ -226,12 +258,16 @@ int main(int argc, char** argv) {
     const double seconds = absl::ToDoubleSeconds(total);
     std::printf(
         "%s model=%s context=%lld clients=%d decodes=%lld seconds=%.3f throughput=%.0f/s "
-        "p50=%.0fus p99=%.0fus mean_batch=%s\n",
+        "p50=%.0fus p99=%.0fus mean_batch=%s%s\n",
         absl::GetFlag(FLAGS_label).c_str(), g.model.c_str(), static_cast<long long>(context), n,
         static_cast<long long>(done), seconds, done / seconds, pct(0.50), pct(0.99),
         counted.batches > 0
             ? absl::StrFormat("%.2f", static_cast<double>(counted.entries) / counted.batches).c_str()
-            : "n/a");
+            : "n/a",
+        pid > 0 ? absl::StrFormat(" server_cpu_us_per_decode=%.0f",
+                                  1e6 * server_ticks / sysconf(_SC_CLK_TCK) / done)
+                      .c_str()
+                : "");
     std::fflush(stdout);
   }
   return 0;

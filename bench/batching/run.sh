@@ -19,7 +19,8 @@ run() {  # label kv_cache_bytes attnd-flags...
     "$BENCH" --target "127.0.0.1:${PORT}" --clients "" >/dev/null 2>&1 && break
     sleep 0.1
   done
-  "$BENCH" --target "127.0.0.1:${PORT}" --clients "$CLIENTS" --context 256 --label "$label" || true
+  "$BENCH" --target "127.0.0.1:${PORT}" --clients "$CLIENTS" --context 256 --label "$label" \
+    --server_pid "$pid" || true
   kill "$pid"
   wait "$pid" || true
 }
