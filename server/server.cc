@@ -238,8 +238,18 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   engine_options.kv_cache_bytes = options.kv_cache_bytes;
   engine_options.kv_cache_fraction = options.kv_cache_fraction;
   engine_options.compute_threads = options.compute_threads;
+  engine_options.sparse = model->sparse;
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(engine_options);
   if (!engine.ok()) return engine.status();
+  // Vertical-slash sparse prefill runs on the CPU engine only so far; elsewhere prefill stays
+  // dense, and GetServerInfo must say so.
+  if (model->sparse_attention_enabled && (*engine)->backend() != "cpu") {
+    spdlog::warn("{}: sparse attention is configured but the {} backend has no sparse prefill; "
+                 "prefill runs dense",
+                 model->sparse != nullptr ? model->sparse->source : model->name,
+                 (*engine)->backend());
+    model->sparse_attention_enabled = false;
+  }
   if (options.wrap_engine) *engine = options.wrap_engine(*std::move(engine));
 
   RuntimeOptions runtime_options;
