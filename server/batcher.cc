@@ -101,10 +101,6 @@ BatchingDecodeQueue::~BatchingDecodeQueue() {
   mu_.Await(absl::Condition(this, &BatchingDecodeQueue::IdleLocked));
 }
 
-absl::Status BatchingDecodeQueue::Submit(DecodeCall call, Done done) {
-  return Submit(std::move(call), DecodeContext(), std::move(done));
-}
-
 absl::Status BatchingDecodeQueue::Submit(DecodeCall call, const DecodeContext& context,
                                          Done done) {
   const absl::Time now = clock_->Now();

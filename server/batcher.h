@@ -105,14 +105,6 @@ struct DecodeBatcherOptions {
 
 absl::Status CheckDecodeBatcherOptions(const DecodeBatcherOptions& options);
 
-// What a queued call carries besides its tensors: when its RPC expires and whether its client
-// has gone away.
-struct DecodeContext {
-  absl::Time deadline = absl::InfiniteFuture();
-  // Unset: never cancelled. Thread-safe; called only while the call is queued (before done).
-  std::function<bool()> cancelled;
-};
-
 // A snapshot of the batcher's counters (cumulative since start).
 struct DecodeBatchingStats {
   int64_t calls_submitted = 0;
@@ -152,10 +144,10 @@ class BatchingDecodeQueue : public DecodeQueue {
   BatchingDecodeQueue(const BatchingDecodeQueue&) = delete;
   BatchingDecodeQueue& operator=(const BatchingDecodeQueue&) = delete;
 
-  absl::Status Submit(DecodeCall call, Done done) override;
+  using DecodeQueue::Submit;
   // UNAVAILABLE after Shutdown; RESOURCE_EXHAUSTED when max_queued_calls are waiting. done is
   // called exactly once iff this returns OK.
-  absl::Status Submit(DecodeCall call, const DecodeContext& context, Done done);
+  absl::Status Submit(DecodeCall call, const DecodeContext& context, Done done) override;
 
   // Drops expired and cancelled calls and launches every batch that is due now.
   void Poll();

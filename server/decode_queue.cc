@@ -5,7 +5,8 @@
 
 namespace attnd {
 
-absl::Status DirectDecodeQueue::Submit(DecodeCall call, Done done) {
+absl::Status DirectDecodeQueue::Submit(DecodeCall call, const DecodeContext& /*context*/,
+                                       Done done) {
   // std::function needs a copyable callable; the shared_ptr keeps the move-only parts in one place.
   auto state = std::make_shared<std::pair<DecodeCall, Done>>(std::move(call), std::move(done));
   Runtime* runtime = runtime_;

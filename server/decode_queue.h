@@ -5,9 +5,11 @@
 #define ATTND_SERVER_DECODE_QUEUE_H_
 
 #include <functional>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "server/runtime.h"
 #include "server/work_queue.h"
 
@@ -16,11 +18,24 @@ namespace attnd {
 // Where the service sends decode requests. `done` is called exactly once, on a worker thread, when
 // Submit returned OK; the call's tensors must stay valid until then. When Submit fails, done is
 // never called.
+//
+// `context` is the RPC's deadline and cancellation while the call waits in the queue (a batcher
+// answers a call that expires or is cancelled there without running it); DecodeCall::admit is
+// still the check made when the call runs.
+struct DecodeContext {
+  absl::Time deadline = absl::InfiniteFuture();
+  // Unset: never cancelled. Thread-safe; called only before done (e.g. ServerContext::IsCancelled).
+  std::function<bool()> cancelled;
+};
+
 class DecodeQueue {
  public:
   using Done = std::function<void(absl::StatusOr<DecodeResult>)>;
   virtual ~DecodeQueue() = default;
-  virtual absl::Status Submit(DecodeCall call, Done done) = 0;
+  absl::Status Submit(DecodeCall call, Done done) {
+    return Submit(std::move(call), DecodeContext(), std::move(done));
+  }
+  virtual absl::Status Submit(DecodeCall call, const DecodeContext& context, Done done) = 0;
 };
 
 // Runs each decode request on its own as one batch on the work queue (no cross-RPC batching).
@@ -28,7 +43,10 @@ class DirectDecodeQueue : public DecodeQueue {
  public:
   DirectDecodeQueue(Runtime* runtime, WorkQueue* work_queue)
       : runtime_(runtime), work_queue_(work_queue) {}
-  absl::Status Submit(DecodeCall call, Done done) override;
+  using DecodeQueue::Submit;
+  // The context is not needed: the call waits only in the work queue, and its admit hook checks
+  // the deadline and cancellation when a worker picks it up.
+  absl::Status Submit(DecodeCall call, const DecodeContext& context, Done done) override;
 
  private:
   Runtime* const runtime_;

@@ -31,6 +31,21 @@ ABSL_FLAG(int64_t, max_sequence_length, 0, "most tokens per sequence; 0 = the mo
 ABSL_FLAG(int64_t, max_sequences, 0, "most live sequences; 0 = unlimited");
 ABSL_FLAG(int32_t, compute_threads, 0, "CPU kernel threads; 0 = all cores");
 ABSL_FLAG(int32_t, request_workers, 0, "threads running requests; 0 = 2 x cores (at least 4)");
+ABSL_FLAG(bool, decode_batching, true,
+          "merge decodes of one layer from concurrent Decode RPCs and Session streams into one "
+          "engine batch; false: every Decode runs as its own batch");
+ABSL_FLAG(int32_t, max_decode_batch, 256, "most entries in one merged decode batch");
+ABSL_FLAG(int64_t, max_queue_delay_us, 100,
+          "longest a decode waits for more calls to batch with, in microseconds; 0 = never wait");
+ABSL_FLAG(std::string, cuda_graph_batch_sizes, "1,2,4,8,16,24,32,48,64,96,128,160,192,256",
+          "decode batch sizes with a captured CUDA graph: a batch that reaches one launches at "
+          "once, and on CUDA a batch is padded up to the next one; on the CPU backend only the "
+          "launch rule applies");
+ABSL_FLAG(bool, disable_cuda_graphs, false,
+          "never pad decode batches or replay CUDA graphs (accepted on the CPU backend, where it "
+          "has no effect)");
+ABSL_FLAG(int32_t, decode_batches_in_flight, 1,
+          "merged decode batches of one layer that may run at once");
 ABSL_FLAG(std::string, log_level, "info", "trace | debug | info | warn | error | critical | off");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
           "on SIGINT/SIGTERM, how long in-flight requests may run before they are cancelled");
@@ -112,6 +127,12 @@ int main(int argc, char** argv) {
   options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.request_workers = absl::GetFlag(FLAGS_request_workers);
+  options.decode_batching = absl::GetFlag(FLAGS_decode_batching);
+  options.max_decode_batch = absl::GetFlag(FLAGS_max_decode_batch);
+  options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  options.cuda_graph_batch_sizes = absl::GetFlag(FLAGS_cuda_graph_batch_sizes);
+  options.disable_cuda_graphs = absl::GetFlag(FLAGS_disable_cuda_graphs);
+  options.decode_batches_in_flight = absl::GetFlag(FLAGS_decode_batches_in_flight);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.health_listen = absl::GetFlag(FLAGS_health_listen);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);

@@ -22,6 +22,8 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "server/auth.h"
+#include "server/batcher.h"
+#include "server/clock.h"
 #include "server/decode_queue.h"
 #include "server/engine_factory.h"
 #include "server/metrics.h"
@@ -38,6 +40,23 @@ namespace {
 
 constexpr char kVersion[] = "0.1.0";
 constexpr char kServiceName[] = "attnd.v1.Attention";
+
+// The batcher's options from the flags' values; errors name the flag.
+absl::StatusOr<DecodeBatcherOptions> BatcherOptions(const ServerOptions& o) {
+  absl::StatusOr<std::vector<int32_t>> sizes = ParseBatchSizes(o.cuda_graph_batch_sizes);
+  if (!sizes.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cuda-graph-batch-sizes: ", sizes.status().message()));
+  }
+  DecodeBatcherOptions b;
+  b.max_decode_batch = o.max_decode_batch;
+  b.max_queue_delay = absl::Microseconds(o.max_queue_delay_us);
+  b.cuda_graph_batch_sizes = *std::move(sizes);
+  b.cuda_graphs = !o.disable_cuda_graphs;
+  b.max_inflight_batches = o.decode_batches_in_flight;
+  if (absl::Status s = CheckDecodeBatcherOptions(b); !s.ok()) return s;
+  return b;
+}
 
 absl::Status CheckOptions(const ServerOptions& o) {
   if (o.page_size <= 0) {
@@ -133,7 +152,9 @@ class AttndServerImpl : public AttndServer {
   std::unique_ptr<AttndMetrics> metrics_;
   std::unique_ptr<Runtime> runtime_;
   std::unique_ptr<WorkQueue> work_queue_;
+  std::unique_ptr<DecodeExecutor> decode_executor_;
   std::unique_ptr<DecodeQueue> decode_queue_;
+  BatchingDecodeQueue* batcher_ = nullptr;  // decode_queue_ when batching is on
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<HealthOnlyServer> health_only_;
@@ -213,6 +234,8 @@ void AttndServerImpl::StopHealthWatch() {
 
 absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   if (absl::Status s = CheckOptions(options); !s.ok()) return s;
+  absl::StatusOr<DecodeBatcherOptions> batcher_options = BatcherOptions(options);
+  if (!batcher_options.ok()) return batcher_options.status();
   absl::StatusOr<ModelConfig> model = Qwen25_7BInstruct1M();
   if (!options.model_config.empty()) {
     model = LoadModelConfig(options.model_config);
@@ -312,9 +335,25 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   WorkQueueOptions queue_options;
   queue_options.num_workers = options.request_workers;
   work_queue_ = std::make_unique<WorkQueue>(queue_options);
-  decode_queue_ = std::make_unique<DirectDecodeQueue>(runtime_.get(), work_queue_.get());
+  if (options.decode_batching) {
+    AttndMetrics* metrics = metrics_.get();
+    batcher_options->on_batch = [metrics](int64_t entries) {
+      if (metrics != nullptr) metrics->decode_batch_size->Observe({}, static_cast<double>(entries));
+    };
+    decode_executor_ = std::make_unique<RuntimeDecodeExecutor>(runtime_.get());
+    WorkQueue* workers = work_queue_.get();
+    absl::StatusOr<std::unique_ptr<BatchingDecodeQueue>> batcher = BatchingDecodeQueue::Create(
+        *batcher_options, decode_executor_.get(),
+        [workers](std::function<void()> fn) { return workers->Submit(std::move(fn)); },
+        Clock::Real(), /*start_timer=*/true);
+    if (!batcher.ok()) return batcher.status();
+    batcher_ = batcher->get();
+    decode_queue_ = *std::move(batcher);
+  } else {
+    decode_queue_ = std::make_unique<DirectDecodeQueue>(runtime_.get(), work_queue_.get());
+  }
   service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
-                                                decode_queue_.get(), metrics_.get());
+                                                decode_queue_.get(), metrics_.get(), batcher_);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -377,6 +416,8 @@ void AttndServerImpl::Shutdown(absl::Time deadline) {
   serving_.store(false);
   if (health_only_ != nullptr) health_only_->SetServing(false);
   if (service_ != nullptr) service_->BeginShutdown();
+  // Queued decodes go to the work queue now (no batching delay) while it still accepts, and run.
+  if (batcher_ != nullptr) batcher_->Shutdown();
   if (work_queue_ != nullptr) work_queue_->StopAccepting();
   if (server_ != nullptr) {
     server_->Shutdown(absl::ToChronoTime(deadline));

@@ -29,6 +29,14 @@ struct ServerOptions {
   int32_t compute_threads = 0;             // CPU kernel threads; 0 = all cores
   int32_t request_workers = 0;             // threads running requests; 0 = a default
 
+  // Cross-RPC decode batching (docs/batching.md).
+  bool decode_batching = true;           // false: every Decode runs as its own batch
+  int32_t max_decode_batch = 256;        // entries per merged batch
+  int64_t max_queue_delay_us = 100;      // longest wait for more calls; 0 = never wait
+  std::string cuda_graph_batch_sizes = "1,2,4,8,16,24,32,48,64,96,128,160,192,256";
+  bool disable_cuda_graphs = false;      // never pad or replay graphs (no effect on CPU)
+  int32_t decode_batches_in_flight = 1;  // merged batches of one layer running at once
+
   // Operations (docs/operations.md).
   // HTTP /metrics and /healthz; "" = off. Off here so in-process servers (tests) never collide
   // on a fixed port; attnd's --metrics-listen defaults to 127.0.0.1:9400.

@@ -49,6 +49,51 @@ void SetMeta(DType dtype, const std::vector<int64_t>& shape, v1::Tensor* tensor)
   tensor->mutable_shape()->Assign(shape.begin(), shape.end());
 }
 
+// The RPC's deadline and cancellation, for the decode queue (IsCancelled is thread-safe on the
+// callback API).
+DecodeContext ContextOf(const grpc::CallbackServerContext* context) {
+  DecodeContext c;
+  const std::chrono::system_clock::time_point deadline = context->deadline();
+  if (deadline != std::chrono::system_clock::time_point::max()) {
+    c.deadline = absl::FromChrono(deadline);
+  }
+  c.cancelled = [context] { return context->IsCancelled(); };
+  return c;
+}
+
+void FillBatchingStats(const BatchingDecodeQueue& batcher, v1::DecodeBatchingStats* out) {
+  const DecodeBatcherOptions& o = batcher.options();
+  const DecodeBatchingStats s = batcher.Stats();
+  out->set_enabled(true);
+  out->set_max_decode_batch(o.max_decode_batch);
+  out->set_max_queue_delay_us(absl::ToInt64Microseconds(o.max_queue_delay));
+  out->mutable_cuda_graph_batch_sizes()->Assign(o.cuda_graph_batch_sizes.begin(),
+                                                o.cuda_graph_batch_sizes.end());
+  out->set_cuda_graphs_enabled(o.cuda_graphs);
+  out->set_calls_submitted(s.calls_submitted);
+  out->set_calls_completed(s.calls_completed);
+  out->set_calls_deadline_exceeded(s.calls_deadline_exceeded);
+  out->set_calls_cancelled(s.calls_cancelled);
+  out->set_batches(s.batches);
+  out->set_entries(s.entries);
+  for (const auto& [size, batches] : s.batches_by_size) {
+    v1::DecodeBatchingStats::SizeCount* c = out->add_batches_by_size();
+    c->set_size(size);
+    c->set_batches(batches);
+  }
+  out->set_padding_entries(s.padding_entries);
+  out->set_eager_launches(s.eager_launches);
+  out->set_graph_replays(s.graph_replays);
+  out->set_split_retries(s.split_retries);
+  for (int i = 0; i < DecodeBatchingStats::kNumDelayBuckets; ++i) {
+    out->add_queue_delay_bucket_upper_us(DecodeBatchingStats::kDelayBucketUpperUs[i]);
+    out->add_queue_delay_count(s.queue_delay_count[i]);
+  }
+  out->set_queue_delay_total_us(s.queue_delay_total_us);
+  out->set_queued_calls(s.queued_calls);
+  out->set_inflight_batches(s.inflight_batches);
+}
+
 const absl::Status& ShuttingDown() {
   static const absl::Status* status =
       new absl::Status(absl::UnavailableError("the server is shutting down"));
@@ -129,7 +174,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
         rpc_ = "Session.Decode";
         submitted = service_->SubmitDecode(
             request_.decode(), tenant_, [this] { return Admit(context_, &clock_); },
-            response_.mutable_decode(), [this](absl::Status s) {
+            ContextOf(context_), response_.mutable_decode(), [this](absl::Status s) {
               clock_.finished = absl::Now();
               Complete(std::move(s));
             });
@@ -218,8 +263,13 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
 };
 
 AttentionService::AttentionService(Runtime* runtime, WorkQueue* work_queue,
-                                   DecodeQueue* decode_queue, AttndMetrics* metrics)
-    : runtime_(runtime), work_queue_(work_queue), decode_queue_(decode_queue), metrics_(metrics) {}
+                                   DecodeQueue* decode_queue, AttndMetrics* metrics,
+                                   const BatchingDecodeQueue* batcher)
+    : runtime_(runtime),
+      work_queue_(work_queue),
+      decode_queue_(decode_queue),
+      metrics_(metrics),
+      batcher_(batcher) {}
 
 void AttentionService::Record(absl::string_view rpc, int code, const RequestClock& clock,
                               int64_t bytes_received, int64_t bytes_sent) {
@@ -294,6 +344,11 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   limits->set_max_message_bytes(info.limits.max_message_bytes);
   limits->set_max_sequence_length(info.limits.max_sequence_length);
   limits->set_max_sequences(info.limits.max_sequences);
+  if (batcher_ != nullptr) {
+    FillBatchingStats(*batcher_, response->mutable_decode_batching());
+  } else {
+    response->mutable_decode_batching()->set_enabled(false);
+  }
   Record("GetServerInfo", 0, clock, SizeOf(*request), SizeOf(*response));
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
@@ -396,6 +451,7 @@ grpc::ServerUnaryReactor* AttentionService::Prefill(grpc::CallbackServerContext*
 absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
                                             absl::string_view tenant,
                                             std::function<absl::Status()> admit,
+                                            const DecodeContext& context,
                                             v1::DecodeResponse* response,
                                             std::function<void(absl::Status)> done) {
   DecodeCall call;
@@ -417,10 +473,11 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
   }
   const int64_t entries = request.entries_size();
   return decode_queue_->Submit(
-      std::move(call),
+      std::move(call), context,
       [this, entries, response, done = std::move(done)](absl::StatusOr<DecodeResult> result) {
-        // One decode request is one executed batch (the direct decode queue does not merge).
-        if (result.ok() && metrics_ != nullptr) {
+        // Without the batcher one decode request is one executed batch; the batcher observes its
+        // merged batches itself (DecodeBatcherOptions::on_batch).
+        if (result.ok() && metrics_ != nullptr && batcher_ == nullptr) {
           metrics_->decode_batch_size->Observe({}, static_cast<double>(entries));
         }
         if (!result.ok()) {
@@ -446,7 +503,8 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
   auto clock = std::make_shared<RequestClock>();
   auto tenant = std::make_shared<const std::string>(TenantOf(*context));
   absl::Status submitted = SubmitDecode(
-      *request, *tenant, [context, clock] { return Admit(context, clock.get()); }, response,
+      *request, *tenant, [context, clock] { return Admit(context, clock.get()); },
+      ContextOf(context), response,
       [this, reactor, request, response, clock, tenant](absl::Status s) {
         clock->finished = absl::Now();
         Record("Decode", static_cast<int>(s.code()), *clock, SizeOf(*request), SizeOf(*response));

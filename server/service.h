@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "attnd/v1/attention.grpc.pb.h"
+#include "server/batcher.h"
 #include "server/decode_queue.h"
 #include "server/metrics.h"
 #include "server/runtime.h"
@@ -33,8 +34,10 @@ struct RequestClock;
 // "Session.Decode", and the stream's own end as "Session".
 class AttentionService : public v1::Attention::CallbackService {
  public:
+  // `batcher`: decode_queue when it is a BatchingDecodeQueue, for GetServerInfo's decode_batching
+  // counters (nullptr: batching is reported off).
   AttentionService(Runtime* runtime, WorkQueue* work_queue, DecodeQueue* decode_queue,
-                   AttndMetrics* metrics = nullptr);
+                   AttndMetrics* metrics = nullptr, const BatchingDecodeQueue* batcher = nullptr);
 
   // Sessions waiting for their next request end now with UNAVAILABLE; busy ones end after the
   // response they are computing. Call before grpc::Server::Shutdown so idle streams do not hold
@@ -70,9 +73,10 @@ class AttentionService : public v1::Attention::CallbackService {
   // filled. `admit` runs on the worker before anything is looked up (deadline/cancel check, start
   // time). `request` and `tenant` must stay valid until done. When this returns an error, done is
   // never called.
+  // `context` (the RPC's deadline and cancellation) goes to the queue with the call.
   absl::Status SubmitDecode(const v1::DecodeRequest& request, absl::string_view tenant,
-                            std::function<absl::Status()> admit, v1::DecodeResponse* response,
-                            std::function<void(absl::Status)> done);
+                            std::function<absl::Status()> admit, const DecodeContext& context,
+                            v1::DecodeResponse* response, std::function<void(absl::Status)> done);
   // Records one finished request with its google.rpc code (no-op without metrics). Latencies the
   // clock does not know (InfinitePast) are not observed.
   void Record(absl::string_view rpc, int code, const RequestClock& clock, int64_t bytes_received,
@@ -87,6 +91,7 @@ class AttentionService : public v1::Attention::CallbackService {
   WorkQueue* const work_queue_;
   DecodeQueue* const decode_queue_;
   AttndMetrics* const metrics_;  // may be null
+  const BatchingDecodeQueue* const batcher_;  // may be null
 
   // Atomic, not under mu_: sessions read it under their own lock, and BeginShutdown takes mu_
   // before the sessions' locks.
