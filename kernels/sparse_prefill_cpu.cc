@@ -99,7 +99,7 @@ ATTND_SPARSE_INLINE void AttendItem(const DcaGeometry& geometry, const PagedKv<K
   std::vector<float>& vbuf = scratch.v;
   kbuf.resize(kTile * d);
   vbuf.resize(kTile * d);
-  float scores[kTile + 8];  // ExpNonPositive runs on whole vectors
+  float scores[kTile + 8] = {};  // ExpNonPositive runs on whole vectors (lanes past n unread)
   for (int s = 0; s < kVsNumStages; ++s) {
     const VsStageLists& st = plan.stages[s];
     if (!st.present) continue;
