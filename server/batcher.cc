@@ -12,8 +12,8 @@
 namespace attnd {
 
 const int64_t DecodeBatchingStats::kDelayBucketUpperUs[DecodeBatchingStats::kNumDelayBuckets] = {
-    10,   25,    50,    100,   250,    500, 1000, 2500, 5000, 10000, 25000, 50000, 100000,
-    std::numeric_limits<int64_t>::max()};
+    10,   25,   50,    100,   250,   500,    1000,
+    2500, 5000, 10000, 25000, 50000, 100000, std::numeric_limits<int64_t>::max()};
 
 absl::StatusOr<DecodeResult> RuntimeDecodeExecutor::Decode(const DecodeCall& call,
                                                            int32_t /*padded_size*/,
@@ -101,8 +101,7 @@ BatchingDecodeQueue::~BatchingDecodeQueue() {
   mu_.Await(absl::Condition(this, &BatchingDecodeQueue::IdleLocked));
 }
 
-absl::Status BatchingDecodeQueue::Submit(DecodeCall call, const DecodeContext& context,
-                                         Done done) {
+absl::Status BatchingDecodeQueue::Submit(DecodeCall call, const DecodeContext& context, Done done) {
   const absl::Time now = clock_->Now();
   std::vector<Answer> answers;
   std::vector<std::shared_ptr<Batch>> batches;
@@ -110,9 +109,8 @@ absl::Status BatchingDecodeQueue::Submit(DecodeCall call, const DecodeContext& c
     absl::MutexLock lock(&mu_);
     if (!accepting_) return absl::UnavailableError("the server is shutting down");
     if (queued_calls_ >= options_.max_queued_calls) {
-      return absl::ResourceExhaustedError(absl::StrCat("the decode batch queue is full (",
-                                                       queued_calls_,
-                                                       " calls waiting); retry later"));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the decode batch queue is full (", queued_calls_, " calls waiting); retry later"));
     }
     auto pending = std::make_unique<Pending>();
     pending->num_entries = static_cast<int64_t>(call.entries.size());
@@ -324,9 +322,9 @@ void BatchingDecodeQueue::Execute(Batch* batch) {
     absl::StatusOr<DecodeResult> r = executor_->Decode(call, PaddedSize(n), &replayed);
     ++(replayed ? graphs : eager);
     if (r.ok() && static_cast<int64_t>(r->outputs.size()) != n) {
-      return absl::StatusOr<DecodeResult>(absl::InternalError(absl::StrCat(
-          "decode batcher: the executor returned ", r->outputs.size(), " outputs for ", n,
-          " entries")));
+      return absl::StatusOr<DecodeResult>(
+          absl::InternalError(absl::StrCat("decode batcher: the executor returned ",
+                                           r->outputs.size(), " outputs for ", n, " entries")));
     }
     if (r.ok() && options_.on_batch) options_.on_batch(n);
     return r;

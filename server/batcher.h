@@ -28,7 +28,8 @@
 //     runtime is all-or-nothing), so its calls are re-run one by one: each call gets exactly the
 //     status it would have got on its own, and a bad call fails only its own RPC.
 //   * Shutdown: new calls get UNAVAILABLE; queued calls are flushed at once (no delay) and run to
-//     completion; only calls the dispatcher then refuses (e.g. a stopped work queue) get its status.
+//     completion; only calls the dispatcher then refuses (e.g. a stopped work queue) get its
+//     status.
 #ifndef ATTND_SERVER_BATCHER_H_
 #define ATTND_SERVER_BATCHER_H_
 
@@ -88,7 +89,7 @@ std::vector<int32_t> DefaultCudaGraphBatchSizes();
 absl::StatusOr<std::vector<int32_t>> ParseBatchSizes(absl::string_view text);
 
 struct DecodeBatcherOptions {
-  int32_t max_decode_batch = 256;                         // entries per batch, >= 1
+  int32_t max_decode_batch = 256;                            // entries per batch, >= 1
   absl::Duration max_queue_delay = absl::Microseconds(100);  // 0 = never wait for more calls
   // Flush sizes (and, on a graph backend, the padded sizes). Sizes above max_decode_batch are
   // ignored. Empty: no size-based flush and no padding.
@@ -108,24 +109,24 @@ absl::Status CheckDecodeBatcherOptions(const DecodeBatcherOptions& options);
 // A snapshot of the batcher's counters (cumulative since start).
 struct DecodeBatchingStats {
   int64_t calls_submitted = 0;
-  int64_t calls_completed = 0;           // answered with the executor's result
+  int64_t calls_completed = 0;  // answered with the executor's result
   // Answered DEADLINE_EXCEEDED / CANCELLED without running: while queued, or by the call's admit
   // hook just before its batch ran.
   int64_t calls_deadline_exceeded = 0;
   int64_t calls_cancelled = 0;
-  int64_t batches = 0;                   // merged batches formed
-  int64_t entries = 0;                   // entries in them
+  int64_t batches = 0;                         // merged batches formed
+  int64_t entries = 0;                         // entries in them
   std::map<int32_t, int64_t> batches_by_size;  // entries -> batches
-  int64_t padding_entries = 0;  // entries of padding up to the next captured size
-  int64_t eager_launches = 0;   // executor calls that did not replay a graph
-  int64_t graph_replays = 0;    // executor calls that did
-  int64_t split_retries = 0;    // merged batches that failed and were re-run call by call
+  int64_t padding_entries = 0;                 // entries of padding up to the next captured size
+  int64_t eager_launches = 0;                  // executor calls that did not replay a graph
+  int64_t graph_replays = 0;                   // executor calls that did
+  int64_t split_retries = 0;  // merged batches that failed and were re-run call by call
   // Time from Submit to the executor starting the call's batch.
   static constexpr int kNumDelayBuckets = 14;
   static const int64_t kDelayBucketUpperUs[kNumDelayBuckets];  // last is the overflow bucket
   int64_t queue_delay_count[kNumDelayBuckets] = {};
   int64_t queue_delay_total_us = 0;
-  int64_t queued_calls = 0;  // now
+  int64_t queued_calls = 0;      // now
   int64_t inflight_batches = 0;  // now
 };
 
@@ -226,7 +227,8 @@ class BatchingDecodeQueue : public DecodeQueue {
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   bool timer_stop_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t wake_generation_ ABSL_GUARDED_BY(mu_) = 0;  // bumped when a wake-up may move earlier
-  absl::Time timer_target_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // what the timer sleeps until
+  absl::Time timer_target_ ABSL_GUARDED_BY(mu_) =
+      absl::InfinitePast();  // what the timer sleeps until
   absl::CondVar timer_cv_;
   int64_t queued_calls_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t inflight_batches_ ABSL_GUARDED_BY(mu_) = 0;

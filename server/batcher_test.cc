@@ -24,10 +24,10 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "attnd/v1/attention.grpc.pb.h"
+#include "gmock/gmock.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
-#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
@@ -66,7 +66,8 @@ class FakeExecutor : public DecodeExecutor {
     if (call.admit) {
       if (absl::Status s = call.admit(); !s.ok()) return s;
     }
-    if (call.entries.empty()) return absl::InvalidArgumentError("a decode needs at least one entry");
+    if (call.entries.empty())
+      return absl::InvalidArgumentError("a decode needs at least one entry");
     std::set<std::string> seen;
     for (size_t i = 0; i < call.entries.size(); ++i) {
       const std::string id(call.entries[i].sequence_id);
@@ -410,9 +411,9 @@ TEST_F(BatcherTest, FifoFairnessBetweenBigAndSmallClients) {
   Make(o);
   Submit({"s0"});  // in flight
   clock_.Advance(absl::Microseconds(1));
-  Submit({"x1"});                                          // client X, small
-  Submit({"b1", "b2", "b3", "b4", "b5", "b6", "b7"});      // client B, big: 1 + 7 = 8, full
-  Submit({"x2"});                                          // small calls keep coming
+  Submit({"x1"});                                      // client X, small
+  Submit({"b1", "b2", "b3", "b4", "b5", "b6", "b7"});  // client B, big: 1 + 7 = 8, full
+  Submit({"x2"});                                      // small calls keep coming
   Submit({"x3"});
   Submit({"y1", "y2", "y3", "y4", "y5", "y6", "y7", "y8"});  // client Y: exactly the limit
   Submit({"x4"});
@@ -420,9 +421,8 @@ TEST_F(BatcherTest, FifoFairnessBetweenBigAndSmallClients) {
   clock_.Advance(absl::Microseconds(100));
   queue_->Poll();
   dispatcher_.RunAll();
-  EXPECT_THAT(exec_.Batches(),
-              ElementsAre("s0", "x1,b1,b2,b3,b4,b5,b6,b7", "x2,x3", "y1,y2,y3,y4,y5,y6,y7,y8",
-                          "x4"));
+  EXPECT_THAT(exec_.Batches(), ElementsAre("s0", "x1,b1,b2,b3,b4,b5,b6,b7", "x2,x3",
+                                           "y1,y2,y3,y4,y5,y6,y7,y8", "x4"));
   for (const Reply& r : replies_) EXPECT_TRUE(r.result.ok()) << r.Summary();
 }
 
@@ -467,8 +467,7 @@ TEST_F(BatcherTest, AFailingCallFailsOnlyItself) {
   EXPECT_EQ(good2->Summary(), "g@1");
   EXPECT_EQ(exec_.Length(0, "d"), 0);
   EXPECT_EQ(exec_.Length(0, "f"), 0);
-  EXPECT_THAT(exec_.Batches(),
-              ElementsAre("a", "b,c,d,bad-e,f,f,g", "b,c", "d,bad-e", "f,f", "g"));
+  EXPECT_THAT(exec_.Batches(), ElementsAre("a", "b,c,d,bad-e,f,f,g", "b,c", "d,bad-e", "f,f", "g"));
   EXPECT_EQ(queue_->Stats().split_retries, 1);
   EXPECT_EQ(queue_->Stats().eager_launches, 6);
 }
@@ -593,7 +592,8 @@ TEST_F(BatcherTest, RefusesBeyondTheQueueLimit) {
   Submit({"b"});
   Reply* c = Submit({"c"});
   EXPECT_EQ(last_submit_.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(last_submit_.message(), "the decode batch queue is full (2 calls waiting); retry later");
+  EXPECT_EQ(last_submit_.message(),
+            "the decode batch queue is full (2 calls waiting); retry later");
   EXPECT_FALSE(c->called);
 }
 
@@ -659,17 +659,24 @@ TEST(BatcherTimerTest, TheTimerFlushesAnExpiredDelay) {
   DecodeBatcherOptions o = NoSizeFlush(absl::Milliseconds(2));
   absl::Notification done;
   auto q = BatchingDecodeQueue::Create(
-      o, &exec, [](std::function<void()> f) { f(); return absl::OkStatus(); }, Clock::Real(),
+      o, &exec,
+      [](std::function<void()> f) {
+        f();
+        return absl::OkStatus();
+      },
+      Clock::Real(),
       /*start_timer=*/true);
   ASSERT_TRUE(q.ok()) << q.status();
   DecodeCall call;
   call.entries.emplace_back();
   call.entries[0].sequence_id = "a";
   absl::StatusOr<DecodeResult> got = absl::UnknownError("not answered");
-  ASSERT_TRUE((*q)->Submit(std::move(call), [&](absl::StatusOr<DecodeResult> r) {
-                   got = std::move(r);
-                   done.Notify();
-                 }).ok());
+  ASSERT_TRUE((*q)->Submit(std::move(call),
+                           [&](absl::StatusOr<DecodeResult> r) {
+                             got = std::move(r);
+                             done.Notify();
+                           })
+                  .ok());
   ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->outputs[0].out, "a@1");
@@ -888,9 +895,9 @@ TEST_F(RuntimeBatchingTest, MergedBatchMatchesTheReferenceAndIsolatesABadCall) {
     e.q = RequestTensor{DType::kFp32, qs, Bytes(c.q)};
     e.k = RequestTensor{DType::kFp32, ks, Bytes(c.k)};
     e.v = RequestTensor{DType::kFp32, ks, Bytes(c.v)};
-    ASSERT_TRUE(
-        (*q)->Submit(std::move(call), [&c](absl::StatusOr<DecodeResult> r) { c.got = std::move(r); })
-            .ok());
+    ASSERT_TRUE((*q)->Submit(std::move(call),
+                             [&c](absl::StatusOr<DecodeResult> r) { c.got = std::move(r); })
+                    .ok());
   }
   clock.Advance(absl::Microseconds(100));
   (*q)->Poll();
@@ -1002,8 +1009,7 @@ TEST(BatchingGrpcTest, ConcurrentBatchOneClientsAreMergedAndCorrect) {
         s = stub->Decode(&ctx, req, &resp);
         if (!s.ok()) return void(failures[c] = absl::StrCat("decode ", r, ": ", s.error_message()));
         absl::StatusOr<std::vector<float>> want = ref.Decode(0, dq, dk, dv);
-        if (!want.ok() || resp.outputs_size() != 1 ||
-            resp.outputs(0).length() != prompt + r + 1 ||
+        if (!want.ok() || resp.outputs_size() != 1 || resp.outputs(0).length() != prompt + r + 1 ||
             resp.outputs(0).o().data().size() != want->size() * sizeof(float)) {
           return void(failures[c] = absl::StrCat("decode ", r, ": wrong length or size"));
         }
@@ -1020,8 +1026,8 @@ TEST(BatchingGrpcTest, ConcurrentBatchOneClientsAreMergedAndCorrect) {
   for (std::thread& t : threads) t.join();
   for (int c = 0; c < kClients; ++c) EXPECT_EQ(failures[c], "") << "client " << c;
 
-  auto stub = v1::Attention::NewStub(
-      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  auto stub =
+      v1::Attention::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
   const v1::DecodeBatchingStats st = ServerStats(stub.get());
   EXPECT_TRUE(st.enabled());
   EXPECT_EQ(st.max_decode_batch(), kClients);

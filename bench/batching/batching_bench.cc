@@ -7,6 +7,8 @@
 // (timed: from the common start to the last client's last reply), then release. Rounds repeat
 // until `--min-seconds` of decode time is collected. Throughput = decodes / decode time. When the
 // server reports DecodeBatchingStats, the mean merged batch size over the timed phases is printed.
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -16,7 +18,6 @@
 #include <random>
 #include <string>
 #include <thread>
-#include <unistd.h>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -191,18 +192,20 @@ class Client {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const std::string target = absl::GetFlag(FLAGS_target);
-  auto info_stub = v1::Attention::NewStub(
-      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  auto info_stub =
+      v1::Attention::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
   Geometry g;
   ReadCounters(info_stub.get(), &g);
   const int64_t context = absl::GetFlag(FLAGS_context);
   const int32_t decodes = absl::GetFlag(FLAGS_decodes);
   const int32_t layer = absl::GetFlag(FLAGS_layer);
 
-  for (absl::string_view item : absl::StrSplit(absl::GetFlag(FLAGS_clients), ',', absl::SkipEmpty())) {
+  for (absl::string_view item :
+       absl::StrSplit(absl::GetFlag(FLAGS_clients), ',', absl::SkipEmpty())) {
     int n = 0;
     if (!absl::SimpleAtoi(item, &n) || n <= 0) {
-      std::fprintf(stderr, "batching_bench: bad --clients item \"%s\"\n", std::string(item).c_str());
+      std::fprintf(stderr, "batching_bench: bad --clients item \"%s\"\n",
+                   std::string(item).c_str());
       return 1;
     }
     std::vector<std::unique_ptr<Client>> clients;
@@ -262,7 +265,8 @@ int main(int argc, char** argv) {
         absl::GetFlag(FLAGS_label).c_str(), g.model.c_str(), static_cast<long long>(context), n,
         static_cast<long long>(done), seconds, done / seconds, pct(0.50), pct(0.99),
         counted.batches > 0
-            ? absl::StrFormat("%.2f", static_cast<double>(counted.entries) / counted.batches).c_str()
+            ? absl::StrFormat("%.2f", static_cast<double>(counted.entries) / counted.batches)
+                  .c_str()
             : "n/a",
         pid > 0 ? absl::StrFormat(" server_cpu_us_per_decode=%.0f",
                                   1e6 * server_ticks / sysconf(_SC_CLK_TCK) / done)
