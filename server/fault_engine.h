@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "server/engine.h"
 
 namespace attnd {
@@ -24,6 +25,11 @@ class FaultEngine : public Engine {
   void FailNextDecodes(int64_t n) { decode_failures_.store(n); }
   void FailLayer(int32_t layer) { failing_layer_.store(layer); }  // -1: none
   void LoseDevice() { lost_.store(true); }
+  // Prefills wait inside the engine (holding their request worker) until ReleasePrefills(): a
+  // "slow" job whose length the test decides, instead of a timing guess.
+  void HoldPrefills();
+  void ReleasePrefills();
+  int64_t held_prefills() const;  // prefills waiting at the gate now
 
   int64_t injected_failures() const { return injected_.load(); }
   int64_t prefills() const { return prefills_.load(); }  // jobs forwarded to the wrapped engine
@@ -42,6 +48,9 @@ class FaultEngine : public Engine {
   absl::Status Inject(const char* what, int32_t layer, std::atomic<int64_t>* budget);
 
   const std::unique_ptr<Engine> inner_;
+  mutable absl::Mutex gate_mu_;
+  bool holding_ ABSL_GUARDED_BY(gate_mu_) = false;
+  int64_t waiting_ ABSL_GUARDED_BY(gate_mu_) = 0;
   std::atomic<int64_t> prefill_failures_{0};
   std::atomic<int64_t> decode_failures_{0};
   std::atomic<int32_t> failing_layer_{-1};

@@ -1,5 +1,6 @@
-// Client deadlines and graceful drain against the real daemon. Slow work is a long prefill
-// (4000 tokens of the tiny model) on a server with one request worker, so later requests queue.
+// Client deadlines and graceful drain against the real daemon. "Slow" work is a prefill held inside
+// the engine (server/fault_engine.h's gate) until the test releases it, on a server with one
+// request worker, so later requests queue behind it however fast the machine is.
 #include <future>
 #include <random>
 #include <string>
@@ -8,13 +9,33 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "server/fault_engine.h"
 #include "tests/ops/ops_util.h"
 
 namespace attnd {
 namespace ops_testing {
 namespace {
 
-constexpr int64_t kSlowTokens = 4000;
+constexpr int64_t kSlowTokens = 256;
+
+// Wraps the daemon's engine in a FaultEngine the test can gate; *gate is set at start-up.
+void GateEngine(ServerOptions* options, FaultEngine** gate) {
+  options->wrap_engine = [gate](std::unique_ptr<Engine> engine) -> std::unique_ptr<Engine> {
+    auto wrapped = std::make_unique<FaultEngine>(std::move(engine));
+    *gate = wrapped.get();
+    return wrapped;
+  };
+}
+
+// Waits until `n` prefills are held at the gate (so they occupy their request workers).
+::testing::AssertionResult WaitForHeld(FaultEngine* gate, int64_t n) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (absl::Now() < give_up) {
+    if (gate->held_prefills() >= n) return ::testing::AssertionSuccess();
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  return ::testing::AssertionFailure() << gate->held_prefills() << " prefills held, not " << n;
+}
 
 struct Reply {
   grpc::Status status;
@@ -61,6 +82,11 @@ std::string Metrics(Daemon& daemon) {
 TEST(OpsDeadlineTest, ExpiredRequestsQueuedBehindSlowWorkChangeNothing) {
   ServerOptions o = TinyOptions(512);
   o.request_workers = 1;
+  FaultEngine* gate = nullptr;
+  GateEngine(&o, &gate);
+  // This test is about the work queue: with cross-RPC batching on, decodes queue in the batcher
+  // instead (its own deadline tests are in server/batcher_test.cc) and never wait behind a prefill.
+  o.decode_batching = false;
   Daemon daemon(o);
   ASSERT_TRUE(daemon.ok());
   auto stub = daemon.Stub();
@@ -76,8 +102,10 @@ TEST(OpsDeadlineTest, ExpiredRequestsQueuedBehindSlowWorkChangeNothing) {
   const v1::PrefillRequest victim_prefill = MakePrefill(victim, 0, 16, &rng);
   const v1::DecodeRequest victim_decode = MakeDecode(1, {victim}, &rng);
 
+  gate->HoldPrefills();
   std::future<Reply> slow_reply = PrefillAsync(stub.get(), MakePrefill(slow, 0, kSlowTokens, &rng));
-  // victim's 1 page, then the slow prefill's 250: it is on the only worker now.
+  // It holds the only worker now: victim's 1 page plus its 16 are allocated, and it waits at the gate.
+  ASSERT_TRUE(WaitForHeld(gate, 1));
   ASSERT_TRUE(WaitForPagesUsed(stub.get(), 1 + kSlowTokens / kPageSize));
 
   const absl::Time sent = absl::Now();
@@ -100,6 +128,7 @@ TEST(OpsDeadlineTest, ExpiredRequestsQueuedBehindSlowWorkChangeNothing) {
   cctx->TryCancel();
   EXPECT_EQ(cancelled.get().error_code(), grpc::StatusCode::CANCELLED);
 
+  gate->ReleasePrefills();
   Reply r = slow_reply.get();
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.length, kSlowTokens);
@@ -134,6 +163,8 @@ TEST(OpsDrainTest, ShutdownFinishesInFlightWorkRefusesNewWorkAndReportsNotServin
   ServerOptions o = TinyOptions(512);
   o.request_workers = 2;
   o.health_listen = "127.0.0.1:0";
+  FaultEngine* gate = nullptr;
+  GateEngine(&o, &gate);
   Daemon daemon(o);
   ASSERT_TRUE(daemon.ok());
   ASSERT_GT(daemon.server().health_port(), 0);
@@ -149,8 +180,9 @@ TEST(OpsDrainTest, ShutdownFinishesInFlightWorkRefusesNewWorkAndReportsNotServin
   auto stub = daemon.Stub();
   std::mt19937 rng(13);
   const std::string slow = MustCreate(stub.get());
+  gate->HoldPrefills();
   std::future<Reply> slow_reply = PrefillAsync(stub.get(), MakePrefill(slow, 0, kSlowTokens, &rng));
-  ASSERT_TRUE(WaitForPagesUsed(stub.get(), kSlowTokens / kPageSize));  // it is computing now
+  ASSERT_TRUE(WaitForHeld(gate, 1));  // in flight, inside the engine
 
   // SIGTERM's path in main.cc.
   std::thread shutdown([&daemon] { daemon.server().Shutdown(absl::Now() + absl::Seconds(60)); });
@@ -165,6 +197,7 @@ TEST(OpsDrainTest, ShutdownFinishesInFlightWorkRefusesNewWorkAndReportsNotServin
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
   EXPECT_TRUE(id.empty());
 
+  gate->ReleasePrefills();  // the in-flight prefill finishes during the drain
   Reply r = slow_reply.get();
   EXPECT_TRUE(r.status.ok()) << r.status.error_code() << " " << r.status.error_message();
   EXPECT_EQ(r.length, kSlowTokens);
