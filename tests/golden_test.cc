@@ -36,36 +36,6 @@ namespace {
 using client::DecodeInput;
 using client::HostTensor;
 
-bool IsDir(const std::string& path) {
-  std::ifstream probe(path + "/dca/README.md");
-  return probe.good();
-}
-
-// The shared testdata directory. Bazel's runfiles hold only this workspace, not ../shared, so:
-// $ATTND_TESTDATA if set, else ../shared/testdata next to the real source checkout, found by
-// resolving this test's source file (a runfiles symlink into the workspace; spawn_strategy is
-// local). Returns "" with the places tried in `tried`.
-std::string FindTestdata(std::string* tried) {
-  std::vector<std::string> candidates;
-  if (const char* env = std::getenv("ATTND_TESTDATA")) candidates.push_back(env);
-  if (const char* srcdir = std::getenv("TEST_SRCDIR")) {
-    const std::string source = absl::StrCat(srcdir, "/attnd/tests/golden_test.cc");
-    char resolved[PATH_MAX];
-    if (realpath(source.c_str(), resolved) != nullptr) {
-      std::string dir(resolved);
-      dir = dir.substr(0, dir.rfind('/'));  // <workspace>/tests
-      dir = dir.substr(0, dir.rfind('/'));  // <workspace>
-      candidates.push_back(dir + "/../shared/testdata");
-    }
-  }
-  candidates.push_back("../shared/testdata");  // run by hand from the workspace root
-  for (const std::string& c : candidates) {
-    if (IsDir(c)) return c;
-    absl::StrAppend(tried, " ", c);
-  }
-  return "";
-}
-
 struct Tensor {
   std::string dtype;  // "bf16" | "f32"
   std::vector<int64_t> shape;
@@ -110,7 +80,7 @@ class GoldenTest : public ::testing::TestWithParam<std::tuple<DType, bool>> {
  protected:
   void SetUp() override {
     std::string tried;
-    const std::string root = FindTestdata(&tried);
+    const std::string root = testing::FindSharedTestdata("tests/golden_test.cc", &tried);
     ASSERT_FALSE(root.empty()) << "golden testdata not found; set ATTND_TESTDATA. Tried:" << tried;
     ASSERT_TRUE(golden_.Load(root + "/dca/dense_gqa_chunked"))
         << "cannot read the case in " << root;

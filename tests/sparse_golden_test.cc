@@ -34,35 +34,6 @@ namespace {
 using client::DecodeInput;
 using client::HostTensor;
 
-bool HasCases(const std::string& path) {
-  std::ifstream probe(path + "/dca/README.md");
-  return probe.good();
-}
-
-// The shared testdata directory (see tests/golden_test.cc): $ATTND_TESTDATA, else
-// ../shared/testdata next to the real checkout, found by resolving this source file from the
-// runfiles, else ../shared/testdata from the current directory.
-std::string FindTestdata(std::string* tried) {
-  std::vector<std::string> candidates;
-  if (const char* env = std::getenv("ATTND_TESTDATA")) candidates.push_back(env);
-  if (const char* srcdir = std::getenv("TEST_SRCDIR")) {
-    const std::string source = absl::StrCat(srcdir, "/attnd/tests/sparse_golden_test.cc");
-    char resolved[PATH_MAX];
-    if (realpath(source.c_str(), resolved) != nullptr) {
-      std::string dir(resolved);
-      dir = dir.substr(0, dir.rfind('/'));  // <workspace>/tests
-      dir = dir.substr(0, dir.rfind('/'));  // <workspace>
-      candidates.push_back(dir + "/../shared/testdata");
-    }
-  }
-  candidates.push_back("../shared/testdata");
-  for (const std::string& c : candidates) {
-    if (HasCases(c)) return c;
-    absl::StrAppend(tried, " ", c);
-  }
-  return "";
-}
-
 struct Tensor {
   std::vector<int64_t> shape;
   std::vector<float> values;
@@ -172,7 +143,7 @@ class SparseGoldenTest : public ::testing::TestWithParam<DType> {
  protected:
   void SetUp() override {
     std::string tried;
-    const std::string root = FindTestdata(&tried);
+    const std::string root = testing::FindSharedTestdata("tests/sparse_golden_test.cc", &tried);
     ASSERT_FALSE(root.empty()) << "golden testdata not found; set ATTND_TESTDATA. Tried:" << tried;
     ASSERT_TRUE(golden_.Load(root + "/dca/sparse_vs")) << "cannot read sparse_vs in " << root;
     ASSERT_FLOAT_EQ(golden_.json().at("softmax_scale").get<float>(),
