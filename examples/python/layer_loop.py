@@ -27,7 +27,7 @@ import numpy as np
 
 def import_attnd():
     try:
-        import attnd  # installed: pip install --no-build-isolation ./client/python
+        import attnd  # installed: pip install ./client/python
         return attnd
     except ImportError:
         pass
