@@ -355,55 +355,50 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   return reactor;
 }
 
-grpc::ServerUnaryReactor* AttentionService::CreateSequence(grpc::CallbackServerContext* context,
-                                                           const v1::CreateSequenceRequest* request,
-                                                           v1::CreateSequenceResponse* response) {
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* AttentionService::ServeOnWorker(
+    absl::string_view rpc, grpc::CallbackServerContext* context, const Request* request,
+    Response* response, std::function<absl::Status(const std::string&)> body) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   RequestClock clock;
-  absl::Status submitted = work_queue_->Submit(
-      [this, context, reactor, request, response, clock, tenant = TenantOf(*context)]() mutable {
-        absl::Status s = Admit(context, &clock);
-        if (s.ok()) {
-          absl::StatusOr<std::string> id = runtime_->CreateSequence(tenant);
-          if (id.ok()) response->set_sequence_id(*id);
-          s = id.status();
-        }
-        clock.finished = absl::Now();
-        Record("CreateSequence", static_cast<int>(s.code()), clock, SizeOf(*request),
-               SizeOf(*response));
-        reactor->Finish(ToGrpcStatus(s));
-      });
+  absl::Status submitted = work_queue_->Submit([this, rpc, context, reactor, request, response,
+                                                clock, body = std::move(body),
+                                                tenant = TenantOf(*context)]() mutable {
+    absl::Status s = Admit(context, &clock);
+    if (s.ok()) s = body(tenant);
+    clock.finished = absl::Now();
+    Record(rpc, static_cast<int>(s.code()), clock, SizeOf(*request), SizeOf(*response));
+    reactor->Finish(ToGrpcStatus(s));
+  });
   if (!submitted.ok()) {
-    Record("CreateSequence", static_cast<int>(submitted.code()), clock, SizeOf(*request), 0);
+    Record(rpc, static_cast<int>(submitted.code()), clock, SizeOf(*request), 0);
     reactor->Finish(ToGrpcStatus(submitted));
   }
   return reactor;
 }
 
+grpc::ServerUnaryReactor* AttentionService::CreateSequence(grpc::CallbackServerContext* context,
+                                                           const v1::CreateSequenceRequest* request,
+                                                           v1::CreateSequenceResponse* response) {
+  return ServeOnWorker("CreateSequence", context, request, response,
+                       [this, response](const std::string& tenant) {
+                         absl::StatusOr<std::string> id = runtime_->CreateSequence(tenant);
+                         if (id.ok()) response->set_sequence_id(*id);
+                         return id.status();
+                       });
+}
+
 grpc::ServerUnaryReactor* AttentionService::ReleaseSequence(
     grpc::CallbackServerContext* context, const v1::ReleaseSequenceRequest* request,
     v1::ReleaseSequenceResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  RequestClock clock;
   // On a worker: Release waits for a request in flight on the sequence.
-  absl::Status submitted = work_queue_->Submit(
-      [this, context, reactor, request, response, clock, tenant = TenantOf(*context)]() mutable {
-        absl::Status s = Admit(context, &clock);
-        if (s.ok()) {
-          absl::StatusOr<int64_t> freed = runtime_->ReleaseSequence(request->sequence_id(), tenant);
-          if (freed.ok()) response->set_pages_freed(*freed);
-          s = freed.status();
-        }
-        clock.finished = absl::Now();
-        Record("ReleaseSequence", static_cast<int>(s.code()), clock, SizeOf(*request),
-               SizeOf(*response));
-        reactor->Finish(ToGrpcStatus(s));
-      });
-  if (!submitted.ok()) {
-    Record("ReleaseSequence", static_cast<int>(submitted.code()), clock, SizeOf(*request), 0);
-    reactor->Finish(ToGrpcStatus(submitted));
-  }
-  return reactor;
+  return ServeOnWorker("ReleaseSequence", context, request, response,
+                       [this, request, response](const std::string& tenant) {
+                         absl::StatusOr<int64_t> freed =
+                             runtime_->ReleaseSequence(request->sequence_id(), tenant);
+                         if (freed.ok()) response->set_pages_freed(*freed);
+                         return freed.status();
+                       });
 }
 
 absl::Status AttentionService::RunPrefill(const v1::PrefillRequest& request,
@@ -431,21 +426,10 @@ absl::Status AttentionService::RunPrefill(const v1::PrefillRequest& request,
 grpc::ServerUnaryReactor* AttentionService::Prefill(grpc::CallbackServerContext* context,
                                                     const v1::PrefillRequest* request,
                                                     v1::PrefillResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  RequestClock clock;
-  absl::Status submitted = work_queue_->Submit(
-      [this, context, reactor, request, response, clock, tenant = TenantOf(*context)]() mutable {
-        absl::Status s = Admit(context, &clock);
-        if (s.ok()) s = RunPrefill(*request, tenant, response);
-        clock.finished = absl::Now();
-        Record("Prefill", static_cast<int>(s.code()), clock, SizeOf(*request), SizeOf(*response));
-        reactor->Finish(ToGrpcStatus(s));
-      });
-  if (!submitted.ok()) {
-    Record("Prefill", static_cast<int>(submitted.code()), clock, SizeOf(*request), 0);
-    reactor->Finish(ToGrpcStatus(submitted));
-  }
-  return reactor;
+  return ServeOnWorker("Prefill", context, request, response,
+                       [this, request, response](const std::string& tenant) {
+                         return RunPrefill(*request, tenant, response);
+                       });
 }
 
 absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,

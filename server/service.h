@@ -77,6 +77,14 @@ class AttentionService : public v1::Attention::CallbackService {
   absl::Status SubmitDecode(const v1::DecodeRequest& request, absl::string_view tenant,
                             std::function<absl::Status()> admit, const DecodeContext& context,
                             v1::DecodeResponse* response, std::function<void(absl::Status)> done);
+  // The unary RPCs that run on a worker (CreateSequence, ReleaseSequence, Prefill): queues `body`
+  // (called with the caller's tenant) behind the deadline/cancellation check, records the call and
+  // finishes it; a Submit the queue refuses is recorded and finished at once.
+  template <typename Request, typename Response>
+  grpc::ServerUnaryReactor* ServeOnWorker(absl::string_view rpc,
+                                          grpc::CallbackServerContext* context,
+                                          const Request* request, Response* response,
+                                          std::function<absl::Status(const std::string&)> body);
   // Records one finished request with its google.rpc code (no-op without metrics). Latencies the
   // clock does not know (InfinitePast) are not observed.
   void Record(absl::string_view rpc, int code, const RequestClock& clock, int64_t bytes_received,
