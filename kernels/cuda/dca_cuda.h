@@ -78,7 +78,7 @@ absl::Status LaunchAppendKv(const CudaAppendParams& params, cudaStream_t stream)
 // with L = lengths[b] (computed on the device from original_max_position_embeddings).
 struct CudaDecodeAppendParams {
   PagedKvBatch kv;
-  const int32_t* lengths = nullptr;  // [batch] L including the new token, >= 1
+  const int32_t* lengths = nullptr;  // [batch] L including the new token; 0 = padding row, skipped
   const void* k = nullptr;           // [batch, num_kv_heads, head_dim] of in_dtype, unscaled
   const void* v = nullptr;           // [batch, num_kv_heads, head_dim] of in_dtype
   DType in_dtype = DType::kBf16;
@@ -139,7 +139,7 @@ absl::Status LaunchDcaPrefillReference(const DcaGeometry& geometry, const CudaPr
 // can be replayed for other lengths up to the planned maximum.
 struct CudaDecodeParams {
   PagedKvBatch kv;
-  const int32_t* lengths = nullptr;  // [batch] L including the new token (already appended), >= 1
+  const int32_t* lengths = nullptr;  // [batch] L incl. the new token (appended); 0 = padding, out 0
   const Bf16* q = nullptr;           // [batch, 3, num_q_heads, head_dim]: intra, succ, inter; unscaled
   void* out = nullptr;               // [batch, num_q_heads, head_dim] of out_dtype
   DType out_dtype = DType::kFp32;

@@ -742,11 +742,12 @@ __global__ void AppendKvKernel(PagedKv<Bf16> kv, const void* k, const void* v, i
   }
 }
 
-// grid (batch), block 128: sequence b's new token at lengths[b] - 1.
+// grid (batch), block 128: sequence b's new token at lengths[b] - 1; rows with length 0 are skipped.
 __global__ void DecodeAppendKvKernel(PagedKvBatch kvb, const int32_t* lengths, const void* k,
                                      const void* v, int in_dtype, int64_t orig) {
   const int32_t b = blockIdx.x;
   const int32_t len = lengths[b];
+  if (len < 1) return;  // a padding row of a captured batch size: nothing to append
   const float key_scale = LengthScaleDevice(len, orig);
   const PagedKv<Bf16> kv = kvb.Seq(b);
   const int per_token = kv.num_kv_heads * kv.head_dim;
