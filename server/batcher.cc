@@ -18,8 +18,9 @@ const int64_t DecodeBatchingStats::kDelayBucketUpperUs[DecodeBatchingStats::kNum
 absl::StatusOr<DecodeResult> RuntimeDecodeExecutor::Decode(const DecodeCall& call,
                                                            int32_t /*padded_size*/,
                                                            bool* graph_replay) {
-  *graph_replay = false;
-  return runtime_->Decode(call);
+  absl::StatusOr<DecodeResult> result = runtime_->Decode(call);
+  *graph_replay = result.ok() && result->graph_replay;
+  return result;
 }
 
 std::vector<int32_t> DefaultCudaGraphBatchSizes() {

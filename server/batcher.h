@@ -67,7 +67,8 @@ class DecodeExecutor {
                                               bool* graph_replay) = 0;
 };
 
-// Executes through Runtime::Decode. The runtime has no CUDA graphs yet: every launch is eager.
+// Executes through Runtime::Decode. The engine pads to its own captured sizes (the same list) and
+// reports whether it replayed a graph; padded_size is informational here.
 class RuntimeDecodeExecutor : public DecodeExecutor {
  public:
   explicit RuntimeDecodeExecutor(Runtime* runtime) : runtime_(runtime) {}

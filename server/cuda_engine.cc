@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -16,6 +17,7 @@
 #include "kernels/cuda/dca_cuda.h"
 #include "kernels/dtype.h"
 #include "kernels/status_macros.h"
+#include "spdlog/spdlog.h"
 
 namespace attnd {
 namespace {
@@ -94,7 +96,29 @@ class CudaEngine : public Engine {
  private:
   explicit CudaEngine(const CudaEngineOptions& options) : geometry_(options.geometry),
       layout_(options.layout), device_(options.device),
-      max_decode_batch_(std::max(1, options.max_decode_batch)) {}
+      max_decode_batch_(std::max(1, options.max_decode_batch)),
+      use_graphs_(options.cuda_graphs) {
+    for (int32_t size : options.graph_batch_sizes) {
+      if (size >= 1 && size <= max_decode_batch_ && (sizes_.empty() || size > sizes_.back())) {
+        sizes_.push_back(size);
+      }
+    }
+  }
+
+  // Byte offsets of one decode step's packed inputs for a batch planned as `plan` rows:
+  // lengths int32 [plan] | q bf16 [plan, 3, Hq, D] | k fp32 [plan, Hkv, D] | v fp32 [plan, Hkv, D].
+  struct DecodeStaging {
+    size_t len_off = 0, q_off = 0, k_off = 0, v_off = 0, bytes = 0;
+  };
+  DecodeStaging StagingFor(int64_t plan) const;
+  // The smallest captured size >= n, else n: a batch's split-K plan and staging layout.
+  int32_t PlanBatch(int32_t n) const;
+  // Enqueues one decode step on stream_ for `rows` rows of a batch planned as `plan` rows:
+  // H2D of the packed inputs, KV append, split-K attention + reduction, D2H of the outputs. The
+  // same calls are captured into the graphs (rows == plan) and launched eagerly.
+  absl::Status EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t plan)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CaptureDecodeGraphs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Status Init(int64_t staging_bytes);
   absl::Status CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
@@ -109,6 +133,8 @@ class CudaEngine : public Engine {
   const KvLayout layout_;
   const int32_t device_;
   const int32_t max_decode_batch_;
+  const bool use_graphs_;
+  std::vector<int32_t> sizes_;  // captured sizes, ascending, <= max_decode_batch_
   std::string device_name_;
   int32_t num_sms_ = 0;
   DevicePtr pool_;
@@ -126,15 +152,22 @@ class CudaEngine : public Engine {
   PinnedPtr h_table_ ABSL_GUARDED_BY(mu_);       // [num_pages]
   DevicePtr d_table_ ABSL_GUARDED_BY(mu_);       // [num_pages]
 
-  // Decode: per batch, packed as lengths | q bf16 [B,3,Hq,D] | k fp32 [B,Hkv,D] | v | tables.
-  size_t decode_bytes_ = 0;
+  // Decode: packed inputs (StagingFor) mirrored in pinned host and device memory; page tables
+  // staged on the host with the batch's own stride and copied into d_tables_, whose stride is
+  // fixed at the pool's page count (so captured kernels never change).
+  int64_t table_stride_ = 0;
+  int64_t max_length_ = 0;  // the most tokens one sequence can hold: split-K plans for this
   PinnedPtr h_decode_ ABSL_GUARDED_BY(mu_);
   DevicePtr d_decode_ ABSL_GUARDED_BY(mu_);
+  PinnedPtr h_tables_ ABSL_GUARDED_BY(mu_);      // [B, <= table_stride_]
+  DevicePtr d_tables_ ABSL_GUARDED_BY(mu_);      // [B, table_stride_]
   PinnedPtr h_decode_out_ ABSL_GUARDED_BY(mu_);  // [B, Hq, D] fp32
   DevicePtr d_decode_out_ ABSL_GUARDED_BY(mu_);
   size_t workspace_floats_ = 0;
   DevicePtr d_workspace_ ABSL_GUARDED_BY(mu_);
   std::vector<float> scratch_ ABSL_GUARDED_BY(mu_);
+  // graphs_[size index * num_layers + layer]; empty when graphs are off.
+  std::vector<cudaGraphExec_t> graphs_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::StatusOr<std::unique_ptr<Engine>> CudaEngine::Create(const CudaEngineOptions& options) {
@@ -205,20 +238,60 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   ATTND_ASSIGN_OR_RETURN(d_table_, DeviceAlloc(layout_.num_pages * 4, "page table"));
 
   const int64_t b = max_decode_batch_;
-  decode_bytes_ = AlignUp(b * 4) + AlignUp(b * kNumDecodeVariants * hq * d * 2) +
-                  2 * AlignUp(b * hkv * d * 4) + AlignUp(b * layout_.num_pages * 4);
-  ATTND_ASSIGN_OR_RETURN(h_decode_, PinnedAlloc(decode_bytes_, "decode staging"));
-  ATTND_ASSIGN_OR_RETURN(d_decode_, DeviceAlloc(decode_bytes_, "decode staging"));
+  table_stride_ = layout_.num_pages;
+  max_length_ = layout_.num_pages * layout_.page_size;
+  const size_t staging = StagingFor(b).bytes;
+  ATTND_ASSIGN_OR_RETURN(h_decode_, PinnedAlloc(staging, "decode staging"));
+  ATTND_ASSIGN_OR_RETURN(d_decode_, DeviceAlloc(staging, "decode staging"));
+  ATTND_ASSIGN_OR_RETURN(h_tables_, PinnedAlloc(b * table_stride_ * 4, "decode page tables"));
+  ATTND_ASSIGN_OR_RETURN(d_tables_, DeviceAlloc(b * table_stride_ * 4, "decode page tables"));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_tables_.get(), 0, b * table_stride_ * 4, stream_));
   ATTND_ASSIGN_OR_RETURN(h_decode_out_, PinnedAlloc(b * hq * d * 4, "decode output"));
   ATTND_ASSIGN_OR_RETURN(d_decode_out_, DeviceAlloc(b * hq * d * 4, "decode output"));
-  const int64_t max_len = layout_.num_pages * layout_.page_size;
   for (int32_t batch = 1; batch <= max_decode_batch_; ++batch) {
-    const int32_t splits = PlanDecodeSplits(geometry_, batch, max_len, num_sms_);
+    const int32_t splits = PlanDecodeSplits(geometry_, batch, max_length_, num_sms_);
     workspace_floats_ =
         std::max(workspace_floats_, DecodeWorkspaceFloats(geometry_, batch, splits));
   }
   ATTND_ASSIGN_OR_RETURN(d_workspace_, DeviceAlloc(workspace_floats_ * 4, "decode workspace"));
   ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  if (use_graphs_ && !sizes_.empty()) ATTND_RETURN_IF_ERROR(CaptureDecodeGraphs());
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::CaptureDecodeGraphs() {
+  size_t free_before = 0, free_after = 0, total = 0;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_before, &total));
+  const auto t0 = std::chrono::steady_clock::now();
+  graphs_.reserve(sizes_.size() * layout_.num_layers);
+  for (int32_t size : sizes_) {
+    for (int32_t layer = 0; layer < layout_.num_layers; ++layer) {
+      ATTND_CUDA_RETURN_IF_ERROR(
+          cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      const absl::Status enqueued = EnqueueDecodeStep(layer, size, size);
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+      if (!enqueued.ok()) {
+        if (graph != nullptr) cudaGraphDestroy(graph);
+        return enqueued;
+      }
+      ATTND_CUDA_RETURN_IF_ERROR(ended);
+      cudaGraphExec_t exec = nullptr;
+      const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      ATTND_CUDA_RETURN_IF_ERROR(instantiated);
+      graphs_.push_back(exec);
+      ATTND_CUDA_RETURN_IF_ERROR(cudaGraphUpload(exec, stream_));
+    }
+  }
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_after, &total));
+  spdlog::info("cuda engine: captured {} decode graphs ({} sizes x {} layers, sizes {}..{}) in "
+               "{:.1f} ms, {:.1f} MiB of device memory",
+               graphs_.size(), sizes_.size(), layout_.num_layers, sizes_.front(), sizes_.back(),
+               ms, (static_cast<double>(free_before) - static_cast<double>(free_after)) / 1048576.0);
   return absl::OkStatus();
 }
 
@@ -226,8 +299,25 @@ CudaEngine::~CudaEngine() {
   absl::MutexLock lock(&mu_);
   if (stream_ != nullptr) {
     cudaStreamSynchronize(stream_);
+    for (cudaGraphExec_t exec : graphs_) cudaGraphExecDestroy(exec);
     cudaStreamDestroy(stream_);
   }
+}
+
+CudaEngine::DecodeStaging CudaEngine::StagingFor(int64_t plan) const {
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  DecodeStaging st;
+  st.len_off = 0;
+  st.q_off = st.len_off + AlignUp(plan * 4);
+  st.k_off = st.q_off + AlignUp(plan * kNumDecodeVariants * hq * d * 2);
+  st.v_off = st.k_off + AlignUp(plan * hkv * d * 4);
+  st.bytes = st.v_off + AlignUp(plan * hkv * d * 4);
+  return st;
+}
+
+int32_t CudaEngine::PlanBatch(int32_t n) const {
+  const auto it = std::lower_bound(sizes_.begin(), sizes_.end(), n);
+  return it == sizes_.end() ? n : *it;
 }
 
 absl::Status CudaEngine::CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
@@ -404,29 +494,72 @@ absl::Status CudaEngine::Decode(const DecodeJob& job) {
   return absl::OkStatus();
 }
 
+absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t plan) {
+  const int64_t hq = geometry_.num_q_heads, d = geometry_.head_dim;
+  const DecodeStaging st = StagingFor(plan);
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_decode_.get(), h_decode_.get(), st.bytes,
+                                             cudaMemcpyHostToDevice, stream_));
+  PagedKvBatch kvb;
+  kvb.k = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.k_offset(layer));
+  kvb.v = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.v_offset(layer));
+  kvb.page_tables = static_cast<const int32_t*>(d_tables_.get());
+  kvb.page_table_stride = table_stride_;
+  kvb.page_size = layout_.page_size;
+  kvb.num_kv_heads = layout_.num_kv_heads;
+  kvb.head_dim = layout_.head_dim;
+  const int32_t* d_len = reinterpret_cast<const int32_t*>(At(d_decode_, st.len_off));
+
+  CudaDecodeAppendParams ap;
+  ap.kv = kvb;
+  ap.lengths = d_len;
+  ap.k = At(d_decode_, st.k_off);
+  ap.v = At(d_decode_, st.v_off);
+  ap.in_dtype = DType::kFp32;
+  ap.batch = rows;
+  ap.original_max_position_embeddings = geometry_.original_max_position_embeddings;
+  ATTND_RETURN_IF_ERROR(LaunchDecodeAppendKv(ap, stream_));
+
+  CudaDecodeParams dp;
+  dp.kv = kvb;
+  dp.lengths = d_len;
+  dp.q = reinterpret_cast<const Bf16*>(At(d_decode_, st.q_off));
+  dp.out = d_decode_out_.get();
+  dp.out_dtype = DType::kFp32;
+  dp.batch = rows;
+  // Planned for the batch's captured size and the longest sequence the pool holds: the same
+  // split layout whether this step is replayed or launched, whatever the lengths are.
+  dp.max_splits = PlanDecodeSplits(geometry_, plan, max_length_, num_sms_);
+  if (DecodeWorkspaceFloats(geometry_, rows, dp.max_splits) > workspace_floats_) {
+    return absl::InternalError("cuda engine: decode workspace too small");
+  }
+  dp.partial_out = static_cast<float*>(d_workspace_.get());
+  dp.partial_lse = dp.partial_out + static_cast<size_t>(rows) * hq * dp.max_splits * d;
+  ATTND_RETURN_IF_ERROR(LaunchDcaDecode(geometry_, dp, stream_));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_decode_out_.get(), d_decode_out_.get(),
+                                             static_cast<size_t>(rows) * hq * d * 4,
+                                             cudaMemcpyDeviceToHost, stream_));
+  return absl::OkStatus();
+}
+
 absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t count) {
   const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
   const int64_t q_n = kNumDecodeVariants * hq * d, kv_n = hkv * d, out_n = hq * d;
-  const int64_t b = static_cast<int64_t>(count);
-  int64_t stride = 1, max_len = 1;
+  const int32_t b = static_cast<int32_t>(count);
+  const int32_t plan = PlanBatch(b);
+  const bool replay = !graphs_.empty() && plan >= b &&
+                      std::binary_search(sizes_.begin(), sizes_.end(), plan);
+  int64_t stride = 1;
   for (size_t i = first; i < first + count; ++i) {
     stride = std::max(stride, job.entries[i].num_pages);
-    max_len = std::max(max_len, job.entries[i].length);
   }
-  // Packed staging: lengths | q bf16 | k fp32 | v fp32 | page tables [b, stride].
-  const size_t len_off = 0;
-  const size_t q_off = len_off + AlignUp(b * 4);
-  const size_t k_off = q_off + AlignUp(b * q_n * 2);
-  const size_t v_off = k_off + AlignUp(b * kv_n * 4);
-  const size_t tab_off = v_off + AlignUp(b * kv_n * 4);
-  const size_t total = tab_off + b * stride * 4;
-  int32_t* h_len = reinterpret_cast<int32_t*>(At(h_decode_, len_off));
-  uint16_t* h_q = reinterpret_cast<uint16_t*>(At(h_decode_, q_off));
-  float* h_k = reinterpret_cast<float*>(At(h_decode_, k_off));
-  float* h_v = reinterpret_cast<float*>(At(h_decode_, v_off));
-  int32_t* h_tab = reinterpret_cast<int32_t*>(At(h_decode_, tab_off));
+  const DecodeStaging st = StagingFor(plan);
+  int32_t* h_len = reinterpret_cast<int32_t*>(At(h_decode_, st.len_off));
+  uint16_t* h_q = reinterpret_cast<uint16_t*>(At(h_decode_, st.q_off));
+  float* h_k = reinterpret_cast<float*>(At(h_decode_, st.k_off));
+  float* h_v = reinterpret_cast<float*>(At(h_decode_, st.v_off));
+  int32_t* h_tab = static_cast<int32_t*>(h_tables_.get());
   scratch_.resize(q_n);
-  for (int64_t i = 0; i < b; ++i) {
+  for (int32_t i = 0; i < b; ++i) {
     const DecodeJob::Entry& e = job.entries[first + i];
     h_len[i] = static_cast<int32_t>(e.length);
     if (e.q.dtype == DType::kBf16) {
@@ -439,47 +572,24 @@ absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t 
     ConvertToFloat(e.v.data, e.v.dtype, kv_n, h_v + i * kv_n);
     std::memcpy(h_tab + i * stride, e.page_table, e.num_pages * 4);
   }
-  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_decode_.get(), h_decode_.get(), total,
-                                             cudaMemcpyHostToDevice, stream_));
-  PagedKvBatch kvb;
-  kvb.k = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.k_offset(job.layer));
-  kvb.v = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.v_offset(job.layer));
-  kvb.page_tables = reinterpret_cast<const int32_t*>(At(d_decode_, tab_off));
-  kvb.page_table_stride = stride;
-  kvb.page_size = layout_.page_size;
-  kvb.num_kv_heads = layout_.num_kv_heads;
-  kvb.head_dim = layout_.head_dim;
-  const int32_t* d_len = reinterpret_cast<const int32_t*>(At(d_decode_, len_off));
-
-  CudaDecodeAppendParams ap;
-  ap.kv = kvb;
-  ap.lengths = d_len;
-  ap.k = At(d_decode_, k_off);
-  ap.v = At(d_decode_, v_off);
-  ap.in_dtype = DType::kFp32;
-  ap.batch = static_cast<int32_t>(b);
-  ap.original_max_position_embeddings = geometry_.original_max_position_embeddings;
-  ATTND_RETURN_IF_ERROR(LaunchDecodeAppendKv(ap, stream_));
-
-  CudaDecodeParams dp;
-  dp.kv = kvb;
-  dp.lengths = d_len;
-  dp.q = reinterpret_cast<const Bf16*>(At(d_decode_, q_off));
-  dp.out = d_decode_out_.get();
-  dp.out_dtype = DType::kFp32;
-  dp.batch = static_cast<int32_t>(b);
-  dp.max_splits = PlanDecodeSplits(geometry_, dp.batch, max_len, num_sms_);
-  if (DecodeWorkspaceFloats(geometry_, dp.batch, dp.max_splits) > workspace_floats_) {
-    return absl::InternalError("cuda engine: decode workspace too small");
+  for (int32_t i = b; i < plan; ++i) h_len[i] = 0;  // padding rows: the kernels skip length 0
+  // The rows' page tables into the fixed-stride device table (outside the graph: their size
+  // changes from step to step).
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(d_tables_.get(), table_stride_ * 4, h_tab,
+                                               stride * 4, stride * 4, b,
+                                               cudaMemcpyHostToDevice, stream_));
+  if (replay) {
+    const size_t index =
+        static_cast<size_t>(std::lower_bound(sizes_.begin(), sizes_.end(), plan) - sizes_.begin());
+    ATTND_CUDA_RETURN_IF_ERROR(
+        cudaGraphLaunch(graphs_[index * layout_.num_layers + job.layer], stream_));
+  } else {
+    ATTND_RETURN_IF_ERROR(EnqueueDecodeStep(job.layer, b, plan));
   }
-  dp.partial_out = static_cast<float*>(d_workspace_.get());
-  dp.partial_lse = dp.partial_out + static_cast<size_t>(b) * hq * dp.max_splits * d;
-  ATTND_RETURN_IF_ERROR(LaunchDcaDecode(geometry_, dp, stream_));
-  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_decode_out_.get(), d_decode_out_.get(),
-                                             b * out_n * 4, cudaMemcpyDeviceToHost, stream_));
   ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  if (job.graph_replayed != nullptr && replay) *job.graph_replayed = true;
   const float* out = static_cast<const float*>(h_decode_out_.get());
-  for (int64_t i = 0; i < b; ++i) {
+  for (int32_t i = 0; i < b; ++i) {
     const DecodeJob::Entry& e = job.entries[first + i];
     ConvertFromFloat(out + i * out_n, out_n, e.out_dtype, e.out);
   }

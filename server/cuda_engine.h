@@ -5,12 +5,23 @@
 // device buffers with one stream, converted to bf16 on the device (prefill) or the host (decode),
 // appended to the pool, attended, and copied back; the only host synchronisation is the final
 // copy-out (a prefill longer than the staging buffers runs as consecutive chunks, one sync each,
-// which is exactly chunked prefill). No CUDA types in this header.
+// which is exactly chunked prefill).
+//
+// Decode steps replay CUDA graphs: at creation (so before the server reports SERVING) the engine
+// captures, for every captured batch size P and every layer, the whole step: the H2D copy of the
+// packed inputs (lengths, q, k, v for P rows), the KV append, the split-K attention and its
+// reduction, and the D2H copy of the outputs. All of them use fixed device buffers; only the page
+// tables are copied (one 2-D copy into a fixed [max batch, pool pages] table) before the replay.
+// A batch of n < P entries pads with length-0 rows, which the kernels skip. One graph per
+// (size, layer) rather than one per size: the layer's K/V base pointers are kernel arguments, and
+// the graphs are small (docs/batching.md has the measured memory and capture time). No CUDA types
+// in this header.
 #ifndef ATTND_SERVER_CUDA_ENGINE_H_
 #define ATTND_SERVER_CUDA_ENGINE_H_
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/dca.h"
@@ -24,6 +35,13 @@ struct CudaEngineOptions {
   KvLayout layout;                  // kv_dtype must be kBf16; pool_bytes() are cudaMalloc'ed at once
   int32_t device = 0;               // CUDA device ordinal
   int32_t max_decode_batch = 256;   // larger decode jobs run in batches of this many
+  // Decode batch sizes with a captured CUDA graph (ascending; sizes above max_decode_batch are
+  // dropped). A batch of n entries is planned as the smallest size >= n (its split-K layout is
+  // that size's), so an eager launch and a graph replay compute bit-identical outputs. Empty: plan
+  // each batch by its own size, never capture.
+  std::vector<int32_t> graph_batch_sizes = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256};
+  // Capture one graph per (size, layer) at creation and replay them (--disable-cuda-graphs: false).
+  bool cuda_graphs = true;
   // Pinned host staging for one prefill chunk (q, k, v in, output out, worst case fp32). Sets the
   // largest prefill chunk: 7B geometry needs ~90 KiB per token, so 512 MiB is ~5.8K tokens.
   int64_t staging_bytes = int64_t{512} << 20;

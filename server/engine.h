@@ -52,6 +52,8 @@ struct DecodeJob {
   };
   int32_t layer = 0;
   std::vector<Entry> entries;
+  // Set by a graph backend to whether it replayed a captured CUDA graph (else left unchanged).
+  bool* graph_replayed = nullptr;
 };
 
 // Thread-safe for jobs on disjoint sequences (callers serialise jobs per sequence). A failed job

@@ -57,6 +57,9 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCuda(const EngineOptions& options)
   CudaEngineOptions cuda;
   cuda.geometry = options.geometry;
   cuda.layout = *layout;
+  cuda.max_decode_batch = options.max_decode_batch;
+  cuda.graph_batch_sizes = options.cuda_graph_batch_sizes;
+  cuda.cuda_graphs = options.cuda_graphs;
   return CreateCudaEngine(cuda);
 }
 

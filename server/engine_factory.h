@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/dca.h"
@@ -29,6 +30,11 @@ struct EngineOptions {
   // Vertical-slash sparse prefill budgets (ModelConfig::sparse), or null. Only the CPU backend
   // runs the sparse path so far; the CUDA engine ignores it (dense prefill).
   std::shared_ptr<const SparseAttentionConfig> sparse;
+  // cuda: decode batches of up to this many entries, padded to the next captured size (a CUDA graph
+  // per size and layer, captured at creation unless cuda_graphs is false). Ignored by the CPU.
+  int32_t max_decode_batch = 256;
+  std::vector<int32_t> cuda_graph_batch_sizes = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256};
+  bool cuda_graphs = true;
 };
 
 // The KV dtype for `kv_dtype` on `backend` ("cpu": auto means fp32, exact against fp32 references).

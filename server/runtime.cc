@@ -436,6 +436,7 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
       return absl::InternalError(absl::StrCat("entries[", i, "]: no buffer for the output"));
     }
   }
+  job.graph_replayed = &result.graph_replay;
   if (absl::Status s = engine_->Decode(job); !s.ok()) {
     rollback();
     return EngineError(*engine_, s);

@@ -262,6 +262,10 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   engine_options.kv_cache_fraction = options.kv_cache_fraction;
   engine_options.compute_threads = options.compute_threads;
   engine_options.sparse = model->sparse;
+  // The engine captures a CUDA graph per batch size the batcher pads to: the same list.
+  engine_options.max_decode_batch = batcher_options->max_decode_batch;
+  engine_options.cuda_graph_batch_sizes = batcher_options->cuda_graph_batch_sizes;
+  engine_options.cuda_graphs = batcher_options->cuda_graphs;
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(engine_options);
   if (!engine.ok()) return engine.status();
   // Vertical-slash sparse prefill runs on the CPU engine only so far; elsewhere prefill stays
