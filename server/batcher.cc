@@ -311,12 +311,15 @@ void BatchingDecodeQueue::Execute(Batch* batch) {
   }
 
   int64_t eager = 0, graphs = 0, completed = 0, deadline = 0, cancelled = 0;
+  // Answers are collected and handed out after the launch (DeliverResults), so the replies'
+  // serialisation runs on several workers instead of delaying this key's next batch.
+  std::vector<Result> results;
   auto answer = [&](Pending* c, absl::StatusOr<DecodeResult> r) {
     const absl::StatusCode code = r.status().code();
     ++(code == absl::StatusCode::kDeadlineExceeded ? deadline
        : code == absl::StatusCode::kCancelled      ? cancelled
                                                    : completed);
-    c->done(std::move(r));
+    results.emplace_back(std::move(c->done), std::move(r));
   };
   auto run = [&](const DecodeCall& call, int64_t n) {
     bool replayed = false;
@@ -376,13 +379,38 @@ void BatchingDecodeQueue::Execute(Batch* batch) {
       for (Pending* c : calls) answer(c, run(c->call, c->num_entries));
     }
   }
-  absl::MutexLock lock(&mu_);
-  stats_.calls_completed += completed;
-  stats_.calls_deadline_exceeded += deadline;
-  stats_.calls_cancelled += cancelled;
-  stats_.eager_launches += eager;
-  stats_.graph_replays += graphs;
-  if (split) ++stats_.split_retries;
+  {
+    absl::MutexLock lock(&mu_);
+    stats_.calls_completed += completed;
+    stats_.calls_deadline_exceeded += deadline;
+    stats_.calls_cancelled += cancelled;
+    stats_.eager_launches += eager;
+    stats_.graph_replays += graphs;
+    if (split) ++stats_.split_retries;
+  }
+  DeliverResults(std::move(results));
+}
+
+void BatchingDecodeQueue::DeliverResults(std::vector<Result> results) {
+  // Groups of kPerWorker replies go to other workers; the first group is answered here. A group
+  // the dispatcher refuses (shutdown) is answered here too: no reply is ever lost.
+  constexpr size_t kPerWorker = 4;
+  std::vector<std::shared_ptr<std::vector<Result>>> refused;
+  for (size_t first = kPerWorker; first < results.size(); first += kPerWorker) {
+    auto group = std::make_shared<std::vector<Result>>();
+    const size_t last = std::min(results.size(), first + kPerWorker);
+    for (size_t i = first; i < last; ++i) group->push_back(std::move(results[i]));
+    const absl::Status s = dispatch_([group] {
+      for (Result& r : *group) r.first(std::move(r.second));
+    });
+    if (!s.ok()) refused.push_back(std::move(group));
+  }
+  for (size_t i = 0; i < std::min(results.size(), kPerWorker); ++i) {
+    results[i].first(std::move(results[i].second));
+  }
+  for (auto& group : refused) {
+    for (Result& r : *group) r.first(std::move(r.second));
+  }
 }
 
 void BatchingDecodeQueue::Poll() {

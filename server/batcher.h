@@ -188,6 +188,8 @@ class BatchingDecodeQueue : public DecodeQueue {
   };
   // A dropped call and its answer, delivered outside the lock.
   using Answer = std::pair<Done, absl::Status>;
+  // An executed call and its result.
+  using Result = std::pair<Done, absl::StatusOr<DecodeResult>>;
   // How the head of a key's queue would be batched now.
   struct Plan {
     size_t num_calls = 0;
@@ -208,6 +210,8 @@ class BatchingDecodeQueue : public DecodeQueue {
   // due batch on this same thread (which is also how calls queued behind it drain at shutdown).
   void RunBatch(std::shared_ptr<Batch> batch);
   void Execute(Batch* batch);
+  // Calls each result's Done: most on other workers (dispatch_), the first few here.
+  void DeliverResults(std::vector<Result> results);
   void FinishBatchLocked(const Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int32_t PaddedSize(int64_t num_entries) const;
   void TimerLoop();

@@ -258,6 +258,46 @@ TEST_F(BatcherTest, MergesQueuedCallsInArrivalOrderAndSplitsOutputs) {
   EXPECT_EQ(s.inflight_batches, 0);
 }
 
+// A merged batch's replies: the first four are answered on the batch's worker, the rest handed to
+// other workers in groups of four, so the key's next batch need not wait for them all. A refused
+// hand-off is answered in place: every call exactly once either way.
+TEST_F(BatcherTest, RepliesOfAMergedBatchSpreadOverWorkersAndNoneIsLost) {
+  for (const bool refuse : {false, true}) {
+    SCOPED_TRACE(refuse ? "hand-off refused" : "hand-off accepted");
+    replies_.clear();
+    exec_.launches.clear();
+    exec_.lengths.clear();
+    Make(NoSizeFlush());
+    std::vector<Reply*> r;
+    const char* ids[] = {"a", "b", "c", "d", "e", "f", "g", "h", "i", "j"};
+    for (const char* id : ids) r.push_back(Submit({id}));
+    clock_.Advance(absl::Microseconds(100));
+    queue_->Poll();
+    ASSERT_EQ(dispatcher_.held.size(), 1u);  // the batch
+    std::function<void()> batch = std::move(dispatcher_.held.front());
+    dispatcher_.held.pop_front();
+    if (refuse) dispatcher_.refuse = absl::UnavailableError("stopped");
+    batch();
+    EXPECT_THAT(exec_.Batches(), ElementsAre("a,b,c,d,e,f,g,h,i,j"));
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(r[i]->times, 1) << i;
+    if (!refuse) {
+      EXPECT_EQ(dispatcher_.held.size(), 2u);  // replies 4..7 and 8..9
+      for (int i = 4; i < 10; ++i) EXPECT_FALSE(r[i]->called) << i;
+      EXPECT_EQ(dispatcher_.RunAll(), 2);
+    } else {
+      EXPECT_TRUE(dispatcher_.held.empty());
+    }
+    for (int i = 0; i < 10; ++i) {
+      EXPECT_EQ(r[i]->times, 1) << i;
+      EXPECT_EQ(r[i]->Summary(), std::string(ids[i]) + "@1") << i;
+    }
+    dispatcher_.refuse = absl::OkStatus();
+    queue_->Shutdown();
+    dispatcher_.RunAll();
+    queue_.reset();
+  }
+}
+
 TEST_F(BatcherTest, FlushesAtOnceOnReachingACapturedSize) {
   DecodeBatcherOptions o;
   o.cuda_graph_batch_sizes = {4, 8};

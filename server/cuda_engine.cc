@@ -564,6 +564,13 @@ absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t 
     h_len[i] = static_cast<int32_t>(e.length);
     if (e.q.dtype == DType::kBf16) {
       std::memcpy(h_q + i * q_n, e.q.data, q_n * 2);
+    } else if (e.q.dtype == DType::kFp32) {  // one pass, no scratch copy
+      const char* src = static_cast<const char*>(e.q.data);  // any alignment
+      for (int64_t j = 0; j < q_n; ++j) {
+        float x;
+        std::memcpy(&x, src + j * 4, 4);
+        h_q[i * q_n + j] = FloatToBf16(x);
+      }
     } else {
       ConvertToFloat(e.q.data, e.q.dtype, q_n, scratch_.data());
       for (int64_t j = 0; j < q_n; ++j) h_q[i * q_n + j] = FloatToBf16(scratch_[j]);

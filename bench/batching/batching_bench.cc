@@ -40,6 +40,8 @@ ABSL_FLAG(int32_t, decodes, 128, "decodes per client per round");
 ABSL_FLAG(double, min_seconds, 2.0, "decode time to collect per client count");
 ABSL_FLAG(int32_t, max_rounds, 50, "most rounds per client count");
 ABSL_FLAG(std::string, label, "", "printed in each result line (e.g. the server's mode)");
+ABSL_FLAG(bool, session, false,
+          "send the decodes over one Session stream per client instead of unary Decode RPCs");
 ABSL_FLAG(int32_t, server_pid, 0,
           "attnd's pid on this machine: also report its CPU time (utime + stime from /proc) per "
           "decode over the timed phases, which other load on the machine disturbs less than "
@@ -159,6 +161,7 @@ class Client {
 
   // `latencies` gets one value (us) per decode.
   void Decode(int32_t n, std::vector<double>* latencies) {
+    if (absl::GetFlag(FLAGS_session)) return SessionDecode(n, latencies);
     v1::DecodeResponse resp;
     for (int32_t i = 0; i < n; ++i) {
       grpc::ClientContext ctx;
@@ -167,6 +170,28 @@ class Client {
       latencies->push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
       if (!s.ok()) Die("Decode", s);
     }
+  }
+
+  // The same decodes over one Session stream: each request written, then its answer read.
+  void SessionDecode(int32_t n, std::vector<double>* latencies) {
+    grpc::ClientContext ctx;
+    auto stream = stub_->Session(&ctx);
+    v1::SessionRequest req;
+    *req.mutable_decode() = decode_;
+    v1::SessionResponse resp;
+    for (int32_t i = 0; i < n; ++i) {
+      req.set_tag(static_cast<uint64_t>(i));
+      const absl::Time t0 = absl::Now();
+      if (!stream->Write(req) || !stream->Read(&resp)) Die("Session", stream->Finish());
+      latencies->push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+      if (resp.code() != 0 || resp.tag() != static_cast<uint64_t>(i)) {
+        Die("Session decode", grpc::Status(static_cast<grpc::StatusCode>(resp.code()),
+                                           resp.message()));
+      }
+    }
+    stream->WritesDone();
+    grpc::Status s = stream->Finish();
+    if (!s.ok()) Die("Session finish", s);
   }
 
   void Release() {
@@ -260,9 +285,10 @@ int main(int argc, char** argv) {
     };
     const double seconds = absl::ToDoubleSeconds(total);
     std::printf(
-        "%s model=%s context=%lld clients=%d decodes=%lld seconds=%.3f throughput=%.0f/s "
+        "%s%s model=%s context=%lld clients=%d decodes=%lld seconds=%.3f throughput=%.0f/s "
         "p50=%.0fus p99=%.0fus mean_batch=%s%s\n",
-        absl::GetFlag(FLAGS_label).c_str(), g.model.c_str(), static_cast<long long>(context), n,
+        absl::GetFlag(FLAGS_label).c_str(), absl::GetFlag(FLAGS_session) ? " session" : " unary",
+        g.model.c_str(), static_cast<long long>(context), n,
         static_cast<long long>(done), seconds, done / seconds, pct(0.50), pct(0.99),
         counted.batches > 0
             ? absl::StrFormat("%.2f", static_cast<double>(counted.entries) / counted.batches)

@@ -1,0 +1,217 @@
+// One decode step of one layer through the CUDA engine (server/cuda_engine.h), CUDA graph replay
+// against eager launches, Qwen2.5-7B-1M geometry (28 q heads, 4 kv heads, head_dim 128), bf16
+// KV, page_size 16, shuffled pages.
+//
+//   decode_step_bench [--context 4096] [--batches 1,8,32,128] [--iters 300] [--capture-layers 28]
+//
+// A step is what the server's decode path costs a batch: Engine::Decode, host-timed from the call
+// to its return (pack the entries into pinned staging, page tables H2D, then either one graph
+// replay or the eager launches of the H2D copy, KV append, split-K attention, reduction and D2H
+// copy; synchronise; unpack). Each batch size reuses the first B of 128 sequences prefilled with
+// `--context` - 1 random tokens; every step decodes position context - 1 again (the engine
+// rewrites the same KV slot), so lengths stay fixed. Median and p99 of --iters steps after a
+// warm-up. Two engines: graphs on and off (--disable-cuda-graphs), same inputs.
+//
+// Also the start-up cost of graphs at the full model depth: engines with --capture-layers layers
+// created with and without graphs (wall time, and the engine's own log line with the graph count,
+// capture time and device memory).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "kernels/dca.h"
+#include "kernels/dtype.h"
+#include "kvcache/kv_layout.h"
+#include "server/cuda_engine.h"
+#include "server/engine.h"
+
+ABSL_FLAG(int64_t, context, 4096, "tokens in each sequence at the timed decode step");
+ABSL_FLAG(std::string, batches, "1,8,32,128", "decode batch sizes to time");
+ABSL_FLAG(int32_t, iters, 300, "timed steps per batch size and mode");
+ABSL_FLAG(int32_t, capture_layers, 28, "layers of the start-up cost engines (0 = skip)");
+
+namespace attnd {
+namespace {
+
+constexpr int kHq = 28, kHkv = 4, kD = 128, kPage = 16;
+
+[[noreturn]] void Die(const std::string& what, const absl::Status& s) {
+  std::fprintf(stderr, "decode_step_bench: %s: %s\n", what.c_str(), s.ToString().c_str());
+  std::exit(1);
+}
+
+DcaGeometry Geometry() {
+  DcaGeometry g;
+  g.num_q_heads = kHq;
+  g.num_kv_heads = kHkv;
+  g.head_dim = kD;
+  g.chunk_len = 253952;
+  g.original_max_position_embeddings = 262144;
+  g.softmax_scale = 1.f / std::sqrt(static_cast<float>(kD));
+  return g;
+}
+
+CudaEngineOptions Options(int32_t layers, int64_t pages, bool graphs) {
+  CudaEngineOptions o;
+  o.geometry = Geometry();
+  o.layout.num_layers = layers;
+  o.layout.num_kv_heads = kHkv;
+  o.layout.head_dim = kD;
+  o.layout.page_size = kPage;
+  o.layout.kv_dtype = DType::kBf16;
+  o.layout.num_pages = pages;
+  o.max_decode_batch = 256;
+  o.cuda_graphs = graphs;
+  return o;
+}
+
+std::vector<uint16_t> RandomBf16(int64_t n, std::mt19937* rng) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  std::vector<uint16_t> out(n);
+  for (uint16_t& x : out) x = FloatToBf16(dist(*rng));
+  return out;
+}
+
+struct Timing {
+  double p50 = 0, p99 = 0;
+};
+
+Timing Summarise(std::vector<double> us) {
+  std::sort(us.begin(), us.end());
+  Timing t;
+  t.p50 = us[us.size() / 2];
+  t.p99 = us[std::min(us.size() - 1, us.size() * 99 / 100)];
+  return t;
+}
+
+int Main() {
+  const int64_t context = absl::GetFlag(FLAGS_context);
+  const int32_t iters = absl::GetFlag(FLAGS_iters);
+  std::vector<int32_t> batches;
+  for (absl::string_view item : absl::StrSplit(absl::GetFlag(FLAGS_batches), ',')) {
+    int32_t b = 0;
+    if (!absl::SimpleAtoi(item, &b) || b < 1 || b > 256) {
+      std::fprintf(stderr, "decode_step_bench: bad --batches item\n");
+      return 2;
+    }
+    batches.push_back(b);
+  }
+  const int32_t max_b = *std::max_element(batches.begin(), batches.end());
+  const int64_t pages_per_seq = (context + kPage - 1) / kPage;
+  const int64_t pages = max_b * pages_per_seq + 16;
+  std::mt19937 rng(5);
+  std::vector<int32_t> perm(pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+
+  // Shared random inputs: one prompt's q/k/v for every sequence (different pages, so no sharing in
+  // the cache), and per-entry decode q/k/v.
+  const int64_t prompt = context - 1;
+  const std::vector<uint16_t> pq = RandomBf16(prompt * kNumQueryVariants * kHq * kD, &rng);
+  const std::vector<uint16_t> pk = RandomBf16(prompt * kHkv * kD, &rng);
+  const std::vector<uint16_t> pv = RandomBf16(prompt * kHkv * kD, &rng);
+  std::vector<std::vector<uint16_t>> dq, dk, dv;
+  for (int i = 0; i < max_b; ++i) {
+    dq.push_back(RandomBf16(3 * kHq * kD, &rng));
+    dk.push_back(RandomBf16(kHkv * kD, &rng));
+    dv.push_back(RandomBf16(kHkv * kD, &rng));
+  }
+  std::vector<float> out(static_cast<size_t>(max_b) * kHq * kD);
+
+  std::printf("decode_step_bench: context %lld, one layer, 7B geometry, %d steps per point\n",
+              static_cast<long long>(context), iters);
+  std::printf("%-6s %-6s %12s %12s %14s\n", "batch", "mode", "p50_us", "p99_us", "tokens_per_s");
+  std::vector<Timing> results[2];
+  for (int mode = 0; mode < 2; ++mode) {
+    const bool graphs = mode == 0;
+    auto engine = CreateCudaEngine(Options(1, pages, graphs));
+    if (!engine.ok()) Die("create", engine.status());
+    std::vector<uint8_t> pout(static_cast<size_t>(prompt) * kHq * kD * 2);
+    for (int i = 0; i < max_b; ++i) {
+      PrefillJob job;
+      job.page_table = perm.data() + i * pages_per_seq;
+      job.num_pages = pages_per_seq;
+      job.num_tokens = prompt;
+      job.prompt_len = prompt;
+      job.q = TensorView{DType::kBf16, pq.data(), {prompt, kNumQueryVariants, kHq, kD}};
+      job.k = TensorView{DType::kBf16, pk.data(), {prompt, kHkv, kD}};
+      job.v = TensorView{DType::kBf16, pv.data(), {prompt, kHkv, kD}};
+      job.out = pout.data();
+      job.out_dtype = DType::kBf16;
+      if (absl::Status s = (*engine)->Prefill(job); !s.ok()) Die("prefill", s);
+    }
+    for (int32_t b : batches) {
+      DecodeJob job;
+      bool replayed = false;
+      job.graph_replayed = &replayed;
+      for (int i = 0; i < b; ++i) {
+        DecodeJob::Entry e;
+        e.page_table = perm.data() + i * pages_per_seq;
+        e.num_pages = pages_per_seq;
+        e.length = context;
+        e.q = TensorView{DType::kBf16, dq[i].data(), {3, kHq, kD}};
+        e.k = TensorView{DType::kBf16, dk[i].data(), {kHkv, kD}};
+        e.v = TensorView{DType::kBf16, dv[i].data(), {kHkv, kD}};
+        e.out = out.data() + static_cast<size_t>(i) * kHq * kD;
+        e.out_dtype = DType::kFp32;
+        job.entries.push_back(e);
+      }
+      std::vector<double> us;
+      for (int it = 0; it < iters + 20; ++it) {
+        const auto t0 = std::chrono::steady_clock::now();
+        if (absl::Status s = (*engine)->Decode(job); !s.ok()) Die("decode", s);
+        const auto t1 = std::chrono::steady_clock::now();
+        if (it >= 20) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      }
+      if (replayed != graphs) {
+        std::fprintf(stderr, "decode_step_bench: batch %d: replayed=%d with graphs=%d\n", b,
+                     replayed, graphs);
+        return 1;
+      }
+      const Timing t = Summarise(us);
+      results[mode].push_back(t);
+      std::printf("%-6d %-6s %12.1f %12.1f %14.0f\n", b, graphs ? "graph" : "eager", t.p50, t.p99,
+                  b * 1e6 / t.p50);
+      std::fflush(stdout);
+    }
+  }
+  std::printf("\nsummary (eager p50 / graph p50):\n");
+  for (size_t i = 0; i < batches.size(); ++i) {
+    std::printf("  batch %-4d graph %8.1f us  eager %8.1f us  speedup %.2fx\n", batches[i],
+                results[0][i].p50, results[1][i].p50, results[1][i].p50 / results[0][i].p50);
+  }
+
+  const int32_t layers = absl::GetFlag(FLAGS_capture_layers);
+  if (layers > 0) {
+    // A pool of 16K pages (8 GiB at 28 layers) to see the start-up cost of graphs at full depth.
+    for (int mode = 0; mode < 2; ++mode) {
+      const auto t0 = std::chrono::steady_clock::now();
+      auto engine = CreateCudaEngine(Options(layers, 16384, mode == 0));
+      if (!engine.ok()) Die("create (capture)", engine.status());
+      const double ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("start-up: %d layers, graphs %s: engine created in %.1f ms\n", layers,
+                  mode == 0 ? "on" : "off", ms);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace attnd
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return attnd::Main();
+}
