@@ -1,0 +1,306 @@
+// GPU benchmark of the vertical-slash sparse prefill (kernels/cuda/sparse_cuda.h) against the dense
+// fused prefill (LaunchDcaPrefill): one sequence, one layer, Qwen2.5-7B-1M geometry (28 q heads,
+// 4 kv heads, head_dim 128, chunk_len 253952, original_max_position_embeddings 262144), bf16 paged
+// KV (page 16, shuffled pages), the shipped per-head budgets of one layer
+// (configs/qwen2.5-7b-instruct-1m/sparse_attention_config.json, vertical 30 read as 130), last_q 64,
+// synthetic q/K/V with attention sinks and a local band (sparse_bench_data.h), all L tokens
+// prefilled in one call (start 0).
+//
+//   sparse_bench [--sizes 131072,262144,524288,1048576] [--layers 17,0,8] [--dense 1]
+//                [--band smooth|rope] [--config FILE] [--out FILE]
+//
+// Per size: sparse time (median of runs; CUDA events around the whole call), the estimation share
+// (events around each piece's estimation + top-k), the index construction (stage mapping +
+// converter) and attention times, the attention's key density (64x64 tiles it attends over the
+// dense causal work) and its rate, the workspace bytes, dense time (one run
+// after a warm-up at the smallest size) and the sparse output's error vs dense on the same data:
+// ||sparse - dense||_2 / ||dense||_2 and max abs, both bf16 outputs.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench/gpu/sparse_bench_data.h"
+#include "kernels/cuda/dca_cuda.h"
+#include "kernels/cuda/sparse_cuda.h"
+#include "kernels/dca.h"
+#include "kernels/paged_kv.h"
+#include "kernels/vertical_slash.h"
+#include "nlohmann/json.hpp"
+
+namespace attnd {
+namespace {
+
+#define CHECK_CUDA(expr)                                                                    \
+  do {                                                                                      \
+    const cudaError_t e_ = (expr);                                                          \
+    if (e_ != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                         \
+    }                                                                                       \
+  } while (0)
+#define CHECK_OK(expr)                                                              \
+  do {                                                                              \
+    const absl::Status s_ = (expr);                                                 \
+    if (!s_.ok()) {                                                                 \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
+      std::exit(1);                                                                 \
+    }                                                                               \
+  } while (0)
+
+constexpr int kHq = 28, kHkv = 4, kD = 128, kPage = 16;
+constexpr int64_t kChunkLen = 253952, kOrig = 262144;
+
+FILE* g_out = nullptr;
+void Emit(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+void Emit(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  char buf[2048];
+  std::vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  std::fputs(buf, stdout);
+  std::fflush(stdout);
+  if (g_out) {
+    std::fputs(buf, g_out);
+    std::fflush(g_out);
+  }
+}
+
+std::vector<int64_t> ParseList(const char* s) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(std::stoll(item));
+  return out;
+}
+
+std::vector<VsBudget> LayerBudgets(const nlohmann::json& cfg, int layer) {
+  std::vector<VsBudget> b(kHq);
+  for (const auto& [head, entry] : cfg.at(layer).items()) {
+    const int64_t v = entry.at(1), s = entry.at(2);
+    b.at(std::stoi(head)) = VsBudget{v == 30 ? 130 : v, s};
+  }
+  return b;
+}
+
+float ElapsedMs(cudaEvent_t a, cudaEvent_t b) {
+  float ms = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+  return ms;
+}
+
+int Main(int argc, char** argv) {
+  std::vector<int64_t> sizes = {131072, 262144, 524288, 1048576};
+  std::vector<int64_t> layers = {17, 0, 8};
+  bool dense = true;
+  std::string band = "smooth";
+  std::string config = "configs/qwen2.5-7b-instruct-1m/sparse_attention_config.json";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--sizes" && i + 1 < argc) sizes = ParseList(argv[++i]);
+    else if (a == "--layers" && i + 1 < argc) layers = ParseList(argv[++i]);
+    else if (a == "--dense" && i + 1 < argc) dense = std::atoi(argv[++i]) != 0;
+    else if (a == "--config" && i + 1 < argc) config = argv[++i];
+    else if (a == "--band" && i + 1 < argc) band = argv[++i];
+    else if (a == "--out" && i + 1 < argc) g_out = std::fopen(argv[++i], "w");
+    else {
+      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
+      return 2;
+    }
+  }
+  std::ifstream cf(config);
+  const nlohmann::json cfg = nlohmann::json::parse(cf, nullptr, false);
+  if (cfg.is_discarded() || !cfg.is_array()) {
+    std::fprintf(stderr, "cannot read %s\n", config.c_str());
+    return 1;
+  }
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  Emit("device: %s, %d SMs; geometry Hq %d Hkv %d D %d chunk_len %ld orig %ld page %d\n",
+       prop.name, prop.multiProcessorCount, kHq, kHkv, kD, static_cast<long>(kChunkLen),
+       static_cast<long>(kOrig), kPage);
+  for (int64_t layer : layers) {
+    const std::vector<VsBudget> b = LayerBudgets(cfg, static_cast<int>(layer));
+    int64_t sv = 0, ss = 0;
+    for (const VsBudget& x : b) sv += x.vertical, ss += x.slash;
+    Emit("layer %ld budgets: sum vertical %ld, sum slash %ld (mean %ld / %ld per head)\n",
+         static_cast<long>(layer), static_cast<long>(sv), static_cast<long>(ss),
+         static_cast<long>(sv / kHq), static_cast<long>(ss / kHq));
+  }
+
+  const int64_t max_len = *std::max_element(sizes.begin(), sizes.end());
+  const int64_t pages = (max_len + kPage - 1) / kPage;
+  std::vector<int32_t> table(pages);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), std::mt19937(5));
+  const size_t kv_elems = static_cast<size_t>(pages) * kPage * kHkv * kD;
+  Bf16 *k = nullptr, *v = nullptr, *q = nullptr, *out_sparse = nullptr, *out_dense = nullptr;
+  int32_t* d_table = nullptr;
+  double* d_err = nullptr;
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&k), kv_elems * sizeof(Bf16)));
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&v), kv_elems * sizeof(Bf16)));
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_table), pages * sizeof(int32_t)));
+  CHECK_CUDA(cudaMemcpy(d_table, table.data(), pages * sizeof(int32_t), cudaMemcpyHostToDevice));
+  const size_t q_elems = static_cast<size_t>(max_len) * kNumQueryVariants * kHq * kD;
+  const size_t out_elems = static_cast<size_t>(max_len) * kHq * kD;
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&q), q_elems * sizeof(Bf16)));
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&out_sparse), out_elems * sizeof(Bf16)));
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&out_dense), out_elems * sizeof(Bf16)));
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_err), 3 * sizeof(double)));
+  PagedKv<Bf16> kv{k, v, d_table, kPage, kHkv, kD};
+  bench::SyntheticShape shape;
+  if (band == "smooth") {  // periods 16K .. 16K * 1.15^31 (~1.2M): a wide, smooth local band
+    shape.period_min = 16384.f;
+    shape.period_ratio = 1.15f;
+  } else if (band == "rope") {  // periods 8 .. ~8K: RoPE-like ripples, scattered far diagonals
+    shape.period_min = 8.f;
+    shape.period_ratio = 1.25f;
+  } else {
+    std::fprintf(stderr, "--band smooth|rope\n");
+    return 2;
+  }
+  bench::FillSyntheticKv(k, v, d_table, kPage, max_len, shape, nullptr);
+  bench::FillSyntheticQ(q, max_len, shape, nullptr);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  Emit("synthetic data '%s': noise %.2f band %.2f (64 dims, periods %.0f..%.0f) sinks %d (key "
+       "%.0f, query %.0f); q %.1f GB, KV %.2f GB\n",
+       band.c_str(), shape.noise, shape.band, shape.period_min,
+       shape.period_min * std::pow(shape.period_ratio, 31), shape.sinks, shape.sink_key,
+       shape.sink_query, q_elems * 2.0 / 1e9, kv_elems * 4.0 / 1e9);
+
+  DcaGeometry g;
+  g.num_q_heads = kHq;
+  g.num_kv_heads = kHkv;
+  g.head_dim = kD;
+  g.chunk_len = kChunkLen;
+  g.original_max_position_embeddings = kOrig;
+  g.softmax_scale = 1.f / std::sqrt(static_cast<float>(kD));
+
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  constexpr int kMaxPieces = 16;
+  cudaEvent_t eb[kMaxPieces], ee[kMaxPieces], ei[kMaxPieces];
+  for (int i = 0; i < kMaxPieces; ++i) {
+    CHECK_CUDA(cudaEventCreate(&eb[i]));
+    CHECK_CUDA(cudaEventCreate(&ee[i]));
+    CHECK_CUDA(cudaEventCreate(&ei[i]));
+  }
+  unsigned long long* d_tiles = nullptr;
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_tiles), 2 * sizeof(unsigned long long)));
+  bool dense_warm = false;
+  Emit("\n| L | layer | sparse ms | estimation ms (share) | index ms | attention ms | key density "
+       "| attn TFLOP/s | workspace GB | dense ms | speedup | rel. L2 err | max abs err |\n"
+       "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (int64_t len : sizes) {
+    CudaPrefillParams p;
+    p.kv = kv;
+    p.q = q;
+    p.out_dtype = DType::kBf16;
+    p.start = 0;
+    p.num_tokens = len;
+    p.softmax_scale = g.softmax_scale * LengthScale(len, kOrig);
+    double dense_ms = -1;
+    if (dense) {
+      if (!dense_warm) {  // module load / first-launch costs out of the timing
+        CudaPrefillParams w = p;
+        w.num_tokens = std::min<int64_t>(len, 16384);
+        w.out = out_dense;
+        CHECK_OK(LaunchDcaPrefill(g, w, nullptr));
+        CHECK_CUDA(cudaDeviceSynchronize());
+        dense_warm = true;
+      }
+      p.out = out_dense;
+      CHECK_CUDA(cudaEventRecord(e0));
+      CHECK_OK(LaunchDcaPrefill(g, p, nullptr));
+      CHECK_CUDA(cudaEventRecord(e1));
+      CHECK_CUDA(cudaEventSynchronize(e1));
+      dense_ms = ElapsedMs(e0, e1);
+    }
+    for (int64_t layer : layers) {
+      const std::vector<VsBudget> budgets = LayerBudgets(cfg, static_cast<int>(layer));
+      SparsePrefillParams sp;
+      sp.prefill = p;
+      sp.prefill.out = out_sparse;
+      sp.budgets = budgets;
+      sp.last_q = 64;
+      sp.workspace_bytes = SparsePrefillWorkspaceBytes(g, budgets, 0, len, 64);
+      CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&sp.workspace), sp.workspace_bytes));
+      SparsePrefillTimers timers;
+      timers.estimate_begin = eb;
+      timers.estimate_end = ee;
+      timers.index_end = ei;
+      timers.max_pieces = kMaxPieces;
+      const int pieces = static_cast<int>((len + kChunkLen - 1) / kChunkLen);
+      // warm-up + runs: 3 timed runs up to 256K, 2 above
+      CHECK_OK(LaunchSparsePrefillTimed(g, sp, timers, nullptr));
+      CHECK_CUDA(cudaDeviceSynchronize());
+      const int runs = len <= 262144 ? 3 : 2;
+      std::vector<double> total, est, index;
+      for (int r = 0; r < runs; ++r) {
+        timers.tile_stats = r == 0 ? d_tiles : nullptr;
+        if (r == 0) CHECK_CUDA(cudaMemset(d_tiles, 0, 2 * sizeof(unsigned long long)));
+        CHECK_CUDA(cudaEventRecord(e0));
+        CHECK_OK(LaunchSparsePrefillTimed(g, sp, timers, nullptr));
+        CHECK_CUDA(cudaEventRecord(e1));
+        CHECK_CUDA(cudaEventSynchronize(e1));
+        total.push_back(ElapsedMs(e0, e1));
+        double e = 0, x = 0;
+        for (int i = 0; i < std::min(pieces, kMaxPieces); ++i) {
+          e += ElapsedMs(eb[i], ee[i]);
+          x += ElapsedMs(ee[i], ei[i]);
+        }
+        est.push_back(e);
+        index.push_back(x);
+      }
+      unsigned long long tiles[2];
+      CHECK_CUDA(cudaMemcpy(tiles, d_tiles, sizeof(tiles), cudaMemcpyDeviceToHost));
+      // Dense work in 64x64 (row, key) units: every row sees keys <= itself, all q heads.
+      const double dense_units = static_cast<double>(kHq) * len * (len + 1) / 2 / (64.0 * 64.0);
+      const double density = tiles[0] / dense_units;
+      std::vector<size_t> order(runs);
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return total[a] < total[b]; });
+      const size_t mid = order[(runs - 1) / 2];
+      double rel = -1, worst = -1;
+      if (dense) {
+        bench::RelativeError(out_sparse, out_dense, len * kHq * kD, d_err, nullptr);
+        double h[3];
+        CHECK_CUDA(cudaMemcpy(h, d_err, sizeof(h), cudaMemcpyDeviceToHost));
+        rel = std::sqrt(h[0] / h[1]);
+        worst = h[2];
+      }
+      const double attn_ms = total[mid] - est[mid] - index[mid];
+      // 4 * 64 * 64 * D FLOPs per tile (QK^T and PV, 2 per MAC), masked keys included.
+      const double tflops = tiles[0] * 4.0 * 64 * 64 * kD / (attn_ms * 1e-3) / 1e12;
+      Emit("| %ld | %ld | %.1f | %.1f (%.1f%%) | %.1f | %.1f | %.3f (%llu tiles, %.0f%% columns) "
+           "| %.0f | %.2f | %.1f | %.1fx | %.4f | %.4f |\n",
+           static_cast<long>(len), static_cast<long>(layer), total[mid], est[mid],
+           100.0 * est[mid] / total[mid], index[mid], attn_ms, density, tiles[0],
+           100.0 * tiles[1] / std::max(1ull, tiles[0]), tflops, sp.workspace_bytes / 1e9, dense_ms,
+           dense_ms > 0 ? dense_ms / total[mid] : 0.0, rel, worst);
+      CHECK_CUDA(cudaFree(sp.workspace));
+    }
+  }
+  size_t free_b = 0, total_b = 0;
+  CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  Emit("\ndevice memory at exit: %.1f GB used of %.1f GB (q, KV, two outputs)\n",
+       (total_b - free_b) / 1e9, total_b / 1e9);
+  return 0;
+}
+
+}  // namespace
+}  // namespace attnd
+
+int main(int argc, char** argv) { return attnd::Main(argc, argv); }

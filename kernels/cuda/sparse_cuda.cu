@@ -1,0 +1,312 @@
+// Launch side of sparse_cuda.h: the workspace layout, the per-piece plan (host arithmetic over the
+// host-side budgets) and the kernel sequence of each piece.
+#include "kernels/cuda/sparse_cuda.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/sparse_cuda_kernels.cuh"
+
+namespace attnd {
+namespace {
+
+namespace sk = sparse_kernels;
+
+struct Piece {
+  int64_t prev, begin, end;
+};
+
+std::vector<Piece> Pieces(int64_t start, int64_t num_tokens, int64_t cl) {
+  std::vector<Piece> out;
+  const int64_t length = start + num_tokens;
+  for (int64_t b = start; b < length;) {
+    Piece p;
+    p.prev = (b / cl) * cl;
+    p.begin = b;
+    p.end = std::min(p.prev + cl, length);
+    out.push_back(p);
+    b = p.end;
+  }
+  return out;
+}
+
+constexpr size_t Align(size_t x) { return (x + 255) / 256 * 256; }
+
+// Block-list capacity of (h, s) in a piece: the converter emits at most one block per offset it
+// consumes, and its blocks are disjoint 64-key blocks starting inside [0, kv_len).
+struct PiecePlan {
+  int64_t row_blocks = 0;
+  int64_t base[kMaxSparseHeads * 3] = {};
+  int32_t cap[kMaxSparseHeads * 3] = {};
+  int64_t total = 0;  // int32 entries
+  // Column masks: ceil(column capacity / 32) words per (h, s, row block).
+  int64_t mask_base[kMaxSparseHeads] = {};
+  int32_t mask_words[kMaxSparseHeads] = {};
+  int64_t mask_total = 0;  // uint32 words
+};
+
+PiecePlan PlanPiece(const DcaGeometry& g, absl::Span<const VsBudget> budgets, const Piece& p) {
+  PiecePlan plan;
+  const int64_t cl = g.chunk_len;
+  const int64_t nq = p.end - p.begin;
+  plan.row_blocks = (nq + sk::kRows - 1) / sk::kRows;
+  for (int h = 0; h < g.num_q_heads; ++h) {
+    const int64_t n_offsets = std::max<int64_t>(std::min<int64_t>(budgets[h].slash, p.end), 5);
+    for (int s = 0; s < 3; ++s) {
+      const bool present = s == 0 || (s == 1 ? p.prev >= cl : p.prev >= 2 * cl);
+      const int64_t kv_len = s == 0 ? p.end - p.prev : (s == 1 ? cl : p.prev - cl);
+      const int64_t cap =
+          present ? std::min(n_offsets + 1, (kv_len + sk::kRows - 1) / sk::kRows + 1) : 0;
+      plan.base[h * 3 + s] = plan.total;
+      plan.cap[h * 3 + s] = static_cast<int32_t>(cap);
+      plan.total += cap * plan.row_blocks;
+    }
+    const int64_t n_columns = std::max<int64_t>(std::min<int64_t>(budgets[h].vertical, p.end), 5);
+    plan.mask_words[h] = static_cast<int32_t>((n_columns + 31) / 32);
+    plan.mask_base[h] = plan.mask_total;
+    plan.mask_total += 3 * plan.row_blocks * plan.mask_words[h];
+  }
+  return plan;
+}
+
+struct Layout {
+  int64_t length = 0;  // start + num_tokens: every piece's end is <= it
+  int64_t vstride = 0, sstride = 0;
+  int64_t max_segments = 0, max_row_blocks = 0, max_blocks = 0, max_masks = 0;
+  size_t vscore = 0, sscore = 0, partial = 0, rowstat = 0, vsel = 0, ssel = 0, stage_cols = 0,
+         stage_offs = 0, stage_counts = 0, block_counts = 0, blocks = 0, col_masks = 0, total = 0;
+};
+
+Layout MakeLayout(const DcaGeometry& g, absl::Span<const VsBudget> budgets, int64_t start,
+                  int64_t num_tokens) {
+  Layout l;
+  const int64_t hq = g.num_q_heads;
+  l.length = start + num_tokens;
+  for (int h = 0; h < hq; ++h) {
+    l.vstride = std::max(l.vstride, std::max<int64_t>(std::min(budgets[h].vertical, l.length), 5));
+    l.sstride = std::max(l.sstride, std::max<int64_t>(std::min(budgets[h].slash, l.length), 5));
+  }
+  for (const Piece& p : Pieces(start, num_tokens, g.chunk_len)) {
+    const PiecePlan plan = PlanPiece(g, budgets, p);
+    l.max_segments = std::max(l.max_segments, (p.end + sk::kEstSegment - 1) / sk::kEstSegment);
+    l.max_row_blocks = std::max(l.max_row_blocks, plan.row_blocks);
+    l.max_blocks = std::max(l.max_blocks, plan.total);
+    l.max_masks = std::max(l.max_masks, plan.mask_total);
+  }
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += Align(bytes);
+    return at;
+  };
+  l.vscore = take(hq * l.length * sizeof(float));
+  l.sscore = take(hq * l.length * sizeof(float));
+  l.partial = take(hq * l.max_segments * sk::kRows * 2 * sizeof(float));
+  l.rowstat = take(hq * sk::kRows * 2 * sizeof(float));
+  l.vsel = take(hq * l.vstride * sizeof(int32_t));
+  l.ssel = take(hq * l.sstride * sizeof(int32_t));
+  l.stage_cols = take(hq * 3 * l.vstride * sizeof(int32_t));
+  l.stage_offs = take(hq * 3 * l.sstride * sizeof(int32_t));
+  l.stage_counts = take(hq * 3 * 2 * sizeof(int32_t));
+  l.block_counts = take(hq * 3 * l.max_row_blocks * sizeof(int32_t));
+  l.blocks = take(l.max_blocks * sizeof(int32_t));
+  l.col_masks = take(l.max_masks * sizeof(uint32_t));
+  l.total = off;
+  return l;
+}
+
+absl::Status Check(const DcaGeometry& g, const SparsePrefillParams& sp) {
+  if (absl::Status s = CheckCudaGeometry(g); !s.ok()) return s;
+  const CudaPrefillParams& p = sp.prefill;
+  if (g.num_q_heads > kMaxSparseHeads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sparse: ", g.num_q_heads, " q heads > ", kMaxSparseHeads));
+  }
+  if (static_cast<int64_t>(sp.budgets.size()) != g.num_q_heads) {
+    return absl::InvalidArgumentError("sparse: budgets must have num_q_heads entries");
+  }
+  for (const VsBudget& b : sp.budgets) {
+    if (b.vertical < 1 || b.slash < 1 || b.vertical > INT32_MAX || b.slash > INT32_MAX) {
+      return absl::InvalidArgumentError("sparse: budgets must be >= 1");
+    }
+  }
+  if (sp.last_q < 1 || sp.last_q > sk::kRows) {
+    return absl::InvalidArgumentError(absl::StrCat("sparse: last_q ", sp.last_q, " not in 1..64"));
+  }
+  if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.page_table == nullptr || p.q == nullptr ||
+      p.out == nullptr || p.kv.num_kv_heads != g.num_kv_heads || p.kv.head_dim != g.head_dim ||
+      p.kv.page_size <= 0) {
+    return absl::InvalidArgumentError("sparse: null pointer or KV shape mismatch");
+  }
+  if (p.out_dtype != DType::kBf16 && p.out_dtype != DType::kFp16 && p.out_dtype != DType::kFp32) {
+    return absl::InvalidArgumentError("sparse: bad out_dtype");
+  }
+  if (p.start < 0 || p.num_tokens < 1 || p.start + p.num_tokens > INT32_MAX / 2) {
+    return absl::InvalidArgumentError("sparse: bad token range");
+  }
+  return absl::OkStatus();
+}
+
+template <int D>
+absl::Status LaunchPiece(const DcaGeometry& g, const SparsePrefillParams& sp, const Layout& l,
+                         const Piece& piece, const SparsePrefillTimers& timers, int piece_index,
+                         cudaStream_t stream) {
+  const CudaPrefillParams& p = sp.prefill;
+  char* ws = static_cast<char*>(sp.workspace);
+  const PiecePlan plan = PlanPiece(g, sp.budgets, piece);
+  // PieceArgs is large: build it in static-free heap-less storage.
+  sk::PieceArgs a;
+  std::memset(&a, 0, sizeof(a));
+  a.kv = p.kv;
+  a.q = p.q;
+  a.out = p.out;
+  a.out_dtype = static_cast<int>(p.out_dtype);
+  a.start = static_cast<int32_t>(p.start);
+  a.begin = static_cast<int32_t>(piece.begin);
+  a.end = static_cast<int32_t>(piece.end);
+  a.prev = static_cast<int32_t>(piece.prev);
+  a.cl = static_cast<int32_t>(g.chunk_len);
+  a.hq = g.num_q_heads;
+  a.group = g.group_size();
+  a.n_est = static_cast<int32_t>(std::min<int64_t>(piece.end - piece.begin, sp.last_q));
+  a.row_blocks = static_cast<int32_t>(plan.row_blocks);
+  a.num_segments = static_cast<int32_t>((piece.end + sk::kEstSegment - 1) / sk::kEstSegment);
+  a.scale_log2 = p.softmax_scale * sk::kLog2e;
+  a.vscore = reinterpret_cast<float*>(ws + l.vscore);
+  a.sscore = reinterpret_cast<float*>(ws + l.sscore);
+  a.score_stride = l.length;
+  a.partial = reinterpret_cast<float*>(ws + l.partial);
+  a.rowstat = reinterpret_cast<float*>(ws + l.rowstat);
+  a.vsel = reinterpret_cast<int32_t*>(ws + l.vsel);
+  a.ssel = reinterpret_cast<int32_t*>(ws + l.ssel);
+  a.vstride = static_cast<int32_t>(l.vstride);
+  a.sstride = static_cast<int32_t>(l.sstride);
+  a.stage_cols = reinterpret_cast<int32_t*>(ws + l.stage_cols);
+  a.stage_offs = reinterpret_cast<int32_t*>(ws + l.stage_offs);
+  a.stage_counts = reinterpret_cast<int32_t*>(ws + l.stage_counts);
+  a.block_counts = reinterpret_cast<int32_t*>(ws + l.block_counts);
+  a.blocks = reinterpret_cast<int32_t*>(ws + l.blocks);
+  a.col_masks = reinterpret_cast<uint32_t*>(ws + l.col_masks);
+  a.tile_stats = timers.tile_stats;
+  for (int i = 0; i < g.num_q_heads * 3; ++i) {
+    a.block_base[i] = plan.base[i];
+    a.block_cap[i] = plan.cap[i];
+  }
+  for (int h = 0; h < g.num_q_heads; ++h) {
+    a.mask_base[h] = plan.mask_base[h];
+    a.mask_words[h] = plan.mask_words[h];
+    a.vbudget[h] = static_cast<int32_t>(sp.budgets[h].vertical);
+    a.sbudget[h] = static_cast<int32_t>(sp.budgets[h].slash);
+  }
+
+  const bool timed = piece_index < timers.max_pieces;
+  if (timed && timers.estimate_begin != nullptr) {
+    ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(timers.estimate_begin[piece_index], stream));
+  }
+  // 1. estimation
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+      a.sscore, 0, static_cast<size_t>(g.num_q_heads) * l.length * sizeof(float), stream));
+  constexpr size_t est_smem = 2 * sk::kTileN * (D + 8) * sizeof(Bf16) +
+                              (4 * sk::kTileN + sk::kEstSegment + sk::kTileN) * sizeof(float);
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      sk::EstimateKernel<D, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, est_smem));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      sk::EstimateKernel<D, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, est_smem));
+  const dim3 est_grid(a.num_segments, g.num_q_heads);
+  sk::EstimateKernel<D, false><<<est_grid, sk::kThreads, est_smem, stream>>>(a);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("EstimateKernel<stats>");
+  sk::EstimateCombineKernel<<<g.num_q_heads, sk::kRows, 0, stream>>>(a);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("EstimateCombineKernel");
+  sk::EstimateKernel<D, true><<<est_grid, sk::kThreads, est_smem, stream>>>(a);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("EstimateKernel<scores>");
+  // 2. top-k
+  sk::TopKKernel<<<dim3(g.num_q_heads, 2), sk::kTopKThreads, 0, stream>>>(a);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("TopKKernel");
+  if (timed && timers.estimate_end != nullptr) {
+    ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(timers.estimate_end[piece_index], stream));
+  }
+  // 3. stages, 4. converter
+  sk::MapStagesKernel<<<g.num_q_heads, 256, 0, stream>>>(a);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("MapStagesKernel");
+  const int64_t walkers = static_cast<int64_t>(g.num_q_heads) * 3 * plan.row_blocks;
+  sk::ConvertKernel<<<static_cast<unsigned>((walkers + 127) / 128), 128, 0, stream>>>(a);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("ConvertKernel");
+  if (timed && timers.index_end != nullptr) {
+    ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(timers.index_end[piece_index], stream));
+  }
+  // 5. attention
+  constexpr size_t att_smem = 4 * sk::kTileN * (D + 8) * sizeof(Bf16) + 2 * sk::kTileN * sizeof(int32_t);
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      sk::AttendKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, att_smem));
+  sk::AttendKernel<D><<<dim3(static_cast<unsigned>(plan.row_blocks), g.num_q_heads), sk::kThreads,
+                        att_smem, stream>>>(a);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("AttendKernel");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+size_t SparsePrefillWorkspaceBytes(const DcaGeometry& g, absl::Span<const VsBudget> budgets,
+                                   int64_t start, int64_t num_tokens, int64_t /*last_q*/) {
+  if (g.chunk_len < 1 || g.num_q_heads < 1 || g.num_q_heads > kMaxSparseHeads ||
+      static_cast<int64_t>(budgets.size()) != g.num_q_heads || start < 0 || num_tokens < 1) {
+    return 0;
+  }
+  return MakeLayout(g, budgets, start, num_tokens).total;
+}
+
+absl::Status LaunchSparsePrefillTimed(const DcaGeometry& g, const SparsePrefillParams& sp,
+                                      const SparsePrefillTimers& timers, cudaStream_t stream) {
+  if (absl::Status s = Check(g, sp); !s.ok()) return s;
+  const Layout l = MakeLayout(g, sp.budgets, sp.prefill.start, sp.prefill.num_tokens);
+  if (sp.workspace == nullptr || sp.workspace_bytes < l.total) {
+    return absl::InvalidArgumentError(absl::StrCat("sparse: workspace of ", sp.workspace_bytes,
+                                                   " bytes < ", l.total, " needed"));
+  }
+  const std::vector<Piece> pieces = Pieces(sp.prefill.start, sp.prefill.num_tokens, g.chunk_len);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    absl::Status s = g.head_dim == 128
+                         ? LaunchPiece<128>(g, sp, l, pieces[i], timers, static_cast<int>(i), stream)
+                         : LaunchPiece<64>(g, sp, l, pieces[i], timers, static_cast<int>(i), stream);
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LaunchSparsePrefill(const DcaGeometry& g, const SparsePrefillParams& sp,
+                                 cudaStream_t stream) {
+  return LaunchSparsePrefillTimed(g, sp, SparsePrefillTimers{}, stream);
+}
+
+SparseDebugView SparseDebugViewOf(const DcaGeometry& g, const SparsePrefillParams& sp) {
+  SparseDebugView v;
+  const Layout l = MakeLayout(g, sp.budgets, sp.prefill.start, sp.prefill.num_tokens);
+  const char* ws = static_cast<const char*>(sp.workspace);
+  v.vertical_scores = reinterpret_cast<const float*>(ws + l.vscore);
+  v.slash_scores = reinterpret_cast<const float*>(ws + l.sscore);
+  v.score_stride = l.length;
+  v.vertical = reinterpret_cast<const int32_t*>(ws + l.vsel);
+  v.slash = reinterpret_cast<const int32_t*>(ws + l.ssel);
+  v.vertical_stride = l.vstride;
+  v.slash_stride = l.sstride;
+  v.stage_columns = reinterpret_cast<const int32_t*>(ws + l.stage_cols);
+  v.stage_offsets = reinterpret_cast<const int32_t*>(ws + l.stage_offs);
+  v.stage_counts = reinterpret_cast<const int32_t*>(ws + l.stage_counts);
+  v.block_counts = reinterpret_cast<const int32_t*>(ws + l.block_counts);
+  v.blocks = reinterpret_cast<const int32_t*>(ws + l.blocks);
+  v.column_masks = reinterpret_cast<const uint32_t*>(ws + l.col_masks);
+  const std::vector<Piece> pieces = Pieces(sp.prefill.start, sp.prefill.num_tokens, g.chunk_len);
+  const PiecePlan plan = PlanPiece(g, sp.budgets, pieces.back());
+  v.block_base.assign(plan.base, plan.base + g.num_q_heads * 3);
+  v.block_cap.assign(plan.cap, plan.cap + g.num_q_heads * 3);
+  v.row_blocks = plan.row_blocks;
+  v.mask_base.assign(plan.mask_base, plan.mask_base + g.num_q_heads);
+  v.mask_words.assign(plan.mask_words, plan.mask_words + g.num_q_heads);
+  return v;
+}
+
+}  // namespace attnd

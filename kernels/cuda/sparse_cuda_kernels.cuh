@@ -1,0 +1,802 @@
+// Device code for sparse_cuda.h. Included by sparse_cuda.cu only. mma.sync m16n8k16 fragment
+// conventions as in dca_cuda_kernels.cuh (lane = 4 * gid + tig; C rows gid / gid + 8, columns
+// 2 tig, 2 tig + 1 of each 8-wide n block). Shared tiles are [rows][D + 8] bf16.
+#ifndef ATTND_KERNELS_CUDA_SPARSE_CUDA_KERNELS_CUH_
+#define ATTND_KERNELS_CUDA_SPARSE_CUDA_KERNELS_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math_constants.h>
+
+#include <cstdint>
+#include <cub/block/block_scan.cuh>
+
+#include "kernels/cuda/sparse_cuda.h"
+
+namespace attnd {
+namespace sparse_kernels {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kRows = 64;          // estimation rows (last_q <= 64 used) and converter row block
+constexpr int kTileN = 64;         // keys per K/V tile
+constexpr int kThreads = 128;      // 4 warps x 16 rows
+constexpr int kEstSegment = 2048;  // keys per estimation block
+constexpr int kTopKThreads = 1024;
+constexpr int kForcedVerticals = 30;
+constexpr int kForcedSlashes = 100;
+
+// Per-piece arguments, passed by value (< 4 KB).
+struct PieceArgs {
+  PagedKv<Bf16> kv;
+  const Bf16* q;  // [num_tokens, 5, Hq, D]
+  void* out;      // [num_tokens, Hq, D]
+  int out_dtype;
+  int32_t start, begin, end, prev, cl;
+  int32_t hq, group;
+  int32_t n_est;  // estimation rows
+  int32_t row_blocks;
+  int32_t num_segments;
+  float scale_log2;  // softmax scale * log2(e)
+  float* vscore;     // [Hq][score_stride]
+  float* sscore;
+  int64_t score_stride;
+  float* partial;  // [Hq][num_segments][64][2] (max, sum), log2 domain
+  float* rowstat;  // [Hq][64][2] (max, 1/sum)
+  int32_t* vsel;   // [Hq][vstride]
+  int32_t* ssel;   // [Hq][sstride]
+  int32_t vstride, sstride;
+  int32_t* stage_cols;    // [Hq][3][vstride]
+  int32_t* stage_offs;    // [Hq][3][sstride]
+  int32_t* stage_counts;  // [Hq][3][2]
+  int32_t* block_counts;  // [Hq][3][row_blocks]
+  int32_t* blocks;
+  uint32_t* col_masks;
+  unsigned long long* tile_stats;  // optional: [0] += K/V tiles attended, [1] += column tiles  // bit i of (h, s, m): stage column i lies inside a block of row block m
+  int64_t mask_base[kMaxSparseHeads];   // (h, s, m) at mask_base[h] + (s * row_blocks + m) * words
+  int32_t mask_words[kMaxSparseHeads];  // ceil(column capacity of head h / 32)
+  int64_t block_base[kMaxSparseHeads * 3];
+  int32_t block_cap[kMaxSparseHeads * 3];
+  int32_t vbudget[kMaxSparseHeads];
+  int32_t sbudget[kMaxSparseHeads];
+};
+static_assert(sizeof(PieceArgs) <= 4096, "PieceArgs must fit the kernel parameter space");
+
+// ---- helpers ---------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t SmemU32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemU32(smem)), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemU32(smem)));
+}
+__device__ __forceinline__ void LdMatrixX4T(uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemU32(smem)));
+}
+__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t Pack(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ int64_t KvOffset(const PagedKv<Bf16>& kv, int32_t pos, int32_t h) {
+  const uint32_t ps = static_cast<uint32_t>(kv.page_size);
+  const int64_t page = kv.page_table[static_cast<uint32_t>(pos) / ps];
+  return ((page * kv.page_size + static_cast<int64_t>(static_cast<uint32_t>(pos) % ps)) *
+              kv.num_kv_heads + h) * kv.head_dim;
+}
+__device__ __forceinline__ void Store2(void* out, int dtype, int64_t i, float x, float y) {
+  if (dtype == static_cast<int>(DType::kBf16)) {
+    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(out) + i) =
+        __floats2bfloat162_rn(x, y);
+  } else if (dtype == static_cast<int>(DType::kFp16)) {
+    *reinterpret_cast<__half2*>(static_cast<__half*>(out) + i) = __floats2half2_rn(x, y);
+  } else {
+    *reinterpret_cast<float2*>(static_cast<float*>(out) + i) = make_float2(x, y);
+  }
+}
+
+// Stage id of a key for a query chunk starting at prev: 0 intra, 1 succ, 2 inter.
+__device__ __forceinline__ int StageOfKey(int32_t key, int32_t prev, int32_t cl) {
+  return key >= prev ? 0 : (key >= prev - cl ? 1 : 2);
+}
+
+// Loads the 16 A fragments (8 k-steps x 2 rows) of query rows r0 / r0+8 (this thread's gid rows),
+// variant `variant`, q head h; invalid rows read as zeros.
+template <int D>
+__device__ __forceinline__ void LoadQFrag(const PieceArgs& a, int variant, int h, int32_t tok0,
+                                          bool v0, int32_t tok1, bool v1, int tig,
+                                          uint32_t (&qf)[D / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int32_t tok = i == 0 ? tok0 : tok1;
+      const bool valid = i == 0 ? v0 : v1;
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(
+          a.q + ((static_cast<int64_t>(tok) * kNumQueryVariants + variant) * a.hq + h) * D +
+          kk * 16 + tig * 2);
+      qf[kk][i] = valid ? src[0] : 0u;
+      qf[kk][2 + i] = valid ? src[4] : 0u;
+    }
+  }
+}
+
+// ---- estimation --------------------------------------------------------------------------------
+
+// grid (num_segments, Hq), kThreads. Rows: the piece's last n_est queries (row i at position
+// end - n_est + i), warp w owns rows 16w..16w+15. kScores == false: per-row (max, sum) of the
+// segment's keys into partial. kScores == true: probabilities with rowstat's (max, 1/sum), column
+// sums stored to vscore, diagonal sums added to sscore.
+template <int D, bool kScores>
+__global__ void __launch_bounds__(kThreads) EstimateKernel(const PieceArgs a) {
+  constexpr int kStride = D + 8;
+  constexpr int kTile = kTileN * kStride;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);                     // [2][64][D + 8]
+  float* colsum = reinterpret_cast<float*>(ks + 2 * kTile);          // [4][64]
+  float* diag = colsum + 4 * kTileN;                                 // [kEstSegment + 64]
+
+  const int seg = blockIdx.x, h = blockIdx.y;
+  const int kvh = h / a.group;
+  const int32_t k_lo = seg * kEstSegment;
+  const int32_t k_hi = min(k_lo + kEstSegment, a.end);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
+  const int n = a.n_est;
+  const int r0 = warp * 16 + gid, r1 = r0 + 8;
+  const bool v0 = r0 < n, v1 = r1 < n;
+  const int32_t pos0 = a.end - n + (v0 ? r0 : 0), pos1 = a.end - n + (v1 ? r1 : 0);
+  const int32_t tok0 = pos0 - a.start, tok1 = pos1 - a.start;
+
+  float m_row[2], l_row[2];
+  if (kScores) {
+    const float* rs = a.rowstat + static_cast<int64_t>(h) * kRows * 2;
+    m_row[0] = v0 ? rs[r0 * 2] : 0.f;
+    l_row[0] = v0 ? rs[r0 * 2 + 1] : 0.f;
+    m_row[1] = v1 ? rs[r1 * 2] : 0.f;
+    l_row[1] = v1 ? rs[r1 * 2 + 1] : 0.f;
+    for (int i = threadIdx.x; i < kEstSegment + kTileN; i += kThreads) diag[i] = 0.f;
+  } else {
+    m_row[0] = m_row[1] = -CUDART_INF_F;
+    l_row[0] = l_row[1] = 0.f;
+  }
+
+  const int n_tiles = (k_hi - k_lo + kTileN - 1) / kTileN;
+  auto load = [&](int t) {
+    constexpr int kChunks = D / 8;
+    const int col = (threadIdx.x % kChunks) * 8;
+    Bf16* dst = ks + (t & 1) * kTile;
+    for (int row = threadIdx.x / kChunks; row < kTileN; row += kThreads / kChunks) {
+      const int32_t key = k_lo + t * kTileN + row;
+      const bool valid = key < k_hi;
+      const int64_t off = valid ? KvOffset(a.kv, key, kvh) : 0;
+      CpAsync16(dst + row * kStride + col, a.kv.k + off + col, valid);
+    }
+  };
+  load(0);
+  CpAsyncCommit();
+  uint32_t qf[D / 16][4];
+  int q_stage = -1;
+  for (int t = 0; t < n_tiles; ++t) {
+    if (t + 1 < n_tiles) load(t + 1);
+    CpAsyncCommit();
+    CpAsyncWait<1>();
+    __syncthreads();
+    const Bf16* kt = ks + (t & 1) * kTile;
+    const int32_t k0 = k_lo + t * kTileN;
+    const int st_hi = StageOfKey(k0, a.prev, a.cl);
+    const int st_lo = StageOfKey(min(k0 + kTileN - 1, k_hi - 1), a.prev, a.cl);
+    float s[kTileN / 8][4];
+#pragma unroll
+    for (int nb = 0; nb < kTileN / 8; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+    for (int st = st_lo; st <= st_hi; ++st) {  // one stage, or two / three at a boundary
+      if (st != q_stage) {
+        q_stage = st;
+        const int variant = st == 0 ? kIntra : (st == 1 ? kSuccCritical : kInterCritical);
+        LoadQFrag<D>(a, variant, h, tok0, v0, tok1, v1, tig, qf);
+      }
+      float acc[kTileN / 8][4];
+#pragma unroll
+      for (int nb = 0; nb < kTileN / 8; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int np = 0; np < kTileN / 16; ++np) {
+          uint32_t b[4];
+          const int row = np * 16 + (lane & 7) + ((lane >> 4) << 3);
+          const int col = kk * 16 + ((lane >> 3) & 1) * 8;
+          LdMatrixX4(b, kt + row * kStride + col);
+          Mma(acc[2 * np], qf[kk], b[0], b[1]);
+          Mma(acc[2 * np + 1], qf[kk], b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int nb = 0; nb < kTileN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int32_t key = k0 + nb * 8 + tig * 2 + (e & 1);
+          if (st_lo == st_hi || StageOfKey(key, a.prev, a.cl) == st) s[nb][e] = acc[nb][e];
+        }
+    }
+    // Mask (past the segment, causal corner) and scale.
+#pragma unroll
+    for (int nb = 0; nb < kTileN / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e / 2;
+        const int32_t key = k0 + nb * 8 + tig * 2 + (e & 1);
+        const bool vis = key < k_hi && (i == 0 ? (v0 && key <= pos0) : (v1 && key <= pos1));
+        s[nb][e] = vis ? s[nb][e] * a.scale_log2 : -CUDART_INF_F;
+      }
+    if (!kScores) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = -CUDART_INF_F;
+#pragma unroll
+        for (int nb = 0; nb < kTileN / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * i], s[nb][2 * i + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_row[i], mx);
+        const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;  // no visible key yet
+        float sum = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < kTileN / 8; ++nb)
+          sum += exp2f(s[nb][2 * i] - m_use) + exp2f(s[nb][2 * i + 1] - m_use);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        l_row[i] = l_row[i] * exp2f(m_row[i] - m_use) + sum;
+        m_row[i] = m_new;
+      }
+    } else {
+#pragma unroll
+      for (int nb = 0; nb < kTileN / 8; ++nb) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int key_local = nb * 8 + tig * 2 + c;
+          const float p0 = v0 ? exp2f(s[nb][c] - m_row[0]) * l_row[0] : 0.f;
+          const float p1 = v1 ? exp2f(s[nb][2 + c] - m_row[1]) * l_row[1] : 0.f;
+          // Diagonal: row r, key j -> anchor j + (n - 1 - r).
+          const int32_t key = k0 + key_local;
+          if (p0 > 0.f) atomicAdd(&diag[key + (n - 1 - r0) - k_lo], p0);
+          if (p1 > 0.f) atomicAdd(&diag[key + (n - 1 - r1) - k_lo], p1);
+          float cs = p0 + p1;
+          cs += __shfl_xor_sync(0xffffffffu, cs, 4);
+          cs += __shfl_xor_sync(0xffffffffu, cs, 8);
+          cs += __shfl_xor_sync(0xffffffffu, cs, 16);
+          if (gid == 0) colsum[warp * kTileN + key_local] = cs;
+        }
+      }
+      __syncthreads();
+      if (threadIdx.x < kTileN) {
+        const int32_t key = k0 + threadIdx.x;
+        if (key < k_hi) {
+          a.vscore[h * a.score_stride + key] =
+              colsum[threadIdx.x] + colsum[kTileN + threadIdx.x] + colsum[2 * kTileN + threadIdx.x] +
+              colsum[3 * kTileN + threadIdx.x];
+        }
+      }
+    }
+    __syncthreads();  // the next load overwrites the other buffer; colsum reused
+  }
+  CpAsyncWait<0>();
+  if (!kScores) {
+    if (tig == 0) {
+      float* p = a.partial + (static_cast<int64_t>(h) * a.num_segments + seg) * kRows * 2;
+      p[r0 * 2] = m_row[0];
+      p[r0 * 2 + 1] = l_row[0];
+      p[r1 * 2] = m_row[1];
+      p[r1 * 2 + 1] = l_row[1];
+    }
+  } else {
+    __syncthreads();
+    for (int i = threadIdx.x; i < kEstSegment + kTileN; i += kThreads) {
+      const int32_t t = k_lo + i;
+      if (t < a.end && diag[i] != 0.f) atomicAdd(&a.sscore[h * a.score_stride + t], diag[i]);
+    }
+  }
+}
+
+// grid Hq, 64 threads: rowstat[h][r] = (max, 1 / sum) over the segments' partials.
+__global__ void EstimateCombineKernel(const PieceArgs a) {
+  const int h = blockIdx.x, r = threadIdx.x;
+  float m = -CUDART_INF_F, l = 0.f;
+  for (int s = 0; s < a.num_segments; ++s) {
+    const float* p = a.partial + ((static_cast<int64_t>(h) * a.num_segments + s) * kRows + r) * 2;
+    const float pm = p[0], pl = p[1];
+    if (pm == -CUDART_INF_F) continue;
+    const float m_new = fmaxf(m, pm);
+    l = l * exp2f(m - m_new) + pl * exp2f(pm - m_new);
+    m = m_new;
+  }
+  a.rowstat[(static_cast<int64_t>(h) * kRows + r) * 2] = m;
+  a.rowstat[(static_cast<int64_t>(h) * kRows + r) * 2 + 1] = l > 0.f ? 1.f / l : 0.f;
+}
+
+// ---- top-k -------------------------------------------------------------------------------------
+
+// Order key of a score: its fp32 bits (scores are >= 0), +inf for the forced entries.
+__device__ __forceinline__ uint32_t ScoreKey(const float* sc, int32_t j, bool forced) {
+  if (forced) return 0x7f800000u;
+  const float x = sc[j];
+  return x > 0.f ? __float_as_uint(x) : 0u;  // also -0 and NaN -> 0
+}
+
+// grid (Hq, 2), kTopKThreads. blockIdx.y 0: verticals (ties: smaller index), 1: slashes (ties:
+// larger anchor). Writes the min(budget, end) chosen indices ascending.
+__global__ void __launch_bounds__(kTopKThreads) TopKKernel(const PieceArgs a) {
+  using Scan = cub::BlockScan<int, kTopKThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int hist[256];
+  __shared__ uint32_t s_prefix;
+  __shared__ int s_need, s_eq_total;
+  const int h = blockIdx.x;
+  const bool slash = blockIdx.y == 1;
+  const int32_t n = a.end;
+  const float* sc = (slash ? a.sscore : a.vscore) + h * a.score_stride;
+  int32_t* out = slash ? a.ssel + static_cast<int64_t>(h) * a.sstride
+                       : a.vsel + static_cast<int64_t>(h) * a.vstride;
+  const int32_t k = min(slash ? a.sbudget[h] : a.vbudget[h], n);
+  auto forced = [&](int32_t j) {
+    return slash ? j >= n - kForcedSlashes : j < kForcedVerticals;
+  };
+  if (k >= n) {
+    for (int32_t j = threadIdx.x; j < n; j += kTopKThreads) out[j] = j;
+    return;
+  }
+  uint32_t prefix = 0, mask = 0;
+  int need = k;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += kTopKThreads) hist[i] = 0;
+    __syncthreads();
+    for (int32_t j = threadIdx.x; j < n; j += kTopKThreads) {
+      const uint32_t u = ScoreKey(sc, j, forced(j));
+      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int cum = 0, d = 255;
+      for (; d > 0; --d) {
+        if (cum + hist[d] >= need) break;
+        cum += hist[d];
+      }
+      s_need = need - cum;
+      s_prefix = prefix | (static_cast<uint32_t>(d) << shift);
+      s_eq_total = hist[d];
+    }
+    __syncthreads();
+    need = s_need;
+    prefix = s_prefix;
+    mask |= 255u << shift;
+    __syncthreads();
+  }
+  const uint32_t thr = prefix;
+  const int eq_total = s_eq_total;  // entries equal to thr (the last pass fixed all 32 bits)
+  int eq_seen = 0, sel_seen = 0;
+  for (int32_t base = 0; base < n; base += kTopKThreads) {
+    const int32_t j = base + threadIdx.x;
+    uint32_t u = 0;
+    if (j < n) u = ScoreKey(sc, j, forced(j));
+    const bool in = j < n;
+    const int eq = in && u == thr;
+    int eq_rank, eq_block;
+    Scan(scan_tmp).ExclusiveSum(eq, eq_rank, eq_block);
+    __syncthreads();
+    eq_rank += eq_seen;
+    const bool take_eq = eq && (slash ? eq_rank >= eq_total - need : eq_rank < need);
+    const int sel = in && (u > thr || take_eq);
+    int pos, sel_block;
+    Scan(scan_tmp).ExclusiveSum(sel, pos, sel_block);
+    __syncthreads();
+    if (sel) out[sel_seen + pos] = j;
+    eq_seen += eq_block;
+    sel_seen += sel_block;
+  }
+}
+
+// ---- stage mapping -----------------------------------------------------------------------------
+
+__device__ __forceinline__ int32_t LowerBound(const int32_t* v, int32_t n, int32_t x) {
+  int32_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int32_t mid = (lo + hi) / 2;
+    if (v[mid] < x) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// grid Hq, 256 threads: MapToStages for one q head (kernels/vertical_slash.cc).
+__global__ void MapStagesKernel(const PieceArgs a) {
+  const int h = blockIdx.x;
+  const int32_t p = a.prev, cl = a.cl, end = a.end, nq = a.end - a.begin;
+  const int32_t nv = min(a.vbudget[h], end), ns = min(a.sbudget[h], end);
+  const int32_t* vsel = a.vsel + static_cast<int64_t>(h) * a.vstride;
+  const int32_t* ssel = a.ssel + static_cast<int64_t>(h) * a.sstride;
+  __shared__ int32_t b[8];
+  if (threadIdx.x == 0) {
+    b[0] = LowerBound(vsel, nv, p - cl);
+    b[1] = LowerBound(vsel, nv, p);
+    b[2] = LowerBound(ssel, ns, p - cl);
+    b[3] = LowerBound(ssel, ns, p);
+    b[4] = LowerBound(ssel, ns, p - cl + nq);
+    b[5] = LowerBound(ssel, ns, p + nq);
+  }
+  __syncthreads();
+  for (int s = 0; s < 3; ++s) {
+    const bool present = s == 0 || (s == 1 ? p >= cl : p >= 2 * cl);
+    int32_t* cols = a.stage_cols + (static_cast<int64_t>(h) * 3 + s) * a.vstride;
+    int32_t* offs = a.stage_offs + (static_cast<int64_t>(h) * 3 + s) * a.sstride;
+    int32_t* cnt = a.stage_counts + (h * 3 + s) * 2;
+    if (!present) {
+      if (threadIdx.x == 0) cnt[0] = cnt[1] = 0;
+      continue;
+    }
+    const int32_t kv_len = s == 0 ? end - p : (s == 1 ? cl : p - cl);
+    const int32_t kv_begin = s == 0 ? p : (s == 1 ? p - cl : 0);
+    // columns: intra [b1, nv), succ [b0, b1), inter [0, b0)
+    const int32_t c_lo = s == 0 ? b[1] : (s == 1 ? b[0] : 0);
+    const int32_t c_hi = s == 0 ? nv : (s == 1 ? b[1] : b[0]);
+    // offsets: intra t >= p: [b3, ns), end-1-t; succ t in [p - cl, p + nq): [b2, b5), p+nq-1-t;
+    // inter t < p - cl + nq: [0, b4), p-cl+nq-1-t. (p + nq == end only when the piece starts its
+    // chunk.)
+    const int32_t o_lo = s == 0 ? b[3] : (s == 1 ? b[2] : 0);
+    const int32_t o_hi = s == 0 ? ns : (s == 1 ? b[5] : b[4]);
+    const int32_t o_base = s == 0 ? end - 1 : (s == 1 ? p + nq - 1 : p - cl + nq - 1);
+    const int32_t step = max(1, kv_len / 5);
+    const int32_t n_fb = min(5, (kv_len + step - 1) / step);
+    int32_t n_cols = c_hi - c_lo, n_offs = o_hi - o_lo;
+    if (n_cols > 0) {
+      for (int32_t i = threadIdx.x; i < n_cols; i += blockDim.x) cols[i] = vsel[c_lo + i] - kv_begin;
+    } else {
+      for (int32_t i = threadIdx.x; i < n_fb; i += blockDim.x) cols[i] = i * step;
+      n_cols = n_fb;
+    }
+    if (n_offs > 0) {
+      for (int32_t i = threadIdx.x; i < n_offs; i += blockDim.x) offs[i] = o_base - ssel[o_lo + i];
+    } else {
+      for (int32_t i = threadIdx.x; i < n_fb; i += blockDim.x) offs[i] = (n_fb - 1 - i) * step;
+      n_offs = n_fb;
+    }
+    if (threadIdx.x == 0) {
+      cnt[0] = n_cols;
+      cnt[1] = n_offs;
+    }
+  }
+}
+
+// ---- converter ---------------------------------------------------------------------------------
+
+// One thread per (q head, stage, row block): the slash half of ConvertVerticalSlash's row-block
+// walk (kernels/vertical_slash.cc ConvertRowBlock); the ranges do not depend on the columns.
+__global__ void ConvertKernel(const PieceArgs a) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= static_cast<int64_t>(a.hq) * 3 * a.row_blocks) return;
+  const int32_t m = static_cast<int32_t>(idx % a.row_blocks);
+  const int hs = static_cast<int>(idx / a.row_blocks);  // h * 3 + s
+  const int s = hs % 3, h = hs / 3;
+  int32_t* count = a.block_counts + static_cast<int64_t>(hs) * a.row_blocks + m;
+  const int32_t* cnt = a.stage_counts + hs * 2;
+  const int32_t no = cnt[1];
+  if (no == 0) {  // absent stage
+    *count = 0;
+    return;
+  }
+  const int32_t* offs = a.stage_offs + static_cast<int64_t>(hs) * a.sstride;
+  const int32_t p = a.prev, cl = a.cl;
+  const int32_t q_len = a.end - a.begin;
+  const int32_t kv_len = s == 0 ? a.end - p : (s == 1 ? cl : p - cl);
+  const bool causal = s == 0;
+  const int32_t cap = a.block_cap[hs];
+  int32_t* out = a.blocks + a.block_base[hs] + static_cast<int64_t>(m) * cap;
+  int32_t n_out = 0;
+  // Columns inside the emitted blocks, found by merging the (ascending) ranges with the
+  // (ascending) column list: their bits are set so the attention skips them (no double count).
+  const int32_t nc = cnt[0];
+  const int32_t* cols = a.stage_cols + static_cast<int64_t>(hs) * a.vstride;
+  const int words = a.mask_words[h];
+  uint32_t* mask = a.col_masks + a.mask_base[h] + (static_cast<int64_t>(s) * a.row_blocks + m) * words;
+  for (int w = 0; w < (nc + 31) / 32; ++w) mask[w] = 0u;
+  int32_t ci = 0;
+  uint32_t word = 0u;
+  int word_index = 0;
+  auto set_bit = [&](int32_t i) {
+    if (i / 32 != word_index) {
+      if (word != 0u) mask[word_index] = word;
+      word_index = i / 32;
+      word = 0u;
+    }
+    word |= 1u << (i % 32);
+  };
+  auto emit = [&](int32_t rs, int32_t re) {
+    if (rs >= kv_len) return;
+    re = min(re, kv_len);
+    for (int32_t b = rs; b < re; b += kRows) {
+      if (n_out < cap) out[n_out] = b;
+      ++n_out;
+    }
+    while (ci < nc && cols[ci] < rs) ++ci;
+    while (ci < nc && cols[ci] < re) set_bit(ci++);
+  };
+  const int32_t start_m = m * kRows;
+  const int32_t end_m = start_m + kRows;
+  const int32_t off = causal ? kv_len - q_len : kv_len;
+  const int32_t base = off + end_m;
+  const int32_t empty_start = causal ? base : kv_len;
+  int32_t si = 0;
+  int32_t d = offs[si++];
+  // Skip offsets >= base (descending list): binary search for the first < base, keeping the
+  // CPU walk's result (it stops at the last entry even if that one is still >= base).
+  if (d >= base && si < no) {
+    int32_t lo = si, hi = no - 1;  // find first index in [si, no-1] with offs < base, else no-1
+    while (lo < hi) {
+      const int32_t mid = (lo + hi) / 2;
+      if (offs[mid] < base) hi = mid; else lo = mid + 1;
+    }
+    d = offs[lo];
+    si = lo + 1;
+  }
+  int32_t rs, re;
+  if (d <= base) {
+    re = max(base - d, kRows);
+    rs = re - kRows;
+  } else {
+    rs = empty_start;
+    re = empty_start + kRows;
+  }
+  while (si < no && (causal || offs[si] >= start_m)) {
+    const int32_t be = max(base - offs[si++], kRows);
+    if (be > re + kRows) {
+      emit(rs, re);
+      rs = be - kRows;
+      re = be;
+    } else if (be > re) {
+      re += kRows;
+    }
+  }
+  emit(rs, re);
+  if (word != 0u) mask[word_index] = word;
+  *count = min(n_out, cap);
+}
+
+// ---- block-sparse attention --------------------------------------------------------------------
+
+// Stage s's layout for this (q head, row block): tiles [0, nb) are block tiles, [nb, nb + nct)
+// column gathers of 64.
+struct StageTiles {
+  int32_t nb, nc, kv_begin, kv_len;
+  const int32_t* blocks;
+  const int32_t* cols;
+  const uint32_t* mask;
+};
+
+// grid (row_blocks, Hq), kThreads. Block (m, h): rows [64m, 64m + 64) of the piece, q head h.
+template <int D>
+__global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
+  constexpr int kStride = D + 8;
+  constexpr int kTile = kTileN * kStride;
+  constexpr int kDimBlocks = D / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);  // [2][64][D + 8]
+  Bf16* vs = ks + 2 * kTile;                     // [2][64][D + 8]
+  int32_t* kpos = reinterpret_cast<int32_t*>(vs + 2 * kTile);  // [2][64] absolute key or -1
+
+  const int m = a.row_blocks - 1 - blockIdx.x;  // heaviest (last) row blocks first
+  const int h = blockIdx.y;
+  const int kvh = h / a.group;
+  const int32_t nq = a.end - a.begin;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
+  const int r0 = m * kRows + warp * 16 + gid, r1 = r0 + 8;
+  const bool v0 = r0 < nq, v1 = r1 < nq;
+  const int32_t pos0 = a.begin + r0, pos1 = a.begin + r1;
+  const int32_t tok0 = v0 ? pos0 - a.start : 0, tok1 = v1 ? pos1 - a.start : 0;
+
+  // Stages in the order inter (2), succ (1), intra (0).
+  StageTiles st[3];
+  int32_t n_tiles[3];
+#pragma unroll
+  for (int i = 0; i < 3; ++i) {
+    const int s = 2 - i;
+    const int hs = h * 3 + s;
+    const int32_t* cnt = a.stage_counts + hs * 2;
+    const bool present = cnt[1] > 0;
+    st[i].nb = present ? a.block_counts[static_cast<int64_t>(hs) * a.row_blocks + m] : 0;
+    st[i].nc = present ? cnt[0] : 0;
+    st[i].kv_begin = s == 0 ? a.prev : (s == 1 ? a.prev - a.cl : 0);
+    st[i].kv_len = s == 0 ? a.end - a.prev : (s == 1 ? a.cl : a.prev - a.cl);
+    st[i].blocks = a.blocks + a.block_base[hs] + static_cast<int64_t>(m) * a.block_cap[hs];
+    st[i].cols = a.stage_cols + static_cast<int64_t>(hs) * a.vstride;
+    st[i].mask = a.col_masks + a.mask_base[h] +
+                 (static_cast<int64_t>(s) * a.row_blocks + m) * a.mask_words[h];
+    n_tiles[i] = st[i].nb + (st[i].nc + kTileN - 1) / kTileN;
+  }
+  const int total = n_tiles[0] + n_tiles[1] + n_tiles[2];
+  if (a.tile_stats != nullptr && threadIdx.x == 0) {
+    atomicAdd(&a.tile_stats[0], static_cast<unsigned long long>(total));
+    atomicAdd(&a.tile_stats[1], static_cast<unsigned long long>(
+                                    total - st[0].nb - st[1].nb - st[2].nb));
+  }
+  auto which = [&](int j, int& i, int& local) {
+    i = j < n_tiles[0] ? 0 : (j < n_tiles[0] + n_tiles[1] ? 1 : 2);
+    local = j - (i == 0 ? 0 : (i == 1 ? n_tiles[0] : n_tiles[0] + n_tiles[1]));
+  };
+  // Loading a tile is two steps so that the index loads of tile j + 2 overlap tile j's math:
+  // fetch() reads the key of each of this thread's rows (block list / column list and mask, in
+  // registers), issue() turns them into cp.async copies through the page table.
+  constexpr int kChunks = D / 8;
+  constexpr int kRowStep = kThreads / kChunks;
+  constexpr int kMyRows = kTileN / kRowStep;
+  const int col = (threadIdx.x % kChunks) * 8;
+  const int row0 = threadIdx.x / kChunks;
+  auto fetch = [&](int j, int32_t (&keys)[kMyRows]) {
+    if (j >= total) return;
+    int i, local;
+    which(j, i, local);
+    const StageTiles& S = st[i];
+#pragma unroll
+    for (int t = 0; t < kMyRows; ++t) {
+      const int row = row0 + t * kRowStep;
+      if (local < S.nb) {
+        const int32_t rel = S.blocks[local] + row;
+        keys[t] = rel < S.kv_len ? S.kv_begin + rel : -1;
+      } else {
+        const int32_t c = (local - S.nb) * kTileN + row;
+        if (c < S.nc) {
+          const bool inside = (S.mask[c / 32] >> (c % 32)) & 1u;
+          keys[t] = inside ? -1 : S.kv_begin + S.cols[c];
+        } else {
+          keys[t] = -1;
+        }
+      }
+    }
+  };
+  auto issue = [&](int j, const int32_t (&keys)[kMyRows]) {
+    Bf16* kd = ks + (j & 1) * kTile;
+    Bf16* vd = vs + (j & 1) * kTile;
+#pragma unroll
+    for (int t = 0; t < kMyRows; ++t) {
+      const int row = row0 + t * kRowStep;
+      const bool valid = keys[t] >= 0;
+      const int64_t off = valid ? KvOffset(a.kv, keys[t], kvh) : 0;
+      CpAsync16(kd + row * kStride + col, a.kv.k + off + col, valid);
+      CpAsync16(vd + row * kStride + col, a.kv.v + off + col, valid);
+      if (col == 0) kpos[(j & 1) * kTileN + row] = keys[t];
+    }
+  };
+
+  float o[kDimBlocks][4];
+#pragma unroll
+  for (int d = 0; d < kDimBlocks; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  float mrow[2] = {-CUDART_INF_F, -CUDART_INF_F}, lrow[2] = {0.f, 0.f};
+  uint32_t qf[D / 16][4];
+  int q_stage = -1;
+
+  int32_t keys_next[kMyRows];
+  if (total > 0) {
+    fetch(0, keys_next);
+    issue(0, keys_next);
+  }
+  CpAsyncCommit();
+  fetch(1, keys_next);
+  for (int j = 0; j < total; ++j) {
+    if (j + 1 < total) issue(j + 1, keys_next);
+    CpAsyncCommit();
+    fetch(j + 2, keys_next);
+    int i, local;
+    which(j, i, local);
+    const int s = 2 - i;
+    if (s != q_stage) {
+      q_stage = s;
+      LoadQFrag<D>(a, s == 0 ? kIntra : (s == 1 ? kSucc : kInter), h, tok0, v0, tok1, v1, tig, qf);
+    }
+    CpAsyncWait<1>();
+    __syncthreads();
+    const Bf16* kt = ks + (j & 1) * kTile;
+    const Bf16* vt = vs + (j & 1) * kTile;
+    const int32_t* kp = kpos + (j & 1) * kTileN;
+    float sc[kTileN / 8][4];
+#pragma unroll
+    for (int nb = 0; nb < kTileN / 8; ++nb) sc[nb][0] = sc[nb][1] = sc[nb][2] = sc[nb][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kTileN / 16; ++np) {
+        uint32_t b[4];
+        const int row = np * 16 + (lane & 7) + ((lane >> 4) << 3);
+        const int col = kk * 16 + ((lane >> 3) & 1) * 8;
+        LdMatrixX4(b, kt + row * kStride + col);
+        Mma(sc[2 * np], qf[kk], b[0], b[1]);
+        Mma(sc[2 * np + 1], qf[kk], b[2], b[3]);
+      }
+    }
+    float tmax[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+    for (int nb = 0; nb < kTileN / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int ri = e / 2;
+        const int32_t key = kp[nb * 8 + tig * 2 + (e & 1)];
+        const int32_t qpos = ri == 0 ? pos0 : pos1;
+        const bool vis = key >= 0 && (s != 0 || key <= qpos);
+        const float x = vis ? sc[nb][e] * a.scale_log2 : -CUDART_INF_F;
+        sc[nb][e] = x;
+        tmax[ri] = fmaxf(tmax[ri], x);
+      }
+    float alpha[2], muse[2];
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      tmax[ri] = fmaxf(tmax[ri], __shfl_xor_sync(0xffffffffu, tmax[ri], 1));
+      tmax[ri] = fmaxf(tmax[ri], __shfl_xor_sync(0xffffffffu, tmax[ri], 2));
+      const float mn = fmaxf(mrow[ri], tmax[ri]);
+      muse[ri] = mn == -CUDART_INF_F ? 0.f : mn;
+      alpha[ri] = exp2f(mrow[ri] - muse[ri]);
+      mrow[ri] = mn;
+      lrow[ri] *= alpha[ri];
+    }
+#pragma unroll
+    for (int nb = 0; nb < kTileN / 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pv = exp2f(sc[nb][e] - muse[e / 2]);
+        sc[nb][e] = pv;
+        lrow[e / 2] += pv;
+      }
+#pragma unroll
+    for (int d = 0; d < kDimBlocks; ++d) {
+      o[d][0] *= alpha[0]; o[d][1] *= alpha[0];
+      o[d][2] *= alpha[1]; o[d][3] *= alpha[1];
+    }
+#pragma unroll
+    for (int kk = 0; kk < kTileN / 16; ++kk) {
+      uint32_t pa[4];
+      pa[0] = Pack(sc[2 * kk][0], sc[2 * kk][1]);
+      pa[1] = Pack(sc[2 * kk][2], sc[2 * kk][3]);
+      pa[2] = Pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+      pa[3] = Pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t b[4];
+        const int row = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int col = dp * 16 + ((lane >> 4) << 3);
+        LdMatrixX4T(b, vt + row * kStride + col);
+        Mma(o[2 * dp], pa, b[0], b[1]);
+        Mma(o[2 * dp + 1], pa, b[2], b[3]);
+      }
+    }
+    __syncthreads();
+  }
+  CpAsyncWait<0>();
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    lrow[ri] += __shfl_xor_sync(0xffffffffu, lrow[ri], 1);
+    lrow[ri] += __shfl_xor_sync(0xffffffffu, lrow[ri], 2);
+    if (!(ri == 0 ? v0 : v1)) continue;
+    const float inv = lrow[ri] > 0.f ? 1.f / lrow[ri] : 0.f;  // no key: zeros, never NaN
+    const int64_t base = (static_cast<int64_t>(ri == 0 ? tok0 : tok1) * a.hq + h) * D;
+#pragma unroll
+    for (int d = 0; d < kDimBlocks; ++d) {
+      Store2(a.out, a.out_dtype, base + d * 8 + tig * 2, o[d][2 * ri] * inv, o[d][2 * ri + 1] * inv);
+    }
+  }
+}
+
+}  // namespace sparse_kernels
+}  // namespace attnd
+
+#endif  // ATTND_KERNELS_CUDA_SPARSE_CUDA_KERNELS_CUH_
