@@ -44,8 +44,9 @@ ABSL_FLAG(std::string, cuda_graph_batch_sizes, "1,2,4,8,16,24,32,48,64,96,128,16
 ABSL_FLAG(bool, disable_cuda_graphs, false,
           "never pad decode batches or replay CUDA graphs (accepted on the CPU backend, where it "
           "has no effect)");
-ABSL_FLAG(int32_t, decode_batches_in_flight, 1,
-          "merged decode batches of one layer that may run at once");
+ABSL_FLAG(int32_t, decode_batches_in_flight, 2,
+          "merged decode batches of one layer that may run at once (2: the next batch is formed and "
+          "launched while the previous one answers its calls; docs/batching.md)");
 ABSL_FLAG(std::string, log_level, "info", "trace | debug | info | warn | error | critical | off");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
           "on SIGINT/SIGTERM, how long in-flight requests may run before they are cancelled");

@@ -35,7 +35,7 @@ struct ServerOptions {
   int64_t max_queue_delay_us = 100;      // longest wait for more calls; 0 = never wait
   std::string cuda_graph_batch_sizes = "1,2,4,8,16,24,32,48,64,96,128,160,192,256";
   bool disable_cuda_graphs = false;      // never pad or replay graphs (no effect on CPU)
-  int32_t decode_batches_in_flight = 1;  // merged batches of one layer running at once
+  int32_t decode_batches_in_flight = 2;  // merged batches of one layer running at once
 
   // Operations (docs/operations.md).
   // HTTP /metrics and /healthz; "" = off. Off here so in-process servers (tests) never collide
