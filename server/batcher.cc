@@ -330,7 +330,7 @@ void BatchingDecodeQueue::Execute(Batch* batch) {
           absl::InternalError(absl::StrCat("decode batcher: the executor returned ",
                                            r->outputs.size(), " outputs for ", n, " entries")));
     }
-    if (r.ok() && options_.on_batch) options_.on_batch(n);
+    if (r.ok() && options_.on_batch) options_.on_batch(n, replayed);
     return r;
   };
 

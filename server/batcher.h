@@ -101,8 +101,8 @@ struct DecodeBatcherOptions {
   int32_t max_inflight_batches = 1;  // per (layer, tenant), >= 1
   int64_t max_queued_calls = 4096;   // Submit beyond it: RESOURCE_EXHAUSTED
   // Called on the worker with the entry count of each engine launch that succeeded (an executed
-  // batch; e.g. a metrics histogram). Unset: nothing.
-  std::function<void(int64_t entries)> on_batch;
+  // batch; e.g. a metrics histogram) and whether it replayed a CUDA graph. Unset: nothing.
+  std::function<void(int64_t entries, bool graph_replay)> on_batch;
 };
 
 absl::Status CheckDecodeBatcherOptions(const DecodeBatcherOptions& options);

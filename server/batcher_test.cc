@@ -518,7 +518,7 @@ TEST_F(BatcherTest, AFailingCallFailsOnlyItself) {
 TEST_F(BatcherTest, AdmitHooksRunOnceAndARefusedCallIsLeftOut) {
   DecodeBatcherOptions o;
   std::vector<int64_t> executed;  // on_batch sees only launches that succeeded
-  o.on_batch = [&executed](int64_t n) { executed.push_back(n); };
+  o.on_batch = [&executed](int64_t n, bool) { executed.push_back(n); };
   Make(o);
   std::map<std::string, int> admits;
   auto hook = [&admits](const char* id, absl::Status s) -> std::function<absl::Status()> {
@@ -659,7 +659,11 @@ TEST_F(BatcherTest, CountsPaddingAndGraphReplays) {
   o.max_queue_delay = absl::ZeroDuration();
   o.max_decode_batch = 16;
   std::vector<int64_t> observed;
-  o.on_batch = [&observed](int64_t n) { observed.push_back(n); };
+  int observed_replays = 0;
+  o.on_batch = [&observed, &observed_replays](int64_t n, bool replayed) {
+    observed.push_back(n);
+    observed_replays += replayed ? 1 : 0;
+  };
   Make(o);
   Submit({"a"});  // in flight
   Submit({"b", "c", "d"});
@@ -677,6 +681,7 @@ TEST_F(BatcherTest, CountsPaddingAndGraphReplays) {
   EXPECT_EQ(s.eager_launches, 1);
   EXPECT_EQ(s.batches_by_size, (std::map<int32_t, int64_t>{{1, 1}, {5, 1}, {9, 1}}));
   EXPECT_THAT(observed, ElementsAre(1, 5, 9));
+  EXPECT_EQ(observed_replays, 2);
 
   // --disable-cuda-graphs: the sizes still flush, but nothing is padded or replayed.
   o.cuda_graphs = false;

@@ -341,8 +341,10 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   work_queue_ = std::make_unique<WorkQueue>(queue_options);
   if (options.decode_batching) {
     AttndMetrics* metrics = metrics_.get();
-    batcher_options->on_batch = [metrics](int64_t entries) {
-      if (metrics != nullptr) metrics->decode_batch_size->Observe({}, static_cast<double>(entries));
+    batcher_options->on_batch = [metrics](int64_t entries, bool graph_replay) {
+      if (metrics == nullptr) return;
+      metrics->decode_batch_size->Observe({}, static_cast<double>(entries));
+      if (graph_replay) metrics->graph_replays_total->Increment({});
     };
     decode_executor_ = std::make_unique<RuntimeDecodeExecutor>(runtime_.get());
     WorkQueue* workers = work_queue_.get();

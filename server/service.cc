@@ -463,6 +463,7 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
         // merged batches itself (DecodeBatcherOptions::on_batch).
         if (result.ok() && metrics_ != nullptr && batcher_ == nullptr) {
           metrics_->decode_batch_size->Observe({}, static_cast<double>(entries));
+          if (result->graph_replay) metrics_->graph_replays_total->Increment({});
         }
         if (!result.ok()) {
           response->Clear();
