@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/dca_cuda.h"
+#include "kernels/cuda/sparse_cuda.h"
 #include "kernels/dtype.h"
 #include "kernels/status_macros.h"
 #include "spdlog/spdlog.h"
@@ -97,7 +98,7 @@ class CudaEngine : public Engine {
   explicit CudaEngine(const CudaEngineOptions& options) : geometry_(options.geometry),
       layout_(options.layout), device_(options.device),
       max_decode_batch_(std::max(1, options.max_decode_batch)),
-      use_graphs_(options.cuda_graphs) {
+      use_graphs_(options.cuda_graphs), sparse_(options.sparse) {
     for (int32_t size : options.graph_batch_sizes) {
       if (size >= 1 && size <= max_decode_batch_ && (sizes_.empty() || size > sizes_.back())) {
         sizes_.push_back(size);
@@ -134,6 +135,7 @@ class CudaEngine : public Engine {
   const int32_t device_;
   const int32_t max_decode_batch_;
   const bool use_graphs_;
+  const std::shared_ptr<const SparseAttentionConfig> sparse_;
   std::vector<int32_t> sizes_;  // captured sizes, ascending, <= max_decode_batch_
   std::string device_name_;
   int32_t num_sms_ = 0;
@@ -151,6 +153,8 @@ class CudaEngine : public Engine {
   DevicePtr d_q_bf16_ ABSL_GUARDED_BY(mu_);      // [chunk, 5, Hq, D]
   PinnedPtr h_table_ ABSL_GUARDED_BY(mu_);       // [num_pages]
   DevicePtr d_table_ ABSL_GUARDED_BY(mu_);       // [num_pages]
+  size_t sparse_workspace_bytes_ = 0;
+  DevicePtr d_sparse_workspace_ ABSL_GUARDED_BY(mu_);  // when sparse_ is set
 
   // Decode: packed inputs (StagingFor) mirrored in pinned host and device memory; page tables
   // staged on the host with the batch's own stride and copied into d_tables_, whose stride is
@@ -188,6 +192,17 @@ absl::StatusOr<std::unique_ptr<Engine>> CudaEngine::Create(const CudaEngineOptio
   }
   if (layout.num_layers <= 0 || layout.page_size <= 0 || layout.num_pages <= 0) {
     return absl::InvalidArgumentError("cuda engine: the KV layout has no layers, pages or slots");
+  }
+  if (const SparseAttentionConfig* sp = options.sparse.get();
+      sp != nullptr && (sp->num_layers != layout.num_layers || sp->num_q_heads != g.num_q_heads ||
+                        sp->budgets.size() != static_cast<size_t>(sp->num_layers) *
+                                                  static_cast<size_t>(sp->num_q_heads) ||
+                        sp->last_q < 1 || g.num_q_heads > kMaxSparseHeads)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda engine: the sparse attention config (", sp->num_layers, " layers x ",
+        sp->num_q_heads, " heads, last_q ", sp->last_q, ") does not match the model (",
+        layout.num_layers, " layers x ", g.num_q_heads, " q heads; at most ", kMaxSparseHeads,
+        " q heads)"));
   }
   if (layout.num_pages > INT32_MAX || layout.num_pages * int64_t{layout.page_size} > INT32_MAX) {
     return absl::InvalidArgumentError("cuda engine: more than 2^31 token slots in the pool");
@@ -236,6 +251,22 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
       d_q_bf16_, DeviceAlloc(max_chunk_ * kNumQueryVariants * hq * d * 2, "prefill q"));
   ATTND_ASSIGN_OR_RETURN(h_table_, PinnedAlloc(layout_.num_pages * 4, "page table"));
   ATTND_ASSIGN_OR_RETURN(d_table_, DeviceAlloc(layout_.num_pages * 4, "page table"));
+  if (sparse_ != nullptr) {
+    // The largest call: one full staging chunk ending at the longest sequence the pool holds.
+    const int64_t longest = layout_.num_pages * layout_.page_size;
+    const int64_t tokens = std::min(max_chunk_, longest);
+    for (int32_t layer = 0; layer < layout_.num_layers; ++layer) {
+      const size_t bytes = SparsePrefillWorkspaceBytes(geometry_, sparse_->layer(layer),
+                                                       longest - tokens, tokens, sparse_->last_q);
+      if (bytes == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "cuda engine: the sparse attention config of layer ", layer, " is not supported"));
+      }
+      sparse_workspace_bytes_ = std::max(sparse_workspace_bytes_, bytes);
+    }
+    ATTND_ASSIGN_OR_RETURN(d_sparse_workspace_,
+                           DeviceAlloc(sparse_workspace_bytes_, "the sparse prefill workspace"));
+  }
 
   const int64_t b = max_decode_batch_;
   table_stride_ = layout_.num_pages;
@@ -369,6 +400,13 @@ absl::Status CudaEngine::Prefill(const PrefillJob& job) {
     if (!SupportedDType(view->dtype)) return absl::InvalidArgumentError("engine: bad dtype");
   }
   const float s = LengthScale(job.prompt_len, geometry_.original_max_position_embeddings);
+  const bool sparse = sparse_ != nullptr && sparse_->UseSparse(job.prompt_len);
+  if (sparse && t > max_chunk_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "engine: a sparse prefill (prompt_len ", job.prompt_len, " > threshold ",
+        sparse_->threshold, ") takes at most ", max_chunk_, " tokens per call on the CUDA backend, "
+        "got ", t, "; send the prompt in smaller Prefill calls"));
+  }
 
   absl::MutexLock lock(&mu_);
   ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
@@ -457,7 +495,17 @@ absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int6
   pp.start = job.start + first;
   pp.num_tokens = count;
   pp.softmax_scale = geometry_.softmax_scale * s;
-  ATTND_RETURN_IF_ERROR(LaunchDcaPrefill(geometry_, pp, stream_));
+  if (sparse_ != nullptr && sparse_->UseSparse(job.prompt_len)) {  // the whole call: Prefill checked
+    SparsePrefillParams sp;
+    sp.prefill = pp;
+    sp.budgets = sparse_->layer(job.layer);
+    sp.last_q = sparse_->last_q;
+    sp.workspace = d_sparse_workspace_.get();
+    sp.workspace_bytes = sparse_workspace_bytes_;
+    ATTND_RETURN_IF_ERROR(LaunchSparsePrefill(geometry_, sp, stream_));
+  } else {
+    ATTND_RETURN_IF_ERROR(LaunchDcaPrefill(geometry_, pp, stream_));
+  }
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(h_prefill_, out_off_), At(d_prefill_, out_off_),
                                              out_bytes, cudaMemcpyDeviceToHost, stream_));
   ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));

@@ -27,6 +27,7 @@
 #include "kernels/dca.h"
 #include "kvcache/kv_layout.h"
 #include "server/engine.h"
+#include "server/sparse_config.h"
 
 namespace attnd {
 
@@ -42,6 +43,12 @@ struct CudaEngineOptions {
   std::vector<int32_t> graph_batch_sizes = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256};
   // Capture one graph per (size, layer) at creation and replay them (--disable-cuda-graphs: false).
   bool cuda_graphs = true;
+  // Vertical-slash sparse prefill budgets (kernels/cuda/sparse_cuda.h), or null: a prefill whose
+  // prompt_len passes sparse->UseSparse runs the sparse kernels. Its device workspace is allocated
+  // at creation for the longest sequence the pool holds. A sparse call must fit one staging chunk
+  // (the pieces, and so the estimation, are those of the whole call): longer calls are
+  // INVALID_ARGUMENT, naming the limit.
+  std::shared_ptr<const SparseAttentionConfig> sparse;
   // Pinned host staging for one prefill chunk (q, k, v in, output out, worst case fp32). Sets the
   // largest prefill chunk: 7B geometry needs ~90 KiB per token, so 512 MiB is ~5.8K tokens.
   int64_t staging_bytes = int64_t{512} << 20;

@@ -60,6 +60,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCuda(const EngineOptions& options)
   cuda.max_decode_batch = options.max_decode_batch;
   cuda.graph_batch_sizes = options.cuda_graph_batch_sizes;
   cuda.cuda_graphs = options.cuda_graphs;
+  cuda.sparse = options.sparse;
   return CreateCudaEngine(cuda);
 }
 

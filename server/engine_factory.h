@@ -27,8 +27,8 @@ struct EngineOptions {
   // gpu_memory_utilization, but of what is free at start-up).
   double kv_cache_fraction = 0.9;
   int32_t compute_threads = 0;    // 0 = all cores
-  // Vertical-slash sparse prefill budgets (ModelConfig::sparse), or null. Only the CPU backend
-  // runs the sparse path so far; the CUDA engine ignores it (dense prefill).
+  // Vertical-slash sparse prefill budgets (ModelConfig::sparse), or null. Both backends run the
+  // sparse path for prompts over the threshold.
   std::shared_ptr<const SparseAttentionConfig> sparse;
   // cuda: decode batches of up to this many entries, padded to the next captured size (a CUDA graph
   // per size and layer, captured at creation unless cuda_graphs is false). Ignored by the CPU.

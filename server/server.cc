@@ -268,9 +268,10 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   engine_options.cuda_graphs = batcher_options->cuda_graphs;
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(engine_options);
   if (!engine.ok()) return engine.status();
-  // Vertical-slash sparse prefill runs on the CPU engine only so far; elsewhere prefill stays
-  // dense, and GetServerInfo must say so.
-  if (model->sparse_attention_enabled && (*engine)->backend() != "cpu") {
+  // Vertical-slash sparse prefill runs on the CPU and CUDA engines; on any other backend prefill
+  // stays dense, and GetServerInfo must say so.
+  if (model->sparse_attention_enabled && (*engine)->backend() != "cpu" &&
+      (*engine)->backend() != "cuda") {
     spdlog::warn("{}: sparse attention is configured but the {} backend has no sparse prefill; "
                  "prefill runs dense",
                  model->sparse != nullptr ? model->sparse->source : model->name,
