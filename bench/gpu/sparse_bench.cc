@@ -157,7 +157,7 @@ int Main(int argc, char** argv) {
   CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&q), q_elems * sizeof(Bf16)));
   CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&out_sparse), out_elems * sizeof(Bf16)));
   CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&out_dense), out_elems * sizeof(Bf16)));
-  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_err), 3 * sizeof(double)));
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_err), (3 + 2 * kHq) * sizeof(double)));
   PagedKv<Bf16> kv{k, v, d_table, kPage, kHkv, kD};
   bench::SyntheticShape shape;
   if (band == "smooth") {  // periods 16K .. 16K * 1.15^31 (~1.2M): a wide, smooth local band
@@ -274,12 +274,20 @@ int Main(int argc, char** argv) {
       std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return total[a] < total[b]; });
       const size_t mid = order[(runs - 1) / 2];
       double rel = -1, worst = -1;
+      std::string per_head;
       if (dense) {
-        bench::RelativeError(out_sparse, out_dense, len * kHq * kD, d_err, nullptr);
-        double h[3];
+        bench::RelativeError(out_sparse, out_dense, len * kHq * kD, kHq, kD, d_err, nullptr);
+        double h[3 + 2 * kHq];
         CHECK_CUDA(cudaMemcpy(h, d_err, sizeof(h), cudaMemcpyDeviceToHost));
         rel = std::sqrt(h[0] / h[1]);
         worst = h[2];
+        for (int x = 0; x < kHq; ++x) {
+          char buf[96];
+          std::snprintf(buf, sizeof(buf), " h%d(%ld/%ld) %.3f", x,
+                        static_cast<long>(budgets[x].vertical), static_cast<long>(budgets[x].slash),
+                        std::sqrt(h[3 + 2 * x] / h[4 + 2 * x]));
+          per_head += buf;
+        }
       }
       const double attn_ms = total[mid] - est[mid] - index[mid];
       // 4 * 64 * 64 * D FLOPs per tile (QK^T and PV, 2 per MAC), masked keys included.
@@ -290,6 +298,10 @@ int Main(int argc, char** argv) {
            100.0 * est[mid] / total[mid], index[mid], attn_ms, density, tiles[0],
            100.0 * tiles[1] / std::max(1ull, tiles[0]), tflops, sp.workspace_bytes / 1e9, dense_ms,
            dense_ms > 0 ? dense_ms / total[mid] : 0.0, rel, worst);
+      if (!per_head.empty()) {
+        Emit("  per-head rel. L2 error, L %ld layer %ld (vertical/slash budget):%s\n",
+             static_cast<long>(len), static_cast<long>(layer), per_head.c_str());
+      }
       CHECK_CUDA(cudaFree(sp.workspace));
     }
   }

@@ -75,16 +75,25 @@ __global__ void FillQKernel(__nv_bfloat16* q, int64_t length, SyntheticShape s) 
 }
 
 __global__ void ErrorKernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n,
-                            double* acc) {
+                            int hq, int d, double* acc) {
+  __shared__ double per_head[2 * 64];
+  for (int i = threadIdx.x; i < 2 * hq; i += blockDim.x) per_head[i] = 0;
+  __syncthreads();
   double num = 0, den = 0, worst = 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const double x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
-    num += (x - y) * (x - y);
+    double e2 = (x - y) * (x - y);
+    if (!isfinite(x)) e2 += 1e30;
+    num += e2;
     den += y * y;
     worst = fmax(worst, fabs(x - y));
-    if (!isfinite(x)) num += 1e30;
+    const int h = static_cast<int>((i / d) % hq);
+    atomicAdd(&per_head[2 * h], e2);
+    atomicAdd(&per_head[2 * h + 1], y * y);
   }
+  __syncthreads();
+  for (int i = threadIdx.x; i < 2 * hq; i += blockDim.x) atomicAdd(&acc[3 + i], per_head[i]);
   for (int o = 16; o > 0; o /= 2) {
     num += __shfl_xor_sync(0xffffffffu, num, o);
     den += __shfl_xor_sync(0xffffffffu, den, o);
@@ -109,10 +118,10 @@ void FillSyntheticQ(__nv_bfloat16* q, int64_t length, const SyntheticShape& s,
                     cudaStream_t stream) {
   FillQKernel<<<8192, 256, 0, stream>>>(q, length, s);
 }
-void RelativeError(const __nv_bfloat16* got, const __nv_bfloat16* want, int64_t n, double* acc3,
-                   cudaStream_t stream) {
-  cudaMemsetAsync(acc3, 0, 3 * sizeof(double), stream);
-  ErrorKernel<<<2048, 256, 0, stream>>>(got, want, n, acc3);
+void RelativeError(const __nv_bfloat16* got, const __nv_bfloat16* want, int64_t n, int hq, int d,
+                   double* acc, cudaStream_t stream) {
+  cudaMemsetAsync(acc, 0, (3 + 2 * hq) * sizeof(double), stream);
+  ErrorKernel<<<2048, 256, 0, stream>>>(got, want, n, hq, d, acc);
 }
 
 }  // namespace bench

@@ -36,9 +36,10 @@ void FillSyntheticKv(__nv_bfloat16* k, __nv_bfloat16* v, const int32_t* page_tab
                      cudaStream_t stream);
 void FillSyntheticQ(__nv_bfloat16* q, int64_t length, const SyntheticShape& s,
                     cudaStream_t stream);
-// acc3 (device, 3 doubles) = {sum (got - want)^2, sum want^2, max |got - want|} over n values.
-void RelativeError(const __nv_bfloat16* got, const __nv_bfloat16* want, int64_t n, double* acc3,
-                   cudaStream_t stream);
+// acc (device, 3 + 2 hq doubles) = {sum (got - want)^2, sum want^2, max |got - want|}, then per
+// q head {sum (got - want)^2, sum want^2}, over n values laid out [tokens, hq, d] (hq <= 64).
+void RelativeError(const __nv_bfloat16* got, const __nv_bfloat16* want, int64_t n, int hq, int d,
+                   double* acc, cudaStream_t stream);
 
 }  // namespace bench
 }  // namespace attnd

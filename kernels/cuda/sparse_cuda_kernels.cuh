@@ -618,6 +618,23 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
     const bool present = cnt[1] > 0;
     st[i].nb = present ? a.block_counts[static_cast<int64_t>(hs) * a.row_blocks + m] : 0;
     st[i].nc = present ? cnt[0] : 0;
+    if (s == 0 && st[i].nc > 0) {
+      // Causal stage: columns right of the block's last row are future keys for every row (the
+      // CPU converter drops them too); the list is ascending, so keep its prefix.
+      const int32_t horizon = (a.begin - a.prev) + min((m + 1) * kRows, nq) - 1;
+      const int32_t* c = a.stage_cols + static_cast<int64_t>(hs) * a.vstride;
+      int32_t lo = 0, hi = st[i].nc;
+      while (lo < hi) {
+        const int32_t mid = (lo + hi) / 2;
+        if (c[mid] <= horizon) lo = mid + 1; else hi = mid;
+      }
+      st[i].nc = lo;
+    }
+    if (s == 0 && st[i].nb > 0) {  // blocks wholly right of the last row (a range extended past it)
+      const int32_t horizon = (a.begin - a.prev) + min((m + 1) * kRows, nq) - 1;
+      const int32_t* b = a.blocks + a.block_base[hs] + static_cast<int64_t>(m) * a.block_cap[hs];
+      while (st[i].nb > 0 && b[st[i].nb - 1] > horizon) --st[i].nb;
+    }
     st[i].kv_begin = s == 0 ? a.prev : (s == 1 ? a.prev - a.cl : 0);
     st[i].kv_len = s == 0 ? a.end - a.prev : (s == 1 ? a.cl : a.prev - a.cl);
     st[i].blocks = a.blocks + a.block_base[hs] + static_cast<int64_t>(m) * a.block_cap[hs];
