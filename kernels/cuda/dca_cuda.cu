@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/dca_cuda_kernels.cuh"
+#include "kernels/cuda/prefill_wgmma.cuh"
 
 namespace attnd {
 namespace {
@@ -44,36 +45,43 @@ absl::Status CheckKv(const DcaGeometry& g, const PagedKv<Bf16>& kv) {
   return absl::OkStatus();
 }
 
-template <int D, int Warps, int Stages, int MT, int BN>
-absl::Status LaunchPrefillTyped(const DcaGeometry& g, const CudaPrefillParams& p,
-                                 cudaStream_t stream) {
-  constexpr int kBlockM = 16 * MT * Warps;
-  cuda_kernels::PrefillArgs a;
-  a.kv = p.kv;
-  a.q = p.q;
-  a.out = p.out;
-  a.out_dtype = static_cast<int>(p.out_dtype);
-  a.start = static_cast<int32_t>(p.start);
-  a.num_tokens = static_cast<int32_t>(p.num_tokens);
-  a.chunk_len = static_cast<int32_t>(g.chunk_len);
-  a.num_q_heads = g.num_q_heads;
-  a.group = g.group_size();
-  a.scale_log2 = p.softmax_scale * kLog2e;
+// Kernel arguments and the number of query tiles (blocks along x) for blocks of block_m rows.
+absl::Status PlanPrefill(const DcaGeometry& g, const CudaPrefillParams& p, int block_m,
+                         cuda_kernels::PrefillArgs* a, int64_t* tiles) {
+  a->kv = p.kv;
+  a->q = p.q;
+  a->out = p.out;
+  a->out_dtype = static_cast<int>(p.out_dtype);
+  a->start = static_cast<int32_t>(p.start);
+  a->num_tokens = static_cast<int32_t>(p.num_tokens);
+  a->chunk_len = static_cast<int32_t>(g.chunk_len);
+  a->num_q_heads = g.num_q_heads;
+  a->group = g.group_size();
+  a->scale_log2 = p.softmax_scale * kLog2e;
   // Pieces: the first runs from start to the end of its chunk; the rest are whole chunks.
   const int64_t cl = g.chunk_len;
   const int64_t lk = p.start + p.num_tokens;
   const int64_t prev0 = (p.start / cl) * cl;
   const int64_t end0 = std::min(prev0 + cl, lk);
-  const int64_t rows_first = (end0 - p.start) * a.group;
-  const int64_t tiles_first = (rows_first + kBlockM - 1) / kBlockM;
-  const int64_t tiles_full = (cl * a.group + kBlockM - 1) / kBlockM;
+  const int64_t rows_first = (end0 - p.start) * a->group;
+  const int64_t tiles_first = (rows_first + block_m - 1) / block_m;
+  const int64_t tiles_full = (cl * a->group + block_m - 1) / block_m;
   const int64_t more_pieces = (lk - end0 + cl - 1) / cl;
-  const int64_t tiles = tiles_first + more_pieces * tiles_full;
-  if (tiles_full > INT32_MAX || tiles > INT32_MAX) {
+  *tiles = tiles_first + more_pieces * tiles_full;
+  if (tiles_full > INT32_MAX || *tiles > INT32_MAX) {
     return absl::InvalidArgumentError("prefill: too many query tiles");
   }
-  a.tiles_first = static_cast<int32_t>(tiles_first);
-  a.tiles_full = static_cast<int32_t>(tiles_full);
+  a->tiles_first = static_cast<int32_t>(tiles_first);
+  a->tiles_full = static_cast<int32_t>(tiles_full);
+  return absl::OkStatus();
+}
+
+template <int D, int Warps, int Stages, int MT, int BN>
+absl::Status LaunchPrefillTyped(const DcaGeometry& g, const CudaPrefillParams& p,
+                                 cudaStream_t stream) {
+  cuda_kernels::PrefillArgs a;
+  int64_t tiles = 0;
+  if (absl::Status s = PlanPrefill(g, p, 16 * MT * Warps, &a, &tiles); !s.ok()) return s;
   constexpr size_t smem = PrefillSmemBytes<D, Warps, Stages, MT, BN>();
   ATTND_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(cuda_kernels::DcaPrefillKernel<D, Warps, Stages, MT, BN>,
@@ -81,6 +89,38 @@ absl::Status LaunchPrefillTyped(const DcaGeometry& g, const CudaPrefillParams& p
   cuda_kernels::DcaPrefillKernel<D, Warps, Stages, MT, BN>
       <<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads), 32 * Warps, smem, stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaPrefillKernel");
+  return absl::OkStatus();
+}
+
+// True when the current device runs sm_90a machine code (compute capability 9.0).
+bool DeviceIsSm90() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    cudaGetLastError();  // leave no sticky error behind; the caller falls back
+    return false;
+  }
+  return major == 9 && minor == 0;
+}
+
+template <int D, int BN, int Stages, bool Overlap, bool Ws>
+absl::Status LaunchPrefillWgmmaTyped(const DcaGeometry& g, const CudaPrefillParams& p,
+                                     cudaStream_t stream) {
+  namespace wg = cuda_kernels::wgmma;
+  cuda_kernels::PrefillArgs a;
+  int64_t tiles = 0;
+  if (absl::Status s = PlanPrefill(g, p, wg::kBlockM, &a, &tiles); !s.ok()) return s;
+  // K and V rings, the block's queries, and 1 KB to align the swizzled tiles.
+  constexpr size_t smem = (2 * Stages * BN + wg::kBlockM) * D * sizeof(Bf16) + 1024;
+  static_assert(smem <= 227 * 1024, "wgmma prefill: shared memory");
+  ATTND_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(wg::DcaPrefillWgmmaKernel<D, BN, Stages, Overlap, Ws>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  wg::DcaPrefillWgmmaKernel<D, BN, Stages, Overlap, Ws>
+      <<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads), wg::BlockThreads<Ws>(), smem,
+         stream>>>(a);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaPrefillWgmmaKernel");
   return absl::OkStatus();
 }
 
@@ -205,23 +245,44 @@ absl::Status LaunchConvertToBf16(const void* src, DType src_dtype, int64_t n, Bf
 absl::Status LaunchDcaPrefill(const DcaGeometry& g, const CudaPrefillParams& p,
                               cudaStream_t stream) {
   if (absl::Status s = CheckPrefill(g, p); !s.ok()) return s;
-  const int variant = p.variant < 0 ? kDefaultPrefillVariant : p.variant;
+  int variant = p.variant < 0 ? kDefaultPrefillVariant : p.variant;
+  if (variant < kNumPrefillVariants && kPrefillVariants[variant].kernel != kPrefillMmaSync &&
+      !DeviceIsSm90()) {
+    variant = kFallbackPrefillVariant;
+  }
   const bool d128 = g.head_dim == 128;
   switch (variant) {  // the supported set: kPrefillVariants (same order)
 #define ATTND_PREFILL_CASE(i, W, S, MT, BN)                                  \
   case i:                                                                    \
     static_assert(kPrefillVariants[i].warps == W && kPrefillVariants[i].stages == S && \
-                      kPrefillVariants[i].m_tiles == MT && kPrefillVariants[i].block_n == BN, \
+                      kPrefillVariants[i].m_tiles == MT && kPrefillVariants[i].block_n == BN && \
+                      kPrefillVariants[i].kernel == kPrefillMmaSync, \
                   "kPrefillVariants order");                                 \
     return d128 ? LaunchPrefillTyped<128, W, S, MT, BN>(g, p, stream)        \
                 : LaunchPrefillTyped<64, W, S, MT, BN>(g, p, stream);
+#define ATTND_PREFILL_WGMMA_CASE(i, W, S, BN, K)                                           \
+  case i:                                                                                  \
+    static_assert(kPrefillVariants[i].warps == W && kPrefillVariants[i].stages == S &&     \
+                      kPrefillVariants[i].m_tiles == 1 && kPrefillVariants[i].block_n == BN && \
+                      kPrefillVariants[i].kernel == K,                                     \
+                  "kPrefillVariants order");                                               \
+    return d128 ? LaunchPrefillWgmmaTyped<128, BN, S, K == kPrefillWgmmaOverlap, W == 12>(g, p, \
+                                                                                       stream) \
+                : LaunchPrefillWgmmaTyped<64, BN, S, K == kPrefillWgmmaOverlap, W == 12>(g, p,  \
+                                                                                      stream);
     ATTND_PREFILL_CASE(0, 4, 2, 1, 64)
     ATTND_PREFILL_CASE(1, 8, 2, 1, 64)
     ATTND_PREFILL_CASE(2, 8, 3, 1, 64)
     ATTND_PREFILL_CASE(3, 4, 2, 2, 32)
     ATTND_PREFILL_CASE(4, 4, 3, 2, 32)
     ATTND_PREFILL_CASE(5, 4, 2, 2, 64)
+    ATTND_PREFILL_WGMMA_CASE(6, 8, 2, 128, kPrefillWgmma)
+    ATTND_PREFILL_WGMMA_CASE(7, 8, 3, 128, kPrefillWgmmaOverlap)
+    ATTND_PREFILL_WGMMA_CASE(8, 8, 4, 64, kPrefillWgmmaOverlap)
+    ATTND_PREFILL_WGMMA_CASE(9, 12, 3, 128, kPrefillWgmma)
+    ATTND_PREFILL_WGMMA_CASE(10, 12, 3, 128, kPrefillWgmmaOverlap)
 #undef ATTND_PREFILL_CASE
+#undef ATTND_PREFILL_WGMMA_CASE
     default:
       return absl::InvalidArgumentError(absl::StrCat("prefill: no variant ", p.variant));
   }

@@ -10,10 +10,12 @@
 // Supported set (one dispatch per kernel family): head_dim 64 or 128; group size (Hq / Hkv) 1..16;
 // bf16 KV. Query tensors are bf16; outputs are bf16, fp16 or fp32.
 //
-// NOTE next steps for speed: the fast prefill uses mma.sync m16n8k16 (HMMA) with a cp.async ring
-// (~215-240 TFLOP/s on an H200 vs ~550-590 for cuDNN SDPA); a wgmma + TMA (cp.async.bulk.tensor)
-// warp-specialised version is the next step. Decode reaches ~75-79% of copy bandwidth at large
-// batch; more bytes in flight per SM (bulk copies, leaner shared memory) is its next step.
+// NOTE next steps for speed: the default prefill is a warp-specialised wgmma kernel
+// (prefill_wgmma.cuh, ~390-400 TFLOP/s on an H200 at 32K-128K tokens; the mma.sync one it replaced
+// ~235; cuDNN SDPA ~550-660 on plain causal attention); a persistent grid, TMA for the queries and
+// a deeper producer pipeline are the next steps (bench/gpu/NOTES.md). Decode reaches ~75-79% of
+// copy bandwidth at large batch; more bytes in flight per SM (bulk copies, leaner shared memory) is
+// its next step.
 // bench/gpu/NOTES.md has the measurements.
 #ifndef ATTND_KERNELS_CUDA_DCA_CUDA_H_
 #define ATTND_KERNELS_CUDA_DCA_CUDA_H_
@@ -108,24 +110,48 @@ struct CudaPrefillParams {
   int32_t variant = -1;
 };
 
-// Query rows per block = 16 * m_tiles * warps (each warp owns m_tiles 16-row mma tiles, reusing
-// every K/V fragment m_tiles times); K/V tiles of block_n keys in a `stages`-deep cp.async ring.
+// mma.sync: query rows per block = 16 * m_tiles * warps (each warp owns m_tiles 16-row mma tiles,
+// reusing every K/V fragment m_tiles times); wgmma: 128 rows (two consumer warpgroups of 64). K/V
+// tiles of block_n keys in a `stages`-deep cp.async ring.
+// kernel: which fused kernel runs the variant:
+//   kPrefillMmaSync      mma.sync m16n8k16 (HMMA), any CUDA GPU this library targets;
+//   kPrefillWgmma        Hopper wgmma (sm_90a; prefill_wgmma.cuh): two warpgroups of 64 rows,
+//                        m_tiles = 1; warps = 8: all threads issue the K/V cp.async ring, one
+//                        __syncthreads per tile; warps = 12: warp-specialised, a third
+//                        warpgroup produces K/V tiles and hands them over through mbarriers;
+//   kPrefillWgmmaOverlap the same, with the S wgmma of tile j issued beside the P·V wgmma of tile
+//                        j-1 so the softmax overlaps the tensor cores (stages >= 3); with
+//                        warps = 12 the two consumer warpgroups also take turns (ping-pong).
+// A wgmma variant asked for on a GPU other than compute capability 9.0 runs the mma.sync variant
+// kFallbackPrefillVariant instead (same results within the bf16 bars; the wgmma code only exists
+// as sm_90a machine code). All variants handle every shape CheckCudaGeometry accepts.
+inline constexpr int32_t kPrefillMmaSync = 0;
+inline constexpr int32_t kPrefillWgmma = 1;
+inline constexpr int32_t kPrefillWgmmaOverlap = 2;
 struct PrefillVariant {
   int32_t warps;
   int32_t stages;
   int32_t m_tiles;
   int32_t block_n;
+  int32_t kernel = kPrefillMmaSync;
 };
 inline constexpr PrefillVariant kPrefillVariants[] = {
-    {4, 2, 1, 64}, {8, 2, 1, 64}, {8, 3, 1, 64}, {4, 2, 2, 32}, {4, 3, 2, 32}, {4, 2, 2, 64}};
-inline constexpr int kNumPrefillVariants = 6;
-inline constexpr int kDefaultPrefillVariant = 5;  // {4, 2, 2, 64}: fastest measured (NOTES.md)
+    {4, 2, 1, 64},  {8, 2, 1, 64}, {8, 3, 1, 64}, {4, 2, 2, 32}, {4, 3, 2, 32}, {4, 2, 2, 64},
+    {8, 2, 1, 128, kPrefillWgmma}, {8, 3, 1, 128, kPrefillWgmmaOverlap},
+    {8, 4, 1, 64, kPrefillWgmmaOverlap}, {12, 3, 1, 128, kPrefillWgmma},
+    {12, 3, 1, 128, kPrefillWgmmaOverlap}};
+inline constexpr int kNumPrefillVariants = 11;
+inline constexpr int kFallbackPrefillVariant = 5;  // {4, 2, 2, 64}: fastest mma.sync (NOTES.md)
+// {12, 3, 1, 128} warp-specialised wgmma: fastest measured on the H200 (~390-400 TFLOP/s at 32K and
+// 128K vs ~235 for the fallback, bench/gpu/NOTES.md) and within the bf16 bars in every test.
+inline constexpr int kDefaultPrefillVariant = 9;
 inline constexpr int kDefaultDecodeStages = 2;
 
 // Fused tensor-core kernel: one launch covers every piece and the three stages. Grid: one block per
-// (query tile of one piece, kv head); a tile's 16 * m_tiles * warps rows (128 by default) are
+// (query tile of one piece, kv head); a tile's 128 rows (64 for variant 0) are
 // (token, q head of the kv head's group) pairs, so each K/V tile read through the page table serves
-// the whole GQA group. INVALID_ARGUMENT for a variant outside kPrefillVariants.
+// the whole GQA group. INVALID_ARGUMENT for a variant outside kPrefillVariants. The default (a
+// wgmma variant) runs kFallbackPrefillVariant on GPUs other than compute capability 9.0.
 absl::Status LaunchDcaPrefill(const DcaGeometry& geometry, const CudaPrefillParams& params,
                               cudaStream_t stream);
 // Simple reference kernel (one warp per query row, scalar fp32, no tiling). Slow; for tests.

@@ -189,6 +189,16 @@ std::vector<int32_t> ShuffledPages(int64_t num_pages, std::mt19937* rng) {
 
 // ---- prefill -------------------------------------------------------------------------------------
 
+// "fast w8s3m1n128 wgmma-overlap": the variant's fields and kernel family.
+std::string VariantLabel(int variant) {
+  const PrefillVariant& v = kPrefillVariants[variant];
+  const char* kernel = v.kernel == kPrefillMmaSync ? "mma.sync"
+                       : v.kernel == kPrefillWgmma ? "wgmma"
+                                                   : "wgmma-overlap";
+  return "fast w" + std::to_string(v.warps) + "s" + std::to_string(v.stages) + "m" +
+         std::to_string(v.m_tiles) + "n" + std::to_string(v.block_n) + " " + kernel;
+}
+
 struct PrefillCase {
   std::string name;
   int hq, hkv, d;
@@ -279,11 +289,7 @@ TEST_P(PrefillTest, MatchesFp64Reference) {
       std::vector<uint8_t> raw(out_bytes);
       CUDA_ASSERT(cudaMemcpy(raw.data(), out.get(), out_bytes, cudaMemcpyDeviceToHost));
       got.push_back(ToFloat(raw, c.out_dtype));
-      label.push_back(variant < 0 ? std::string("simple")
-                                  : "fast w" + std::to_string(kPrefillVariants[variant].warps) +
-                                        "s" + std::to_string(kPrefillVariants[variant].stages) +
-                                        "m" + std::to_string(kPrefillVariants[variant].m_tiles) +
-                                        "n" + std::to_string(kPrefillVariants[variant].block_n));
+      label.push_back(variant < 0 ? std::string("simple") : VariantLabel(variant));
     }
     std::vector<ErrStats> err(got.size());
     std::vector<double> want(c.d);
@@ -301,6 +307,12 @@ TEST_P(PrefillTest, MatchesFp64Reference) {
     }
     const std::string where = "[" + std::to_string(start) + "," + std::to_string(start + t) + ")";
     for (size_t r = 0; r < got.size(); ++r) ExpectWithinBars(err[r], c.name + " " + label[r] + " " + where);
+    // Each fast kernel against the simple reference kernel too (same bars).
+    for (size_t r = 1; r < got.size(); ++r) {
+      ErrStats vs_simple;
+      for (size_t i = 0; i < got[r].size(); ++i) vs_simple.Add(got[r][i], got[0][i]);
+      ExpectWithinBars(vs_simple, c.name + " " + label[r] + " vs simple " + where);
+    }
     start += t;
   }
 }
@@ -320,7 +332,14 @@ INSTANTIATE_TEST_SUITE_P(
         PrefillCase{"gqa1_d64_scaled_fp16", 4, 4, 64, 128, 64, 100, {64, 448}, DType::kFp16,
                     DType::kFp16},
         PrefillCase{"14b_geometry", 40, 8, 128, 256, 16, 500, {333, 667}},
-        PrefillCase{"gqa16_d128", 32, 2, 128, 128, 16, 0, {300}}),
+        PrefillCase{"gqa16_d128", 32, 2, 128, 128, 16, 0, {300}},
+        // Several 128-key tiles per DCA range, ranges and chunks not multiples of the tile or the
+        // page, > 3 chunks, chunked prefill starting mid-chunk (wgmma tiles are 128 x 128).
+        PrefillCase{"gqa7_d128_long_3p75_chunks", 7, 1, 128, 400, 16, 0, {1500}},
+        PrefillCase{"gqa7_d128_chunked_mid_chunk", 14, 2, 128, 300, 16, 500, {517, 1, 700},
+                    DType::kBf16, DType::kBf16},
+        PrefillCase{"gqa7_d64_scaled", 14, 2, 64, 320, 16, 600, {700, 333}},
+        PrefillCase{"gqa1_d128_long", 2, 2, 128, 384, 16, 0, {1200}}),
     [](const ::testing::TestParamInfo<PrefillCase>& info) { return info.param.name; });
 
 // ---- decode --------------------------------------------------------------------------------------
