@@ -1,7 +1,7 @@
 // GPU benchmark of the CUDA DCA kernels (kernels/cuda/dca_cuda.h), Qwen2.5-7B-1M geometry
 // (28 q heads, 4 kv heads, head_dim 128), bf16 paged KV with page_size 16 and shuffled pages.
 //
-//   dca_bench [--quick] [--out FILE]
+//   dca_bench [--quick] [--prefill-only] [--variants 5,6,7] [--out FILE]
 //
 // Prefill: one sequence, all L tokens in one call (start 0), L in {8K, 32K, 128K}, with
 // chunk_len = L/4 (4 DCA chunks: intra, succ and inter stages all active) and the real 253952.
@@ -20,6 +20,7 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -139,11 +140,40 @@ double CopyBandwidth() {
   return 2.0 * bytes / (ms * 1e-3) / 1e9;
 }
 
-void BenchPrefill(bool quick) {
+// "w4s2m2n64*" / "w8s3m1n128wgo": the variant's fields, its kernel family (wg = wgmma,
+// wgo = wgmma with softmax/PV overlap) and * for the default.
+std::string VariantLabel(int variant) {
+  const PrefillVariant& pv = kPrefillVariants[variant];
+  char label[40];
+  std::snprintf(label, sizeof(label), "w%ds%dm%dn%d%s%s", pv.warps, pv.stages, pv.m_tiles,
+                pv.block_n,
+                pv.kernel == kPrefillWgmma          ? "wg"
+                : pv.kernel == kPrefillWgmmaOverlap ? "wgo"
+                                                    : "",
+                variant == kDefaultPrefillVariant ? "*" : "");
+  return label;
+}
+
+// Prefill variants to time: `variants` (empty = all), the mma.sync fallback first so that every
+// other variant's output can be compared with it.
+std::vector<int> PrefillOrder(const std::vector<int>& variants) {
+  std::vector<int> order = {kFallbackPrefillVariant};
+  for (int v = 0; v < kNumPrefillVariants; ++v) {
+    if (v == kFallbackPrefillVariant) continue;
+    if (variants.empty() || std::find(variants.begin(), variants.end(), v) != variants.end()) {
+      order.push_back(v);
+    }
+  }
+  return order;
+}
+
+void BenchPrefill(bool quick, const std::vector<int>& variants) {
   Emit("\n## Prefill (one call of L tokens from position 0; bf16 q/KV, bf16 out; page 16)\n");
   Emit("FLOPs = 4*Hq*D*L(L+1)/2 (causal-equivalent), Hq=28 Hkv=4 D=128\n");
-  Emit("%-8s %-10s %-7s %-12s %12s %10s\n", "L", "chunk_len", "chunks", "variant", "median_ms",
-       "TFLOP/s");
+  Emit("vs_%s: max / mean abs difference from that variant's output over the last <= 8192 "
+       "tokens (all q heads)\n", VariantLabel(kFallbackPrefillVariant).c_str());
+  Emit("%-8s %-10s %-7s %-16s %12s %10s %10s %10s\n", "L", "chunk_len", "chunks", "variant",
+       "median_ms", "TFLOP/s", "max_diff", "mean_diff");
   std::vector<int64_t> lens = {8192, 32768, 131072};
   if (quick) lens = {8192};
   for (int64_t len : lens) {
@@ -164,10 +194,17 @@ void BenchPrefill(bool quick) {
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), std::mt19937(1));
     CHECK_CUDA(cudaMemcpy(table, perm.data(), pages * 4, cudaMemcpyHostToDevice));
+    const int64_t check_tokens = std::min<int64_t>(len, 8192);
+    const size_t check_elems = static_cast<size_t>(check_tokens) * kHq * kD;
+    const size_t check_offset = out_bytes - check_elems * 2;
     for (int64_t cl : {len / 4, kRealChunkLen}) {
-      for (int variant = 0; variant < kNumPrefillVariants; ++variant) {
-        if (cl == kRealChunkLen && len > 8192 && variant != kDefaultPrefillVariant && !quick) {
-          continue;  // the real chunk_len only with the default variant past 8K (time)
+      std::vector<uint16_t> base(check_elems), got(check_elems);
+      for (int variant : PrefillOrder(variants)) {
+        // The real chunk_len past 8K: the mma.sync fallback and the wgmma kernels only (time).
+        if (cl == kRealChunkLen && len > 8192 && !quick &&
+            kPrefillVariants[variant].kernel == kPrefillMmaSync &&
+            variant != kFallbackPrefillVariant) {
+          continue;
         }
         const DcaGeometry g = Geometry(cl);
         CudaPrefillParams p;
@@ -184,17 +221,25 @@ void BenchPrefill(bool quick) {
         p.num_tokens = len;
         p.softmax_scale = g.softmax_scale * LengthScale(len, kOrig);
         p.variant = variant;
+        CHECK_CUDA(cudaMemset(out, 0xff, out_bytes));  // NaN: an unwritten output shows
         const int iters = len >= 131072 ? 3 : 7;
         const double ms =
             MedianMs(1, iters, [&](int) { CHECK_OK(LaunchDcaPrefill(g, p, nullptr)); });
         const double flops = 4.0 * kHq * kD * static_cast<double>(len) * (len + 1) / 2;
-        const PrefillVariant& pv = kPrefillVariants[variant];
-        char label[32];
-        std::snprintf(label, sizeof(label), "w%ds%dm%dn%d%s", pv.warps, pv.stages, pv.m_tiles,
-                      pv.block_n, variant == kDefaultPrefillVariant ? "*" : "");
-        Emit("%-8lld %-10lld %-7lld %-12s %12.3f %10.1f\n", static_cast<long long>(len),
-             static_cast<long long>(cl), static_cast<long long>((len + cl - 1) / cl), label, ms,
-             flops / (ms * 1e-3) / 1e12);
+        std::vector<uint16_t>& dst = variant == kFallbackPrefillVariant ? base : got;
+        CHECK_CUDA(cudaMemcpy(dst.data(), static_cast<char*>(out) + check_offset, check_elems * 2,
+                              cudaMemcpyDeviceToHost));
+        double max_diff = 0, sum_diff = 0;
+        for (size_t i = 0; i < check_elems; ++i) {
+          const double d = std::fabs(static_cast<double>(Bf16ToFloat(dst[i])) -
+                                     static_cast<double>(Bf16ToFloat(base[i])));
+          max_diff = std::isfinite(d) ? std::max(max_diff, d) : INFINITY;
+          sum_diff += d;
+        }
+        Emit("%-8lld %-10lld %-7lld %-16s %12.3f %10.1f %10.3g %10.3g\n",
+             static_cast<long long>(len), static_cast<long long>(cl),
+             static_cast<long long>((len + cl - 1) / cl), VariantLabel(variant).c_str(), ms,
+             flops / (ms * 1e-3) / 1e12, max_diff, sum_diff / check_elems);
       }
     }
     CHECK_CUDA(cudaFree(k));
@@ -313,10 +358,20 @@ void BenchDecode(bool quick, double copy_gbs) {
 }  // namespace attnd
 
 int main(int argc, char** argv) {
-  bool quick = false;
+  bool quick = false, prefill_only = false;
+  std::vector<int> variants;  // --variants 5,6,7: prefill variants to time (default all)
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    if (std::strcmp(argv[i], "--prefill-only") == 0) prefill_only = true;
     if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) attnd::g_out = std::fopen(argv[++i], "w");
+    if (std::strcmp(argv[i], "--variants") == 0 && i + 1 < argc) {
+      std::string list = argv[++i];
+      for (size_t pos = 0; pos < list.size();) {
+        const size_t comma = std::min(list.find(',', pos), list.size());
+        variants.push_back(std::atoi(list.substr(pos, comma - pos).c_str()));
+        pos = comma + 1;
+      }
+    }
   }
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
@@ -325,12 +380,12 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  attnd::Emit("# dca_bench on %s (%d SMs, %.0f MB L2)\n", prop.name, prop.multiProcessorCount,
-              prop.l2CacheSize / 1e6);
+  attnd::Emit("# dca_bench on %s (%d SMs, %.0f MB L2, compute capability %d.%d)\n", prop.name,
+              prop.multiProcessorCount, prop.l2CacheSize / 1e6, prop.major, prop.minor);
   const double copy = attnd::CopyBandwidth();
   attnd::Emit("D2D copy bandwidth (4 GiB, read+write): %.0f GB/s\n", copy);
-  attnd::BenchPrefill(quick);
-  attnd::BenchDecode(quick, copy);
+  attnd::BenchPrefill(quick, variants);
+  if (!prefill_only) attnd::BenchDecode(quick, copy);
   if (attnd::g_out) std::fclose(attnd::g_out);
   return 0;
 }

@@ -4,7 +4,8 @@
 #   bazel build //kernels/cuda:dca_cuda_test //server:cuda_engine_test //bench/gpu:dca_bench
 #   /work/shared/tools/gpu-bundle .gpu bazel-bin/kernels/cuda/dca_cuda_test \
 #       bazel-bin/server/cuda_engine_test bazel-bin/bench/gpu/dca_bench
-# then on the GPU machine:  . .gpu/env.sh && bench/gpu/run_all.sh "$OUT" [--quick|--no-peer]
+# then on the GPU machine:  . .gpu/env.sh && bench/gpu/run_all.sh "$OUT" [--quick|--no-peer|--prefill]
+# --prefill: tests, then dca_bench --prefill-only, then the whole SDPA peer, in one call.
 set -uo pipefail
 out=${1:?usage: run_all.sh OUT_DIR [--quick]}
 quick=${2:-}
@@ -25,7 +26,9 @@ for t in dca_cuda_test cuda_engine_test; do
 done
 peer=1
 if [[ $quick == --no-peer ]]; then quick=""; peer=0; fi
-dca_bench $quick --out "$out/dca_bench.txt" >/dev/null 2>"$out/dca_bench.err" || {
+bench_args=$quick
+if [[ $quick == --prefill ]]; then quick=""; bench_args="--prefill-only"; fi
+dca_bench $bench_args --out "$out/dca_bench.txt" >/dev/null 2>"$out/dca_bench.err" || {
   echo "dca_bench failed:"; cat "$out/dca_bench.err"; status=1; }
 if ((peer)); then
   PYTHONUNBUFFERED=1 python3 bench/gpu/sdpa_peer.py $quick --out "$out/sdpa_peer.txt" \
