@@ -197,6 +197,12 @@ int Main(int argc, char** argv) {
     CHECK_CUDA(cudaEventCreate(&ee[i]));
     CHECK_CUDA(cudaEventCreate(&ei[i]));
   }
+  constexpr int kMaxConverts = 256;
+  std::vector<cudaEvent_t> cb(kMaxConverts), ce(kMaxConverts);
+  for (int i = 0; i < kMaxConverts; ++i) {
+    CHECK_CUDA(cudaEventCreate(&cb[i]));
+    CHECK_CUDA(cudaEventCreate(&ce[i]));
+  }
   unsigned long long* d_tiles = nullptr;
   CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_tiles), 2 * sizeof(unsigned long long)));
   bool dense_warm = false;
@@ -242,6 +248,14 @@ int Main(int argc, char** argv) {
       timers.estimate_end = ee;
       timers.index_end = ei;
       timers.max_pieces = kMaxPieces;
+      timers.convert_begin = cb.data();
+      timers.convert_end = ce.data();
+      timers.max_converts = kMaxConverts;
+      int converts = 0;  // one per slice of each piece
+      for (int64_t b = 0; b < len; b += kChunkLen) {
+        const int64_t rbs = (std::min(len, b + kChunkLen) - b + 63) / 64;
+        converts += static_cast<int>((rbs + kDefaultRowBlockSlice - 1) / kDefaultRowBlockSlice);
+      }
       const int pieces = static_cast<int>((len + kChunkLen - 1) / kChunkLen);
       // warm-up + runs: 3 timed runs up to 256K, 2 above
       CHECK_OK(LaunchSparsePrefillTimed(g, sp, timers, nullptr));
@@ -259,8 +273,9 @@ int Main(int argc, char** argv) {
         double e = 0, x = 0;
         for (int i = 0; i < std::min(pieces, kMaxPieces); ++i) {
           e += ElapsedMs(eb[i], ee[i]);
-          x += ElapsedMs(ee[i], ei[i]);
+          x += ElapsedMs(ee[i], ei[i]);  // stage mapping
         }
+        for (int i = 0; i < std::min(converts, kMaxConverts); ++i) x += ElapsedMs(cb[i], ce[i]);
         est.push_back(e);
         index.push_back(x);
       }

@@ -40,6 +40,7 @@ constexpr size_t Align(size_t x) { return (x + 255) / 256 * 256; }
 // consumes, and its blocks are disjoint 64-key blocks starting inside [0, kv_len).
 struct PiecePlan {
   int64_t row_blocks = 0;
+  int64_t slice_row_blocks = 0;
   int64_t base[kMaxSparseHeads * 3] = {};
   int32_t cap[kMaxSparseHeads * 3] = {};
   int64_t total = 0;  // int32 entries
@@ -49,11 +50,14 @@ struct PiecePlan {
   int64_t mask_total = 0;  // uint32 words
 };
 
-PiecePlan PlanPiece(const DcaGeometry& g, absl::Span<const VsBudget> budgets, const Piece& p) {
+// row_blocks: the piece's; slice_row_blocks: the storage per (h, s) (min(row_blocks, slice)).
+PiecePlan PlanPiece(const DcaGeometry& g, absl::Span<const VsBudget> budgets, const Piece& p,
+                    int32_t slice) {
   PiecePlan plan;
   const int64_t cl = g.chunk_len;
   const int64_t nq = p.end - p.begin;
   plan.row_blocks = (nq + sk::kRows - 1) / sk::kRows;
+  plan.slice_row_blocks = std::min<int64_t>(plan.row_blocks, slice);
   for (int h = 0; h < g.num_q_heads; ++h) {
     const int64_t n_offsets = std::max<int64_t>(std::min<int64_t>(budgets[h].slash, p.end), 5);
     for (int s = 0; s < 3; ++s) {
@@ -63,12 +67,12 @@ PiecePlan PlanPiece(const DcaGeometry& g, absl::Span<const VsBudget> budgets, co
           present ? std::min(n_offsets + 1, (kv_len + sk::kRows - 1) / sk::kRows + 1) : 0;
       plan.base[h * 3 + s] = plan.total;
       plan.cap[h * 3 + s] = static_cast<int32_t>(cap);
-      plan.total += cap * plan.row_blocks;
+      plan.total += cap * plan.slice_row_blocks;
     }
     const int64_t n_columns = std::max<int64_t>(std::min<int64_t>(budgets[h].vertical, p.end), 5);
     plan.mask_words[h] = static_cast<int32_t>((n_columns + 31) / 32);
     plan.mask_base[h] = plan.mask_total;
-    plan.mask_total += 3 * plan.row_blocks * plan.mask_words[h];
+    plan.mask_total += 3 * plan.slice_row_blocks * plan.mask_words[h];
   }
   return plan;
 }
@@ -82,7 +86,7 @@ struct Layout {
 };
 
 Layout MakeLayout(const DcaGeometry& g, absl::Span<const VsBudget> budgets, int64_t start,
-                  int64_t num_tokens) {
+                  int64_t num_tokens, int32_t slice) {
   Layout l;
   const int64_t hq = g.num_q_heads;
   l.length = start + num_tokens;
@@ -91,9 +95,9 @@ Layout MakeLayout(const DcaGeometry& g, absl::Span<const VsBudget> budgets, int6
     l.sstride = std::max(l.sstride, std::max<int64_t>(std::min(budgets[h].slash, l.length), 5));
   }
   for (const Piece& p : Pieces(start, num_tokens, g.chunk_len)) {
-    const PiecePlan plan = PlanPiece(g, budgets, p);
+    const PiecePlan plan = PlanPiece(g, budgets, p, slice);
     l.max_segments = std::max(l.max_segments, (p.end + sk::kEstSegment - 1) / sk::kEstSegment);
-    l.max_row_blocks = std::max(l.max_row_blocks, plan.row_blocks);
+    l.max_row_blocks = std::max(l.max_row_blocks, plan.slice_row_blocks);
     l.max_blocks = std::max(l.max_blocks, plan.total);
     l.max_masks = std::max(l.max_masks, plan.mask_total);
   }
@@ -134,6 +138,9 @@ absl::Status Check(const DcaGeometry& g, const SparsePrefillParams& sp) {
       return absl::InvalidArgumentError("sparse: budgets must be >= 1");
     }
   }
+  if (sp.row_block_slice < 1) {
+    return absl::InvalidArgumentError("sparse: row_block_slice must be >= 1");
+  }
   if (sp.last_q < 1 || sp.last_q > sk::kRows) {
     return absl::InvalidArgumentError(absl::StrCat("sparse: last_q ", sp.last_q, " not in 1..64"));
   }
@@ -154,11 +161,11 @@ absl::Status Check(const DcaGeometry& g, const SparsePrefillParams& sp) {
 template <int D>
 absl::Status LaunchPiece(const DcaGeometry& g, const SparsePrefillParams& sp, const Layout& l,
                          const Piece& piece, const SparsePrefillTimers& timers, int piece_index,
-                         cudaStream_t stream) {
+                         int* convert_index, cudaStream_t stream) {
   const CudaPrefillParams& p = sp.prefill;
   char* ws = static_cast<char*>(sp.workspace);
-  const PiecePlan plan = PlanPiece(g, sp.budgets, piece);
-  // PieceArgs is large: build it in static-free heap-less storage.
+  const PiecePlan plan = PlanPiece(g, sp.budgets, piece, sp.row_block_slice);
+  // ~4 KB of kernel arguments, passed by value to every launch of the piece.
   sk::PieceArgs a;
   std::memset(&a, 0, sizeof(a));
   a.kv = p.kv;
@@ -173,7 +180,6 @@ absl::Status LaunchPiece(const DcaGeometry& g, const SparsePrefillParams& sp, co
   a.hq = g.num_q_heads;
   a.group = g.group_size();
   a.n_est = static_cast<int32_t>(std::min<int64_t>(piece.end - piece.begin, sp.last_q));
-  a.row_blocks = static_cast<int32_t>(plan.row_blocks);
   a.num_segments = static_cast<int32_t>((piece.end + sk::kEstSegment - 1) / sk::kEstSegment);
   a.scale_log2 = p.softmax_scale * sk::kLog2e;
   a.vscore = reinterpret_cast<float*>(ws + l.vscore);
@@ -232,46 +238,64 @@ absl::Status LaunchPiece(const DcaGeometry& g, const SparsePrefillParams& sp, co
   // 3. stages, 4. converter
   sk::MapStagesKernel<<<g.num_q_heads, 256, 0, stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("MapStagesKernel");
-  const int64_t walkers = static_cast<int64_t>(g.num_q_heads) * 3 * plan.row_blocks;
-  sk::ConvertKernel<<<static_cast<unsigned>((walkers + 127) / 128), 128, 0, stream>>>(a);
-  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("ConvertKernel");
   if (timed && timers.index_end != nullptr) {
     ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(timers.index_end[piece_index], stream));
   }
-  // 5. attention
+  // 4. converter and 5. attention, per slice of row blocks (the block lists are per slice).
   constexpr size_t att_smem = 4 * sk::kTileN * (D + 8) * sizeof(Bf16) + 2 * sk::kTileN * sizeof(int32_t);
   ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       sk::AttendKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, att_smem));
-  sk::AttendKernel<D><<<dim3(static_cast<unsigned>(plan.row_blocks), g.num_q_heads), sk::kThreads,
-                        att_smem, stream>>>(a);
-  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("AttendKernel");
+  for (int64_t first = 0; first < plan.row_blocks; first += plan.slice_row_blocks) {
+    a.rb_offset = static_cast<int32_t>(first);
+    a.row_blocks = static_cast<int32_t>(std::min(plan.slice_row_blocks, plan.row_blocks - first));
+    const bool timed_convert = *convert_index < timers.max_converts;
+    if (timed_convert && timers.convert_begin != nullptr) {
+      ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(timers.convert_begin[*convert_index], stream));
+    }
+    const int64_t walkers = static_cast<int64_t>(g.num_q_heads) * 3 * a.row_blocks;
+    sk::ConvertKernel<<<static_cast<unsigned>((walkers + 127) / 128), 128, 0, stream>>>(a);
+    ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("ConvertKernel");
+    if (timed_convert && timers.convert_end != nullptr) {
+      ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(timers.convert_end[*convert_index], stream));
+    }
+    ++*convert_index;
+    sk::AttendKernel<D><<<dim3(static_cast<unsigned>(a.row_blocks), g.num_q_heads), sk::kThreads,
+                          att_smem, stream>>>(a);
+    ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("AttendKernel");
+  }
   return absl::OkStatus();
 }
 
 }  // namespace
 
 size_t SparsePrefillWorkspaceBytes(const DcaGeometry& g, absl::Span<const VsBudget> budgets,
-                                   int64_t start, int64_t num_tokens, int64_t /*last_q*/) {
+                                   int64_t start, int64_t num_tokens, int64_t /*last_q*/,
+                                   int32_t row_block_slice) {
   if (g.chunk_len < 1 || g.num_q_heads < 1 || g.num_q_heads > kMaxSparseHeads ||
-      static_cast<int64_t>(budgets.size()) != g.num_q_heads || start < 0 || num_tokens < 1) {
+      static_cast<int64_t>(budgets.size()) != g.num_q_heads || start < 0 || num_tokens < 1 ||
+      row_block_slice < 1) {
     return 0;
   }
-  return MakeLayout(g, budgets, start, num_tokens).total;
+  return MakeLayout(g, budgets, start, num_tokens, row_block_slice).total;
 }
 
 absl::Status LaunchSparsePrefillTimed(const DcaGeometry& g, const SparsePrefillParams& sp,
                                       const SparsePrefillTimers& timers, cudaStream_t stream) {
   if (absl::Status s = Check(g, sp); !s.ok()) return s;
-  const Layout l = MakeLayout(g, sp.budgets, sp.prefill.start, sp.prefill.num_tokens);
+  const Layout l =
+      MakeLayout(g, sp.budgets, sp.prefill.start, sp.prefill.num_tokens, sp.row_block_slice);
   if (sp.workspace == nullptr || sp.workspace_bytes < l.total) {
     return absl::InvalidArgumentError(absl::StrCat("sparse: workspace of ", sp.workspace_bytes,
                                                    " bytes < ", l.total, " needed"));
   }
   const std::vector<Piece> pieces = Pieces(sp.prefill.start, sp.prefill.num_tokens, g.chunk_len);
+  int convert_index = 0;
   for (size_t i = 0; i < pieces.size(); ++i) {
-    absl::Status s = g.head_dim == 128
-                         ? LaunchPiece<128>(g, sp, l, pieces[i], timers, static_cast<int>(i), stream)
-                         : LaunchPiece<64>(g, sp, l, pieces[i], timers, static_cast<int>(i), stream);
+    const int pi = static_cast<int>(i);
+    absl::Status s =
+        g.head_dim == 128
+            ? LaunchPiece<128>(g, sp, l, pieces[i], timers, pi, &convert_index, stream)
+            : LaunchPiece<64>(g, sp, l, pieces[i], timers, pi, &convert_index, stream);
     if (!s.ok()) return s;
   }
   return absl::OkStatus();
@@ -284,7 +308,8 @@ absl::Status LaunchSparsePrefill(const DcaGeometry& g, const SparsePrefillParams
 
 SparseDebugView SparseDebugViewOf(const DcaGeometry& g, const SparsePrefillParams& sp) {
   SparseDebugView v;
-  const Layout l = MakeLayout(g, sp.budgets, sp.prefill.start, sp.prefill.num_tokens);
+  const Layout l =
+      MakeLayout(g, sp.budgets, sp.prefill.start, sp.prefill.num_tokens, sp.row_block_slice);
   const char* ws = static_cast<const char*>(sp.workspace);
   v.vertical_scores = reinterpret_cast<const float*>(ws + l.vscore);
   v.slash_scores = reinterpret_cast<const float*>(ws + l.sscore);
@@ -300,10 +325,11 @@ SparseDebugView SparseDebugViewOf(const DcaGeometry& g, const SparsePrefillParam
   v.blocks = reinterpret_cast<const int32_t*>(ws + l.blocks);
   v.column_masks = reinterpret_cast<const uint32_t*>(ws + l.col_masks);
   const std::vector<Piece> pieces = Pieces(sp.prefill.start, sp.prefill.num_tokens, g.chunk_len);
-  const PiecePlan plan = PlanPiece(g, sp.budgets, pieces.back());
+  const PiecePlan plan = PlanPiece(g, sp.budgets, pieces.back(), sp.row_block_slice);
   v.block_base.assign(plan.base, plan.base + g.num_q_heads * 3);
   v.block_cap.assign(plan.cap, plan.cap + g.num_q_heads * 3);
-  v.row_blocks = plan.row_blocks;
+  v.rb_offset = (plan.row_blocks - 1) / plan.slice_row_blocks * plan.slice_row_blocks;
+  v.row_blocks = plan.row_blocks - v.rb_offset;
   v.mask_base.assign(plan.mask_base, plan.mask_base + g.num_q_heads);
   v.mask_words.assign(plan.mask_words, plan.mask_words + g.num_q_heads);
   return v;

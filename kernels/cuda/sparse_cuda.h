@@ -42,6 +42,7 @@
 namespace attnd {
 
 inline constexpr int kMaxSparseHeads = 64;
+inline constexpr int32_t kDefaultRowBlockSlice = 512;  // 32768 query rows
 
 // Everything one sparse prefill call needs. `prefill` is the dense call's parameters (variant is
 // ignored); budgets are HOST memory, [num_q_heads], vertical 30 already read as 130 (the layer's
@@ -53,14 +54,21 @@ struct SparsePrefillParams {
   int64_t last_q = 64;  // sparse_attention_last_q (>= 1)
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // The converter and the attention run over slices of this many 64-row blocks of a piece (the
+  // block lists are stored per slice, so the workspace scales with it); >= 1.
+  int32_t row_block_slice = kDefaultRowBlockSlice;
 };
 
-// Device bytes the call for (start, num_tokens) with these budgets needs. Host arithmetic only.
-// Dominated by the converter's block lists, sized for the worst case of every (head, stage, row
-// block): min(#offsets + 1, ceil(kv_len / 64)) block starts; plus 2 x Hq x (start + num_tokens)
-// fp32 scores. 0 when the inputs are invalid (the launch then says why).
+// Device bytes the call for (start, num_tokens) with these budgets needs. Host arithmetic only;
+// monotone in the budgets, so the element-wise maximum of all layers' budgets sizes one
+// workspace for every layer. Terms: 2 x Hq x (start + num_tokens) fp32 scores; the converter's
+// block lists, sized for the worst case of every (head, stage, row block of a slice):
+// min(#offsets + 1, ceil(kv_len / 64) + 1) int32 block starts; column masks (one bit per
+// (column, row block of a slice)); small selection / stage lists. 0 when the inputs are invalid
+// (the launch then says why).
 size_t SparsePrefillWorkspaceBytes(const DcaGeometry& geometry, absl::Span<const VsBudget> budgets,
-                                   int64_t start, int64_t num_tokens, int64_t last_q);
+                                   int64_t start, int64_t num_tokens, int64_t last_q,
+                                   int32_t row_block_slice = kDefaultRowBlockSlice);
 
 // Enqueues the sparse prefill (all pieces) on `stream`. K/V of the new tokens must already be
 // appended (LaunchAppendKv). INVALID_ARGUMENT for unsupported shapes or a short workspace,
@@ -74,8 +82,13 @@ absl::Status LaunchSparsePrefill(const DcaGeometry& geometry, const SparsePrefil
 struct SparsePrefillTimers {
   cudaEvent_t* estimate_begin = nullptr;  // [pieces] recorded before each piece's estimation
   cudaEvent_t* estimate_end = nullptr;    // [pieces] after estimation + top-k
-  cudaEvent_t* index_end = nullptr;       // [pieces] after stage mapping + converter
+  cudaEvent_t* index_end = nullptr;       // [pieces] after stage mapping
   int max_pieces = 0;
+  // Around each converter launch (one per slice of each piece, in launch order), up to
+  // max_converts of them.
+  cudaEvent_t* convert_begin = nullptr;
+  cudaEvent_t* convert_end = nullptr;
+  int max_converts = 0;
   // Optional device counters the attention adds to: [0] 64-key tiles attended (blocks + column
   // gathers, all heads and row blocks), [1] the column gathers among them.
   unsigned long long* tile_stats = nullptr;
@@ -100,14 +113,16 @@ struct SparseDebugView {
   const int32_t* blocks = nullptr;         // block starts of (h, s, m) at block_base[h*3+s] + m*cap
   std::vector<int64_t> block_base;         // [Hq * 3]
   std::vector<int32_t> block_cap;          // [Hq * 3]
-  int64_t row_blocks = 0;                  // of the last piece
+  int64_t row_blocks = 0;                  // of the last slice of the last piece
+  int64_t rb_offset = 0;                   // its first row block
   // Bit i of (h, s, m) at column_masks + mask_base[h] + (s * row_blocks + m) * mask_words[h]:
   // stage column i lies inside one of the row block's blocks (the attention skips it).
   const uint32_t* column_masks = nullptr;
   std::vector<int64_t> mask_base;   // [Hq]
   std::vector<int32_t> mask_words;  // [Hq]
 };
-// The view for a call with these inputs (the last piece of SplitIntoPieces(start, num_tokens)).
+// The view for a call with these inputs (the last slice of the last piece of
+// SplitIntoPieces(start, num_tokens)).
 SparseDebugView SparseDebugViewOf(const DcaGeometry& geometry, const SparsePrefillParams& params);
 
 }  // namespace attnd

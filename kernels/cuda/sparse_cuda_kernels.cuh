@@ -34,7 +34,8 @@ struct PieceArgs {
   int32_t start, begin, end, prev, cl;
   int32_t hq, group;
   int32_t n_est;  // estimation rows
-  int32_t row_blocks;
+  int32_t row_blocks;  // row blocks of this slice of the piece (the converter / attention launch)
+  int32_t rb_offset;   // first row block of the slice
   int32_t num_segments;
   float scale_log2;  // softmax scale * log2(e)
   float* vscore;     // [Hq][score_stride]
@@ -48,7 +49,7 @@ struct PieceArgs {
   int32_t* stage_cols;    // [Hq][3][vstride]
   int32_t* stage_offs;    // [Hq][3][sstride]
   int32_t* stage_counts;  // [Hq][3][2]
-  int32_t* block_counts;  // [Hq][3][row_blocks]
+  int32_t* block_counts;  // [Hq][3][row_blocks] (slice-local row block index)
   int32_t* blocks;
   uint32_t* col_masks;
   unsigned long long* tile_stats;  // optional: [0] += K/V tiles attended, [1] += column tiles  // bit i of (h, s, m): stage column i lies inside a block of row block m
@@ -488,10 +489,11 @@ __global__ void MapStagesKernel(const PieceArgs a) {
 __global__ void ConvertKernel(const PieceArgs a) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<int64_t>(a.hq) * 3 * a.row_blocks) return;
-  const int32_t m = static_cast<int32_t>(idx % a.row_blocks);
+  const int32_t ml = static_cast<int32_t>(idx % a.row_blocks);  // storage index in the slice
+  const int32_t m = a.rb_offset + ml;                            // row block of the piece
   const int hs = static_cast<int>(idx / a.row_blocks);  // h * 3 + s
   const int s = hs % 3, h = hs / 3;
-  int32_t* count = a.block_counts + static_cast<int64_t>(hs) * a.row_blocks + m;
+  int32_t* count = a.block_counts + static_cast<int64_t>(hs) * a.row_blocks + ml;
   const int32_t* cnt = a.stage_counts + hs * 2;
   const int32_t no = cnt[1];
   if (no == 0) {  // absent stage
@@ -504,14 +506,15 @@ __global__ void ConvertKernel(const PieceArgs a) {
   const int32_t kv_len = s == 0 ? a.end - p : (s == 1 ? cl : p - cl);
   const bool causal = s == 0;
   const int32_t cap = a.block_cap[hs];
-  int32_t* out = a.blocks + a.block_base[hs] + static_cast<int64_t>(m) * cap;
+  int32_t* out = a.blocks + a.block_base[hs] + static_cast<int64_t>(ml) * cap;
   int32_t n_out = 0;
   // Columns inside the emitted blocks, found by merging the (ascending) ranges with the
   // (ascending) column list: their bits are set so the attention skips them (no double count).
   const int32_t nc = cnt[0];
   const int32_t* cols = a.stage_cols + static_cast<int64_t>(hs) * a.vstride;
   const int words = a.mask_words[h];
-  uint32_t* mask = a.col_masks + a.mask_base[h] + (static_cast<int64_t>(s) * a.row_blocks + m) * words;
+  uint32_t* mask =
+      a.col_masks + a.mask_base[h] + (static_cast<int64_t>(s) * a.row_blocks + ml) * words;
   for (int w = 0; w < (nc + 31) / 32; ++w) mask[w] = 0u;
   int32_t ci = 0;
   uint32_t word = 0u;
@@ -531,8 +534,39 @@ __global__ void ConvertKernel(const PieceArgs a) {
       if (n_out < cap) out[n_out] = b;
       ++n_out;
     }
-    while (ci < nc && cols[ci] < rs) ++ci;
+    // Skip the columns left of the range (galloping: first index >= ci with cols >= rs).
+    if (ci < nc && cols[ci] < rs) {
+      int32_t lo = ci, step = 1;  // cols[lo] < rs
+      while (lo + step < nc && cols[lo + step] < rs) {
+        lo += step;
+        step *= 2;
+      }
+      int32_t hi = min(lo + step, nc);
+      ++lo;
+      while (lo < hi) {
+        const int32_t mid = (lo + hi) / 2;
+        if (cols[mid] < rs) lo = mid + 1; else hi = mid;
+      }
+      ci = lo;
+    }
     while (ci < nc && cols[ci] < re) set_bit(ci++);
+  };
+  // First index >= from of the (descending) offsets with offs < x, or no; galloping, since the
+  // next offset that matters is usually close.
+  auto first_below = [&](int32_t from, int32_t x) {
+    if (from >= no || offs[from] < x) return from;
+    int32_t lo = from, step = 1;  // offs[lo] >= x
+    while (lo + step < no && offs[lo + step] >= x) {
+      lo += step;
+      step *= 2;
+    }
+    int32_t hi = min(lo + step, no);
+    ++lo;
+    while (lo < hi) {
+      const int32_t mid = (lo + hi) / 2;
+      if (offs[mid] < x) hi = mid; else lo = mid + 1;
+    }
+    return lo;
   };
   const int32_t start_m = m * kRows;
   const int32_t end_m = start_m + kRows;
@@ -560,13 +594,19 @@ __global__ void ConvertKernel(const PieceArgs a) {
     rs = empty_start;
     re = empty_start + kRows;
   }
-  while (si < no && (causal || offs[si] >= start_m)) {
-    const int32_t be = max(base - offs[si++], kRows);
+  // The CPU walk visits every offset; one whose band ends at or left of the range's end
+  // (base - d <= re, re >= 64) changes nothing, so jump to the next one that ends past it. (A
+  // non-causal stage stops at its first offset below start_m; skipped offsets below it would
+  // have stopped the walk with the same result.)
+  for (;;) {
+    si = first_below(si, base - re);
+    if (si >= no || !(causal || offs[si] >= start_m)) break;
+    const int32_t be = max(base - offs[si++], kRows);  // > re
     if (be > re + kRows) {
       emit(rs, re);
       rs = be - kRows;
       re = be;
-    } else if (be > re) {
+    } else {
       re += kRows;
     }
   }
@@ -586,7 +626,8 @@ struct StageTiles {
   const uint32_t* mask;
 };
 
-// grid (row_blocks, Hq), kThreads. Block (m, h): rows [64m, 64m + 64) of the piece, q head h.
+// grid (row blocks of the slice, Hq), kThreads. Block (m, h): rows [64m, 64m + 64) of the
+// piece, q head h.
 template <int D>
 __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
   constexpr int kStride = D + 8;
@@ -597,7 +638,8 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
   Bf16* vs = ks + 2 * kTile;                     // [2][64][D + 8]
   int32_t* kpos = reinterpret_cast<int32_t*>(vs + 2 * kTile);  // [2][64] absolute key or -1
 
-  const int m = a.row_blocks - 1 - blockIdx.x;  // heaviest (last) row blocks first
+  const int ml = a.row_blocks - 1 - blockIdx.x;  // heaviest (last) row blocks first
+  const int m = a.rb_offset + ml;                // row block of the piece; ml indexes storage
   const int h = blockIdx.y;
   const int kvh = h / a.group;
   const int32_t nq = a.end - a.begin;
@@ -616,7 +658,7 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
     const int hs = h * 3 + s;
     const int32_t* cnt = a.stage_counts + hs * 2;
     const bool present = cnt[1] > 0;
-    st[i].nb = present ? a.block_counts[static_cast<int64_t>(hs) * a.row_blocks + m] : 0;
+    st[i].nb = present ? a.block_counts[static_cast<int64_t>(hs) * a.row_blocks + ml] : 0;
     st[i].nc = present ? cnt[0] : 0;
     if (s == 0 && st[i].nc > 0) {
       // Causal stage: columns right of the block's last row are future keys for every row (the
@@ -632,15 +674,15 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
     }
     if (s == 0 && st[i].nb > 0) {  // blocks wholly right of the last row (a range extended past it)
       const int32_t horizon = (a.begin - a.prev) + min((m + 1) * kRows, nq) - 1;
-      const int32_t* b = a.blocks + a.block_base[hs] + static_cast<int64_t>(m) * a.block_cap[hs];
+      const int32_t* b = a.blocks + a.block_base[hs] + static_cast<int64_t>(ml) * a.block_cap[hs];
       while (st[i].nb > 0 && b[st[i].nb - 1] > horizon) --st[i].nb;
     }
     st[i].kv_begin = s == 0 ? a.prev : (s == 1 ? a.prev - a.cl : 0);
     st[i].kv_len = s == 0 ? a.end - a.prev : (s == 1 ? a.cl : a.prev - a.cl);
-    st[i].blocks = a.blocks + a.block_base[hs] + static_cast<int64_t>(m) * a.block_cap[hs];
+    st[i].blocks = a.blocks + a.block_base[hs] + static_cast<int64_t>(ml) * a.block_cap[hs];
     st[i].cols = a.stage_cols + static_cast<int64_t>(hs) * a.vstride;
     st[i].mask = a.col_masks + a.mask_base[h] +
-                 (static_cast<int64_t>(s) * a.row_blocks + m) * a.mask_words[h];
+                 (static_cast<int64_t>(s) * a.row_blocks + ml) * a.mask_words[h];
     n_tiles[i] = st[i].nb + (st[i].nc + kTileN - 1) / kTileN;
   }
   const int total = n_tiles[0] + n_tiles[1] + n_tiles[2];

@@ -225,7 +225,8 @@ struct GpuRun {
   SparsePrefillParams params;
 };
 
-void RunGpu(const Case& c, Pools& pools, int64_t start, int64_t num, GpuRun* run) {
+void RunGpu(const Case& c, Pools& pools, int64_t start, int64_t num, GpuRun* run,
+            int32_t slice = kDefaultRowBlockSlice) {
   const int64_t hq = c.g.num_q_heads, d = c.g.head_dim;
   DevBuf out(num * hq * d * sizeof(float));
   ASSERT_NE(out.get(), nullptr);
@@ -240,7 +241,8 @@ void RunGpu(const Case& c, Pools& pools, int64_t start, int64_t num, GpuRun* run
   sp.prefill.softmax_scale = c.softmax_scale;
   sp.budgets = c.budgets;
   sp.last_q = c.last_q;
-  const size_t bytes = SparsePrefillWorkspaceBytes(c.g, c.budgets, start, num, c.last_q);
+  sp.row_block_slice = slice;
+  const size_t bytes = SparsePrefillWorkspaceBytes(c.g, c.budgets, start, num, c.last_q, slice);
   ASSERT_GT(bytes, 0u);
   DevBuf ws(bytes);
   ASSERT_NE(ws.get(), nullptr);
@@ -437,6 +439,7 @@ TEST(SparseCudaTest, PiecesMatchCpuPath) {
         for (size_t i = 0; i < st.offsets.size(); ++i) {
           ASSERT_EQ(view.stage_offsets[(h * 3 + s) * view.slash_stride + i], st.offsets[i]);
         }
+        ASSERT_EQ(view.rb_offset, 0) << "the piece fits one slice";
         for (int64_t m = 0; m < view.row_blocks; ++m) {
           const std::vector<int64_t>& want = plan.row_blocks[s][m].block_starts;
           const int32_t n = view.block_counts[(h * 3 + s) * view.row_blocks + m];
@@ -503,6 +506,19 @@ TEST(SparseCudaTest, WholeCallMatchesCpu) {
     cp.softmax_scale = c.softmax_scale;
     DcaSparsePrefillCpu<float>(c.g, pools.host, cp, c.budgets, c.last_q, &pool);
     ExpectClose(run.out, want, absl::StrCat("whole call from ", start, " vs DcaSparsePrefillCpu"));
+    // Row blocks in slices of 3 (several converter / attention launches per piece, the block
+    // lists reused): the same arithmetic, so the same bits.
+    GpuRun sliced;
+    RunGpu(c, pools, start, length - start, &sliced, /*slice=*/3);
+    if (HasFatalFailure()) return;
+    ASSERT_EQ(sliced.out.size(), run.out.size());
+    size_t differ = 0;
+    for (size_t i = 0; i < run.out.size(); ++i) {
+      differ += std::memcmp(&sliced.out[i], &run.out[i], sizeof(float)) != 0;
+    }
+    EXPECT_EQ(differ, 0u) << "slices of 3 row blocks vs one slice, from " << start;
+    EXPECT_LT(SparsePrefillWorkspaceBytes(c.g, c.budgets, start, length - start, c.last_q, 3),
+              SparsePrefillWorkspaceBytes(c.g, c.budgets, start, length - start, c.last_q));
   }
 }
 
