@@ -279,6 +279,50 @@ size_t SparsePrefillWorkspaceBytes(const DcaGeometry& g, absl::Span<const VsBudg
   return MakeLayout(g, budgets, start, num_tokens, row_block_slice).total;
 }
 
+size_t SparsePrefillWorkspaceBound(const DcaGeometry& g, absl::Span<const VsBudget> budgets,
+                                   int64_t max_length, int64_t max_tokens, int64_t /*last_q*/,
+                                   int32_t row_block_slice) {
+  if (g.chunk_len < 1 || g.num_q_heads < 1 || g.num_q_heads > kMaxSparseHeads ||
+      static_cast<int64_t>(budgets.size()) != g.num_q_heads || max_length < 1 || max_tokens < 1 ||
+      row_block_slice < 1) {
+    return 0;
+  }
+  // Every term of MakeLayout, bounded over the calls: piece ends <= L, a piece's row blocks
+  // <= ceil(min(max_tokens, cl) / 64), intra kv_len <= min(cl, L), inter kv_len <= L - 1 - cl.
+  const int64_t hq = g.num_q_heads, cl = g.chunk_len, L = max_length;
+  int64_t vstride = 0, sstride = 0;
+  for (int h = 0; h < hq; ++h) {
+    vstride = std::max(vstride, std::max<int64_t>(std::min(budgets[h].vertical, L), 5));
+    sstride = std::max(sstride, std::max<int64_t>(std::min(budgets[h].slash, L), 5));
+  }
+  const int64_t rbs = std::min<int64_t>(
+      (std::min(std::min(max_tokens, L), cl) + sk::kRows - 1) / sk::kRows, row_block_slice);
+  const int64_t kv_max[3] = {std::min(cl, L), cl, std::max<int64_t>(0, L - 1 - cl)};
+  const bool present[3] = {true, L > cl, L > 2 * cl};
+  int64_t blocks = 0, masks = 0;
+  for (int h = 0; h < hq; ++h) {
+    const int64_t n_offsets = std::max<int64_t>(std::min<int64_t>(budgets[h].slash, L), 5);
+    for (int s = 0; s < 3; ++s) {
+      if (!present[s]) continue;
+      blocks += rbs * std::min(n_offsets + 1, (kv_max[s] + sk::kRows - 1) / sk::kRows + 1);
+    }
+    const int64_t n_columns = std::max<int64_t>(std::min<int64_t>(budgets[h].vertical, L), 5);
+    masks += 3 * rbs * ((n_columns + 31) / 32);
+  }
+  const int64_t segments = (L + sk::kEstSegment - 1) / sk::kEstSegment;
+  size_t total = 0;
+  for (const size_t bytes : {hq * L * sizeof(float), hq * L * sizeof(float),
+                             hq * segments * sk::kRows * 2 * sizeof(float),
+                             hq * sk::kRows * 2 * sizeof(float), hq * vstride * sizeof(int32_t),
+                             hq * sstride * sizeof(int32_t), hq * 3 * vstride * sizeof(int32_t),
+                             hq * 3 * sstride * sizeof(int32_t), hq * 3 * 2 * sizeof(int32_t),
+                             hq * 3 * rbs * sizeof(int32_t), blocks * sizeof(int32_t),
+                             masks * sizeof(uint32_t)}) {
+    total += Align(bytes);
+  }
+  return total;
+}
+
 absl::Status LaunchSparsePrefillTimed(const DcaGeometry& g, const SparsePrefillParams& sp,
                                       const SparsePrefillTimers& timers, cudaStream_t stream) {
   if (absl::Status s = Check(g, sp); !s.ok()) return s;

@@ -70,6 +70,14 @@ size_t SparsePrefillWorkspaceBytes(const DcaGeometry& geometry, absl::Span<const
                                    int64_t start, int64_t num_tokens, int64_t last_q,
                                    int32_t row_block_slice = kDefaultRowBlockSlice);
 
+// An upper bound of SparsePrefillWorkspaceBytes over every call with start + num_tokens <=
+// max_length and num_tokens <= max_tokens (any start, including mid-chunk): what an engine
+// allocates once for all its calls (take the maximum over layers, or pass the element-wise maximum
+// of all layers' budgets). Host arithmetic only; 0 for invalid inputs.
+size_t SparsePrefillWorkspaceBound(const DcaGeometry& geometry, absl::Span<const VsBudget> budgets,
+                                   int64_t max_length, int64_t max_tokens, int64_t last_q,
+                                   int32_t row_block_slice = kDefaultRowBlockSlice);
+
 // Enqueues the sparse prefill (all pieces) on `stream`. K/V of the new tokens must already be
 // appended (LaunchAppendKv). INVALID_ARGUMENT for unsupported shapes or a short workspace,
 // INTERNAL when a launch fails.

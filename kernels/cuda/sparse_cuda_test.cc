@@ -365,6 +365,33 @@ TEST(SparseCudaTest, RejectsBadArguments) {
   EXPECT_GT(SparsePrefillWorkspaceBytes(c.g, c.budgets, 0, 16, 64), 0u);
 }
 
+// The engine-wide bound covers every call within its limits (mid-chunk starts, calls spanning
+// pieces, slices). Host arithmetic: runs without a GPU.
+TEST(SparseCudaTest, WorkspaceBoundCoversEveryCall) {
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int64_t cl = std::uniform_int_distribution<int64_t>(64, 5000)(rng);
+    const int64_t max_length = std::uniform_int_distribution<int64_t>(1, 6 * cl)(rng);
+    const int64_t max_tokens = std::uniform_int_distribution<int64_t>(1, max_length)(rng);
+    const int32_t slice = std::uniform_int_distribution<int32_t>(1, 100)(rng);
+    Case c = MakeCase(8, 2, cl, 1, TestBudgets(8), 1);
+    for (VsBudget& b : c.budgets) {
+      b.vertical = std::uniform_int_distribution<int64_t>(1, 3000)(rng);
+      b.slash = std::uniform_int_distribution<int64_t>(1, 3000)(rng);
+    }
+    const size_t bound =
+        SparsePrefillWorkspaceBound(c.g, c.budgets, max_length, max_tokens, 64, slice);
+    ASSERT_GT(bound, 0u);
+    for (int k = 0; k < 20; ++k) {
+      const int64_t num = std::uniform_int_distribution<int64_t>(1, max_tokens)(rng);
+      const int64_t start = std::uniform_int_distribution<int64_t>(0, max_length - num)(rng);
+      ASSERT_LE(SparsePrefillWorkspaceBytes(c.g, c.budgets, start, num, 64, slice), bound)
+          << "cl " << cl << " max_length " << max_length << " max_tokens " << max_tokens
+          << " start " << start << " num " << num << " slice " << slice;
+    }
+  }
+}
+
 // Per piece: estimation, selections, stage lists, converter blocks and outputs vs the CPU path.
 TEST(SparseCudaTest, PiecesMatchCpuPath) {
   REQUIRE_GPU();
