@@ -197,12 +197,12 @@ absl::StatusOr<std::unique_ptr<Engine>> CudaEngine::Create(const CudaEngineOptio
       sp != nullptr && (sp->num_layers != layout.num_layers || sp->num_q_heads != g.num_q_heads ||
                         sp->budgets.size() != static_cast<size_t>(sp->num_layers) *
                                                   static_cast<size_t>(sp->num_q_heads) ||
-                        sp->last_q < 1 || g.num_q_heads > kMaxSparseHeads)) {
+                        sp->last_q < 1 || sp->last_q > 64 || g.num_q_heads > kMaxSparseHeads)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cuda engine: the sparse attention config (", sp->num_layers, " layers x ",
         sp->num_q_heads, " heads, last_q ", sp->last_q, ") does not match the model (",
-        layout.num_layers, " layers x ", g.num_q_heads, " q heads; at most ", kMaxSparseHeads,
-        " q heads)"));
+        layout.num_layers, " layers x ", g.num_q_heads, " q heads) or the CUDA kernels (at most ",
+        kMaxSparseHeads, " q heads, sparse_attention_last_q in [1, 64])"));
   }
   if (layout.num_pages > INT32_MAX || layout.num_pages * int64_t{layout.page_size} > INT32_MAX) {
     return absl::InvalidArgumentError("cuda engine: more than 2^31 token slots in the pool");
@@ -252,12 +252,13 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   ATTND_ASSIGN_OR_RETURN(h_table_, PinnedAlloc(layout_.num_pages * 4, "page table"));
   ATTND_ASSIGN_OR_RETURN(d_table_, DeviceAlloc(layout_.num_pages * 4, "page table"));
   if (sparse_ != nullptr) {
-    // The largest call: one full staging chunk ending at the longest sequence the pool holds.
+    // One size for every call: up to one staging chunk, anywhere in the longest sequence the pool
+    // holds.
     const int64_t longest = layout_.num_pages * layout_.page_size;
     const int64_t tokens = std::min(max_chunk_, longest);
     for (int32_t layer = 0; layer < layout_.num_layers; ++layer) {
-      const size_t bytes = SparsePrefillWorkspaceBytes(geometry_, sparse_->layer(layer),
-                                                       longest - tokens, tokens, sparse_->last_q);
+      const size_t bytes = SparsePrefillWorkspaceBound(geometry_, sparse_->layer(layer), longest,
+                                                       tokens, sparse_->last_q);
       if (bytes == 0) {
         return absl::InvalidArgumentError(absl::StrCat(
             "cuda engine: the sparse attention config of layer ", layer, " is not supported"));
