@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Every gpu-tagged test plus the end-to-end run (e2e_cuda.sh), from one GPU-machine call; logs in
+# OUT_DIR/logs.tgz, a summary on stdout. Build and bundle here:
+#   bazel build //server:attnd //client:attnctl //kernels/cuda:dca_cuda_test \
+#     //kernels/cuda:sparse_cuda_test //server:cuda_engine_test //tests:golden_cuda_test \
+#     //tests:sparse_golden_cuda_test
+#   /work/shared/tools/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl \
+#     bazel-bin/kernels/cuda/dca_cuda_test bazel-bin/kernels/cuda/sparse_cuda_test \
+#     bazel-bin/server/cuda_engine_test bazel-bin/tests/golden_cuda_test \
+#     bazel-bin/tests/sparse_golden_cuda_test
+#   strip .gpu/bin/*; mkdir -p .gpu/testdata && cp -r ../shared/testdata/dca .gpu/testdata/
+# then there:  . .gpu/env.sh && bench/gpu/verify_cuda.sh "$OUT"
+set -uo pipefail
+out=${1:?usage: verify_cuda.sh OUT_DIR}
+here=$(cd "$(dirname "$0")/../.." && pwd)
+logs=$(mktemp -d)
+export ATTND_TESTDATA="$here/.gpu/testdata"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+status=0
+for t in dca_cuda_test sparse_cuda_test cuda_engine_test sparse_golden_cuda_test; do
+  "$t" >"$logs/$t.log" 2>&1
+  rc=$?
+  ((rc == 0)) || status=1
+  echo "$t: exit $rc; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$logs/$t.log" | tr '\n' ' ')"
+  grep -E '^\[  FAILED  \]|SKIPPING|worst max abs' "$logs/$t.log" | head -10
+done
+"$here/bench/gpu/e2e_cuda.sh" "$logs/e2e" || status=1
+tar czf "$out/logs.tgz" -C "$logs" .
+exit $status
