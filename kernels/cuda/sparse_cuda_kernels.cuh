@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
+#include "kernels/cuda/device_common.cuh"
 #include "kernels/cuda/sparse_cuda.h"
 
 namespace attnd {
@@ -64,56 +65,16 @@ static_assert(sizeof(PieceArgs) <= 4096, "PieceArgs must fit the kernel paramete
 
 // ---- helpers ---------------------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t SmemU32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemU32(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemU32(smem)));
-}
-__device__ __forceinline__ void LdMatrixX4T(uint32_t (&r)[4], const void* smem) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemU32(smem)));
-}
-__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t Pack(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-__device__ __forceinline__ int64_t KvOffset(const PagedKv<Bf16>& kv, int32_t pos, int32_t h) {
-  const uint32_t ps = static_cast<uint32_t>(kv.page_size);
-  const int64_t page = kv.page_table[static_cast<uint32_t>(pos) / ps];
-  return ((page * kv.page_size + static_cast<int64_t>(static_cast<uint32_t>(pos) % ps)) *
-              kv.num_kv_heads + h) * kv.head_dim;
-}
-__device__ __forceinline__ void Store2(void* out, int dtype, int64_t i, float x, float y) {
-  if (dtype == static_cast<int>(DType::kBf16)) {
-    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(out) + i) =
-        __floats2bfloat162_rn(x, y);
-  } else if (dtype == static_cast<int>(DType::kFp16)) {
-    *reinterpret_cast<__half2*>(static_cast<__half*>(out) + i) = __floats2half2_rn(x, y);
-  } else {
-    *reinterpret_cast<float2*>(static_cast<float*>(out) + i) = make_float2(x, y);
-  }
-}
+using cuda_common::CpAsync16;
+using cuda_common::CpAsyncCommit;
+using cuda_common::CpAsyncWait;
+using cuda_common::LdMatrixX4;
+using cuda_common::LdMatrixX4Trans;
+using cuda_common::Mma16816;
+using cuda_common::PackBf16;
+using cuda_common::PagedOffset;
+using cuda_common::SmemAddr;
+using cuda_common::StorePair;
 
 // Stage id of a key for a query chunk starting at prev: 0 intra, 1 succ, 2 inter.
 __device__ __forceinline__ int StageOfKey(int32_t key, int32_t prev, int32_t cl) {
@@ -188,7 +149,7 @@ __global__ void __launch_bounds__(kThreads) EstimateKernel(const PieceArgs a) {
     for (int row = threadIdx.x / kChunks; row < kTileN; row += kThreads / kChunks) {
       const int32_t key = k_lo + t * kTileN + row;
       const bool valid = key < k_hi;
-      const int64_t off = valid ? KvOffset(a.kv, key, kvh) : 0;
+      const int64_t off = valid ? PagedOffset(a.kv, key, kvh) : 0;
       CpAsync16(dst + row * kStride + col, a.kv.k + off + col, valid);
     }
   };
@@ -225,8 +186,8 @@ __global__ void __launch_bounds__(kThreads) EstimateKernel(const PieceArgs a) {
           const int row = np * 16 + (lane & 7) + ((lane >> 4) << 3);
           const int col = kk * 16 + ((lane >> 3) & 1) * 8;
           LdMatrixX4(b, kt + row * kStride + col);
-          Mma(acc[2 * np], qf[kk], b[0], b[1]);
-          Mma(acc[2 * np + 1], qf[kk], b[2], b[3]);
+          Mma16816(acc[2 * np], qf[kk], b[0], b[1]);
+          Mma16816(acc[2 * np + 1], qf[kk], b[2], b[3]);
         }
       }
 #pragma unroll
@@ -732,7 +693,7 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
     for (int t = 0; t < kMyRows; ++t) {
       const int row = row0 + t * kRowStep;
       const bool valid = keys[t] >= 0;
-      const int64_t off = valid ? KvOffset(a.kv, keys[t], kvh) : 0;
+      const int64_t off = valid ? PagedOffset(a.kv, keys[t], kvh) : 0;
       CpAsync16(kd + row * kStride + col, a.kv.k + off + col, valid);
       CpAsync16(vd + row * kStride + col, a.kv.v + off + col, valid);
       if (col == 0) kpos[(j & 1) * kTileN + row] = keys[t];
@@ -780,8 +741,8 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
         const int row = np * 16 + (lane & 7) + ((lane >> 4) << 3);
         const int col = kk * 16 + ((lane >> 3) & 1) * 8;
         LdMatrixX4(b, kt + row * kStride + col);
-        Mma(sc[2 * np], qf[kk], b[0], b[1]);
-        Mma(sc[2 * np + 1], qf[kk], b[2], b[3]);
+        Mma16816(sc[2 * np], qf[kk], b[0], b[1]);
+        Mma16816(sc[2 * np + 1], qf[kk], b[2], b[3]);
       }
     }
     float tmax[2] = {-CUDART_INF_F, -CUDART_INF_F};
@@ -824,18 +785,18 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
 #pragma unroll
     for (int kk = 0; kk < kTileN / 16; ++kk) {
       uint32_t pa[4];
-      pa[0] = Pack(sc[2 * kk][0], sc[2 * kk][1]);
-      pa[1] = Pack(sc[2 * kk][2], sc[2 * kk][3]);
-      pa[2] = Pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-      pa[3] = Pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+      pa[0] = PackBf16(sc[2 * kk][0], sc[2 * kk][1]);
+      pa[1] = PackBf16(sc[2 * kk][2], sc[2 * kk][3]);
+      pa[2] = PackBf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+      pa[3] = PackBf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t b[4];
         const int row = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
         const int col = dp * 16 + ((lane >> 4) << 3);
-        LdMatrixX4T(b, vt + row * kStride + col);
-        Mma(o[2 * dp], pa, b[0], b[1]);
-        Mma(o[2 * dp + 1], pa, b[2], b[3]);
+        LdMatrixX4Trans(b, vt + row * kStride + col);
+        Mma16816(o[2 * dp], pa, b[0], b[1]);
+        Mma16816(o[2 * dp + 1], pa, b[2], b[3]);
       }
     }
     __syncthreads();
@@ -850,7 +811,7 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
     const int64_t base = (static_cast<int64_t>(ri == 0 ? tok0 : tok1) * a.hq + h) * D;
 #pragma unroll
     for (int d = 0; d < kDimBlocks; ++d) {
-      Store2(a.out, a.out_dtype, base + d * 8 + tig * 2, o[d][2 * ri] * inv, o[d][2 * ri + 1] * inv);
+      StorePair(a.out, a.out_dtype, base + d * 8 + tig * 2, o[d][2 * ri] * inv, o[d][2 * ri + 1] * inv);
     }
   }
 }
