@@ -23,7 +23,7 @@ absl::StatusOr<std::vector<int32_t>> PageAllocator::Allocate(int64_t n) {
     return absl::InvalidArgumentError(
         absl::StrCat("cannot allocate a negative number of pages (", n, ")"));
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   const int64_t available = static_cast<int64_t>(free_.size());
   if (n > available) {
     return absl::ResourceExhaustedError(absl::StrCat("out of KV cache pages: ", n, " needed, ",
@@ -38,7 +38,7 @@ absl::StatusOr<std::vector<int32_t>> PageAllocator::Allocate(int64_t n) {
 }
 
 void PageAllocator::Free(absl::Span<const int32_t> pages) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (int32_t p : pages) {
     // A page freed twice would later be handed to two sequences at once and silently mix their
     // K/V; refuse it loudly instead of corrupting the pool.
@@ -53,7 +53,7 @@ void PageAllocator::Free(absl::Span<const int32_t> pages) {
 }
 
 int64_t PageAllocator::num_free() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return static_cast<int64_t>(free_.size());
 }
 

@@ -7,8 +7,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+
+#include "kernels/mutex.h"
 
 namespace attnd {
 
@@ -30,7 +31,7 @@ class PageAllocator {
 
  private:
   const int64_t num_total_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);  // LIFO: recently freed pages are reused first
   std::vector<bool> in_use_ ABSL_GUARDED_BY(mu_);   // [num_total_] handed out and not yet freed
 };

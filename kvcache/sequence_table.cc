@@ -105,10 +105,10 @@ absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Create(absl::string_vie
   auto seq = std::make_shared<Sequence>(*std::move(id), std::string(tenant), options_.num_layers);
   {
     // Nobody else can see seq yet; the lock only satisfies the annotations.
-    absl::MutexLock seq_lock(&seq->mu);
+    MutexLock seq_lock(&seq->mu);
     seq->last_used = absl::Now();
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (options_.max_sequences > 0 &&
       static_cast<int64_t>(sequences_.size()) >= options_.max_sequences) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -125,7 +125,7 @@ absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Create(absl::string_vie
 absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Find(absl::string_view id,
                                                               absl::string_view tenant) const {
   if (!IsWellFormedId(id)) return MalformedIdError(id);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = sequences_.find(id);
   if (it == sequences_.end() || it->second->tenant != tenant) return SequenceNotFound(id);
   return it->second;
@@ -135,7 +135,7 @@ absl::StatusOr<int64_t> SequenceTable::Release(absl::string_view id, absl::strin
   if (!IsWellFormedId(id)) return MalformedIdError(id);
   std::shared_ptr<Sequence> seq;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = sequences_.find(id);
     if (it == sequences_.end() || it->second->tenant != tenant) return SequenceNotFound(id);
     seq = std::move(it->second);
@@ -144,7 +144,7 @@ absl::StatusOr<int64_t> SequenceTable::Release(absl::string_view id, absl::strin
   // Outside the table lock: waiting here for a long request on this sequence must not stall
   // every other lookup. Once the id is out of the map nobody new can find it; a request that found
   // it earlier sees `released` when it gets the lock.
-  absl::MutexLock seq_lock(&seq->mu);
+  MutexLock seq_lock(&seq->mu);
   return FreeAllLocked(seq.get());
 }
 
@@ -160,7 +160,7 @@ int64_t SequenceTable::FreeAllLocked(Sequence* seq) {
 
 void SequenceTable::UncountPages(const std::string& tenant, int64_t pages) {
   if (pages <= 0) return;
-  absl::MutexLock lock(&tenant_mu_);
+  MutexLock lock(&tenant_mu_);
   auto it = tenant_pages_.find(tenant);
   if (it == tenant_pages_.end()) return;
   it->second -= pages;
@@ -168,7 +168,7 @@ void SequenceTable::UncountPages(const std::string& tenant, int64_t pages) {
 }
 
 int64_t SequenceTable::TenantPages(absl::string_view tenant) const {
-  absl::MutexLock lock(&tenant_mu_);
+  MutexLock lock(&tenant_mu_);
   auto it = tenant_pages_.find(tenant);
   return it == tenant_pages_.end() ? 0 : it->second;
 }
@@ -178,7 +178,7 @@ absl::StatusOr<ReclaimedSequence> SequenceTable::ReleaseIfIdle(absl::string_view
     ABSL_NO_THREAD_SAFETY_ANALYSIS {  // (TryLock, then the lock is released on every path)
   std::shared_ptr<Sequence> seq;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return SequenceNotFound(id);
     // TryLock under the table lock cannot deadlock (it never waits); holding both makes "still
@@ -216,7 +216,7 @@ absl::StatusOr<int64_t> SequenceTable::EnsureCapacity(Sequence* seq, int64_t len
   const int64_t quota = options_.tenant_page_quota;
   if (quota > 0) {
     // Check and count in one step, so concurrent requests of one tenant cannot both pass.
-    absl::MutexLock lock(&tenant_mu_);
+    MutexLock lock(&tenant_mu_);
     int64_t& held = tenant_pages_[seq->tenant];
     if (held + more > quota) {
       const int64_t held_now = held;
@@ -228,7 +228,7 @@ absl::StatusOr<int64_t> SequenceTable::EnsureCapacity(Sequence* seq, int64_t len
     }
     held += more;
   } else {
-    absl::MutexLock lock(&tenant_mu_);
+    MutexLock lock(&tenant_mu_);
     tenant_pages_[seq->tenant] += more;
   }
   absl::StatusOr<std::vector<int32_t>> pages = allocator_->Allocate(more);
@@ -255,7 +255,7 @@ void SequenceTable::Rollback(Sequence* seq, int64_t pages_added) {
 }
 
 int64_t SequenceTable::size() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return static_cast<int64_t>(sequences_.size());
 }
 
@@ -264,7 +264,7 @@ std::vector<std::string> SequenceTable::IdleSince(absl::Time cutoff) const {
   // taking sequence locks under the table lock could deadlock.
   std::vector<std::shared_ptr<Sequence>> all;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     all.reserve(sequences_.size());
     for (const auto& entry : sequences_) all.push_back(entry.second);
   }

@@ -12,8 +12,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kernels/mutex.h"
 #include "kvcache/page_allocator.h"
 
 namespace attnd {
@@ -27,7 +27,7 @@ struct Sequence {
   const std::string id;      // 32 lowercase hex characters (128 random bits)
   const std::string tenant;  // who created it; "" when auth is off
 
-  absl::Mutex mu;
+  Mutex mu;
   std::vector<int32_t> pages ABSL_GUARDED_BY(mu);          // page i holds positions [i*P, (i+1)*P)
   std::vector<int64_t> layer_lengths ABSL_GUARDED_BY(mu);  // tokens cached per layer
   bool released ABSL_GUARDED_BY(mu) = false;               // set once; a released sequence is dead
@@ -96,10 +96,10 @@ class SequenceTable {
  private:
   const SequenceTableOptions options_;
   PageAllocator* const allocator_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
   // Pages held per tenant. Its own lock, taken last (under a sequence's lock, never the reverse).
-  mutable absl::Mutex tenant_mu_;
+  mutable Mutex tenant_mu_;
   absl::flat_hash_map<std::string, int64_t> tenant_pages_ ABSL_GUARDED_BY(tenant_mu_);
 
   // Frees seq's pages, marks it released and uncounts its pages from its tenant.

@@ -11,12 +11,11 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/mutex.h"
 #include "kvcache/page_allocator.h"
 
 namespace attnd {
@@ -50,7 +49,7 @@ int64_t PagesByCounting(int64_t length) {
 }
 
 std::vector<int32_t> PagesOf(Sequence& seq) {
-  absl::MutexLock lock(&seq.mu);
+  MutexLock lock(&seq.mu);
   return seq.pages;
 }
 
@@ -91,7 +90,7 @@ TEST(SequenceTableTest, NewSequenceIsEmpty) {
   const absl::Time before = absl::Now();
   std::shared_ptr<Sequence> seq = MustCreate(table, "alice");
   ASSERT_NE(seq, nullptr);
-  absl::MutexLock lock(&seq->mu);
+  MutexLock lock(&seq->mu);
   EXPECT_EQ(seq->tenant, "alice");
   EXPECT_THAT(seq->pages, IsEmpty());
   EXPECT_THAT(seq->layer_lengths, ElementsAre(0, 0, 0));
@@ -178,7 +177,7 @@ TEST(SequenceTableTest, CapacityGrowsAcrossPageBoundaries) {
   PageAllocator alloc(64);
   SequenceTable table(Options(), &alloc);
   std::shared_ptr<Sequence> seq = MustCreate(table, "");
-  absl::MutexLock lock(&seq->mu);
+  MutexLock lock(&seq->mu);
   int64_t held = 0;
   // Every length from 0 to 10 pages, one token at a time: pages are added exactly when a length
   // crosses a page boundary (17, 33, ...), never earlier.
@@ -203,7 +202,7 @@ TEST(SequenceTableTest, CapacityJumpsSeveralPagesAtOnce) {
   PageAllocator alloc(64);
   SequenceTable table(Options(), &alloc);
   std::shared_ptr<Sequence> seq = MustCreate(table, "");
-  absl::MutexLock lock(&seq->mu);
+  MutexLock lock(&seq->mu);
   absl::StatusOr<int64_t> added = table.EnsureCapacity(seq.get(), 3 * kPageSize + 1);
   ASSERT_TRUE(added.ok()) << added.status();
   EXPECT_EQ(*added, 4);
@@ -223,10 +222,10 @@ TEST(SequenceTableTest, EnsureCapacityIsAllOrNothing) {
   std::shared_ptr<Sequence> a = MustCreate(table, "");
   std::shared_ptr<Sequence> b = MustCreate(table, "");
   {
-    absl::MutexLock lock(&a->mu);
+    MutexLock lock(&a->mu);
     ASSERT_TRUE(table.EnsureCapacity(a.get(), 2 * kPageSize).ok());
   }
-  absl::MutexLock lock(&b->mu);
+  MutexLock lock(&b->mu);
   ASSERT_TRUE(table.EnsureCapacity(b.get(), 1).ok());
   const std::vector<int32_t> before = b->pages;
 
@@ -251,7 +250,7 @@ TEST(SequenceTableTest, RollbackReturnsTheAddedPages) {
   PageAllocator alloc(10);
   SequenceTable table(Options(), &alloc);
   std::shared_ptr<Sequence> seq = MustCreate(table, "");
-  absl::MutexLock lock(&seq->mu);
+  MutexLock lock(&seq->mu);
   ASSERT_TRUE(table.EnsureCapacity(seq.get(), 20).ok());  // 2 pages
   const std::vector<int32_t> committed = seq->pages;
   absl::StatusOr<int64_t> added = table.EnsureCapacity(seq.get(), 60);  // 4 pages
@@ -283,11 +282,11 @@ TEST(SequenceTableTest, ReleaseFreesEveryPageAndForgetsTheId) {
   std::shared_ptr<Sequence> seq = MustCreate(table, "alice");
   std::shared_ptr<Sequence> other = MustCreate(table, "alice");
   {
-    absl::MutexLock lock(&seq->mu);
+    MutexLock lock(&seq->mu);
     ASSERT_TRUE(table.EnsureCapacity(seq.get(), 5 * kPageSize - 3).ok());
   }
   {
-    absl::MutexLock lock(&other->mu);
+    MutexLock lock(&other->mu);
     ASSERT_TRUE(table.EnsureCapacity(other.get(), 1).ok());
   }
   EXPECT_EQ(alloc.num_free(), 4);
@@ -298,7 +297,7 @@ TEST(SequenceTableTest, ReleaseFreesEveryPageAndForgetsTheId) {
   EXPECT_EQ(alloc.num_free(), 9);
   EXPECT_EQ(table.size(), 1);
   {
-    absl::MutexLock lock(&seq->mu);
+    MutexLock lock(&seq->mu);
     EXPECT_TRUE(seq->released);
     EXPECT_THAT(seq->pages, IsEmpty());
     // A request that found the sequence before the release cannot grow it again.
@@ -325,10 +324,10 @@ TEST(SequenceTableTest, ReleaseWaitsForTheRequestInFlight) {
   SequenceTable table(Options(), &alloc);
   std::shared_ptr<Sequence> seq = MustCreate(table, "");
   std::atomic<bool> release_returned{false};
-  absl::Notification locked;
-  absl::Notification finish;
+  Notification locked;
+  Notification finish;
   std::thread request([&] {
-    absl::MutexLock lock(&seq->mu);
+    MutexLock lock(&seq->mu);
     ASSERT_TRUE(table.EnsureCapacity(seq.get(), 40).ok());
     locked.Notify();
     finish.WaitForNotification();
@@ -381,13 +380,13 @@ TEST(SequenceTableTest, IdleSinceListsOnlyIdleUnlockedSequences) {
                                                      {old2.get(), t0 + absl::Seconds(9)},
                                                      {fresh.get(), t0 + absl::Seconds(10)},
                                                      {busy.get(), t0}}) {
-    absl::MutexLock lock(&seq->mu);
+    MutexLock lock(&seq->mu);
     seq->last_used = t;
   }
   const absl::Time cutoff = t0 + absl::Seconds(10);  // strictly before: `fresh` is not idle
   EXPECT_THAT(table.IdleSince(cutoff), UnorderedElementsAre(old1->id, old2->id, busy->id));
   {
-    absl::MutexLock lock(&busy->mu);  // a request in flight
+    MutexLock lock(&busy->mu);  // a request in flight
     EXPECT_THAT(table.IdleSince(cutoff), UnorderedElementsAre(old1->id, old2->id));
   }
   ASSERT_TRUE(table.Release(old1->id, "a").ok());
@@ -405,7 +404,7 @@ TEST(SequenceTableTest, ReleaseIfIdleReleasesOnlyWhatIsStillIdle) {
   std::shared_ptr<Sequence> busy = MustCreate(table, "a");
   for (auto& [seq, t] : std::vector<std::pair<Sequence*, absl::Time>>{
            {idle.get(), t0}, {fresh.get(), cutoff}, {busy.get(), t0}}) {
-    absl::MutexLock lock(&seq->mu);
+    MutexLock lock(&seq->mu);
     ASSERT_TRUE(table.EnsureCapacity(seq, 2 * kPageSize).ok());
     seq->last_used = t;
   }
@@ -422,7 +421,7 @@ TEST(SequenceTableTest, ReleaseIfIdleReleasesOnlyWhatIsStillIdle) {
   EXPECT_EQ(table.TenantPages("a"), 2);
   EXPECT_EQ(table.Find(idle->id, "a").status().code(), absl::StatusCode::kNotFound);
   {
-    absl::MutexLock lock(&idle->mu);
+    MutexLock lock(&idle->mu);
     EXPECT_TRUE(idle->released);
     EXPECT_THAT(idle->pages, IsEmpty());
   }
@@ -438,7 +437,7 @@ TEST(SequenceTableTest, ReleaseIfIdleReleasesOnlyWhatIsStillIdle) {
   EXPECT_EQ(PagesOf(*fresh).size(), 2u);
 
   {
-    absl::MutexLock lock(&busy->mu);  // a request in flight
+    MutexLock lock(&busy->mu);  // a request in flight
     r = table.ReleaseIfIdle(busy->id, cutoff);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_EQ(r.status().message(), absl::StrCat("sequence ", busy->id, " is busy"));
@@ -461,14 +460,14 @@ TEST(SequenceTableTest, TenantQuotaRejectsWithNothingChanged) {
   std::shared_ptr<Sequence> a2 = MustCreate(table, "a");
   std::shared_ptr<Sequence> b1 = MustCreate(table, "b");
   {
-    absl::MutexLock lock(&a1->mu);
+    MutexLock lock(&a1->mu);
     absl::StatusOr<int64_t> added = table.EnsureCapacity(a1.get(), 3 * kPageSize);
     ASSERT_TRUE(added.ok()) << added.status();
     EXPECT_EQ(*added, 3);
   }
   EXPECT_EQ(table.TenantPages("a"), 3);
   {
-    absl::MutexLock lock(&a2->mu);
+    MutexLock lock(&a2->mu);
     ASSERT_TRUE(table.EnsureCapacity(a2.get(), 1).ok());  // the 4th page: exactly the quota
     const std::vector<int32_t> before = a2->pages;
     absl::StatusOr<int64_t> added = table.EnsureCapacity(a2.get(), kPageSize + 1);
@@ -484,7 +483,7 @@ TEST(SequenceTableTest, TenantQuotaRejectsWithNothingChanged) {
 
   // Another tenant has its own quota, even with the pool far from full.
   {
-    absl::MutexLock lock(&b1->mu);
+    MutexLock lock(&b1->mu);
     ASSERT_TRUE(table.EnsureCapacity(b1.get(), 4 * kPageSize).ok());
     absl::StatusOr<int64_t> added = table.EnsureCapacity(b1.get(), 5 * kPageSize);
     EXPECT_EQ(added.status().code(), absl::StatusCode::kResourceExhausted);
@@ -501,7 +500,7 @@ TEST(SequenceTableTest, TenantQuotaRejectsWithNothingChanged) {
   ASSERT_TRUE(freed.ok());
   EXPECT_EQ(*freed, 3);
   EXPECT_EQ(table.TenantPages("a"), 1);
-  absl::MutexLock lock(&a2->mu);
+  MutexLock lock(&a2->mu);
   absl::StatusOr<int64_t> added = table.EnsureCapacity(a2.get(), 4 * kPageSize);
   ASSERT_TRUE(added.ok()) << added.status();
   EXPECT_EQ(*added, 3);
@@ -517,7 +516,7 @@ TEST(SequenceTableTest, TenantQuotaHoldsUnderConcurrentGrowth) {
   std::vector<std::thread> threads;
   for (auto& seq : seqs) {
     threads.emplace_back([&table, &granted, seq] {
-      absl::MutexLock lock(&seq->mu);
+      MutexLock lock(&seq->mu);
       absl::StatusOr<int64_t> added = table.EnsureCapacity(seq.get(), 3 * kPageSize);
       if (added.ok()) granted += *added;
     });
@@ -573,7 +572,7 @@ TEST(SequenceTableTest, ConcurrentStress) {
         for (int s = 0; s < steps; ++s) {
           absl::StatusOr<std::shared_ptr<Sequence>> found = table.Find(seq->id, tenant);
           if (!found.ok() || found->get() != seq.get()) ++failures;
-          absl::MutexLock lock(&seq->mu);
+          MutexLock lock(&seq->mu);
           const size_t had = seq->pages.size();
           const int64_t target = length + 1 + rng() % (4 * kPageSize);
           absl::StatusOr<int64_t> added = table.EnsureCapacity(seq.get(), target);
@@ -594,7 +593,7 @@ TEST(SequenceTableTest, ConcurrentStress) {
           }
         }
         {
-          absl::MutexLock lock(&seq->mu);
+          MutexLock lock(&seq->mu);
           unclaim(seq->pages, 0, t);
         }
         absl::StatusOr<int64_t> freed = table.Release(seq->id, tenant);

@@ -98,8 +98,8 @@ BatchingDecodeQueue::BatchingDecodeQueue(const DecodeBatcherOptions& options,
 
 BatchingDecodeQueue::~BatchingDecodeQueue() {
   Shutdown();
-  absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(this, &BatchingDecodeQueue::IdleLocked));
+  MutexLock lock(&mu_);
+  mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return IdleLocked(); });
 }
 
 absl::Status BatchingDecodeQueue::Submit(DecodeCall call, const DecodeContext& context, Done done) {
@@ -107,7 +107,7 @@ absl::Status BatchingDecodeQueue::Submit(DecodeCall call, const DecodeContext& c
   std::vector<Answer> answers;
   std::vector<std::shared_ptr<Batch>> batches;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!accepting_) return absl::UnavailableError("the server is shutting down");
     if (queued_calls_ >= options_.max_queued_calls) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -264,7 +264,7 @@ void BatchingDecodeQueue::Deliver(std::vector<Answer> answers,
     absl::Status s = dispatch_([this, batch] { RunBatch(batch); });
     if (s.ok()) continue;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       FinishBatchLocked(*batch);
       // The slot is free again: whatever queued behind it is due on the next Poll.
       WakeTimerLocked(absl::InfinitePast());
@@ -279,7 +279,7 @@ void BatchingDecodeQueue::RunBatch(std::shared_ptr<Batch> batch) {
     std::vector<Answer> answers;
     std::vector<std::shared_ptr<Batch>> batches;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       FinishBatchLocked(*batch);
       const absl::Time now = clock_->Now();
       TakeDueLocked(batch->key, now, &answers, &batches);
@@ -300,7 +300,7 @@ void BatchingDecodeQueue::RunBatch(std::shared_ptr<Batch> batch) {
 void BatchingDecodeQueue::Execute(Batch* batch) {
   const absl::Time start = clock_->Now();
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (const auto& c : batch->calls) {
       const int64_t us = std::max<int64_t>(0, absl::ToInt64Microseconds(start - c->arrival));
       int b = 0;
@@ -380,7 +380,7 @@ void BatchingDecodeQueue::Execute(Batch* batch) {
     }
   }
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stats_.calls_completed += completed;
     stats_.calls_deadline_exceeded += deadline;
     stats_.calls_cancelled += cancelled;
@@ -418,7 +418,7 @@ void BatchingDecodeQueue::Poll() {
   std::vector<Answer> answers;
   std::vector<std::shared_ptr<Batch>> batches;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     std::vector<Key> keys;
     keys.reserve(keys_.size());
     for (const auto& [key, state] : keys_) keys.push_back(key);
@@ -429,7 +429,7 @@ void BatchingDecodeQueue::Poll() {
 
 absl::Time BatchingDecodeQueue::NextWakeup() const {
   const absl::Time now = clock_->Now();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   absl::Time wake = absl::InfiniteFuture();
   for (const auto& [key, state] : keys_) {
     const Plan plan = PlanLocked(state, now);
@@ -447,7 +447,7 @@ void BatchingDecodeQueue::WakeTimerLocked(absl::Time t) {
 }
 
 void BatchingDecodeQueue::TimerLoop() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   while (!timer_stop_) {
     const uint64_t generation = wake_generation_;
     // While it computes, any change wakes it (it is not yet sleeping toward a target).
@@ -464,9 +464,9 @@ void BatchingDecodeQueue::TimerLoop() {
 }
 
 void BatchingDecodeQueue::Shutdown() {
-  absl::MutexLock join_lock(&shutdown_mu_);
+  MutexLock join_lock(&shutdown_mu_);
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     accepting_ = false;
     timer_stop_ = true;
     timer_cv_.SignalAll();
@@ -476,7 +476,7 @@ void BatchingDecodeQueue::Shutdown() {
 }
 
 DecodeBatchingStats BatchingDecodeQueue::Stats() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   DecodeBatchingStats s = stats_;
   s.queued_calls = queued_calls_;
   s.inflight_batches = inflight_batches_;

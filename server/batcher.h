@@ -48,8 +48,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kernels/mutex.h"
 #include "server/clock.h"
 #include "server/decode_queue.h"
 #include "server/runtime.h"
@@ -227,18 +227,18 @@ class BatchingDecodeQueue : public DecodeQueue {
   const BatchDispatchFn dispatch_;
   const Clock* const clock_;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::map<Key, KeyState> keys_ ABSL_GUARDED_BY(mu_);
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   bool timer_stop_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t wake_generation_ ABSL_GUARDED_BY(mu_) = 0;  // bumped when a wake-up may move earlier
   absl::Time timer_target_ ABSL_GUARDED_BY(mu_) =
       absl::InfinitePast();  // what the timer sleeps until
-  absl::CondVar timer_cv_;
+  CondVar timer_cv_;
   int64_t queued_calls_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t inflight_batches_ ABSL_GUARDED_BY(mu_) = 0;
   DecodeBatchingStats stats_ ABSL_GUARDED_BY(mu_);
-  absl::Mutex shutdown_mu_;  // serialises Shutdown callers (joining the timer)
+  Mutex shutdown_mu_;  // serialises Shutdown callers (joining the timer)
   std::thread timer_;
 };
 

@@ -21,7 +21,6 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "gmock/gmock.h"
@@ -31,6 +30,7 @@
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
+#include "kernels/mutex.h"
 #include "kernels/testing/naive_dca.h"
 #include "server/clock.h"
 #include "server/engine_factory.h"
@@ -702,7 +702,7 @@ TEST_F(BatcherTest, CountsPaddingAndGraphReplays) {
 TEST(BatcherTimerTest, TheTimerFlushesAnExpiredDelay) {
   FakeExecutor exec;
   DecodeBatcherOptions o = NoSizeFlush(absl::Milliseconds(2));
-  absl::Notification done;
+  Notification done;
   auto q = BatchingDecodeQueue::Create(
       o, &exec,
       [](std::function<void()> f) {
@@ -737,7 +737,7 @@ class CheckingExecutor : public DecodeExecutor {
     *replay = false;
     std::vector<std::pair<int32_t, std::string>> keys;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       for (const auto& e : call.entries) {
         keys.emplace_back(call.layer, std::string(e.sequence_id));
         if (!busy_.insert(keys.back()).second) ++overlaps_;
@@ -747,7 +747,7 @@ class CheckingExecutor : public DecodeExecutor {
     }
     std::this_thread::yield();
     DecodeResult result;
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (const auto& k : keys) {
       busy_.erase(k);
       DecodeResult::Output o;
@@ -757,7 +757,7 @@ class CheckingExecutor : public DecodeExecutor {
     }
     return result;
   }
-  absl::Mutex mu_;
+  Mutex mu_;
   std::set<std::pair<int32_t, std::string>> busy_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<int32_t, std::string>, int64_t> lengths_ ABSL_GUARDED_BY(mu_);
   int64_t overlaps_ ABSL_GUARDED_BY(mu_) = 0;
@@ -796,7 +796,7 @@ TEST(BatcherStressTest, ConcurrentSubmittersKeepEveryInvariant) {
         call.entries[0].sequence_id = own[t];
         if (call.entries.size() == 2) call.entries[1].sequence_id = shared[t % 2];
         const size_t n = call.entries.size();
-        absl::Notification done;
+        Notification done;
         absl::StatusOr<DecodeResult> got = absl::UnknownError("pending");
         absl::Status s = (*q)->Submit(std::move(call), [&](absl::StatusOr<DecodeResult> r) {
           got = std::move(r);
@@ -821,7 +821,7 @@ TEST(BatcherStressTest, ConcurrentSubmittersKeepEveryInvariant) {
   workers.Shutdown();
   EXPECT_EQ(answers.load(), kThreads * kCalls);
   EXPECT_EQ(wrong.load(), 0);
-  absl::MutexLock lock(&exec.mu_);
+  MutexLock lock(&exec.mu_);
   EXPECT_EQ(exec.overlaps_, 0);
   int64_t total = 0;
   for (const auto& [key, len] : exec.lengths_) total += len;
@@ -1137,7 +1137,7 @@ TEST(BatchingGrpcTest, AnExpiredDecodeIsDroppedWithoutChangingTheSequence) {
   // Shutdown flushes a lone queued call at once (it does not wait for the 60 s delay).
   v1::DecodeResponse resp;
   grpc::ClientContext ctx;
-  absl::Notification answered;
+  Notification answered;
   grpc::Status status;
   stub->async()->Decode(&ctx, &req, &resp, [&](grpc::Status s) {
     status = std::move(s);

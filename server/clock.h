@@ -3,9 +3,10 @@
 #ifndef ATTND_SERVER_CLOCK_H_
 #define ATTND_SERVER_CLOCK_H_
 
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+
+#include "kernels/mutex.h"
 
 namespace attnd {
 
@@ -24,16 +25,16 @@ class ManualClock : public Clock {
  public:
   explicit ManualClock(absl::Time start = absl::UnixEpoch() + absl::Hours(1)) : now_(start) {}
   absl::Time Now() const override {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return now_;
   }
   void Advance(absl::Duration d) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     now_ += d;
   }
 
  private:
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   absl::Time now_ ABSL_GUARDED_BY(mu_);
 };
 

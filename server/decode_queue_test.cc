@@ -7,9 +7,9 @@
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
+#include "kernels/mutex.h"
 #include "server/engine_factory.h"
 #include "server/model_config.h"
 #include "server/runtime.h"
@@ -78,7 +78,7 @@ TEST(DirectDecodeQueueTest, RunsOnAWorkerAndReportsOnce) {
   call.layer = 0;
   call.entries.push_back(
       {*id, {DType::kFp32, dq, q3}, {DType::kFp32, dkv, kv}, {DType::kFp32, dkv, kv}, nullptr});
-  absl::Notification done;
+  Notification done;
   int calls = 0;
   std::thread::id ran_on;
   absl::StatusOr<DecodeResult> got = absl::UnknownError("not called");

@@ -28,26 +28,25 @@ absl::Status FaultEngine::Inject(const char* what, int32_t layer, std::atomic<in
 }
 
 void FaultEngine::HoldPrefills() {
-  absl::MutexLock lock(&gate_mu_);
+  MutexLock lock(&gate_mu_);
   holding_ = true;
 }
 
 void FaultEngine::ReleasePrefills() {
-  absl::MutexLock lock(&gate_mu_);
+  MutexLock lock(&gate_mu_);
   holding_ = false;
 }
 
 int64_t FaultEngine::held_prefills() const {
-  absl::MutexLock lock(&gate_mu_);
+  MutexLock lock(&gate_mu_);
   return waiting_;
 }
 
 absl::Status FaultEngine::Prefill(const PrefillJob& job) {
   {
-    absl::MutexLock lock(&gate_mu_);
+    MutexLock lock(&gate_mu_);
     ++waiting_;
-    gate_mu_.Await(absl::Condition(
-        +[](bool* holding) { return !*holding; }, &holding_));
+    gate_mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_mu_) { return !holding_; });
     --waiting_;
   }
   if (absl::Status s = Inject("prefill", job.layer, &prefill_failures_); !s.ok()) return s;

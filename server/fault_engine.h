@@ -12,7 +12,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
+#include "kernels/mutex.h"
 #include "server/engine.h"
 
 namespace attnd {
@@ -48,7 +48,7 @@ class FaultEngine : public Engine {
   absl::Status Inject(const char* what, int32_t layer, std::atomic<int64_t>* budget);
 
   const std::unique_ptr<Engine> inner_;
-  mutable absl::Mutex gate_mu_;
+  mutable Mutex gate_mu_;
   bool holding_ ABSL_GUARDED_BY(gate_mu_) = false;
   int64_t waiting_ ABSL_GUARDED_BY(gate_mu_) = 0;
   std::atomic<int64_t> prefill_failures_{0};

@@ -132,20 +132,20 @@ void MetricFamily::RenderHeader(absl::string_view type, std::string* out) const 
 void CounterFamily::Increment(LabelValues labels, double delta) {
   if (!CheckArity(labels) || !(delta >= 0)) return;
   Key key = MakeKey(labels);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   values_[std::move(key)] += delta;
 }
 
 double CounterFamily::Value(LabelValues labels) const {
   if (!CheckArity(labels)) return 0;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = values_.find(MakeKey(labels));
   return it == values_.end() ? 0 : it->second;
 }
 
 void CounterFamily::Render(std::string* out) const {
   RenderHeader("counter", out);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   // A family without labels shows 0 before its first increment, so rate() has a starting point.
   if (label_names_.empty() && values_.empty()) absl::StrAppend(out, name_, " 0\n");
   for (const auto* entry : SortedSeries(values_)) {
@@ -159,27 +159,27 @@ void CounterFamily::Render(std::string* out) const {
 void GaugeFamily::Set(LabelValues labels, double value) {
   if (!CheckArity(labels)) return;
   Key key = MakeKey(labels);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   values_[std::move(key)] = value;
 }
 
 void GaugeFamily::Add(LabelValues labels, double delta) {
   if (!CheckArity(labels)) return;
   Key key = MakeKey(labels);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   values_[std::move(key)] += delta;
 }
 
 double GaugeFamily::Value(LabelValues labels) const {
   if (!CheckArity(labels)) return 0;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = values_.find(MakeKey(labels));
   return it == values_.end() ? 0 : it->second;
 }
 
 void GaugeFamily::Render(std::string* out) const {
   RenderHeader("gauge", out);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (label_names_.empty() && values_.empty()) absl::StrAppend(out, name_, " 0\n");
   for (const auto* entry : SortedSeries(values_)) {
     absl::StrAppend(out, name_, RenderLabels(label_names_, entry->first), " ",
@@ -194,7 +194,7 @@ void HistogramFamily::Observe(LabelValues labels, double value) {
   // First bound >= value (le semantics); past the last bound is the +Inf bucket.
   const size_t bucket = std::lower_bound(bounds_.begin(), bounds_.end(), value) - bounds_.begin();
   Key key = MakeKey(labels);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   Snapshot& s = series_[std::move(key)];
   if (s.bucket_counts.empty()) s.bucket_counts.assign(bounds_.size() + 1, 0);
   ++s.bucket_counts[bucket];
@@ -206,7 +206,7 @@ HistogramFamily::Snapshot HistogramFamily::Get(LabelValues labels) const {
   Snapshot empty;
   empty.bucket_counts.assign(bounds_.size() + 1, 0);
   if (!CheckArity(labels)) return empty;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = series_.find(MakeKey(labels));
   return it == series_.end() ? empty : it->second;
 }
@@ -225,7 +225,7 @@ void HistogramFamily::Render(std::string* out) const {
                     "\n");
     absl::StrAppend(out, name_, "_count", RenderLabels(label_names_, key), " ", s.count, "\n");
   };
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (label_names_.empty() && series_.empty()) render_one(Key(), Snapshot());
   for (const auto* entry : SortedSeries(series_)) render_one(entry->first, entry->second);
 }
@@ -268,7 +268,7 @@ absl::Status MetricsRegistry::CheckNewFamily(absl::string_view name,
 
 absl::StatusOr<CounterFamily*> MetricsRegistry::AddCounter(std::string name, std::string help,
                                                            std::vector<std::string> label_names) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   ATTND_RETURN_IF_ERROR(CheckNewFamily(name, label_names));
   auto family =
       std::make_unique<CounterFamily>(std::move(name), std::move(help), std::move(label_names));
@@ -279,7 +279,7 @@ absl::StatusOr<CounterFamily*> MetricsRegistry::AddCounter(std::string name, std
 
 absl::StatusOr<GaugeFamily*> MetricsRegistry::AddGauge(std::string name, std::string help,
                                                        std::vector<std::string> label_names) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   ATTND_RETURN_IF_ERROR(CheckNewFamily(name, label_names));
   auto family =
       std::make_unique<GaugeFamily>(std::move(name), std::move(help), std::move(label_names));
@@ -291,7 +291,7 @@ absl::StatusOr<GaugeFamily*> MetricsRegistry::AddGauge(std::string name, std::st
 absl::StatusOr<HistogramFamily*> MetricsRegistry::AddHistogram(
     std::string name, std::string help, std::vector<std::string> label_names,
     std::vector<double> bounds) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   ATTND_RETURN_IF_ERROR(CheckNewFamily(name, label_names));
   if (std::find(label_names.begin(), label_names.end(), "le") != label_names.end()) {
     return absl::InvalidArgumentError(
@@ -314,7 +314,7 @@ absl::StatusOr<HistogramFamily*> MetricsRegistry::AddHistogram(
 }
 
 void MetricsRegistry::AddCollectHook(std::function<void()> hook) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   hooks_.push_back(std::move(hook));
 }
 
@@ -322,7 +322,7 @@ std::string MetricsRegistry::RenderPrometheusText() const {
   std::vector<std::function<void()>> hooks;
   std::vector<const MetricFamily*> families;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     hooks = hooks_;
     for (const auto& family : families_) families.push_back(family.get());
   }

@@ -18,8 +18,9 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+
+#include "kernels/mutex.h"
 
 namespace attnd {
 
@@ -59,7 +60,7 @@ class CounterFamily final : public MetricFamily {
   void Render(std::string* out) const override;
 
  private:
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   absl::flat_hash_map<std::vector<std::string>, double> values_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -74,7 +75,7 @@ class GaugeFamily final : public MetricFamily {
   void Render(std::string* out) const override;
 
  private:
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   absl::flat_hash_map<std::vector<std::string>, double> values_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -101,7 +102,7 @@ class HistogramFamily final : public MetricFamily {
 
  private:
   const std::vector<double> bounds_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   absl::flat_hash_map<std::vector<std::string>, Snapshot> series_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -139,7 +140,7 @@ class MetricsRegistry {
   absl::Status CheckNewFamily(absl::string_view name, const std::vector<std::string>& labels)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::vector<std::unique_ptr<MetricFamily>> families_ ABSL_GUARDED_BY(mu_);
   std::vector<std::function<void()>> hooks_ ABSL_GUARDED_BY(mu_);
 };

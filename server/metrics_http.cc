@@ -10,7 +10,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+
+#include "kernels/mutex.h"
 
 namespace attnd {
 
@@ -18,7 +19,7 @@ struct MetricsHttpServer::Impl {
   httplib::Server http;
   std::thread thread;
   std::atomic<bool> thread_done{false};
-  absl::Mutex stop_mu;
+  Mutex stop_mu;
   bool stopped ABSL_GUARDED_BY(stop_mu) = false;
 };
 
@@ -104,7 +105,7 @@ MetricsHttpServer::MetricsHttpServer(std::unique_ptr<Impl> impl, int port)
 MetricsHttpServer::~MetricsHttpServer() { Stop(); }
 
 void MetricsHttpServer::Stop() {
-  absl::MutexLock lock(&impl_->stop_mu);
+  MutexLock lock(&impl_->stop_mu);
   if (impl_->stopped) return;
   impl_->stopped = true;
   impl_->http.stop();

@@ -176,7 +176,7 @@ absl::StatusOr<std::vector<int64_t>> Runtime::LayerLengths(absl::string_view id,
                                                            absl::string_view tenant) const {
   absl::StatusOr<std::shared_ptr<Sequence>> seq = table_.Find(id, tenant);
   if (!seq.ok()) return seq.status();
-  absl::MutexLock lock(&(*seq)->mu);
+  MutexLock lock(&(*seq)->mu);
   if ((*seq)->released) return NotFound("", id);
   return (*seq)->layer_lengths;
 }
@@ -275,7 +275,7 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
   Sequence* seq = found->get();
   const DcaGeometry& g = engine_->geometry();
 
-  absl::MutexLock lock(&seq->mu);
+  MutexLock lock(&seq->mu);
   if (seq->released) return NotFound("", seq->id);
   const int64_t start = seq->layer_lengths[call.layer];
   if (t > max_sequence_length_ - start) {

@@ -13,14 +13,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "kernels/mutex.h"
 #include "server/auth.h"
 #include "server/batcher.h"
 #include "server/clock.h"
@@ -135,15 +134,15 @@ class AttndServerImpl : public AttndServer {
 
   int port_ = 0;
   std::string summary_;
-  absl::Mutex shutdown_mu_;
+  Mutex shutdown_mu_;
   bool shutdown_started_ ABSL_GUARDED_BY(shutdown_mu_) = false;
-  absl::Notification shutdown_done_;
+  Notification shutdown_done_;
   // What /healthz answers: true from the end of Init to the start of Shutdown.
   std::atomic<bool> serving_{false};
-  absl::Mutex reaper_mu_;
+  Mutex reaper_mu_;
   bool reaper_stop_ ABSL_GUARDED_BY(reaper_mu_) = false;
   std::thread reaper_;
-  absl::Mutex health_mu_;
+  Mutex health_mu_;
   bool health_stop_ ABSL_GUARDED_BY(health_mu_) = false;
   std::thread health_watch_;
   // Destroyed in reverse order: the listeners before the metrics and runtime their hooks read,
@@ -181,8 +180,9 @@ void AttndServerImpl::ReaperLoop(absl::Duration timeout) {
       std::max(absl::Milliseconds(1), std::min(timeout / 4, absl::Seconds(10)));
   while (true) {
     {
-      absl::MutexLock lock(&reaper_mu_);
-      if (reaper_mu_.AwaitWithTimeout(absl::Condition(&reaper_stop_), interval)) return;
+      MutexLock lock(&reaper_mu_);
+      const auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(reaper_mu_) { return reaper_stop_; };
+      if (reaper_mu_.AwaitWithTimeout(stop, interval)) return;
     }
     const absl::Time now = absl::Now();
     for (const ReclaimedSequence& r : runtime_->ReclaimIdle(now - timeout)) {
@@ -198,7 +198,7 @@ void AttndServerImpl::ReaperLoop(absl::Duration timeout) {
 
 void AttndServerImpl::StopReaper() {
   {
-    absl::MutexLock lock(&reaper_mu_);
+    MutexLock lock(&reaper_mu_);
     reaper_stop_ = true;
   }
   if (reaper_.joinable()) reaper_.join();
@@ -207,8 +207,9 @@ void AttndServerImpl::StopReaper() {
 void AttndServerImpl::HealthWatchLoop() {
   while (true) {
     {
-      absl::MutexLock lock(&health_mu_);
-      if (health_mu_.AwaitWithTimeout(absl::Condition(&health_stop_), absl::Milliseconds(100))) {
+      MutexLock lock(&health_mu_);
+      const auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(health_mu_) { return health_stop_; };
+      if (health_mu_.AwaitWithTimeout(stop, absl::Milliseconds(100))) {
         return;
       }
     }
@@ -226,7 +227,7 @@ void AttndServerImpl::HealthWatchLoop() {
 
 void AttndServerImpl::StopHealthWatch() {
   {
-    absl::MutexLock lock(&health_mu_);
+    MutexLock lock(&health_mu_);
     health_stop_ = true;
   }
   if (health_watch_.joinable()) health_watch_.join();
@@ -409,7 +410,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
 
 void AttndServerImpl::Shutdown(absl::Time deadline) {
   {
-    absl::MutexLock lock(&shutdown_mu_);
+    MutexLock lock(&shutdown_mu_);
     if (shutdown_started_) return;
     shutdown_started_ = true;
   }

@@ -131,7 +131,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
         context_(context),
         tenant_(TenantOf(*context)),
         registered_(service->Register(this)) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     // A shutdown that began after Register saw this session still starting and skipped it.
     if (!registered_ || service_->shutting_down()) {
       FinishLocked(ToGrpcStatus(ShuttingDown()));
@@ -143,7 +143,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
 
   void OnReadDone(bool ok) override {
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (state_ == State::kFinished) return;  // ended by BeginShutdown while reading
       if (!ok) {  // the client closed its side (or the call was cancelled)
         FinishLocked(grpc::Status::OK);
@@ -188,7 +188,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
     }
     if (submitted.ok()) return;
     if (submitted.code() == absl::StatusCode::kUnavailable) {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       FinishLocked(ToGrpcStatus(submitted));
       return;
     }
@@ -196,7 +196,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
   }
 
   void OnWriteDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!ok) {
       FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the session stream broke"));
       return;
@@ -220,7 +220,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
 
   // From AttentionService::BeginShutdown: an idle stream ends now; a busy one after its response.
   void OnServerShutdown() {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (state_ == State::kReading) FinishLocked(ToGrpcStatus(ShuttingDown()));
   }
 
@@ -235,7 +235,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
     }
     service_->Record(rpc_, static_cast<int>(status.code()), clock_, SizeOf(request_),
                      SizeOf(response_));
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     state_ = State::kWriting;
     StartWrite(&response_);
   }
@@ -253,7 +253,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
   grpc::CallbackServerContext* const context_;
   const std::string tenant_;
   const bool registered_;
-  absl::Mutex mu_;
+  Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
   // Owned by the one request in flight: the work reads request_ and fills response_.
   v1::SessionRequest request_;
@@ -288,7 +288,7 @@ void AttentionService::Record(absl::string_view rpc, int code, const RequestCloc
 
 void AttentionService::BeginShutdown() {
   shutting_down_.store(true);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   // OnDone (which unregisters) never runs inline here: it waits for the read that Finish ends.
   for (SessionReactor* session : sessions_) session->OnServerShutdown();
 }
@@ -296,14 +296,14 @@ void AttentionService::BeginShutdown() {
 bool AttentionService::shutting_down() const { return shutting_down_.load(); }
 
 bool AttentionService::Register(SessionReactor* session) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (shutting_down_.load()) return false;
   sessions_.insert(session);
   return true;
 }
 
 void AttentionService::Unregister(SessionReactor* session) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   sessions_.erase(session);
 }
 

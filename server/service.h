@@ -11,8 +11,8 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "attnd/v1/attention.grpc.pb.h"
+#include "kernels/mutex.h"
 #include "server/batcher.h"
 #include "server/decode_queue.h"
 #include "server/metrics.h"
@@ -104,7 +104,7 @@ class AttentionService : public v1::Attention::CallbackService {
   // Atomic, not under mu_: sessions read it under their own lock, and BeginShutdown takes mu_
   // before the sessions' locks.
   std::atomic<bool> shutting_down_{false};
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   absl::flat_hash_set<SessionReactor*> sessions_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "grpcpp/create_channel.h"
@@ -19,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
+#include "kernels/mutex.h"
 #include "kernels/testing/naive_dca.h"
 #include "server/server.h"
 
@@ -115,7 +115,7 @@ class ServiceTest : public testing::Test {
     grpc::ByteBuffer req(&slice, 1), resp;
     grpc::ClientContext ctx;
     grpc::Status status;
-    absl::Notification done;
+    Notification done;
     generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
                       [&](grpc::Status s) {
                         status = s;

@@ -22,7 +22,7 @@ WorkQueue::WorkQueue(const WorkQueueOptions& options)
 WorkQueue::~WorkQueue() { Shutdown(); }
 
 absl::Status WorkQueue::Submit(std::function<void()> fn) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (!accepting_) return absl::UnavailableError("the server is shutting down");
   if (static_cast<int64_t>(queue_.size()) >= capacity_) {
     return absl::ResourceExhaustedError(
@@ -33,14 +33,14 @@ absl::Status WorkQueue::Submit(std::function<void()> fn) {
 }
 
 void WorkQueue::StopAccepting() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   accepting_ = false;
 }
 
 void WorkQueue::Shutdown() {
-  absl::MutexLock join_lock(&join_mu_);
+  MutexLock join_lock(&join_mu_);
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     accepting_ = false;
     stopping_ = true;
   }
@@ -50,7 +50,7 @@ void WorkQueue::Shutdown() {
 }
 
 int64_t WorkQueue::num_waiting() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return static_cast<int64_t>(queue_.size());
 }
 
@@ -60,8 +60,8 @@ void WorkQueue::WorkerLoop() {
   for (;;) {
     std::function<void()> fn;
     {
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(this, &WorkQueue::HasWorkOrStopping));
+      MutexLock lock(&mu_);
+      mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return HasWorkOrStopping(); });
       // Drain before exiting: a queued closure owns an RPC that must be answered.
       if (queue_.empty()) return;
       fn = std::move(queue_.front());

@@ -11,7 +11,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
+
+#include "kernels/mutex.h"
 
 namespace attnd {
 
@@ -50,11 +51,11 @@ class WorkQueue {
   bool HasWorkOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int64_t capacity_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;  // workers exit once the queue is empty
-  absl::Mutex join_mu_;                         // serialises Shutdown callers
+  Mutex join_mu_;                         // serialises Shutdown callers
   std::vector<std::thread> workers_;
 };
 

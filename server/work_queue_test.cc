@@ -4,9 +4,8 @@
 #include <string>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
+#include "kernels/mutex.h"
 
 namespace attnd {
 namespace {
@@ -24,8 +23,8 @@ TEST(WorkQueueTest, RunsInSubmissionOrder) {
   WorkQueueOptions options;
   options.num_workers = 1;
   WorkQueue queue(options);
-  absl::Notification started, release;
-  absl::Mutex mu;
+  Notification started, release;
+  Mutex mu;
   std::vector<int> order;
   ASSERT_TRUE(queue
                   .Submit([&] {
@@ -37,7 +36,7 @@ TEST(WorkQueueTest, RunsInSubmissionOrder) {
   for (int i = 0; i < 50; ++i) {
     ASSERT_TRUE(queue
                     .Submit([&, i] {
-                      absl::MutexLock lock(&mu);
+                      MutexLock lock(&mu);
                       order.push_back(i);
                     })
                     .ok());
@@ -55,7 +54,7 @@ TEST(WorkQueueTest, FullQueueRejectsWithResourceExhausted) {
   options.num_workers = 1;
   options.capacity = 2;
   WorkQueue queue(options);
-  absl::Notification started, release;
+  Notification started, release;
   std::atomic<int> ran{0};
   ASSERT_TRUE(queue
                   .Submit([&] {
@@ -78,7 +77,7 @@ TEST(WorkQueueTest, StopAcceptingRejectsButDrainsWhatIsQueued) {
   WorkQueueOptions options;
   options.num_workers = 2;
   WorkQueue queue(options);
-  absl::Notification release;
+  Notification release;
   std::atomic<int> ran{0};
   for (int i = 0; i < 2; ++i) {
     ASSERT_TRUE(queue

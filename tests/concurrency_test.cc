@@ -12,11 +12,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
+#include "kernels/mutex.h"
 #include "kernels/testing/naive_dca.h"
 #include "tests/test_util.h"
 
@@ -41,23 +41,23 @@ struct Seq {
 class Errors {
  public:
   void Add(std::string message) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (messages_.size() < 20) messages_.push_back(std::move(message));
     ++count_;
   }
   int count() {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return count_;
   }
   std::string Summary() {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     std::string s;
     for (const std::string& m : messages_) absl::StrAppend(&s, "\n  ", m);
     return s;
   }
 
  private:
-  absl::Mutex mu_;
+  Mutex mu_;
   std::vector<std::string> messages_ ABSL_GUARDED_BY(mu_);
   int count_ ABSL_GUARDED_BY(mu_) = 0;
 };
