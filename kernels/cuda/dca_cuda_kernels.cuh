@@ -644,6 +644,356 @@ __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArg
   }
 }
 
+// ---- pipelined split-K decode (decode variants with kernel kDecodePipelined / kDecodeBulk) -------
+//
+// Same contract, grid and split arithmetic as DcaDecodeSplitKernel (block (s, h, b) covers keys
+// [s * split_len, (s + 1) * split_len) of sequence b, split_len rounded to the tile), rebuilt so the
+// memory system sees a steady stream of copies:
+//  - page indices for a tile are loaded one tile ahead (registers), so issuing a tile's copies
+//    never waits on a page-table round trip (the old loader did one dependent page-table load per
+//    row before each pair of 16-byte copies);
+//  - one __syncthreads per tile: the copies for tile j + Stages - 1 are issued right after the
+//    barrier that frees its ring slot;
+//  - Bulk = false: 16-byte cp.async into unpadded tiles with an XOR swizzle (16-byte chunk c of row r
+//    at chunk c ^ (r & 7)), so ldmatrix stays conflict-free without the 6% padding;
+//    Bulk = true: one cp.async.bulk (256 B at head_dim 128) per K or V row into padded tiles,
+//    completing on one mbarrier per ring slot; rows past the end are zeroed by plain stores;
+//  - Q kept compact in shared memory: the group's 3 x group rows plus one zero row that the mma
+//    rows >= group point at, so a 2-stage block fits 3 per multiprocessor at group 7.
+// Keys per tile BN = 16 * Warps (each warp takes 16 keys of every tile, as in the split kernel).
+
+// Shared-memory bytes of DcaDecodePipeKernel<D, Warps, Stages, Bulk> for a GQA group of `group`.
+__host__ __device__ constexpr size_t DecodePipeSmemBytes(int d, int warps, int stages, bool bulk,
+                                                         int group) {
+  return static_cast<size_t>(2 * stages * 16 * warps) * (bulk ? d + 8 : d) * sizeof(Bf16) +
+         static_cast<size_t>(3 * group + 1) * (d + 8) * sizeof(Bf16) +
+         (bulk ? static_cast<size_t>(stages) * 8 : 0);
+}
+
+__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count));
+}
+__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n"
+      "}\n" ::"r"(SmemAddr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// Global -> shared bulk copy of `bytes` (multiple of 16, both addresses 16-byte aligned),
+// completing `bytes` transactions on `bar`.
+__device__ __forceinline__ void BulkCopyG2S(void* smem, const void* gmem, uint32_t bytes,
+                                           uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(SmemAddr(smem)),
+      "l"(gmem), "r"(bytes), "r"(SmemAddr(bar))
+      : "memory");
+}
+
+template <int D, int Warps, int Stages, bool Bulk>
+__global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int kT = Warps * 32;
+  constexpr int BN = 16 * Warps;
+  constexpr int kPitch = Bulk ? D + 8 : D;  // K/V row pitch in elements
+  constexpr int kTile = BN * kPitch;
+  constexpr int kKSteps = D / 16;
+  constexpr int kDimBlocks = D / 8;
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  // cp.async loader: thread t copies chunk t % kChunks of rows t / kChunks + i * kRowsPerPass.
+  constexpr int kRowsPerPass = kT / kChunks;
+  constexpr int kPasses = BN / kRowsPerPass;
+  // bulk loader: thread t < 2 * BN copies row t % BN of K (t < BN) or V.
+  constexpr int kPages = Bulk ? 1 : kPasses;  // page-table entries a thread holds for one tile
+  static_assert(kRowsPerPass % 8 == 0 && BN % kRowsPerPass == 0, "loader shape");
+  static_assert(!Bulk || 2 * BN <= kT, "bulk loader: one row per thread");
+
+  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);  // [Stages][BN][kPitch]
+  Bf16* vs = ks + Stages * kTile;                // [Stages][BN][kPitch]
+  Bf16* qs = vs + Stages * kTile;                // [3 * group + 1][D + 8], last row zero
+  const int group = a.group;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(qs + (3 * group + 1) * (D + 8));  // Bulk: [Stages]
+
+  const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const int32_t len = a.lengths[b];
+  const int32_t per_split = (len + a.max_splits - 1) / a.max_splits;
+  const int32_t split_len = (per_split + BN - 1) / BN * BN;
+  const int32_t k_begin = split * split_len;
+  const int32_t k_end = min(len, k_begin + split_len);
+  if (k_begin >= k_end) {  // empty split (or a length-0 padding row): mark it and leave
+    if (threadIdx.x < group) {
+      const int64_t head = kv_head * group + threadIdx.x;
+      a.partial_lse[(static_cast<int64_t>(b) * a.num_q_heads + head) * a.max_splits + split] =
+          -CUDART_INF_F;
+    }
+    return;
+  }
+  const int32_t* page_table = a.kv.page_tables + b * a.kv.page_table_stride;
+  const uint32_t ps = static_cast<uint32_t>(a.kv.page_size);
+  // Power-of-two page sizes (the usual 16) take a shift and a mask instead of a division.
+  const bool ps_pow2 = (ps & (ps - 1)) == 0;
+  const uint32_t ps_shift = static_cast<uint32_t>(__ffs(static_cast<int>(ps)) - 1);
+  auto page_of = [&](uint32_t pos) { return ps_pow2 ? pos >> ps_shift : pos / ps; };
+  auto in_page = [&](uint32_t pos) { return ps_pow2 ? pos & (ps - 1) : pos % ps; };
+  const int64_t row_stride = static_cast<int64_t>(a.kv.num_kv_heads) * D;  // elements per token
+  const Bf16* kbase = a.kv.k + static_cast<int64_t>(kv_head) * D;
+  const Bf16* vbase = a.kv.v + static_cast<int64_t>(kv_head) * D;
+  const int32_t cl = a.chunk_len;
+  const int32_t prev = ((len - 1) / cl) * cl;  // the query is at position len - 1
+  const float scale_log2 = a.scale_log2 * LengthScaleDevice(len, a.orig);
+  const int n_tiles = (k_end - k_begin + BN - 1) / BN;
+
+  // This thread's rows of a tile (relative to the tile's first key).
+  const int ld_chunk = threadIdx.x % kChunks;
+  const int ld_row0 = Bulk ? static_cast<int>(threadIdx.x) % BN : static_cast<int>(threadIdx.x) / kChunks;
+  const bool ld_is_v = Bulk && static_cast<int>(threadIdx.x) >= BN;
+  const bool ld_active = !Bulk || static_cast<int>(threadIdx.x) < 2 * BN;
+  const int ld_col = Bulk ? 0 : ((ld_chunk ^ (ld_row0 & 7)) << 3);  // swizzled column in the tile
+
+  // Page indices of this thread's rows of tile t (0 for rows past k_end: never dereferenced).
+  auto load_pages = [&](int t, int32_t (&pg)[kPages]) {
+    const int32_t k0 = k_begin + t * BN;
+#pragma unroll
+    for (int i = 0; i < kPages; ++i) {
+      const int32_t pos = k0 + ld_row0 + i * kRowsPerPass;
+      pg[i] = (ld_active && pos < k_end) ? __ldg(page_table + page_of(static_cast<uint32_t>(pos))) : 0;
+    }
+  };
+  // Issues this thread's copies of tile t into ring slot `slot`.
+  auto issue_tile = [&](int t, const int32_t (&pg)[kPages], int slot) {
+    const int32_t k0 = k_begin + t * BN;
+    if constexpr (Bulk) {
+      const int32_t valid_rows = min(BN, k_end - k0);
+      if (threadIdx.x == 0) {
+        MbarArriveExpectTx(&bars[slot], static_cast<uint32_t>(valid_rows) * 2 * D * sizeof(Bf16));
+      }
+      if (ld_active) {
+        Bf16* dst = (ld_is_v ? vs : ks) + slot * kTile + ld_row0 * kPitch;
+        if (ld_row0 < valid_rows) {
+          const uint32_t pos = static_cast<uint32_t>(k0 + ld_row0);
+          const int64_t tok = static_cast<int64_t>(pg[0]) * ps + in_page(pos);
+          BulkCopyG2S(dst, (ld_is_v ? vbase : kbase) + tok * row_stride, D * sizeof(Bf16),
+                      &bars[slot]);
+        } else {  // past the end: zeros (ordered before the consumers by the tile's barrier)
+#pragma unroll
+          for (int c = 0; c < kChunks; ++c) {
+            *reinterpret_cast<uint4*>(dst + c * 8) = make_uint4(0, 0, 0, 0);
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPasses; ++i) {
+        const int row = ld_row0 + i * kRowsPerPass;
+        const int32_t pos = k0 + row;
+        const bool valid = pos < k_end;
+        const int64_t tok =
+            static_cast<int64_t>(pg[i]) * ps + in_page(static_cast<uint32_t>(pos));
+        const int64_t off = valid ? tok * row_stride + ld_chunk * 8 : 0;
+        const int so = slot * kTile + row * kPitch + ld_col;
+        CpAsync16(ks + so, kbase + off, valid);
+        CpAsync16(vs + so, vbase + off, valid);
+      }
+    }
+  };
+
+  if constexpr (Bulk) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < Stages; ++s) MbarInit(&bars[s], 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+  }
+  // Stage Q: rows v * group + r, and the zero row 3 * group.
+  for (int c = threadIdx.x; c < 3 * group * kChunks; c += kT) {
+    const int row = c / kChunks;  // v * group + r
+    const int v = row / group, r = row % group;
+    const int col = (c % kChunks) * 8;
+    const Bf16* src = a.q + ((static_cast<int64_t>(b) * kNumDecodeVariants + v) * a.num_q_heads +
+                             kv_head * group + r) * D + col;
+    CpAsync16(qs + row * (D + 8) + col, src, true);
+  }
+  for (int c = threadIdx.x; c < kChunks; c += kT) {
+    *reinterpret_cast<uint4*>(qs + 3 * group * (D + 8) + c * 8) = make_uint4(0, 0, 0, 0);
+  }
+  if constexpr (Bulk) __syncthreads();  // barrier initialisation visible before any copy uses it
+
+  int32_t pg[kPages];
+  for (int t = 0; t < Stages - 1; ++t) {  // prologue (the Q staging joins the first group)
+    if (t < n_tiles) {
+      load_pages(t, pg);
+      issue_tile(t, pg, t);
+    }
+    CpAsyncCommit();
+  }
+  if (Stages - 1 < n_tiles) load_pages(Stages - 1, pg);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gid = lane / 4, tig = lane % 4;
+  // This lane's ldmatrix row of Q for variant v: row (lane & 15) of the mma tile, or the zero row.
+  const int q_lane_row = lane & 15;
+  const bool q_lane_valid = q_lane_row < group;
+  float o[kDimBlocks][4];
+#pragma unroll
+  for (int d = 0; d < kDimBlocks; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
+  float l[2] = {0.f, 0.f};
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const int slot = j % Stages;
+    CpAsyncWait<Stages - 2>();  // this thread's copies of tile j (and the Q staging) have landed
+    if constexpr (Bulk) MbarWait(&bars[slot], static_cast<uint32_t>((j / Stages) & 1));
+    __syncthreads();  // tile j visible to all; every warp is done with tile j - 1's slot
+    {
+      const int t = j + Stages - 1;
+      if (t < n_tiles) issue_tile(t, pg, t % Stages);
+      CpAsyncCommit();
+      if (t + 1 < n_tiles) load_pages(t + 1, pg);
+    }
+    const Bf16* kt = ks + slot * kTile + warp * 16 * kPitch;  // this warp's 16 keys
+    const Bf16* vt = vs + slot * kTile + warp * 16 * kPitch;
+    const int32_t kw = k_begin + j * BN + warp * 16;  // first key of this warp's slice
+    if (kw < k_end) {
+      const int v_hi = VariantOfKey(kw, prev, cl);  // largest variant index
+      const int v_lo = VariantOfKey(min(kw + 15, k_end - 1), prev, cl);
+      float s[2][4];
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+      for (int v = v_lo; v <= v_hi; ++v) {  // usually one variant; two or three at a boundary
+        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        const Bf16* qrow = qs + (q_lane_valid ? v * group + q_lane_row : 3 * group) * (D + 8);
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk) {
+          uint32_t qa[4], kb[4];
+          LdMatrixX4(qa, qrow + kk * 16 + (lane >> 4) * 8);
+          const int kr = (lane & 7) + ((lane >> 4) << 3);
+          const int kc = kk * 2 + ((lane >> 3) & 1);
+          LdMatrixX4(kb, kt + kr * kPitch + ((Bulk ? kc : (kc ^ (kr & 7))) << 3));
+          Mma16816(acc[0], qa, kb[0], kb[1]);
+          Mma16816(acc[1], qa, kb[2], kb[3]);
+        }
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int32_t key = kw + nb * 8 + tig * 2 + (e & 1);
+            if (VariantOfKey(key, prev, cl) == v) s[nb][e] = acc[nb][e];
+          }
+      }
+      float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int32_t key = kw + nb * 8 + tig * 2 + (e & 1);
+          const float x = key < k_end ? s[nb][e] * scale_log2 : -CUDART_INF_F;
+          s[nb][e] = x;
+          tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
+        }
+      float alpha[2], m_use[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+        const float m_new = fmaxf(m[i], tile_max[i]);
+        m_use[i] = m_new == -CUDART_INF_F ? 0.f : m_new;
+        alpha[i] = exp2f(m[i] - m_use[i]);
+        m[i] = m_new;
+        l[i] *= alpha[i];
+      }
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = exp2f(s[nb][e] - m_use[e / 2]);
+          s[nb][e] = p;
+          l[e / 2] += p;
+        }
+#pragma unroll
+      for (int d = 0; d < kDimBlocks; ++d) {
+        o[d][0] *= alpha[0]; o[d][1] *= alpha[0];
+        o[d][2] *= alpha[1]; o[d][3] *= alpha[1];
+      }
+      uint32_t pa[4];
+      pa[0] = PackBf16(s[0][0], s[0][1]);
+      pa[1] = PackBf16(s[0][2], s[0][3]);
+      pa[2] = PackBf16(s[1][0], s[1][1]);
+      pa[3] = PackBf16(s[1][2], s[1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t vb[4];
+        const int vr = (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int vc = dp * 2 + (lane >> 4);
+        LdMatrixX4Trans(vb, vt + vr * kPitch + ((Bulk ? vc : (vc ^ (vr & 7))) << 3));
+        Mma16816(o[2 * dp], pa, vb[0], vb[1]);
+        Mma16816(o[2 * dp + 1], pa, vb[2], vb[3]);
+      }
+    }
+  }
+  CpAsyncWait<0>();
+
+  // Merge the warps: per-warp (m, l, O) of the group's rows through shared memory (reusing the K/V
+  // ring: every warp has passed its last tile once all have reached the barrier below).
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
+  float* so = reinterpret_cast<float*>(smem_raw);  // [Warps][16][D]
+  float* sm = so + Warps * 16 * D;                  // [Warps][16]
+  float* sl = sm + Warps * 16;                      // [Warps][16]
+  static_assert((Warps * 16 * D + 2 * Warps * 16) * sizeof(float) <=
+                    2 * Stages * BN * kPitch * sizeof(Bf16),
+                "merge scratch must fit in the K/V ring");
+  __syncthreads();
+#pragma unroll
+  for (int d = 0; d < kDimBlocks; ++d) {
+    const int col = d * 8 + tig * 2;
+    *reinterpret_cast<float2*>(&so[(warp * 16 + gid) * D + col]) = make_float2(o[d][0], o[d][1]);
+    *reinterpret_cast<float2*>(&so[(warp * 16 + gid + 8) * D + col]) = make_float2(o[d][2], o[d][3]);
+  }
+  if (tig == 0) {
+    sm[warp * 16 + gid] = m[0];
+    sm[warp * 16 + gid + 8] = m[1];
+    sl[warp * 16 + gid] = l[0];
+    sl[warp * 16 + gid + 8] = l[1];
+  }
+  __syncthreads();
+  // Thread -> (row r, 4 consecutive dims): 16-byte partial writes.
+  for (int idx = threadIdx.x; idx < group * (D / 4); idx += kT) {
+    const int r = idx / (D / 4), d4 = (idx % (D / 4)) * 4;
+    float mx = -CUDART_INF_F;
+#pragma unroll
+    for (int w = 0; w < Warps; ++w) mx = fmaxf(mx, sm[w * 16 + r]);
+    float lsum = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < Warps; ++w) {
+      const float mw = sm[w * 16 + r];
+      if (mw == -CUDART_INF_F) continue;
+      const float wgt = exp2f(mw - mx);
+      lsum += sl[w * 16 + r] * wgt;
+      const float4 x = *reinterpret_cast<const float4*>(&so[(w * 16 + r) * D + d4]);
+      acc.x += x.x * wgt; acc.y += x.y * wgt; acc.z += x.z * wgt; acc.w += x.w * wgt;
+    }
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+    const int64_t head = kv_head * group + r;
+    const int64_t slot = (static_cast<int64_t>(b) * a.num_q_heads + head) * a.max_splits + split;
+    *reinterpret_cast<float4*>(&a.partial_out[slot * D + d4]) =
+        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    if (d4 == 0) a.partial_lse[slot] = lsum > 0.f ? mx + log2f(lsum) : -CUDART_INF_F;
+  }
+}
+
 // grid (batch, num_q_heads), block D threads: out = sum_s w_s * partial_out_s with
 // w_s = 2^(lse_s - max) / sum, skipping empty splits.
 template <int D>
