@@ -141,15 +141,21 @@ double CopyBandwidth() {
 }
 
 // "w4s2m2n64*" / "w8s3m1n128wgo": the variant's fields, its kernel family (wg = wgmma,
-// wgo = wgmma with softmax/PV overlap) and * for the default.
+// wgo = wgmma with softmax/PV overlap, wga / wgao / wgap / wgal = the async producer alone / with
+// the overlap / with the overlap and ping-pong / with the overlap and FA3's late O rescale) and *
+// for the default.
 std::string VariantLabel(int variant) {
   const PrefillVariant& pv = kPrefillVariants[variant];
   char label[40];
   std::snprintf(label, sizeof(label), "w%ds%dm%dn%d%s%s", pv.warps, pv.stages, pv.m_tiles,
                 pv.block_n,
-                pv.kernel == kPrefillWgmma          ? "wg"
-                : pv.kernel == kPrefillWgmmaOverlap ? "wgo"
-                                                    : "",
+                pv.kernel == kPrefillWgmma                ? "wg"
+                : pv.kernel == kPrefillWgmmaOverlap       ? "wgo"
+                : pv.kernel == kPrefillWgmmaAsync         ? "wga"
+                : pv.kernel == kPrefillWgmmaAsyncOverlap  ? "wgao"
+                : pv.kernel == kPrefillWgmmaAsyncPingPong ? "wgap"
+                : pv.kernel == kPrefillWgmmaAsyncLate     ? "wgal"
+                                                          : "",
                 variant == kDefaultPrefillVariant ? "*" : "");
   return label;
 }

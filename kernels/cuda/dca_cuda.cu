@@ -104,7 +104,7 @@ bool DeviceIsSm90() {
   return major == 9 && minor == 0;
 }
 
-template <int D, int BN, int Stages, bool Overlap, bool Ws>
+template <int D, int BN, int Stages, bool Overlap, bool Ws, int Opt = 0>
 absl::Status LaunchPrefillWgmmaTyped(const DcaGeometry& g, const CudaPrefillParams& p,
                                      cudaStream_t stream) {
   namespace wg = cuda_kernels::wgmma;
@@ -115,9 +115,9 @@ absl::Status LaunchPrefillWgmmaTyped(const DcaGeometry& g, const CudaPrefillPara
   constexpr size_t smem = (2 * Stages * BN + wg::kBlockM) * D * sizeof(Bf16) + 1024;
   static_assert(smem <= 227 * 1024, "wgmma prefill: shared memory");
   ATTND_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(wg::DcaPrefillWgmmaKernel<D, BN, Stages, Overlap, Ws>,
+      cudaFuncSetAttribute(wg::DcaPrefillWgmmaKernel<D, BN, Stages, Overlap, Ws, Opt>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  wg::DcaPrefillWgmmaKernel<D, BN, Stages, Overlap, Ws>
+  wg::DcaPrefillWgmmaKernel<D, BN, Stages, Overlap, Ws, Opt>
       <<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads), wg::BlockThreads<Ws>(), smem,
          stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaPrefillWgmmaKernel");
@@ -281,8 +281,29 @@ absl::Status LaunchDcaPrefill(const DcaGeometry& g, const CudaPrefillParams& p,
     ATTND_PREFILL_WGMMA_CASE(8, 8, 4, 64, kPrefillWgmmaOverlap)
     ATTND_PREFILL_WGMMA_CASE(9, 12, 3, 128, kPrefillWgmma)
     ATTND_PREFILL_WGMMA_CASE(10, 12, 3, 128, kPrefillWgmmaOverlap)
+// Warp-specialised (12 warps) kernels with Opt bits (prefill_wgmma.cuh).
+#define ATTND_PREFILL_WGMMA_OPT_CASE(i, S, BN, K, OVERLAP, OPT)                                  \
+  case i:                                                                                      \
+    static_assert(kPrefillVariants[i].warps == 12 && kPrefillVariants[i].stages == S &&        \
+                      kPrefillVariants[i].m_tiles == 1 && kPrefillVariants[i].block_n == BN && \
+                      kPrefillVariants[i].kernel == K,                                         \
+                  "kPrefillVariants order");                                                   \
+    return d128 ? LaunchPrefillWgmmaTyped<128, BN, S, OVERLAP, true, OPT>(g, p, stream)        \
+                : LaunchPrefillWgmmaTyped<64, BN, S, OVERLAP, true, OPT>(g, p, stream);
+    ATTND_PREFILL_WGMMA_OPT_CASE(11, 3, 128, kPrefillWgmmaAsync, false,
+                                 cuda_kernels::wgmma::kOptAsyncProducer)
+    ATTND_PREFILL_WGMMA_OPT_CASE(12, 3, 128, kPrefillWgmmaAsyncOverlap, true,
+                                 cuda_kernels::wgmma::kOptAsyncProducer |
+                                     cuda_kernels::wgmma::kOptNoPingPong)
+    ATTND_PREFILL_WGMMA_OPT_CASE(13, 3, 128, kPrefillWgmmaAsyncPingPong, true,
+                                 cuda_kernels::wgmma::kOptAsyncProducer)
+    ATTND_PREFILL_WGMMA_OPT_CASE(14, 3, 128, kPrefillWgmmaAsyncLate, true,
+                                 cuda_kernels::wgmma::kOptAsyncProducer |
+                                     cuda_kernels::wgmma::kOptNoPingPong |
+                                     cuda_kernels::wgmma::kOptLateRescale)
 #undef ATTND_PREFILL_CASE
 #undef ATTND_PREFILL_WGMMA_CASE
+#undef ATTND_PREFILL_WGMMA_OPT_CASE
     default:
       return absl::InvalidArgumentError(absl::StrCat("prefill: no variant ", p.variant));
   }

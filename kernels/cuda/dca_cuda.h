@@ -121,13 +121,26 @@ struct CudaPrefillParams {
 //                        warpgroup produces K/V tiles and hands them over through mbarriers;
 //   kPrefillWgmmaOverlap the same, with the S wgmma of tile j issued beside the P·V wgmma of tile
 //                        j-1 so the softmax overlaps the tensor cores (stages >= 3); with
-//                        warps = 12 the two consumer warpgroups also take turns (ping-pong).
+//                        warps = 12 the two consumer warpgroups also take turns (ping-pong);
+//   kPrefillWgmmaAsync   warps = 12 with an asynchronous producer (prefill_wgmma.cuh,
+//                        kOptAsyncProducer): all page-table reads of a tile issued up front
+//                        (shift/mask for power-of-two pages), each tile published by
+//                        cp.async.mbarrier.arrive as its copies land (the producer never waits for
+//                        its own copies), registers 56 / 224 so that nothing spills;
+//   kPrefillWgmmaAsyncOverlap  the same plus the intra-warpgroup overlap, without ping-pong;
+//   kPrefillWgmmaAsyncPingPong the same plus the intra-warpgroup overlap and the ping-pong;
+//   kPrefillWgmmaAsyncLate     kPrefillWgmmaAsyncOverlap with FA3's order inside an iteration
+//                        (O rescaled after the next S wgmma is issued, not before).
 // A wgmma variant asked for on a GPU other than compute capability 9.0 runs the mma.sync variant
 // kFallbackPrefillVariant instead (same results within the bf16 bars; the wgmma code only exists
 // as sm_90a machine code). All variants handle every shape CheckCudaGeometry accepts.
 inline constexpr int32_t kPrefillMmaSync = 0;
 inline constexpr int32_t kPrefillWgmma = 1;
 inline constexpr int32_t kPrefillWgmmaOverlap = 2;
+inline constexpr int32_t kPrefillWgmmaAsync = 3;
+inline constexpr int32_t kPrefillWgmmaAsyncOverlap = 4;
+inline constexpr int32_t kPrefillWgmmaAsyncPingPong = 5;
+inline constexpr int32_t kPrefillWgmmaAsyncLate = 6;
 struct PrefillVariant {
   int32_t warps;
   int32_t stages;
@@ -139,8 +152,10 @@ inline constexpr PrefillVariant kPrefillVariants[] = {
     {4, 2, 1, 64},  {8, 2, 1, 64}, {8, 3, 1, 64}, {4, 2, 2, 32}, {4, 3, 2, 32}, {4, 2, 2, 64},
     {8, 2, 1, 128, kPrefillWgmma}, {8, 3, 1, 128, kPrefillWgmmaOverlap},
     {8, 4, 1, 64, kPrefillWgmmaOverlap}, {12, 3, 1, 128, kPrefillWgmma},
-    {12, 3, 1, 128, kPrefillWgmmaOverlap}};
-inline constexpr int kNumPrefillVariants = 11;
+    {12, 3, 1, 128, kPrefillWgmmaOverlap}, {12, 3, 1, 128, kPrefillWgmmaAsync},
+    {12, 3, 1, 128, kPrefillWgmmaAsyncOverlap}, {12, 3, 1, 128, kPrefillWgmmaAsyncPingPong},
+    {12, 3, 1, 128, kPrefillWgmmaAsyncLate}};
+inline constexpr int kNumPrefillVariants = 15;
 inline constexpr int kFallbackPrefillVariant = 5;  // {4, 2, 2, 64}: fastest mma.sync (NOTES.md)
 // {12, 3, 1, 128} warp-specialised wgmma: fastest measured on the H200 (~390-400 TFLOP/s at 32K and
 // 128K vs ~235 for the fallback, bench/gpu/NOTES.md) and within the bf16 bars in every test.

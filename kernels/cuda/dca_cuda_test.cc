@@ -192,9 +192,14 @@ std::vector<int32_t> ShuffledPages(int64_t num_pages, std::mt19937* rng) {
 // "fast w8s3m1n128 wgmma-overlap": the variant's fields and kernel family.
 std::string VariantLabel(int variant) {
   const PrefillVariant& v = kPrefillVariants[variant];
-  const char* kernel = v.kernel == kPrefillMmaSync ? "mma.sync"
-                       : v.kernel == kPrefillWgmma ? "wgmma"
-                                                   : "wgmma-overlap";
+  const char* kernel = v.kernel == kPrefillMmaSync              ? "mma.sync"
+                       : v.kernel == kPrefillWgmma              ? "wgmma"
+                       : v.kernel == kPrefillWgmmaOverlap       ? "wgmma-overlap"
+                       : v.kernel == kPrefillWgmmaAsync         ? "wgmma-async"
+                       : v.kernel == kPrefillWgmmaAsyncOverlap  ? "wgmma-async-overlap"
+                       : v.kernel == kPrefillWgmmaAsyncPingPong ? "wgmma-async-pingpong"
+                       : v.kernel == kPrefillWgmmaAsyncLate     ? "wgmma-async-late"
+                                                                : "?";
   return "fast w" + std::to_string(v.warps) + "s" + std::to_string(v.stages) + "m" +
          std::to_string(v.m_tiles) + "n" + std::to_string(v.block_n) + " " + kernel;
 }
@@ -339,7 +344,12 @@ INSTANTIATE_TEST_SUITE_P(
         PrefillCase{"gqa7_d128_chunked_mid_chunk", 14, 2, 128, 300, 16, 500, {517, 1, 700},
                     DType::kBf16, DType::kBf16},
         PrefillCase{"gqa7_d64_scaled", 14, 2, 64, 320, 16, 600, {700, 333}},
-        PrefillCase{"gqa1_d128_long", 2, 2, 128, 384, 16, 0, {1200}}),
+        PrefillCase{"gqa1_d128_long", 2, 2, 128, 384, 16, 0, {1200}},
+        // Page sizes off the async loader's fast path (power of two >= its 16 or 8 rows per
+        // thread): 8 (generic at head_dim 128, fast at 64) and 12 (not a power of two).
+        PrefillCase{"gqa7_d128_page8", 14, 2, 128, 300, 8, 0, {650}},
+        PrefillCase{"gqa7_d64_page8_chunked", 14, 2, 64, 300, 8, 0, {333, 400}},
+        PrefillCase{"gqa4_d128_page12_chunked", 8, 2, 128, 256, 12, 0, {301, 450}}),
     [](const ::testing::TestParamInfo<PrefillCase>& info) { return info.param.name; });
 
 // ---- decode --------------------------------------------------------------------------------------

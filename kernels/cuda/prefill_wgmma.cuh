@@ -244,6 +244,70 @@ __device__ __forceinline__ void LoadKvTileSwizzled(const PagedKv<Bf16>& kv, int3
   }
 }
 
+// The async producer's loader (Opt & kOptAsyncProducer): 128 threads, thread tid copies 16-byte
+// chunk tid % (D/8) of R = BN * D / 8 / 128 consecutive rows (16 at D = 128, 8 at D = 64), so a
+// warp still writes whole 256-byte rows per instruction but a thread's rows touch one or two pages.
+// All page-table reads of the tile are independent loads issued before the copies (the mma.sync
+// loader's walk makes one dependent load, and an integer division, per page crossed). Power-of-two
+// page sizes of at least R rows (the deployed 16, 32, 64, ...) use shifts and masks and two table
+// entries per thread; any other page size takes the generic per-row path (a division per row).
+// Rows at or past k_hi are zero-filled and never read from global memory or the page table.
+template <int D, int BN>
+__device__ __forceinline__ void LoadKvTileRows(const PagedKv<Bf16>& kv, int32_t kv_head, int32_t k0,
+                                               int32_t k_hi, uint32_t ks, uint32_t vs, int tid,
+                                               int page_shift) {
+  constexpr int kChunks = D / 8;
+  constexpr int kRows = BN * kChunks / 128;  // rows per thread
+  static_assert(128 % kChunks == 0 && kRows * (128 / kChunks) == BN, "loader mapping");
+  const int chunk = tid % kChunks;
+  const int row0 = (tid / kChunks) * kRows;
+  const int32_t ps = kv.page_size;
+  const int64_t row_stride = static_cast<int64_t>(kv.num_kv_heads) * D;
+  const int64_t head_off = static_cast<int64_t>(kv_head) * D + chunk * 8;
+  const int32_t pos0 = k0 + row0;
+  if (page_shift >= 0 && ps >= kRows) {  // rows [pos0, pos0 + kRows) span at most two pages
+    const int32_t mask = ps - 1;
+    const int32_t p0 = pos0 >> page_shift;
+    const int64_t p1_pos = static_cast<int64_t>(p0 + 1) << page_shift;  // next page's first row
+    const int64_t e0 = pos0 < k_hi ? kv.page_table[p0] : 0;
+    const int64_t e1 =
+        p1_pos < k_hi && p1_pos < static_cast<int64_t>(pos0) + kRows ? kv.page_table[p0 + 1] : 0;
+    const int64_t b0 = (e0 << page_shift) * row_stride + head_off;
+    const int64_t b1 = (e1 << page_shift) * row_stride + head_off;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int32_t pos = pos0 + i;
+      const int64_t off = (pos < p1_pos ? b0 : b1) + (pos & mask) * row_stride;
+      const int src_size = pos < k_hi ? 16 : 0;
+      const uint32_t dst = SwizzledOffset(BN, row0 + i, chunk);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(ks + dst),
+                   "l"(kv.k + off), "r"(src_size));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(vs + dst),
+                   "l"(kv.v + off), "r"(src_size));
+    }
+  } else {  // any page size: one table entry and one division per row, all independent
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int32_t pos = pos0 + i;
+      const bool valid = pos < k_hi;
+      const int32_t pidx = pos / ps;
+      const int64_t e = valid ? kv.page_table[pidx] : 0;
+      const int64_t off = (e * ps + (pos - pidx * ps)) * row_stride + head_off;
+      const uint32_t dst = SwizzledOffset(BN, row0 + i, chunk);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(ks + dst),
+                   "l"(kv.k + off), "r"(valid ? 16 : 0));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(vs + dst),
+                   "l"(kv.v + off), "r"(valid ? 16 : 0));
+    }
+  }
+}
+
+// Arrives (without incrementing the pending count) on the mbarrier once every cp.async this thread
+// issued so far has landed: the producer publishes a tile without waiting for it.
+__device__ __forceinline__ void CpAsyncMbarArrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
 __device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -275,6 +339,20 @@ constexpr int BlockThreads() {
 // Ws register split (setmaxnreg): 128 x 40 + 256 x 232 <= 64K.
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
+// Opt bits of DcaPrefillWgmmaKernel (0 = the variants 6-10 as first measured).
+//   kOptAsyncProducer (Ws only): LoadKvTileRows, and each producer thread publishes a tile with
+//     cp.async.mbarrier.arrive.noinc right after issuing it (the tile's full barrier completes when
+//     the copies land; the consumers fence for the async proxy after their wait), so the producer
+//     never waits for its own copies and can run a whole ring ahead; registers 56 / 224 (no spills).
+//   kOptNoPingPong (Ws && Overlap): the intra-warpgroup overlap without the ping-pong turns.
+//   kOptLateRescale (Overlap): FA3's order inside an iteration: P of tile j-1 is packed right after
+//     its softmax, and O is rescaled for tile j-1 only after the S wgmma of tile j is issued (the
+//     tensor cores start S(j) before the 64 multiplies, instead of after them).
+constexpr int kOptAsyncProducer = 1;
+constexpr int kOptNoPingPong = 2;
+constexpr int kOptLateRescale = 4;
+constexpr int kAsyncProducerRegs = 56;   // 128 x 56 + 256 x 224 = 64512 = 384 x 168
+constexpr int kAsyncConsumerRegs = 224;
 
 // grid (query tiles over all pieces, num_kv_heads), block BlockThreads<Ws>(); see the top of this
 // file. Tile order, pieces and key ranges are those of DcaPrefillKernel.
@@ -282,10 +360,13 @@ constexpr int kConsumerRegs = 232;
 // through mbarriers (full: 128 producer arrivals after their copies landed and were fenced for the
 // async proxy; empty: 256 consumer arrivals after the last wgmma that read the slot), so the two
 // consumer warpgroups never wait for each other and drift into overlapping softmax and wgmma.
-template <int D, int BN, int Stages, bool Overlap, bool Ws>
+template <int D, int BN, int Stages, bool Overlap, bool Ws, int Opt = 0>
 __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
     DcaPrefillWgmmaKernel(const PrefillArgs a) {
 #if ATTND_WGMMA_ENABLED
+  constexpr bool kAsync = Ws && (Opt & kOptAsyncProducer) != 0;
+  static_assert(Ws || Opt == 0, "Opt bits need the warp-specialised kernel");
+  constexpr bool kLateRescale = Overlap && (Opt & kOptLateRescale) != 0;
   static_assert(D == 64 || D == 128, "head_dim");
   static_assert(BN == 64 || BN == 128, "block_n");
   static_assert(Stages >= (Overlap && !Ws ? 3 : 2) && Stages <= 4, "stages");
@@ -333,7 +414,7 @@ __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
   if constexpr (Ws) {
     if (threadIdx.x == 0) {
       for (int i = 0; i < Stages; ++i) {
-        MbarInit(SmemAddr(&full_bar[i]), 128);
+        MbarInit(SmemAddr(&full_bar[i]), 128);  // one (cp.async-triggered) arrival per producer
         MbarInit(SmemAddr(&empty_bar[i]), kThreads);
       }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -480,9 +561,11 @@ __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
     l[0] = l[0] * alpha[0] + sum[0];
     l[1] = l[1] * alpha[1] + sum[1];
   };
-  auto rescale_and_pack = [&](const float(&alpha)[2]) {
+  auto rescale = [&](const float(&alpha)[2]) {
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+  };
+  auto pack = [&]() {
 #pragma unroll
     for (int kk = 0; kk < kPSteps; ++kk) {
       pa[kk][0] = PackBf16(s[8 * kk + 0], s[8 * kk + 1]);
@@ -491,9 +574,33 @@ __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
       pa[kk][3] = PackBf16(s[8 * kk + 6], s[8 * kk + 7]);
     }
   };
+  auto rescale_and_pack = [&](const float(&alpha)[2]) {
+    rescale(alpha);
+    pack();
+  };
+  // kLateRescale: the factors of the tile whose P V is issued next (applied to O just before).
+  float alpha_prev[2] = {1.f, 1.f};
 
   if constexpr (Ws) {
-    if (wg == 2) {  // the producer: tile t into slot t % Stages once tile t - Stages is done
+    if constexpr (kAsync) {
+      if (wg == 2) {  // tile t into slot t % Stages once tile t - Stages is done
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kAsyncProducerRegs));
+        const int32_t ps = a.kv.page_size;
+        const int page_shift = (ps & (ps - 1)) == 0 ? __ffs(ps) - 1 : -1;
+        for (int t = 0; t < n_tiles; ++t) {
+          const int slot = t % Stages;
+          if (t >= Stages) MbarWait(SmemAddr(&empty_bar[slot]), ((t / Stages) - 1) & 1);
+          int st;
+          int32_t k0, khi;
+          tile_range(t, st, k0, khi);
+          LoadKvTileRows<D, BN>(a.kv, kv_head, k0, khi, ks + slot * kTileBytes,
+                                vs + slot * kTileBytes, wtid, page_shift);
+          CpAsyncMbarArrive(SmemAddr(&full_bar[slot]));
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
+        return;
+      }
+    } else if (wg == 2) {  // the producer: tile t into slot t % Stages once tile t - Stages is done
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
       for (int t = 0; t < n_tiles; ++t) {
         const int slot = t % Stages;
@@ -510,7 +617,11 @@ __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
       MbarArrive(SmemAddr(&full_bar[(n_tiles - 1) % Stages]));
       return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+    if constexpr (kAsync) {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kAsyncConsumerRegs));
+    } else {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+    }
   } else {
     for (int t = 0; t < Stages; ++t) load_tile(t);  // prologue: every slot; tile t is group t
   }
@@ -530,6 +641,9 @@ __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
     }
     if constexpr (Ws) {
       MbarWait(SmemAddr(&full_bar[j % Stages]), (j / Stages) & 1);
+      // kAsync: the copies were made visible to this thread by the barrier; order them before
+      // this thread's wgmma (async proxy) reads of the slot.
+      if constexpr (kAsync) FenceProxyAsync();
     } else {
       // NOTE: tile t is cp.async group t (the prologue commits Stages groups, iteration i >= kLag
       // one, for tile i + Stages - kLag), so Stages + max(0, j - kLag) groups exist here and all
@@ -549,7 +663,7 @@ __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
   // barriers 3 and 4, 256 threads: one warpgroup syncs, the other arrives), so one warpgroup's
   // softmax runs while the other's wgmmas hold the tensor cores. Warpgroup 1 opens the first turn
   // for warpgroup 0 and skips its last hand-back, so no arrival is left pending at exit.
-  constexpr bool kPingPong = Ws && Overlap;
+  constexpr bool kPingPong = Ws && Overlap && (Opt & kOptNoPingPong) == 0;
   auto turn_wait = [&]() {
     if constexpr (kPingPong) asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory");
   };
@@ -601,7 +715,13 @@ __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
       Wait<0>();
       FenceRegs(s);
       softmax(stage, k0, khi, alpha);
-      rescale_and_pack(alpha);
+      if constexpr (kLateRescale) {
+        pack();
+        alpha_prev[0] = alpha[0];
+        alpha_prev[1] = alpha[1];
+      } else {
+        rescale_and_pack(alpha);
+      }
     }
     for (int j = 1; j < n_tiles; ++j) {
       int stage;
@@ -614,6 +734,11 @@ __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
       Fence();
       issue_s(j % Stages);
       Commit();
+      if constexpr (kLateRescale) {  // O is no operand of the S wgmma in flight
+        rescale(alpha_prev);
+        FenceRegs(o);
+        Fence();
+      }
       issue_pv((j - 1) % Stages);
       Commit();
       turn_pass(j);
@@ -624,8 +749,15 @@ __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
       FenceRegs(o);
       FenceRegs(pa);
       release(j - 1);
-      rescale_and_pack(alpha);
+      if constexpr (kLateRescale) {
+        pack();
+        alpha_prev[0] = alpha[0];
+        alpha_prev[1] = alpha[1];
+      } else {
+        rescale_and_pack(alpha);
+      }
     }
+    if constexpr (kLateRescale) rescale(alpha_prev);
     FenceRegs(o);
     FenceRegs(pa);
     Fence();
