@@ -1,7 +1,8 @@
 // GPU benchmark of the CUDA DCA kernels (kernels/cuda/dca_cuda.h), Qwen2.5-7B-1M geometry
 // (28 q heads, 4 kv heads, head_dim 128), bf16 paged KV with page_size 16 and shuffled pages.
 //
-//   dca_bench [--quick] [--prefill-only] [--variants 5,6,7] [--out FILE]
+//   dca_bench [--quick] [--prefill-only | --decode-only] [--variants 5,6,7]
+//             [--decode-variants 0,2,3|all] [--out FILE]
 //
 // Prefill: one sequence, all L tokens in one call (start 0), L in {8K, 32K, 128K}, with
 // chunk_len = L/4 (4 DCA chunks: intra, succ and inter stages all active) and the real 253952.
@@ -360,23 +361,193 @@ void BenchDecode(bool quick, double copy_gbs) {
   }
 }
 
+// "v3 w4s3 pipe": a decode variant's index, shape and kernel family (* = the default).
+std::string DecodeVariantLabel(int v) {
+  const DecodeVariant& dv = kDecodeVariants[v];
+  char label[40];
+  std::snprintf(label, sizeof(label), "v%d w%ds%d %s%s", v, dv.warps, dv.stages,
+                dv.kernel == kDecodeSplit ? "split" : dv.kernel == kDecodePipelined ? "pipe" : "bulk",
+                v == kDefaultDecodeVariant ? "*" : "");
+  return label;
+}
+
+// Every decode variant in `variants` on every case, over one shared KV pool (filled once, sized
+// for the largest case); each case rotates over disjoint page sets of >= 1 GiB in total. Prints a
+// line per (case, variant) and then a compact table (GB/s, % of copy; the best per row marked).
+// max_diff: largest |out - out of the first variant| on the case's last run (bf16 outputs).
+void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& variants) {
+  struct Case { int batch; int64_t ctx; };
+  std::vector<Case> cases;
+  for (int b : {1, 8, 32, 128})
+    for (int64_t ctx : {4096, 32768, 131072}) cases.push_back({b, ctx});
+  cases.push_back({1, 1 << 20});
+  if (quick) cases = {{1, 4096}, {8, 32768}, {32, 32768}};
+  int num_sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+  const DcaGeometry g = Geometry(kRealChunkLen);
+  auto sets_of = [](const Case& c) {
+    const double step_bytes = 2.0 * c.batch * c.ctx * kHkv * kD * 2;
+    return static_cast<int>(std::max(1.0, std::ceil((1 << 30) / step_bytes)));
+  };
+  int64_t pool_pages = 0;
+  for (const Case& c : cases) {
+    pool_pages = std::max<int64_t>(pool_pages, c.ctx / kPageSize * c.batch * sets_of(c));
+  }
+  const size_t kv_bytes = static_cast<size_t>(pool_pages) * kPageSize * kHkv * kD * 2;
+  void *k, *v;
+  CHECK_CUDA(cudaMalloc(&k, kv_bytes));
+  CHECK_CUDA(cudaMalloc(&v, kv_bytes));
+  FillRandomBf16(k, kv_bytes);
+  FillRandomBf16(v, kv_bytes);
+  Emit("\n## Decode variants (chunk_len 253952, page 16, all sequences of length ctx; KV pool "
+       "%.1f GB, shuffled pages)\n", 2.0 * kv_bytes / 1e9);
+  Emit("bytes = B*ctx*Hkv*D*2(K,V)*2B; %%copy = of the D2D copy bandwidth %.0f GB/s; median of 30\n",
+       copy_gbs);
+  for (int vi : variants) {
+    const DecodeVariant& dv = kDecodeVariants[vi];
+    Emit("%s: %d warps, %d keys/tile, %d stages, blocks/SM planned for %s\n",
+         DecodeVariantLabel(vi).c_str(), dv.warps, 16 * dv.warps, dv.stages,
+         dv.kernel == kDecodeSplit ? "padded tiles" : "the variant's shared memory");
+  }
+  Emit("%-6s %-8s %-16s %-7s %-5s %11s %9s %7s %10s\n", "batch", "ctx", "variant", "splits",
+       "sets", "median_us", "GB/s", "%copy", "max_diff");
+  std::vector<std::vector<double>> table(cases.size(), std::vector<double>(variants.size(), 0));
+  for (size_t ci = 0; ci < cases.size(); ++ci) {
+    const Case& c = cases[ci];
+    const int64_t pages_per_seq = c.ctx / kPageSize;
+    const double step_bytes = 2.0 * c.batch * c.ctx * kHkv * kD * 2;
+    const int sets = sets_of(c);
+    const int64_t pages = pages_per_seq * c.batch * sets;
+    std::vector<int32_t> perm(pool_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937(2 + ci));
+    perm.resize(pages);
+    void *q, *out, *tables, *lengths, *ws;
+    const size_t q_bytes = static_cast<size_t>(c.batch) * kNumDecodeVariants * kHq * kD * 2;
+    const size_t out_elems = static_cast<size_t>(c.batch) * kHq * kD;
+    CHECK_CUDA(cudaMalloc(&q, q_bytes));
+    FillRandomBf16(q, q_bytes);
+    CHECK_CUDA(cudaMalloc(&out, out_elems * 2));
+    CHECK_CUDA(cudaMalloc(&tables, pages * 4));
+    CHECK_CUDA(cudaMemcpy(tables, perm.data(), pages * 4, cudaMemcpyHostToDevice));
+    std::vector<int32_t> lens(c.batch, static_cast<int32_t>(c.ctx));
+    CHECK_CUDA(cudaMalloc(&lengths, c.batch * 4));
+    CHECK_CUDA(cudaMemcpy(lengths, lens.data(), c.batch * 4, cudaMemcpyHostToDevice));
+    size_t ws_floats = 0;
+    for (int vi : variants) {
+      ws_floats = std::max(ws_floats, DecodeWorkspaceFloats(g, c.batch,
+                                                            PlanDecodeSplits(g, c.batch, c.ctx,
+                                                                             num_sms, 0, vi)));
+    }
+    CHECK_CUDA(cudaMalloc(&ws, ws_floats * 4));
+    std::vector<uint16_t> first(out_elems), got(out_elems);
+    for (size_t vj = 0; vj < variants.size(); ++vj) {
+      const int vi = variants[vj];
+      const int32_t splits = PlanDecodeSplits(g, c.batch, c.ctx, num_sms, 0, vi);
+      auto params = [&](int set) {
+        CudaDecodeParams p;
+        p.kv.k = static_cast<Bf16*>(k);
+        p.kv.v = static_cast<Bf16*>(v);
+        p.kv.page_tables = static_cast<int32_t*>(tables) +
+                           static_cast<int64_t>(set) * c.batch * pages_per_seq;
+        p.kv.page_table_stride = pages_per_seq;
+        p.kv.page_size = kPageSize;
+        p.kv.num_kv_heads = kHkv;
+        p.kv.head_dim = kD;
+        p.lengths = static_cast<int32_t*>(lengths);
+        p.q = static_cast<Bf16*>(q);
+        p.out = out;
+        p.out_dtype = DType::kBf16;
+        p.batch = c.batch;
+        p.max_splits = splits;
+        p.variant = vi;
+        p.partial_out = static_cast<float*>(ws);
+        p.partial_lse = p.partial_out + static_cast<size_t>(c.batch) * kHq * splits * kD;
+        return p;
+      };
+      CHECK_CUDA(cudaMemset(out, 0xff, out_elems * 2));  // NaN: an unwritten output shows
+      const double ms = MedianMs(3, 30, [&](int i) {
+        CHECK_OK(LaunchDcaDecode(g, params(i % sets), nullptr));
+      });
+      // One more run on set 0 for the output comparison.
+      CHECK_OK(LaunchDcaDecode(g, params(0), nullptr));
+      CHECK_CUDA(cudaDeviceSynchronize());
+      std::vector<uint16_t>& dst = vj == 0 ? first : got;
+      CHECK_CUDA(cudaMemcpy(dst.data(), out, out_elems * 2, cudaMemcpyDeviceToHost));
+      double max_diff = 0;
+      for (size_t i = 0; i < out_elems; ++i) {
+        const double d = std::fabs(static_cast<double>(Bf16ToFloat(dst[i])) -
+                                   static_cast<double>(Bf16ToFloat(first[i])));
+        max_diff = std::isfinite(d) ? std::max(max_diff, d) : INFINITY;
+      }
+      const double gbs = step_bytes / (ms * 1e-3) / 1e9;
+      table[ci][vj] = gbs;
+      Emit("%-6d %-8lld %-16s %-7d %-5d %11.1f %9.0f %6.0f%% %10.3g\n", c.batch,
+           static_cast<long long>(c.ctx), DecodeVariantLabel(vi).c_str(), splits, sets, ms * 1e3,
+           gbs, 100.0 * gbs / copy_gbs, max_diff);
+    }
+    for (void* p : {q, out, tables, lengths, ws}) CHECK_CUDA(cudaFree(p));
+  }
+  CHECK_CUDA(cudaFree(k));
+  CHECK_CUDA(cudaFree(v));
+  // Compact table: GB/s (% of copy), '<' marks the row's best.
+  Emit("\n## Decode variants summary: GB/s (%% of copy %.0f GB/s); < = best in the row\n", copy_gbs);
+  Emit("%-11s", "batch x ctx");
+  for (int vi : variants) Emit(" %17s", DecodeVariantLabel(vi).c_str());
+  Emit("\n");
+  for (size_t ci = 0; ci < cases.size(); ++ci) {
+    char name[24];
+    std::snprintf(name, sizeof(name), "%d x %lldK", cases[ci].batch,
+                  static_cast<long long>(cases[ci].ctx / 1024));
+    Emit("%-11s", name);
+    const size_t best = static_cast<size_t>(
+        std::max_element(table[ci].begin(), table[ci].end()) - table[ci].begin());
+    for (size_t vj = 0; vj < variants.size(); ++vj) {
+      char cell[32];
+      std::snprintf(cell, sizeof(cell), "%.0f (%.0f%%)%s", table[ci][vj],
+                    100.0 * table[ci][vj] / copy_gbs, vj == best ? "<" : " ");
+      Emit(" %17s", cell);
+    }
+    Emit("\n");
+  }
+}
+
 }  // namespace
 }  // namespace attnd
 
 int main(int argc, char** argv) {
-  bool quick = false, prefill_only = false;
+  bool quick = false, prefill_only = false, decode_only = false;
   std::vector<int> variants;  // --variants 5,6,7: prefill variants to time (default all)
+  // --decode-variants 0,2,3: decode variants to time side by side (BenchDecodeVariants) instead of
+  // the kv_stages sweep; "all" = every kDecodeVariants entry.
+  std::vector<int> decode_variants;
+  auto parse_list = [](const std::string& list, std::vector<int>* out) {
+    for (size_t pos = 0; pos < list.size();) {
+      const size_t comma = std::min(list.find(',', pos), list.size());
+      out->push_back(std::atoi(list.substr(pos, comma - pos).c_str()));
+      pos = comma + 1;
+    }
+  };
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--prefill-only") == 0) prefill_only = true;
+    if (std::strcmp(argv[i], "--decode-only") == 0) decode_only = true;
     if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) attnd::g_out = std::fopen(argv[++i], "w");
-    if (std::strcmp(argv[i], "--variants") == 0 && i + 1 < argc) {
-      std::string list = argv[++i];
-      for (size_t pos = 0; pos < list.size();) {
-        const size_t comma = std::min(list.find(',', pos), list.size());
-        variants.push_back(std::atoi(list.substr(pos, comma - pos).c_str()));
-        pos = comma + 1;
+    if (std::strcmp(argv[i], "--variants") == 0 && i + 1 < argc) parse_list(argv[++i], &variants);
+    if (std::strcmp(argv[i], "--decode-variants") == 0 && i + 1 < argc) {
+      const std::string list = argv[++i];
+      if (list == "all") {
+        for (int v = 0; v < attnd::kNumDecodeKernelVariants; ++v) decode_variants.push_back(v);
+      } else {
+        parse_list(list, &decode_variants);
       }
+    }
+  }
+  for (int v : decode_variants) {
+    if (v < 0 || v >= attnd::kNumDecodeKernelVariants) {
+      std::fprintf(stderr, "dca_bench: decode variant %d not in 0..%d\n", v,
+                   attnd::kNumDecodeKernelVariants - 1);
+      return 2;
     }
   }
   int n = 0;
@@ -390,8 +561,14 @@ int main(int argc, char** argv) {
               prop.multiProcessorCount, prop.l2CacheSize / 1e6, prop.major, prop.minor);
   const double copy = attnd::CopyBandwidth();
   attnd::Emit("D2D copy bandwidth (4 GiB, read+write): %.0f GB/s\n", copy);
-  attnd::BenchPrefill(quick, variants);
-  if (!prefill_only) attnd::BenchDecode(quick, copy);
+  if (!decode_only) attnd::BenchPrefill(quick, variants);
+  if (!prefill_only) {
+    if (decode_variants.empty()) {
+      attnd::BenchDecode(quick, copy);
+    } else {
+      attnd::BenchDecodeVariants(quick, copy, decode_variants);
+    }
+  }
   if (attnd::g_out) std::fclose(attnd::g_out);
   return 0;
 }

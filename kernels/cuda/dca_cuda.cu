@@ -165,6 +165,70 @@ absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
   return absl::OkStatus();
 }
 
+// The pipelined/bulk decode kernel (kDecodePipelined, kDecodeBulk), then the same reduction.
+template <int D, int Warps, int Stages, bool Bulk>
+absl::Status LaunchDecodePipeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
+                                   cudaStream_t stream) {
+  cuda_kernels::DecodeArgs a;
+  a.kv = p.kv;
+  a.lengths = p.lengths;
+  a.q = p.q;
+  a.chunk_len = static_cast<int32_t>(g.chunk_len);
+  a.num_q_heads = g.num_q_heads;
+  a.group = g.group_size();
+  a.max_splits = p.max_splits;
+  a.orig = g.original_max_position_embeddings;
+  a.scale_log2 = g.softmax_scale * kLog2e;
+  a.partial_out = p.partial_out;
+  a.partial_lse = p.partial_lse;
+  const size_t smem = cuda_kernels::DecodePipeSmemBytes(D, Warps, Stages, Bulk, g.group_size());
+  ATTND_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(cuda_kernels::DcaDecodePipeKernel<D, Warps, Stages, Bulk>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  cuda_kernels::DcaDecodePipeKernel<D, Warps, Stages, Bulk>
+      <<<dim3(p.max_splits, g.num_kv_heads, p.batch), Warps * 32, smem, stream>>>(a);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodePipeKernel");
+  cuda_kernels::DcaDecodeReduceKernel<D><<<dim3(p.batch, g.num_q_heads), D, 0, stream>>>(
+      p.partial_out, p.partial_lse, p.max_splits, p.out, static_cast<int>(p.out_dtype));
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReduceKernel");
+  return absl::OkStatus();
+}
+
+template <int D>
+absl::Status LaunchDecodeVariant(const DcaGeometry& g, const CudaDecodeParams& p, int variant,
+                                 cudaStream_t stream) {
+  switch (variant) {  // kDecodeVariants
+    case 0: return LaunchDecodeTyped<D, 2>(g, p, stream);
+    case 1: return LaunchDecodeTyped<D, 4>(g, p, stream);
+    case 2: return LaunchDecodePipeTyped<D, 4, 2, false>(g, p, stream);
+    case 3: return LaunchDecodePipeTyped<D, 4, 3, false>(g, p, stream);
+    case 4: return LaunchDecodePipeTyped<D, 4, 4, false>(g, p, stream);
+    case 5: return LaunchDecodePipeTyped<D, 8, 2, false>(g, p, stream);
+    case 6: return LaunchDecodePipeTyped<D, 4, 3, true>(g, p, stream);
+    case 7: return LaunchDecodePipeTyped<D, 8, 2, true>(g, p, stream);
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("decode: variant ", variant, " unsupported"));
+  }
+}
+static_assert(kNumDecodeKernelVariants == 8, "LaunchDecodeVariant covers every kDecodeVariants entry");
+
+// Resident blocks per multiprocessor of decode variant v (228 KB of shared memory with 1 KB
+// reserved per block, 2048 threads, 64K registers at the -Xptxas -v counts rounded up: <= 160 per
+// thread at head_dim 128, <= 120 at 64).
+int DecodeVariantBlocksPerSm(const DcaGeometry& g, int v) {
+  const DecodeVariant& dv = kDecodeVariants[v];
+  const int d = g.head_dim == 64 ? 64 : 128;
+  if (dv.kernel == kDecodeSplit) return DecodeBlocksPerSm(d, dv.stages);
+  const size_t smem = cuda_kernels::DecodePipeSmemBytes(d, dv.warps, dv.stages,
+                                                        dv.kernel == kDecodeBulk,
+                                                        std::max(1, g.group_size())) +
+                      1024;
+  const int by_smem = static_cast<int>((228 * 1024) / smem);
+  const int by_threads = 2048 / (dv.warps * 32);
+  const int by_regs = 65536 / (dv.warps * 32 * (d == 128 ? 160 : 120));
+  return std::max(1, std::min({by_smem, by_threads, by_regs}));
+}
+
 absl::Status CheckDecode(const DcaGeometry& g, const CudaDecodeParams& p) {
   if (absl::Status s = CheckCudaGeometry(g); !s.ok()) return s;
   if (absl::Status s = CheckKv(g, p.kv.Seq(0)); !s.ok()) return s;
@@ -327,11 +391,22 @@ absl::Status LaunchDcaPrefillReference(const DcaGeometry& g, const CudaPrefillPa
   return absl::OkStatus();
 }
 
+int32_t ResolveDecodeVariant(int32_t kv_stages, int32_t variant) {
+  if (variant >= 0) return variant < kNumDecodeKernelVariants ? variant : -1;
+  if (variant != -1) return -1;
+  switch (kv_stages) {
+    case 0: return kDefaultDecodeVariant;
+    case 2: return 0;
+    case 4: return 1;
+    default: return -1;
+  }
+}
+
 int32_t PlanDecodeSplits(const DcaGeometry& g, int32_t batch, int64_t max_length,
-                         int32_t num_sms, int32_t kv_stages) {
-  const int stages = kv_stages == 0 ? kDefaultDecodeStages : kv_stages;
-  const int64_t resident = int64_t{std::max(1, num_sms)} *
-                           DecodeBlocksPerSm(g.head_dim == 64 ? 64 : 128, stages);
+                         int32_t num_sms, int32_t kv_stages, int32_t variant) {
+  int v = ResolveDecodeVariant(kv_stages, variant);
+  if (v < 0) v = kDefaultDecodeVariant;
+  const int64_t resident = int64_t{std::max(1, num_sms)} * DecodeVariantBlocksPerSm(g, v);
   const int64_t blocks = std::max<int64_t>(1, int64_t{batch} * std::max(1, g.num_kv_heads));
   const int64_t want = resident / blocks;  // splits that still fit in one wave
   const int64_t cap = std::max<int64_t>(1, (max_length + 255) / 256);
@@ -350,17 +425,15 @@ absl::Status LaunchDcaDecode(const DcaGeometry& g, const CudaDecodeParams& p,
       p.partial_lse == nullptr) {
     return absl::InvalidArgumentError("decode: bad max_splits or null workspace");
   }
-  const int stages = p.kv_stages == 0 ? kDefaultDecodeStages : p.kv_stages;
-  const bool d128 = g.head_dim == 128;
-  switch (stages) {  // the supported set: 2, 4
-    case 2:
-      return d128 ? LaunchDecodeTyped<128, 2>(g, p, stream) : LaunchDecodeTyped<64, 2>(g, p, stream);
-    case 4:
-      return d128 ? LaunchDecodeTyped<128, 4>(g, p, stream) : LaunchDecodeTyped<64, 4>(g, p, stream);
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("decode: kv_stages ", p.kv_stages,
-                                                     " unsupported (2 or 4)"));
+  const int v = ResolveDecodeVariant(p.kv_stages, p.variant);
+  if (v < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("decode: kv_stages ", p.kv_stages, " / variant ",
+                                                   p.variant,
+                                                   " unsupported (kv_stages 0, 2, 4; variant -1.. ",
+                                                   kNumDecodeKernelVariants - 1, ")"));
   }
+  return g.head_dim == 128 ? LaunchDecodeVariant<128>(g, p, v, stream)
+                           : LaunchDecodeVariant<64>(g, p, v, stream);
 }
 
 absl::Status LaunchDcaDecodeReference(const DcaGeometry& g, const CudaDecodeParams& p,

@@ -189,14 +189,48 @@ struct CudaDecodeParams {
   float* partial_out = nullptr;      // [batch, num_q_heads, max_splits, head_dim] workspace
   float* partial_lse = nullptr;      // [batch, num_q_heads, max_splits] workspace
   // cp.async stages of the split kernel: 0 = the default, else 2 or 4 (tests/benchmarks sweep it).
+  // Ignored when `variant` >= 0.
   int32_t kv_stages = 0;
+  // Decode kernel variant (tests/benchmarks sweep it): -1 = chosen by kv_stages (0: the default
+  // kDefaultDecodeVariant, 2: variant 0, 4: variant 1), else an index into kDecodeVariants.
+  int32_t variant = -1;
 };
 
-// Split-K plan for the split kernel with `kv_stages` (0 = default): as many splits as keep every
-// (batch x kv head x split) block resident in one wave on `num_sms` multiprocessors, at least 1,
-// with at least 256 keys per split at max_length. Host-only arithmetic.
+// Decode kernel families (kDecodeVariants[i].kernel):
+//   kDecodeSplit      DcaDecodeSplitKernel: K/V tiles of 64 keys in padded rows, one page-table
+//                     lookup per row right before its copies, two barriers per tile;
+//   kDecodePipelined  DcaDecodePipeKernel with 16-byte cp.async: 16 * warps keys per tile in
+//                     XOR-swizzled (unpadded) rows, page indices loaded one tile ahead, one barrier
+//                     per tile, the GQA group's queries kept compact (3 * group rows + a zero row);
+//   kDecodeBulk       the same kernel with one cp.async.bulk per K or V row (head_dim * 2 bytes)
+//                     into padded rows, completing on an mbarrier per ring slot.
+// All variants take the same workspace and produce the same results within the bf16 bars; the
+// launch configuration depends only on (batch, num_kv_heads, max_splits, the geometry).
+inline constexpr int32_t kDecodeSplit = 0;
+inline constexpr int32_t kDecodePipelined = 1;
+inline constexpr int32_t kDecodeBulk = 2;
+struct DecodeVariant {
+  int32_t warps;   // keys per tile = 16 * warps
+  int32_t stages;  // ring depth
+  int32_t kernel;
+};
+inline constexpr DecodeVariant kDecodeVariants[] = {
+    {4, 2, kDecodeSplit},     {4, 4, kDecodeSplit},     {4, 2, kDecodePipelined},
+    {4, 3, kDecodePipelined}, {4, 4, kDecodePipelined}, {8, 2, kDecodePipelined},
+    {4, 3, kDecodeBulk},      {8, 2, kDecodeBulk}};
+inline constexpr int kNumDecodeKernelVariants = 8;
+// {4, 2, split}: the kernel measured in bench/gpu/NOTES.md (~3.2-3.3 TB/s at large batch on the
+// H200). The others are candidates until a GPU run shows them exact and faster.
+inline constexpr int kDefaultDecodeVariant = 0;
+// The variant a (kv_stages, variant) pair of CudaDecodeParams selects, or -1 when unsupported.
+int32_t ResolveDecodeVariant(int32_t kv_stages, int32_t variant);
+
+// Split-K plan for the decode variant that (kv_stages, variant) selects (as in CudaDecodeParams;
+// both defaulted = kDefaultDecodeVariant): as many splits as keep every (batch x kv head x split)
+// block resident in one wave on `num_sms` multiprocessors, at least 1, with at least 256 keys per
+// split at max_length. Host-only arithmetic (shared memory and threads per block).
 int32_t PlanDecodeSplits(const DcaGeometry& geometry, int32_t batch, int64_t max_length,
-                         int32_t num_sms, int32_t kv_stages = 0);
+                         int32_t num_sms, int32_t kv_stages = 0, int32_t variant = -1);
 // Workspace floats needed for (batch, max_splits): partial_out then partial_lse.
 size_t DecodeWorkspaceFloats(const DcaGeometry& geometry, int32_t batch, int32_t max_splits);
 

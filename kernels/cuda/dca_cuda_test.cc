@@ -364,9 +364,20 @@ struct DecodeCase {
   int64_t max_len;
   DType in_dtype = DType::kBf16;
   DType out_dtype = DType::kFp32;
+  int padding_every = 0;  // > 0: every padding_every-th row is a length-0 padding row
 };
 
 void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
+
+// "w4s3 pipelined": a decode variant's fields and kernel family.
+std::string DecodeVariantLabel(int variant) {
+  const DecodeVariant& v = kDecodeVariants[variant];
+  const char* kernel = v.kernel == kDecodeSplit       ? "split"
+                       : v.kernel == kDecodePipelined ? "pipelined"
+                                                      : "bulk";
+  return "v" + std::to_string(variant) + " w" + std::to_string(v.warps) + "s" +
+         std::to_string(v.stages) + " " + kernel;
+}
 
 // Mixed lengths: the interesting ones first (1, page and chunk edges), then random.
 std::vector<int32_t> MixedLengths(const DecodeCase& c, std::mt19937* rng) {
@@ -380,6 +391,9 @@ std::vector<int32_t> MixedLengths(const DecodeCase& c, std::mt19937* rng) {
     out.push_back(static_cast<int32_t>(std::min(len, c.max_len)));
   }
   if (c.batch == 1) out[0] = static_cast<int32_t>(c.max_len);
+  if (c.padding_every > 0) {
+    for (int b = c.padding_every - 1; b < c.batch; b += c.padding_every) out[b] = 0;
+  }
   return out;
 }
 
@@ -424,7 +438,7 @@ TEST_P(DecodeTest, MatchesFp64Reference) {
   std::vector<std::vector<double>> keys(c.batch), values(c.batch);
   for (int b = 0; b < c.batch; ++b) {
     const int64_t hist = lengths[b] - 1;
-    if (hist == 0) continue;
+    if (hist <= 0) continue;  // length 1 (no history) or a padding row
     const double s = LengthScaleRef(hist, c.orig);
     std::vector<uint8_t> k_raw, v_raw;
     std::vector<double> k_val, v_val;
@@ -454,6 +468,7 @@ TEST_P(DecodeTest, MatchesFp64Reference) {
   RandomTensor(static_cast<size_t>(c.batch) * kNumDecodeVariants * c.hq * c.d, DType::kBf16, &rng,
                &q_raw, &q_val);
   for (int b = 0; b < c.batch; ++b) {
+    if (lengths[b] == 0) continue;  // padding: the append kernel skips it
     const double s = LengthScaleRef(lengths[b], c.orig);
     for (size_t i = 0; i < tok; ++i) {
       keys[b].push_back(s * k_val[b * tok + i]);
@@ -475,8 +490,9 @@ TEST_P(DecodeTest, MatchesFp64Reference) {
   ASSERT_TRUE(LaunchDecodeAppendKv(dap, nullptr).ok());
 
   // fp64 reference outputs.
-  std::vector<double> want(static_cast<size_t>(c.batch) * c.hq * c.d);
+  std::vector<double> want(static_cast<size_t>(c.batch) * c.hq * c.d, 0.0);  // padding rows: 0
   for (int b = 0; b < c.batch; ++b) {
+    if (lengths[b] == 0) continue;
     const double s = LengthScaleRef(lengths[b], c.orig);
     for (int h = 0; h < c.hq; ++h) {
       const double* q[3];
@@ -487,35 +503,10 @@ TEST_P(DecodeTest, MatchesFp64Reference) {
   }
 
   const size_t out_bytes = static_cast<size_t>(c.batch) * c.hq * c.d * ElementSize(c.out_dtype);
-  for (const int32_t stages : {2, 4})
-  for (const int32_t splits : {PlanDecodeSplits(g, c.batch, c.max_len, 132, stages), 1, 7, 64}) {
-    DevBuf out(out_bytes);
-    out.Poison();
-    DevBuf ws(DecodeWorkspaceFloats(g, c.batch, splits) * 4);
-    ws.Poison();
-    CudaDecodeParams dp;
-    dp.kv = kvb;
-    dp.lengths = d_lengths.get<int32_t>();
-    dp.q = dq.get<Bf16>();
-    dp.out = out.get();
-    dp.out_dtype = c.out_dtype;
-    dp.batch = c.batch;
-    dp.max_splits = splits;
-    dp.kv_stages = stages;
-    dp.partial_out = ws.get<float>();
-    dp.partial_lse = ws.get<float>() + static_cast<size_t>(c.batch) * c.hq * splits * c.d;
-    absl::Status st = LaunchDcaDecode(g, dp, nullptr);
-    ASSERT_TRUE(st.ok()) << st;
-    CUDA_ASSERT(cudaDeviceSynchronize());
-    CUDA_ASSERT(cudaGetLastError());
-    std::vector<uint8_t> raw(out_bytes);
-    CUDA_ASSERT(cudaMemcpy(raw.data(), out.get(), out_bytes, cudaMemcpyDeviceToHost));
-    const std::vector<float> got = ToFloat(raw, c.out_dtype);
-    ErrStats e;
-    for (size_t i = 0; i < want.size(); ++i) e.Add(got[i], want[i]);
-    ExpectWithinBars(e, c.name + " split-K stages=" + std::to_string(stages) +
-                            " max_splits=" + std::to_string(splits));
-  }
+  // The simple reference kernel first: checked against fp64, then every fast variant against it.
+  // (It leaves length-0 rows undefined; the fast kernels must write zeros there.)
+  const bool any_rows = std::any_of(lengths.begin(), lengths.end(), [](int32_t l) { return l > 0; });
+  std::vector<float> simple;
   {
     DevBuf out(out_bytes);
     out.Poison();
@@ -531,10 +522,57 @@ TEST_P(DecodeTest, MatchesFp64Reference) {
     CUDA_ASSERT(cudaDeviceSynchronize());
     std::vector<uint8_t> raw(out_bytes);
     CUDA_ASSERT(cudaMemcpy(raw.data(), out.get(), out_bytes, cudaMemcpyDeviceToHost));
-    const std::vector<float> got = ToFloat(raw, c.out_dtype);
+    simple = ToFloat(raw, c.out_dtype);
     ErrStats e;
-    for (size_t i = 0; i < want.size(); ++i) e.Add(got[i], want[i]);
-    ExpectWithinBars(e, c.name + " simple");
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (lengths[i / (static_cast<size_t>(c.hq) * c.d)] > 0) e.Add(simple[i], want[i]);
+    }
+    if (any_rows) ExpectWithinBars(e, c.name + " simple");
+  }
+  // Every fast variant at its planned split count and at 1, 7 and 64 splits (most empty at 64),
+  // into a NaN-poisoned output and workspace.
+  for (int variant = 0; variant < kNumDecodeKernelVariants; ++variant)
+  for (const int32_t splits :
+       {PlanDecodeSplits(g, c.batch, c.max_len, 132, 0, variant), 1, 7, 64}) {
+    const std::string what =
+        c.name + " " + DecodeVariantLabel(variant) + " max_splits=" + std::to_string(splits);
+    DevBuf out(out_bytes);
+    out.Poison();
+    DevBuf ws(DecodeWorkspaceFloats(g, c.batch, splits) * 4);
+    ws.Poison();
+    CudaDecodeParams dp;
+    dp.kv = kvb;
+    dp.lengths = d_lengths.get<int32_t>();
+    dp.q = dq.get<Bf16>();
+    dp.out = out.get();
+    dp.out_dtype = c.out_dtype;
+    dp.batch = c.batch;
+    dp.max_splits = splits;
+    dp.variant = variant;
+    dp.partial_out = ws.get<float>();
+    dp.partial_lse = ws.get<float>() + static_cast<size_t>(c.batch) * c.hq * splits * c.d;
+    absl::Status st = LaunchDcaDecode(g, dp, nullptr);
+    ASSERT_TRUE(st.ok()) << what << ": " << st;
+    CUDA_ASSERT(cudaDeviceSynchronize());
+    CUDA_ASSERT(cudaGetLastError());
+    std::vector<uint8_t> raw(out_bytes);
+    CUDA_ASSERT(cudaMemcpy(raw.data(), out.get(), out_bytes, cudaMemcpyDeviceToHost));
+    const std::vector<float> got = ToFloat(raw, c.out_dtype);
+    ErrStats e, vs_simple;
+    size_t padding_nonzero = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (lengths[i / (static_cast<size_t>(c.hq) * c.d)] == 0) {
+        padding_nonzero += got[i] != 0.f;  // padding rows: exactly 0 (NaN poison counts too)
+        continue;
+      }
+      e.Add(got[i], want[i]);
+      vs_simple.Add(got[i], simple[i]);
+    }
+    EXPECT_EQ(padding_nonzero, 0u) << what << ": length-0 rows must be zeros";
+    if (any_rows) {
+      ExpectWithinBars(e, what);
+      ExpectWithinBars(vs_simple, what + " vs simple");
+    }
   }
 }
 
@@ -549,7 +587,15 @@ INSTANTIATE_TEST_SUITE_P(
                       DecodeCase{"b37_gqa1_d64_scaled", 8, 8, 64, 128, 32, 150, 37, 600,
                                  DType::kFp16, DType::kBf16},
                       DecodeCase{"b20_14b", 40, 8, 128, 256, 16, 300, 20, 900},
-                      DecodeCase{"b9_gqa16", 32, 2, 128, 128, 64, 0, 9, 500}),
+                      DecodeCase{"b9_gqa16", 32, 2, 128, 128, 64, 0, 9, 500},
+                      // > 3 chunks, ~80 key tiles in one split (the rings wrap many times).
+                      DecodeCase{"b3_7b_5k", 28, 4, 128, 1024, 16, 0, 3, 5000},
+                      DecodeCase{"b40_7b_padding", 28, 4, 128, 128, 16, 0, 40, 520,
+                                 DType::kBf16, DType::kBf16, 3},
+                      DecodeCase{"b33_gqa7_d64_padding", 14, 2, 64, 96, 16, 0, 33, 400,
+                                 DType::kBf16, DType::kFp32, 4},
+                      DecodeCase{"b8_all_padding", 28, 4, 128, 128, 16, 0, 8, 300,
+                                 DType::kBf16, DType::kFp32, 1}),
     [](const ::testing::TestParamInfo<DecodeCase>& info) { return info.param.name; });
 
 // ---- host-only checks (run in CI without a GPU) ---------------------------------------------------
@@ -565,6 +611,27 @@ TEST(CudaGeometry, RejectsUnsupportedShapes) {
   EXPECT_NE(std::string(s.message()).find("group size"), std::string::npos) << s;
   EXPECT_TRUE(CheckCudaGeometry(Geometry(28, 4, 128, 253952, 262144)).ok());
   EXPECT_TRUE(CheckCudaGeometry(Geometry(8, 8, 64, 128, 0)).ok());
+}
+
+TEST(CudaDecodePlan, VariantSelection) {
+  EXPECT_EQ(ResolveDecodeVariant(0, -1), kDefaultDecodeVariant);
+  EXPECT_EQ(ResolveDecodeVariant(2, -1), 0);
+  EXPECT_EQ(ResolveDecodeVariant(4, -1), 1);
+  EXPECT_EQ(ResolveDecodeVariant(3, -1), -1);
+  EXPECT_EQ(ResolveDecodeVariant(4, 3), 3);  // variant wins over kv_stages
+  EXPECT_EQ(ResolveDecodeVariant(0, kNumDecodeKernelVariants), -1);
+  EXPECT_EQ(ResolveDecodeVariant(0, -2), -1);
+  const DcaGeometry g = Geometry(28, 4, 128, 253952, 262144);
+  for (int v = 0; v < kNumDecodeKernelVariants; ++v) {
+    EXPECT_EQ(PlanDecodeSplits(g, 1, 1, 132, 0, v), 1) << v;
+    EXPECT_LE(PlanDecodeSplits(g, 1, int64_t{1} << 30, 132, 0, v), 1024) << v;
+    EXPECT_GE(PlanDecodeSplits(g, 1, 1 << 20, 132, 0, v) * 4, 132) << v;
+  }
+  // Legacy callers (kv_stages only) plan exactly as before.
+  EXPECT_EQ(PlanDecodeSplits(g, 32, 32768, 132), PlanDecodeSplits(g, 32, 32768, 132, 2));
+  EXPECT_EQ(PlanDecodeSplits(g, 32, 32768, 132), 2);  // 2 blocks/SM x 132 / 128 blocks
+  // w4s2 pipelined fits 3 blocks per multiprocessor at group 7 (71.5 KB of shared memory).
+  EXPECT_EQ(PlanDecodeSplits(g, 32, 32768, 132, 0, 2), 3);
 }
 
 TEST(CudaDecodePlan, SplitsFillTheGpuAndStayBounded) {
