@@ -9,7 +9,10 @@ Small decode cases rotate over several k/v copies (>= 1 GiB) so repeated runs do
 Also a device-to-device copy (bytes = read + write).
 Timing: torch.cuda.Event around each call after warm-up; median.
 
-  python3 bench/gpu/sdpa_peer.py [--quick] [--out FILE]
+  python3 bench/gpu/sdpa_peer.py [--quick] [--prefill-only] [--backends cudnn,flash] [--out FILE]
+
+--prefill-only skips the decode table (and its copy-bandwidth line); --backends limits the SDPA
+backends timed (default: cudnn, flash, efficient).
 """
 import argparse
 import math
@@ -84,7 +87,7 @@ def run_sdpa(backend, q, k, v, causal):
     return expanded, "expanded-kv"
 
 
-def bench_prefill(quick):
+def bench_prefill(quick, backends):
     emit("\n## torch SDPA prefill (bf16, is_causal=True); FLOPs = 4*Hq*D*L(L+1)/2")
     emit(f"{'L':<8} {'backend':<10} {'gqa':<12} {'median_ms':>10} {'TFLOP/s':>9}")
     for L in ([8192] if quick else [8192, 32768, 131072]):
@@ -92,7 +95,7 @@ def bench_prefill(quick):
         k = torch.randn(1, HKV, L, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(1, HKV, L, D, device="cuda", dtype=torch.bfloat16)
         flops = 4.0 * HQ * D * L * (L + 1) / 2
-        for name, be in BACKENDS:
+        for name, be in backends:
             try:
                 fn, label = run_sdpa(be, q, k, v, True)
                 iters = 3 if L >= 131072 else 7
@@ -105,7 +108,7 @@ def bench_prefill(quick):
         torch.cuda.empty_cache()
 
 
-def bench_decode(quick, copy_gbs):
+def bench_decode(quick, copy_gbs, backends):
     emit("\n## torch SDPA decode (dense k/v, bf16, q_len 1); bytes = B*ctx*Hkv*D*2*2")
     emit(f"{'batch':<6} {'ctx':<8} {'backend':<10} {'gqa':<12} {'median_us':>10} {'GB/s':>7} {'%copy':>6}")
     cases = [(b, c) for b in (1, 8, 32, 128) for c in (4096, 32768, 131072)] + [(1, 1 << 20)]
@@ -117,7 +120,7 @@ def bench_decode(quick, copy_gbs):
         q = torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
         kvs = [(torch.randn(b, HKV, ctx, D, device="cuda", dtype=torch.bfloat16),
                 torch.randn(b, HKV, ctx, D, device="cuda", dtype=torch.bfloat16)) for _ in range(sets)]
-        for name, be in BACKENDS:
+        for name, be in backends:
             try:
                 fns = []
                 label = ""
@@ -139,16 +142,26 @@ def main():
     global OUT
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--prefill-only", action="store_true")
+    ap.add_argument("--backends", default=",".join(name for name, _ in BACKENDS))
     ap.add_argument("--out")
     args = ap.parse_args()
+    want = args.backends.split(",")
+    unknown = set(want) - {name for name, _ in BACKENDS}
+    if unknown:
+        ap.error(f"unknown backends {sorted(unknown)}")
+    backends = [(name, be) for name, be in BACKENDS if name in want]
     if args.out:
         OUT = open(args.out, "w")
     emit(f"# sdpa_peer: torch {torch.__version__}, {torch.cuda.get_device_name()}, "
          f"cudnn {torch.backends.cudnn.version()}")
+    if args.prefill_only:
+        bench_prefill(args.quick, backends)
+        return
     gbs = copy_bw()
     emit(f"D2D copy bandwidth (torch, 4 GiB, read+write): {gbs:.0f} GB/s")
-    bench_prefill(args.quick)
-    bench_decode(args.quick, gbs)
+    bench_prefill(args.quick, backends)
+    bench_decode(args.quick, gbs, backends)
 
 
 if __name__ == "__main__":
