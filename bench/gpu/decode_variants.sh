@@ -44,4 +44,17 @@ grep -E '^(batch|[0-9]+ +[0-9]+ )' "$out/dca_bench_decode.txt" 2>/dev/null |
   awk '$NF != "max_diff" && ($NF + 0 > 0.01 || $NF == "inf" || $NF == "nan") {
          print "  max_diff above 0.01 (vs the first variant): " $0 }'
 sed -n '/^## Decode variants summary/,$p' "$out/dca_bench_decode.txt" 2>/dev/null
+# SASS of the decode kernels (CPU only; this checkout's build machine has no cuobjdump): per kernel,
+# the copy, matrix, local-memory and barrier instruction counts; full SASS in the log folder.
+if command -v cuobjdump >/dev/null; then
+  cuobjdump -sass "$(command -v dca_bench)" 2>/dev/null |
+    awk '/Function : .*DcaDecode(Split|Pipe)Kernel/ { name = $3 }
+         /Function : / && !/DcaDecode(Split|Pipe)Kernel/ { name = "" }
+         name != "" { print > "/dev/stderr"; for (i = 1; i <= NF; ++i) if ($i ~ /^(LDGSTS|UBLKCP|LDL|STL|HMMA|LDSM|BAR|SYNCS|LDG)/) { split($i, op, "."); c[name " " op[1]]++ } }
+         END { for (k in c) print k, c[k] }' 2>"$out/decode_sass.txt" | sort >"$out/decode_sass_summary.txt"
+  echo "decode SASS counts (kernel opcode count; LDL/STL should be absent):"
+  sed 's/_ZN5attnd12cuda_kernels//' "$out/decode_sass_summary.txt" | grep -E 'Pipe|Split' | head -60 |
+    awk '{k = $1; sub(/EEEvNS0_10DecodeArgsE/, "", k); line[k] = line[k] " " $2 "=" $3 }
+         END { for (k in line) print "  " k ":" line[k] }' | sort
+fi
 exit $status
