@@ -86,7 +86,7 @@ if [[ $ncu_variants != none ]] && command -v ncu >/dev/null; then
     step "ncu variant $v"
     timeout 40 ncu --clock-control none -k regex:DcaPrefillWgmmaKernel --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-      --section ComputeWorkloadAnalysis --section LaunchStats \
+      --section ComputeWorkloadAnalysis --section LaunchStats --section SourceCounters \
       dca_bench --quick --prefill-only --variants "$v" >"$logs/ncu_v$v.txt" 2>&1 ||
       echo "ncu variant $v: exit $? (see ncu_v$v.txt)" >>"$logs/ncu_v$v.txt"
   done
@@ -160,7 +160,7 @@ PY
   for f in "$logs"/ncu_v*.txt; do
     [[ -e $f ]] || continue
     echo "== $(basename "$f")"
-    grep -E 'Duration|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|Registers Per|Eligible Warps|No Eligible|Tensor|exit' "$f" | head -14
+    grep -E 'Duration|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|Registers Per|Eligible Warps|No Eligible|Tensor|stalled|exit' "$f" | head -16
   done
   echo "GPU-call wall time of this script: $((SECONDS - t0)) s"
 } >"$logs/prefill_summary.txt"
