@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/dca_cuda.h"
+#include "kernels/cuda/device_common.cuh"
 
 namespace attnd {
 namespace cuda_kernels {
@@ -39,96 +40,18 @@ __device__ __forceinline__ int VariantOfKey(int64_t k_pos, int64_t prev, int64_t
   return kInter;
 }
 
-__device__ __forceinline__ float LoadAsFloat(const void* p, int dtype, int64_t i) {
-  switch (dtype) {
-    case static_cast<int>(DType::kBf16):
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case static_cast<int>(DType::kFp16):
-      return __half2float(static_cast<const __half*>(p)[i]);
-    default:
-      return static_cast<const float*>(p)[i];
-  }
-}
-
-// Stores two adjacent outputs (index i even) as out_dtype.
-__device__ __forceinline__ void StorePair(void* out, int dtype, int64_t i, float x, float y) {
-  switch (dtype) {
-    case static_cast<int>(DType::kBf16):
-      *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(out) + i) =
-          __floats2bfloat162_rn(x, y);
-      break;
-    case static_cast<int>(DType::kFp16):
-      *reinterpret_cast<__half2*>(static_cast<__half*>(out) + i) = __floats2half2_rn(x, y);
-      break;
-    default:
-      *reinterpret_cast<float2*>(static_cast<float*>(out) + i) = make_float2(x, y);
-  }
-}
-
-__device__ __forceinline__ void StoreOne(void* out, int dtype, int64_t i, float x) {
-  switch (dtype) {
-    case static_cast<int>(DType::kBf16):
-      static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(x);
-      break;
-    case static_cast<int>(DType::kFp16):
-      static_cast<__half*>(out)[i] = __float2half_rn(x);
-      break;
-    default:
-      static_cast<float*>(out)[i] = x;
-  }
-}
-
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte global->shared copy; when !valid the 16 bytes are zero-filled and nothing is read.
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
-  const int src_size = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(smem)), "l"(gmem),
-               "r"(src_size));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(smem)));
-}
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* smem) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(smem)));
-}
-
-__device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// Element offset of (pos, kv_head) in one layer's K or V region: PagedKv::Offset with 32-bit index
-// math (positions < 2^31) and a 64-bit final product (pools can exceed 2^31 elements).
-__device__ __forceinline__ int64_t PagedOffset(const PagedKv<Bf16>& kv, int32_t pos,
-                                               int32_t kv_head) {
-  const uint32_t ps = static_cast<uint32_t>(kv.page_size);
-  const uint32_t upos = static_cast<uint32_t>(pos);
-  const int64_t page = kv.page_table[upos / ps];
-  return ((page * kv.page_size + static_cast<int64_t>(upos % ps)) * kv.num_kv_heads + kv_head) *
-         kv.head_dim;
-}
+using cuda_common::CpAsync16;
+using cuda_common::CpAsyncCommit;
+using cuda_common::CpAsyncWait;
+using cuda_common::LdMatrixX4;
+using cuda_common::LdMatrixX4Trans;
+using cuda_common::LoadAsFloat;
+using cuda_common::Mma16816;
+using cuda_common::PackBf16;
+using cuda_common::PagedOffset;
+using cuda_common::SmemAddr;
+using cuda_common::StoreOne;
+using cuda_common::StorePair;
 
 // Loads K and V rows [k0, k0 + BN) of kv_head into shared tiles [BN][D + 8]; rows at or past k_hi
 // are zero-filled and never read from global memory.
