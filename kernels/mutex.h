@@ -11,7 +11,7 @@
 // The API is the subset of absl's that attnd uses, with the same thread-safety annotations, so
 // ABSL_GUARDED_BY / ABSL_EXCLUSIVE_LOCKS_REQUIRED keep working under clang's -Wthread-safety.
 // Mutex::Await keeps absl's meaning: the condition is re-checked whenever another thread releases
-// the mutex, so nobody has to signal it by hand.
+// the mutex (Unlock, or a wait in Await or CondVar), so nobody has to signal it by hand.
 #ifndef ATTND_KERNELS_MUTEX_H_
 #define ATTND_KERNELS_MUTEX_H_
 
@@ -37,7 +37,7 @@ class ABSL_LOCKABLE Mutex {
   // Wakes the threads in Await (before releasing: the mutex may be destroyed as soon as an
   // awaiting thread sees its condition true, e.g. a destructor waiting for idle).
   void Unlock() ABSL_UNLOCK_FUNCTION() {
-    if (awaiting_ > 0) changed_.notify_all();
+    WakeAwaiters();
     mu_.unlock();
   }
   bool TryLock() ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true) { return mu_.try_lock(); }
@@ -49,9 +49,16 @@ class ABSL_LOCKABLE Mutex {
   template <typename Cond>
   void Await(const Cond& cond) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     std::unique_lock<std::mutex> lock(mu_, std::adopt_lock);
-    ++awaiting_;
-    while (!cond()) changed_.wait(lock);
-    --awaiting_;
+    // Waiting releases the mutex, and the caller may have changed what others await: wake them
+    // once (not on every re-wait, or two awaiters would wake each other forever).
+    if (!cond()) {
+      WakeAwaiters();
+      ++awaiting_;
+      do {
+        changed_.wait(lock);
+      } while (!cond());
+      --awaiting_;
+    }
     lock.release();  // still held: the caller's MutexLock unlocks it
   }
   // Await for at most `timeout`; returns cond() (false: timed out with cond still false).
@@ -60,11 +67,14 @@ class ABSL_LOCKABLE Mutex {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     const auto deadline = Deadline(timeout);
     std::unique_lock<std::mutex> lock(mu_, std::adopt_lock);
-    ++awaiting_;
     bool ok = cond();
-    while (!ok && changed_.wait_until(lock, deadline) == std::cv_status::no_timeout) ok = cond();
-    if (!ok) ok = cond();
-    --awaiting_;
+    if (!ok) {
+      WakeAwaiters();
+      ++awaiting_;
+      while (!ok && changed_.wait_until(lock, deadline) == std::cv_status::no_timeout) ok = cond();
+      if (!ok) ok = cond();
+      --awaiting_;
+    }
     lock.release();
     return ok;
   }
@@ -72,11 +82,16 @@ class ABSL_LOCKABLE Mutex {
  private:
   friend class CondVar;
 
+  // With mu_ held, about to release it: lets the threads in Await re-check their conditions.
+  void WakeAwaiters() {
+    if (awaiting_ > 0) changed_.notify_all();
+  }
+
   // now + timeout on the steady clock, saturating (InfiniteDuration: a century).
   static std::chrono::steady_clock::time_point Deadline(absl::Duration timeout) {
     const absl::Duration capped = std::min(timeout, absl::Hours(24 * 365 * 100));
-    return std::chrono::steady_clock::now() +
-           std::chrono::nanoseconds(absl::ToInt64Nanoseconds(std::max(capped, absl::ZeroDuration())));
+    return std::chrono::steady_clock::now() + std::chrono::nanoseconds(absl::ToInt64Nanoseconds(
+                                                  std::max(capped, absl::ZeroDuration())));
   }
 
   std::mutex mu_;
@@ -102,6 +117,7 @@ class CondVar {
  public:
   // mu must be held; it is released while waiting and held again on return. May wake spuriously.
   void Wait(Mutex* mu) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    mu->WakeAwaiters();  // like Unlock: the mutex is released while this waits
     std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
     cv_.wait(lock);
     lock.release();
@@ -112,8 +128,10 @@ class CondVar {
       Wait(mu);
       return false;
     }
+    mu->WakeAwaiters();
     std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
-    const bool timed_out = cv_.wait_until(lock, Mutex::Deadline(timeout)) == std::cv_status::timeout;
+    const bool timed_out =
+        cv_.wait_until(lock, Mutex::Deadline(timeout)) == std::cv_status::timeout;
     lock.release();
     return timed_out;
   }

@@ -8,7 +8,6 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-
 #include "kernels/mutex.h"
 
 namespace attnd {

@@ -5,7 +5,6 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-
 #include "kernels/mutex.h"
 
 namespace attnd {

@@ -19,7 +19,6 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-
 #include "kernels/mutex.h"
 
 namespace attnd {

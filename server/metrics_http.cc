@@ -10,7 +10,6 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-
 #include "kernels/mutex.h"
 
 namespace attnd {

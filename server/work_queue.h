@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "absl/status/status.h"
-
 #include "kernels/mutex.h"
 
 namespace attnd {
@@ -55,7 +54,7 @@ class WorkQueue {
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;  // workers exit once the queue is empty
-  Mutex join_mu_;                         // serialises Shutdown callers
+  Mutex join_mu_;                               // serialises Shutdown callers
   std::vector<std::thread> workers_;
 };
 
