@@ -9,9 +9,11 @@ Small decode cases rotate over several k/v copies (>= 1 GiB) so repeated runs do
 Also a device-to-device copy (bytes = read + write).
 Timing: torch.cuda.Event around each call after warm-up; median.
 
-  python3 bench/gpu/sdpa_peer.py [--quick] [--prefill-only] [--backends cudnn,flash] [--out FILE]
+  python3 bench/gpu/sdpa_peer.py [--quick] [--prefill-only | --decode-only] [--backends cudnn,flash]
+                                 [--out FILE]
 
---prefill-only skips the decode table (and its copy-bandwidth line); --backends limits the SDPA
+--prefill-only skips the decode table (and its copy-bandwidth line), --decode-only the prefill
+table; --backends limits the SDPA
 backends timed (default: cudnn, flash, efficient).
 """
 import argparse
@@ -143,6 +145,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--prefill-only", action="store_true")
+    ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--backends", default=",".join(name for name, _ in BACKENDS))
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -160,7 +163,8 @@ def main():
         return
     gbs = copy_bw()
     emit(f"D2D copy bandwidth (torch, 4 GiB, read+write): {gbs:.0f} GB/s")
-    bench_prefill(args.quick, backends)
+    if not args.decode_only:
+        bench_prefill(args.quick, backends)
     bench_decode(args.quick, gbs, backends)
 
 
