@@ -577,7 +577,8 @@ absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t 
   dp.batch = rows;
   // Planned for the batch's captured size and the longest sequence the pool holds: the same
   // split layout whether this step is replayed or launched, whatever the lengths are.
-  dp.max_splits = PlanDecodeSplits(geometry_, plan, max_length_, num_sms_);
+  dp.variant = DefaultDecodeVariant(geometry_, plan, num_sms_);  // no device query in a capture
+  dp.max_splits = PlanDecodeSplits(geometry_, plan, max_length_, num_sms_, 0, dp.variant);
   if (DecodeWorkspaceFloats(geometry_, rows, dp.max_splits) > workspace_floats_) {
     return absl::InternalError("cuda engine: decode workspace too small");
   }

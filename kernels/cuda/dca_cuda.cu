@@ -402,9 +402,17 @@ int32_t ResolveDecodeVariant(int32_t kv_stages, int32_t variant) {
   }
 }
 
+int32_t DefaultDecodeVariant(const DcaGeometry& g, int32_t batch, int32_t num_sms) {
+  const int64_t blocks = int64_t{std::max(1, batch)} * std::max(1, g.num_kv_heads);
+  const int64_t one_wave =
+      int64_t{std::max(1, num_sms)} * DecodeVariantBlocksPerSm(g, kDefaultDecodeVariant);
+  return blocks > one_wave ? kDefaultLargeBatchDecodeVariant : kDefaultDecodeVariant;
+}
+
 int32_t PlanDecodeSplits(const DcaGeometry& g, int32_t batch, int64_t max_length,
                          int32_t num_sms, int32_t kv_stages, int32_t variant) {
-  int v = ResolveDecodeVariant(kv_stages, variant);
+  int v = kv_stages == 0 && variant == -1 ? DefaultDecodeVariant(g, batch, num_sms)
+                                          : ResolveDecodeVariant(kv_stages, variant);
   if (v < 0) v = kDefaultDecodeVariant;
   const int64_t resident = int64_t{std::max(1, num_sms)} * DecodeVariantBlocksPerSm(g, v);
   const int64_t blocks = std::max<int64_t>(1, int64_t{batch} * std::max(1, g.num_kv_heads));
@@ -425,7 +433,16 @@ absl::Status LaunchDcaDecode(const DcaGeometry& g, const CudaDecodeParams& p,
       p.partial_lse == nullptr) {
     return absl::InvalidArgumentError("decode: bad max_splits or null workspace");
   }
-  const int v = ResolveDecodeVariant(p.kv_stages, p.variant);
+  int v = ResolveDecodeVariant(p.kv_stages, p.variant);
+  if (p.kv_stages == 0 && p.variant == -1) {  // the batch-aware default, as PlanDecodeSplits chose
+    int device = 0, num_sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InternalError("decode: cannot read the device's multiprocessor count");
+    }
+    v = DefaultDecodeVariant(g, p.batch, num_sms);
+  }
   if (v < 0) {
     return absl::InvalidArgumentError(absl::StrCat("decode: kv_stages ", p.kv_stages, " / variant ",
                                                    p.variant,

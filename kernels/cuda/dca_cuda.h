@@ -157,9 +157,11 @@ inline constexpr PrefillVariant kPrefillVariants[] = {
     {12, 3, 1, 128, kPrefillWgmmaAsyncLate}};
 inline constexpr int kNumPrefillVariants = 15;
 inline constexpr int kFallbackPrefillVariant = 5;  // {4, 2, 2, 64}: fastest mma.sync (NOTES.md)
-// {12, 3, 1, 128} warp-specialised wgmma: fastest measured on the H200 (~390-400 TFLOP/s at 32K and
-// 128K vs ~235 for the fallback, bench/gpu/NOTES.md) and within the bf16 bars in every test.
-inline constexpr int kDefaultPrefillVariant = 9;
+// {12, 3, 1, 128} warp-specialised wgmma with the asynchronous producer, softmax/P.V overlap and
+// ping-pong between the consumer warpgroups: fastest measured on the H200 (528-577 TFLOP/s at 32K,
+// 541 at 128K, vs 390-406 for variant 9 and ~235 for the mma.sync fallback; bench/gpu/NOTES.md)
+// and within the bf16 bars in every test.
+inline constexpr int kDefaultPrefillVariant = 13;
 inline constexpr int kDefaultDecodeStages = 2;
 
 // Fused tensor-core kernel: one launch covers every piece and the three stages. Grid: one block per
@@ -191,8 +193,8 @@ struct CudaDecodeParams {
   // cp.async stages of the split kernel: 0 = the default, else 2 or 4 (tests/benchmarks sweep it).
   // Ignored when `variant` >= 0.
   int32_t kv_stages = 0;
-  // Decode kernel variant (tests/benchmarks sweep it): -1 = chosen by kv_stages (0: the default
-  // kDefaultDecodeVariant, 2: variant 0, 4: variant 1), else an index into kDecodeVariants.
+  // Decode kernel variant (tests/benchmarks sweep it): -1 = chosen by kv_stages (0: the default,
+  // DefaultDecodeVariant(batch); 2: variant 0; 4: variant 1), else an index into kDecodeVariants.
   int32_t variant = -1;
 };
 
@@ -219,14 +221,20 @@ inline constexpr DecodeVariant kDecodeVariants[] = {
     {4, 3, kDecodePipelined}, {4, 4, kDecodePipelined}, {8, 2, kDecodePipelined},
     {4, 3, kDecodeBulk},      {8, 2, kDecodeBulk}};
 inline constexpr int kNumDecodeKernelVariants = 8;
-// {4, 2, split}: the kernel measured in bench/gpu/NOTES.md (~3.2-3.3 TB/s at large batch on the
-// H200). The others are candidates until a GPU run shows them exact and faster.
-inline constexpr int kDefaultDecodeVariant = 0;
-// The variant a (kv_stages, variant) pair of CudaDecodeParams selects, or -1 when unsupported.
+// The default (kv_stages 0, variant -1) depends on the batch, as measured on the H200
+// (bench/gpu/NOTES.md, "Decode variants"): {4, 2, pipelined} while every (sequence, kv head) block
+// fits one wave at that variant's occupancy (4.2-4.5 TB/s at batch 8-32, 99% of copy bandwidth at
+// 1 x 1M), {4, 3, pipelined} past it (90-98% at batch 128, where the 2-stage ring falls to 75%).
+inline constexpr int kDefaultDecodeVariant = 2;
+inline constexpr int kDefaultLargeBatchDecodeVariant = 3;
+// The default variant for `batch` sequences on `num_sms` multiprocessors (host arithmetic).
+int32_t DefaultDecodeVariant(const DcaGeometry& geometry, int32_t batch, int32_t num_sms);
+// The variant a (kv_stages, variant) pair of CudaDecodeParams selects, or -1 when unsupported;
+// (0, -1) gives kDefaultDecodeVariant here (the batch-aware choice is DefaultDecodeVariant's).
 int32_t ResolveDecodeVariant(int32_t kv_stages, int32_t variant);
 
 // Split-K plan for the decode variant that (kv_stages, variant) selects (as in CudaDecodeParams;
-// both defaulted = kDefaultDecodeVariant): as many splits as keep every (batch x kv head x split)
+// both defaulted = DefaultDecodeVariant(batch)): as many splits as keep every (batch x kv head x split)
 // block resident in one wave on `num_sms` multiprocessors, at least 1, with at least 256 keys per
 // split at max_length. Host-only arithmetic (shared memory and threads per block).
 int32_t PlanDecodeSplits(const DcaGeometry& geometry, int32_t batch, int64_t max_length,

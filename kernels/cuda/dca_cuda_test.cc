@@ -627,11 +627,18 @@ TEST(CudaDecodePlan, VariantSelection) {
     EXPECT_LE(PlanDecodeSplits(g, 1, int64_t{1} << 30, 132, 0, v), 1024) << v;
     EXPECT_GE(PlanDecodeSplits(g, 1, 1 << 20, 132, 0, v) * 4, 132) << v;
   }
-  // Legacy callers (kv_stages only) plan exactly as before.
-  EXPECT_EQ(PlanDecodeSplits(g, 32, 32768, 132), PlanDecodeSplits(g, 32, 32768, 132, 2));
-  EXPECT_EQ(PlanDecodeSplits(g, 32, 32768, 132), 2);  // 2 blocks/SM x 132 / 128 blocks
+  // kv_stages 2 keeps the split kernel: 2 blocks/SM x 132 / 128 blocks.
+  EXPECT_EQ(PlanDecodeSplits(g, 32, 32768, 132, 2), 2);
   // w4s2 pipelined fits 3 blocks per multiprocessor at group 7 (71.5 KB of shared memory).
   EXPECT_EQ(PlanDecodeSplits(g, 32, 32768, 132, 0, 2), 3);
+  // The default is batch-aware: w4s2 pipelined while batch x kv heads fits its one wave (3 x 132
+  // = 396 blocks), w4s3 pipelined past it; the default plan is that variant's plan.
+  EXPECT_EQ(DefaultDecodeVariant(g, 1, 132), kDefaultDecodeVariant);
+  EXPECT_EQ(DefaultDecodeVariant(g, 99, 132), kDefaultDecodeVariant);
+  EXPECT_EQ(DefaultDecodeVariant(g, 100, 132), kDefaultLargeBatchDecodeVariant);
+  EXPECT_EQ(DefaultDecodeVariant(g, 256, 132), kDefaultLargeBatchDecodeVariant);
+  EXPECT_EQ(PlanDecodeSplits(g, 32, 32768, 132), PlanDecodeSplits(g, 32, 32768, 132, 0, 2));
+  EXPECT_EQ(PlanDecodeSplits(g, 128, 32768, 132), PlanDecodeSplits(g, 128, 32768, 132, 0, 3));
 }
 
 TEST(CudaDecodePlan, SplitsFillTheGpuAndStayBounded) {
