@@ -12,11 +12,11 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/dca_cuda.h"
 #include "kernels/cuda/sparse_cuda.h"
 #include "kernels/dtype.h"
+#include "kernels/mutex.h"
 #include "kernels/status_macros.h"
 #include "spdlog/spdlog.h"
 
@@ -141,7 +141,7 @@ class CudaEngine : public Engine {
   int32_t num_sms_ = 0;
   DevicePtr pool_;
 
-  absl::Mutex mu_;  // one job at a time: one stream, one set of staging buffers
+  Mutex mu_;  // one job at a time: one stream, one set of staging buffers
   cudaStream_t stream_ ABSL_GUARDED_BY(mu_) = nullptr;
 
   // Prefill: one chunk of at most max_chunk_ tokens. Host and device buffers mirror each other:
@@ -226,7 +226,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CudaEngine::Create(const CudaEngineOptio
 }
 
 absl::Status CudaEngine::Init(int64_t staging_bytes) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   cudaDeviceProp prop;
   ATTND_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
@@ -328,7 +328,7 @@ absl::Status CudaEngine::CaptureDecodeGraphs() {
 }
 
 CudaEngine::~CudaEngine() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (stream_ != nullptr) {
     cudaStreamSynchronize(stream_);
     for (cudaGraphExec_t exec : graphs_) cudaGraphExecDestroy(exec);
@@ -409,7 +409,7 @@ absl::Status CudaEngine::Prefill(const PrefillJob& job) {
         "got ", t, "; send the prompt in smaller Prefill calls"));
   }
 
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   std::memcpy(h_table_.get(), job.page_table, job.num_pages * 4);
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_table_.get(), h_table_.get(), job.num_pages * 4,
@@ -534,7 +534,7 @@ absl::Status CudaEngine::Decode(const DecodeJob& job) {
     }
   }
   if (job.entries.empty()) return absl::OkStatus();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   for (size_t first = 0; first < job.entries.size(); first += max_decode_batch_) {
     ATTND_RETURN_IF_ERROR(DecodeBatch(
