@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cuda/testing/gpu_test.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
 #include "kernels/testing/naive_dca.h"
@@ -25,28 +26,6 @@
 
 namespace attnd {
 namespace {
-
-bool GpuPresent(std::string* why) {
-  int n = 0;
-  const cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess) {
-    *why = std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(err);
-    return false;
-  }
-  if (n == 0) *why = "no CUDA device";
-  return n > 0;
-}
-
-#define REQUIRE_GPU()                                                               \
-  do {                                                                              \
-    std::string why_;                                                               \
-    if (!GpuPresent(&why_)) {                                                       \
-      std::fprintf(stderr, "*** SKIPPING GPU TEST %s: %s ***\n",                    \
-                   ::testing::UnitTest::GetInstance()->current_test_info()->name(), \
-                   why_.c_str());                                                   \
-      GTEST_SKIP() << "no usable CUDA device: " << why_;                            \
-    }                                                                               \
-  } while (0)
 
 DcaGeometry TestGeometry() {
   DcaGeometry g;
@@ -93,7 +72,7 @@ TEST(CudaEngineOptions, RejectsUnsupportedConfigurations) {
 
 TEST(CudaEngineOptions, NoDeviceIsFailedPrecondition) {
   std::string why;
-  if (GpuPresent(&why)) {
+  if (gpu_test::GpuPresent(&why)) {
     std::fprintf(stderr, "*** a CUDA device is present: checking creation succeeds instead ***\n");
     auto e = CreateCudaEngine(TestOptions());
     ASSERT_TRUE(e.ok()) << e.status();

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu/bench_util.h"
 #include "kernels/cuda/dca_cuda.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
@@ -36,22 +37,6 @@
 namespace attnd {
 namespace {
 
-#define CHECK_CUDA(expr)                                                                    \
-  do {                                                                                      \
-    const cudaError_t e_ = (expr);                                                          \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
-#define CHECK_OK(expr)                                                              \
-  do {                                                                              \
-    const absl::Status s_ = (expr);                                                 \
-    if (!s_.ok()) {                                                                 \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
 
 constexpr int kHq = 28, kHkv = 4, kD = 128, kPageSize = 16;
 constexpr int64_t kRealChunkLen = 253952;

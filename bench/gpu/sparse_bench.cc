@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu/bench_util.h"
 #include "bench/gpu/sparse_bench_data.h"
 #include "kernels/cuda/dca_cuda.h"
 #include "kernels/cuda/sparse_cuda.h"
@@ -41,22 +42,6 @@
 namespace attnd {
 namespace {
 
-#define CHECK_CUDA(expr)                                                                    \
-  do {                                                                                      \
-    const cudaError_t e_ = (expr);                                                          \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
-#define CHECK_OK(expr)                                                              \
-  do {                                                                              \
-    const absl::Status s_ = (expr);                                                 \
-    if (!s_.ok()) {                                                                 \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
 
 constexpr int kHq = 28, kHkv = 4, kD = 128, kPage = 16;
 constexpr int64_t kChunkLen = 253952, kOrig = 262144;

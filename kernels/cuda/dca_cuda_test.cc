@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cuda/testing/gpu_test.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
@@ -26,31 +27,6 @@ namespace {
 
 constexpr double kMaxAbsBar = 2e-2;   // DCA.md: bf16 vs fp32/fp64 reference
 constexpr double kMeanAbsBar = 2e-3;
-
-bool GpuPresent(std::string* why) {
-  int n = 0;
-  const cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess) {
-    *why = std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(err);
-    return false;
-  }
-  if (n == 0) {
-    *why = "no CUDA device";
-    return false;
-  }
-  return true;
-}
-
-#define REQUIRE_GPU()                                                                        \
-  do {                                                                                       \
-    std::string why_;                                                                        \
-    if (!GpuPresent(&why_)) {                                                                \
-      std::fprintf(stderr, "*** SKIPPING GPU TEST %s: %s ***\n",                             \
-                   ::testing::UnitTest::GetInstance()->current_test_info()->name(),          \
-                   why_.c_str());                                                            \
-      GTEST_SKIP() << "no usable CUDA device: " << why_;                                     \
-    }                                                                                        \
-  } while (0)
 
 #define CUDA_ASSERT(expr) ASSERT_EQ(cudaSuccess, (expr)) << #expr << ": " << cudaGetErrorString(expr)
 
