@@ -22,33 +22,16 @@
 #include "kernels/testing/naive_dca.h"
 #include "server/model_config.h"
 #include "server/server.h"
+#include "server/test_models.h"
 
 namespace attnd {
 namespace {
 
 constexpr int kHq = 4, kHkv = 2, kD = 64;  // configs/tiny
 
-ModelConfig TinyModel() {
-  ModelConfig m;
-  m.name = "tiny";
-  m.num_layers = 2;
-  m.num_q_heads = kHq;
-  m.num_kv_heads = kHkv;
-  m.head_dim = kD;
-  m.max_position_embeddings = 4096;
-  m.chunk_size = 160;
-  m.local_size = 32;
-  m.original_max_position_embeddings = 256;
-  m.softmax_scale = 0.125f;
-  return m;
-}
+using test_models::RandomFloats;
+using test_models::TinyModel;
 
-std::vector<float> RandomFloats(int64_t n, std::mt19937* rng) {
-  std::normal_distribution<float> dist(0.f, 1.f);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(*rng);
-  return v;
-}
 
 ServerOptions TinyServerOptions(int clients) {
   ServerOptions o;

@@ -32,6 +32,7 @@
 #include "server/engine_factory.h"
 #include "server/model_config.h"
 #include "server/runtime.h"
+#include "server/test_models.h"
 #include "server/work_queue.h"
 
 namespace attnd {
@@ -832,27 +833,9 @@ TEST(BatcherStressTest, ConcurrentSubmittersKeepEveryInvariant) {
 
 constexpr int kHq = 4, kHkv = 2, kD = 64;
 
-ModelConfig TinyModel() {
-  ModelConfig m;
-  m.name = "tiny";
-  m.num_layers = 2;
-  m.num_q_heads = kHq;
-  m.num_kv_heads = kHkv;
-  m.head_dim = kD;
-  m.max_position_embeddings = 4096;
-  m.chunk_size = 160;
-  m.local_size = 32;
-  m.original_max_position_embeddings = 256;
-  m.softmax_scale = 0.125f;
-  return m;
-}
+using test_models::RandomFloats;
+using test_models::TinyModel;
 
-std::vector<float> RandomFloats(int64_t n, std::mt19937* rng) {
-  std::normal_distribution<float> dist(0.f, 1.f);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(*rng);
-  return v;
-}
 
 absl::string_view Bytes(const std::vector<float>& v) {
   return absl::string_view(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));

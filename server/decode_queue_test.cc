@@ -13,25 +13,13 @@
 #include "server/engine_factory.h"
 #include "server/model_config.h"
 #include "server/runtime.h"
+#include "server/test_models.h"
 #include "server/work_queue.h"
 
 namespace attnd {
 namespace {
 
-ModelConfig TinyModel() {
-  ModelConfig m;
-  m.name = "tiny";
-  m.num_layers = 2;
-  m.num_q_heads = 4;
-  m.num_kv_heads = 2;
-  m.head_dim = 64;
-  m.max_position_embeddings = 4096;
-  m.chunk_size = 160;
-  m.local_size = 32;
-  m.original_max_position_embeddings = 256;
-  m.softmax_scale = 0.125f;
-  return m;
-}
+using test_models::TinyModel;
 
 std::unique_ptr<Runtime> MakeRuntime() {
   EngineOptions eo;

@@ -19,6 +19,7 @@
 #include "server/engine.h"
 #include "server/engine_factory.h"
 #include "server/model_config.h"
+#include "server/test_models.h"
 
 namespace attnd {
 namespace {
@@ -27,20 +28,7 @@ constexpr int kHq = 4, kHkv = 2, kD = 64;
 constexpr int64_t kPageBytes = 32768;  // 2 layers x K,V x 16 tokens x 2 heads x 64 x fp32
 constexpr int64_t kMaxLen = 512;
 
-ModelConfig TinyModel() {
-  ModelConfig m;
-  m.name = "tiny";
-  m.num_layers = 2;
-  m.num_q_heads = kHq;
-  m.num_kv_heads = kHkv;
-  m.head_dim = kD;
-  m.max_position_embeddings = 4096;
-  m.chunk_size = 160;
-  m.local_size = 32;
-  m.original_max_position_embeddings = 256;
-  m.softmax_scale = 0.125f;
-  return m;
-}
+using test_models::TinyModel;
 
 // Delegates to a real engine; fails every job while `fail` is set, after the runtime has reserved
 // pages, which is what a device error looks like.
