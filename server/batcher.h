@@ -11,8 +11,9 @@
 //     overtaken by a later one of its key, so nobody starves: a call waits at most for the entries
 //     queued ahead of it. A single call larger than max_decode_batch runs alone (calls are
 //     all-or-nothing, so they are never split).
-//   * At most max_inflight_batches batches per key run at a time (default 1: while a layer's batch
-//     runs, the next one accumulates, which is what makes batches grow under load).
+//   * At most max_inflight_batches batches per key run at a time (1 here; the server's
+//     --decode-batches-in-flight defaults to 2): while a layer's batches run, the next one
+//     accumulates, which is what makes batches grow under load.
 //   * When a slot is free the batch launches at once if it was closed (the next call would pass
 //     max_decode_batch or repeats a sequence), is full, or its size is one of the captured sizes;
 //     otherwise it waits until its oldest call has waited max_queue_delay (0 = never wait).
