@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kernels/dtype.h"
+#include "kernels/simd_math.h"
 
 namespace attnd {
 namespace {
@@ -30,149 +31,27 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // SIMD. Binaries are built for baseline x86-64 (no -march), where SSE2 is guaranteed; AVX2+FMA
 // is chosen at run time when the CPU has it. The math is written once over GCC vector extensions
-// (which keep accumulators in registers; auto-vectorized reductions at -O2 spill them) and
-// instantiated per width. The helpers are always_inline so that, inlined into the
-// target("avx2,fma") entry points below, they are compiled for AVX2; nothing shared with other
-// translation units is ever compiled with AVX2.
+// (kernels/simd_math.h, shared with the sparse kernels) and instantiated per width. The helpers
+// are always_inline so that, inlined into the target("avx2,fma") entry points below, they are
+// compiled for AVX2; nothing shared with other translation units is ever compiled with AVX2.
+// The vector paths here need head_dim % (2 * lanes) == 0; the dispatcher only picks a width that
+// divides it.
 // -Wpsabi warns that passing 32-byte vectors by value has a different ABI with and without AVX;
 // these helpers are always inlined, so no such call exists. (Not popped: GCC reports it where
 // the templates are instantiated, at the end of the file.)
 #pragma GCC diagnostic ignored "-Wpsabi"
 #define ATTND_INLINE __attribute__((always_inline)) inline
 
-struct Sse2 {
-  typedef float F __attribute__((vector_size(16)));
-  typedef int32_t I __attribute__((vector_size(16)));
-  static constexpr int kLanes = 4;
-};
-struct Avx2 {
-  typedef float F __attribute__((vector_size(32)));
-  typedef int32_t I __attribute__((vector_size(32)));
-  static constexpr int kLanes = 8;
-};
-
-template <typename S>
-ATTND_INLINE typename S::F Load(const float* p) {
-  typename S::F v;
-  std::memcpy(&v, p, sizeof(v));  // unaligned load
-  return v;
-}
-template <typename S>
-ATTND_INLINE void Store(float* p, typename S::F v) {
-  std::memcpy(p, &v, sizeof(v));
-}
-template <typename S>
-ATTND_INLINE typename S::F Splat(float x) {
-  return typename S::F{} + x;
-}
-template <typename S>
-ATTND_INLINE float Sum(typename S::F v) {
-  float lanes[S::kLanes];
-  std::memcpy(lanes, &v, sizeof(v));
-  // Pairwise, so the rounding does not grow with the lane count.
-  for (int w = S::kLanes / 2; w > 0; w /= 2) {
-    for (int i = 0; i < w; ++i) lanes[i] += lanes[i + w];
-  }
-  return lanes[0];
-}
-
-// Horizontal sums of four vectors at once, out[j] = sum of tj's lanes: a transpose by shuffles
-// (unpack, then 64-bit halves) instead of four separate reductions through memory.
-ATTND_INLINE Sse2::F Fold(Sse2::F v) { return v; }
-ATTND_INLINE Sse2::F Fold(Avx2::F v) {
-  return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-}
-template <typename S>
-ATTND_INLINE void Sum4(typename S::F t0, typename S::F t1, typename S::F t2, typename S::F t3,
-                       float* out) {
-  const Sse2::F u0 = Fold(t0), u1 = Fold(t1), u2 = Fold(t2), u3 = Fold(t3);
-  // s01 = [u0_0 + u0_2, u1_0 + u1_2, u0_1 + u0_3, u1_1 + u1_3], likewise s23.
-  const Sse2::F s01 =
-      __builtin_shufflevector(u0, u1, 0, 4, 1, 5) + __builtin_shufflevector(u0, u1, 2, 6, 3, 7);
-  const Sse2::F s23 =
-      __builtin_shufflevector(u2, u3, 0, 4, 1, 5) + __builtin_shufflevector(u2, u3, 2, 6, 3, 7);
-  Store<Sse2>(out, __builtin_shufflevector(s01, s23, 0, 1, 4, 5) +
-                       __builtin_shufflevector(s01, s23, 2, 3, 6, 7));
-}
-
-// The vector paths need head_dim % (2 * lanes) == 0; the dispatcher only picks a width that
-// divides it, and the scalar branches keep any head_dim correct.
-// NOTE: lane-wise partial sums change the summation order against a sequential loop; the error
-// stays at fp32 rounding level (tests bound it against an fp64 reference).
-template <typename S>
-ATTND_INLINE float Dot(const float* a, const float* b, int n) {
-  constexpr int L = S::kLanes;
-  if (n % (2 * L) != 0) {
-    float s = 0.f;
-    for (int d = 0; d < n; ++d) s += a[d] * b[d];
-    return s;
-  }
-  typename S::F s0 = {}, s1 = {};
-  for (int d = 0; d < n; d += 2 * L) {
-    s0 += Load<S>(a + d) * Load<S>(b + d);
-    s1 += Load<S>(a + d + L) * Load<S>(b + d + L);
-  }
-  return Sum<S>(s0 + s1);
-}
-
-// out[j] = q . k[j * stride] for j < 4: four keys share each load of q and give eight
-// independent accumulator chains.
-template <typename S>
-ATTND_INLINE void Dot4(const float* q, const float* k, int64_t stride, int n, float* out) {
-  constexpr int L = S::kLanes;
-  if (n % (2 * L) != 0) {
-    for (int j = 0; j < 4; ++j) out[j] = Dot<S>(q, k + j * stride, n);
-    return;
-  }
-  const float* k0 = k;
-  const float* k1 = k + stride;
-  const float* k2 = k + 2 * stride;
-  const float* k3 = k + 3 * stride;
-  typename S::F a0 = {}, b0 = {}, a1 = {}, b1 = {}, a2 = {}, b2 = {}, a3 = {}, b3 = {};
-  for (int d = 0; d < n; d += 2 * L) {
-    const typename S::F qa = Load<S>(q + d), qb = Load<S>(q + d + L);
-    a0 += qa * Load<S>(k0 + d);
-    b0 += qb * Load<S>(k0 + d + L);
-    a1 += qa * Load<S>(k1 + d);
-    b1 += qb * Load<S>(k1 + d + L);
-    a2 += qa * Load<S>(k2 + d);
-    b2 += qb * Load<S>(k2 + d + L);
-    a3 += qa * Load<S>(k3 + d);
-    b3 += qb * Load<S>(k3 + d + L);
-  }
-  Sum4<S>(a0 + b0, a1 + b1, a2 + b2, a3 + b3, out);
-}
-
-// y += alpha * x
-template <typename S>
-ATTND_INLINE void Axpy(float alpha, const float* x, float* y, int n) {
-  constexpr int L = S::kLanes;
-  if (n % L != 0) {
-    for (int d = 0; d < n; ++d) y[d] += alpha * x[d];
-    return;
-  }
-  for (int d = 0; d < n; d += L) Store<S>(y + d, Load<S>(y + d) + alpha * Load<S>(x + d));
-}
-
-// y += sum_j p[j] * x[j * stride] for j < 4: one load and store of y per four value rows.
-template <typename S>
-ATTND_INLINE void Axpy4(const float* p, const float* x, int64_t stride, float* y, int n) {
-  constexpr int L = S::kLanes;
-  if (n % L != 0) {
-    for (int j = 0; j < 4; ++j) Axpy<S>(p[j], x + j * stride, y, n);
-    return;
-  }
-  const float* x0 = x;
-  const float* x1 = x + stride;
-  const float* x2 = x + 2 * stride;
-  const float* x3 = x + 3 * stride;
-  const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
-  for (int d = 0; d < n; d += L) {
-    const typename S::F t = (p0 * Load<S>(x0 + d) + p1 * Load<S>(x1 + d)) +
-                            (p2 * Load<S>(x2 + d) + p3 * Load<S>(x3 + d));
-    Store<S>(y + d, Load<S>(y + d) + t);
-  }
-}
+using Sse2 = simd_math::V4;
+using Avx2 = simd_math::V8;
+using simd_math::Axpy;
+using simd_math::Axpy4;
+using simd_math::Dot;
+using simd_math::Dot4;
+using simd_math::ExpNonPositive;
+using simd_math::Load;
+using simd_math::Store;
+using simd_math::Sum4;
 
 // Two query vectors of a GQA group against the same four keys: each key load feeds two FMAs and
 // each q load four, with eight independent accumulators. out0[j] = q0 . k_j, out1[j] = q1 . k_j.
@@ -227,39 +106,6 @@ ATTND_INLINE void Axpy4x2(const float* p0, const float* p1, const float* x, int6
     const typename S::F v2 = Load<S>(x2 + d), v3 = Load<S>(x3 + d);
     Store<S>(y0 + d, Load<S>(y0 + d) + ((p0[0] * v0 + p0[1] * v1) + (p0[2] * v2 + p0[3] * v3)));
     Store<S>(y1 + d, Load<S>(y1 + d) + ((p1[0] * v0 + p1[1] * v1) + (p1[2] * v2 + p1[3] * v3)));
-  }
-}
-
-// x[i] = exp(x[i]) for i < n rounded up to a multiple of the lane count (x must have room), for
-// x[i] <= 0 (softmax arguments after subtracting the running max). Lanes at a time instead of
-// one libm call per score.
-// NOTE: range reduction x = k ln2 + r with ln2 split in two (exact k ln2_hi), then a degree-6
-// polynomial for e^r on |r| <= ln2/2 (the classic Cephes expf coefficients): relative error about
-// 2e-7. Inputs below -87 (e^-87 ~ 1.6e-38, nothing against the row max's e^0 = 1) are clamped
-// there, which keeps 2^k a normal number.
-template <typename S>
-ATTND_INLINE void ExpNonPositive(float* x, int n) {
-  using F = typename S::F;
-  const F lo = Splat<S>(-87.f);
-  const F zero = {};
-  const F round_magic = Splat<S>(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  for (int i = 0; i < n; i += S::kLanes) {
-    F v = Load<S>(x + i);
-    v = v < lo ? lo : v;      // also maps -inf to -87
-    v = v > zero ? zero : v;  // stale lanes past n: keeps 2^k in range (no int overflow)
-    const F k = (v * 1.44269504088896341f + round_magic) - round_magic;  // round(v log2 e)
-    F r = v - k * 0.693359375f;
-    r = r - k * -2.12194440e-4f;
-    F p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.f;
-    const typename S::I bits = (__builtin_convertvector(k, typename S::I) + 127) << 23;  // 2^k
-    F two_k;
-    std::memcpy(&two_k, &bits, sizeof(two_k));
-    Store<S>(x + i, p * two_k);
   }
 }
 

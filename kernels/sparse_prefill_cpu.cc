@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "kernels/dtype.h"
-#include "kernels/sparse_math.h"
+#include "kernels/simd_math.h"
 
 namespace attnd {
 namespace {
@@ -77,10 +77,10 @@ namespace {
 // cache while every row of the block uses it; one online softmax per row across the three stages (the same result as
 // merging the stages' outputs by their log-sum-exp).
 template <typename S, typename KvT>
-ATTND_SPARSE_INLINE void AttendItem(const DcaGeometry& geometry, const PagedKv<KvT>& kv,
+ATTND_SIMD_INLINE void AttendItem(const DcaGeometry& geometry, const PagedKv<KvT>& kv,
                                     const CpuPrefillParams& params, const VsPiece& piece,
                                     const VsHeadPlan& plan, int32_t h, int64_t m) {
-  using namespace sparse_math;
+  using namespace simd_math;
   const int d = geometry.head_dim;
   const int64_t hq = geometry.num_q_heads;
   const int32_t kv_head = h / geometry.group_size();
@@ -165,7 +165,7 @@ ATTND_SPARSE_INLINE void AttendItem(const DcaGeometry& geometry, const PagedKv<K
 template <typename KvT>
 void AttendItemV4(const DcaGeometry& g, const PagedKv<KvT>& kv, const CpuPrefillParams& p,
                   const VsPiece& piece, const VsHeadPlan& plan, int32_t h, int64_t m) {
-  AttendItem<sparse_math::V4>(g, kv, p, piece, plan, h, m);
+  AttendItem<simd_math::V4>(g, kv, p, piece, plan, h, m);
 }
 template <typename KvT>
 __attribute__((target("avx2,fma"))) void AttendItemV8(const DcaGeometry& g, const PagedKv<KvT>& kv,
@@ -173,7 +173,7 @@ __attribute__((target("avx2,fma"))) void AttendItemV8(const DcaGeometry& g, cons
                                                       const VsPiece& piece,
                                                       const VsHeadPlan& plan, int32_t h,
                                                       int64_t m) {
-  AttendItem<sparse_math::V8>(g, kv, p, piece, plan, h, m);
+  AttendItem<simd_math::V8>(g, kv, p, piece, plan, h, m);
 }
 #pragma GCC diagnostic pop
 

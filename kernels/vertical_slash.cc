@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "kernels/dtype.h"
-#include "kernels/sparse_math.h"
+#include "kernels/simd_math.h"
 
 namespace attnd {
 namespace {
@@ -147,10 +147,10 @@ namespace {
 // the causal corner, probability 0), exponentiated relative to the row max; returns their sum.
 // q holds the row's three estimation queries, pre-scaled: intra, succ_critical, inter_critical.
 template <typename S, typename KvT>
-ATTND_SPARSE_INLINE double RowProbabilities(const PagedKv<KvT>& kv, int32_t kv_head,
+ATTND_SIMD_INLINE double RowProbabilities(const PagedKv<KvT>& kv, int32_t kv_head,
                                             const float* q, int64_t pos, int64_t prev, int64_t cl,
                                             float* logits, float* key_buf) {
-  using namespace sparse_math;
+  using namespace simd_math;
   const int d = kv.head_dim;
   const int64_t stride = static_cast<int64_t>(kv.num_kv_heads) * d;
   float max_logit = -std::numeric_limits<float>::infinity();
@@ -184,7 +184,7 @@ ATTND_SPARSE_INLINE double RowProbabilities(const PagedKv<KvT>& kv, int32_t kv_h
 template <typename KvT>
 double RowProbabilitiesV4(const PagedKv<KvT>& kv, int32_t kv_head, const float* q, int64_t pos,
                           int64_t prev, int64_t cl, float* logits, float* key_buf) {
-  return RowProbabilities<sparse_math::V4>(kv, kv_head, q, pos, prev, cl, logits, key_buf);
+  return RowProbabilities<simd_math::V4>(kv, kv_head, q, pos, prev, cl, logits, key_buf);
 }
 template <typename KvT>
 __attribute__((target("avx2,fma"))) double RowProbabilitiesV8(const PagedKv<KvT>& kv,
@@ -192,7 +192,7 @@ __attribute__((target("avx2,fma"))) double RowProbabilitiesV8(const PagedKv<KvT>
                                                               int64_t pos, int64_t prev,
                                                               int64_t cl, float* logits,
                                                               float* key_buf) {
-  return RowProbabilities<sparse_math::V8>(kv, kv_head, q, pos, prev, cl, logits, key_buf);
+  return RowProbabilities<simd_math::V8>(kv, kv_head, q, pos, prev, cl, logits, key_buf);
 }
 #pragma GCC diagnostic pop
 

@@ -1,16 +1,15 @@
-// Small fp32 vector helpers shared by the sparse prefill CPU code (kernels/vertical_slash.cc,
-// kernels/sparse_prefill_cpu.cc). Written once over GCC vector extensions and instantiated per
-// width: V4 (SSE2, the baseline every x86-64 binary may use) and V8 (AVX2+FMA, used only from
+// Small fp32 vector helpers shared by the CPU kernels (kernels/dca_cpu.cc, vertical_slash.cc,
+// sparse_prefill_cpu.cc). Written once over GCC vector extensions and instantiated per width: V4 (SSE2, the baseline every x86-64 binary may use) and V8 (AVX2+FMA, used only from
 // functions carrying __attribute__((target("avx2,fma"))), picked at run time as the dense kernels
 // pick theirs: kernels/dca_cpu.h CpuSimdName). The helpers are always_inline so they are compiled
 // for the width of the function that inlines them.
-#ifndef ATTND_KERNELS_SPARSE_MATH_H_
-#define ATTND_KERNELS_SPARSE_MATH_H_
+#ifndef ATTND_KERNELS_SIMD_MATH_H_
+#define ATTND_KERNELS_SIMD_MATH_H_
 
 #include <cstdint>
 #include <cstring>
 
-#define ATTND_SPARSE_INLINE __attribute__((always_inline)) inline
+#define ATTND_SIMD_INLINE __attribute__((always_inline)) inline
 
 // -Wpsabi: 32-byte vectors passed by value have a different ABI with and without AVX; these
 // helpers are always inlined, so no such call exists.
@@ -18,7 +17,7 @@
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace attnd {
-namespace sparse_math {
+namespace simd_math {
 
 struct V4 {
   typedef float F __attribute__((vector_size(16)));
@@ -32,17 +31,17 @@ struct V8 {
 };
 
 template <typename S>
-ATTND_SPARSE_INLINE typename S::F Load(const float* p) {
+ATTND_SIMD_INLINE typename S::F Load(const float* p) {
   typename S::F v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 template <typename S>
-ATTND_SPARSE_INLINE void Store(float* p, typename S::F v) {
+ATTND_SIMD_INLINE void Store(float* p, typename S::F v) {
   std::memcpy(p, &v, sizeof(v));
 }
 template <typename S>
-ATTND_SPARSE_INLINE float Sum(typename S::F v) {
+ATTND_SIMD_INLINE float Sum(typename S::F v) {
   float lanes[S::kLanes];
   std::memcpy(lanes, &v, sizeof(v));
   for (int w = S::kLanes / 2; w > 0; w /= 2) {
@@ -54,7 +53,7 @@ ATTND_SPARSE_INLINE float Sum(typename S::F v) {
 // a . b over n floats. NOTE: lane-wise partial sums differ from a sequential sum only at fp32
 // rounding level.
 template <typename S>
-ATTND_SPARSE_INLINE float Dot(const float* a, const float* b, int n) {
+ATTND_SIMD_INLINE float Dot(const float* a, const float* b, int n) {
   constexpr int L = S::kLanes;
   typename S::F s0 = {}, s1 = {};
   int i = 0;
@@ -70,12 +69,12 @@ ATTND_SPARSE_INLINE float Dot(const float* a, const float* b, int n) {
 // Four horizontal sums at once, out[j] = sum of vj's lanes, by shuffles (a 4x4 transpose)
 // rather than through memory: taking a vector's address to sum its lanes makes GCC keep the
 // accumulators on the stack for the whole loop.
-ATTND_SPARSE_INLINE V4::F Fold(V4::F v) { return v; }
-ATTND_SPARSE_INLINE V4::F Fold(V8::F v) {
+ATTND_SIMD_INLINE V4::F Fold(V4::F v) { return v; }
+ATTND_SIMD_INLINE V4::F Fold(V8::F v) {
   return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
 }
 template <typename S>
-ATTND_SPARSE_INLINE void Sum4(typename S::F v0, typename S::F v1, typename S::F v2,
+ATTND_SIMD_INLINE void Sum4(typename S::F v0, typename S::F v1, typename S::F v2,
                               typename S::F v3, float* out) {
   const V4::F u0 = Fold(v0), u1 = Fold(v1), u2 = Fold(v2), u3 = Fold(v3);
   const V4::F lo01 = __builtin_shufflevector(u0, u1, 0, 4, 1, 5);  // u0_0 u1_0 u0_1 u1_1
@@ -91,7 +90,7 @@ ATTND_SPARSE_INLINE void Sum4(typename S::F v0, typename S::F v1, typename S::F 
 // out[j] = q . k[j * stride] for j < 4: four keys share each load of q; two accumulators per key
 // give eight independent FMA chains.
 template <typename S>
-ATTND_SPARSE_INLINE void Dot4(const float* q, const float* k, int64_t stride, int n, float* out) {
+ATTND_SIMD_INLINE void Dot4(const float* q, const float* k, int64_t stride, int n, float* out) {
   constexpr int L = S::kLanes;
   if (n % (2 * L) != 0) {
     for (int j = 0; j < 4; ++j) out[j] = Dot<S>(q, k + j * stride, n);
@@ -118,7 +117,7 @@ ATTND_SPARSE_INLINE void Dot4(const float* q, const float* k, int64_t stride, in
 
 // y += alpha * x over n floats.
 template <typename S>
-ATTND_SPARSE_INLINE void Axpy(float alpha, const float* x, float* y, int n) {
+ATTND_SIMD_INLINE void Axpy(float alpha, const float* x, float* y, int n) {
   constexpr int L = S::kLanes;
   int i = 0;
   for (; i + L <= n; i += L) Store<S>(y + i, Load<S>(y + i) + alpha * Load<S>(x + i));
@@ -127,7 +126,7 @@ ATTND_SPARSE_INLINE void Axpy(float alpha, const float* x, float* y, int n) {
 
 // y += sum_j p[j] * x[j * stride] for j < 4: one load and store of y per four rows of x.
 template <typename S>
-ATTND_SPARSE_INLINE void Axpy4(const float* p, const float* x, int64_t stride, float* y, int n) {
+ATTND_SIMD_INLINE void Axpy4(const float* p, const float* x, int64_t stride, float* y, int n) {
   constexpr int L = S::kLanes;
   if (n % L != 0) {
     for (int j = 0; j < 4; ++j) Axpy<S>(p[j], x + j * stride, y, n);
@@ -146,7 +145,7 @@ ATTND_SPARSE_INLINE void Axpy4(const float* p, const float* x, int64_t stride, f
 // then a degree-6 polynomial for e^r on |r| <= ln2/2 (relative error ~2e-7); arguments below -87
 // are clamped there (e^-87 ~ 1e-38 is nothing next to the max's 1), which keeps 2^k normal.
 template <typename S>
-ATTND_SPARSE_INLINE void ExpNonPositive(float* x, int n) {
+ATTND_SIMD_INLINE void ExpNonPositive(float* x, int n) {
   using F = typename S::F;
   const F lo = F{} - 87.f;
   const F zero = {};
@@ -171,9 +170,9 @@ ATTND_SPARSE_INLINE void ExpNonPositive(float* x, int n) {
   }
 }
 
-}  // namespace sparse_math
+}  // namespace simd_math
 }  // namespace attnd
 
 #pragma GCC diagnostic pop
 
-#endif  // ATTND_KERNELS_SPARSE_MATH_H_
+#endif  // ATTND_KERNELS_SIMD_MATH_H_
