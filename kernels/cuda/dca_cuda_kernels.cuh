@@ -87,6 +87,36 @@ struct PrefillArgs {
   float scale_log2;     // softmax_scale * log2(e)
 };
 
+// The piece a prefill block works on. Blocks run heaviest first (last pieces, last rows): block
+// index blockIdx.x maps to tile gridDim.x - 1 - blockIdx.x, the first piece's tiles_first tiles
+// come first, then tiles_full per full chunk.
+struct PrefillTile {
+  int32_t piece_begin, piece_end;  // the piece's new tokens [piece_begin, piece_end)
+  int32_t prev;                    // start of the piece's DCA chunk
+  int32_t local;                   // the tile's index inside its piece
+};
+__device__ __forceinline__ PrefillTile PrefillTileOfBlock(const PrefillArgs& a) {
+  const int tile = gridDim.x - 1 - blockIdx.x;
+  const int32_t cl = a.chunk_len;
+  const int32_t lk = a.start + a.num_tokens;
+  const int32_t prev0 = (a.start / cl) * cl;
+  const int32_t end0 = min(prev0 + cl, lk);
+  PrefillTile t;
+  if (tile < a.tiles_first) {
+    t.piece_begin = a.start;
+    t.piece_end = end0;
+    t.prev = prev0;
+    t.local = tile;
+  } else {
+    const int p = (tile - a.tiles_first) / a.tiles_full;
+    t.local = (tile - a.tiles_first) % a.tiles_full;
+    t.prev = end0 + p * cl;
+    t.piece_begin = t.prev;
+    t.piece_end = min(t.prev + cl, lk);
+  }
+  return t;
+}
+
 // grid (query tiles over all pieces, num_kv_heads), block 32 * Warps. Block (t, h): a tile of
 // kBlockM = 16 * MT * Warps rows (token, q head of h's group) inside one piece; walks inter, succ,
 // then intra key tiles of BN keys with that stage's query variant, one online softmax, and writes
@@ -107,25 +137,10 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
   Bf16* qs = vs + Stages * kTile;                // [kBlockM][D + 8] when MT > 1
 
   const int kv_head = blockIdx.y;
-  // Heaviest tiles (last pieces, last rows) first.
-  const int tile = gridDim.x - 1 - blockIdx.x;
   const int32_t cl = a.chunk_len;
-  const int32_t lk = a.start + a.num_tokens;
-  const int32_t prev0 = (a.start / cl) * cl;
-  const int32_t end0 = min(prev0 + cl, lk);
-  int32_t piece_begin, piece_end, prev, local;
-  if (tile < a.tiles_first) {
-    piece_begin = a.start;
-    piece_end = end0;
-    prev = prev0;
-    local = tile;
-  } else {
-    const int p = (tile - a.tiles_first) / a.tiles_full;
-    local = (tile - a.tiles_first) % a.tiles_full;
-    prev = end0 + p * cl;
-    piece_begin = prev;
-    piece_end = min(prev + cl, lk);
-  }
+  const PrefillTile pt = PrefillTileOfBlock(a);
+  const int32_t piece_begin = pt.piece_begin, piece_end = pt.piece_end, prev = pt.prev;
+  const int32_t local = pt.local;
   const int32_t piece_tokens = piece_end - piece_begin;
   const int64_t piece_rows = static_cast<int64_t>(piece_tokens) * a.group;
   const int64_t row_base = static_cast<int64_t>(local) * kBlockM;
@@ -358,6 +373,54 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
   }
 }
 
+// One 16-key tile of a decode block's online softmax, for the mma fragment rows gid and gid + 8 of
+// this thread: keys at or past k_end are masked, scores scaled to the log2 domain, the running
+// max m, sum l and output o rescaled, and the probabilities packed as P's A fragment for P.V.
+template <int kDimBlocks>
+__device__ __forceinline__ void DecodeTileSoftmax(int32_t kw, int tig, int32_t k_end,
+                                                  float scale_log2, float (&s)[2][4],
+                                                  float (&m)[2], float (&l)[2],
+                                                  float (&o)[kDimBlocks][4], uint32_t (&pa)[4]) {
+  float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int32_t key = kw + nb * 8 + tig * 2 + (e & 1);
+      const float x = key < k_end ? s[nb][e] * scale_log2 : -CUDART_INF_F;
+      s[nb][e] = x;
+      tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
+    }
+  float alpha[2], m_use[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+    tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+    const float m_new = fmaxf(m[i], tile_max[i]);
+    m_use[i] = m_new == -CUDART_INF_F ? 0.f : m_new;
+    alpha[i] = exp2f(m[i] - m_use[i]);
+    m[i] = m_new;
+    l[i] *= alpha[i];
+  }
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float p = exp2f(s[nb][e] - m_use[e / 2]);
+      s[nb][e] = p;
+      l[e / 2] += p;
+    }
+#pragma unroll
+  for (int d = 0; d < kDimBlocks; ++d) {
+    o[d][0] *= alpha[0]; o[d][1] *= alpha[0];
+    o[d][2] *= alpha[1]; o[d][3] *= alpha[1];
+  }
+  pa[0] = PackBf16(s[0][0], s[0][1]);
+  pa[1] = PackBf16(s[0][2], s[0][3]);
+  pa[2] = PackBf16(s[1][0], s[1][1]);
+  pa[3] = PackBf16(s[1][2], s[1][3]);
+}
+
 // ---- split-K decode ------------------------------------------------------------------------------
 
 struct DecodeArgs {
@@ -472,45 +535,8 @@ __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArg
             if (VariantOfKey(key, prev, cl) == v) s[nb][e] = acc[nb][e];
           }
       }
-      float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int32_t key = kw + nb * 8 + tig * 2 + (e & 1);
-          const float x = key < k_end ? s[nb][e] * scale_log2 : -CUDART_INF_F;
-          s[nb][e] = x;
-          tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
-        }
-      float alpha[2], m_use[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
-        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
-        const float m_new = fmaxf(m[i], tile_max[i]);
-        m_use[i] = m_new == -CUDART_INF_F ? 0.f : m_new;
-        alpha[i] = exp2f(m[i] - m_use[i]);
-        m[i] = m_new;
-        l[i] *= alpha[i];
-      }
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float p = exp2f(s[nb][e] - m_use[e / 2]);
-          s[nb][e] = p;
-          l[e / 2] += p;
-        }
-#pragma unroll
-      for (int d = 0; d < kDimBlocks; ++d) {
-        o[d][0] *= alpha[0]; o[d][1] *= alpha[0];
-        o[d][2] *= alpha[1]; o[d][3] *= alpha[1];
-      }
       uint32_t pa[4];
-      pa[0] = PackBf16(s[0][0], s[0][1]);
-      pa[1] = PackBf16(s[0][2], s[0][3]);
-      pa[2] = PackBf16(s[1][0], s[1][1]);
-      pa[3] = PackBf16(s[1][2], s[1][3]);
+      DecodeTileSoftmax(kw, tig, k_end, scale_log2, s, m, l, o, pa);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t vb[4];
@@ -812,45 +838,8 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
             if (VariantOfKey(key, prev, cl) == v) s[nb][e] = acc[nb][e];
           }
       }
-      float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int32_t key = kw + nb * 8 + tig * 2 + (e & 1);
-          const float x = key < k_end ? s[nb][e] * scale_log2 : -CUDART_INF_F;
-          s[nb][e] = x;
-          tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
-        }
-      float alpha[2], m_use[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
-        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
-        const float m_new = fmaxf(m[i], tile_max[i]);
-        m_use[i] = m_new == -CUDART_INF_F ? 0.f : m_new;
-        alpha[i] = exp2f(m[i] - m_use[i]);
-        m[i] = m_new;
-        l[i] *= alpha[i];
-      }
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float p = exp2f(s[nb][e] - m_use[e / 2]);
-          s[nb][e] = p;
-          l[e / 2] += p;
-        }
-#pragma unroll
-      for (int d = 0; d < kDimBlocks; ++d) {
-        o[d][0] *= alpha[0]; o[d][1] *= alpha[0];
-        o[d][2] *= alpha[1]; o[d][3] *= alpha[1];
-      }
       uint32_t pa[4];
-      pa[0] = PackBf16(s[0][0], s[0][1]);
-      pa[1] = PackBf16(s[0][2], s[0][3]);
-      pa[2] = PackBf16(s[1][0], s[1][1]);
-      pa[3] = PackBf16(s[1][2], s[1][3]);
+      DecodeTileSoftmax(kw, tig, k_end, scale_log2, s, m, l, o, pa);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t vb[4];

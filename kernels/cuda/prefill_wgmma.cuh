@@ -386,24 +386,10 @@ __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
   unsigned char* qs_ptr = smem_raw + (smem - smem_unaligned) + 2 * Stages * kTileBytes;
 
   const int kv_head = blockIdx.y;
-  const int tile = gridDim.x - 1 - blockIdx.x;  // heaviest tiles (last pieces, last rows) first
   const int32_t cl = a.chunk_len;
-  const int32_t lk = a.start + a.num_tokens;
-  const int32_t prev0 = (a.start / cl) * cl;
-  const int32_t end0 = min(prev0 + cl, lk);
-  int32_t piece_begin, piece_end, prev, local;
-  if (tile < a.tiles_first) {
-    piece_begin = a.start;
-    piece_end = end0;
-    prev = prev0;
-    local = tile;
-  } else {
-    const int p = (tile - a.tiles_first) / a.tiles_full;
-    local = (tile - a.tiles_first) % a.tiles_full;
-    prev = end0 + p * cl;
-    piece_begin = prev;
-    piece_end = min(prev + cl, lk);
-  }
+  const PrefillTile pt = PrefillTileOfBlock(a);
+  const int32_t piece_begin = pt.piece_begin, piece_end = pt.piece_end, prev = pt.prev;
+  const int32_t local = pt.local;
   const int32_t piece_tokens = piece_end - piece_begin;
   const int64_t piece_rows = static_cast<int64_t>(piece_tokens) * a.group;
   const int64_t row_base = static_cast<int64_t>(local) * kBlockM;
