@@ -16,6 +16,7 @@
 #include "attnd/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "server/server.h"
+#include "server/test_certs.h"
 
 namespace attnd {
 namespace ops_testing {
@@ -74,20 +75,8 @@ double SampleOr0(const std::string& exposition, const std::string& series);
 int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
                  grpc::Status* error = nullptr);
 
-// Certificates under $TEST_TMPDIR/attnd-ops-certs: ca.pem signs server.pem (SAN IP:127.0.0.1,
-// DNS:localhost) and client.pem; other-ca.pem signs other-client.pem. Made once per process.
-class Certs {
- public:
-  static const Certs& Get();
-  bool ok() const { return ok_; }
-  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
-  std::string Read(const std::string& name) const;
-
- private:
-  Certs();
-  std::string dir_;
-  bool ok_ = false;
-};
+// The test certificates (server/test_certs.h).
+using Certs = ::attnd::TestCerts;
 
 }  // namespace ops_testing
 }  // namespace attnd
