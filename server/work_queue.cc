@@ -29,6 +29,9 @@ absl::Status WorkQueue::Submit(std::function<void()> fn) {
         absl::StrCat("the request queue is full (", capacity_, " requests waiting); retry later"));
   }
   queue_.push_back(std::move(fn));
+  // One closure, one worker: notify_one, not Await's wake-everyone (with 2 x cores workers idle,
+  // every Submit used to wake them all, and each wake is a context switch).
+  work_cv_.Signal();
   return absl::OkStatus();
 }
 
@@ -43,6 +46,7 @@ void WorkQueue::Shutdown() {
     MutexLock lock(&mu_);
     accepting_ = false;
     stopping_ = true;
+    work_cv_.SignalAll();
   }
   for (std::thread& worker : workers_) {
     if (worker.joinable()) worker.join();
@@ -61,7 +65,7 @@ void WorkQueue::WorkerLoop() {
     std::function<void()> fn;
     {
       MutexLock lock(&mu_);
-      mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return HasWorkOrStopping(); });
+      while (!HasWorkOrStopping()) work_cv_.Wait(&mu_);
       // Drain before exiting: a queued closure owns an RPC that must be answered.
       if (queue_.empty()) return;
       fn = std::move(queue_.front());

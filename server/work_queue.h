@@ -52,6 +52,7 @@ class WorkQueue {
   const int64_t capacity_;
   mutable Mutex mu_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  CondVar work_cv_;  // signalled once per queued closure; all at shutdown
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;  // workers exit once the queue is empty
   Mutex join_mu_;                               // serialises Shutdown callers
