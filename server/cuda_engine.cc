@@ -106,17 +106,10 @@ class CudaEngine : public Engine {
     }
   }
 
-  // Byte offsets of one decode step's packed inputs for a batch planned as `plan` rows:
-  // lengths int32 [plan] | q bf16 [plan, 3, Hq, D] | k fp32 [plan, Hkv, D] | v fp32 [plan, Hkv, D].
-  struct DecodeStaging {
-    size_t len_off = 0, q_off = 0, k_off = 0, v_off = 0, bytes = 0;
-  };
-  DecodeStaging StagingFor(int64_t plan) const;
-  // The smallest captured size >= n, else n: a batch's split-K plan and staging layout.
-  int32_t PlanBatch(int32_t n) const;
-  // Enqueues one decode step on stream_ for `rows` rows of a batch planned as `plan` rows:
-  // H2D of the packed inputs, KV append, split-K attention + reduction, D2H of the outputs. The
-  // same calls are captured into the graphs (rows == plan) and launched eagerly.
+  // Enqueues one decode step on stream_ for `rows` rows of a batch planned as `plan` rows: the
+  // stage kernel (inputs and page tables from pinned host memory, KV append), the split-K
+  // attention and its reduction, which writes the outputs into pinned host memory. Three kernels,
+  // no copies; the same calls are captured into the graphs (rows == plan) and launched eagerly.
   absl::Status EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t plan)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CaptureDecodeGraphs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -156,17 +149,21 @@ class CudaEngine : public Engine {
   size_t sparse_workspace_bytes_ = 0;
   DevicePtr d_sparse_workspace_ ABSL_GUARDED_BY(mu_);  // when sparse_ is set
 
-  // Decode: packed inputs (StagingFor) mirrored in pinned host and device memory; page tables
-  // staged on the host with the batch's own stride and copied into d_tables_, whose stride is
-  // fixed at the pool's page count (so captured kernels never change).
+  // Decode: the host writes each row's inputs in their own dtype into fixed slots of pinned
+  // memory (h_decode_: DecodeStageRow [B] | q [B, q slot] | k [B, kv slot] | v [B, kv slot]) and
+  // its page table into h_tables_ at a fixed stride (the pool's page count); the stage kernel
+  // reads them through their mapped addresses. The device keeps lengths [B] and bf16 q
+  // [B, 3, Hq, D] (d_decode_) and the tables (d_tables_); the reduction writes h_decode_out_.
+  // Every address and stride is fixed, so captured kernels never change.
   int64_t table_stride_ = 0;
   int64_t max_length_ = 0;  // the most tokens one sequence can hold: split-K plans for this
+  size_t q_slot_ = 0, kv_slot_ = 0;  // bytes per row: 3 query variants / one K or V, as fp32
+  size_t h_q_off_ = 0, h_k_off_ = 0, h_v_off_ = 0, d_q_off_ = 0;
   PinnedPtr h_decode_ ABSL_GUARDED_BY(mu_);
   DevicePtr d_decode_ ABSL_GUARDED_BY(mu_);
-  PinnedPtr h_tables_ ABSL_GUARDED_BY(mu_);      // [B, <= table_stride_]
+  PinnedPtr h_tables_ ABSL_GUARDED_BY(mu_);      // [B, table_stride_]
   DevicePtr d_tables_ ABSL_GUARDED_BY(mu_);      // [B, table_stride_]
-  PinnedPtr h_decode_out_ ABSL_GUARDED_BY(mu_);  // [B, Hq, D] fp32
-  DevicePtr d_decode_out_ ABSL_GUARDED_BY(mu_);
+  PinnedPtr h_decode_out_ ABSL_GUARDED_BY(mu_);  // [B, Hq, D] fp32, written by the device
   size_t workspace_floats_ = 0;
   DevicePtr d_workspace_ ABSL_GUARDED_BY(mu_);
   std::vector<float> scratch_ ABSL_GUARDED_BY(mu_);
@@ -272,14 +269,19 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   const int64_t b = max_decode_batch_;
   table_stride_ = layout_.num_pages;
   max_length_ = layout_.num_pages * layout_.page_size;
-  const size_t staging = StagingFor(b).bytes;
-  ATTND_ASSIGN_OR_RETURN(h_decode_, PinnedAlloc(staging, "decode staging"));
-  ATTND_ASSIGN_OR_RETURN(d_decode_, DeviceAlloc(staging, "decode staging"));
+  q_slot_ = AlignUp(kNumDecodeVariants * hq * d * 4);
+  kv_slot_ = AlignUp(hkv * d * 4);
+  h_q_off_ = AlignUp(b * sizeof(DecodeStageRow));
+  h_k_off_ = h_q_off_ + b * q_slot_;
+  h_v_off_ = h_k_off_ + b * kv_slot_;
+  d_q_off_ = AlignUp(b * 4);
+  ATTND_ASSIGN_OR_RETURN(h_decode_, PinnedAlloc(h_v_off_ + b * kv_slot_, "decode staging"));
+  ATTND_ASSIGN_OR_RETURN(
+      d_decode_, DeviceAlloc(d_q_off_ + b * kNumDecodeVariants * hq * d * 2, "decode inputs"));
   ATTND_ASSIGN_OR_RETURN(h_tables_, PinnedAlloc(b * table_stride_ * 4, "decode page tables"));
   ATTND_ASSIGN_OR_RETURN(d_tables_, DeviceAlloc(b * table_stride_ * 4, "decode page tables"));
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_tables_.get(), 0, b * table_stride_ * 4, stream_));
   ATTND_ASSIGN_OR_RETURN(h_decode_out_, PinnedAlloc(b * hq * d * 4, "decode output"));
-  ATTND_ASSIGN_OR_RETURN(d_decode_out_, DeviceAlloc(b * hq * d * 4, "decode output"));
   for (int32_t batch = 1; batch <= max_decode_batch_; ++batch) {
     const int32_t splits = PlanDecodeSplits(geometry_, batch, max_length_, num_sms_);
     workspace_floats_ =
@@ -334,22 +336,6 @@ CudaEngine::~CudaEngine() {
     for (cudaGraphExec_t exec : graphs_) cudaGraphExecDestroy(exec);
     cudaStreamDestroy(stream_);
   }
-}
-
-CudaEngine::DecodeStaging CudaEngine::StagingFor(int64_t plan) const {
-  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
-  DecodeStaging st;
-  st.len_off = 0;
-  st.q_off = st.len_off + AlignUp(plan * 4);
-  st.k_off = st.q_off + AlignUp(plan * kNumDecodeVariants * hq * d * 2);
-  st.v_off = st.k_off + AlignUp(plan * hkv * d * 4);
-  st.bytes = st.v_off + AlignUp(plan * hkv * d * 4);
-  return st;
-}
-
-int32_t CudaEngine::PlanBatch(int32_t n) const {
-  const auto it = std::lower_bound(sizes_.begin(), sizes_.end(), n);
-  return it == sizes_.end() ? n : *it;
 }
 
 absl::Status CudaEngine::CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
@@ -545,9 +531,6 @@ absl::Status CudaEngine::Decode(const DecodeJob& job) {
 
 absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t plan) {
   const int64_t hq = geometry_.num_q_heads, d = geometry_.head_dim;
-  const DecodeStaging st = StagingFor(plan);
-  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_decode_.get(), h_decode_.get(), st.bytes,
-                                             cudaMemcpyHostToDevice, stream_));
   PagedKvBatch kvb;
   kvb.k = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.k_offset(layer));
   kvb.v = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.v_offset(layer));
@@ -556,23 +539,30 @@ absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t 
   kvb.page_size = layout_.page_size;
   kvb.num_kv_heads = layout_.num_kv_heads;
   kvb.head_dim = layout_.head_dim;
-  const int32_t* d_len = reinterpret_cast<const int32_t*>(At(d_decode_, st.len_off));
+  int32_t* d_len = static_cast<int32_t*>(d_decode_.get());
+  Bf16* d_q = reinterpret_cast<Bf16*>(At(d_decode_, d_q_off_));
 
-  CudaDecodeAppendParams ap;
-  ap.kv = kvb;
-  ap.lengths = d_len;
-  ap.k = At(d_decode_, st.k_off);
-  ap.v = At(d_decode_, st.v_off);
-  ap.in_dtype = DType::kFp32;
-  ap.batch = rows;
-  ap.original_max_position_embeddings = geometry_.original_max_position_embeddings;
-  ATTND_RETURN_IF_ERROR(LaunchDecodeAppendKv(ap, stream_));
+  CudaDecodeStageParams sp;
+  sp.kv = kvb;
+  sp.rows = static_cast<const DecodeStageRow*>(h_decode_.get());
+  sp.host_tables = static_cast<const int32_t*>(h_tables_.get());
+  sp.host_q = At(h_decode_, h_q_off_);
+  sp.host_k = At(h_decode_, h_k_off_);
+  sp.host_v = At(h_decode_, h_v_off_);
+  sp.q_row_bytes = static_cast<int64_t>(q_slot_);
+  sp.kv_row_bytes = static_cast<int64_t>(kv_slot_);
+  sp.lengths = d_len;
+  sp.q = d_q;
+  sp.num_q_heads = geometry_.num_q_heads;
+  sp.batch = rows;
+  sp.original_max_position_embeddings = geometry_.original_max_position_embeddings;
+  ATTND_RETURN_IF_ERROR(LaunchDecodeStage(sp, stream_));
 
   CudaDecodeParams dp;
   dp.kv = kvb;
   dp.lengths = d_len;
-  dp.q = reinterpret_cast<const Bf16*>(At(d_decode_, st.q_off));
-  dp.out = d_decode_out_.get();
+  dp.q = d_q;
+  dp.out = h_decode_out_.get();  // pinned: the reduction writes the host's buffer directly
   dp.out_dtype = DType::kFp32;
   dp.batch = rows;
   // Planned for the batch's captured size and the longest sequence the pool holds: the same
@@ -584,60 +574,34 @@ absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t 
   }
   dp.partial_out = static_cast<float*>(d_workspace_.get());
   dp.partial_lse = dp.partial_out + static_cast<size_t>(rows) * hq * dp.max_splits * d;
-  ATTND_RETURN_IF_ERROR(LaunchDcaDecode(geometry_, dp, stream_));
-  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_decode_out_.get(), d_decode_out_.get(),
-                                             static_cast<size_t>(rows) * hq * d * 4,
-                                             cudaMemcpyDeviceToHost, stream_));
-  return absl::OkStatus();
+  return LaunchDcaDecode(geometry_, dp, stream_);
 }
 
 absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t count) {
   const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
   const int64_t q_n = kNumDecodeVariants * hq * d, kv_n = hkv * d, out_n = hq * d;
   const int32_t b = static_cast<int32_t>(count);
-  const int32_t plan = PlanBatch(b);
-  const bool replay = !graphs_.empty() && plan >= b &&
-                      std::binary_search(sizes_.begin(), sizes_.end(), plan);
-  int64_t stride = 1;
-  for (size_t i = first; i < first + count; ++i) {
-    stride = std::max(stride, job.entries[i].num_pages);
-  }
-  const DecodeStaging st = StagingFor(plan);
-  int32_t* h_len = reinterpret_cast<int32_t*>(At(h_decode_, st.len_off));
-  uint16_t* h_q = reinterpret_cast<uint16_t*>(At(h_decode_, st.q_off));
-  float* h_k = reinterpret_cast<float*>(At(h_decode_, st.k_off));
-  float* h_v = reinterpret_cast<float*>(At(h_decode_, st.v_off));
-  int32_t* h_tab = static_cast<int32_t*>(h_tables_.get());
-  scratch_.resize(q_n);
+  const auto size = std::lower_bound(sizes_.begin(), sizes_.end(), b);
+  const int32_t plan = size == sizes_.end() ? b : *size;
+  const bool replay = !graphs_.empty() && size != sizes_.end();
+  // Only copies on the host: each row's tensors in their own dtype (the stage kernel converts).
+  DecodeStageRow* rows = static_cast<DecodeStageRow*>(h_decode_.get());
+  int32_t* tables = static_cast<int32_t*>(h_tables_.get());
   for (int32_t i = 0; i < b; ++i) {
     const DecodeJob::Entry& e = job.entries[first + i];
-    h_len[i] = static_cast<int32_t>(e.length);
-    if (e.q.dtype == DType::kBf16) {
-      std::memcpy(h_q + i * q_n, e.q.data, q_n * 2);
-    } else if (e.q.dtype == DType::kFp32) {  // one pass, no scratch copy
-      const char* src = static_cast<const char*>(e.q.data);  // any alignment
-      for (int64_t j = 0; j < q_n; ++j) {
-        float x;
-        std::memcpy(&x, src + j * 4, 4);
-        h_q[i * q_n + j] = FloatToBf16(x);
-      }
-    } else {
-      ConvertToFloat(e.q.data, e.q.dtype, q_n, scratch_.data());
-      for (int64_t j = 0; j < q_n; ++j) h_q[i * q_n + j] = FloatToBf16(scratch_[j]);
-    }
-    ConvertToFloat(e.k.data, e.k.dtype, kv_n, h_k + i * kv_n);  // exact: keys round once on device
-    ConvertToFloat(e.v.data, e.v.dtype, kv_n, h_v + i * kv_n);
-    std::memcpy(h_tab + i * stride, e.page_table, e.num_pages * 4);
+    rows[i].length = static_cast<int32_t>(e.length);
+    rows[i].num_pages = static_cast<int32_t>(e.num_pages);
+    rows[i].q_dtype = static_cast<int32_t>(e.q.dtype);
+    rows[i].k_dtype = static_cast<int32_t>(e.k.dtype);
+    rows[i].v_dtype = static_cast<int32_t>(e.v.dtype);
+    std::memcpy(At(h_decode_, h_q_off_ + i * q_slot_), e.q.data, q_n * ElementSize(e.q.dtype));
+    std::memcpy(At(h_decode_, h_k_off_ + i * kv_slot_), e.k.data, kv_n * ElementSize(e.k.dtype));
+    std::memcpy(At(h_decode_, h_v_off_ + i * kv_slot_), e.v.data, kv_n * ElementSize(e.v.dtype));
+    std::memcpy(tables + i * table_stride_, e.page_table, e.num_pages * 4);
   }
-  for (int32_t i = b; i < plan; ++i) h_len[i] = 0;  // padding rows: the kernels skip length 0
-  // The rows' page tables into the fixed-stride device table (outside the graph: their size
-  // changes from step to step).
-  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(d_tables_.get(), table_stride_ * 4, h_tab,
-                                               stride * 4, stride * 4, b,
-                                               cudaMemcpyHostToDevice, stream_));
+  for (int32_t i = b; i < plan; ++i) rows[i] = DecodeStageRow();  // padding: length 0, skipped
   if (replay) {
-    const size_t index =
-        static_cast<size_t>(std::lower_bound(sizes_.begin(), sizes_.end(), plan) - sizes_.begin());
+    const size_t index = static_cast<size_t>(size - sizes_.begin());
     ATTND_CUDA_RETURN_IF_ERROR(
         cudaGraphLaunch(graphs_[index * layout_.num_layers + job.layer], stream_));
   } else {

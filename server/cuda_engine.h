@@ -1,21 +1,21 @@
 // The CUDA backend: the KV pool is one cudaMalloc laid out as kvcache/kv_layout.h says (bf16 K/V),
 // and attention runs on the kernels of kernels/cuda/dca_cuda.h on one CUDA stream.
 //
-// Per job: request tensors are packed into pinned host staging buffers, copied to preallocated
-// device buffers with one stream, converted to bf16 on the device (prefill) or the host (decode),
-// appended to the pool, attended, and copied back; the only host synchronisation is the final
-// copy-out (a prefill longer than the staging buffers runs as consecutive chunks, one sync each,
-// which is exactly chunked prefill).
+// Prefill: request tensors are packed into pinned host staging buffers, copied to preallocated
+// device buffers with one stream, converted to bf16 on the device, appended to the pool, attended,
+// and copied back; the only host synchronisation is the final copy-out (a prefill longer than the
+// staging buffers runs as consecutive chunks, one sync each, which is exactly chunked prefill).
 //
-// Decode steps replay CUDA graphs: at creation (so before the server reports SERVING) the engine
-// captures, for every captured batch size P and every layer, the whole step: the H2D copy of the
-// packed inputs (lengths, q, k, v for P rows), the KV append, the split-K attention and its
-// reduction, and the D2H copy of the outputs. All of them use fixed device buffers; only the page
-// tables are copied (one 2-D copy into a fixed [max batch, pool pages] table) before the replay.
-// A batch of n < P entries pads with length-0 rows, which the kernels skip. One graph per
-// (size, layer) rather than one per size: the layer's K/V base pointers are kernel arguments, and
-// the graphs are small (docs/batching.md has the measured memory and capture time). No CUDA types
-// in this header.
+// Decode: the host only copies each row's tensors (in their own dtype) and page table into fixed
+// slots of pinned memory; one step is three kernels and no copies: a stage kernel that reads those
+// slots through their mapped addresses (page tables, q converted to bf16, the new K/V appended to
+// the pool), the split-K attention, and its reduction, which writes the fp32 outputs straight into
+// pinned host memory. Then one synchronisation. Decode steps replay CUDA graphs: at creation (so
+// before the server reports SERVING) the engine captures that step for every captured batch size P
+// and every layer. A batch of n < P entries pads with length-0 rows, which the kernels skip. One
+// graph per (size, layer) rather than one per size: the layer's K/V base pointers are kernel
+// arguments, and the graphs are small (docs/batching.md has the measured memory and capture
+// time). No CUDA types in this header.
 #ifndef ATTND_SERVER_CUDA_ENGINE_H_
 #define ATTND_SERVER_CUDA_ENGINE_H_
 

@@ -312,10 +312,13 @@ TEST(CudaEngine, GraphReplayIsBitIdenticalToEagerLaunch) {
       job_a.layer = job_b.layer = layer;
       std::vector<int> which;
       for (int j = 0; j < n; ++j) which.push_back((first + j) % n_seq);
-      for (int i : which) {
-        qs.push_back(RandomTensor({3, hq, d}, DType::kBf16, &rng));
-        ks.push_back(RandomTensor({hkv, d}, DType::kBf16, &rng));
-        vs.push_back(RandomTensor({hkv, d}, DType::kBf16, &rng));
+      // Rows in different dtypes within one batch: a replayed graph reads each row's from memory.
+      const DType kInputs[] = {DType::kBf16, DType::kFp32, DType::kFp16};
+      for (size_t j = 0; j < which.size(); ++j) {
+        const DType in = kInputs[(first + j) % 3];
+        qs.push_back(RandomTensor({3, hq, d}, in, &rng));
+        ks.push_back(RandomTensor({hkv, d}, in, &rng));
+        vs.push_back(RandomTensor({hkv, d}, kInputs[(first + j + 1) % 3], &rng));
         out_a.emplace_back(hq * d * 4, 0xff);  // poisoned, differently in the two
         out_b.emplace_back(hq * d * 4, 0x7f);
       }

@@ -288,6 +288,25 @@ absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParams& p, cudaStream_t 
   return absl::OkStatus();
 }
 
+absl::Status LaunchDecodeStage(const CudaDecodeStageParams& p, cudaStream_t stream) {
+  if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.page_tables == nullptr ||
+      p.kv.page_table_stride < 1 || p.rows == nullptr || p.host_tables == nullptr ||
+      p.host_q == nullptr || p.host_k == nullptr || p.host_v == nullptr || p.lengths == nullptr ||
+      p.q == nullptr || p.num_q_heads < 1 || p.batch < 0 || p.batch > 65535 ||
+      p.q_row_bytes < int64_t{3} * p.num_q_heads * p.kv.head_dim * 4 ||
+      p.kv_row_bytes < int64_t{p.kv.num_kv_heads} * p.kv.head_dim * 4) {
+    return absl::InvalidArgumentError("decode stage: bad params");
+  }
+  if (p.batch == 0) return absl::OkStatus();
+  cuda_kernels::DecodeStageKernel<<<dim3(cuda_kernels::kDecodeStageBlocksPerRow, p.batch), 256, 0,
+                                    stream>>>(
+      p.kv, p.rows, p.host_tables, static_cast<const char*>(p.host_q),
+      static_cast<const char*>(p.host_k), static_cast<const char*>(p.host_v), p.q_row_bytes,
+      p.kv_row_bytes, p.lengths, p.q, p.num_q_heads, p.original_max_position_embeddings);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DecodeStageKernel");
+  return absl::OkStatus();
+}
+
 absl::Status LaunchConvertToBf16(const void* src, DType src_dtype, int64_t n, Bf16* dst,
                                  cudaStream_t stream) {
   if (src == nullptr || dst == nullptr || !ValidDType(src_dtype) || n < 0) {

@@ -89,6 +89,42 @@ struct CudaDecodeAppendParams {
 };
 absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParams& params, cudaStream_t stream);
 
+// Decode staging: one kernel that takes a decode step's inputs straight from pinned host memory
+// (read over the bus through its mapped address: no copies to launch or wait for) and leaves what
+// the decode kernels read in device memory. Per row r with length L = rows[r].length >= 1:
+//   page_tables (device, kv.page_tables at kv.page_table_stride) row r <- host_tables row r
+//     (the first rows[r].num_pages entries; host_tables has the same stride);
+//   q (device bf16 [batch, 3, num_q_heads, head_dim]) row r <- the first 3 query variants of
+//     host_q + r * q_row_bytes, in rows[r].q_dtype;
+//   the new token at position L - 1 appended as LaunchDecodeAppendKv does (key scaled by s(L)),
+//     from host_k / host_v + r * kv_row_bytes in rows[r].k_dtype / v_dtype, through the host table;
+//   lengths[r] <- L.
+// A row with L = 0 (padding of a captured batch size) only gets lengths[r] = 0. Every field is
+// read on the device, so a captured graph of this kernel serves any lengths, tables and dtypes.
+struct DecodeStageRow {
+  int32_t length = 0;
+  int32_t num_pages = 0;
+  int32_t q_dtype = 0;  // static_cast<int32_t>(DType)
+  int32_t k_dtype = 0;
+  int32_t v_dtype = 0;
+};
+struct CudaDecodeStageParams {
+  PagedKvBatch kv;                       // the layer's pool; page_tables = the device table to fill
+  const DecodeStageRow* rows = nullptr;  // pinned host [batch]
+  const int32_t* host_tables = nullptr;  // pinned host [batch, kv.page_table_stride]
+  const void* host_q = nullptr;          // pinned host, row r at r * q_row_bytes
+  const void* host_k = nullptr;          // pinned host, row r at r * kv_row_bytes
+  const void* host_v = nullptr;
+  int64_t q_row_bytes = 0;
+  int64_t kv_row_bytes = 0;
+  int32_t* lengths = nullptr;            // device [batch]
+  Bf16* q = nullptr;                     // device [batch, 3, num_q_heads, head_dim]
+  int32_t num_q_heads = 0;
+  int32_t batch = 0;
+  int64_t original_max_position_embeddings = 0;
+};
+absl::Status LaunchDecodeStage(const CudaDecodeStageParams& params, cudaStream_t stream);
+
 // dst[i] = bf16(src[i]) for n elements (src bf16, fp16 or fp32).
 absl::Status LaunchConvertToBf16(const void* src, DType src_dtype, int64_t n, Bf16* dst,
                                  cudaStream_t stream);

@@ -1021,6 +1021,50 @@ __global__ void DecodeAppendKvKernel(PagedKvBatch kvb, const int32_t* lengths, c
   }
 }
 
+// grid (kDecodeStageBlocksPerRow, batch), block 256: CudaDecodeStageParams. The blocks of a row
+// share its page-table and q copies; block 0 also appends the new K/V and writes the length. The
+// append looks its page up in the host table (the device one is being written by other blocks).
+constexpr int kDecodeStageBlocksPerRow = 8;
+__global__ void DecodeStageKernel(PagedKvBatch kvb, const DecodeStageRow* rows,
+                                  const int32_t* host_tables, const char* host_q,
+                                  const char* host_k, const char* host_v, int64_t q_row_bytes,
+                                  int64_t kv_row_bytes, int32_t* lengths, Bf16* q,
+                                  int32_t num_q_heads, int64_t orig) {
+  const int32_t r = blockIdx.y;
+  __shared__ DecodeStageRow row;
+  if (threadIdx.x == 0) row = rows[r];
+  __syncthreads();
+  if (row.length < 1) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) lengths[r] = 0;
+    return;
+  }
+  const int64_t stride = kvb.page_table_stride;
+  const int32_t* host_table = host_tables + r * stride;
+  int32_t* table = const_cast<int32_t*>(kvb.page_tables) + r * stride;
+  const int step = gridDim.x * blockDim.x;
+  const int first = blockIdx.x * blockDim.x + threadIdx.x;
+  for (int i = first; i < row.num_pages; i += step) table[i] = host_table[i];
+  const int64_t q_n = int64_t{3} * num_q_heads * kvb.head_dim;
+  const char* q_src = host_q + r * q_row_bytes;
+  Bf16* q_dst = q + r * q_n;
+  for (int64_t i = first; i < q_n; i += step) {
+    q_dst[i] = __float2bfloat16_rn(LoadAsFloat(q_src, row.q_dtype, i));
+  }
+  if (blockIdx.x != 0) return;
+  PagedKv<Bf16> kv = kvb.Seq(r);
+  kv.page_table = host_table;
+  const float key_scale = LengthScaleDevice(row.length, orig);
+  const int per_token = kv.num_kv_heads * kv.head_dim;
+  const char* k_src = host_k + r * kv_row_bytes;
+  const char* v_src = host_v + r * kv_row_bytes;
+  for (int i = threadIdx.x; i < per_token; i += blockDim.x) {
+    const int64_t off = PagedOffset(kv, row.length - 1, i / kv.head_dim) + i % kv.head_dim;
+    kv.k[off] = __float2bfloat16_rn(LoadAsFloat(k_src, row.k_dtype, i) * key_scale);
+    kv.v[off] = __float2bfloat16_rn(LoadAsFloat(v_src, row.v_dtype, i));
+  }
+  if (threadIdx.x == 0) lengths[r] = row.length;
+}
+
 __global__ void ConvertToBf16Kernel(const void* src, int dtype, int64_t n, Bf16* dst) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
