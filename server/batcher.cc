@@ -275,7 +275,7 @@ void BatchingDecodeQueue::Deliver(std::vector<Answer> answers,
 
 void BatchingDecodeQueue::RunBatch(std::shared_ptr<Batch> batch) {
   while (batch != nullptr) {
-    Execute(batch.get());
+    std::vector<Result> results = Execute(batch.get());
     std::vector<Answer> answers;
     std::vector<std::shared_ptr<Batch>> batches;
     {
@@ -294,10 +294,11 @@ void BatchingDecodeQueue::RunBatch(std::shared_ptr<Batch> batch) {
       batches.erase(batches.begin());
     }
     Deliver(std::move(answers), std::move(batches));
+    DeliverResults(std::move(results), /*all_elsewhere=*/batch != nullptr);
   }
 }
 
-void BatchingDecodeQueue::Execute(Batch* batch) {
+std::vector<BatchingDecodeQueue::Result> BatchingDecodeQueue::Execute(Batch* batch) {
   const absl::Time start = clock_->Now();
   {
     MutexLock lock(&mu_);
@@ -311,8 +312,8 @@ void BatchingDecodeQueue::Execute(Batch* batch) {
   }
 
   int64_t eager = 0, graphs = 0, completed = 0, deadline = 0, cancelled = 0;
-  // Answers are collected and handed out after the launch (DeliverResults), so the replies'
-  // serialisation runs on several workers instead of delaying this key's next batch.
+  // Answers are collected and handed out by RunBatch once the slot is free (DeliverResults), so
+  // the replies' serialisation runs on several workers instead of delaying this key's next batch.
   std::vector<Result> results;
   auto answer = [&](Pending* c, absl::StatusOr<DecodeResult> r) {
     const absl::StatusCode code = r.status().code();
@@ -388,15 +389,17 @@ void BatchingDecodeQueue::Execute(Batch* batch) {
     stats_.graph_replays += graphs;
     if (split) ++stats_.split_retries;
   }
-  DeliverResults(std::move(results));
+  return results;
 }
 
-void BatchingDecodeQueue::DeliverResults(std::vector<Result> results) {
-  // Groups of kPerWorker replies go to other workers; the first group is answered here. A group
-  // the dispatcher refuses (shutdown) is answered here too: no reply is ever lost.
+void BatchingDecodeQueue::DeliverResults(std::vector<Result> results, bool all_elsewhere) {
+  // Groups of kPerWorker replies go to other workers; the first group is answered here unless
+  // all_elsewhere. A group the dispatcher refuses (shutdown) is answered here too: no reply is
+  // ever lost.
   constexpr size_t kPerWorker = 4;
+  const size_t here = all_elsewhere ? 0 : std::min(results.size(), kPerWorker);
   std::vector<std::shared_ptr<std::vector<Result>>> refused;
-  for (size_t first = kPerWorker; first < results.size(); first += kPerWorker) {
+  for (size_t first = here; first < results.size(); first += kPerWorker) {
     auto group = std::make_shared<std::vector<Result>>();
     const size_t last = std::min(results.size(), first + kPerWorker);
     for (size_t i = first; i < last; ++i) group->push_back(std::move(results[i]));
@@ -405,9 +408,7 @@ void BatchingDecodeQueue::DeliverResults(std::vector<Result> results) {
     });
     if (!s.ok()) refused.push_back(std::move(group));
   }
-  for (size_t i = 0; i < std::min(results.size(), kPerWorker); ++i) {
-    results[i].first(std::move(results[i].second));
-  }
+  for (size_t i = 0; i < here; ++i) results[i].first(std::move(results[i].second));
   for (auto& group : refused) {
     for (Result& r : *group) r.first(std::move(r.second));
   }

@@ -207,12 +207,15 @@ class BatchingDecodeQueue : public DecodeQueue {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers dropped calls and dispatches batches (a refused batch's calls get the refusal).
   void Deliver(std::vector<Answer> answers, std::vector<std::shared_ptr<Batch>> batches);
-  // On a worker: executes the batch, answers its calls, frees its slot, then runs the key's next
-  // due batch on this same thread (which is also how calls queued behind it drain at shutdown).
+  // On a worker: executes the batch, frees its slot, then runs the key's next due batch on this
+  // same thread (which is also how calls queued behind it drain at shutdown). The executed
+  // batch's replies go to other workers when a next batch follows, so serialising them never
+  // delays it; otherwise the first few are answered here.
   void RunBatch(std::shared_ptr<Batch> batch);
-  void Execute(Batch* batch);
-  // Calls each result's Done: most on other workers (dispatch_), the first few here.
-  void DeliverResults(std::vector<Result> results);
+  std::vector<Result> Execute(Batch* batch);
+  // Calls each result's Done: groups on other workers (dispatch_), the first group here unless
+  // `all_elsewhere`; a group the dispatcher refuses is answered here.
+  void DeliverResults(std::vector<Result> results, bool all_elsewhere);
   void FinishBatchLocked(const Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int32_t PaddedSize(int64_t num_entries) const;
   void TimerLoop();
