@@ -240,6 +240,7 @@ int main(int argc, char** argv) {
     BatchCounters counted;
     std::vector<double> latencies;
     int64_t server_ticks = 0;
+    int64_t client_ticks = 0;  // this process: all the clients together
     const int pid = absl::GetFlag(FLAGS_server_pid);
     for (int round = 0; round < absl::GetFlag(FLAGS_max_rounds) &&
                         absl::ToDoubleSeconds(total) < absl::GetFlag(FLAGS_min_seconds);
@@ -266,12 +267,15 @@ int main(int argc, char** argv) {
         });
       }
       const int64_t ticks_before = pid > 0 ? CpuTicks(pid) : -1;
+      const int64_t own_before = CpuTicks(getpid());
       const absl::Time start = absl::Now();
       go.Notify();
       for (std::thread& t : threads) t.join();
       total += absl::Now() - start;
       const int64_t ticks_after = pid > 0 ? CpuTicks(pid) : -1;
+      const int64_t own_after = CpuTicks(getpid());
       if (ticks_before >= 0 && ticks_after >= 0) server_ticks += ticks_after - ticks_before;
+      if (own_before >= 0 && own_after >= 0) client_ticks += own_after - own_before;
       done += int64_t{n} * decodes;
       const BatchCounters after = ReadCounters(info_stub.get(), nullptr);
       counted.batches += after.batches - before.batches;
@@ -286,7 +290,7 @@ int main(int argc, char** argv) {
     const double seconds = absl::ToDoubleSeconds(total);
     std::printf(
         "%s%s model=%s context=%lld clients=%d decodes=%lld seconds=%.3f throughput=%.0f/s "
-        "p50=%.0fus p99=%.0fus mean_batch=%s%s\n",
+        "p50=%.0fus p99=%.0fus mean_batch=%s%s client_cpu_us_per_decode=%.0f\n",
         absl::GetFlag(FLAGS_label).c_str(), absl::GetFlag(FLAGS_session) ? " session" : " unary",
         g.model.c_str(), static_cast<long long>(context), n,
         static_cast<long long>(done), seconds, done / seconds, pct(0.50), pct(0.99),
@@ -297,7 +301,8 @@ int main(int argc, char** argv) {
         pid > 0 ? absl::StrFormat(" server_cpu_us_per_decode=%.0f",
                                   1e6 * server_ticks / sysconf(_SC_CLK_TCK) / done)
                       .c_str()
-                : "");
+                : "",
+        1e6 * client_ticks / sysconf(_SC_CLK_TCK) / done);
     std::fflush(stdout);
   }
   return 0;
