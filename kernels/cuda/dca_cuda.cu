@@ -160,7 +160,8 @@ absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
       <<<dim3(p.max_splits, g.num_kv_heads, p.batch), kThreads, smem, stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeSplitKernel");
   cuda_kernels::DcaDecodeReduceKernel<D><<<dim3(p.batch, g.num_q_heads), D, 0, stream>>>(
-      p.partial_out, p.partial_lse, p.max_splits, p.out, static_cast<int>(p.out_dtype));
+      p.partial_out, p.partial_lse, p.lengths, p.max_splits, cuda_kernels::kBlockN, p.out,
+      static_cast<int>(p.out_dtype));
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReduceKernel");
   return absl::OkStatus();
 }
@@ -189,7 +190,8 @@ absl::Status LaunchDecodePipeTyped(const DcaGeometry& g, const CudaDecodeParams&
       <<<dim3(p.max_splits, g.num_kv_heads, p.batch), Warps * 32, smem, stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodePipeKernel");
   cuda_kernels::DcaDecodeReduceKernel<D><<<dim3(p.batch, g.num_q_heads), D, 0, stream>>>(
-      p.partial_out, p.partial_lse, p.max_splits, p.out, static_cast<int>(p.out_dtype));
+      p.partial_out, p.partial_lse, p.lengths, p.max_splits, 16 * Warps, p.out,
+      static_cast<int>(p.out_dtype));
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReduceKernel");
   return absl::OkStatus();
 }

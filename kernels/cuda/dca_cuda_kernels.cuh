@@ -437,8 +437,23 @@ struct DecodeArgs {
   float* partial_lse;  // [batch, Hq, max_splits], log2 domain; -inf = empty split
 };
 
+// Keys per split of a row of L keys: ceil(L / max_splits), at least kMinSplitKeys, rounded up to
+// the kernel's tile. Splits are a prefix: split s has keys iff s < DecodeLiveSplits. The minimum
+// keeps short rows to a few full splits, so the reduction reads a few partials, not max_splits
+// (which is planned for the longest sequence the pool holds).
+constexpr int32_t kMinSplitKeys = 256;
+__device__ __forceinline__ int32_t DecodeSplitLen(int32_t len, int32_t max_splits, int32_t tile) {
+  const int32_t per_split = max((len + max_splits - 1) / max_splits, kMinSplitKeys);
+  return (per_split + tile - 1) / tile * tile;
+}
+__device__ __forceinline__ int32_t DecodeLiveSplits(int32_t len, int32_t max_splits,
+                                                    int32_t tile) {
+  return len < 1 ? 0 : min(max_splits, (len + DecodeSplitLen(len, max_splits, tile) - 1) /
+                                           DecodeSplitLen(len, max_splits, tile));
+}
+
 // grid (max_splits, num_kv_heads, batch), block kThreads. Block (s, h, b): keys
-// [s * split_len, (s + 1) * split_len) of sequence b, split_len = roundup(ceil(L / max_splits), 64).
+// [s * split_len, (s + 1) * split_len) of sequence b, split_len = DecodeSplitLen(L, max_splits, 64).
 // The group's q heads are the 16 rows of an mma tile (rows >= group are zero); each warp takes 16
 // keys of every 64-key tile with its own online softmax; the four warps merge through shared memory.
 template <int D, int Stages>
@@ -453,8 +468,7 @@ __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArg
 
   const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int32_t len = a.lengths[b];
-  const int32_t per_split = (len + a.max_splits - 1) / a.max_splits;
-  const int32_t split_len = (per_split + kBlockN - 1) / kBlockN * kBlockN;
+  const int32_t split_len = DecodeSplitLen(len, a.max_splits, kBlockN);
   const int32_t k_begin = split * split_len;
   const int32_t k_end = min(len, k_begin + split_len);
   if (k_begin >= k_end) {  // empty split: mark it and leave
@@ -675,8 +689,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
 
   const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int32_t len = a.lengths[b];
-  const int32_t per_split = (len + a.max_splits - 1) / a.max_splits;
-  const int32_t split_len = (per_split + BN - 1) / BN * BN;
+  const int32_t split_len = DecodeSplitLen(len, a.max_splits, BN);
   const int32_t k_begin = split * split_len;
   const int32_t k_end = min(len, k_begin + split_len);
   if (k_begin >= k_end) {  // empty split (or a length-0 padding row): mark it and leave
@@ -907,17 +920,21 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
 }
 
 // grid (batch, num_q_heads), block D threads: out = sum_s w_s * partial_out_s with
-// w_s = 2^(lse_s - max) / sum, skipping empty splits.
+// w_s = 2^(lse_s - max) / sum over the row's live splits (DecodeLiveSplits with the split kernel's
+// tile), skipping empty ones.
 template <int D>
 __global__ void __launch_bounds__(D) DcaDecodeReduceKernel(const float* partial_out,
-                                                           const float* partial_lse, int max_splits,
-                                                           void* out, int out_dtype) {
+                                                           const float* partial_lse,
+                                                           const int32_t* lengths, int max_splits,
+                                                           int split_tile, void* out,
+                                                           int out_dtype) {
   const int64_t slot = static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y;
+  const int live = DecodeLiveSplits(lengths[blockIdx.x], max_splits, split_tile);
   const float* lse = partial_lse + slot * max_splits;
   float mx = -CUDART_INF_F;
-  for (int s = 0; s < max_splits; ++s) mx = fmaxf(mx, lse[s]);
+  for (int s = 0; s < live; ++s) mx = fmaxf(mx, lse[s]);
   float wsum = 0.f, acc = 0.f;
-  for (int s = 0; s < max_splits; ++s) {
+  for (int s = 0; s < live; ++s) {
     if (lse[s] == -CUDART_INF_F) continue;
     const float w = exp2f(lse[s] - mx);
     wsum += w;
