@@ -151,10 +151,10 @@ class CudaEngine : public Engine {
 
   // Decode: the host writes each row's inputs in their own dtype into fixed slots of pinned
   // memory (h_decode_: DecodeStageRow [B] | q [B, q slot] | k [B, kv slot] | v [B, kv slot]) and
-  // its page table into h_tables_ at a fixed stride (the pool's page count); the stage kernel
-  // reads them through their mapped addresses. The device keeps lengths [B] and bf16 q
-  // [B, 3, Hq, D] (d_decode_) and the tables (d_tables_); the reduction writes h_decode_out_.
-  // Every address and stride is fixed, so captured kernels never change.
+  // its page table into h_tables_ at a fixed stride (the pool's page count, rounded up to a
+  // multiple of 4); the stage kernel reads them through their mapped addresses. The device keeps
+  // lengths [B] and bf16 q [B, 3, Hq, D] (d_decode_) and the tables (d_tables_); the reduction
+  // writes h_decode_out_. Every address and stride is fixed, so captured kernels never change.
   int64_t table_stride_ = 0;
   int64_t max_length_ = 0;  // the most tokens one sequence can hold: split-K plans for this
   size_t q_slot_ = 0, kv_slot_ = 0;  // bytes per row: 3 query variants / one K or V, as fp32
@@ -267,7 +267,7 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   }
 
   const int64_t b = max_decode_batch_;
-  table_stride_ = layout_.num_pages;
+  table_stride_ = (layout_.num_pages + 3) / 4 * 4;  // the stage kernel copies 4 ids at a time
   max_length_ = layout_.num_pages * layout_.page_size;
   q_slot_ = AlignUp(kNumDecodeVariants * hq * d * 4);
   kv_slot_ = AlignUp(hkv * d * 4);

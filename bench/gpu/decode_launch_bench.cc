@@ -75,7 +75,7 @@ int Main() {
   const int32_t max_b = *std::max_element(batches.begin(), batches.end());
   const int64_t pages_per_seq = (context + kPage - 1) / kPage;
   const int64_t pages = 128 * pages_per_seq + 16;  // decode_step_bench's pool at 128 sequences
-  const int64_t stride = pages;
+  const int64_t stride = (pages + 3) / 4 * 4;  // as the engine's: a multiple of 4
   const int64_t max_length = pages * kPage;
   int device = 0, num_sms = 0;
   CHECK_CUDA(cudaGetDevice(&device));

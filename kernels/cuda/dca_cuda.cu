@@ -291,17 +291,23 @@ absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParams& p, cudaStream_t 
 }
 
 absl::Status LaunchDecodeStage(const CudaDecodeStageParams& p, cudaStream_t stream) {
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.page_tables == nullptr ||
-      p.kv.page_table_stride < 1 || p.rows == nullptr || p.host_tables == nullptr ||
-      p.host_q == nullptr || p.host_k == nullptr || p.host_v == nullptr || p.lengths == nullptr ||
-      p.q == nullptr || p.num_q_heads < 1 || p.batch < 0 || p.batch > 65535 ||
+      p.kv.page_table_stride < 4 || p.kv.page_table_stride % 4 != 0 || p.kv.head_dim % 8 != 0 ||
+      p.rows == nullptr || p.host_tables == nullptr || p.host_q == nullptr ||
+      p.host_k == nullptr || p.host_v == nullptr || p.lengths == nullptr || p.q == nullptr ||
+      !aligned(p.kv.page_tables) || !aligned(p.host_tables) || !aligned(p.host_q) ||
+      !aligned(p.host_k) || !aligned(p.host_v) || !aligned(p.q) || p.q_row_bytes % 16 != 0 ||
+      p.kv_row_bytes % 16 != 0 || p.num_q_heads < 1 || p.batch < 0 || p.batch > 65535 ||
       p.q_row_bytes < int64_t{3} * p.num_q_heads * p.kv.head_dim * 4 ||
       p.kv_row_bytes < int64_t{p.kv.num_kv_heads} * p.kv.head_dim * 4) {
-    return absl::InvalidArgumentError("decode stage: bad params");
+    return absl::InvalidArgumentError(
+        "decode stage: bad params (null or unaligned pointers, a page-table stride that is not a "
+        "multiple of 4, or row slots smaller than fp32 rows)");
   }
   if (p.batch == 0) return absl::OkStatus();
-  cuda_kernels::DecodeStageKernel<<<dim3(cuda_kernels::kDecodeStageBlocksPerRow, p.batch), 256, 0,
-                                    stream>>>(
+  cuda_kernels::DecodeStageKernel<<<dim3(cuda_kernels::kDecodeStageBlocks, p.batch),
+                                    cuda_kernels::kDecodeStageThreads, 0, stream>>>(
       p.kv, p.rows, p.host_tables, static_cast<const char*>(p.host_q),
       static_cast<const char*>(p.host_k), static_cast<const char*>(p.host_v), p.q_row_bytes,
       p.kv_row_bytes, p.lengths, p.q, p.num_q_heads, p.original_max_position_embeddings);

@@ -101,6 +101,8 @@ absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParams& params, cudaStre
 //   lengths[r] <- L.
 // A row with L = 0 (padding of a captured batch size) only gets lengths[r] = 0. Every field is
 // read on the device, so a captured graph of this kernel serves any lengths, tables and dtypes.
+// Requires 16-byte aligned pointers, a page-table stride that is a multiple of 4, head_dim a
+// multiple of 8, and slots of at least fp32 rows, 16-byte multiples (INVALID_ARGUMENT otherwise).
 struct DecodeStageRow {
   int32_t length = 0;
   int32_t num_pages = 0;

@@ -1038,48 +1038,123 @@ __global__ void DecodeAppendKvKernel(PagedKvBatch kvb, const int32_t* lengths, c
   }
 }
 
-// grid (kDecodeStageBlocksPerRow, batch), block 256: CudaDecodeStageParams. The blocks of a row
-// share its page-table and q copies; block 0 also appends the new K/V and writes the length. The
-// append looks its page up in the host table (the device one is being written by other blocks).
-constexpr int kDecodeStageBlocksPerRow = 8;
-__global__ void DecodeStageKernel(PagedKvBatch kvb, const DecodeStageRow* rows,
-                                  const int32_t* host_tables, const char* host_q,
-                                  const char* host_k, const char* host_v, int64_t q_row_bytes,
-                                  int64_t kv_row_bytes, int32_t* lengths, Bf16* q,
-                                  int32_t num_q_heads, int64_t orig) {
+// grid (kDecodeStageBlocks, batch), block kDecodeStageThreads: CudaDecodeStageParams. Host memory
+// is read over the bus, where every read is a round trip of microseconds, so the kernel makes two:
+// the row's header, then every 16-byte piece of the row (q, page table, k, v, and the page id of
+// the new token) loaded by its own thread before any of them is stored. A row's pieces, in order:
+// q (3 * Hq * D elements of its dtype), its page table (4 ids a piece; tables are 16-byte
+// aligned, so the last piece may carry up to 3 ids past num_pages, which nobody reads), k, v.
+constexpr int kDecodeStageBlocks = 16;
+constexpr int kDecodeStageThreads = 256;
+constexpr int kDecodeStageUnroll = 4;  // pieces in flight per thread: 16 * 256 * 4 * 16 B = 256 KB
+
+// The `n` (16 / element size) values of one 16-byte piece of `dtype` elements, as floats.
+__device__ __forceinline__ int PieceToFloats(const uint4& piece, int dtype, float (&x)[8]) {
+  const uint32_t w[4] = {piece.x, piece.y, piece.z, piece.w};
+  if (dtype == static_cast<int>(DType::kFp32)) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = __uint_as_float(w[i]);
+    return 4;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint16_t h = static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2)));
+    x[i] = dtype == static_cast<int>(DType::kBf16)
+               ? __bfloat162float(__ushort_as_bfloat16(h))
+               : __half2float(__ushort_as_half(h));
+  }
+  return 8;
+}
+
+// Stores n (4 or 8) floats as bf16 at dst (8- or 16-byte aligned).
+__device__ __forceinline__ void StoreBf16Piece(Bf16* dst, const float (&x)[8], int n, float scale) {
+  const uint32_t p0 = PackBf16(x[0] * scale, x[1] * scale);
+  const uint32_t p1 = PackBf16(x[2] * scale, x[3] * scale);
+  if (n == 4) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(p0, p1);
+  } else {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(p0, p1, PackBf16(x[4] * scale, x[5] * scale),
+                                                PackBf16(x[6] * scale, x[7] * scale));
+  }
+}
+
+__device__ __forceinline__ int32_t DTypeBytes(int dtype) {
+  return dtype == static_cast<int>(DType::kFp32) ? 4 : 2;
+}
+
+__global__ void __launch_bounds__(kDecodeStageThreads)
+    DecodeStageKernel(PagedKvBatch kvb, const DecodeStageRow* rows, const int32_t* host_tables,
+                      const char* host_q, const char* host_k, const char* host_v,
+                      int64_t q_row_bytes, int64_t kv_row_bytes, int32_t* lengths, Bf16* q,
+                      int32_t num_q_heads, int64_t orig) {
   const int32_t r = blockIdx.y;
   __shared__ DecodeStageRow row;
   if (threadIdx.x == 0) row = rows[r];
   __syncthreads();
-  if (row.length < 1) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) lengths[r] = 0;
-    return;
-  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) lengths[r] = max(row.length, 0);
+  if (row.length < 1) return;  // padding of a captured batch size: nothing else
+
   const int64_t stride = kvb.page_table_stride;
   const int32_t* host_table = host_tables + r * stride;
-  int32_t* table = const_cast<int32_t*>(kvb.page_tables) + r * stride;
-  const int step = gridDim.x * blockDim.x;
-  const int first = blockIdx.x * blockDim.x + threadIdx.x;
-  for (int i = first; i < row.num_pages; i += step) table[i] = host_table[i];
-  const int64_t q_n = int64_t{3} * num_q_heads * kvb.head_dim;
-  const char* q_src = host_q + r * q_row_bytes;
-  Bf16* q_dst = q + r * q_n;
-  for (int64_t i = first; i < q_n; i += step) {
-    q_dst[i] = __float2bfloat16_rn(LoadAsFloat(q_src, row.q_dtype, i));
+  const int D = kvb.head_dim;
+  const int64_t q_elems = int64_t{3} * num_q_heads * D, kv_elems = int64_t{kvb.num_kv_heads} * D;
+  const int64_t n_q = q_elems * DTypeBytes(row.q_dtype) / 16;
+  const int64_t n_t = (row.num_pages + 3) / 4;
+  const int64_t n_k = kv_elems * DTypeBytes(row.k_dtype) / 16;
+  const int64_t n_v = kv_elems * DTypeBytes(row.v_dtype) / 16;
+  const int64_t total = n_q + n_t + n_k + n_v;
+  const int64_t step = int64_t{gridDim.x} * blockDim.x;
+  const int32_t pos = row.length - 1;  // the new token
+  const uint32_t ps = static_cast<uint32_t>(kvb.page_size);
+  for (int64_t base = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; base < total;
+       base += step * kDecodeStageUnroll) {
+    // Loads first: every piece (and the new token's page id) in flight at once.
+    uint4 piece[kDecodeStageUnroll];
+    int32_t page = 0;
+    bool appends = false;
+#pragma unroll
+    for (int u = 0; u < kDecodeStageUnroll; ++u) {
+      const int64_t i = base + u * step;
+      if (i >= total) continue;
+      const char* src;
+      if (i < n_q) {
+        src = host_q + r * q_row_bytes + i * 16;
+      } else if (i < n_q + n_t) {
+        src = reinterpret_cast<const char*>(host_table) + (i - n_q) * 16;
+      } else if (i < n_q + n_t + n_k) {
+        src = host_k + r * kv_row_bytes + (i - n_q - n_t) * 16;
+        appends = true;
+      } else {
+        src = host_v + r * kv_row_bytes + (i - n_q - n_t - n_k) * 16;
+        appends = true;
+      }
+      piece[u] = *reinterpret_cast<const uint4*>(src);
+    }
+    if (appends) page = host_table[static_cast<uint32_t>(pos) / ps];
+    // Then the stores.
+#pragma unroll
+    for (int u = 0; u < kDecodeStageUnroll; ++u) {
+      const int64_t i = base + u * step;
+      if (i >= total) continue;
+      float x[8];
+      if (i < n_q) {
+        const int n = PieceToFloats(piece[u], row.q_dtype, x);
+        StoreBf16Piece(q + r * q_elems + i * n, x, n, 1.f);
+      } else if (i < n_q + n_t) {
+        int32_t* table = const_cast<int32_t*>(kvb.page_tables) + r * stride;
+        *reinterpret_cast<uint4*>(table + (i - n_q) * 4) = piece[u];
+      } else {
+        const bool is_k = i < n_q + n_t + n_k;
+        const int n = PieceToFloats(piece[u], is_k ? row.k_dtype : row.v_dtype, x);
+        const int64_t e = (is_k ? i - n_q - n_t : i - n_q - n_t - n_k) * n;  // first element
+        const int64_t off =
+            ((int64_t{page} * ps + static_cast<uint32_t>(pos) % ps) * kvb.num_kv_heads + e / D) *
+                D + e % D;
+        StoreBf16Piece((is_k ? kvb.k : kvb.v) + off, x, n,
+                       is_k ? LengthScaleDevice(row.length, orig) : 1.f);
+      }
+    }
   }
-  if (blockIdx.x != 0) return;
-  PagedKv<Bf16> kv = kvb.Seq(r);
-  kv.page_table = host_table;
-  const float key_scale = LengthScaleDevice(row.length, orig);
-  const int per_token = kv.num_kv_heads * kv.head_dim;
-  const char* k_src = host_k + r * kv_row_bytes;
-  const char* v_src = host_v + r * kv_row_bytes;
-  for (int i = threadIdx.x; i < per_token; i += blockDim.x) {
-    const int64_t off = PagedOffset(kv, row.length - 1, i / kv.head_dim) + i % kv.head_dim;
-    kv.k[off] = __float2bfloat16_rn(LoadAsFloat(k_src, row.k_dtype, i) * key_scale);
-    kv.v[off] = __float2bfloat16_rn(LoadAsFloat(v_src, row.v_dtype, i));
-  }
-  if (threadIdx.x == 0) lengths[r] = row.length;
 }
 
 __global__ void ConvertToBf16Kernel(const void* src, int dtype, int64_t n, Bf16* dst) {

@@ -574,6 +574,145 @@ INSTANTIATE_TEST_SUITE_P(
                                  DType::kBf16, DType::kFp32, 1}),
     [](const ::testing::TestParamInfo<DecodeCase>& info) { return info.param.name; });
 
+// The decode stage kernel (inputs read from pinned host memory) against independent references:
+// page tables and lengths byte for byte, q against the host's own bf16 rounding, and the appended
+// K/V against LaunchDecodeAppendKv (device inputs, checked against fp64 by DecodeTest) on a second
+// pool, compared whole, so a stray write anywhere fails. Rows mix input dtypes, one is padding,
+// and one has a 70000-page table, which takes the kernel more than one pass over its pieces.
+TEST(CudaDecodeStage, MatchesTheDeviceAppendAndTheHostRounding) {
+  REQUIRE_GPU();
+  const int hq = 28, hkv = 4, d = 128, ps = 16, pool_pages = 64;
+  const int64_t orig = 4096;
+  const int64_t stride = 70004;  // a multiple of 4, >= every row's pages
+  struct Row {
+    int32_t pages;
+    DType q, k, v;
+  };
+  const std::vector<Row> rows = {{70000, DType::kFp32, DType::kBf16, DType::kFp16},
+                                 {0, DType::kBf16, DType::kBf16, DType::kBf16},  // padding
+                                 {3, DType::kBf16, DType::kFp32, DType::kFp32}};
+  const int batch = static_cast<int>(rows.size());
+  std::mt19937 rng(77);
+  std::uniform_int_distribution<int32_t> page_id(0, pool_pages - 1);
+  const size_t q_n = 3 * hq * d, kv_n = hkv * d, q_slot = q_n * 4, kv_slot = kv_n * 4;
+
+  DecodeStageRow* h_rows = nullptr;
+  int32_t* h_tables = nullptr;
+  char *h_q = nullptr, *h_k = nullptr, *h_v = nullptr;
+  CUDA_ASSERT(cudaMallocHost(reinterpret_cast<void**>(&h_rows), batch * sizeof(DecodeStageRow)));
+  CUDA_ASSERT(cudaMallocHost(reinterpret_cast<void**>(&h_tables), batch * stride * 4));
+  CUDA_ASSERT(cudaMallocHost(reinterpret_cast<void**>(&h_q), batch * q_slot));
+  CUDA_ASSERT(cudaMallocHost(reinterpret_cast<void**>(&h_k), batch * kv_slot));
+  CUDA_ASSERT(cudaMallocHost(reinterpret_cast<void**>(&h_v), batch * kv_slot));
+  std::vector<std::vector<double>> q_val(batch), k_val(batch), v_val(batch);
+  std::vector<int32_t> lengths(batch, 0);
+  for (int r = 0; r < batch; ++r) {
+    const Row& row = rows[r];
+    lengths[r] = row.pages == 0 ? 0 : (row.pages - 1) * ps + 5;  // the new token in the last page
+    h_rows[r] = DecodeStageRow{lengths[r], row.pages, static_cast<int32_t>(row.q),
+                               static_cast<int32_t>(row.k), static_cast<int32_t>(row.v)};
+    for (int64_t i = 0; i < stride; ++i) h_tables[r * stride + i] = page_id(rng);
+    h_tables[r * stride + std::max(0, row.pages - 1)] = r == 0 ? 11 : 42;  // distinct target pages
+    std::vector<uint8_t> raw;
+    RandomTensor(q_n, row.q, &rng, &raw, &q_val[r]);
+    std::memcpy(h_q + r * q_slot, raw.data(), raw.size());
+    RandomTensor(kv_n, row.k, &rng, &raw, &k_val[r]);
+    std::memcpy(h_k + r * kv_slot, raw.data(), raw.size());
+    RandomTensor(kv_n, row.v, &rng, &raw, &v_val[r]);
+    std::memcpy(h_v + r * kv_slot, raw.data(), raw.size());
+  }
+
+  const size_t pool_elems = static_cast<size_t>(pool_pages) * ps * hkv * d;
+  DevBuf k_pool(pool_elems * 2), v_pool(pool_elems * 2), k_ref(pool_elems * 2),
+      v_ref(pool_elems * 2), d_tables(batch * stride * 4), d_len(batch * 4),
+      d_q(batch * q_n * 2);
+  for (const DevBuf* b : {&k_pool, &v_pool, &k_ref, &v_ref, &d_tables, &d_len, &d_q}) b->Poison();
+  PagedKvBatch kvb;
+  kvb.k = k_pool.get<Bf16>();
+  kvb.v = v_pool.get<Bf16>();
+  kvb.page_tables = d_tables.get<int32_t>();
+  kvb.page_table_stride = stride;
+  kvb.page_size = ps;
+  kvb.num_kv_heads = hkv;
+  kvb.head_dim = d;
+  CudaDecodeStageParams sp;
+  sp.kv = kvb;
+  sp.rows = h_rows;
+  sp.host_tables = h_tables;
+  sp.host_q = h_q;
+  sp.host_k = h_k;
+  sp.host_v = h_v;
+  sp.q_row_bytes = static_cast<int64_t>(q_slot);
+  sp.kv_row_bytes = static_cast<int64_t>(kv_slot);
+  sp.lengths = d_len.get<int32_t>();
+  sp.q = d_q.get<Bf16>();
+  sp.num_q_heads = hq;
+  sp.batch = batch;
+  sp.original_max_position_embeddings = orig;
+  absl::Status st = LaunchDecodeStage(sp, nullptr);
+  ASSERT_TRUE(st.ok()) << st;
+  CUDA_ASSERT(cudaDeviceSynchronize());
+
+  // The reference append, one row at a time from device fp32 copies (exact for every dtype here).
+  for (int r = 0; r < batch; ++r) {
+    if (lengths[r] == 0) continue;
+    std::vector<float> k32(k_val[r].begin(), k_val[r].end()), v32(v_val[r].begin(), v_val[r].end());
+    DevBuf dk(kv_n * 4), dv(kv_n * 4), table(stride * 4), len(4);
+    dk.Upload(k32.data());
+    dv.Upload(v32.data());
+    table.Upload(h_tables + r * stride);
+    len.Upload(&lengths[r]);
+    CudaDecodeAppendParams ap;
+    ap.kv = kvb;
+    ap.kv.k = k_ref.get<Bf16>();
+    ap.kv.v = v_ref.get<Bf16>();
+    ap.kv.page_tables = table.get<int32_t>();
+    ap.lengths = len.get<int32_t>();
+    ap.k = dk.get();
+    ap.v = dv.get();
+    ap.in_dtype = DType::kFp32;
+    ap.batch = 1;
+    ap.original_max_position_embeddings = orig;
+    ASSERT_TRUE(LaunchDecodeAppendKv(ap, nullptr).ok());
+    CUDA_ASSERT(cudaDeviceSynchronize());
+  }
+  auto download = [](const DevBuf& b) {
+    std::vector<uint8_t> out(b.bytes());
+    cudaMemcpy(out.data(), b.get(), b.bytes(), cudaMemcpyDeviceToHost);
+    return out;
+  };
+  EXPECT_TRUE(download(k_pool) == download(k_ref)) << "K pool differs from LaunchDecodeAppendKv's";
+  EXPECT_TRUE(download(v_pool) == download(v_ref)) << "V pool differs from LaunchDecodeAppendKv's";
+  std::vector<int32_t> got_len(batch), got_tables(batch * stride);
+  CUDA_ASSERT(cudaMemcpy(got_len.data(), d_len.get(), batch * 4, cudaMemcpyDeviceToHost));
+  CUDA_ASSERT(cudaMemcpy(got_tables.data(), d_tables.get(), batch * stride * 4,
+                         cudaMemcpyDeviceToHost));
+  std::vector<uint16_t> got_q(batch * q_n);
+  CUDA_ASSERT(cudaMemcpy(got_q.data(), d_q.get(), batch * q_n * 2, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(got_len, lengths);
+  for (int r = 0; r < batch; ++r) {
+    SCOPED_TRACE("row " + std::to_string(r));
+    int bad_table = 0, bad_q = 0;
+    for (int32_t i = 0; i < rows[r].pages; ++i) {
+      bad_table += got_tables[r * stride + i] != h_tables[r * stride + i];
+    }
+    for (size_t i = 0; i < q_n && lengths[r] > 0; ++i) {
+      bad_q += got_q[r * q_n + i] != FloatToBf16(static_cast<float>(q_val[r][i]));
+    }
+    EXPECT_EQ(bad_table, 0) << "page-table entries copied wrong";
+    EXPECT_EQ(bad_q, 0) << "q elements converted wrong";
+    if (lengths[r] == 0) {  // padding: its table row and q were not written (still poisoned)
+      EXPECT_EQ(got_tables[r * stride], -1);
+      EXPECT_EQ(got_q[r * q_n], 0xffff);
+    }
+  }
+  cudaFreeHost(h_rows);
+  cudaFreeHost(h_tables);
+  cudaFreeHost(h_q);
+  cudaFreeHost(h_k);
+  cudaFreeHost(h_v);
+}
+
 // ---- host-only checks (run in CI without a GPU) ---------------------------------------------------
 
 TEST(CudaGeometry, RejectsUnsupportedShapes) {
