@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -141,6 +142,10 @@ class Client {
   void Prepare(int64_t context) {
     {
       grpc::ClientContext ctx;
+      // A fresh channel's first connect can fail transiently (seen once on the GPU machine:
+      // "failed to connect to all addresses"); the untimed set-up waits for the connection instead.
+      ctx.set_wait_for_ready(true);
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
       v1::CreateSequenceResponse resp;
       grpc::Status s = stub_->CreateSequence(&ctx, v1::CreateSequenceRequest(), &resp);
       if (!s.ok()) Die("CreateSequence", s);
