@@ -5,9 +5,9 @@
 //   decode_step_bench [--context 4096] [--batches 1,8,32,128] [--iters 300] [--capture-layers 28]
 //
 // A step is what the server's decode path costs a batch: Engine::Decode, host-timed from the call
-// to its return (pack the entries into pinned staging, page tables H2D, then either one graph
-// replay or the eager launches of the H2D copy, KV append, split-K attention, reduction and D2H
-// copy; synchronise; unpack). Each batch size reuses the first B of 128 sequences prefilled with
+// to its return (copy the entries and page tables into pinned slots, then either one graph replay
+// or the eager launches of the stage kernel, split-K attention and reduction; synchronise; copy
+// the outputs out). Each batch size reuses the first B of 128 sequences prefilled with
 // `--context` - 1 random tokens; every step decodes position context - 1 again (the engine
 // rewrites the same KV slot), so lengths stay fixed. Median and p99 of --iters steps after a
 // warm-up. Two engines: graphs on and off (--disable-cuda-graphs), same inputs.
