@@ -19,19 +19,18 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
+#include "bench/gpu/decode_bench_common.h"
 #include "bench/gpu/bench_util.h"
 #include "kernels/cuda/dca_cuda.h"
 
@@ -42,7 +41,7 @@ ABSL_FLAG(int32_t, iters, 2000, "timed steps per batch size and mode");
 namespace attnd {
 namespace {
 
-constexpr int kHq = 28, kHkv = 4, kD = 128, kPage = 16;
+constexpr int kHq = kBenchHq, kHkv = kBenchHkv, kD = kBenchD, kPage = kBenchPage;
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -56,22 +55,13 @@ double UsSince(std::chrono::steady_clock::time_point t0) {
 int Main() {
   const int64_t context = absl::GetFlag(FLAGS_context);
   const int32_t iters = absl::GetFlag(FLAGS_iters);
-  std::vector<int32_t> batches;
-  for (absl::string_view item : absl::StrSplit(absl::GetFlag(FLAGS_batches), ',')) {
-    int32_t b = 0;
-    if (!absl::SimpleAtoi(item, &b) || b < 1 || b > 256) {
-      std::fprintf(stderr, "decode_launch_bench: bad --batches item\n");
-      return 2;
-    }
-    batches.push_back(b);
+  const std::optional<std::vector<int32_t>> parsed = ParseBatchList(absl::GetFlag(FLAGS_batches));
+  if (!parsed) {
+    std::fprintf(stderr, "decode_launch_bench: --batches takes integers in [1, 256], comma-separated\n");
+    return 2;
   }
-  DcaGeometry g;
-  g.num_q_heads = kHq;
-  g.num_kv_heads = kHkv;
-  g.head_dim = kD;
-  g.chunk_len = 253952;
-  g.original_max_position_embeddings = 262144;
-  g.softmax_scale = 1.f / std::sqrt(static_cast<float>(kD));
+  const std::vector<int32_t>& batches = *parsed;
+  const DcaGeometry g = Qwen7bGeometry();
   const int32_t max_b = *std::max_element(batches.begin(), batches.end());
   const int64_t pages_per_seq = (context + kPage - 1) / kPage;
   const int64_t pages = 128 * pages_per_seq + 16;  // decode_step_bench's pool at 128 sequences

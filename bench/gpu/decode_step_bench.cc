@@ -17,19 +17,18 @@
 // capture time and device memory).
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
+#include "bench/gpu/decode_bench_common.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
 #include "kvcache/kv_layout.h"
@@ -44,27 +43,16 @@ ABSL_FLAG(int32_t, capture_layers, 28, "layers of the start-up cost engines (0 =
 namespace attnd {
 namespace {
 
-constexpr int kHq = 28, kHkv = 4, kD = 128, kPage = 16;
+constexpr int kHq = kBenchHq, kHkv = kBenchHkv, kD = kBenchD, kPage = kBenchPage;
 
 [[noreturn]] void Die(const std::string& what, const absl::Status& s) {
   std::fprintf(stderr, "decode_step_bench: %s: %s\n", what.c_str(), s.ToString().c_str());
   std::exit(1);
 }
 
-DcaGeometry Geometry() {
-  DcaGeometry g;
-  g.num_q_heads = kHq;
-  g.num_kv_heads = kHkv;
-  g.head_dim = kD;
-  g.chunk_len = 253952;
-  g.original_max_position_embeddings = 262144;
-  g.softmax_scale = 1.f / std::sqrt(static_cast<float>(kD));
-  return g;
-}
-
 CudaEngineOptions Options(int32_t layers, int64_t pages, bool graphs) {
   CudaEngineOptions o;
-  o.geometry = Geometry();
+  o.geometry = Qwen7bGeometry();
   o.layout.num_layers = layers;
   o.layout.num_kv_heads = kHkv;
   o.layout.head_dim = kD;
@@ -98,15 +86,12 @@ Timing Summarise(std::vector<double> us) {
 int Main() {
   const int64_t context = absl::GetFlag(FLAGS_context);
   const int32_t iters = absl::GetFlag(FLAGS_iters);
-  std::vector<int32_t> batches;
-  for (absl::string_view item : absl::StrSplit(absl::GetFlag(FLAGS_batches), ',')) {
-    int32_t b = 0;
-    if (!absl::SimpleAtoi(item, &b) || b < 1 || b > 256) {
-      std::fprintf(stderr, "decode_step_bench: bad --batches item\n");
-      return 2;
-    }
-    batches.push_back(b);
+  const std::optional<std::vector<int32_t>> parsed = ParseBatchList(absl::GetFlag(FLAGS_batches));
+  if (!parsed) {
+    std::fprintf(stderr, "decode_step_bench: --batches takes integers in [1, 256], comma-separated\n");
+    return 2;
   }
+  const std::vector<int32_t>& batches = *parsed;
   const int32_t max_b = *std::max_element(batches.begin(), batches.end());
   const int64_t pages_per_seq = (context + kPage - 1) / kPage;
   const int64_t pages = max_b * pages_per_seq + 16;
