@@ -57,7 +57,8 @@ int Main() {
   const int32_t iters = absl::GetFlag(FLAGS_iters);
   const std::optional<std::vector<int32_t>> parsed = ParseBatchList(absl::GetFlag(FLAGS_batches));
   if (!parsed) {
-    std::fprintf(stderr, "decode_launch_bench: --batches takes integers in [1, 256], comma-separated\n");
+    std::fprintf(stderr,
+                 "decode_launch_bench: --batches takes integers in [1, 256], comma-separated\n");
     return 2;
   }
   const std::vector<int32_t>& batches = *parsed;
@@ -88,7 +89,9 @@ int Main() {
   DecodeStageRow* rows = nullptr;
   CHECK_CUDA(cudaMallocHost(&rows, max_b * sizeof(DecodeStageRow)));
   for (int b = 0; b < max_b; ++b) {
-    for (int64_t p = 0; p < pages_per_seq; ++p) h_tables[b * stride + p] = perm[b * pages_per_seq + p];
+    for (int64_t p = 0; p < pages_per_seq; ++p) {
+      h_tables[b * stride + p] = perm[b * pages_per_seq + p];
+    }
     rows[b].length = static_cast<int32_t>(context);
     rows[b].num_pages = static_cast<int32_t>(pages_per_seq);
     rows[b].q_dtype = rows[b].k_dtype = rows[b].v_dtype = static_cast<int32_t>(DType::kBf16);
@@ -107,7 +110,8 @@ int Main() {
   CHECK_CUDA(cudaMallocHost(&h_out, max_b * kHq * kD * 4));
   size_t workspace = 0;
   for (int b = 1; b <= max_b; ++b) {
-    workspace = std::max(workspace, DecodeWorkspaceFloats(g, b, PlanDecodeSplits(g, b, max_length, num_sms)));
+    const int32_t splits = PlanDecodeSplits(g, b, max_length, num_sms);
+    workspace = std::max(workspace, DecodeWorkspaceFloats(g, b, splits));
   }
   float* d_work = nullptr;
   CHECK_CUDA(cudaMalloc(&d_work, workspace * 4));

@@ -88,7 +88,8 @@ int Main() {
   const int32_t iters = absl::GetFlag(FLAGS_iters);
   const std::optional<std::vector<int32_t>> parsed = ParseBatchList(absl::GetFlag(FLAGS_batches));
   if (!parsed) {
-    std::fprintf(stderr, "decode_step_bench: --batches takes integers in [1, 256], comma-separated\n");
+    std::fprintf(stderr,
+                 "decode_step_bench: --batches takes integers in [1, 256], comma-separated\n");
     return 2;
   }
   const std::vector<int32_t>& batches = *parsed;
