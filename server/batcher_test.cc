@@ -258,8 +258,8 @@ TEST_F(BatcherTest, MergesQueuedCallsInArrivalOrderAndSplitsOutputs) {
 
 // A merged batch's replies: with no batch of the key due next, the first four are answered on the
 // batch's worker, the rest handed to other workers in groups of four (with one due, all are handed
-// off: MergesQueuedCallsInArrivalOrderAndSplitsOutputs). A refused
-// hand-off is answered in place: every call exactly once either way.
+// off: MergesQueuedCallsInArrivalOrderAndSplitsOutputs). A refused hand-off is answered in place:
+// every call exactly once either way.
 TEST_F(BatcherTest, RepliesOfAMergedBatchSpreadOverWorkersAndNoneIsLost) {
   for (const bool refuse : {false, true}) {
     SCOPED_TRACE(refuse ? "hand-off refused" : "hand-off accepted");

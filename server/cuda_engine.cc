@@ -17,8 +17,8 @@
 #include "kernels/cuda/sparse_cuda.h"
 #include "kernels/dtype.h"
 #include "kernels/mutex.h"
-#include "kernels/thread_pool.h"
 #include "kernels/status_macros.h"
+#include "kernels/thread_pool.h"
 #include "spdlog/spdlog.h"
 
 namespace attnd {
