@@ -43,6 +43,7 @@ ABSL_FLAG(int32_t, max_rounds, 50, "most rounds per client count");
 ABSL_FLAG(std::string, label, "", "printed in each result line (e.g. the server's mode)");
 ABSL_FLAG(bool, session, false,
           "send the decodes over one Session stream per client instead of unary Decode RPCs");
+ABSL_FLAG(std::string, dtype, "fp32", "tensor dtype the clients send: fp32 or bf16");
 ABSL_FLAG(int32_t, server_pid, 0,
           "attnd's pid on this machine: also report its CPU time (utime + stime from /proc) per "
           "decode over the timed phases, which other load on the machine disturbs less than "
@@ -57,12 +58,24 @@ struct Geometry {
   std::string model;
 };
 
+// n random values in --dtype (fp32, or bf16 rounded to nearest even; outputs come back in q's).
 void Fill(int64_t n, std::mt19937* rng, v1::Tensor* t, std::vector<int64_t> shape) {
   std::normal_distribution<float> dist(0.f, 1.f);
   std::vector<float> values(n);
   for (float& x : values) x = dist(*rng);
-  t->set_dtype(v1::DTYPE_FP32);
   t->mutable_shape()->Assign(shape.begin(), shape.end());
+  if (absl::GetFlag(FLAGS_dtype) == "bf16") {
+    std::vector<uint16_t> half(n);
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &values[i], 4);
+      half[i] = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);  // finite only
+    }
+    t->set_dtype(v1::DTYPE_BF16);
+    t->set_data(std::string(reinterpret_cast<const char*>(half.data()), n * 2));
+    return;
+  }
+  t->set_dtype(v1::DTYPE_FP32);
   t->set_data(std::string(reinterpret_cast<const char*>(values.data()), n * sizeof(float)));
 }
 
@@ -221,6 +234,11 @@ class Client {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_dtype) != "fp32" && absl::GetFlag(FLAGS_dtype) != "bf16") {
+    std::fprintf(stderr, "batching_bench: --dtype must be fp32 or bf16, got %s\n",
+                 absl::GetFlag(FLAGS_dtype).c_str());
+    return 2;
+  }
   const std::string target = absl::GetFlag(FLAGS_target);
   auto info_stub =
       v1::Attention::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
@@ -294,10 +312,10 @@ int main(int argc, char** argv) {
     };
     const double seconds = absl::ToDoubleSeconds(total);
     std::printf(
-        "%s%s model=%s context=%lld clients=%d decodes=%lld seconds=%.3f throughput=%.0f/s "
-        "p50=%.0fus p99=%.0fus mean_batch=%s%s client_cpu_us_per_decode=%.0f\n",
+        "%s%s model=%s dtype=%s context=%lld clients=%d decodes=%lld seconds=%.3f "
+        "throughput=%.0f/s p50=%.0fus p99=%.0fus mean_batch=%s%s client_cpu_us_per_decode=%.0f\n",
         absl::GetFlag(FLAGS_label).c_str(), absl::GetFlag(FLAGS_session) ? " session" : " unary",
-        g.model.c_str(), static_cast<long long>(context), n,
+        g.model.c_str(), absl::GetFlag(FLAGS_dtype).c_str(), static_cast<long long>(context), n,
         static_cast<long long>(done), seconds, done / seconds, pct(0.50), pct(0.99),
         counted.batches > 0
             ? absl::StrFormat("%.2f", static_cast<double>(counted.entries) / counted.batches)
