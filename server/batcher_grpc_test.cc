@@ -1,7 +1,7 @@
 // The decode batcher over loopback gRPC: AttndServer with batching on, concurrent clients, an
-// expired call. Kept apart from batcher_test (the batcher alone and through the real Runtime) so
-// that one can run under ThreadSanitizer: these go through Debian's uninstrumented gRPC, whose
-// cross-thread hand-offs TSan cannot see (docs/RELIABILITY.md, "Sanitizers").
+// expired call. batcher_test covers the batcher alone and through the real Runtime; both run
+// under ThreadSanitizer, this one linked against the TSan builds of gRPC, protobuf and abseil that
+// script/tsan-deps makes (docs/RELIABILITY.md, "Sanitizers").
 #include <chrono>
 #include <cmath>
 #include <memory>
