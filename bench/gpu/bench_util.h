@@ -1,10 +1,11 @@
 // What the GPU benchmarks share: abort with the file, line and call on a failed CUDA call or a
-// non-OK status (a benchmark has nobody to return an error to).
+// non-OK status (a benchmark has nobody to return an error to), and Emit for their result lines.
 #ifndef ATTND_BENCH_GPU_BENCH_UTIL_H_
 #define ATTND_BENCH_GPU_BENCH_UTIL_H_
 
 #include <cuda_runtime_api.h>
 
+#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 
@@ -26,5 +27,28 @@
       std::exit(1);                                                                 \
     }                                                                               \
   } while (0)
+
+namespace attnd {
+
+// Where Emit also writes its lines (a benchmark's --out file), or null.
+inline FILE* g_out = nullptr;
+
+// printf to stdout, flushed, and the same line to g_out when set.
+void Emit(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+inline void Emit(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  char buf[2048];
+  std::vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  std::fputs(buf, stdout);
+  std::fflush(stdout);
+  if (g_out) {
+    std::fputs(buf, g_out);
+    std::fflush(g_out);
+  }
+}
+
+}  // namespace attnd
 
 #endif  // ATTND_BENCH_GPU_BENCH_UTIL_H_

@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -41,22 +40,6 @@ namespace {
 constexpr int kHq = 28, kHkv = 4, kD = 128, kPageSize = 16;
 constexpr int64_t kRealChunkLen = 253952;
 constexpr int64_t kOrig = 262144;
-
-FILE* g_out = nullptr;
-void Emit(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-void Emit(const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  char buf[1024];
-  std::vsnprintf(buf, sizeof(buf), fmt, ap);
-  va_end(ap);
-  std::fputs(buf, stdout);
-  std::fflush(stdout);
-  if (g_out) {
-    std::fputs(buf, g_out);
-    std::fflush(g_out);
-  }
-}
 
 DcaGeometry Geometry(int64_t cl) {
   DcaGeometry g;

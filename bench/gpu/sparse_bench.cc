@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -45,22 +44,6 @@ namespace {
 
 constexpr int kHq = 28, kHkv = 4, kD = 128, kPage = 16;
 constexpr int64_t kChunkLen = 253952, kOrig = 262144;
-
-FILE* g_out = nullptr;
-void Emit(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-void Emit(const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  char buf[2048];
-  std::vsnprintf(buf, sizeof(buf), fmt, ap);
-  va_end(ap);
-  std::fputs(buf, stdout);
-  std::fflush(stdout);
-  if (g_out) {
-    std::fputs(buf, g_out);
-    std::fflush(g_out);
-  }
-}
 
 std::vector<int64_t> ParseList(const char* s) {
   std::vector<int64_t> out;
