@@ -30,25 +30,7 @@ constexpr double kMeanAbsBar = 2e-3;
 
 #define CUDA_ASSERT(expr) ASSERT_EQ(cudaSuccess, (expr)) << #expr << ": " << cudaGetErrorString(expr)
 
-// A device allocation freed on scope exit.
-class DevBuf {
- public:
-  explicit DevBuf(size_t bytes) : bytes_(bytes) {
-    if (cudaMalloc(&p_, std::max<size_t>(bytes, 16)) != cudaSuccess) p_ = nullptr;
-  }
-  ~DevBuf() { cudaFree(p_); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  template <typename T = void>
-  T* get() const { return static_cast<T*>(p_); }
-  size_t bytes() const { return bytes_; }
-  void Poison() const { cudaMemset(p_, 0xff, bytes_); }  // all-ones: NaN in bf16/fp16/fp32
-  void Upload(const void* src) const { cudaMemcpy(p_, src, bytes_, cudaMemcpyHostToDevice); }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_;
-};
+using gpu_test::DevBuf;
 
 double LengthScaleRef(int64_t len, int64_t orig) {
   if (orig <= 0) return 1.0;

@@ -50,22 +50,7 @@ constexpr double kMeanAbsBar = 2e-3;
 #define CUDA_ASSERT(expr) \
   ASSERT_EQ(cudaSuccess, (expr)) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
 
-class DevBuf {
- public:
-  explicit DevBuf(size_t bytes) : bytes_(bytes) {
-    if (cudaMalloc(&p_, std::max<size_t>(bytes, 16)) != cudaSuccess) p_ = nullptr;
-  }
-  ~DevBuf() { cudaFree(p_); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  template <typename T = void>
-  T* get() const { return static_cast<T*>(p_); }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_;
-};
+using gpu_test::DevBuf;
 
 template <typename T>
 std::vector<T> Download(const T* dev, size_t n) {

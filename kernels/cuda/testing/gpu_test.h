@@ -1,10 +1,12 @@
-// What the gpu-tagged tests share: whether a CUDA device is usable, and REQUIRE_GPU(), which skips
-// the current test loudly (stderr and the gtest skip message) where none is.
+// What the gpu-tagged tests share: whether a CUDA device is usable, REQUIRE_GPU(), which skips
+// the current test loudly (stderr and the gtest skip message) where none is, and DevBuf.
 #ifndef ATTND_KERNELS_CUDA_TESTING_GPU_TEST_H_
 #define ATTND_KERNELS_CUDA_TESTING_GPU_TEST_H_
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <string>
 
@@ -27,6 +29,26 @@ inline bool GpuPresent(std::string* why) {
   }
   return true;
 }
+
+// A device allocation freed on scope exit (null if cudaMalloc failed).
+class DevBuf {
+ public:
+  explicit DevBuf(size_t bytes) : bytes_(bytes) {
+    if (cudaMalloc(&p_, std::max<size_t>(bytes, 16)) != cudaSuccess) p_ = nullptr;
+  }
+  ~DevBuf() { cudaFree(p_); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <typename T = void>
+  T* get() const { return static_cast<T*>(p_); }
+  size_t bytes() const { return bytes_; }
+  void Poison() const { cudaMemset(p_, 0xff, bytes_); }  // all-ones: NaN in bf16/fp16/fp32
+  void Upload(const void* src) const { cudaMemcpy(p_, src, bytes_, cudaMemcpyHostToDevice); }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_;
+};
 
 }  // namespace attnd::gpu_test
 
