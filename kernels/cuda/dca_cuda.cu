@@ -137,9 +137,8 @@ absl::Status CheckPrefill(const DcaGeometry& g, const CudaPrefillParams& p) {
   return absl::OkStatus();
 }
 
-template <int D, int Stages>
-absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
-                               cudaStream_t stream) {
+// The split kernels' arguments (both decode kernel families take the same).
+cuda_kernels::DecodeArgs DecodeArgsFor(const DcaGeometry& g, const CudaDecodeParams& p) {
   cuda_kernels::DecodeArgs a;
   a.kv = p.kv;
   a.lengths = p.lengths;
@@ -152,6 +151,13 @@ absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
   a.scale_log2 = g.softmax_scale * kLog2e;
   a.partial_out = p.partial_out;
   a.partial_lse = p.partial_lse;
+  return a;
+}
+
+template <int D, int Stages>
+absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
+                               cudaStream_t stream) {
+  const cuda_kernels::DecodeArgs a = DecodeArgsFor(g, p);
   constexpr size_t smem = DecodeSmemBytes<D, Stages>();
   ATTND_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(cuda_kernels::DcaDecodeSplitKernel<D, Stages>,
@@ -170,18 +176,7 @@ absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
 template <int D, int Warps, int Stages, bool Bulk>
 absl::Status LaunchDecodePipeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
                                    cudaStream_t stream) {
-  cuda_kernels::DecodeArgs a;
-  a.kv = p.kv;
-  a.lengths = p.lengths;
-  a.q = p.q;
-  a.chunk_len = static_cast<int32_t>(g.chunk_len);
-  a.num_q_heads = g.num_q_heads;
-  a.group = g.group_size();
-  a.max_splits = p.max_splits;
-  a.orig = g.original_max_position_embeddings;
-  a.scale_log2 = g.softmax_scale * kLog2e;
-  a.partial_out = p.partial_out;
-  a.partial_lse = p.partial_lse;
+  const cuda_kernels::DecodeArgs a = DecodeArgsFor(g, p);
   const size_t smem = cuda_kernels::DecodePipeSmemBytes(D, Warps, Stages, Bulk, g.group_size());
   ATTND_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(cuda_kernels::DcaDecodePipeKernel<D, Warps, Stages, Bulk>,

@@ -448,8 +448,9 @@ __device__ __forceinline__ int32_t DecodeSplitLen(int32_t len, int32_t max_split
 }
 __device__ __forceinline__ int32_t DecodeLiveSplits(int32_t len, int32_t max_splits,
                                                     int32_t tile) {
-  return len < 1 ? 0 : min(max_splits, (len + DecodeSplitLen(len, max_splits, tile) - 1) /
-                                           DecodeSplitLen(len, max_splits, tile));
+  if (len < 1) return 0;
+  const int32_t split_len = DecodeSplitLen(len, max_splits, tile);
+  return min(max_splits, (len + split_len - 1) / split_len);
 }
 
 // grid (max_splits, num_kv_heads, batch), block kThreads. Block (s, h, b): keys
@@ -1106,6 +1107,7 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
   const int64_t step = int64_t{gridDim.x} * blockDim.x;
   const int32_t pos = row.length - 1;  // the new token
   const uint32_t ps = static_cast<uint32_t>(kvb.page_size);
+  const float key_scale = LengthScaleDevice(row.length, orig);
   for (int64_t base = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; base < total;
        base += step * kDecodeStageUnroll) {
     // Loads first: every piece (and the new token's page id) in flight at once.
@@ -1150,8 +1152,7 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
         const int64_t off =
             ((int64_t{page} * ps + static_cast<uint32_t>(pos) % ps) * kvb.num_kv_heads + e / D) *
                 D + e % D;
-        StoreBf16Piece((is_k ? kvb.k : kvb.v) + off, x, n,
-                       is_k ? LengthScaleDevice(row.length, orig) : 1.f);
+        StoreBf16Piece((is_k ? kvb.k : kvb.v) + off, x, n, is_k ? key_scale : 1.f);
       }
     }
   }
