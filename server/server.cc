@@ -122,6 +122,7 @@ class AttndServerImpl : public AttndServer {
   void Wait() override { shutdown_done_.WaitForNotification(); }
 
  private:
+  // Loads --auth-token-file into tokens_ and makes the processor that gates calls on it.
   absl::Status StartAuth(const ServerOptions& options,
                          std::shared_ptr<grpc::AuthMetadataProcessor>* processor);
   // Every min(timeout / 4, 10 s): releases sequences idle for longer than the timeout.
@@ -149,6 +150,7 @@ class AttndServerImpl : public AttndServer {
   // the server before the service it calls, the queue (which drains) before the runtime its work
   // uses.
   std::unique_ptr<AttndMetrics> metrics_;
+  std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
   std::unique_ptr<Runtime> runtime_;
   std::unique_ptr<WorkQueue> work_queue_;
   std::unique_ptr<DecodeExecutor> decode_executor_;
@@ -170,8 +172,8 @@ absl::Status AttndServerImpl::StartAuth(const ServerOptions& options,
   auth_options.on_failure = [failures](absl::string_view reason) {
     failures->Increment({reason});
   };
-  *processor = std::make_shared<TokenAuthProcessor>(
-      std::make_shared<const TokenStore>(*std::move(store)), std::move(auth_options));
+  tokens_ = std::make_shared<const TokenStore>(*std::move(store));
+  *processor = std::make_shared<TokenAuthProcessor>(tokens_, std::move(auth_options));
   return absl::OkStatus();
 }
 
@@ -361,7 +363,8 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     decode_queue_ = std::make_unique<DirectDecodeQueue>(runtime_.get(), work_queue_.get());
   }
   service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
-                                                decode_queue_.get(), metrics_.get(), batcher_);
+                                                decode_queue_.get(), metrics_.get(), batcher_,
+                                                tokens_);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

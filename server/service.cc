@@ -129,12 +129,16 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
   SessionReactor(AttentionService* service, grpc::CallbackServerContext* context)
       : service_(service),
         context_(context),
-        tenant_(TenantOf(*context)),
+        tenant_(TenantOf(service->tokens_.get(), *context)),
         registered_(service->Register(this)) {
     MutexLock lock(&mu_);
     // A shutdown that began after Register saw this session still starting and skipped it.
     if (!registered_ || service_->shutting_down()) {
       FinishLocked(ToGrpcStatus(ShuttingDown()));
+      return;
+    }
+    if (!tenant_.ok()) {
+      FinishLocked(ToGrpcStatus(tenant_.status()));
       return;
     }
     state_ = State::kReading;
@@ -165,7 +169,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
         rpc_ = "Session.Prefill";
         submitted = service_->work_queue_->Submit([this] {
           absl::Status s = Admit(context_, &clock_);
-          if (s.ok()) s = service_->RunPrefill(request_.prefill(), tenant_, response_.mutable_prefill());
+          if (s.ok()) s = service_->RunPrefill(request_.prefill(), *tenant_, response_.mutable_prefill());
           clock_.finished = absl::Now();
           Complete(std::move(s));
         });
@@ -173,7 +177,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
       case v1::SessionRequest::kDecode:
         rpc_ = "Session.Decode";
         submitted = service_->SubmitDecode(
-            request_.decode(), tenant_, [this] { return Admit(context_, &clock_); },
+            request_.decode(), *tenant_, [this] { return Admit(context_, &clock_); },
             ContextOf(context_), response_.mutable_decode(), [this](absl::Status s) {
               clock_.finished = absl::Now();
               Complete(std::move(s));
@@ -251,7 +255,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
 
   AttentionService* const service_;
   grpc::CallbackServerContext* const context_;
-  const std::string tenant_;
+  const absl::StatusOr<std::string> tenant_;  // the stream's own metadata, read once
   const bool registered_;
   Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
@@ -264,12 +268,14 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
 
 AttentionService::AttentionService(Runtime* runtime, WorkQueue* work_queue,
                                    DecodeQueue* decode_queue, AttndMetrics* metrics,
-                                   const BatchingDecodeQueue* batcher)
+                                   const BatchingDecodeQueue* batcher,
+                                   std::shared_ptr<const TokenStore> tokens)
     : runtime_(runtime),
       work_queue_(work_queue),
       decode_queue_(decode_queue),
       metrics_(metrics),
-      batcher_(batcher) {}
+      batcher_(batcher),
+      tokens_(std::move(tokens)) {}
 
 void AttentionService::Record(absl::string_view rpc, int code, const RequestClock& clock,
                               int64_t bytes_received, int64_t bytes_sent) {
@@ -361,9 +367,15 @@ grpc::ServerUnaryReactor* AttentionService::ServeOnWorker(
     Response* response, std::function<absl::Status(const std::string&)> body) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   RequestClock clock;
+  absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
+  if (!tenant.ok()) {
+    Record(rpc, static_cast<int>(tenant.status().code()), clock, SizeOf(*request), 0);
+    reactor->Finish(ToGrpcStatus(tenant.status()));
+    return reactor;
+  }
   absl::Status submitted = work_queue_->Submit([this, rpc, context, reactor, request, response,
                                                 clock, body = std::move(body),
-                                                tenant = TenantOf(*context)]() mutable {
+                                                tenant = *std::move(tenant)]() mutable {
     absl::Status s = Admit(context, &clock);
     if (s.ok()) s = body(tenant);
     clock.finished = absl::Now();
@@ -486,7 +498,13 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   // Shared by the admit check (on the worker) and the reply; the tenant outlives the call.
   auto clock = std::make_shared<RequestClock>();
-  auto tenant = std::make_shared<const std::string>(TenantOf(*context));
+  absl::StatusOr<std::string> resolved = TenantOf(tokens_.get(), *context);
+  if (!resolved.ok()) {
+    Record("Decode", static_cast<int>(resolved.status().code()), *clock, SizeOf(*request), 0);
+    reactor->Finish(ToGrpcStatus(resolved.status()));
+    return reactor;
+  }
+  auto tenant = std::make_shared<const std::string>(*std::move(resolved));
   absl::Status submitted = SubmitDecode(
       *request, *tenant, [context, clock] { return Admit(context, clock.get()); },
       ContextOf(context), response,

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "kernels/mutex.h"
+#include "server/auth.h"
 #include "server/batcher.h"
 #include "server/decode_queue.h"
 #include "server/metrics.h"
@@ -27,7 +28,8 @@ struct RequestClock;
 // Thread-safe; gRPC calls the handlers from its own threads. runtime, work_queue and decode_queue
 // (and metrics, if given) must outlive the service and every RPC it started.
 //
-// Every RPC acts as the tenant TenantOf(context) ("" when auth is off). A request whose client
+// Every RPC acts as the tenant of its own metadata, TenantOf(tokens, context) ("" when auth is
+// off, tokens null). A request whose client
 // deadline has passed, or whose call was cancelled, by the time a worker picks it up is answered
 // DEADLINE_EXCEEDED / CANCELLED without touching the KV pool. With `metrics`, each RPC is recorded
 // (AttndMetrics::RecordRequest); requests on a Session stream as "Session.Prefill" and
@@ -37,7 +39,8 @@ class AttentionService : public v1::Attention::CallbackService {
   // `batcher`: decode_queue when it is a BatchingDecodeQueue, for GetServerInfo's decode_batching
   // counters (nullptr: batching is reported off).
   AttentionService(Runtime* runtime, WorkQueue* work_queue, DecodeQueue* decode_queue,
-                   AttndMetrics* metrics = nullptr, const BatchingDecodeQueue* batcher = nullptr);
+                   AttndMetrics* metrics = nullptr, const BatchingDecodeQueue* batcher = nullptr,
+                   std::shared_ptr<const TokenStore> tokens = nullptr);
 
   // Sessions waiting for their next request end now with UNAVAILABLE; busy ones end after the
   // response they are computing. Call before grpc::Server::Shutdown so idle streams do not hold
@@ -100,6 +103,7 @@ class AttentionService : public v1::Attention::CallbackService {
   DecodeQueue* const decode_queue_;
   AttndMetrics* const metrics_;  // may be null
   const BatchingDecodeQueue* const batcher_;  // may be null
+  const std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
 
   // Atomic, not under mu_: sessions read it under their own lock, and BeginShutdown takes mu_
   // before the sessions' locks.
