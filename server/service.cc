@@ -61,15 +61,18 @@ DecodeContext ContextOf(const grpc::CallbackServerContext* context) {
   return c;
 }
 
-void FillBatchingStats(const BatchingDecodeQueue& batcher, v1::DecodeBatchingStats* out) {
+// `settings_only`: the counters are server-wide, so a tenant-scoped answer leaves them out.
+void FillBatchingStats(const BatchingDecodeQueue& batcher, bool settings_only,
+                       v1::DecodeBatchingStats* out) {
   const DecodeBatcherOptions& o = batcher.options();
-  const DecodeBatchingStats s = batcher.Stats();
   out->set_enabled(true);
   out->set_max_decode_batch(o.max_decode_batch);
   out->set_max_queue_delay_us(absl::ToInt64Microseconds(o.max_queue_delay));
   out->mutable_cuda_graph_batch_sizes()->Assign(o.cuda_graph_batch_sizes.begin(),
                                                 o.cuda_graph_batch_sizes.end());
   out->set_cuda_graphs_enabled(o.cuda_graphs);
+  if (settings_only) return;
+  const DecodeBatchingStats s = batcher.Stats();
   out->set_calls_submitted(s.calls_submitted);
   out->set_calls_completed(s.calls_completed);
   out->set_calls_deadline_exceeded(s.calls_deadline_exceeded);
@@ -123,7 +126,7 @@ int64_t SizeOf(const google::protobuf::Message& m) { return static_cast<int64_t>
 // One Session stream: read a request, run it, write its response, read the next. Exactly one
 // request is in flight per stream, which is what keeps responses in request order. Every path ends
 // in exactly one Finish; the reactor deletes itself in OnDone.
-class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse> {
+class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   // Registers before taking mu_: BeginShutdown takes the service's lock, then each session's.
   SessionReactor(AttentionService* service, grpc::CallbackServerContext* context)
@@ -142,7 +145,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
       return;
     }
     state_ = State::kReading;
-    StartRead(&request_);
+    StartRead(&frame_);
   }
 
   void OnReadDone(bool ok) override {
@@ -151,6 +154,19 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
       if (state_ == State::kFinished) return;  // ended by BeginShutdown while reading
       if (!ok) {  // the client closed its side (or the call was cancelled)
         FinishLocked(grpc::Status::OK);
+        return;
+      }
+      ++frames_;
+      request_.Clear();
+      const grpc::Status parsed =
+          grpc::SerializationTraits<v1::SessionRequest>::Deserialize(&frame_, &request_);
+      if (!parsed.ok()) {
+        // Every earlier request has been answered (one at a time); nothing after this is read.
+        FinishLocked(grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("cannot parse attnd.v1.SessionRequest (message ", frames_,
+                         " on this stream): the stream ends here; the ", frames_ - 1,
+                         " requests before it were answered")));
         return;
       }
       if (service_->shutting_down()) {
@@ -163,7 +179,14 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
     response_.Clear();
     response_.set_tag(request_.tag());
     clock_ = RequestClock();
-    absl::Status submitted;
+    request_bytes_ = SizeOf(request_);
+    absl::Status submitted = service_->TakeRequestBytes(request_bytes_);
+    if (!submitted.ok()) {
+      request_bytes_ = 0;
+      rpc_ = request_.has_prefill() ? "Session.Prefill" : "Session.Decode";
+      Complete(submitted);  // this request fails at once; the stream goes on
+      return;
+    }
     switch (request_.request_case()) {
       case v1::SessionRequest::kPrefill:
         rpc_ = "Session.Prefill";
@@ -192,6 +215,8 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
     }
     if (submitted.ok()) return;
     if (submitted.code() == absl::StatusCode::kUnavailable) {
+      service_->GiveRequestBytes(request_bytes_);
+      request_bytes_ = 0;
       MutexLock lock(&mu_);
       FinishLocked(ToGrpcStatus(submitted));
       return;
@@ -210,8 +235,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
       return;
     }
     state_ = State::kReading;
-    request_.Clear();
-    StartRead(&request_);
+    StartRead(&frame_);
   }
 
   // Nothing to undo: a pending read or write fails after a cancel, and that path finishes.
@@ -239,9 +263,21 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
     }
     service_->Record(rpc_, static_cast<int>(status.code()), clock_, SizeOf(request_),
                      SizeOf(response_));
+    service_->GiveRequestBytes(request_bytes_);
+    request_bytes_ = 0;
+    out_.Clear();
+    bool own_buffer = false;
+    grpc::Status serialized =
+        grpc::SerializationTraits<v1::SessionResponse>::Serialize(response_, &out_, &own_buffer);
     MutexLock lock(&mu_);
+    if (!serialized.ok()) {
+      FinishLocked(grpc::Status(grpc::StatusCode::INTERNAL,
+                                absl::StrCat("cannot serialize a session response: ",
+                                             serialized.error_message())));
+      return;
+    }
     state_ = State::kWriting;
-    StartWrite(&response_);
+    StartWrite(&out_);
   }
 
   void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -260,22 +296,47 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
   Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
   // Owned by the one request in flight: the work reads request_ and fills response_.
+  grpc::ByteBuffer frame_;  // the request as read, parsed into request_
+  grpc::ByteBuffer out_;    // response_ serialized, being written
+  int64_t frames_ ABSL_GUARDED_BY(mu_) = 0;
   v1::SessionRequest request_;
   v1::SessionResponse response_;
   RequestClock clock_;
+  int64_t request_bytes_ = 0;  // taken from the service's request-bytes budget
   absl::string_view rpc_ = "Session.Invalid";
 };
 
 AttentionService::AttentionService(Runtime* runtime, WorkQueue* work_queue,
                                    DecodeQueue* decode_queue, AttndMetrics* metrics,
                                    const BatchingDecodeQueue* batcher,
-                                   std::shared_ptr<const TokenStore> tokens)
+                                   std::shared_ptr<const TokenStore> tokens,
+                                   int64_t max_inflight_request_bytes)
     : runtime_(runtime),
       work_queue_(work_queue),
       decode_queue_(decode_queue),
       metrics_(metrics),
       batcher_(batcher),
-      tokens_(std::move(tokens)) {}
+      tokens_(std::move(tokens)),
+      max_inflight_request_bytes_(max_inflight_request_bytes) {}
+
+absl::Status AttentionService::TakeRequestBytes(int64_t bytes) {
+  if (max_inflight_request_bytes_ <= 0) return absl::OkStatus();
+  int64_t used = inflight_request_bytes_.load(std::memory_order_relaxed);
+  do {
+    // One request alone always fits (the flags guarantee the budget holds the largest message).
+    if (used > 0 && used + bytes > max_inflight_request_bytes_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "attnd is serving ", used, " bytes of requests already; this one (", bytes,
+          " bytes) would pass --max-inflight-request-bytes ", max_inflight_request_bytes_,
+          ": retry later"));
+    }
+  } while (!inflight_request_bytes_.compare_exchange_weak(used, used + bytes));
+  return absl::OkStatus();
+}
+
+void AttentionService::GiveRequestBytes(int64_t bytes) {
+  if (max_inflight_request_bytes_ > 0) inflight_request_bytes_.fetch_sub(bytes);
+}
 
 void AttentionService::Record(absl::string_view rpc, int code, const RequestClock& clock,
                               int64_t bytes_received, int64_t bytes_sent) {
@@ -318,7 +379,18 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
                                                           v1::GetServerInfoResponse* response) {
   // Cheap and lock-light: answered on the gRPC thread.
   RequestClock clock;
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
+  if (!tenant.ok()) {
+    Record("GetServerInfo", static_cast<int>(tenant.status().code()), clock, SizeOf(*request), 0);
+    reactor->Finish(ToGrpcStatus(tenant.status()));
+    return reactor;
+  }
+  // With tokens, a tenant sees its own sequences and pages and the pool's capacity, never how
+  // much the others use.
+  const bool scoped = tokens_ != nullptr;
   const ServerInfo info = runtime_->Info();
+  const TenantUsage usage = runtime_->Usage(*tenant);
   response->set_version(info.version);
   response->set_backend(info.backend);
   response->set_device(info.device);
@@ -342,21 +414,24 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   v1::KvCacheInfo* kv = response->mutable_kv_cache();
   kv->set_page_size(info.kv_cache.page_size);
   kv->set_pages_total(info.kv_cache.pages_total);
-  kv->set_pages_free(info.kv_cache.pages_free);
+  if (!scoped) kv->set_pages_free(info.kv_cache.pages_free);
+  kv->set_tenant_pages(usage.pages);
   kv->set_bytes_per_page(info.kv_cache.bytes_per_page);
   kv->set_pool_bytes(info.kv_cache.pool_bytes);
-  response->set_live_sequences(info.live_sequences);
+  response->set_live_sequences(scoped ? usage.sequences : info.live_sequences);
+  response->set_tenant_scoped(scoped);
   v1::Limits* limits = response->mutable_limits();
   limits->set_max_message_bytes(info.limits.max_message_bytes);
   limits->set_max_sequence_length(info.limits.max_sequence_length);
   limits->set_max_sequences(info.limits.max_sequences);
+  limits->set_tenant_max_sequences(info.limits.tenant_max_sequences);
+  limits->set_tenant_page_quota(info.limits.tenant_page_quota);
   if (batcher_ != nullptr) {
-    FillBatchingStats(*batcher_, response->mutable_decode_batching());
+    FillBatchingStats(*batcher_, scoped, response->mutable_decode_batching());
   } else {
     response->mutable_decode_batching()->set_enabled(false);
   }
   Record("GetServerInfo", 0, clock, SizeOf(*request), SizeOf(*response));
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
@@ -373,17 +448,25 @@ grpc::ServerUnaryReactor* AttentionService::ServeOnWorker(
     reactor->Finish(ToGrpcStatus(tenant.status()));
     return reactor;
   }
+  const int64_t bytes = SizeOf(*request);
+  if (absl::Status s = TakeRequestBytes(bytes); !s.ok()) {
+    Record(rpc, static_cast<int>(s.code()), clock, bytes, 0);
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
   absl::Status submitted = work_queue_->Submit([this, rpc, context, reactor, request, response,
-                                                clock, body = std::move(body),
+                                                clock, bytes, body = std::move(body),
                                                 tenant = *std::move(tenant)]() mutable {
     absl::Status s = Admit(context, &clock);
     if (s.ok()) s = body(tenant);
     clock.finished = absl::Now();
-    Record(rpc, static_cast<int>(s.code()), clock, SizeOf(*request), SizeOf(*response));
+    Record(rpc, static_cast<int>(s.code()), clock, bytes, SizeOf(*response));
+    GiveRequestBytes(bytes);
     reactor->Finish(ToGrpcStatus(s));
   });
   if (!submitted.ok()) {
-    Record(rpc, static_cast<int>(submitted.code()), clock, SizeOf(*request), 0);
+    GiveRequestBytes(bytes);
+    Record(rpc, static_cast<int>(submitted.code()), clock, bytes, 0);
     reactor->Finish(ToGrpcStatus(submitted));
   }
   return reactor;
@@ -505,22 +588,30 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
     return reactor;
   }
   auto tenant = std::make_shared<const std::string>(*std::move(resolved));
+  const int64_t bytes = SizeOf(*request);
+  if (absl::Status s = TakeRequestBytes(bytes); !s.ok()) {
+    Record("Decode", static_cast<int>(s.code()), *clock, bytes, 0);
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
   absl::Status submitted = SubmitDecode(
       *request, *tenant, [context, clock] { return Admit(context, clock.get()); },
       ContextOf(context), response,
-      [this, reactor, request, response, clock, tenant](absl::Status s) {
+      [this, reactor, bytes, response, clock, tenant](absl::Status s) {
         clock->finished = absl::Now();
-        Record("Decode", static_cast<int>(s.code()), *clock, SizeOf(*request), SizeOf(*response));
+        Record("Decode", static_cast<int>(s.code()), *clock, bytes, SizeOf(*response));
+        GiveRequestBytes(bytes);
         reactor->Finish(ToGrpcStatus(s));
       });
   if (!submitted.ok()) {
-    Record("Decode", static_cast<int>(submitted.code()), *clock, SizeOf(*request), 0);
+    GiveRequestBytes(bytes);
+    Record("Decode", static_cast<int>(submitted.code()), *clock, bytes, 0);
     reactor->Finish(ToGrpcStatus(submitted));
   }
   return reactor;
 }
 
-grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* AttentionService::Session(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::Session(
     grpc::CallbackServerContext* context) {
   return new SessionReactor(this, context);
 }

@@ -34,13 +34,22 @@ struct RequestClock;
 // DEADLINE_EXCEEDED / CANCELLED without touching the KV pool. With `metrics`, each RPC is recorded
 // (AttndMetrics::RecordRequest); requests on a Session stream as "Session.Prefill" and
 // "Session.Decode", and the stream's own end as "Session".
-class AttentionService : public v1::Attention::CallbackService {
+// Session is a raw (ByteBuffer) method so that the service, not gRPC, parses each frame: a frame
+// that does not parse ends the stream with INVALID_ARGUMENT instead of looking like the client's
+// half-close (gRPC's typed read reports both as ok=false), which silently dropped the rest.
+using AttentionServiceBase = v1::Attention::WithCallbackMethod_GetServerInfo<
+    v1::Attention::WithCallbackMethod_CreateSequence<v1::Attention::WithCallbackMethod_ReleaseSequence<
+        v1::Attention::WithCallbackMethod_Prefill<v1::Attention::WithCallbackMethod_Decode<
+            v1::Attention::WithRawCallbackMethod_Session<v1::Attention::Service>>>>>>;
+
+class AttentionService : public AttentionServiceBase {
  public:
   // `batcher`: decode_queue when it is a BatchingDecodeQueue, for GetServerInfo's decode_batching
   // counters (nullptr: batching is reported off).
   AttentionService(Runtime* runtime, WorkQueue* work_queue, DecodeQueue* decode_queue,
                    AttndMetrics* metrics = nullptr, const BatchingDecodeQueue* batcher = nullptr,
-                   std::shared_ptr<const TokenStore> tokens = nullptr);
+                   std::shared_ptr<const TokenStore> tokens = nullptr,
+                   int64_t max_inflight_request_bytes = 0);
 
   // Sessions waiting for their next request end now with UNAVAILABLE; busy ones end after the
   // response they are computing. Call before grpc::Server::Shutdown so idle streams do not hold
@@ -62,7 +71,7 @@ class AttentionService : public v1::Attention::CallbackService {
   grpc::ServerUnaryReactor* Decode(grpc::CallbackServerContext* context,
                                    const v1::DecodeRequest* request,
                                    v1::DecodeResponse* response) override;
-  grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* Session(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Session(
       grpc::CallbackServerContext* context) override;
 
  private:
@@ -93,6 +102,11 @@ class AttentionService : public v1::Attention::CallbackService {
   void Record(absl::string_view rpc, int code, const RequestClock& clock, int64_t bytes_received,
               int64_t bytes_sent);
 
+  // The request-bytes budget (max_inflight_request_bytes; 0 = none): takes `bytes` or answers
+  // RESOURCE_EXHAUSTED with nothing taken. Every successful take is given back once.
+  absl::Status TakeRequestBytes(int64_t bytes);
+  void GiveRequestBytes(int64_t bytes);
+
   // False once shutdown has begun (the session is then not registered).
   bool Register(SessionReactor* session);
   void Unregister(SessionReactor* session);
@@ -104,6 +118,8 @@ class AttentionService : public v1::Attention::CallbackService {
   AttndMetrics* const metrics_;  // may be null
   const BatchingDecodeQueue* const batcher_;  // may be null
   const std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
+  const int64_t max_inflight_request_bytes_;        // 0: no budget
+  std::atomic<int64_t> inflight_request_bytes_{0};
 
   // Atomic, not under mu_: sessions read it under their own lock, and BeginShutdown takes mu_
   // before the sessions' locks.
