@@ -2,6 +2,8 @@
 // sequences hold no pages, so the page quota alone let one tenant take every slot), a default
 // sequence limit derived from the pool, GetServerInfo scoped to the caller's tenant, the global
 // request-bytes budget, and a drain that Watch streams on the health service do not hold up.
+#include <unistd.h>
+
 #include <fstream>
 #include <future>
 #include <memory>
@@ -25,8 +27,8 @@ const std::string kTokenA = "token-of-team-a-0123456789abcdef";
 const std::string kTokenB = "token-of-team-b-fedcba9876543210";
 
 std::string TokenFile() {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string path = absl::StrCat(tmp ? tmp : ".", "/limits-tokens.txt");
+  // TEST_TMPDIR under Bazel; a run by hand writes to the system's temporary directory.
+  const std::string path = absl::StrCat(::testing::TempDir(), "/limits-tokens.txt.", getpid());
   std::ofstream(path) << "team-a " << kTokenA << "\nteam-b " << kTokenB << "\n";
   return path;
 }

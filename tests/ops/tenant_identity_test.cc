@@ -7,6 +7,8 @@
 // docs/RELIABILITY.md come from runs of 60 s.
 #include <atomic>
 #include <cstdlib>
+#include <unistd.h>
+
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -33,8 +35,8 @@ absl::Duration TestDuration() {
 }
 
 ServerOptions AuthOptions() {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string path = absl::StrCat(tmp ? tmp : ".", "/tenant-tokens.txt");
+  // TEST_TMPDIR under Bazel; a run by hand writes to the system's temporary directory.
+  const std::string path = absl::StrCat(::testing::TempDir(), "/tenant-tokens.txt.", getpid());
   std::ofstream(path) << "team-a " << kTokenA << "\nteam-b " << kTokenB << "\n";
   ServerOptions o = TinyOptions(512);
   o.auth_token_file = path;
