@@ -374,17 +374,94 @@ void AttentionService::Unregister(SessionReactor* session) {
   sessions_.erase(session);
 }
 
+void UnaryCall::Finish(grpc::Status status) {
+  if (status.ok()) {
+    bool own_buffer = false;
+    grpc::Status serialized = grpc::SerializationTraits<google::protobuf::Message>::Serialize(
+        *response_, reply_, &own_buffer);
+    if (!serialized.ok()) {
+      status = grpc::Status(grpc::StatusCode::INTERNAL,
+                            "cannot serialize the response: " + serialized.error_message());
+    }
+  }
+  grpc::ServerUnaryReactor::Finish(std::move(status));
+}
+
+namespace {
+
+template <typename Request, typename Response>
+class TypedUnaryCall final : public UnaryCall {
+ public:
+  explicit TypedUnaryCall(grpc::ByteBuffer* reply) : UnaryCall(&response, reply) {}
+  Request request;
+  Response response;
+};
+
+}  // namespace
+
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* AttentionService::Raw(
+    absl::string_view rpc, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* reply,
+    void (AttentionService::*serve)(grpc::CallbackServerContext*, const Request*, Response*,
+                                    UnaryCall*)) {
+  auto* call = new TypedUnaryCall<Request, Response>(reply);
+  grpc::ByteBuffer bytes(*request);  // shares the slices; Deserialize consumes its buffer
+  const grpc::Status parsed = grpc::SerializationTraits<Request>::Deserialize(&bytes, &call->request);
+  if (!parsed.ok()) {
+    RequestClock clock;
+    const absl::Status s = absl::InvalidArgumentError(absl::StrCat(
+        "cannot parse ", Request::descriptor()->full_name(), ": the message's bytes are not a ",
+        Request::descriptor()->full_name(), " (", parsed.error_message(), ")"));
+    Record(rpc, static_cast<int>(s.code()), clock, static_cast<int64_t>(request->Length()), 0);
+    call->Finish(ToGrpcStatus(s));
+    return call;
+  }
+  (this->*serve)(context, &call->request, &call->response, call);
+  return call;
+}
+
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,
-                                                          const v1::GetServerInfoRequest* request,
-                                                          v1::GetServerInfoResponse* response) {
+                                                          const grpc::ByteBuffer* request,
+                                                          grpc::ByteBuffer* reply) {
+  return Raw("GetServerInfo", context, request, reply, &AttentionService::ServeGetServerInfo);
+}
+
+grpc::ServerUnaryReactor* AttentionService::CreateSequence(grpc::CallbackServerContext* context,
+                                                           const grpc::ByteBuffer* request,
+                                                           grpc::ByteBuffer* reply) {
+  return Raw("CreateSequence", context, request, reply, &AttentionService::ServeCreateSequence);
+}
+
+grpc::ServerUnaryReactor* AttentionService::ReleaseSequence(grpc::CallbackServerContext* context,
+                                                            const grpc::ByteBuffer* request,
+                                                            grpc::ByteBuffer* reply) {
+  return Raw("ReleaseSequence", context, request, reply, &AttentionService::ServeReleaseSequence);
+}
+
+grpc::ServerUnaryReactor* AttentionService::Prefill(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* request,
+                                                    grpc::ByteBuffer* reply) {
+  return Raw("Prefill", context, request, reply, &AttentionService::ServePrefill);
+}
+
+grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* context,
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* reply) {
+  return Raw("Decode", context, request, reply, &AttentionService::ServeDecode);
+}
+
+void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::GetServerInfoResponse* response,
+                                          UnaryCall* reactor) {
   // Cheap and lock-light: answered on the gRPC thread.
   RequestClock clock;
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
   if (!tenant.ok()) {
     Record("GetServerInfo", static_cast<int>(tenant.status().code()), clock, SizeOf(*request), 0);
     reactor->Finish(ToGrpcStatus(tenant.status()));
-    return reactor;
+    return;
   }
   // With tokens, a tenant sees its own sequences and pages and the pool's capacity, never how
   // much the others use.
@@ -433,26 +510,25 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   }
   Record("GetServerInfo", 0, clock, SizeOf(*request), SizeOf(*response));
   reactor->Finish(grpc::Status::OK);
-  return reactor;
 }
 
 template <typename Request, typename Response>
-grpc::ServerUnaryReactor* AttentionService::ServeOnWorker(
-    absl::string_view rpc, grpc::CallbackServerContext* context, const Request* request,
-    Response* response, std::function<absl::Status(const std::string&)> body) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+void AttentionService::ServeOnWorker(absl::string_view rpc, grpc::CallbackServerContext* context,
+                                     const Request* request, Response* response,
+                                     UnaryCall* reactor,
+                                     std::function<absl::Status(const std::string&)> body) {
   RequestClock clock;
   absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
   if (!tenant.ok()) {
     Record(rpc, static_cast<int>(tenant.status().code()), clock, SizeOf(*request), 0);
     reactor->Finish(ToGrpcStatus(tenant.status()));
-    return reactor;
+    return;
   }
   const int64_t bytes = SizeOf(*request);
   if (absl::Status s = TakeRequestBytes(bytes); !s.ok()) {
     Record(rpc, static_cast<int>(s.code()), clock, bytes, 0);
     reactor->Finish(ToGrpcStatus(s));
-    return reactor;
+    return;
   }
   absl::Status submitted = work_queue_->Submit([this, rpc, context, reactor, request, response,
                                                 clock, bytes, body = std::move(body),
@@ -469,13 +545,13 @@ grpc::ServerUnaryReactor* AttentionService::ServeOnWorker(
     Record(rpc, static_cast<int>(submitted.code()), clock, bytes, 0);
     reactor->Finish(ToGrpcStatus(submitted));
   }
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* AttentionService::CreateSequence(grpc::CallbackServerContext* context,
-                                                           const v1::CreateSequenceRequest* request,
-                                                           v1::CreateSequenceResponse* response) {
-  return ServeOnWorker("CreateSequence", context, request, response,
+void AttentionService::ServeCreateSequence(grpc::CallbackServerContext* context,
+                                           const v1::CreateSequenceRequest* request,
+                                           v1::CreateSequenceResponse* response,
+                                           UnaryCall* reactor) {
+  ServeOnWorker("CreateSequence", context, request, response, reactor,
                        [this, response](const std::string& tenant) {
                          absl::StatusOr<std::string> id = runtime_->CreateSequence(tenant);
                          if (id.ok()) response->set_sequence_id(*id);
@@ -483,11 +559,12 @@ grpc::ServerUnaryReactor* AttentionService::CreateSequence(grpc::CallbackServerC
                        });
 }
 
-grpc::ServerUnaryReactor* AttentionService::ReleaseSequence(
-    grpc::CallbackServerContext* context, const v1::ReleaseSequenceRequest* request,
-    v1::ReleaseSequenceResponse* response) {
+void AttentionService::ServeReleaseSequence(grpc::CallbackServerContext* context,
+                                            const v1::ReleaseSequenceRequest* request,
+                                            v1::ReleaseSequenceResponse* response,
+                                            UnaryCall* reactor) {
   // On a worker: Release waits for a request in flight on the sequence.
-  return ServeOnWorker("ReleaseSequence", context, request, response,
+  ServeOnWorker("ReleaseSequence", context, request, response, reactor,
                        [this, request, response](const std::string& tenant) {
                          absl::StatusOr<int64_t> freed =
                              runtime_->ReleaseSequence(request->sequence_id(), tenant);
@@ -518,10 +595,10 @@ absl::Status AttentionService::RunPrefill(const v1::PrefillRequest& request,
   return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* AttentionService::Prefill(grpc::CallbackServerContext* context,
-                                                    const v1::PrefillRequest* request,
-                                                    v1::PrefillResponse* response) {
-  return ServeOnWorker("Prefill", context, request, response,
+void AttentionService::ServePrefill(grpc::CallbackServerContext* context,
+                                    const v1::PrefillRequest* request,
+                                    v1::PrefillResponse* response, UnaryCall* reactor) {
+  ServeOnWorker("Prefill", context, request, response, reactor,
                        [this, request, response](const std::string& tenant) {
                          return RunPrefill(*request, tenant, response);
                        });
@@ -575,24 +652,23 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
       });
 }
 
-grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* context,
-                                                   const v1::DecodeRequest* request,
-                                                   v1::DecodeResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+void AttentionService::ServeDecode(grpc::CallbackServerContext* context,
+                                   const v1::DecodeRequest* request, v1::DecodeResponse* response,
+                                   UnaryCall* reactor) {
   // Shared by the admit check (on the worker) and the reply; the tenant outlives the call.
   auto clock = std::make_shared<RequestClock>();
   absl::StatusOr<std::string> resolved = TenantOf(tokens_.get(), *context);
   if (!resolved.ok()) {
     Record("Decode", static_cast<int>(resolved.status().code()), *clock, SizeOf(*request), 0);
     reactor->Finish(ToGrpcStatus(resolved.status()));
-    return reactor;
+    return;
   }
   auto tenant = std::make_shared<const std::string>(*std::move(resolved));
   const int64_t bytes = SizeOf(*request);
   if (absl::Status s = TakeRequestBytes(bytes); !s.ok()) {
     Record("Decode", static_cast<int>(s.code()), *clock, bytes, 0);
     reactor->Finish(ToGrpcStatus(s));
-    return reactor;
+    return;
   }
   absl::Status submitted = SubmitDecode(
       *request, *tenant, [context, clock] { return Admit(context, clock.get()); },
@@ -608,7 +684,6 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
     Record("Decode", static_cast<int>(submitted.code()), *clock, bytes, 0);
     reactor->Finish(ToGrpcStatus(submitted));
   }
-  return reactor;
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::Session(

@@ -34,13 +34,30 @@ struct RequestClock;
 // DEADLINE_EXCEEDED / CANCELLED without touching the KV pool. With `metrics`, each RPC is recorded
 // (AttndMetrics::RecordRequest); requests on a Session stream as "Session.Prefill" and
 // "Session.Decode", and the stream's own end as "Session".
-// Session is a raw (ByteBuffer) method so that the service, not gRPC, parses each frame: a frame
-// that does not parse ends the stream with INVALID_ARGUMENT instead of looking like the client's
-// half-close (gRPC's typed read reports both as ok=false), which silently dropped the rest.
-using AttentionServiceBase = v1::Attention::WithCallbackMethod_GetServerInfo<
-    v1::Attention::WithCallbackMethod_CreateSequence<v1::Attention::WithCallbackMethod_ReleaseSequence<
-        v1::Attention::WithCallbackMethod_Prefill<v1::Attention::WithCallbackMethod_Decode<
-            v1::Attention::WithRawCallbackMethod_Session<v1::Attention::Service>>>>>>;
+// Every method is raw (ByteBuffer) so that the service, not gRPC, parses requests: a message that
+// does not parse gets INVALID_ARGUMENT "cannot parse attnd.v1.<Request>" (gRPC 1.51's typed callback
+// methods answered UNIMPLEMENTED with no message), and a Session frame that does not parse ends
+// the stream with INVALID_ARGUMENT instead of looking like the client's half-close (gRPC's typed
+// read reports both as ok=false), which silently dropped the rest.
+using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_GetServerInfo<
+    v1::Attention::WithRawCallbackMethod_CreateSequence<
+        v1::Attention::WithRawCallbackMethod_ReleaseSequence<
+            v1::Attention::WithRawCallbackMethod_Prefill<v1::Attention::WithRawCallbackMethod_Decode<
+                v1::Attention::WithRawCallbackMethod_Session<v1::Attention::Service>>>>>>;
+
+// The reactor of one raw unary call: owns the parsed request and the response, and Finish
+// serializes the response (on OK) into the call's reply bytes first.
+class UnaryCall : public grpc::ServerUnaryReactor {
+ public:
+  UnaryCall(google::protobuf::Message* response, grpc::ByteBuffer* reply)
+      : response_(response), reply_(reply) {}
+  void Finish(grpc::Status status);  // hides ServerUnaryReactor::Finish, on purpose
+  void OnDone() override { delete this; }
+
+ private:
+  google::protobuf::Message* const response_;
+  grpc::ByteBuffer* const reply_;
+};
 
 class AttentionService : public AttentionServiceBase {
  public:
@@ -57,20 +74,20 @@ class AttentionService : public AttentionServiceBase {
   void BeginShutdown();
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
-                                          const v1::GetServerInfoRequest* request,
-                                          v1::GetServerInfoResponse* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* reply) override;
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context,
-                                           const v1::CreateSequenceRequest* request,
-                                           v1::CreateSequenceResponse* response) override;
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* reply) override;
   grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext* context,
-                                            const v1::ReleaseSequenceRequest* request,
-                                            v1::ReleaseSequenceResponse* response) override;
+                                            const grpc::ByteBuffer* request,
+                                            grpc::ByteBuffer* reply) override;
   grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* context,
-                                    const v1::PrefillRequest* request,
-                                    v1::PrefillResponse* response) override;
+                                    const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* reply) override;
   grpc::ServerUnaryReactor* Decode(grpc::CallbackServerContext* context,
-                                   const v1::DecodeRequest* request,
-                                   v1::DecodeResponse* response) override;
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* reply) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Session(
       grpc::CallbackServerContext* context) override;
 
@@ -93,10 +110,31 @@ class AttentionService : public AttentionServiceBase {
   // (called with the caller's tenant) behind the deadline/cancellation check, records the call and
   // finishes it; a Submit the queue refuses is recorded and finished at once.
   template <typename Request, typename Response>
-  grpc::ServerUnaryReactor* ServeOnWorker(absl::string_view rpc,
-                                          grpc::CallbackServerContext* context,
-                                          const Request* request, Response* response,
-                                          std::function<absl::Status(const std::string&)> body);
+  void ServeOnWorker(absl::string_view rpc, grpc::CallbackServerContext* context,
+                     const Request* request, Response* response, UnaryCall* reactor,
+                     std::function<absl::Status(const std::string&)> body);
+  // The typed handlers, behind the raw methods' parsing (Raw in service.cc).
+  void ServeGetServerInfo(grpc::CallbackServerContext* context,
+                          const v1::GetServerInfoRequest* request,
+                          v1::GetServerInfoResponse* response, UnaryCall* reactor);
+  void ServeCreateSequence(grpc::CallbackServerContext* context,
+                           const v1::CreateSequenceRequest* request,
+                           v1::CreateSequenceResponse* response, UnaryCall* reactor);
+  void ServeReleaseSequence(grpc::CallbackServerContext* context,
+                            const v1::ReleaseSequenceRequest* request,
+                            v1::ReleaseSequenceResponse* response, UnaryCall* reactor);
+  void ServePrefill(grpc::CallbackServerContext* context, const v1::PrefillRequest* request,
+                    v1::PrefillResponse* response, UnaryCall* reactor);
+  void ServeDecode(grpc::CallbackServerContext* context, const v1::DecodeRequest* request,
+                   v1::DecodeResponse* response, UnaryCall* reactor);
+  // Parses `request` as Request (INVALID_ARGUMENT "cannot parse attnd.v1.<Request>" when it does
+  // not) and runs `serve` with a reactor that owns the request and response.
+  template <typename Request, typename Response>
+  grpc::ServerUnaryReactor* Raw(absl::string_view rpc, grpc::CallbackServerContext* context,
+                                const grpc::ByteBuffer* request, grpc::ByteBuffer* reply,
+                                void (AttentionService::*serve)(grpc::CallbackServerContext*,
+                                                                const Request*, Response*,
+                                                                UnaryCall*));
   // Records one finished request with its google.rpc code (no-op without metrics). Latencies the
   // clock does not know (InfinitePast) are not observed.
   void Record(absl::string_view rpc, int code, const RequestClock& clock, int64_t bytes_received,
