@@ -354,6 +354,16 @@ class ContainerfileTest(unittest.TestCase):
         self.assertIn('--build-arg VERSION="$version"', self.script)
         self.assertIn('--build-arg REVISION="$revision"', self.script)
 
+    def test_manifests_deploy_the_image_script_image_builds(self):
+        image = self.k8s.container["image"]
+        name, tag = image.rsplit(":", 1)
+        self.assertEqual(name, "localhost/attnd")
+        self.assertIn('"localhost/attnd:$version"', self.script)
+        (entry,) = self.k8s.kustomization["images"]
+        self.assertEqual(entry["name"], name)
+        self.assertEqual(tag, kversion())
+        self.assertEqual(str(entry["newTag"]), kversion())
+
     def test_drain_fits_the_grace_period(self):
         drain = seconds(self.flags["drain_timeout"])
         self.assertLess(drain, self.k8s.pod["terminationGracePeriodSeconds"])
