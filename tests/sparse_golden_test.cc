@@ -156,9 +156,9 @@ class SparseGoldenTest : public ::testing::TestWithParam<DType> {
   void SetUp() override {
 #ifdef ATTND_GOLDEN_ON_CUDA
     if (CudaDeviceCount() == 0) {
-      std::fprintf(stderr, "*** SKIPPING GPU TEST: sparse_golden_cuda_test needs a CUDA device ***\n");
-      GTEST_SKIP() << "SKIPPED LOUDLY: sparse_golden_cuda_test needs a CUDA device and this "
-                      "machine has none (run it on the GPU machine: docs/BENCHMARKS.md)";
+      std::fprintf(stderr, "*** SKIPPING GPU TEST: sparse_golden_cuda_test: no CUDA device ***\n");
+      GTEST_SKIP() << "no CUDA device: sparse_golden_cuda_test runs on a GPU machine "
+                      "(docs/BENCHMARKS.md)";
     }
 #endif
     const std::string dir = testing::GoldenCaseDir("sparse_vs");
