@@ -1,5 +1,5 @@
-// Vertical-slash sparse prefill, the index side (shared/docs/DCA.md "Vertical-slash sparse
-// prefill", shared/docs/DCA-RESEARCH.md §3): per piece of the prefill loop and per q head,
+// Vertical-slash sparse prefill, the index side (docs/DCA.md "Vertical-slash sparse
+// prefill", steps 1-3): per piece of the prefill loop and per q head,
 //   1. EstimateVerticalSlash: score the piece's last n queries against keys [0, end) and pick the
 //      top vertical columns and slash diagonals (absolute indices),
 //   2. MapToStages: split them into the intra / succ / inter stages' lists, with the fallbacks,

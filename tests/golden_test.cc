@@ -1,9 +1,8 @@
-// Replays the golden DCA case dense_gqa_chunked (shared/testdata/dca) through a daemon over
+// Replays the golden DCA case dense_gqa_chunked (tests/testdata/dca) through a daemon over
 // loopback gRPC: chunked prefill with the case's prompt_len, then batched decode of two sequences
 // across a chunk boundary. fp32 requests must match the golden outputs within 1e-4; bf16 requests
 // within DCA.md's bf16 bars.
 #include <algorithm>
-#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -21,6 +20,7 @@
 #include "nlohmann/json.hpp"
 #include "server/cuda_engine.h"
 #include "tests/test_util.h"
+#include "tests/testdata/golden_dir.h"
 
 // golden_cuda_test builds this file with ATTND_GOLDEN_ON_CUDA: the same replay against the CUDA
 // backend (bf16 K/V on the device, so every request dtype is held to DCA.md's bf16 bars).
@@ -79,11 +79,9 @@ class GoldenCase {
 class GoldenTest : public ::testing::TestWithParam<std::tuple<DType, bool>> {
  protected:
   void SetUp() override {
-    std::string tried;
-    const std::string root = testing::FindSharedTestdata("tests/golden_test.cc", &tried);
-    ASSERT_FALSE(root.empty()) << "golden testdata not found; set ATTND_TESTDATA. Tried:" << tried;
-    ASSERT_TRUE(golden_.Load(root + "/dca/dense_gqa_chunked"))
-        << "cannot read the case in " << root;
+    const std::string dir = testing::GoldenCaseDir("dense_gqa_chunked");
+    ASSERT_TRUE(golden_.Load(dir)) << "cannot read the golden case in " << dir
+                                   << " (//tests/testdata:dca in the test's data)";
   }
   GoldenCase golden_;
 };
@@ -107,8 +105,8 @@ TEST_P(GoldenTest, DenseGqaChunked) {
       << "the case's softmax scale is not 1/sqrt(head_dim); the config cannot express it";
 
   if (kOnCuda && attnd::CudaDeviceCount() == 0) {
-    GTEST_SKIP() << "SKIPPED LOUDLY: golden_cuda_test needs a CUDA device and this machine has none "
-                    "(run it on the GPU machine: docs/BENCHMARKS.md)";
+    std::fprintf(stderr, "*** SKIPPING GPU TEST: golden_cuda_test: no CUDA device ***\n");
+    GTEST_SKIP() << "no CUDA device: golden_cuda_test runs on a GPU machine (docs/BENCHMARKS.md)";
   }
   ServerOptions options;
   options.page_size = 16;
