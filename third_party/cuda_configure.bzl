@@ -5,7 +5,7 @@ toolkit's include/, lib64/ and bin/ (symlinks) with the targets of third_party/c
 @cuda//:defs.bzl says CUDA_AVAILABLE = True. When it is not, or when ATTND_CUDA=0 hides it, @cuda
 holds empty stand-ins and CUDA_AVAILABLE = False: the CUDA targets are then incompatible with the
 host (cuda_only()), so `bazel build //...` and `bazel test //...` skip them, and //server:cuda_engine
-builds a stub that fails --device=cuda with a clear message (docs/BUILD.md, "Without CUDA").
+builds a stub that fails --device=cuda with a clear message (docs/BUILD.md, "With or without CUDA").
 
 The rule runs again when ATTND_CUDA or CUDA_PATH change, and on `bazel sync --configure`; a toolkit
 installed or removed behind Bazel's back needs one of those (or `bazel clean --expunge`).
