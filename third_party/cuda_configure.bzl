@@ -76,6 +76,10 @@ def _cuda_configure_impl(ctx):
         ctx.file("defs.bzl", _DEFS.format(available = "False", nvcc = "", summary = summary))
     ctx.file("BACKENDS", summary + "\n")
 
+    # Shown (as a DEBUG line) by the build that configures @cuda: a fresh clone's first build, and
+    # again whenever ATTND_CUDA or CUDA_PATH change. script/server and script/test print BACKENDS.
+    print(summary)
+
 cuda_configure = repository_rule(
     implementation = _cuda_configure_impl,
     attrs = {"build_file": attr.label(allow_single_file = True, mandatory = True)},
