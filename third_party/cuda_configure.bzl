@@ -5,7 +5,7 @@ toolkit's include/, lib64/ and bin/ (symlinks) with the targets of third_party/c
 @cuda//:defs.bzl says CUDA_AVAILABLE = True. When it is not, or when ATTND_CUDA=0 hides it, @cuda
 holds empty stand-ins and CUDA_AVAILABLE = False: the CUDA targets are then incompatible with the
 host (cuda_only()), so `bazel build //...` and `bazel test //...` skip them, and //server:cuda_engine
-builds a stub that fails --device=cuda with a clear message (docs/BUILD.md, "Without CUDA").
+builds a stub that fails --device=cuda with a clear message (docs/BUILD.md, "With or without CUDA").
 
 The rule runs again when ATTND_CUDA or CUDA_PATH change, and on `bazel sync --configure`; a toolkit
 installed or removed behind Bazel's back needs one of those (or `bazel clean --expunge`).
@@ -75,6 +75,10 @@ def _cuda_configure_impl(ctx):
         summary = "attnd backends: cpu only (no CUDA toolkit: %s)" % why
         ctx.file("defs.bzl", _DEFS.format(available = "False", nvcc = "", summary = summary))
     ctx.file("BACKENDS", summary + "\n")
+
+    # Shown (as a DEBUG line) by the build that configures @cuda: a fresh clone's first build, and
+    # again whenever ATTND_CUDA or CUDA_PATH change. script/server and script/test print BACKENDS.
+    print(summary)
 
 cuda_configure = repository_rule(
     implementation = _cuda_configure_impl,
