@@ -92,8 +92,8 @@ std::array<VsStageLists, kVsNumStages> MapToStages(const VsSelection& selection,
                                                    const VsPiece& piece, int64_t chunk_len);
 
 // The fallback list for a stage of L keys: i * floor(L / 5) for i < 5 (0..L-1 when L < 5), what
-// the reference's arange(0, L, max(1, L/5)) with an int32 dtype yields. DCA.md says
-// trunc(i * L / 5); the golden case follows the reference (see the NOTE in the .cc).
+// the reference's arange(0, L, max(1, L/5)) with an int32 dtype yields, as docs/DCA.md says; the
+// golden case follows the reference (see the NOTE in the .cc).
 std::vector<int64_t> VsFallbackIndices(int64_t num_keys);
 
 // What the converter gives one 64-row query block of a stage: key blocks (the block starting at b
