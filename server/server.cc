@@ -1,6 +1,7 @@
 // AttndServer: wires model config, engine, runtime, work queue and the gRPC service together.
 #include "server/server.h"
 
+#include <dirent.h>
 #include <malloc.h>
 #include <sys/resource.h>
 
@@ -65,6 +66,16 @@ void GrpcLog(gpr_log_func_args* args) {
                                                     ? spdlog::level::info
                                                     : spdlog::level::debug;
   spdlog::log(level, "grpc: {} ({}:{})", args->message, args->file, args->line);
+}
+
+// File descriptors open now: the entries of /proc/self/fd (-1 where there is no /proc).
+int64_t OpenFds() {
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return -1;
+  int64_t n = 0;
+  while (readdir(dir) != nullptr) ++n;
+  closedir(dir);
+  return n - 3;  // ".", ".." and the directory's own fd
 }
 
 // The soft RLIMIT_NOFILE raised to the hard limit (a common soft default, 1024, is exhausted by
@@ -216,6 +227,7 @@ class AttndServerImpl : public AttndServer {
   std::unique_ptr<DecodeQueue> decode_queue_;
   BatchingDecodeQueue* batcher_ = nullptr;  // decode_queue_ when batching is on
   std::unique_ptr<AttentionService> service_;
+  std::atomic<const AttentionService*> service_for_metrics_{nullptr};  // service_, once it exists
   std::unique_ptr<HealthService> health_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<HealthOnlyServer> health_only_;
@@ -388,6 +400,14 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
                                                          info.kv_cache.pages_free));
     metrics_->kv_pages_free->Set({}, static_cast<double>(info.kv_cache.pages_free));
     metrics_->live_sequences->Set({}, static_cast<double>(info.live_sequences));
+    metrics_->open_fds->Set({}, static_cast<double>(OpenFds()));
+    metrics_->fd_limit->Set({}, static_cast<double>(fd_limit_));
+    metrics_->accepting->Set({}, g_accept_failed.load() ? 0.0 : 1.0);
+    // The metrics listener starts before the service exists: read it through the atomic.
+    if (const AttentionService* service = service_for_metrics_.load()) {
+      metrics_->inflight_request_bytes->Set({},
+                                            static_cast<double>(service->inflight_request_bytes()));
+    }
   });
 
   std::shared_ptr<grpc::AuthMetadataProcessor> auth;
@@ -445,6 +465,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
                                                 decode_queue_.get(), metrics_.get(), batcher_,
                                                 tokens_, options.max_inflight_request_bytes);
+  service_for_metrics_.store(service_.get());
 
   // Our own health service, not gRPC's default: its Watch streams end when the drain begins.
   grpc::EnableDefaultHealthCheckService(false);

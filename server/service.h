@@ -73,6 +73,9 @@ class AttentionService : public AttentionServiceBase {
   // the drain until its deadline.
   void BeginShutdown();
 
+  // Bytes of requests being served now (the --max-inflight-request-bytes budget's use).
+  int64_t inflight_request_bytes() const { return inflight_request_bytes_.load(); }
+
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const grpc::ByteBuffer* request,
                                           grpc::ByteBuffer* reply) override;

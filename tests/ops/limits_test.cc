@@ -80,6 +80,14 @@ TEST(LimitsTest, DefaultSequenceLimitIsOnePerPage) {
   grpc::Status s = Create(stub.get(), "", &id);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ(s.error_message(), "too many live sequences: the limit is 8; release one first");
+
+  // The metrics port shows the fd budget and that the listener accepts.
+  std::optional<std::string> m = HttpGet(daemon.server().metrics_port(), "/metrics");
+  ASSERT_TRUE(m.has_value());
+  EXPECT_GT(Sample(*m, "attnd_open_fds").value_or(0), 3);
+  EXPECT_NE(Sample(*m, "attnd_fd_limit").value_or(0), 0);
+  EXPECT_EQ(Sample(*m, "attnd_api_accepting").value_or(-1), 1);
+  EXPECT_EQ(Sample(*m, "attnd_inflight_request_bytes").value_or(-1), 0);
 }
 
 TEST(LimitsTest, ServerInfoShowsATenantOnlyItsOwnUse) {
