@@ -2,9 +2,6 @@
 // sequences hold no pages, so the page quota alone let one tenant take every slot), a default
 // sequence limit derived from the pool, GetServerInfo scoped to the caller's tenant, the global
 // request-bytes budget, and a drain that Watch streams on the health service do not hold up.
-#include <unistd.h>
-
-#include <fstream>
 #include <future>
 #include <memory>
 #include <string>
@@ -23,15 +20,8 @@ namespace attnd {
 namespace ops_testing {
 namespace {
 
-const std::string kTokenA = "token-of-team-a-0123456789abcdef";
-const std::string kTokenB = "token-of-team-b-fedcba9876543210";
-
-std::string TokenFile() {
-  // TEST_TMPDIR under Bazel; a run by hand writes to the system's temporary directory.
-  const std::string path = absl::StrCat(::testing::TempDir(), "/limits-tokens.txt.", getpid());
-  std::ofstream(path) << "team-a " << kTokenA << "\nteam-b " << kTokenB << "\n";
-  return path;
-}
+const std::string& kTokenA = kTeamAToken;
+const std::string& kTokenB = kTeamBToken;
 
 v1::GetServerInfoResponse Info(v1::Attention::Stub* stub, const std::string& token) {
   auto ctx = Context(token);
@@ -43,7 +33,7 @@ v1::GetServerInfoResponse Info(v1::Attention::Stub* stub, const std::string& tok
 
 TEST(LimitsTest, TenantSequenceQuotaCountsEmptySequences) {
   ServerOptions o = TinyOptions(64);
-  o.auth_token_file = TokenFile();
+  o.auth_token_file = WriteTwoTenantTokenFile("limits-tokens.txt");
   o.tenant_max_sequences = 3;
   Daemon daemon(o);
   ASSERT_TRUE(daemon.ok());
@@ -92,7 +82,7 @@ TEST(LimitsTest, DefaultSequenceLimitIsOnePerPage) {
 
 TEST(LimitsTest, ServerInfoShowsATenantOnlyItsOwnUse) {
   ServerOptions o = TinyOptions(64);
-  o.auth_token_file = TokenFile();
+  o.auth_token_file = WriteTwoTenantTokenFile("limits-tokens.txt");
   Daemon daemon(o);
   ASSERT_TRUE(daemon.ok());
   auto stub = daemon.Stub();

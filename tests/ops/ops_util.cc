@@ -1,8 +1,10 @@
 #include "tests/ops/ops_util.h"
 
 #include <httplib.h>
+#include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <future>
 #include <sstream>
 #include <utility>
@@ -74,6 +76,13 @@ std::shared_ptr<grpc::Channel> Daemon::Channel(
 std::unique_ptr<v1::Attention::Stub> Daemon::Stub(
     std::shared_ptr<grpc::ChannelCredentials> creds) const {
   return v1::Attention::NewStub(Channel(std::move(creds)));
+}
+
+std::string WriteTwoTenantTokenFile(const std::string& name) {
+  // TEST_TMPDIR under Bazel; a run by hand writes to the system's temporary directory.
+  const std::string path = absl::StrCat(::testing::TempDir(), "/", name, ".", getpid());
+  std::ofstream(path) << "team-a " << kTeamAToken << "\nteam-b " << kTeamBToken << "\n";
+  return path;
 }
 
 std::unique_ptr<grpc::ClientContext> Context(const std::string& token,

@@ -46,6 +46,12 @@ class Daemon {
   std::unique_ptr<AttndServer> server_;
 };
 
+// Two tenants' bearer tokens, and a token file naming them ("team-a", "team-b"), written under
+// the test's temporary directory as `name` plus the pid; returns its path.
+inline const std::string kTeamAToken = "token-of-team-a-0123456789abcdef";
+inline const std::string kTeamBToken = "token-of-team-b-fedcba9876543210";
+std::string WriteTwoTenantTokenFile(const std::string& name);
+
 // Per-call context: a 30 s deadline unless given, and `authorization: Bearer <token>` if set.
 std::unique_ptr<grpc::ClientContext> Context(const std::string& token = "",
                                              std::chrono::milliseconds timeout =

@@ -7,9 +7,6 @@
 // docs/RELIABILITY.md come from runs of 60 s.
 #include <atomic>
 #include <cstdlib>
-#include <unistd.h>
-
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -26,8 +23,8 @@ namespace attnd {
 namespace ops_testing {
 namespace {
 
-const std::string kTokenA = "token-of-team-a-0123456789abcdef";
-const std::string kTokenB = "token-of-team-b-fedcba9876543210";
+const std::string& kTokenA = kTeamAToken;
+const std::string& kTokenB = kTeamBToken;
 
 absl::Duration TestDuration() {
   const char* s = std::getenv("ATTND_TENANT_TEST_SECONDS");
@@ -35,9 +32,7 @@ absl::Duration TestDuration() {
 }
 
 ServerOptions AuthOptions() {
-  // TEST_TMPDIR under Bazel; a run by hand writes to the system's temporary directory.
-  const std::string path = absl::StrCat(::testing::TempDir(), "/tenant-tokens.txt.", getpid());
-  std::ofstream(path) << "team-a " << kTokenA << "\nteam-b " << kTokenB << "\n";
+  const std::string path = WriteTwoTenantTokenFile("tenant-tokens.txt");
   ServerOptions o = TinyOptions(512);
   o.auth_token_file = path;
   o.request_workers = 8;

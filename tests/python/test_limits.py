@@ -79,19 +79,18 @@ class Child:
         except urllib.error.HTTPError as e:
             return e.code
 
-    def rss_peak_kb(self):
+    def _status_kb(self, key):
         with open("/proc/%d/status" % self.proc.pid) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1])
         return -1
 
+    def rss_peak_kb(self):
+        return self._status_kb("VmHWM")
+
     def rss_kb(self):
-        with open("/proc/%d/status" % self.proc.pid) as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-        return -1
+        return self._status_kb("VmRSS")
 
     def log(self):
         with open(self.log_path, errors="replace") as f:
