@@ -133,6 +133,9 @@ ServerInfo Runtime::Info() const {
   info.model.kv_dtype = layout.kv_dtype;
   info.model.max_position_embeddings = model_.max_position_embeddings;
   info.model.softmax_scale = g.softmax_scale;
+  info.model.rope_theta = model_.rope_theta;
+  info.model.partial_rotary_factor = model_.partial_rotary_factor;
+  info.model.rotary_dim = model_.rotary_dim;
   info.dca.chunk_size = model_.chunk_size;
   info.dca.local_size = model_.local_size;
   info.dca.chunk_len = g.chunk_len;

@@ -97,6 +97,9 @@ struct ServerInfo {
     DType kv_dtype = DType::kFp32;
     int64_t max_position_embeddings = 0;
     float softmax_scale = 0.f;
+    double rope_theta = 0.0;
+    float partial_rotary_factor = 0.f;
+    int32_t rotary_dim = 0;
   } model;
   struct Dca {
     int64_t chunk_size = 0;

@@ -325,6 +325,9 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   model->set_kv_dtype(ToProto(info.model.kv_dtype));
   model->set_max_position_embeddings(info.model.max_position_embeddings);
   model->set_softmax_scale(info.model.softmax_scale);
+  model->set_rope_theta(info.model.rope_theta);
+  model->set_partial_rotary_factor(info.model.partial_rotary_factor);
+  model->set_rotary_dim(info.model.rotary_dim);
   v1::DcaConfig* dca = response->mutable_dca();
   dca->set_chunk_size(info.dca.chunk_size);
   dca->set_local_size(info.dca.local_size);
