@@ -411,6 +411,7 @@ absl::Status AttentionService::RunPrefill(const v1::PrefillRequest& request,
   call.sequence_id = request.sequence_id();
   call.tenant = tenant;
   call.layer = request.layer();
+  call.q_layout = static_cast<QLayout>(request.q_layout());
   call.q = FromProto(request.q());
   call.k = FromProto(request.k());
   call.v = FromProto(request.v());
@@ -453,6 +454,7 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
     const v1::DecodeEntry& in = request.entries(i);
     DecodeCall::Entry& e = call.entries[i];
     e.sequence_id = in.sequence_id();
+    e.q_layout = static_cast<QLayout>(in.q_layout());
     e.q = FromProto(in.q());
     e.k = FromProto(in.k());
     e.v = FromProto(in.v());
