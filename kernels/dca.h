@@ -1,5 +1,4 @@
-// Dual chunk attention: the constants and small rules every backend shares (docs/DCA.md in
-// shared/).
+// Dual chunk attention: the constants and small rules every backend shares (docs/DCA.md).
 #ifndef ATTND_KERNELS_DCA_H_
 #define ATTND_KERNELS_DCA_H_
 

@@ -1,6 +1,6 @@
 // Exact dense dual chunk attention on the CPU: KV append, prefill and decode over a paged KV pool.
 // fp32 arithmetic throughout; K/V stored as fp32 (float) or bf16 (uint16_t). Uses every thread of
-// the given pool. Semantics: shared/docs/DCA.md ("Dense prefill", "Decode", "Length scaling").
+// the given pool. Semantics: docs/DCA.md ("Dense prefill", "Decode", "Length scaling").
 #ifndef ATTND_KERNELS_DCA_CPU_H_
 #define ATTND_KERNELS_DCA_CPU_H_
 

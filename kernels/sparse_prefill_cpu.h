@@ -1,4 +1,4 @@
-// Exact vertical-slash sparse prefill on the CPU (shared/docs/DCA.md "Vertical-slash sparse
+// Exact vertical-slash sparse prefill on the CPU (docs/DCA.md "Vertical-slash sparse
 // prefill"): per piece of the prefill loop, per q head, estimate + map + convert
 // (kernels/vertical_slash.h), then block-sparse attention of every query row over its row block's
 // key blocks and columns in each stage (intra also causal), the stages merged by log-sum-exp.

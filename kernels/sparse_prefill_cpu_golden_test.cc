@@ -1,9 +1,8 @@
-// The sparse CPU kernel alone against the golden case sparse_vs (shared/testdata/dca, produced by
+// The sparse CPU kernel alone against the golden case sparse_vs (tests/testdata/dca, produced by
 // running the reference backend): its 1100-token prefill over three DCA chunks within 1e-4, with
 // fp32 and bf16 KV storage (the inputs are exact in bf16). The case's third piece uses the
-// stage fallback lists, so this also pins their values (kernels/vertical_slash.h). Needs
-// ../shared/testdata, found through $ATTND_TESTDATA or by resolving this source file.
-#include <climits>
+// stage fallback lists, so this also pins their values (kernels/vertical_slash.h). The case
+// comes in through the test's runfiles (//tests/testdata:dca).
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -12,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
 #include "kernels/dca_cpu.h"
@@ -22,32 +20,10 @@
 #include "kernels/thread_pool.h"
 #include "kernels/vertical_slash.h"
 #include "nlohmann/json.hpp"
+#include "tests/testdata/golden_dir.h"
 
 namespace attnd {
 namespace {
-
-std::string FindCase(std::string* tried) {
-  std::vector<std::string> roots;
-  if (const char* env = std::getenv("ATTND_TESTDATA")) roots.push_back(env);
-  if (const char* srcdir = std::getenv("TEST_SRCDIR")) {
-    const std::string source =
-        absl::StrCat(srcdir, "/attnd/kernels/sparse_prefill_cpu_golden_test.cc");
-    char resolved[PATH_MAX];
-    if (realpath(source.c_str(), resolved) != nullptr) {
-      std::string dir(resolved);
-      dir = dir.substr(0, dir.rfind('/'));  // <workspace>/kernels
-      dir = dir.substr(0, dir.rfind('/'));  // <workspace>
-      roots.push_back(dir + "/../shared/testdata");
-    }
-  }
-  roots.push_back("../shared/testdata");
-  for (const std::string& r : roots) {
-    const std::string dir = r + "/dca/sparse_vs";
-    if (std::ifstream(dir + "/case.json").good()) return dir;
-    absl::StrAppend(tried, " ", dir);
-  }
-  return "";
-}
 
 template <typename KvT>
 void ReplayPrefill(const nlohmann::json& c, const std::string& blob) {
@@ -125,9 +101,9 @@ void ReplayPrefill(const nlohmann::json& c, const std::string& blob) {
 class SparseGoldenCpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string tried;
-    const std::string dir = FindCase(&tried);
-    ASSERT_FALSE(dir.empty()) << "sparse_vs not found; set ATTND_TESTDATA. Tried:" << tried;
+    const std::string dir = testing::GoldenCaseDir("sparse_vs");
+    ASSERT_TRUE(std::ifstream(dir + "/case.json").good())
+        << "no golden case in " << dir << " (//tests/testdata:dca in the test's data)";
     std::ifstream json_file(dir + "/case.json");
     case_ = nlohmann::json::parse(json_file, nullptr, /*allow_exceptions=*/false);
     ASSERT_FALSE(case_.is_discarded());

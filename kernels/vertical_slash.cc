@@ -248,7 +248,7 @@ VsSelection EstimateVerticalSlash(const DcaGeometry& geometry, const PagedKv<KvT
 std::vector<int64_t> VsFallbackIndices(int64_t num_keys) {
   // NOTE: the reference's torch.arange(0, L, max(1, L/5), dtype=int32) counts its elements with
   // the float step (always 5 for L >= 5) but computes them with the step truncated to an integer,
-  // so the values are i * floor(L/5), not trunc(i * L/5) as DCA.md writes; the golden case
+  // so the values are i * floor(L/5) (docs/DCA.md), not trunc(i * L/5); the golden case
   // sparse_vs (a succ/inter fallback over 448 keys) only matches the former.
   std::vector<int64_t> out;
   const int64_t step = std::max<int64_t>(1, num_keys / 5);

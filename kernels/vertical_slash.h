@@ -1,5 +1,5 @@
-// Vertical-slash sparse prefill, the index side (shared/docs/DCA.md "Vertical-slash sparse
-// prefill", shared/docs/DCA-RESEARCH.md §3): per piece of the prefill loop and per q head,
+// Vertical-slash sparse prefill, the index side (docs/DCA.md "Vertical-slash sparse
+// prefill", steps 1-3): per piece of the prefill loop and per q head,
 //   1. EstimateVerticalSlash: score the piece's last n queries against keys [0, end) and pick the
 //      top vertical columns and slash diagonals (absolute indices),
 //   2. MapToStages: split them into the intra / succ / inter stages' lists, with the fallbacks,
@@ -92,8 +92,8 @@ std::array<VsStageLists, kVsNumStages> MapToStages(const VsSelection& selection,
                                                    const VsPiece& piece, int64_t chunk_len);
 
 // The fallback list for a stage of L keys: i * floor(L / 5) for i < 5 (0..L-1 when L < 5), what
-// the reference's arange(0, L, max(1, L/5)) with an int32 dtype yields. DCA.md says
-// trunc(i * L / 5); the golden case follows the reference (see the NOTE in the .cc).
+// the reference's arange(0, L, max(1, L/5)) with an int32 dtype yields, as docs/DCA.md says; the
+// golden case follows the reference (see the NOTE in the .cc).
 std::vector<int64_t> VsFallbackIndices(int64_t num_keys);
 
 // What the converter gives one 64-row query block of a stage: key blocks (the block starting at b

@@ -114,11 +114,20 @@ absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Create(absl::string_vie
     return absl::ResourceExhaustedError(absl::StrCat(
         "too many live sequences: the limit is ", options_.max_sequences, "; release one first"));
   }
+  int64_t& mine = tenant_sequences_[seq->tenant];
+  if (options_.tenant_max_sequences > 0 && mine >= options_.tenant_max_sequences) {
+    if (mine == 0) tenant_sequences_.erase(seq->tenant);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tenant \"", seq->tenant, "\" holds ", mine, " live sequences; quota ",
+        options_.tenant_max_sequences, " (--tenant-max-sequences): release one first"));
+  }
   // A collision of 128 random bits does not happen; if the CSPRNG were broken it would, and
   // silently replacing a live sequence would hand one client another's K/V.
   if (!sequences_.emplace(seq->id, seq).second) {
+    if (mine == 0) tenant_sequences_.erase(seq->tenant);
     return absl::InternalError("sequence id collision: the random source is not random");
   }
+  ++mine;
   return seq;
 }
 
@@ -138,14 +147,48 @@ absl::StatusOr<int64_t> SequenceTable::Release(absl::string_view id, absl::strin
     MutexLock lock(&mu_);
     auto it = sequences_.find(id);
     if (it == sequences_.end() || it->second->tenant != tenant) return SequenceNotFound(id);
-    seq = std::move(it->second);
-    sequences_.erase(it);
+    seq = EraseLocked(it);
   }
   // Outside the table lock: waiting here for a long request on this sequence must not stall
   // every other lookup. Once the id is out of the map nobody new can find it; a request that found
   // it earlier sees `released` when it gets the lock.
   MutexLock seq_lock(&seq->mu);
   return FreeAllLocked(seq.get());
+}
+
+std::shared_ptr<Sequence> SequenceTable::EraseLocked(
+    absl::flat_hash_map<std::string, std::shared_ptr<Sequence>>::iterator it) {
+  std::shared_ptr<Sequence> seq = std::move(it->second);
+  sequences_.erase(it);
+  auto count = tenant_sequences_.find(seq->tenant);
+  if (count != tenant_sequences_.end() && --count->second <= 0) tenant_sequences_.erase(count);
+  return seq;
+}
+
+int64_t SequenceTable::TenantSequences(absl::string_view tenant) const {
+  MutexLock lock(&mu_);
+  auto it = tenant_sequences_.find(tenant);
+  return it == tenant_sequences_.end() ? 0 : it->second;
+}
+
+std::vector<SequenceTable::Listing> SequenceTable::List(absl::string_view tenant,
+                                                        bool all_tenants) const {
+  std::vector<std::shared_ptr<Sequence>> picked;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [id, seq] : sequences_) {
+      if (all_tenants || seq->tenant == tenant) picked.push_back(seq);
+    }
+  }
+  std::vector<Listing> out;
+  out.reserve(picked.size());
+  for (const std::shared_ptr<Sequence>& seq : picked) {
+    MutexLock lock(&seq->mu);
+    if (seq->released) continue;
+    out.push_back(Listing{seq->id, seq->tenant, static_cast<int64_t>(seq->pages.size()),
+                          seq->layer_lengths, seq->last_used});
+  }
+  return out;
 }
 
 int64_t SequenceTable::FreeAllLocked(Sequence* seq) {
@@ -190,8 +233,7 @@ absl::StatusOr<ReclaimedSequence> SequenceTable::ReleaseIfIdle(absl::string_view
       it->second->mu.Unlock();
       return absl::FailedPreconditionError(absl::StrCat("sequence ", id, " was used recently"));
     }
-    seq = std::move(it->second);
-    sequences_.erase(it);
+    seq = EraseLocked(it);
   }
   ReclaimedSequence out;
   out.id = seq->id;

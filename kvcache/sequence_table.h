@@ -41,6 +41,9 @@ struct SequenceTableOptions {
   // Most pages the sequences of one tenant may hold together; 0 = unlimited. Tenant "" (auth off)
   // is a tenant like any other, so with auth off this caps every client together.
   int64_t tenant_page_quota = 0;
+  // Most live sequences of one tenant, empty ones included; 0 = unlimited. Empty sequences hold no
+  // pages, so without this one tenant could take every max_sequences slot and lock others out.
+  int64_t tenant_max_sequences = 0;
 };
 
 // A sequence the idle reaper released.
@@ -57,7 +60,8 @@ class SequenceTable {
   SequenceTable(const SequenceTableOptions& options, PageAllocator* allocator);
 
   // A new empty sequence owned by `tenant`, its id 128 bits from the OS CSPRNG, last_used = now;
-  // RESOURCE_EXHAUSTED past max_sequences; INTERNAL if the OS has no randomness to give.
+  // RESOURCE_EXHAUSTED past max_sequences or the tenant's tenant_max_sequences; INTERNAL if the OS
+  // has no randomness to give.
   absl::StatusOr<std::shared_ptr<Sequence>> Create(absl::string_view tenant);
   // INVALID_ARGUMENT for a malformed id; NOT_FOUND for an unknown id or another tenant's sequence
   // (the message is the same either way: no existence oracle).
@@ -90,6 +94,19 @@ class SequenceTable {
 
   // Pages held by `tenant`'s sequences now.
   int64_t TenantPages(absl::string_view tenant) const;
+  // Live sequences of `tenant` now.
+  int64_t TenantSequences(absl::string_view tenant) const;
+  // What one tenant's sequences hold: id, pages, per-layer lengths, last use (for operators).
+  struct Listing {
+    std::string id;
+    std::string tenant;
+    int64_t pages = 0;
+    std::vector<int64_t> layer_lengths;
+    absl::Time last_used;
+  };
+  // Every live sequence of `tenant`, or of every tenant when `all_tenants`. A sequence busy right
+  // now is listed with what it held when its request began (its lock is waited for briefly).
+  std::vector<Listing> List(absl::string_view tenant, bool all_tenants) const;
 
   static bool IsWellFormedId(absl::string_view id);
 
@@ -98,6 +115,7 @@ class SequenceTable {
   PageAllocator* const allocator_;
   mutable Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int64_t> tenant_sequences_ ABSL_GUARDED_BY(mu_);
   // Pages held per tenant. Its own lock, taken last (under a sequence's lock, never the reverse).
   mutable Mutex tenant_mu_;
   absl::flat_hash_map<std::string, int64_t> tenant_pages_ ABSL_GUARDED_BY(tenant_mu_);
@@ -105,6 +123,10 @@ class SequenceTable {
   // Frees seq's pages, marks it released and uncounts its pages from its tenant.
   int64_t FreeAllLocked(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
   void UncountPages(const std::string& tenant, int64_t pages);
+  // Removes `it` from sequences_ and uncounts it from its tenant.
+  std::shared_ptr<Sequence> EraseLocked(
+      absl::flat_hash_map<std::string, std::shared_ptr<Sequence>>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace attnd

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <utility>
 
@@ -124,19 +125,50 @@ std::optional<std::string> TokenStore::Authenticate(absl::string_view token) con
   return entries_[match].tenant;
 }
 
+namespace {
+
+// The tenant of the call whose `authorization` values are [first, last): exactly one value,
+// "Bearer <token>" (scheme case-insensitive) with a token of `store`. `reason` gets "missing",
+// "malformed" or "invalid" on failure.
+template <typename Iterator>
+absl::StatusOr<std::string> Authenticate(const TokenStore& store, Iterator first, Iterator last,
+                                         absl::string_view* reason) {
+  if (first == last) {
+    *reason = "missing";
+    return absl::UnauthenticatedError(
+        "missing credentials: send 'authorization: Bearer <token>' metadata");
+  }
+  constexpr char kMalformed[] = "malformed authorization metadata: expected 'Bearer <token>'";
+  if (std::next(first) != last) {
+    *reason = "malformed";
+    return absl::UnauthenticatedError(kMalformed);
+  }
+  const absl::string_view value(first->second.data(), first->second.size());
+  constexpr absl::string_view kScheme = "bearer ";
+  if (value.size() <= kScheme.size() ||
+      !absl::EqualsIgnoreCase(value.substr(0, kScheme.size()), kScheme)) {
+    *reason = "malformed";
+    return absl::UnauthenticatedError(kMalformed);
+  }
+  std::optional<std::string> tenant =
+      store.Authenticate(absl::StripAsciiWhitespace(value.substr(kScheme.size())));
+  if (!tenant) {
+    *reason = "invalid";
+    return absl::UnauthenticatedError("invalid bearer token");
+  }
+  return *std::move(tenant);
+}
+
+}  // namespace
+
 TokenAuthProcessor::TokenAuthProcessor(std::shared_ptr<const TokenStore> store,
                                        TokenAuthOptions options)
     : store_(std::move(store)), options_(std::move(options)) {}
 
 grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata,
-                                         grpc::AuthContext* context,
-                                         OutputMetadata* consumed_auth_metadata,
+                                         grpc::AuthContext* /*context*/,
+                                         OutputMetadata* /*consumed_auth_metadata*/,
                                          OutputMetadata* /*response_metadata*/) {
-  auto fail = [this](absl::string_view reason, const char* message) {
-    if (options_.on_failure) options_.on_failure(reason);
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, message);
-  };
-
   auto path = auth_metadata.find(":path");
   if (path != auth_metadata.end()) {
     const absl::string_view method(path->second.data(), path->second.size());
@@ -144,41 +176,23 @@ grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata,
       if (absl::StartsWith(method, prefix)) return grpc::Status::OK;
     }
   }
-
+  // Only a check: the auth context is the connection's (see auth.h), and the token stays in the
+  // call's metadata for TenantOf.
   auto range = auth_metadata.equal_range("authorization");
-  if (range.first == range.second) {
-    return fail("missing", "missing credentials: send 'authorization: Bearer <token>' metadata");
-  }
-  if (std::next(range.first) != range.second) {
-    return fail("malformed", "malformed authorization metadata: expected 'Bearer <token>'");
-  }
-  absl::string_view value(range.first->second.data(), range.first->second.size());
-  constexpr absl::string_view kScheme = "bearer ";
-  if (value.size() <= kScheme.size() ||
-      !absl::EqualsIgnoreCase(value.substr(0, kScheme.size()), kScheme)) {
-    return fail("malformed", "malformed authorization metadata: expected 'Bearer <token>'");
-  }
-  const absl::string_view token = absl::StripAsciiWhitespace(value.substr(kScheme.size()));
-  std::optional<std::string> tenant = store_->Authenticate(token);
-  if (!tenant) return fail("invalid", "invalid bearer token");
-
-  // The call's auth context is per call (chained to the connection's), so the tenant of one call
-  // never leaks into another call on the same connection.
-  context->AddProperty(kTenantProperty, *tenant);
-  context->SetPeerIdentityPropertyName(kTenantProperty);
-  consumed_auth_metadata->insert(
-      std::make_pair(std::string("authorization"),
-                     std::string(range.first->second.data(), range.first->second.size())));
-  return grpc::Status::OK;
+  absl::string_view reason;
+  absl::StatusOr<std::string> tenant = Authenticate(*store_, range.first, range.second, &reason);
+  if (tenant.ok()) return grpc::Status::OK;
+  if (options_.on_failure) options_.on_failure(reason);
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(tenant.status().message()));
 }
 
-std::string TenantOf(const grpc::ServerContextBase& context) {
-  std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
-  if (auth == nullptr) return "";
-  std::vector<grpc::string_ref> values = auth->FindPropertyValues(kTenantProperty);
-  if (values.empty()) return "";
-  // One value per authenticated call: the processor adds exactly one.
-  return std::string(values.back().data(), values.back().size());
+absl::StatusOr<std::string> TenantOf(const TokenStore* store,
+                                     const grpc::ServerContextBase& context) {
+  if (store == nullptr) return std::string();
+  const auto& metadata = context.client_metadata();
+  auto range = metadata.equal_range("authorization");
+  absl::string_view reason;
+  return Authenticate(*store, range.first, range.second, &reason);
 }
 
 }  // namespace attnd

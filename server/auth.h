@@ -9,12 +9,15 @@
 // other number of fields is rejected. A tenant may have several tokens (rotation); a token may
 // appear only once. Errors name the file and line, never the token.
 //
-// Clients send `authorization: Bearer <token>` metadata on every call. On success the processor
-// adds the property "attnd-tenant" (kTenantProperty) to the call's auth context and makes it the
-// peer identity; handlers read it with TenantOf(context). The token itself is consumed: handlers
-// never see it. Calls to the paths in TokenAuthOptions::open_path_prefixes (by default the
-// standard health service, "/grpc.health.v1.Health/") pass without a token, so probes and load
-// balancers keep working; they get no tenant.
+// Clients send `authorization: Bearer <token>` metadata on every call. The processor is the gate:
+// it rejects a call without a valid token before any handler runs, and changes nothing else.
+// Handlers then resolve the tenant from the call's own metadata with TenantOf(store, context).
+// NOTE: the processor must not write the tenant into its grpc::AuthContext: that context belongs
+// to the connection, not the call (properties accumulate, and concurrent calls on one connection
+// mutate it at once: tenants got confused and attnd crashed, issue #13). Calls to the paths in
+// TokenAuthOptions::open_path_prefixes (by default the standard health service,
+// "/grpc.health.v1.Health/") pass without a token, so probes and load balancers keep working;
+// they get no tenant.
 //
 // Wiring: a processor only runs on secure server credentials (TLS, or local credentials on
 // loopback): see MakeServerCredentials in server/tls.h.
@@ -35,8 +38,6 @@
 #include "grpcpp/server_context.h"
 
 namespace attnd {
-
-inline constexpr char kTenantProperty[] = "attnd-tenant";
 
 // Immutable after construction; thread-safe.
 class TokenStore {
@@ -93,9 +94,12 @@ class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
   const TokenAuthOptions options_;
 };
 
-// The authenticated tenant of the call, "" when auth is off or the path is open. Use it as the
-// `tenant` argument of SequenceTable::Create/Find/Release.
-std::string TenantOf(const grpc::ServerContextBase& context);
+// The tenant of one call, from that call's own `authorization` metadata: "" when auth is off
+// (`store` null). UNAUTHENTICATED (the processor's messages) when the call carries no valid token,
+// which a call the processor let through never does. Use it as the `tenant` argument of
+// SequenceTable::Create/Find/Release. Thread-safe; reads only the call's metadata.
+absl::StatusOr<std::string> TenantOf(const TokenStore* store,
+                                     const grpc::ServerContextBase& context);
 
 }  // namespace attnd
 

@@ -154,20 +154,22 @@ class ProcessorTest : public ::testing::Test {
   grpc::AuthMetadataProcessor::OutputMetadata consumed_, response_;
 };
 
-TEST_F(ProcessorTest, AcceptsABearerTokenAndSetsTheTenant) {
+// The processor only gates: the auth context it is given is the connection's, shared by every call
+// on it, so it must not be written (issue #13); the token stays in the call's metadata, where
+// TenantOf reads it.
+TEST_F(ProcessorTest, AcceptsABearerTokenAndLeavesTheConnectionsContextAlone) {
   grpc::Status status = Run({{":path", "/attnd.v1.Attention/Prefill"},
                              {"authorization", absl::StrCat("Bearer ", kBobToken)}});
   ASSERT_TRUE(status.ok()) << status.error_message();
-  EXPECT_EQ(context_.GetPeerIdentityPropertyName(), kTenantProperty);
-  ASSERT_EQ(context_.GetPeerIdentity().size(), 1u);
-  EXPECT_EQ(context_.GetPeerIdentity()[0], "bob");
-  ASSERT_EQ(consumed_.count("authorization"), 1u);  // handlers never see the token
+  EXPECT_TRUE(context_.properties_.empty());
+  EXPECT_EQ(context_.GetPeerIdentityPropertyName(), "");
+  EXPECT_EQ(consumed_.count("authorization"), 0u);
   EXPECT_TRUE(failures_.empty());
 
   // The scheme is case-insensitive.
   status = Run({{"authorization", absl::StrCat("bearer ", kAliceToken2)}});
   ASSERT_TRUE(status.ok());
-  EXPECT_EQ(context_.FindPropertyValues(kTenantProperty)[0], "alice");
+  EXPECT_TRUE(context_.properties_.empty());
 }
 
 TEST_F(ProcessorTest, RejectsMissingMalformedAndInvalidTokens) {
@@ -207,24 +209,35 @@ TEST_F(ProcessorTest, HealthChecksNeedNoToken) {
 
 // Replies "<tenant>|<whether the handler saw an authorization header>".
 class WhoAmIService : public grpc::CallbackGenericService {
+ public:
+  explicit WhoAmIService(const TokenStore* store) : store_(store) {}
+
+ private:
+  const TokenStore* const store_;
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
     class Reactor : public grpc::ServerGenericBidiReactor {
      public:
-      explicit Reactor(grpc::GenericCallbackServerContext* ctx) : ctx_(ctx) { StartRead(&request_); }
+      Reactor(const TokenStore* store, grpc::GenericCallbackServerContext* ctx)
+          : store_(store), ctx_(ctx) {
+        StartRead(&request_);
+      }
       void OnReadDone(bool ok) override {
         if (!ok) return Finish(grpc::Status(grpc::StatusCode::INTERNAL, "no request"));
         const bool saw_token = ctx_->client_metadata().count("authorization") > 0;
-        grpc::Slice slice(TenantOf(*ctx_) + "|" + (saw_token ? "token-visible" : "token-hidden"));
+        absl::StatusOr<std::string> tenant = TenantOf(store_, *ctx_);
+        grpc::Slice slice((tenant.ok() ? *tenant : std::string(tenant.status().message())) + "|" +
+                          (saw_token ? "token-visible" : "token-hidden"));
         response_ = grpc::ByteBuffer(&slice, 1);
         StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
       }
       void OnDone() override { delete this; }
 
      private:
+      const TokenStore* const store_;
       grpc::GenericCallbackServerContext* ctx_;
       grpc::ByteBuffer request_, response_;
     };
-    return new Reactor(ctx);
+    return new Reactor(store_, ctx);
   }
 };
 
@@ -256,13 +269,13 @@ CallResult Call(grpc::Channel* channel, const std::string& method, const std::st
 TEST(AuthEndToEndTest, TenantsOverLocalCredentials) {
   auto store = TokenStore::Parse(GoodFile(), "tokens.txt");
   ASSERT_TRUE(store.ok());
-  auto processor = std::make_shared<TokenAuthProcessor>(
-      std::make_shared<const TokenStore>(std::move(*store)), TokenAuthOptions());
+  auto tokens = std::make_shared<const TokenStore>(std::move(*store));
+  auto processor = std::make_shared<TokenAuthProcessor>(tokens, TokenAuthOptions());
   auto creds = MakeServerCredentials(TlsOptions(), processor, "127.0.0.1:0");
   ASSERT_TRUE(creds.ok()) << creds.status();
 
   grpc::EnableDefaultHealthCheckService(true);
-  WhoAmIService service;
+  WhoAmIService service(tokens.get());
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", *creds, &port);
@@ -276,11 +289,11 @@ TEST(AuthEndToEndTest, TenantsOverLocalCredentials) {
                                      grpc::InsecureChannelCredentials());
   CallResult r = Call(channel.get(), "/test.WhoAmI/Get", kAliceToken);
   ASSERT_TRUE(r.status.ok()) << r.status.error_code() << " " << r.status.error_message();
-  EXPECT_EQ(r.body, "alice|token-hidden");
+  EXPECT_EQ(r.body, "alice|token-visible");
   // Same connection, another tenant's token: the tenant is per call, never carried over.
   r = Call(channel.get(), "/test.WhoAmI/Get", kBobToken);
   ASSERT_TRUE(r.status.ok());
-  EXPECT_EQ(r.body, "bob|token-hidden");
+  EXPECT_EQ(r.body, "bob|token-visible");
 
   r = Call(channel.get(), "/test.WhoAmI/Get", "");
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
@@ -291,7 +304,7 @@ TEST(AuthEndToEndTest, TenantsOverLocalCredentials) {
   EXPECT_EQ(r.status.error_message(), "invalid bearer token");
   // After a rejected call, alice's token still works on the same channel.
   r = Call(channel.get(), "/test.WhoAmI/Get", kAliceToken);
-  EXPECT_EQ(r.body, "alice|token-hidden");
+  EXPECT_EQ(r.body, "alice|token-visible");
 
   // Health stays open: an empty HealthCheckRequest, and the reply is status = SERVING (field 1 = 1).
   r = Call(channel.get(), "/grpc.health.v1.Health/Check", "");

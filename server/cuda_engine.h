@@ -63,6 +63,10 @@ struct CudaEngineOptions {
 // thread-safe, and concurrent jobs on disjoint sequences simply queue.
 absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(const CudaEngineOptions& options);
 
+// OK when this binary contains the CUDA backend; FAILED_PRECONDITION, saying how to get it, when it
+// was built without a CUDA toolkit (cuda_engine_stub.cc, chosen by server/BUILD).
+absl::Status CudaBuildStatus();
+
 // Usable CUDA devices: 0 without a driver or a GPU (never fails; clears the CUDA error it caused).
 int CudaDeviceCount();
 

@@ -71,8 +71,8 @@ TEST(CudaEngineOptions, RejectsUnsupportedConfigurations) {
 }
 
 TEST(CudaEngineOptions, NoDeviceIsFailedPrecondition) {
-  std::string why;
-  if (gpu_test::GpuPresent(&why)) {
+  std::string why, detail;
+  if (gpu_test::GpuPresent(&why, &detail)) {
     std::fprintf(stderr, "*** a CUDA device is present: checking creation succeeds instead ***\n");
     auto e = CreateCudaEngine(TestOptions());
     ASSERT_TRUE(e.ok()) << e.status();

@@ -32,6 +32,7 @@ absl::StatusOr<KvLayout> LayoutFor(const EngineOptions& options, DType kv_dtype,
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> CreateCuda(const EngineOptions& options) {
+  if (absl::Status built = CudaBuildStatus(); !built.ok()) return built;
   absl::StatusOr<DType> kv_dtype = ResolveKvDType(options.kv_dtype, "cuda");
   if (!kv_dtype.ok()) return kv_dtype.status();
   if (*kv_dtype != DType::kBf16) {

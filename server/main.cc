@@ -28,7 +28,8 @@ ABSL_FLAG(std::string, kv_dtype, "auto", "auto | bf16 | fp32 (auto: fp32 on cpu,
 ABSL_FLAG(int32_t, page_size, 16, "tokens per KV page; must divide the DCA chunk length");
 ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest request or response, in bytes");
 ABSL_FLAG(int64_t, max_sequence_length, 0, "most tokens per sequence; 0 = the model's maximum");
-ABSL_FLAG(int64_t, max_sequences, 0, "most live sequences; 0 = unlimited");
+ABSL_FLAG(int64_t, max_sequences, 0,
+          "most live sequences, all tenants together; 0 = one per KV page");
 ABSL_FLAG(int32_t, compute_threads, 0, "CPU kernel threads; 0 = all cores");
 ABSL_FLAG(int32_t, request_workers, 0, "threads running requests; 0 = 2 x cores (at least 4)");
 ABSL_FLAG(bool, decode_batching, true,
@@ -64,6 +65,15 @@ ABSL_FLAG(std::string, auth_token_file, "",
 ABSL_FLAG(absl::Duration, sequence_idle_timeout, absl::ZeroDuration(),
           "release sequences unused for this long (e.g. 10m), freeing their pages; 0 = never");
 ABSL_FLAG(int64_t, tenant_page_quota, 0, "most KV pages one tenant's sequences may hold; 0 = no limit");
+ABSL_FLAG(int64_t, tenant_max_sequences, 0,
+          "most live sequences of one tenant, empty ones included; 0 = no limit");
+ABSL_FLAG(int32_t, max_streams_per_connection, 64,
+          "most concurrent calls (HTTP/2 streams) on one client connection");
+ABSL_FLAG(int64_t, max_inflight_request_bytes, 2ll << 30,
+          "requests being served, in bytes, all together; beyond it a request gets "
+          "RESOURCE_EXHAUSTED at once; at least --max-message-bytes");
+ABSL_FLAG(int64_t, grpc_memory_bytes, 4ll << 30,
+          "gRPC's memory quota for its transport buffers, in bytes (at least 64 MiB)");
 
 namespace {
 
@@ -142,6 +152,10 @@ int main(int argc, char** argv) {
   options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   options.sequence_idle_timeout = absl::GetFlag(FLAGS_sequence_idle_timeout);
   options.tenant_page_quota = absl::GetFlag(FLAGS_tenant_page_quota);
+  options.tenant_max_sequences = absl::GetFlag(FLAGS_tenant_max_sequences);
+  options.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
+  options.max_inflight_request_bytes = absl::GetFlag(FLAGS_max_inflight_request_bytes);
+  options.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
 
   absl::StatusOr<std::unique_ptr<attnd::AttndServer>> server = attnd::AttndServer::Start(options);
   if (!server.ok()) return Fail(std::string(server.status().message()));

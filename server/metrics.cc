@@ -374,6 +374,20 @@ absl::StatusOr<std::unique_ptr<AttndMetrics>> AttndMetrics::Create(const BuildIn
                          r.AddGauge("attnd_kv_pages_free", "KV cache pages free to allocate."));
   ATTND_ASSIGN_OR_RETURN(m->live_sequences,
                          r.AddGauge("attnd_live_sequences", "Sequences created and not released."));
+  ATTND_ASSIGN_OR_RETURN(m->open_fds,
+                         r.AddGauge("attnd_open_fds", "File descriptors open now (one per client "
+                                                      "connection, plus attnd's own)."));
+  ATTND_ASSIGN_OR_RETURN(
+      m->fd_limit, r.AddGauge("attnd_fd_limit", "The soft RLIMIT_NOFILE attnd runs with; -1 = none."));
+  ATTND_ASSIGN_OR_RETURN(
+      m->accepting,
+      r.AddGauge("attnd_api_accepting",
+                 "1 while the API listener accepts connections; 0 once accept4 failed (gRPC 1.51 "
+                 "does not resume: restart)."));
+  ATTND_ASSIGN_OR_RETURN(
+      m->inflight_request_bytes,
+      r.AddGauge("attnd_inflight_request_bytes",
+                 "Bytes of requests being served now (--max-inflight-request-bytes bounds it)."));
   ATTND_ASSIGN_OR_RETURN(
       m->bytes_received_total,
       r.AddCounter("attnd_received_bytes_total", "Request message bytes received, by method.",

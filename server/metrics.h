@@ -182,6 +182,10 @@ class AttndMetrics {
   GaugeFamily* kv_pages_used;               // {}
   GaugeFamily* kv_pages_free;               // {}
   GaugeFamily* live_sequences;              // {}
+  GaugeFamily* open_fds;                    // {}; file descriptors open now
+  GaugeFamily* fd_limit;                    // {}; the soft RLIMIT_NOFILE (-1: unlimited)
+  GaugeFamily* accepting;                   // {}; 1 while the API listener accepts connections
+  GaugeFamily* inflight_request_bytes;      // {}; request bytes being served
   CounterFamily* bytes_received_total;      // {rpc}; request message bytes
   CounterFamily* bytes_sent_total;          // {rpc}; response message bytes
   GaugeFamily* build_info;                  // {version, revision, backend, model}; always 1

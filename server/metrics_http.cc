@@ -63,8 +63,12 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     int yes = 1;
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
   });
-  http.set_read_timeout(5, 0);
+  // Scrapers and probes send their whole request at once: a second without a byte is a client to
+  // drop. One request per connection, so no idle keep-alive connection holds a worker either.
+  http.set_read_timeout(1, 0);
   http.set_write_timeout(5, 0);
+  http.set_keep_alive_max_count(1);
+  http.set_keep_alive_timeout(1);
   http.Get("/metrics", [registry](const httplib::Request&, httplib::Response& res) {
     res.set_content(registry->RenderPrometheusText(), kPrometheusContentType);
   });

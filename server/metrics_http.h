@@ -16,7 +16,10 @@ namespace attnd {
 struct MetricsHttpOptions {
   // host:port (IPv6 as [::1]:9400; an empty host means all interfaces); port 0 picks a free port.
   std::string listen = "127.0.0.1:9400";
-  int threads = 2;  // scrapes are rare and cheap
+  // Scrapes are rare and cheap, but a client that sends its request a byte at a time holds a
+  // worker until it is done or idle for the read timeout: enough workers that a few such clients
+  // cannot take them all (issue #13).
+  int threads = 16;
 };
 
 // Thread-safe: port() from any thread; Stop() from any thread except a handler.

@@ -67,7 +67,7 @@ void ExpectSameConfig(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.rotary_dim, b.rotary_dim);
 }
 
-// ---- Shipped configs: values from DCA.md "Model constants" and DCA-RESEARCH.md section 1 ----
+// ---- Shipped configs: values from docs/DCA.md "Model constants" ----
 
 TEST(ModelConfigTest, ShippedQwen7B) {
   absl::StatusOr<ModelConfig> c = LoadModelConfig("configs/qwen2.5-7b-instruct-1m/config.json");

@@ -119,19 +119,31 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const ModelConfig& mode
     return absl::InvalidArgumentError(
         "the model has no max_position_embeddings; set a max sequence length");
   }
-  return std::unique_ptr<Runtime>(new Runtime(model, std::move(engine), options, max_len));
+  // Unlimited empty sequences would grow without bound (issue #13: 194,900 in 30 s, 91 MB): by
+  // default at most one per page, the most that can each hold a token.
+  const int64_t max_sequences =
+      options.max_sequences > 0 ? options.max_sequences : layout.num_pages;
+  return std::unique_ptr<Runtime>(
+      new Runtime(model, std::move(engine), options, max_len, max_sequences));
 }
 
 Runtime::Runtime(const ModelConfig& model, std::unique_ptr<Engine> engine,
-                 const RuntimeOptions& options, int64_t max_sequence_length)
+                 const RuntimeOptions& options, int64_t max_sequence_length,
+                 int64_t max_sequences)
     : model_(model),
       engine_(std::move(engine)),
       options_(options),
       max_sequence_length_(max_sequence_length),
+      max_sequences_(max_sequences),
       allocator_(engine_->layout().num_pages),
       table_(SequenceTableOptions{engine_->layout().num_layers, engine_->layout().page_size,
-                                  options.max_sequences, options.tenant_page_quota},
+                                  max_sequences, options.tenant_page_quota,
+                                  options.tenant_max_sequences},
              &allocator_) {}
+
+TenantUsage Runtime::Usage(absl::string_view tenant) const {
+  return TenantUsage{table_.TenantSequences(tenant), table_.TenantPages(tenant)};
+}
 
 ServerInfo Runtime::Info() const {
   const DcaGeometry g = model_.geometry();
@@ -166,7 +178,9 @@ ServerInfo Runtime::Info() const {
   info.live_sequences = table_.size();
   info.limits.max_message_bytes = options_.max_message_bytes;
   info.limits.max_sequence_length = max_sequence_length_;
-  info.limits.max_sequences = options_.max_sequences;
+  info.limits.max_sequences = max_sequences_;
+  info.limits.tenant_max_sequences = options_.tenant_max_sequences;
+  info.limits.tenant_page_quota = options_.tenant_page_quota;
   return info;
 }
 

@@ -127,15 +127,24 @@ struct ServerInfo {
     int64_t max_message_bytes = 0;
     int64_t max_sequence_length = 0;
     int64_t max_sequences = 0;
+    int64_t tenant_max_sequences = 0;  // 0 = unlimited
+    int64_t tenant_page_quota = 0;     // 0 = unlimited
   } limits;
+};
+
+// What one tenant holds (GetServerInfo with tokens on shows a tenant only its own).
+struct TenantUsage {
+  int64_t sequences = 0;
+  int64_t pages = 0;
 };
 
 struct RuntimeOptions {
   std::string version = "dev";
   int64_t max_message_bytes = 0;    // reported only; gRPC enforces it
   int64_t max_sequence_length = 0;  // 0 = the model's max_position_embeddings
-  int64_t max_sequences = 0;        // 0 = unlimited
+  int64_t max_sequences = 0;        // 0 = one per KV page (each non-empty sequence holds a page)
   int64_t tenant_page_quota = 0;    // KV pages per tenant; 0 = unlimited
+  int64_t tenant_max_sequences = 0;  // live sequences per tenant; 0 = unlimited
 };
 
 // Thread-safe: any thread may call any method. Requests on one sequence run one at a time
@@ -148,6 +157,12 @@ class Runtime {
                                                          const RuntimeOptions& options);
 
   ServerInfo Info() const;
+  TenantUsage Usage(absl::string_view tenant) const;
+  // Live sequences of `tenant` (all tenants when `all_tenants`), for operators.
+  std::vector<SequenceTable::Listing> ListSequences(absl::string_view tenant,
+                                                    bool all_tenants) const {
+    return table_.List(tenant, all_tenants);
+  }
 
   // The new sequence's id. RESOURCE_EXHAUSTED past max_sequences.
   absl::StatusOr<std::string> CreateSequence(absl::string_view tenant);
@@ -169,7 +184,7 @@ class Runtime {
 
  private:
   Runtime(const ModelConfig& model, std::unique_ptr<Engine> engine, const RuntimeOptions& options,
-          int64_t max_sequence_length);
+          int64_t max_sequence_length, int64_t max_sequences);
 
   absl::Status CheckLayer(int32_t layer) const;
   absl::Status CheckPrefillTensors(const PrefillCall& call, int64_t* num_tokens) const;
@@ -179,6 +194,7 @@ class Runtime {
   const std::unique_ptr<Engine> engine_;
   const RuntimeOptions options_;
   const int64_t max_sequence_length_;
+  const int64_t max_sequences_;  // options_.max_sequences, or its default from the pool
   PageAllocator allocator_;
   SequenceTable table_;
 };

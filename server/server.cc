@@ -1,21 +1,28 @@
 // AttndServer: wires model config, engine, runtime, work queue and the gRPC service together.
 #include "server/server.h"
 
+#include <dirent.h>
+#include <malloc.h>
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "grpc/support/log.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
-#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
@@ -25,6 +32,7 @@
 #include "server/clock.h"
 #include "server/decode_queue.h"
 #include "server/engine_factory.h"
+#include "server/health_service.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/model_config.h"
@@ -39,6 +47,49 @@ namespace {
 
 constexpr char kVersion[] = "0.1.0";
 constexpr char kServiceName[] = "attnd.v1.Attention";
+
+// Set when gRPC reports that accept4 failed (e.g. EMFILE: out of file descriptors). NOTE: gRPC
+// 1.51's listener stops for good after such a failure (tcp_server_posix.cc leaves its accept loop)
+// and serves nothing new even once fds are free again; the health watch turns the daemon
+// NOT_SERVING so probes see it and the orchestrator restarts it. Process-wide, as gRPC's log is.
+std::atomic<bool> g_accept_failed{false};
+
+// gRPC's own log lines go through spdlog (one format, one level); accept failures are noted.
+void GrpcLog(gpr_log_func_args* args) {
+  const absl::string_view message(args->message);
+  if (args->severity == GPR_LOG_SEVERITY_ERROR && absl::StrContains(message, "accept4")) {
+    g_accept_failed.store(true);
+  }
+  const spdlog::level::level_enum level = args->severity == GPR_LOG_SEVERITY_ERROR
+                                              ? spdlog::level::err
+                                              : args->severity == GPR_LOG_SEVERITY_INFO
+                                                    ? spdlog::level::info
+                                                    : spdlog::level::debug;
+  spdlog::log(level, "grpc: {} ({}:{})", args->message, args->file, args->line);
+}
+
+// File descriptors open now: the entries of /proc/self/fd (-1 where there is no /proc).
+int64_t OpenFds() {
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return -1;
+  int64_t n = 0;
+  while (readdir(dir) != nullptr) ++n;
+  closedir(dir);
+  return n - 3;  // ".", ".." and the directory's own fd
+}
+
+// The soft RLIMIT_NOFILE raised to the hard limit (a common soft default, 1024, is exhausted by
+// about a thousand idle connections); returns the soft limit now in force.
+int64_t RaiseFdLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return -1;
+  if (limit.rlim_cur < limit.rlim_max) {
+    rlimit raised = limit;
+    raised.rlim_cur = limit.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) limit = raised;
+  }
+  return limit.rlim_cur == RLIM_INFINITY ? -1 : static_cast<int64_t>(limit.rlim_cur);
+}
 
 // The batcher's options from the flags' values; errors name the flag.
 absl::StatusOr<DecodeBatcherOptions> BatcherOptions(const ServerOptions& o) {
@@ -86,6 +137,24 @@ absl::Status CheckOptions(const ServerOptions& o) {
         absl::StrCat("--sequence-idle-timeout must be >= 0, got ",
                      absl::FormatDuration(o.sequence_idle_timeout)));
   }
+  if (o.tenant_max_sequences < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tenant-max-sequences must be >= 0, got ", o.tenant_max_sequences));
+  }
+  if (o.max_streams_per_connection <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-streams-per-connection must be > 0, got ", o.max_streams_per_connection));
+  }
+  if (o.max_inflight_request_bytes < o.max_message_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-inflight-request-bytes (", o.max_inflight_request_bytes,
+        ") must be at least --max-message-bytes (", o.max_message_bytes,
+        "), or the largest request could never run"));
+  }
+  if (o.grpc_memory_bytes < (int64_t{64} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--grpc-memory-bytes must be at least 64 MiB, got ", o.grpc_memory_bytes));
+  }
   if (o.tenant_page_quota < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--tenant-page-quota must be >= 0, got ", o.tenant_page_quota));
@@ -122,6 +191,7 @@ class AttndServerImpl : public AttndServer {
   void Wait() override { shutdown_done_.WaitForNotification(); }
 
  private:
+  // Loads --auth-token-file into tokens_ and makes the processor that gates calls on it.
   absl::Status StartAuth(const ServerOptions& options,
                          std::shared_ptr<grpc::AuthMetadataProcessor>* processor);
   // Every min(timeout / 4, 10 s): releases sequences idle for longer than the timeout.
@@ -133,6 +203,7 @@ class AttndServerImpl : public AttndServer {
   void StopHealthWatch();
 
   int port_ = 0;
+  int64_t fd_limit_ = -1;  // the soft RLIMIT_NOFILE after RaiseFdLimit; -1 = unlimited
   std::string summary_;
   Mutex shutdown_mu_;
   bool shutdown_started_ ABSL_GUARDED_BY(shutdown_mu_) = false;
@@ -149,12 +220,15 @@ class AttndServerImpl : public AttndServer {
   // the server before the service it calls, the queue (which drains) before the runtime its work
   // uses.
   std::unique_ptr<AttndMetrics> metrics_;
+  std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
   std::unique_ptr<Runtime> runtime_;
   std::unique_ptr<WorkQueue> work_queue_;
   std::unique_ptr<DecodeExecutor> decode_executor_;
   std::unique_ptr<DecodeQueue> decode_queue_;
   BatchingDecodeQueue* batcher_ = nullptr;  // decode_queue_ when batching is on
   std::unique_ptr<AttentionService> service_;
+  std::atomic<const AttentionService*> service_for_metrics_{nullptr};  // service_, once it exists
+  std::unique_ptr<HealthService> health_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<HealthOnlyServer> health_only_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
@@ -170,8 +244,8 @@ absl::Status AttndServerImpl::StartAuth(const ServerOptions& options,
   auth_options.on_failure = [failures](absl::string_view reason) {
     failures->Increment({reason});
   };
-  *processor = std::make_shared<TokenAuthProcessor>(
-      std::make_shared<const TokenStore>(*std::move(store)), std::move(auth_options));
+  tokens_ = std::make_shared<const TokenStore>(*std::move(store));
+  *processor = std::make_shared<TokenAuthProcessor>(tokens_, std::move(auth_options));
   return absl::OkStatus();
 }
 
@@ -205,7 +279,13 @@ void AttndServerImpl::StopReaper() {
 }
 
 void AttndServerImpl::HealthWatchLoop() {
+  int64_t ticks = 0;
   while (true) {
+#ifdef __GLIBC__
+    // Every 5 s: give freed heap back to the OS. Large requests are freed in pieces that glibc
+    // keeps in its arenas; without this, RSS stayed hundreds of MB up after a burst (issue #13).
+    if (++ticks % 50 == 0) malloc_trim(0);
+#endif
     {
       MutexLock lock(&health_mu_);
       const auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(health_mu_) { return health_stop_; };
@@ -213,12 +293,22 @@ void AttndServerImpl::HealthWatchLoop() {
         return;
       }
     }
+    if (g_accept_failed.load()) {
+      spdlog::error(
+          "the API listener stopped accepting connections: accept4 failed (out of file "
+          "descriptors? the soft RLIMIT_NOFILE is {}); gRPC 1.51 does not resume accepting: "
+          "health is NOT_SERVING from now on; restart attnd, and raise its fd limit or lower "
+          "the number of client connections",
+          fd_limit_);
+      health_->SetServing(false);
+      serving_.store(false);
+      if (health_only_ != nullptr) health_only_->SetServing(false);
+      return;
+    }
     if (runtime_->engine().healthy()) continue;
     spdlog::error("the {} device ({}) is lost: health is NOT_SERVING from now on; restart attnd",
                   runtime_->engine().backend(), runtime_->engine().device_name());
-    grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-    health->SetServingStatus("", false);
-    health->SetServingStatus(kServiceName, false);
+    health_->SetServing(false);
     serving_.store(false);
     if (health_only_ != nullptr) health_only_->SetServing(false);
     return;
@@ -235,6 +325,9 @@ void AttndServerImpl::StopHealthWatch() {
 
 absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   if (absl::Status s = CheckOptions(options); !s.ok()) return s;
+  static std::once_flag grpc_log_once;
+  std::call_once(grpc_log_once, [] { gpr_set_log_function(GrpcLog); });
+  fd_limit_ = RaiseFdLimit();
   absl::StatusOr<DecodeBatcherOptions> batcher_options = BatcherOptions(options);
   if (!batcher_options.ok()) return batcher_options.status();
   absl::StatusOr<ModelConfig> model = Qwen25_7BInstruct1M();
@@ -287,6 +380,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   runtime_options.max_sequence_length = options.max_sequence_length;
   runtime_options.max_sequences = options.max_sequences;
   runtime_options.tenant_page_quota = options.tenant_page_quota;
+  runtime_options.tenant_max_sequences = options.tenant_max_sequences;
   absl::StatusOr<std::unique_ptr<Runtime>> runtime =
       Runtime::Create(*model, *std::move(engine), runtime_options);
   if (!runtime.ok()) return runtime.status();
@@ -306,6 +400,14 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
                                                          info.kv_cache.pages_free));
     metrics_->kv_pages_free->Set({}, static_cast<double>(info.kv_cache.pages_free));
     metrics_->live_sequences->Set({}, static_cast<double>(info.live_sequences));
+    metrics_->open_fds->Set({}, static_cast<double>(OpenFds()));
+    metrics_->fd_limit->Set({}, static_cast<double>(fd_limit_));
+    metrics_->accepting->Set({}, g_accept_failed.load() ? 0.0 : 1.0);
+    // The metrics listener starts before the service exists: read it through the atomic.
+    if (const AttentionService* service = service_for_metrics_.load()) {
+      metrics_->inflight_request_bytes->Set({},
+                                            static_cast<double>(service->inflight_request_bytes()));
+    }
   });
 
   std::shared_ptr<grpc::AuthMetadataProcessor> auth;
@@ -361,14 +463,27 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     decode_queue_ = std::make_unique<DirectDecodeQueue>(runtime_.get(), work_queue_.get());
   }
   service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
-                                                decode_queue_.get(), metrics_.get(), batcher_);
+                                                decode_queue_.get(), metrics_.get(), batcher_,
+                                                tokens_, options.max_inflight_request_bytes);
+  service_for_metrics_.store(service_.get());
 
-  grpc::EnableDefaultHealthCheckService(true);
+  // Our own health service, not gRPC's default: its Watch streams end when the drain begins.
+  grpc::EnableDefaultHealthCheckService(false);
+  health_ = std::make_unique<HealthService>(std::vector<std::string>{kServiceName});
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  builder.RegisterService(health_.get());
   builder.AddListeningPort(options.listen, *credentials, &port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  // Bounds for clients that open many streams or never read (issue #13): at most this many calls
+  // at once per connection, and one memory quota for the transport's buffers.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_streams_per_connection);
+  grpc::ResourceQuota quota("attnd");
+  quota.Resize(static_cast<size_t>(options.grpc_memory_bytes));
+  builder.SetResourceQuota(quota);
+  // One daemon per port: a second one on the same port must fail, not share the port's traffic.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {
@@ -376,9 +491,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
                                                ": cannot listen there (malformed address, or the "
                                                "port is in use)"));
   }
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  health->SetServingStatus("", true);
-  health->SetServingStatus(kServiceName, true);
+  health_->SetServing(true);
   if (health_only_ != nullptr) health_only_->SetServing(true);
   serving_.store(true);
 
@@ -405,6 +518,9 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   if (health_only_ != nullptr) {
     absl::StrAppend(&summary_, "; health-only on port ", health_only_->port());
   }
+  absl::StrAppend(&summary_, "; fd limit ",
+                  fd_limit_ < 0 ? std::string("unlimited") : absl::StrCat(fd_limit_),
+                  ", at most ", options.max_streams_per_connection, " calls per connection");
   return absl::OkStatus();
 }
 
@@ -417,13 +533,14 @@ void AttndServerImpl::Shutdown(absl::Time deadline) {
   StopHealthWatch();
   if (server_ != nullptr) {
     // Load balancers stop sending first; then no new work; then in-flight RPCs get until deadline.
-    grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-    health->SetServingStatus("", false);
-    health->SetServingStatus(kServiceName, false);
+    health_->SetServing(false);
   }
   serving_.store(false);
   if (health_only_ != nullptr) health_only_->SetServing(false);
   if (service_ != nullptr) service_->BeginShutdown();
+  // Ends the health service's Watch streams (after NOT_SERVING, sent above), which would otherwise
+  // hold the drain to its deadline.
+  if (health_ != nullptr) health_->Shutdown();
   // Queued decodes go to the work queue now (no batching delay) while it still accepts, and run.
   if (batcher_ != nullptr) batcher_->Shutdown();
   if (work_queue_ != nullptr) work_queue_->StopAccepting();

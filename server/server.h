@@ -48,6 +48,13 @@ struct ServerOptions {
   std::string auth_token_file;                    // "TENANT TOKEN" lines; "" = auth off
   absl::Duration sequence_idle_timeout = absl::ZeroDuration();  // 0 = never reclaim
   int64_t tenant_page_quota = 0;                  // KV pages per tenant; 0 = unlimited
+  int64_t tenant_max_sequences = 0;               // live sequences per tenant; 0 = unlimited
+
+  // Memory and connection bounds (docs/operations.md, "Limits"). A client that sends and never
+  // reads is held to them: HTTP/2 flow control stops it once they are reached.
+  int32_t max_streams_per_connection = 64;      // concurrent calls (streams) on one connection
+  int64_t max_inflight_request_bytes = 2ll << 30;  // requests being served, all together
+  int64_t grpc_memory_bytes = 4ll << 30;        // gRPC's resource quota (transport buffers)
 
   // Tests only (fault injection, tests/reliability): wraps the engine before the runtime takes it,
   // e.g. in server/fault_engine.h's FaultEngine. Unset = the engine as created.

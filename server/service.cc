@@ -61,15 +61,18 @@ DecodeContext ContextOf(const grpc::CallbackServerContext* context) {
   return c;
 }
 
-void FillBatchingStats(const BatchingDecodeQueue& batcher, v1::DecodeBatchingStats* out) {
+// `settings_only`: the counters are server-wide, so a tenant-scoped answer leaves them out.
+void FillBatchingStats(const BatchingDecodeQueue& batcher, bool settings_only,
+                       v1::DecodeBatchingStats* out) {
   const DecodeBatcherOptions& o = batcher.options();
-  const DecodeBatchingStats s = batcher.Stats();
   out->set_enabled(true);
   out->set_max_decode_batch(o.max_decode_batch);
   out->set_max_queue_delay_us(absl::ToInt64Microseconds(o.max_queue_delay));
   out->mutable_cuda_graph_batch_sizes()->Assign(o.cuda_graph_batch_sizes.begin(),
                                                 o.cuda_graph_batch_sizes.end());
   out->set_cuda_graphs_enabled(o.cuda_graphs);
+  if (settings_only) return;
+  const DecodeBatchingStats s = batcher.Stats();
   out->set_calls_submitted(s.calls_submitted);
   out->set_calls_completed(s.calls_completed);
   out->set_calls_deadline_exceeded(s.calls_deadline_exceeded);
@@ -123,13 +126,13 @@ int64_t SizeOf(const google::protobuf::Message& m) { return static_cast<int64_t>
 // One Session stream: read a request, run it, write its response, read the next. Exactly one
 // request is in flight per stream, which is what keeps responses in request order. Every path ends
 // in exactly one Finish; the reactor deletes itself in OnDone.
-class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse> {
+class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   // Registers before taking mu_: BeginShutdown takes the service's lock, then each session's.
   SessionReactor(AttentionService* service, grpc::CallbackServerContext* context)
       : service_(service),
         context_(context),
-        tenant_(TenantOf(*context)),
+        tenant_(TenantOf(service->tokens_.get(), *context)),
         registered_(service->Register(this)) {
     MutexLock lock(&mu_);
     // A shutdown that began after Register saw this session still starting and skipped it.
@@ -137,8 +140,12 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
       FinishLocked(ToGrpcStatus(ShuttingDown()));
       return;
     }
+    if (!tenant_.ok()) {
+      FinishLocked(ToGrpcStatus(tenant_.status()));
+      return;
+    }
     state_ = State::kReading;
-    StartRead(&request_);
+    StartRead(&frame_);
   }
 
   void OnReadDone(bool ok) override {
@@ -147,6 +154,19 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
       if (state_ == State::kFinished) return;  // ended by BeginShutdown while reading
       if (!ok) {  // the client closed its side (or the call was cancelled)
         FinishLocked(grpc::Status::OK);
+        return;
+      }
+      ++frames_;
+      request_.Clear();
+      const grpc::Status parsed =
+          grpc::SerializationTraits<v1::SessionRequest>::Deserialize(&frame_, &request_);
+      if (!parsed.ok()) {
+        // Every earlier request has been answered (one at a time); nothing after this is read.
+        FinishLocked(grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("cannot parse attnd.v1.SessionRequest (message ", frames_,
+                         " on this stream): the stream ends here; the ", frames_ - 1,
+                         " requests before it were answered")));
         return;
       }
       if (service_->shutting_down()) {
@@ -159,13 +179,20 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
     response_.Clear();
     response_.set_tag(request_.tag());
     clock_ = RequestClock();
-    absl::Status submitted;
+    request_bytes_ = SizeOf(request_);
+    absl::Status submitted = service_->TakeRequestBytes(request_bytes_);
+    if (!submitted.ok()) {
+      request_bytes_ = 0;
+      rpc_ = request_.has_prefill() ? "Session.Prefill" : "Session.Decode";
+      Complete(submitted);  // this request fails at once; the stream goes on
+      return;
+    }
     switch (request_.request_case()) {
       case v1::SessionRequest::kPrefill:
         rpc_ = "Session.Prefill";
         submitted = service_->work_queue_->Submit([this] {
           absl::Status s = Admit(context_, &clock_);
-          if (s.ok()) s = service_->RunPrefill(request_.prefill(), tenant_, response_.mutable_prefill());
+          if (s.ok()) s = service_->RunPrefill(request_.prefill(), *tenant_, response_.mutable_prefill());
           clock_.finished = absl::Now();
           Complete(std::move(s));
         });
@@ -173,7 +200,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
       case v1::SessionRequest::kDecode:
         rpc_ = "Session.Decode";
         submitted = service_->SubmitDecode(
-            request_.decode(), tenant_, [this] { return Admit(context_, &clock_); },
+            request_.decode(), *tenant_, [this] { return Admit(context_, &clock_); },
             ContextOf(context_), response_.mutable_decode(), [this](absl::Status s) {
               clock_.finished = absl::Now();
               Complete(std::move(s));
@@ -188,6 +215,8 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
     }
     if (submitted.ok()) return;
     if (submitted.code() == absl::StatusCode::kUnavailable) {
+      service_->GiveRequestBytes(request_bytes_);
+      request_bytes_ = 0;
       MutexLock lock(&mu_);
       FinishLocked(ToGrpcStatus(submitted));
       return;
@@ -206,8 +235,7 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
       return;
     }
     state_ = State::kReading;
-    request_.Clear();
-    StartRead(&request_);
+    StartRead(&frame_);
   }
 
   // Nothing to undo: a pending read or write fails after a cancel, and that path finishes.
@@ -235,9 +263,21 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
     }
     service_->Record(rpc_, static_cast<int>(status.code()), clock_, SizeOf(request_),
                      SizeOf(response_));
+    service_->GiveRequestBytes(request_bytes_);
+    request_bytes_ = 0;
+    out_.Clear();
+    bool own_buffer = false;
+    grpc::Status serialized =
+        grpc::SerializationTraits<v1::SessionResponse>::Serialize(response_, &out_, &own_buffer);
     MutexLock lock(&mu_);
+    if (!serialized.ok()) {
+      FinishLocked(grpc::Status(grpc::StatusCode::INTERNAL,
+                                absl::StrCat("cannot serialize a session response: ",
+                                             serialized.error_message())));
+      return;
+    }
     state_ = State::kWriting;
-    StartWrite(&response_);
+    StartWrite(&out_);
   }
 
   void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -251,25 +291,52 @@ class SessionReactor : public grpc::ServerBidiReactor<v1::SessionRequest, v1::Se
 
   AttentionService* const service_;
   grpc::CallbackServerContext* const context_;
-  const std::string tenant_;
+  const absl::StatusOr<std::string> tenant_;  // the stream's own metadata, read once
   const bool registered_;
   Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
   // Owned by the one request in flight: the work reads request_ and fills response_.
+  grpc::ByteBuffer frame_;  // the request as read, parsed into request_
+  grpc::ByteBuffer out_;    // response_ serialized, being written
+  int64_t frames_ ABSL_GUARDED_BY(mu_) = 0;
   v1::SessionRequest request_;
   v1::SessionResponse response_;
   RequestClock clock_;
+  int64_t request_bytes_ = 0;  // taken from the service's request-bytes budget
   absl::string_view rpc_ = "Session.Invalid";
 };
 
 AttentionService::AttentionService(Runtime* runtime, WorkQueue* work_queue,
                                    DecodeQueue* decode_queue, AttndMetrics* metrics,
-                                   const BatchingDecodeQueue* batcher)
+                                   const BatchingDecodeQueue* batcher,
+                                   std::shared_ptr<const TokenStore> tokens,
+                                   int64_t max_inflight_request_bytes)
     : runtime_(runtime),
       work_queue_(work_queue),
       decode_queue_(decode_queue),
       metrics_(metrics),
-      batcher_(batcher) {}
+      batcher_(batcher),
+      tokens_(std::move(tokens)),
+      max_inflight_request_bytes_(max_inflight_request_bytes) {}
+
+absl::Status AttentionService::TakeRequestBytes(int64_t bytes) {
+  if (max_inflight_request_bytes_ <= 0) return absl::OkStatus();
+  int64_t used = inflight_request_bytes_.load(std::memory_order_relaxed);
+  do {
+    // One request alone always fits (the flags guarantee the budget holds the largest message).
+    if (used > 0 && used + bytes > max_inflight_request_bytes_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "attnd is serving ", used, " bytes of requests already; this one (", bytes,
+          " bytes) would pass --max-inflight-request-bytes ", max_inflight_request_bytes_,
+          ": retry later"));
+    }
+  } while (!inflight_request_bytes_.compare_exchange_weak(used, used + bytes));
+  return absl::OkStatus();
+}
+
+void AttentionService::GiveRequestBytes(int64_t bytes) {
+  if (max_inflight_request_bytes_ > 0) inflight_request_bytes_.fetch_sub(bytes);
+}
 
 void AttentionService::Record(absl::string_view rpc, int code, const RequestClock& clock,
                               int64_t bytes_received, int64_t bytes_sent) {
@@ -307,12 +374,100 @@ void AttentionService::Unregister(SessionReactor* session) {
   sessions_.erase(session);
 }
 
+void UnaryCall::Finish(grpc::Status status) {
+  if (status.ok()) {
+    bool own_buffer = false;
+    grpc::Status serialized = grpc::SerializationTraits<google::protobuf::Message>::Serialize(
+        *response_, reply_, &own_buffer);
+    if (!serialized.ok()) {
+      status = grpc::Status(grpc::StatusCode::INTERNAL,
+                            "cannot serialize the response: " + serialized.error_message());
+    }
+  }
+  grpc::ServerUnaryReactor::Finish(std::move(status));
+}
+
+namespace {
+
+template <typename Request, typename Response>
+class TypedUnaryCall final : public UnaryCall {
+ public:
+  explicit TypedUnaryCall(grpc::ByteBuffer* reply) : UnaryCall(&response, reply) {}
+  Request request;
+  Response response;
+};
+
+}  // namespace
+
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* AttentionService::Raw(
+    absl::string_view rpc, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* reply,
+    void (AttentionService::*serve)(grpc::CallbackServerContext*, const Request*, Response*,
+                                    UnaryCall*)) {
+  auto* call = new TypedUnaryCall<Request, Response>(reply);
+  grpc::ByteBuffer bytes(*request);  // shares the slices; Deserialize consumes its buffer
+  const grpc::Status parsed = grpc::SerializationTraits<Request>::Deserialize(&bytes, &call->request);
+  if (!parsed.ok()) {
+    RequestClock clock;
+    const absl::Status s = absl::InvalidArgumentError(absl::StrCat(
+        "cannot parse ", Request::descriptor()->full_name(), ": the message's bytes are not a ",
+        Request::descriptor()->full_name(), " (", parsed.error_message(), ")"));
+    Record(rpc, static_cast<int>(s.code()), clock, static_cast<int64_t>(request->Length()), 0);
+    call->Finish(ToGrpcStatus(s));
+    return call;
+  }
+  (this->*serve)(context, &call->request, &call->response, call);
+  return call;
+}
+
 grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,
-                                                          const v1::GetServerInfoRequest* request,
-                                                          v1::GetServerInfoResponse* response) {
+                                                          const grpc::ByteBuffer* request,
+                                                          grpc::ByteBuffer* reply) {
+  return Raw("GetServerInfo", context, request, reply, &AttentionService::ServeGetServerInfo);
+}
+
+grpc::ServerUnaryReactor* AttentionService::CreateSequence(grpc::CallbackServerContext* context,
+                                                           const grpc::ByteBuffer* request,
+                                                           grpc::ByteBuffer* reply) {
+  return Raw("CreateSequence", context, request, reply, &AttentionService::ServeCreateSequence);
+}
+
+grpc::ServerUnaryReactor* AttentionService::ReleaseSequence(grpc::CallbackServerContext* context,
+                                                            const grpc::ByteBuffer* request,
+                                                            grpc::ByteBuffer* reply) {
+  return Raw("ReleaseSequence", context, request, reply, &AttentionService::ServeReleaseSequence);
+}
+
+grpc::ServerUnaryReactor* AttentionService::Prefill(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* request,
+                                                    grpc::ByteBuffer* reply) {
+  return Raw("Prefill", context, request, reply, &AttentionService::ServePrefill);
+}
+
+grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* context,
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* reply) {
+  return Raw("Decode", context, request, reply, &AttentionService::ServeDecode);
+}
+
+void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::GetServerInfoResponse* response,
+                                          UnaryCall* reactor) {
   // Cheap and lock-light: answered on the gRPC thread.
   RequestClock clock;
+  const absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
+  if (!tenant.ok()) {
+    Record("GetServerInfo", static_cast<int>(tenant.status().code()), clock, SizeOf(*request), 0);
+    reactor->Finish(ToGrpcStatus(tenant.status()));
+    return;
+  }
+  // With tokens, a tenant sees its own sequences and pages and the pool's capacity, never how
+  // much the others use.
+  const bool scoped = tokens_ != nullptr;
   const ServerInfo info = runtime_->Info();
+  const TenantUsage usage = runtime_->Usage(*tenant);
   response->set_version(info.version);
   response->set_backend(info.backend);
   response->set_device(info.device);
@@ -339,51 +494,67 @@ grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerCo
   v1::KvCacheInfo* kv = response->mutable_kv_cache();
   kv->set_page_size(info.kv_cache.page_size);
   kv->set_pages_total(info.kv_cache.pages_total);
-  kv->set_pages_free(info.kv_cache.pages_free);
+  if (!scoped) kv->set_pages_free(info.kv_cache.pages_free);
+  kv->set_tenant_pages(usage.pages);
   kv->set_bytes_per_page(info.kv_cache.bytes_per_page);
   kv->set_pool_bytes(info.kv_cache.pool_bytes);
-  response->set_live_sequences(info.live_sequences);
+  response->set_live_sequences(scoped ? usage.sequences : info.live_sequences);
+  response->set_tenant_scoped(scoped);
   v1::Limits* limits = response->mutable_limits();
   limits->set_max_message_bytes(info.limits.max_message_bytes);
   limits->set_max_sequence_length(info.limits.max_sequence_length);
   limits->set_max_sequences(info.limits.max_sequences);
+  limits->set_tenant_max_sequences(info.limits.tenant_max_sequences);
+  limits->set_tenant_page_quota(info.limits.tenant_page_quota);
   if (batcher_ != nullptr) {
-    FillBatchingStats(*batcher_, response->mutable_decode_batching());
+    FillBatchingStats(*batcher_, scoped, response->mutable_decode_batching());
   } else {
     response->mutable_decode_batching()->set_enabled(false);
   }
   Record("GetServerInfo", 0, clock, SizeOf(*request), SizeOf(*response));
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
-  return reactor;
 }
 
 template <typename Request, typename Response>
-grpc::ServerUnaryReactor* AttentionService::ServeOnWorker(
-    absl::string_view rpc, grpc::CallbackServerContext* context, const Request* request,
-    Response* response, std::function<absl::Status(const std::string&)> body) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+void AttentionService::ServeOnWorker(absl::string_view rpc, grpc::CallbackServerContext* context,
+                                     const Request* request, Response* response,
+                                     UnaryCall* reactor,
+                                     std::function<absl::Status(const std::string&)> body) {
   RequestClock clock;
+  absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
+  if (!tenant.ok()) {
+    Record(rpc, static_cast<int>(tenant.status().code()), clock, SizeOf(*request), 0);
+    reactor->Finish(ToGrpcStatus(tenant.status()));
+    return;
+  }
+  const int64_t bytes = SizeOf(*request);
+  if (absl::Status s = TakeRequestBytes(bytes); !s.ok()) {
+    Record(rpc, static_cast<int>(s.code()), clock, bytes, 0);
+    reactor->Finish(ToGrpcStatus(s));
+    return;
+  }
   absl::Status submitted = work_queue_->Submit([this, rpc, context, reactor, request, response,
-                                                clock, body = std::move(body),
-                                                tenant = TenantOf(*context)]() mutable {
+                                                clock, bytes, body = std::move(body),
+                                                tenant = *std::move(tenant)]() mutable {
     absl::Status s = Admit(context, &clock);
     if (s.ok()) s = body(tenant);
     clock.finished = absl::Now();
-    Record(rpc, static_cast<int>(s.code()), clock, SizeOf(*request), SizeOf(*response));
+    Record(rpc, static_cast<int>(s.code()), clock, bytes, SizeOf(*response));
+    GiveRequestBytes(bytes);
     reactor->Finish(ToGrpcStatus(s));
   });
   if (!submitted.ok()) {
-    Record(rpc, static_cast<int>(submitted.code()), clock, SizeOf(*request), 0);
+    GiveRequestBytes(bytes);
+    Record(rpc, static_cast<int>(submitted.code()), clock, bytes, 0);
     reactor->Finish(ToGrpcStatus(submitted));
   }
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* AttentionService::CreateSequence(grpc::CallbackServerContext* context,
-                                                           const v1::CreateSequenceRequest* request,
-                                                           v1::CreateSequenceResponse* response) {
-  return ServeOnWorker("CreateSequence", context, request, response,
+void AttentionService::ServeCreateSequence(grpc::CallbackServerContext* context,
+                                           const v1::CreateSequenceRequest* request,
+                                           v1::CreateSequenceResponse* response,
+                                           UnaryCall* reactor) {
+  ServeOnWorker("CreateSequence", context, request, response, reactor,
                        [this, response](const std::string& tenant) {
                          absl::StatusOr<std::string> id = runtime_->CreateSequence(tenant);
                          if (id.ok()) response->set_sequence_id(*id);
@@ -391,11 +562,12 @@ grpc::ServerUnaryReactor* AttentionService::CreateSequence(grpc::CallbackServerC
                        });
 }
 
-grpc::ServerUnaryReactor* AttentionService::ReleaseSequence(
-    grpc::CallbackServerContext* context, const v1::ReleaseSequenceRequest* request,
-    v1::ReleaseSequenceResponse* response) {
+void AttentionService::ServeReleaseSequence(grpc::CallbackServerContext* context,
+                                            const v1::ReleaseSequenceRequest* request,
+                                            v1::ReleaseSequenceResponse* response,
+                                            UnaryCall* reactor) {
   // On a worker: Release waits for a request in flight on the sequence.
-  return ServeOnWorker("ReleaseSequence", context, request, response,
+  ServeOnWorker("ReleaseSequence", context, request, response, reactor,
                        [this, request, response](const std::string& tenant) {
                          absl::StatusOr<int64_t> freed =
                              runtime_->ReleaseSequence(request->sequence_id(), tenant);
@@ -427,10 +599,10 @@ absl::Status AttentionService::RunPrefill(const v1::PrefillRequest& request,
   return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* AttentionService::Prefill(grpc::CallbackServerContext* context,
-                                                    const v1::PrefillRequest* request,
-                                                    v1::PrefillResponse* response) {
-  return ServeOnWorker("Prefill", context, request, response,
+void AttentionService::ServePrefill(grpc::CallbackServerContext* context,
+                                    const v1::PrefillRequest* request,
+                                    v1::PrefillResponse* response, UnaryCall* reactor) {
+  ServeOnWorker("Prefill", context, request, response, reactor,
                        [this, request, response](const std::string& tenant) {
                          return RunPrefill(*request, tenant, response);
                        });
@@ -485,29 +657,41 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
       });
 }
 
-grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* context,
-                                                   const v1::DecodeRequest* request,
-                                                   v1::DecodeResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+void AttentionService::ServeDecode(grpc::CallbackServerContext* context,
+                                   const v1::DecodeRequest* request, v1::DecodeResponse* response,
+                                   UnaryCall* reactor) {
   // Shared by the admit check (on the worker) and the reply; the tenant outlives the call.
   auto clock = std::make_shared<RequestClock>();
-  auto tenant = std::make_shared<const std::string>(TenantOf(*context));
+  absl::StatusOr<std::string> resolved = TenantOf(tokens_.get(), *context);
+  if (!resolved.ok()) {
+    Record("Decode", static_cast<int>(resolved.status().code()), *clock, SizeOf(*request), 0);
+    reactor->Finish(ToGrpcStatus(resolved.status()));
+    return;
+  }
+  auto tenant = std::make_shared<const std::string>(*std::move(resolved));
+  const int64_t bytes = SizeOf(*request);
+  if (absl::Status s = TakeRequestBytes(bytes); !s.ok()) {
+    Record("Decode", static_cast<int>(s.code()), *clock, bytes, 0);
+    reactor->Finish(ToGrpcStatus(s));
+    return;
+  }
   absl::Status submitted = SubmitDecode(
       *request, *tenant, [context, clock] { return Admit(context, clock.get()); },
       ContextOf(context), response,
-      [this, reactor, request, response, clock, tenant](absl::Status s) {
+      [this, reactor, bytes, response, clock, tenant](absl::Status s) {
         clock->finished = absl::Now();
-        Record("Decode", static_cast<int>(s.code()), *clock, SizeOf(*request), SizeOf(*response));
+        Record("Decode", static_cast<int>(s.code()), *clock, bytes, SizeOf(*response));
+        GiveRequestBytes(bytes);
         reactor->Finish(ToGrpcStatus(s));
       });
   if (!submitted.ok()) {
-    Record("Decode", static_cast<int>(submitted.code()), *clock, SizeOf(*request), 0);
+    GiveRequestBytes(bytes);
+    Record("Decode", static_cast<int>(submitted.code()), *clock, bytes, 0);
     reactor->Finish(ToGrpcStatus(submitted));
   }
-  return reactor;
 }
 
-grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* AttentionService::Session(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::Session(
     grpc::CallbackServerContext* context) {
   return new SessionReactor(this, context);
 }

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "kernels/mutex.h"
+#include "server/auth.h"
 #include "server/batcher.h"
 #include "server/decode_queue.h"
 #include "server/metrics.h"
@@ -27,39 +28,70 @@ struct RequestClock;
 // Thread-safe; gRPC calls the handlers from its own threads. runtime, work_queue and decode_queue
 // (and metrics, if given) must outlive the service and every RPC it started.
 //
-// Every RPC acts as the tenant TenantOf(context) ("" when auth is off). A request whose client
+// Every RPC acts as the tenant of its own metadata, TenantOf(tokens, context) ("" when auth is
+// off, tokens null). A request whose client
 // deadline has passed, or whose call was cancelled, by the time a worker picks it up is answered
 // DEADLINE_EXCEEDED / CANCELLED without touching the KV pool. With `metrics`, each RPC is recorded
 // (AttndMetrics::RecordRequest); requests on a Session stream as "Session.Prefill" and
 // "Session.Decode", and the stream's own end as "Session".
-class AttentionService : public v1::Attention::CallbackService {
+// Every method is raw (ByteBuffer) so that the service, not gRPC, parses requests: a message that
+// does not parse gets INVALID_ARGUMENT "cannot parse attnd.v1.<Request>" (gRPC 1.51's typed callback
+// methods answered UNIMPLEMENTED with no message), and a Session frame that does not parse ends
+// the stream with INVALID_ARGUMENT instead of looking like the client's half-close (gRPC's typed
+// read reports both as ok=false), which silently dropped the rest.
+using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_GetServerInfo<
+    v1::Attention::WithRawCallbackMethod_CreateSequence<
+        v1::Attention::WithRawCallbackMethod_ReleaseSequence<
+            v1::Attention::WithRawCallbackMethod_Prefill<v1::Attention::WithRawCallbackMethod_Decode<
+                v1::Attention::WithRawCallbackMethod_Session<v1::Attention::Service>>>>>>;
+
+// The reactor of one raw unary call: owns the parsed request and the response, and Finish
+// serializes the response (on OK) into the call's reply bytes first.
+class UnaryCall : public grpc::ServerUnaryReactor {
+ public:
+  UnaryCall(google::protobuf::Message* response, grpc::ByteBuffer* reply)
+      : response_(response), reply_(reply) {}
+  void Finish(grpc::Status status);  // hides ServerUnaryReactor::Finish, on purpose
+  void OnDone() override { delete this; }
+
+ private:
+  google::protobuf::Message* const response_;
+  grpc::ByteBuffer* const reply_;
+};
+
+class AttentionService : public AttentionServiceBase {
  public:
   // `batcher`: decode_queue when it is a BatchingDecodeQueue, for GetServerInfo's decode_batching
   // counters (nullptr: batching is reported off).
   AttentionService(Runtime* runtime, WorkQueue* work_queue, DecodeQueue* decode_queue,
-                   AttndMetrics* metrics = nullptr, const BatchingDecodeQueue* batcher = nullptr);
+                   AttndMetrics* metrics = nullptr, const BatchingDecodeQueue* batcher = nullptr,
+                   std::shared_ptr<const TokenStore> tokens = nullptr,
+                   int64_t max_inflight_request_bytes = 0);
 
   // Sessions waiting for their next request end now with UNAVAILABLE; busy ones end after the
   // response they are computing. Call before grpc::Server::Shutdown so idle streams do not hold
   // the drain until its deadline.
   void BeginShutdown();
 
+  // Bytes of requests being served now (the --max-inflight-request-bytes budget's use).
+  int64_t inflight_request_bytes() const { return inflight_request_bytes_.load(); }
+
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
-                                          const v1::GetServerInfoRequest* request,
-                                          v1::GetServerInfoResponse* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* reply) override;
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context,
-                                           const v1::CreateSequenceRequest* request,
-                                           v1::CreateSequenceResponse* response) override;
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* reply) override;
   grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext* context,
-                                            const v1::ReleaseSequenceRequest* request,
-                                            v1::ReleaseSequenceResponse* response) override;
+                                            const grpc::ByteBuffer* request,
+                                            grpc::ByteBuffer* reply) override;
   grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* context,
-                                    const v1::PrefillRequest* request,
-                                    v1::PrefillResponse* response) override;
+                                    const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* reply) override;
   grpc::ServerUnaryReactor* Decode(grpc::CallbackServerContext* context,
-                                   const v1::DecodeRequest* request,
-                                   v1::DecodeResponse* response) override;
-  grpc::ServerBidiReactor<v1::SessionRequest, v1::SessionResponse>* Session(
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* reply) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Session(
       grpc::CallbackServerContext* context) override;
 
  private:
@@ -81,14 +113,40 @@ class AttentionService : public v1::Attention::CallbackService {
   // (called with the caller's tenant) behind the deadline/cancellation check, records the call and
   // finishes it; a Submit the queue refuses is recorded and finished at once.
   template <typename Request, typename Response>
-  grpc::ServerUnaryReactor* ServeOnWorker(absl::string_view rpc,
-                                          grpc::CallbackServerContext* context,
-                                          const Request* request, Response* response,
-                                          std::function<absl::Status(const std::string&)> body);
+  void ServeOnWorker(absl::string_view rpc, grpc::CallbackServerContext* context,
+                     const Request* request, Response* response, UnaryCall* reactor,
+                     std::function<absl::Status(const std::string&)> body);
+  // The typed handlers, behind the raw methods' parsing (Raw in service.cc).
+  void ServeGetServerInfo(grpc::CallbackServerContext* context,
+                          const v1::GetServerInfoRequest* request,
+                          v1::GetServerInfoResponse* response, UnaryCall* reactor);
+  void ServeCreateSequence(grpc::CallbackServerContext* context,
+                           const v1::CreateSequenceRequest* request,
+                           v1::CreateSequenceResponse* response, UnaryCall* reactor);
+  void ServeReleaseSequence(grpc::CallbackServerContext* context,
+                            const v1::ReleaseSequenceRequest* request,
+                            v1::ReleaseSequenceResponse* response, UnaryCall* reactor);
+  void ServePrefill(grpc::CallbackServerContext* context, const v1::PrefillRequest* request,
+                    v1::PrefillResponse* response, UnaryCall* reactor);
+  void ServeDecode(grpc::CallbackServerContext* context, const v1::DecodeRequest* request,
+                   v1::DecodeResponse* response, UnaryCall* reactor);
+  // Parses `request` as Request (INVALID_ARGUMENT "cannot parse attnd.v1.<Request>" when it does
+  // not) and runs `serve` with a reactor that owns the request and response.
+  template <typename Request, typename Response>
+  grpc::ServerUnaryReactor* Raw(absl::string_view rpc, grpc::CallbackServerContext* context,
+                                const grpc::ByteBuffer* request, grpc::ByteBuffer* reply,
+                                void (AttentionService::*serve)(grpc::CallbackServerContext*,
+                                                                const Request*, Response*,
+                                                                UnaryCall*));
   // Records one finished request with its google.rpc code (no-op without metrics). Latencies the
   // clock does not know (InfinitePast) are not observed.
   void Record(absl::string_view rpc, int code, const RequestClock& clock, int64_t bytes_received,
               int64_t bytes_sent);
+
+  // The request-bytes budget (max_inflight_request_bytes; 0 = none): takes `bytes` or answers
+  // RESOURCE_EXHAUSTED with nothing taken. Every successful take is given back once.
+  absl::Status TakeRequestBytes(int64_t bytes);
+  void GiveRequestBytes(int64_t bytes);
 
   // False once shutdown has begun (the session is then not registered).
   bool Register(SessionReactor* session);
@@ -100,6 +158,9 @@ class AttentionService : public v1::Attention::CallbackService {
   DecodeQueue* const decode_queue_;
   AttndMetrics* const metrics_;  // may be null
   const BatchingDecodeQueue* const batcher_;  // may be null
+  const std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
+  const int64_t max_inflight_request_bytes_;        // 0: no budget
+  std::atomic<int64_t> inflight_request_bytes_{0};
 
   // Atomic, not under mu_: sessions read it under their own lock, and BeginShutdown takes mu_
   // before the sessions' locks.

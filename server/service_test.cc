@@ -173,7 +173,9 @@ TEST_F(ServiceTest, GetServerInfoFillsEveryField) {
   EXPECT_EQ(info.live_sequences(), 1);
   EXPECT_EQ(info.limits().max_message_bytes(), 1 << 20);
   EXPECT_EQ(info.limits().max_sequence_length(), 1024);
-  EXPECT_EQ(info.limits().max_sequences(), 0);
+  EXPECT_EQ(info.limits().max_sequences(), kPages);  // by default one per page
+  EXPECT_EQ(info.limits().tenant_max_sequences(), 0);
+  EXPECT_FALSE(info.tenant_scoped());
   EXPECT_NE(server_->startup_summary().find(absl::StrCat("127.0.0.1:", server_->port())),
             std::string::npos)
       << server_->startup_summary();

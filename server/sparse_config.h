@@ -1,4 +1,4 @@
-// The vertical-slash sparse prefill settings of a model (shared/docs/DCA.md "Vertical-slash sparse
+// The vertical-slash sparse prefill settings of a model (docs/DCA.md "Vertical-slash sparse
 // prefill"): the per-layer, per-head budgets of sparse_attention_config.json, which Hugging Face
 // model folders keep beside config.json, plus dual_chunk_attention_config's
 // sparse_attention_enabled / sparse_attention_threshold / sparse_attention_last_q.

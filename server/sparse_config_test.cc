@@ -207,7 +207,7 @@ TEST(LoadSparseAttentionConfigTest, ShippedQwen7BPattern) {
   ASSERT_TRUE(c->has_value());
   ASSERT_EQ((*c)->budgets.size(), 28u * 28u);
   // Budgets from the published Qwen2.5-7B-Instruct-1M pattern's value set
-  // (DCA-RESEARCH.md section 1), (1000, 6096) the commonest; 30 read as 130.
+  // (configs/qwen2.5-7b-instruct-1m), (1000, 6096) the commonest; 30 read as 130.
   const std::vector<std::pair<int64_t, int64_t>> allowed = {
       {1000, 6096},   {130, 800},     {100, 800},     {500, 700},     {3500, 100},
       {3048, 8144},   {5096, 10192},  {7244, 12240},  {9192, 14288},  {11340, 16336},

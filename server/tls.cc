@@ -207,6 +207,7 @@ absl::StatusOr<std::unique_ptr<HealthOnlyServer>> HealthOnlyServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &health->port_);
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a busy port is an error
   builder.RegisterCallbackGenericService(&health->unimplemented_);
   health->server_ = builder.BuildAndStart();
   if (health->server_ == nullptr || health->port_ == 0) {

@@ -1,10 +1,8 @@
-// Replays the golden DCA cases dense_gqa_chunked (shared/testdata/dca) and dense_pre_rotary
-// (tests/testdata/dca, a byte-identical copy: pre-rotary q and k, the server applies the dual-chunk
-// rotary) through a daemon over loopback gRPC: chunked prefill with the case's prompt_len, then
+// Replays the golden DCA cases dense_gqa_chunked and dense_pre_rotary (tests/testdata/dca;
+// pre-rotary q and k: the server applies the dual-chunk rotary) through a daemon over loopback gRPC: chunked prefill with the case's prompt_len, then
 // batched decode of two sequences across a chunk boundary. fp32 requests must match the golden
 // outputs within 1e-4; bf16 requests within DCA.md's bf16 bars.
 #include <algorithm>
-#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -22,6 +20,7 @@
 #include "nlohmann/json.hpp"
 #include "server/cuda_engine.h"
 #include "tests/test_util.h"
+#include "tests/testdata/golden_dir.h"
 
 // golden_cuda_test builds this file with ATTND_GOLDEN_ON_CUDA: the same replay against the CUDA
 // backend (bf16 K/V on the device, so every request dtype is held to DCA.md's bf16 bars).
@@ -76,17 +75,6 @@ class GoldenCase {
   std::string blob_;
 };
 
-// The in-repo copy of dense_pre_rotary: from the test's runfiles (tests/BUILD `data`), else
-// relative to the workspace root (run by hand from there).
-std::string PreRotaryCaseDir() {
-  const std::string rel = "tests/testdata/dca/dense_pre_rotary";
-  if (const char* srcdir = std::getenv("TEST_SRCDIR")) {
-    const std::string dir = absl::StrCat(srcdir, "/attnd/", rel);
-    if (std::ifstream(dir + "/case.json").good()) return dir;
-  }
-  return rel;
-}
-
 // (request dtype, over a Session stream instead of unary calls)
 class GoldenTest : public ::testing::TestWithParam<std::tuple<DType, bool>> {
  protected:
@@ -95,18 +83,18 @@ class GoldenTest : public ::testing::TestWithParam<std::tuple<DType, bool>> {
 };
 
 TEST_P(GoldenTest, DenseGqaChunked) {
-  std::string tried;
-  const std::string root = testing::FindSharedTestdata("tests/golden_test.cc", &tried);
-  ASSERT_FALSE(root.empty()) << "golden testdata not found; set ATTND_TESTDATA. Tried:" << tried;
+  const std::string dir = testing::GoldenCaseDir("dense_gqa_chunked");
   GoldenCase golden;
-  ASSERT_TRUE(golden.Load(root + "/dca/dense_gqa_chunked")) << "cannot read the case in " << root;
+  ASSERT_TRUE(golden.Load(dir)) << "cannot read the golden case in " << dir
+                                << " (//tests/testdata:dca in the test's data)";
   Replay(golden, "golden-dense-gqa-chunked", /*pre_rotary=*/false);
 }
 
 TEST_P(GoldenTest, DensePreRotary) {
-  const std::string dir = PreRotaryCaseDir();
+  const std::string dir = testing::GoldenCaseDir("dense_pre_rotary");
   GoldenCase golden;
-  ASSERT_TRUE(golden.Load(dir)) << "cannot read the case in " << dir;
+  ASSERT_TRUE(golden.Load(dir)) << "cannot read the golden case in " << dir
+                                << " (//tests/testdata:dca in the test's data)";
   const nlohmann::json& c = golden.json();
   ASSERT_EQ(c.at("q_layout"), "pre_rotary");
   ASSERT_EQ(c.at("rope_style"), "neox");
@@ -134,8 +122,8 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
       << "the case's softmax scale is not 1/sqrt(head_dim); the config cannot express it";
 
   if (kOnCuda && attnd::CudaDeviceCount() == 0) {
-    GTEST_SKIP() << "SKIPPED LOUDLY: golden_cuda_test needs a CUDA device and this machine has none "
-                    "(run it on the GPU machine: docs/BENCHMARKS.md)";
+    std::fprintf(stderr, "*** SKIPPING GPU TEST: golden_cuda_test: no CUDA device ***\n");
+    GTEST_SKIP() << "no CUDA device: golden_cuda_test runs on a GPU machine (docs/BENCHMARKS.md)";
   }
   ServerOptions options;
   options.page_size = 16;

@@ -1,4 +1,4 @@
-// Replays the golden case sparse_vs (shared/testdata/dca: vertical-slash sparse prefill of 1100
+// Replays the golden case sparse_vs (tests/testdata/dca: vertical-slash sparse prefill of 1100
 // tokens over three DCA chunks, then dense decode) through a daemon over loopback gRPC. The model
 // folder is written to a temp dir as a Hugging Face folder would hold it: config.json plus
 // sparse_attention_config.json with the case's per-head budgets. fp32 must match the golden
@@ -12,7 +12,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -31,6 +30,7 @@
 #include "nlohmann/json.hpp"
 #include "server/server.h"
 #include "tests/test_util.h"
+#include "tests/testdata/golden_dir.h"
 
 #ifdef ATTND_GOLDEN_ON_CUDA
 #include "server/cuda_engine.h"
@@ -156,15 +156,14 @@ class SparseGoldenTest : public ::testing::TestWithParam<DType> {
   void SetUp() override {
 #ifdef ATTND_GOLDEN_ON_CUDA
     if (CudaDeviceCount() == 0) {
-      std::fprintf(stderr, "*** SKIPPING GPU TEST: sparse_golden_cuda_test needs a CUDA device ***\n");
-      GTEST_SKIP() << "SKIPPED LOUDLY: sparse_golden_cuda_test needs a CUDA device and this "
-                      "machine has none (run it on the GPU machine: docs/BENCHMARKS.md)";
+      std::fprintf(stderr, "*** SKIPPING GPU TEST: sparse_golden_cuda_test: no CUDA device ***\n");
+      GTEST_SKIP() << "no CUDA device: sparse_golden_cuda_test runs on a GPU machine "
+                      "(docs/BENCHMARKS.md)";
     }
 #endif
-    std::string tried;
-    const std::string root = testing::FindSharedTestdata("tests/sparse_golden_test.cc", &tried);
-    ASSERT_FALSE(root.empty()) << "golden testdata not found; set ATTND_TESTDATA. Tried:" << tried;
-    ASSERT_TRUE(golden_.Load(root + "/dca/sparse_vs")) << "cannot read sparse_vs in " << root;
+    const std::string dir = testing::GoldenCaseDir("sparse_vs");
+    ASSERT_TRUE(golden_.Load(dir)) << "cannot read the golden case in " << dir
+                                   << " (//tests/testdata:dca in the test's data)";
     ASSERT_FLOAT_EQ(golden_.json().at("softmax_scale").get<float>(),
                     1.f / std::sqrt(golden_.json().at("head_dim").get<float>()))
         << "the case's softmax scale is not 1/sqrt(head_dim); a config.json cannot express it";

@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -118,29 +117,6 @@ ErrorStats CompareOutputs(absl::Span<const float> actual, absl::Span<const float
 std::vector<float> Rows(absl::Span<const float> values, int64_t row_elems, int64_t begin,
                         int64_t end) {
   return std::vector<float>(values.begin() + begin * row_elems, values.begin() + end * row_elems);
-}
-
-std::string FindSharedTestdata(const std::string& runfile_source, std::string* tried) {
-  std::vector<std::string> candidates;
-  if (const char* env = std::getenv("ATTND_TESTDATA")) candidates.push_back(env);
-  if (const char* srcdir = std::getenv("TEST_SRCDIR")) {
-    const std::string source = absl::StrCat(srcdir, "/attnd/", runfile_source);
-    char resolved[PATH_MAX];
-    if (realpath(source.c_str(), resolved) != nullptr) {
-      std::string dir(resolved);
-      for (char c : runfile_source) {  // up one directory per path component
-        if (c == '/') dir = dir.substr(0, dir.rfind('/'));
-      }
-      dir = dir.substr(0, dir.rfind('/'));  // <workspace>
-      candidates.push_back(dir + "/../shared/testdata");
-    }
-  }
-  candidates.push_back("../shared/testdata");  // run by hand from the workspace root
-  for (const std::string& c : candidates) {
-    if (std::ifstream(c + "/dca/README.md").good()) return c;
-    absl::StrAppend(tried, " ", c);
-  }
-  return "";
 }
 
 }  // namespace testing

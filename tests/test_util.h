@@ -76,14 +76,6 @@ ErrorStats CompareOutputs(absl::Span<const float> actual, absl::Span<const float
 std::vector<float> Rows(absl::Span<const float> values, int64_t row_elems, int64_t begin,
                         int64_t end);
 
-// The shared testdata directory (../shared/testdata beside the checkout; Bazel's runfiles hold only
-// this workspace). Tries $ATTND_TESTDATA, then the directory found by resolving `runfile_source`
-// (this test's own source file, e.g. "tests/golden_test.cc", listed in its `data`: a runfiles
-// symlink into the checkout, as spawn_strategy is local), then ../shared/testdata from the current
-// directory. A candidate counts when it holds dca/README.md. Returns "" and lists the places
-// tried in `tried` when none does.
-std::string FindSharedTestdata(const std::string& runfile_source, std::string* tried);
-
 }  // namespace testing
 }  // namespace attnd
 

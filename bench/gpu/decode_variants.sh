@@ -5,7 +5,7 @@
 # Logs under OUT_DIR; test summary, per-variant worst errors and the bench table on stdout.
 # About 30-40 s of GPU time (the bench fills a 34 GB KV pool once). Build and bundle here:
 #   bazel build //kernels/cuda:dca_cuda_test //bench/gpu:dca_bench
-#   /work/shared/tools/gpu-bundle .gpu-d bazel-bin/kernels/cuda/dca_cuda_test \
+#   script/gpu-bundle .gpu-d bazel-bin/kernels/cuda/dca_cuda_test \
 #       bazel-bin/bench/gpu/dca_bench
 # then on the GPU machine (carry .gpu-d):
 #   . .gpu-d/env.sh && bench/gpu/decode_variants.sh "$OUT" [VARIANTS, default 0,2,3,4,5,6,7]

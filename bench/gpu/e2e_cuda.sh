@@ -4,17 +4,15 @@
 # default 7B config within a token cap), and `attnctl bench` gives serving-path numbers.
 # Build and bundle here:
 #   bazel build //server:attnd //client:attnctl //tests:golden_cuda_test
-#   /work/shared/tools/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl \
+#   script/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl \
 #       bazel-bin/tests/golden_cuda_test
-#   mkdir -p .gpu/testdata && cp -r ../shared/testdata/dca .gpu/testdata/
 # then there:  . .gpu/env.sh && bench/gpu/e2e_cuda.sh "$OUT"
 set -uo pipefail
 out=${1:?usage: e2e_cuda.sh OUT_DIR}
 mkdir -p "$out"
 status=0
-here=$(cd "$(dirname "$0")/../.." && pwd)
 
-ATTND_TESTDATA="$here/.gpu/testdata" golden_cuda_test >"$out/golden_cuda_test.log" 2>&1
+golden_cuda_test >"$out/golden_cuda_test.log" 2>&1
 rc=$?; ((rc == 0)) || status=1
 echo "golden_cuda_test: exit $rc; $(grep -E 'max abs|PASSED|FAILED|SKIPPED' "$out/golden_cuda_test.log" | tail -6 | tr '\n' ' ')"
 

@@ -5,17 +5,16 @@
 # gRPC. Build and bundle here:
 #   bazel build //kernels/cuda:dca_cuda_test //bench/gpu:dca_bench //kernels/cuda:sparse_cuda_test \
 #     //bench/gpu:sparse_bench //server:cuda_engine_test //tests:sparse_golden_cuda_test
-#   /work/shared/tools/gpu-bundle .gpu bazel-bin/kernels/cuda/dca_cuda_test \
+#   script/gpu-bundle .gpu bazel-bin/kernels/cuda/dca_cuda_test \
 #     bazel-bin/bench/gpu/dca_bench bazel-bin/kernels/cuda/sparse_cuda_test \
 #     bazel-bin/bench/gpu/sparse_bench bazel-bin/server/cuda_engine_test \
 #     bazel-bin/tests/sparse_golden_cuda_test
-#   strip .gpu/bin/*; mkdir -p .gpu/testdata/dca && cp -r ../shared/testdata/dca/sparse_vs .gpu/testdata/dca/
+#   strip .gpu/bin/*   (the bundle carries the golden cases; env.sh points the tests at them)
 # then there:  . .gpu/env.sh && bench/gpu/kernels_run.sh "$OUT"
 # OUT_DIR gets prefill/ (2 files), decode.tgz, sparse_bench.txt and logs.tgz.
 set -uo pipefail
 out=${1:?usage: kernels_run.sh OUT_DIR}
 here=$(cd "$(dirname "$0")/../.." && pwd)
-export ATTND_TESTDATA="$here/.gpu/testdata"
 mkdir -p "$out"
 logs=$(mktemp -d)
 status=0

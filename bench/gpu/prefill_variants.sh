@@ -6,7 +6,7 @@
 # OUT_DIR gets two files: prefill_summary.txt (the table) and prefill_logs.tgz (everything).
 # Build and bundle here (only these two programs are needed):
 #   bazel build //kernels/cuda:dca_cuda_test //bench/gpu:dca_bench
-#   /work/shared/tools/gpu-bundle .gpu-p bazel-bin/kernels/cuda/dca_cuda_test \
+#   script/gpu-bundle .gpu-p bazel-bin/kernels/cuda/dca_cuda_test \
 #       bazel-bin/bench/gpu/dca_bench
 # then there (carry .gpu-p):
 #   . .gpu-p/env.sh && bench/gpu/prefill_variants.sh "$OUT/prefill" [VARIANTS] [NCU_VARIANTS]

@@ -4,17 +4,16 @@
 #   bazel build //server:attnd //client:attnctl //kernels/cuda:dca_cuda_test \
 #     //kernels/cuda:sparse_cuda_test //server:cuda_engine_test //tests:golden_cuda_test \
 #     //tests:sparse_golden_cuda_test
-#   /work/shared/tools/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl \
+#   script/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl \
 #     bazel-bin/kernels/cuda/dca_cuda_test bazel-bin/kernels/cuda/sparse_cuda_test \
 #     bazel-bin/server/cuda_engine_test bazel-bin/tests/golden_cuda_test \
 #     bazel-bin/tests/sparse_golden_cuda_test
-#   strip .gpu/bin/*; mkdir -p .gpu/testdata && cp -r ../shared/testdata/dca .gpu/testdata/
+#   strip .gpu/bin/*   (the bundle carries the golden cases; env.sh points the tests at them)
 # then there:  . .gpu/env.sh && bench/gpu/verify_cuda.sh "$OUT"
 set -uo pipefail
 out=${1:?usage: verify_cuda.sh OUT_DIR}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 logs=$(mktemp -d)
-export ATTND_TESTDATA="$here/.gpu/testdata"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 status=0
 for t in dca_cuda_test sparse_cuda_test cuda_engine_test sparse_golden_cuda_test; do

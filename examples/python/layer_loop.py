@@ -78,6 +78,34 @@ class Tensors:
         return x.astype(np.float16) if self.dtype == "fp16" else x
 
 
+def dtype_name(attnd, value):
+    """bf16 / fp16 / fp32 for a DType enum value (the proto's DTYPE_BF16 ...), as attnd's flags spell them."""
+    try:
+        return attnd.proto.DType.Name(value).replace("DTYPE_", "").lower()
+    except ValueError:
+        return "dtype %d" % value
+
+
+class Progress:
+    """One status line on stderr, at most every `every` seconds, so a long run shows it is alive."""
+
+    def __init__(self, what, total, every=2.0):
+        self.what, self.total, self.every = what, total, every
+        self.t0 = self.last = time.perf_counter()
+
+    def update(self, done):
+        now = time.perf_counter()
+        if now - self.last < self.every and done < self.total:
+            return
+        self.last = now
+        eta = (now - self.t0) / done * (self.total - done) if done else 0.0
+        sys.stderr.write("\r%s: %d/%d (%.0f%%), %.0f s elapsed, ~%.0f s left   "
+                         % (self.what, done, self.total, 100.0 * done / self.total, now - self.t0, eta))
+        if done >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
 def nbytes(x):
     return x.numel() * x.element_size() if hasattr(x, "numel") else x.nbytes
 
@@ -104,7 +132,7 @@ def main():
     h, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
     print("attnd %s at %s: backend %s (%s), model %s: %d layers, %d q heads, %d kv heads, head_dim %d, kv %s, "
           "chunk_len %d" % (info.version, args.target, info.backend, info.device, m.name, m.num_layers, h, hkv, d,
-                            attnd.proto.DType.Name(m.kv_dtype), info.dca.chunk_len))
+                            dtype_name(attnd, m.kv_dtype), info.dca.chunk_len))
     print("batch %d, prompt %d tokens in chunks of %d, %d decode steps, %d layers, %s %s, %s"
           % (args.batch, args.prompt_len, args.chunk, args.decode_steps, layers, args.dtype,
              "torch" if args.torch else "numpy", "session stream" if args.session else "unary RPCs"))
@@ -121,26 +149,32 @@ def main():
         # Chunked prefill: every layer of one chunk before the next chunk (the layer's attention output is the
         # next layer's input). Every call passes the whole prompt's length (length scaling, DCA.md).
         t_all = time.perf_counter()
-        for start in range(0, args.prompt_len, args.chunk):
+        progress = Progress("prefill chunk x layer", -(-args.prompt_len // args.chunk) * layers)
+        for i, start in enumerate(range(0, args.prompt_len, args.chunk)):
             n = min(args.chunk, args.prompt_len - start)
             for layer in range(layers):
+                progress.update(i * layers + layer)
                 for seq in seqs:
                     q, k, v = rand(n, 5, h, d), rand(n, hkv, d), rand(n, hkv, d)
                     t0 = time.perf_counter()
                     out = api.prefill(seq, layer, q, k, v, prompt_len=args.prompt_len)
                     prefill_s[layer] += time.perf_counter() - t0
                     prefill_bytes[layer] += nbytes(q) + nbytes(k) + nbytes(v) + nbytes(out)
+        progress.update(progress.total)
         prefill_wall = time.perf_counter() - t_all
 
         # Decode: one batched call per layer per step; the three query variants suffice for decode.
         t_all = time.perf_counter()
-        for _ in range(args.decode_steps):
+        progress = Progress("decode step", max(args.decode_steps, 1))
+        for step in range(args.decode_steps):
+            progress.update(step)
             for layer in range(layers):
                 q, k, v = rand(args.batch, 3, h, d), rand(args.batch, hkv, d), rand(args.batch, hkv, d)
                 t0 = time.perf_counter()
                 out = api.decode(layer, seqs, q, k, v)
                 decode_s[layer] += time.perf_counter() - t0
                 decode_bytes[layer] += nbytes(q) + nbytes(k) + nbytes(v) + nbytes(out)
+        progress.update(progress.total)
         decode_wall = time.perf_counter() - t_all
         if session is not None:
             session.close()

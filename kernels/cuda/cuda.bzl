@@ -1,8 +1,12 @@
-"""cuda_object: compiles one .cu file with /usr/local/cuda/bin/nvcc into a PIC object.
+"""cuda_object: compiles one .cu file with the toolkit's nvcc into a PIC object.
 
 A genrule cannot see headers of other packages' cc_library targets without exports_files(); this
 rule takes them through CcInfo instead, so every header the .cu includes is a declared input.
+Without a CUDA toolkit at build time (third_party/cuda_configure.bzl) the target is incompatible,
+so wildcard builds skip it and everything that links it.
 """
+
+load("@cuda//:defs.bzl", "NVCC", "cuda_only")
 
 def _cuda_object_impl(ctx):
     out = ctx.actions.declare_file(ctx.label.name + ".pic.o")
@@ -33,13 +37,16 @@ def _cuda_object_impl(ctx):
     )
     return [DefaultInfo(files = depset([out]))]
 
-cuda_object = rule(
+_cuda_object = rule(
     implementation = _cuda_object_impl,
     attrs = {
         "src": attr.label(allow_single_file = [".cu"], mandatory = True),
         "hdrs": attr.label_list(allow_files = [".h", ".cuh"]),
         "deps": attr.label_list(providers = [CcInfo]),
         "nvcc_flags": attr.string_list(),
-        "nvcc": attr.string(default = "/usr/local/cuda/bin/nvcc"),
+        "nvcc": attr.string(default = NVCC),
     },
 )
+
+def cuda_object(name, **kwargs):
+    _cuda_object(name = name, target_compatible_with = cuda_only(), **kwargs)

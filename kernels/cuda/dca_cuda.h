@@ -1,6 +1,6 @@
 // Dense dual chunk attention on NVIDIA GPUs (Hopper first): KV append, fused prefill and split-K
 // paged decode over one layer of a bf16 paged KV pool (kvcache/kv_layout.h, kernels/paged_kv.h).
-// Semantics: shared/docs/DCA.md ("Dense prefill", "Decode", "Length scaling").
+// Semantics: docs/DCA.md ("Dense prefill", "Decode", "Length scaling").
 //
 // Plain C++ header: device code lives in dca_cuda_kernels.cuh, included by dca_cuda.cu only.
 // Every pointer in these Params structs is DEVICE memory unless it says otherwise. Launch functions

@@ -1,4 +1,4 @@
-// Vertical-slash sparse prefill on NVIDIA GPUs (shared/docs/DCA.md "Vertical-slash sparse
+// Vertical-slash sparse prefill on NVIDIA GPUs (docs/DCA.md "Vertical-slash sparse
 // prefill"), the device twin of kernels/sparse_prefill_cpu.h: same pieces, same estimation, same
 // top-k tie rules, same stage mapping and fallbacks, same 64x64 converter, attention over the same
 // key sets. One call = one sequence, one layer; everything is enqueued on one stream with no host

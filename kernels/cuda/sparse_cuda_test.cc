@@ -14,7 +14,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -40,6 +39,7 @@
 #include "kernels/thread_pool.h"
 #include "kernels/vertical_slash.h"
 #include "nlohmann/json.hpp"
+#include "tests/testdata/golden_dir.h"
 
 namespace attnd {
 namespace {
@@ -510,32 +510,11 @@ TEST(SparseCudaTest, WholeCallMatchesCpu) {
   }
 }
 
-std::string FindGolden(std::string* tried) {
-  std::vector<std::string> roots;
-  if (const char* env = std::getenv("ATTND_TESTDATA")) roots.push_back(env);
-  if (const char* srcdir = std::getenv("TEST_SRCDIR")) {
-    const std::string source = absl::StrCat(srcdir, "/attnd/kernels/cuda/sparse_cuda_test.cc");
-    char resolved[PATH_MAX];
-    if (realpath(source.c_str(), resolved) != nullptr) {
-      std::string dir(resolved);
-      for (int i = 0; i < 3; ++i) dir = dir.substr(0, dir.rfind('/'));  // <workspace>
-      roots.push_back(dir + "/../shared/testdata");
-    }
-  }
-  roots.push_back("../shared/testdata");
-  for (const std::string& r : roots) {
-    const std::string dir = r + "/dca/sparse_vs";
-    if (std::ifstream(dir + "/case.json").good()) return dir;
-    absl::StrAppend(tried, " ", dir);
-  }
-  return "";
-}
-
 TEST(SparseCudaTest, GoldenSparseVs) {
   REQUIRE_GPU();
-  std::string tried;
-  const std::string dir = FindGolden(&tried);
-  ASSERT_FALSE(dir.empty()) << "sparse_vs not found; set ATTND_TESTDATA. Tried:" << tried;
+  const std::string dir = testing::GoldenCaseDir("sparse_vs");
+  ASSERT_TRUE(std::ifstream(dir + "/case.json").good())
+      << "no golden case in " << dir << " (//tests/testdata:dca in the test's data)";
   std::ifstream json_file(dir + "/case.json");
   const nlohmann::json j = nlohmann::json::parse(json_file, nullptr, false);
   ASSERT_FALSE(j.is_discarded());

@@ -1,4 +1,4 @@
-// A deliberately naive fp64 reference for dual chunk attention (shared/docs/DCA.md), used by the
+// A deliberately naive fp64 reference for dual chunk attention (docs/DCA.md), used by the
 // kernel tests, the cross-package tests and attnctl's in-process smoke check. It never calls the
 // production kernels or PagedKv: contiguous arrays, one softmax per query over an explicit list of
 // logits, built stage by stage (intra / succ / inter) exactly as DCA.md defines them.

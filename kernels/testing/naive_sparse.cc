@@ -128,8 +128,8 @@ NaiveStage MapStage(int stage, const std::vector<int64_t>& vertical,
   }
   if (!st.present) return NaiveStage();
   // Fallback: the reference's arange(0, L, max(1, L/5)) with an int32 dtype, whose step is
-  // truncated to an integer: i * floor(L/5) for i < 5 (0..L-1 when L < 5). (DCA.md writes
-  // trunc(i * L / 5); the golden case sparse_vs follows the reference.)
+  // truncated to an integer: i * floor(L/5) for i < 5 (0..L-1 when L < 5), as docs/DCA.md says;
+  // the golden case sparse_vs follows the reference.
   std::set<int64_t> fallback;
   const int64_t step = st.kv_len / 5 > 0 ? st.kv_len / 5 : 1;
   for (int64_t x = 0; x < st.kv_len && fallback.size() < 5; x += step) fallback.insert(x);

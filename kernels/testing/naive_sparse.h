@@ -1,4 +1,4 @@
-// A deliberately naive fp64 reference for vertical-slash sparse prefill (shared/docs/DCA.md
+// A deliberately naive fp64 reference for vertical-slash sparse prefill (docs/DCA.md
 // "Vertical-slash sparse prefill"), for the sparse kernel tests. Written from the DCA.md text; it
 // never calls production code: full score matrices, full sorts, and a dense boolean mask of the
 // visible (row, key) pairs of each stage built from the raw index lists.

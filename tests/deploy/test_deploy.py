@@ -1,4 +1,5 @@
-"""Static checks of deploy/: the Kubernetes manifests and the Dockerfile.
+"""Static checks of deploy/: the Kubernetes manifests and the Containerfile, against each other,
+server/main.cc and script/image (which builds and runs the image for real).
 
 Run from the repository root:
     /usr/bin/python3 -m unittest discover -s tests/deploy -t .
@@ -13,7 +14,7 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 K8S = os.path.join(ROOT, "deploy", "k8s")
-DOCKERFILE = os.path.join(ROOT, "deploy", "Dockerfile")
+CONTAINERFILE = os.path.join(ROOT, "deploy", "Containerfile")
 
 # Flags the manifests use that server/main.cc does not define yet: the operations building blocks
 # (server/metrics_http.h, server/auth.h, server/tls.h) are ready but not wired. Remove each name
@@ -208,7 +209,7 @@ class ManifestsTest(unittest.TestCase):
         defined = daemon_flags()
         self.assertIn("listen", defined)  # the parser works on main.cc at all
         used = set(self.args)
-        used |= {flag_name(a) for a in dockerfile_cmd() if flag_name(a)}
+        used |= set(image_flags(containerfile()))
         unknown = sorted(used - defined - PENDING_DAEMON_FLAGS)
         self.assertEqual(unknown, [], "flags not defined in server/main.cc")
         # A pending flag that main.cc now defines should leave the pending list.
@@ -216,81 +217,156 @@ class ManifestsTest(unittest.TestCase):
                          "now defined in main.cc: remove from PENDING_DAEMON_FLAGS")
 
 
-def dockerfile_cmd():
-    m = re.search(r"^CMD\s+(\[.*\])\s*$", read(DOCKERFILE), re.M)
-    return json.loads(m.group(1)) if m else []
-
-
-def dockerfile_stages():
-    """[(base image, alias, [instructions with continuations joined])]"""
-    stages = []
-    text = re.sub(r"\\\n", " ", read(DOCKERFILE))
-    args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, re.M))
+def containerfile():
+    """The Containerfile as {"args": {ARG: default}, "from": [...], "env": {...}, "instr": [(KEYWORD,
+    rest)]}, continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(
+        l for l in read(CONTAINERFILE).splitlines() if not l.lstrip().startswith("#")))
+    out = {"args": {}, "from": [], "env": {}, "instr": []}
     for line in text.splitlines():
         line = line.strip()
-        if not line or line.startswith("#"):
+        if not line:
             continue
-        m = re.match(r"FROM\s+(\S+)(?:\s+AS\s+(\S+))?", line, re.I)
-        if m:
-            image = re.sub(r"\$\{(\w+)\}", lambda v: args[v.group(1)], m.group(1))
-            stages.append((image, m.group(2), []))
-        elif stages:
-            stages[-1][2].append(line)
-    return stages
+        keyword, _, rest = line.partition(" ")
+        keyword, rest = keyword.upper(), rest.strip()
+        out["instr"].append((keyword, rest))
+        if keyword == "ARG":
+            name, _, default = rest.partition("=")
+            out["args"].setdefault(name, default)
+        elif keyword == "FROM":
+            out["from"].append(rest)
+        elif keyword == "ENV":
+            for m in re.finditer(r"(\w+)=(\S*)", rest):
+                out["env"][m.group(1)] = m.group(2)
+    return out
 
 
-class DockerfileTest(unittest.TestCase):
+def instructions(cf, keyword):
+    return [rest for k, rest in cf["instr"] if k == keyword]
+
+
+def image_flags(cf):
+    """Flags the image passes attnd: {flag: value} from its FLAGS_* environment."""
+    return {k[len("FLAGS_"):]: v for k, v in cf["env"].items() if k.startswith("FLAGS_")}
+
+
+def port(address):
+    return int(address.rsplit(":", 1)[1])
+
+
+def kversion():
+    m = re.search(r'kVersion\[\] = "([^"]+)"', read(os.path.join(ROOT, "server", "server.cc")))
+    return m.group(1)
+
+
+class ContainerfileTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.stages = dockerfile_stages()
-        cls.build = [s for s in cls.stages if s[1] == "build"][0]
-        cls.runtime = cls.stages[-1]
+        cls.cf = containerfile()
+        (cls.entrypoint,) = [json.loads(e) for e in instructions(cls.cf, "ENTRYPOINT")]
+        cls.flags = image_flags(cls.cf)
+        cls.script = read(os.path.join(ROOT, "script", "image"))
+        cls.k8s = ManifestsTest
+        ManifestsTest.setUpClass()
 
-    def test_two_stages_on_cuda_images(self):
-        self.assertEqual(len(self.stages), 2)
-        self.assertRegex(self.build[0], r"^nvidia/cuda:13\.0\.\d+-devel-ubuntu24\.04$")
-        self.assertRegex(self.runtime[0], r"^nvidia/cuda:13\.0\.\d+-runtime-ubuntu24\.04$")
+    def test_one_stage_on_the_debootstrapped_base(self):
+        self.assertEqual(self.cf["from"], ["${BASE}"])
+        base = self.cf["args"]["BASE"]
+        self.assertEqual(base, "localhost/attnd-debian:bookworm")
+        # script/image makes that base and passes it.
+        self.assertIn("base=" + base, self.script)
+        self.assertIn('--build-arg BASE="$base"', self.script)
+        self.assertIn("debootstrap --variant=minbase bookworm", self.script)
+        self.assertIn("-f deploy/Containerfile", self.script)
+        self.assertIn("--format docker", self.script)  # OCI images drop HEALTHCHECK
 
-    def test_build_stage_uses_the_ci_recipe(self):
-        runs = [i[4:].strip() for i in self.build[2] if i.startswith("RUN ")]
-        self.assertIn("script/bootstrap", runs)
-        # The same bazel build as script/server (the binaries CI's `bazel build //...` includes).
-        server_script = read(os.path.join(ROOT, "script", "server"))
-        (ci_build,) = re.findall(r"^\s*(bazel build [^\n>]*?)\s*(?:>&2)?$", server_script, re.M)
-        self.assertIn(ci_build, runs)
-        self.assertEqual(ci_build, "bazel build //server:attnd //client:attnctl")
-        self.assertLess(runs.index("script/bootstrap"), runs.index(ci_build))
-        test_script = read(os.path.join(ROOT, "script", "test"))
-        self.assertIn("script/bootstrap", test_script)
-        self.assertRegex(test_script, r"bazel build .*//\.\.\.")
+    def test_only_runtime_libraries_from_apt(self):
+        installs = [r for r in instructions(self.cf, "RUN") if "apt-get install" in r]
+        self.assertEqual(len(installs), 1)
+        packages = [w for w in installs[0].split("apt-get install", 1)[1].split("&&")[0].split()
+                    if not w.startswith("-")]
+        self.assertIn("libgrpc++1.51", packages)
+        self.assertIn("libprotobuf32", packages)
+        for p in packages:
+            self.assertNotRegex(p, r"-dev$|^(gcc|g\+\+|clang|bazel|make|cmake)", "build tool in the image")
+        self.assertIn("--no-install-recommends", installs[0])
+        self.assertIn("rm -rf /var/lib/apt/lists/*", installs[0])
 
-    def test_runtime_stage_is_minimal_and_non_root(self):
-        instructions = self.runtime[2]
-        copies = [i for i in instructions if i.startswith("COPY ")]
-        self.assertTrue(copies)
-        for c in copies:
-            self.assertIn("--from=build", c, "the runtime stage copies only build outputs")
-        users = [i.split()[1] for i in instructions if i.startswith("USER ")]
-        self.assertTrue(users)
-        self.assertNotIn(users[-1].split(":")[0], ("root", "0"))
-        self.assertFalse([i for i in instructions if re.match(r"RUN .*apt-get install", i)])
-        # ldd-driven library collection in the build stage.
-        self.assertTrue([i for i in self.build[2] if i.startswith("RUN ") and "ldd" in i])
+    def test_copies_only_the_staged_binaries_and_configs(self):
+        copies = sorted(instructions(self.cf, "COPY"))
+        self.assertEqual(copies, ["bin/ /opt/attnd/bin/", "configs/ /opt/attnd/configs/"])
+        self.assertIn("bazel build --color=no --curses=no //server:attnd //client:attnctl", self.script)
+        self.assertIn('cp -L bazel-bin/server/attnd bazel-bin/client/attnctl "$ctx/bin/"', self.script)
+        self.assertTrue(os.path.exists(os.path.join(ROOT, "configs", "tiny", "config.json")))
 
-    def test_healthcheck_probes_grpc_health(self):
-        (hc,) = [i for i in self.runtime[2] if i.startswith("HEALTHCHECK ")]
-        cmd = json.loads(hc[hc.index("CMD") + 3:].strip())
-        self.assertEqual(cmd[:2], ["attnctl", "health"])
-        target = [a for a in cmd if a.startswith("--target=")][0].split("=", 1)[1]
-        listen = flag_values(dockerfile_cmd())
-        self.assertEqual(target.rsplit(":", 1)[1], listen["health_listen"].rsplit(":", 1)[1])
+    def test_runs_as_the_non_root_user_of_the_manifests(self):
+        (user,) = instructions(self.cf, "USER")
+        uid, gid = (int(x) for x in user.split(":"))
+        self.assertGreater(uid, 0)
+        useradd = [r for r in instructions(self.cf, "RUN") if "useradd" in r][0]
+        self.assertIn("--uid %d" % uid, useradd)
+        self.assertIn("--gid %d" % gid, useradd)
+        pod_sc = self.k8s.pod["securityContext"]
+        self.assertEqual((pod_sc["runAsUser"], pod_sc["runAsGroup"]), (uid, gid))
 
-    def test_exposed_ports_match_the_flags(self):
-        (expose,) = [i for i in self.runtime[2] if i.startswith("EXPOSE ")]
-        listen = flag_values(dockerfile_cmd())
-        ports = {int(p) for p in expose.split()[1:]}
-        for flag in ("listen", "health_listen", "metrics_listen"):
-            self.assertIn(int(listen[flag].rsplit(":", 1)[1]), ports, flag)
+    def test_entrypoint_reads_flags_from_the_environment(self):
+        self.assertEqual(self.entrypoint[0], "attnd")
+        (fromenv,) = [a for a in self.entrypoint if a.startswith("--tryfromenv=")]
+        names = fromenv.split("=", 1)[1].split(",")
+        self.assertEqual(sorted(set(names) - daemon_flags()), [], "not attnd flags")
+        self.assertEqual(sorted(set(self.flags) - set(names)), [], "FLAGS_* the entrypoint ignores")
+        self.assertEqual(instructions(self.cf, "CMD"), ["[]"])
+        # Kubernetes passes args (they override the environment) and keeps the entrypoint.
+        self.assertNotIn("command", self.k8s.container)
+        self.assertEqual(instructions(self.cf, "STOPSIGNAL"), ["SIGTERM"])
+
+    def test_exposed_ports_are_the_flags_and_the_manifests_ports(self):
+        (expose,) = instructions(self.cf, "EXPOSE")
+        exposed = {int(p) for p in expose.split()}
+        by_flag = {f: port(self.flags[f]) for f in ("listen", "health_listen", "metrics_listen")}
+        self.assertEqual(exposed, set(by_flag.values()))
+        ports = {p["name"]: p["containerPort"] for p in self.k8s.container["ports"]}
+        self.assertEqual(ports, {"grpc": by_flag["listen"], "health": by_flag["health_listen"],
+                                 "metrics": by_flag["metrics_listen"]})
+        for f, p in by_flag.items():
+            self.assertEqual(port(self.k8s.args[f]), p, f)
+            self.assertTrue(self.flags[f].startswith("0.0.0.0:"), f + " must be reachable from outside")
+        ann = self.k8s.deployment["spec"]["template"]["metadata"]["annotations"]
+        self.assertEqual(int(ann["prometheus.io/port"]), by_flag["metrics_listen"])
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            self.assertEqual(self.k8s.container[probe]["grpc"]["port"], by_flag["health_listen"], probe)
+
+    def test_healthcheck_runs_attnctl_health_on_the_health_port(self):
+        (hc,) = instructions(self.cf, "HEALTHCHECK")
+        cmd = hc[hc.index("CMD") + 3:].strip()
+        self.assertTrue(cmd.startswith("attnctl health "), cmd)
+        # Shell form, so the target follows FLAGS_health_listen when it is overridden.
+        self.assertIn("--target=127.0.0.1:${FLAGS_health_listen##*:}", cmd)
+        start = re.search(r"--start-period=(\S+)", hc).group(1)
+        probe = self.k8s.container["startupProbe"]
+        self.assertGreaterEqual(seconds(start), 60)
+        self.assertLessEqual(seconds(start), probe["periodSeconds"] * probe["failureThreshold"])
+
+    def test_labels_carry_version_and_revision(self):
+        labels = " ".join(instructions(self.cf, "LABEL"))
+        self.assertIn('org.opencontainers.image.version="${VERSION}"', labels)
+        self.assertIn('org.opencontainers.image.revision="${REVISION}"', labels)
+        self.assertIn('--build-arg VERSION="$version"', self.script)
+        self.assertIn('--build-arg REVISION="$revision"', self.script)
+
+    def test_manifests_deploy_the_image_script_image_builds(self):
+        image = self.k8s.container["image"]
+        name, tag = image.rsplit(":", 1)
+        self.assertEqual(name, "localhost/attnd")
+        self.assertIn('"localhost/attnd:$version"', self.script)
+        (entry,) = self.k8s.kustomization["images"]
+        self.assertEqual(entry["name"], name)
+        self.assertEqual(tag, kversion())
+        self.assertEqual(str(entry["newTag"]), kversion())
+
+    def test_drain_fits_the_grace_period(self):
+        drain = seconds(self.flags["drain_timeout"])
+        self.assertLess(drain, self.k8s.pod["terminationGracePeriodSeconds"])
 
 
 class HelpersTest(unittest.TestCase):

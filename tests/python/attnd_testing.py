@@ -7,8 +7,7 @@ an installed copy).
 Environment:
   ATTND_BIN       the daemon binary (default: bazel-bin/server/attnd under the repository root). If it is
                   missing the daemon tests FAIL: script/test builds it first.
-  ATTND_TESTDATA  the golden cases' directory (default: ../shared/testdata/dca next to the repository, or
-                  /work/shared/testdata/dca).
+The golden cases are read from tests/testdata/dca in this checkout.
 """
 import atexit
 import json
@@ -49,13 +48,11 @@ attnd = _setup_package()
 # Golden cases.
 
 def testdata_dir():
-    candidates = [os.environ.get("ATTND_TESTDATA"),
-                  os.path.join(REPO, "..", "shared", "testdata", "dca"),
-                  "/work/shared/testdata/dca"]
-    for c in candidates:
-        if c and os.path.isdir(c):
-            return os.path.abspath(c)
-    raise AssertionError("golden test data not found (set ATTND_TESTDATA); tried %s" % [c for c in candidates if c])
+    """tests/testdata/dca in this checkout: the golden cases are part of the repository, so missing ones fail."""
+    path = os.path.join(REPO, "tests", "testdata", "dca")
+    if not os.path.isfile(os.path.join(path, "README.md")):
+        raise AssertionError("golden test data not found at %s (it is committed in the repository)" % path)
+    return path
 
 
 def bf16_bits_to_f32(bits):

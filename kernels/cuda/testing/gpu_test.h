@@ -14,20 +14,21 @@
 
 namespace attnd::gpu_test {
 
-// True when cudaGetDeviceCount finds a device; otherwise *why says what failed.
-inline bool GpuPresent(std::string* why) {
+// True when cudaGetDeviceCount finds a device. Otherwise *why is the skip reason, "no CUDA device",
+// and *detail what CUDA said (without a GPU that is usually a driver error such as "CUDA driver
+// version is insufficient for CUDA runtime version", which misleads as a skip reason).
+inline bool GpuPresent(std::string* why, std::string* detail) {
   int n = 0;
   const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err == cudaSuccess && n > 0) return true;
+  *why = "no CUDA device";
   if (err != cudaSuccess) {
     cudaGetLastError();
-    *why = std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(err);
-    return false;
+    *detail = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err);
+  } else {
+    *detail = "cudaGetDeviceCount found 0 devices";
   }
-  if (n == 0) {
-    *why = "no CUDA device";
-    return false;
-  }
-  return true;
+  return false;
 }
 
 // A device allocation freed on scope exit (null if cudaMalloc failed).
@@ -54,12 +55,12 @@ class DevBuf {
 
 #define REQUIRE_GPU()                                                                        \
   do {                                                                                       \
-    std::string why_;                                                                        \
-    if (!::attnd::gpu_test::GpuPresent(&why_)) {                                              \
-      std::fprintf(stderr, "*** SKIPPING GPU TEST %s: %s ***\n",                             \
+    std::string why_, detail_;                                                               \
+    if (!::attnd::gpu_test::GpuPresent(&why_, &detail_)) {                                   \
+      std::fprintf(stderr, "*** SKIPPING GPU TEST %s: %s (%s) ***\n",                        \
                    ::testing::UnitTest::GetInstance()->current_test_info()->name(),          \
-                   why_.c_str());                                                            \
-      GTEST_SKIP() << "no usable CUDA device: " << why_;                                     \
+                   why_.c_str(), detail_.c_str());                                           \
+      GTEST_SKIP() << why_;                                                                  \
     }                                                                                        \
   } while (0)
 

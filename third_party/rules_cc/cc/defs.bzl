@@ -1,6 +1,6 @@
 """Re-exports Bazel's native C++ rules under @rules_cc, so Bazel 4.2.3 never fetches rules_cc.
 
-Debian's bazel-rules-cc is too new for Debian's Bazel 4.2.3 (see shared/docs/BUILD.md).
+Debian's bazel-rules-cc is too new for Debian's Bazel 4.2.3 (see docs/BUILD.md).
 """
 
 cc_library = native.cc_library
