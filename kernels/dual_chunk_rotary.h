@@ -1,4 +1,4 @@
-// The dual-chunk rotary embedding (shared/docs/DCA.md, "Dual-chunk rotary"; docs/rotary.md): what
+// The dual-chunk rotary embedding (docs/DCA.md, "Dual-chunk rotary"; docs/rotary.md): what
 // a pre-rotary request's q and k become before the DCA kernels see them. The positions and
 // frequencies are here for the CPU conversion (DualChunkRotaryCpu) and the CUDA one
 // (kernels/cuda/rotary_cuda.h) alike, so both backends rotate by the same angles.

@@ -4,10 +4,10 @@
 # kernel times from nsys where it is installed, and the bytes of a 4096-token 7B prefill request.
 # Build and bundle here:
 #   bazel build //server:attnd //client:attnctl //tests:golden_cuda_test //kernels/cuda:rotary_cuda_test
-#   /work/shared/tools/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl \
+#   script/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl \
 #       bazel-bin/tests/golden_cuda_test bazel-bin/kernels/cuda/rotary_cuda_test
-#   mkdir -p .gpu/testdata && cp -r ../shared/testdata/dca .gpu/testdata/
-# then there (from the repository root, which holds tests/testdata/dca/dense_pre_rotary):
+#   (the bundle carries the golden cases; env.sh points TEST_SRCDIR at them)
+# then there (from the repository root):
 #   . .gpu/env.sh && bench/gpu/pre_rotary.sh "$OUT"
 set -uo pipefail
 out=${1:?usage: pre_rotary.sh OUT_DIR}
@@ -16,7 +16,7 @@ status=0
 
 rotary_cuda_test >"$out/rotary_cuda_test.log" 2>&1 || status=1
 echo "rotary_cuda_test: $(grep -E 'PASSED|FAILED|SKIPP' "$out/rotary_cuda_test.log" | tail -3 | tr '\n' ' ')"
-ATTND_TESTDATA="$PWD/.gpu/testdata" golden_cuda_test --gtest_filter='*PreRotary*' \
+golden_cuda_test --gtest_filter='*PreRotary*' \
   >"$out/golden_cuda_test_pre_rotary.log" 2>&1 || status=1
 echo "golden_cuda_test (pre-rotary): $(grep -E 'worst|PASSED|FAILED|SKIPP' \
   "$out/golden_cuda_test_pre_rotary.log" | tail -6 | tr '\n' ' ')"
