@@ -27,6 +27,8 @@ struct SmokeOptions {
   int64_t max_tokens = 0;  // tokens per sequence (prefill + decode); 0 = the default rule
   int64_t decode_steps = 16;
   uint64_t seed = 1;
+  // Q_LAYOUT_PRE_ROTARY: send q/k before the rotary; the reference rotates them itself (fp64).
+  v1::QLayout q_layout = v1::Q_LAYOUT_VARIANTS;
 };
 // Layer caps when `layers` is 0: the reference is fp64 and single-process, so big models run
 // fewer layers by default (every layer exercises the same kernels; the geometry is what matters).
@@ -47,6 +49,7 @@ struct BenchOptions {
   DType dtype = DType::kBf16;
   int32_t layers = 1;  // 0 = all
   uint64_t seed = 1;
+  v1::QLayout q_layout = v1::Q_LAYOUT_VARIANTS;  // pre-rotary: q [T, Hq, D] / [Hq, D] on the wire
   bool progress = true;  // the \r progress line on `err`; off when it is not a terminal
 };
 // `attnctl bench`: prefill and decode latency/throughput; a progress line on `err` (rewritten

@@ -38,8 +38,9 @@ struct Row {
 // server's arithmetic does not depend on the values.
 class Inputs {
  public:
-  Inputs(DType dtype, int32_t hq, int32_t hkv, int32_t d, uint64_t seed)
-      : dtype_(dtype), hq_(hq), hkv_(hkv), d_(d), rng_(static_cast<uint32_t>(seed)) {}
+  Inputs(DType dtype, int32_t hq, int32_t hkv, int32_t d, uint64_t seed, v1::QLayout layout)
+      : dtype_(dtype), hq_(hq), hkv_(hkv), d_(d), rng_(static_cast<uint32_t>(seed)),
+        pre_rotary_(layout == v1::Q_LAYOUT_PRE_ROTARY) {}
 
   struct Prefill {
     HostTensor q, k, v;
@@ -47,14 +48,19 @@ class Inputs {
   const Prefill& ForPrefill(int64_t t) {
     auto it = prefill_.find(t);
     if (it != prefill_.end()) return it->second;
-    Prefill p{HostTensor::FromFloats(dtype_, {t, 5, hq_, d_}, Random(t * 5 * hq_ * d_)),
+    const std::vector<int64_t> q_shape =
+        pre_rotary_ ? std::vector<int64_t>{t, hq_, d_} : std::vector<int64_t>{t, 5, hq_, d_};
+    const int64_t q_n = (pre_rotary_ ? 1 : 5) * t * hq_ * d_;
+    Prefill p{HostTensor::FromFloats(dtype_, q_shape, Random(q_n)),
               HostTensor::FromFloats(dtype_, {t, hkv_, d_}, Random(t * hkv_ * d_)),
               HostTensor::FromFloats(dtype_, {t, hkv_, d_}, Random(t * hkv_ * d_))};
     return prefill_.emplace(t, std::move(p)).first->second;
   }
   DecodeInput ForDecode(const std::string& id) {
     if (decode_.q.data.empty()) {
-      decode_.q = HostTensor::FromFloats(dtype_, {3, hq_, d_}, Random(3 * hq_ * d_));
+      decode_.q = pre_rotary_ ? HostTensor::FromFloats(dtype_, {hq_, d_}, Random(hq_ * d_))
+                              : HostTensor::FromFloats(dtype_, {3, hq_, d_}, Random(3 * hq_ * d_));
+      decode_.q_layout = pre_rotary_ ? v1::Q_LAYOUT_PRE_ROTARY : v1::Q_LAYOUT_VARIANTS;
       decode_.k = HostTensor::FromFloats(dtype_, {hkv_, d_}, Random(hkv_ * d_));
       decode_.v = HostTensor::FromFloats(dtype_, {hkv_, d_}, Random(hkv_ * d_));
     }
@@ -75,6 +81,7 @@ class Inputs {
   std::mt19937 rng_;
   std::map<int64_t, Prefill> prefill_;
   DecodeInput decode_;
+  bool pre_rotary_ = false;
 };
 
 }  // namespace
@@ -115,7 +122,8 @@ int RunBench(AttndClient& client, const BenchOptions& options, std::ostream& out
       << options.batch << ", prefill chunk " << chunk << ", " << options.decode_steps
       << " decode steps\n";
 
-  Inputs inputs(options.dtype, m.num_q_heads(), m.num_kv_heads(), m.head_dim(), options.seed);
+  Inputs inputs(options.dtype, m.num_q_heads(), m.num_kv_heads(), m.head_dim(), options.seed,
+                options.q_layout);
   std::vector<Row> rows;
   std::vector<std::string> live;  // created and not yet released
   auto release_all = [&]() -> bool {
@@ -179,7 +187,7 @@ int RunBench(AttndClient& client, const BenchOptions& options, std::ostream& out
                                    context, s + 1, live.size(), start + t, context, layer));
           const Clock::time_point t0 = Clock::now();
           absl::StatusOr<PrefillResult> r =
-              client.Prefill(live[s], layer, in.q, in.k, in.v, context);
+              client.Prefill(live[s], layer, in.q, in.k, in.v, context, options.q_layout);
           prefill_ms += Ms(Clock::now() - t0);
           ++prefill_calls;
           if (!r.ok()) failure = absl::StrCat("Prefill: ", r.status().ToString());

@@ -11,6 +11,7 @@
 #include "client/attnctl.h"
 #include "client/smoke_reference.h"
 #include "kernels/dca.h"
+#include "kernels/testing/naive_dca.h"
 
 namespace attnd {
 namespace client {
@@ -98,6 +99,10 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
   g.chunk_len = info->dca().chunk_len();
   g.original_max_position_embeddings = info->dca().original_max_position_embeddings();
   g.softmax_scale = m.softmax_scale();
+  g.chunk_size = info->dca().chunk_size();
+  g.rope_theta = m.rope_theta();
+  g.rotary_dim = m.rotary_dim();
+  const bool pre_rotary = options.q_layout == v1::Q_LAYOUT_PRE_ROTARY;
   const int64_t cl = g.chunk_len;
   if (g.num_q_heads <= 0 || g.num_kv_heads <= 0 || g.head_dim <= 0 || cl <= 0) {
     err << "attnctl smoke: the server reports a degenerate model geometry\n";
@@ -147,7 +152,8 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
   // Prefill calls sized to the message limit (the response is smaller than the request).
   const DType dtype = options.dtype;
   const int64_t es = static_cast<int64_t>(ElementSize(dtype));
-  const int64_t q_row = int64_t{5} * g.num_q_heads * g.head_dim;
+  // q elements per token as sent: the five variants, or one row before the rotary.
+  const int64_t q_row = int64_t{pre_rotary ? 1 : 5} * g.num_q_heads * g.head_dim;
   const int64_t kv_row = int64_t{g.num_kv_heads} * g.head_dim;
   const int64_t o_row = int64_t{g.num_q_heads} * g.head_dim;
   const int64_t per_token = (q_row + 2 * kv_row) * es;
@@ -207,10 +213,14 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
       const std::vector<float> k = RandomInputs(&rng, t * kv_row);
       const std::vector<float> v = RandomInputs(&rng, t * kv_row);
       const int64_t start = reference.length(layer);
+      const std::vector<int64_t> q_shape =
+          pre_rotary ? std::vector<int64_t>{t, g.num_q_heads, g.head_dim}
+                     : std::vector<int64_t>{t, 5, g.num_q_heads, g.head_dim};
       absl::StatusOr<PrefillResult> r = client.Prefill(
-          *id, layer, HostTensor::FromFloats(dtype, {t, 5, g.num_q_heads, g.head_dim}, q),
+          *id, layer, HostTensor::FromFloats(dtype, q_shape, q),
           HostTensor::FromFloats(dtype, {t, g.num_kv_heads, g.head_dim}, k),
-          HostTensor::FromFloats(dtype, {t, g.num_kv_heads, g.head_dim}, v), prompt);
+          HostTensor::FromFloats(dtype, {t, g.num_kv_heads, g.head_dim}, v), prompt,
+          options.q_layout);
       const std::string where = absl::StrCat("prefill call ", c, " layer ", layer, " (positions ",
                                              start, "..", start + t - 1, ")");
       if (!r.ok()) {
@@ -224,7 +234,15 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
         break;
       }
       const std::vector<int64_t> rows = RowsToCheck(g, start, t, budget_per_call);
-      absl::StatusOr<std::vector<float>> want = reference.Prefill(layer, q, k, v, prompt, rows);
+      // Pre-rotary: the reference gets the variants and key its own fp64 rotary computes.
+      absl::StatusOr<naive::RotatedInputs> rotated =
+          pre_rotary ? naive::DualChunkRotary(g, start, q, k, 5) : naive::RotatedInputs{q, k};
+      if (!rotated.ok()) {
+        failure = absl::StrCat(where, ": reference rotary: ", rotated.status().ToString());
+        break;
+      }
+      absl::StatusOr<std::vector<float>> want =
+          reference.Prefill(layer, rotated->q_variants, rotated->k, v, prompt, rows);
       if (!want.ok()) {
         failure = absl::StrCat(where, ": reference: ", want.status().ToString());
         break;
@@ -240,14 +258,18 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
     }
   }
   for (int64_t step = 0; step < decode_steps && failure.empty(); ++step) {
-    const int64_t variants = step % 2 == 0 ? 5 : 3;
+    const int64_t variants = pre_rotary ? 1 : step % 2 == 0 ? 5 : 3;
     for (int32_t layer = 0; layer < layers && failure.empty(); ++layer) {
       const std::vector<float> q = RandomInputs(&rng, variants * o_row);
       const std::vector<float> k = RandomInputs(&rng, kv_row);
       const std::vector<float> v = RandomInputs(&rng, kv_row);
-      DecodeInput in{*id, HostTensor::FromFloats(dtype, {variants, g.num_q_heads, g.head_dim}, q),
+      const std::vector<int64_t> q_shape =
+          pre_rotary ? std::vector<int64_t>{g.num_q_heads, g.head_dim}
+                     : std::vector<int64_t>{variants, g.num_q_heads, g.head_dim};
+      DecodeInput in{*id, HostTensor::FromFloats(dtype, q_shape, q),
                      HostTensor::FromFloats(dtype, {g.num_kv_heads, g.head_dim}, k),
-                     HostTensor::FromFloats(dtype, {g.num_kv_heads, g.head_dim}, v)};
+                     HostTensor::FromFloats(dtype, {g.num_kv_heads, g.head_dim}, v),
+                     options.q_layout};
       const int64_t position = reference.length(layer);
       const std::string where = absl::StrCat("decode layer ", layer, " position ", position);
       absl::StatusOr<std::vector<DecodeResult>> r = client.Decode(layer, {in});
@@ -259,7 +281,14 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
         failure = absl::StrCat(where, ": server returned length ", (*r)[0].length);
         break;
       }
-      absl::StatusOr<std::vector<float>> want = reference.Decode(layer, q, k, v);
+      absl::StatusOr<naive::RotatedInputs> rotated =
+          pre_rotary ? naive::DualChunkRotary(g, position, q, k, 3) : naive::RotatedInputs{q, k};
+      if (!rotated.ok()) {
+        failure = absl::StrCat(where, ": reference rotary: ", rotated.status().ToString());
+        break;
+      }
+      absl::StatusOr<std::vector<float>> want =
+          reference.Decode(layer, rotated->q_variants, rotated->k, v);
       if (!want.ok()) {
         failure = absl::StrCat(where, ": reference: ", want.status().ToString());
         break;

@@ -15,13 +15,14 @@ namespace {
 
 void BuildPrefill(const std::string& sequence_id, int32_t layer, const HostTensor& q,
                   const HostTensor& k, const HostTensor& v, std::optional<int64_t> prompt_len,
-                  v1::PrefillRequest* request) {
+                  v1::QLayout q_layout, v1::PrefillRequest* request) {
   request->set_sequence_id(sequence_id);
   request->set_layer(layer);
   ToProto(q, request->mutable_q());
   ToProto(k, request->mutable_k());
   ToProto(v, request->mutable_v());
   if (prompt_len.has_value()) request->set_prompt_len(*prompt_len);
+  if (q_layout != v1::Q_LAYOUT_VARIANTS) request->set_q_layout(q_layout);
 }
 
 void BuildDecode(int32_t layer, const std::vector<DecodeInput>& entries,
@@ -33,6 +34,7 @@ void BuildDecode(int32_t layer, const std::vector<DecodeInput>& entries,
     ToProto(in.q, e->mutable_q());
     ToProto(in.k, e->mutable_k());
     ToProto(in.v, e->mutable_v());
+    if (in.q_layout != v1::Q_LAYOUT_VARIANTS) e->set_q_layout(in.q_layout);
   }
 }
 
@@ -186,9 +188,10 @@ absl::StatusOr<v1::DecodeResponse> AttndClient::DecodeRaw(const v1::DecodeReques
 absl::StatusOr<PrefillResult> AttndClient::Prefill(const std::string& sequence_id, int32_t layer,
                                                    const HostTensor& q, const HostTensor& k,
                                                    const HostTensor& v,
-                                                   std::optional<int64_t> prompt_len) {
+                                                   std::optional<int64_t> prompt_len,
+                                                   v1::QLayout q_layout) {
   v1::PrefillRequest request;
-  BuildPrefill(sequence_id, layer, q, k, v, prompt_len, &request);
+  BuildPrefill(sequence_id, layer, q, k, v, prompt_len, q_layout, &request);
   ATTND_ASSIGN_OR_RETURN(v1::PrefillResponse response, PrefillRaw(request));
   return ParsePrefill(response);
 }
@@ -245,9 +248,10 @@ absl::StatusOr<v1::SessionResponse> Session::RoundTrip(v1::SessionRequest* reque
 absl::StatusOr<PrefillResult> Session::Prefill(const std::string& sequence_id, int32_t layer,
                                                const HostTensor& q, const HostTensor& k,
                                                const HostTensor& v,
-                                               std::optional<int64_t> prompt_len) {
+                                               std::optional<int64_t> prompt_len,
+                                               v1::QLayout q_layout) {
   v1::SessionRequest request;
-  BuildPrefill(sequence_id, layer, q, k, v, prompt_len, request.mutable_prefill());
+  BuildPrefill(sequence_id, layer, q, k, v, prompt_len, q_layout, request.mutable_prefill());
   ATTND_ASSIGN_OR_RETURN(v1::SessionResponse response, RoundTrip(&request));
   if (!response.has_prefill()) return absl::InternalError("Session answered a prefill without one");
   return ParsePrefill(response.prefill());

@@ -48,9 +48,10 @@ struct PrefillResult {
 
 struct DecodeInput {
   std::string sequence_id;
-  HostTensor q;  // [3 or 5, Hq, D]
-  HostTensor k;  // [Hkv, D]
+  HostTensor q;  // [3 or 5, Hq, D], or [Hq, D] with Q_LAYOUT_PRE_ROTARY
+  HostTensor k;  // [Hkv, D] (before the rotary with Q_LAYOUT_PRE_ROTARY)
   HostTensor v;  // [Hkv, D]
+  v1::QLayout q_layout = v1::Q_LAYOUT_VARIANTS;  // per entry (docs/rotary.md)
 };
 
 struct DecodeResult {
@@ -74,10 +75,13 @@ class AttndClient {
   // Returns the number of pages freed.
   absl::StatusOr<int64_t> Release(const std::string& sequence_id);
 
+  // q [T, 5, Hq, D] (the five variants), or with Q_LAYOUT_PRE_ROTARY q [T, Hq, D] and k before
+  // the rotary, which the server applies (docs/rotary.md).
   absl::StatusOr<PrefillResult> Prefill(const std::string& sequence_id, int32_t layer,
                                         const HostTensor& q, const HostTensor& k,
                                         const HostTensor& v,
-                                        std::optional<int64_t> prompt_len = std::nullopt);
+                                        std::optional<int64_t> prompt_len = std::nullopt,
+                                        v1::QLayout q_layout = v1::Q_LAYOUT_VARIANTS);
   // One token for each entry's sequence, all in `layer`; results in entry order.
   absl::StatusOr<std::vector<DecodeResult>> Decode(int32_t layer,
                                                    const std::vector<DecodeInput>& entries);
@@ -118,7 +122,8 @@ class Session {
   absl::StatusOr<PrefillResult> Prefill(const std::string& sequence_id, int32_t layer,
                                         const HostTensor& q, const HostTensor& k,
                                         const HostTensor& v,
-                                        std::optional<int64_t> prompt_len = std::nullopt);
+                                        std::optional<int64_t> prompt_len = std::nullopt,
+                                        v1::QLayout q_layout = v1::Q_LAYOUT_VARIANTS);
   absl::StatusOr<std::vector<DecodeResult>> Decode(int32_t layer,
                                                    const std::vector<DecodeInput>& entries);
   // Half-closes the stream and returns its final status (OK when the server ended it cleanly).

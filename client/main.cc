@@ -37,6 +37,9 @@ ABSL_FLAG(int64_t, decode_steps, -1, "decode steps (default: smoke 16, bench 32)
 ABSL_FLAG(std::vector<std::string>, context, std::vector<std::string>({"1024", "4096"}),
           "bench: comma-separated context lengths");
 ABSL_FLAG(int64_t, prefill_chunk, 1024, "bench: tokens per prefill call");
+ABSL_FLAG(std::string, q_layout, "variants",
+          "smoke, bench: variants (the five query variants) | pre_rotary (q/k before the rotary; "
+          "attnd applies it)");
 ABSL_FLAG(int32_t, batch, 1, "bench: sequences per decode call");
 ABSL_FLAG(std::string, token_file, "",
           "file holding the bearer token (attnd --auth-token-file); default: $ATTND_TOKEN if set");
@@ -156,6 +159,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int32_t layers = absl::GetFlag(FLAGS_layers);
+  const std::string q_layout_name = absl::GetFlag(FLAGS_q_layout);
+  if (q_layout_name != "variants" && q_layout_name != "pre_rotary") {
+    std::cerr << "attnctl: --q-layout must be variants or pre_rotary, got \"" << q_layout_name
+              << "\"\n";
+    return 2;
+  }
+  const attnd::v1::QLayout q_layout = q_layout_name == "pre_rotary"
+                                          ? attnd::v1::Q_LAYOUT_PRE_ROTARY
+                                          : attnd::v1::Q_LAYOUT_VARIANTS;
   const int64_t decode_steps = absl::GetFlag(FLAGS_decode_steps);
 
   if (command == "smoke") {
@@ -167,6 +179,7 @@ int main(int argc, char** argv) {
     options.max_tokens = absl::GetFlag(FLAGS_max_tokens);
     if (decode_steps >= 0) options.decode_steps = decode_steps;
     options.seed = absl::GetFlag(FLAGS_seed);
+    options.q_layout = q_layout;
     return attnd::client::RunSmoke(**client, options, std::cout, std::cerr);
   }
 
@@ -177,6 +190,7 @@ int main(int argc, char** argv) {
   options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
   options.batch = absl::GetFlag(FLAGS_batch);
   options.seed = absl::GetFlag(FLAGS_seed);
+  options.q_layout = q_layout;
   options.progress = isatty(STDERR_FILENO) != 0;
   options.contexts.clear();
   for (const std::string& c : absl::GetFlag(FLAGS_context)) {

@@ -15,6 +15,11 @@ struct DcaGeometry {
   int64_t chunk_len = 0;                         // chunk_size - local_size ("cl").
   int64_t original_max_position_embeddings = 0;  // 0 = no length scaling.
   float softmax_scale = 0.f;  // 1/sqrt(head_dim) unless the model says otherwise.
+  // The dual-chunk rotary (DCA.md, "Dual-chunk rotary"), for pre-rotary requests. rotary_dim 0:
+  // the model's rotary is unknown, and backends refuse pre-rotary requests.
+  int64_t chunk_size = 0;    // chunk_len + local_size.
+  double rope_theta = 0.0;
+  int32_t rotary_dim = 0;    // Even, <= head_dim; dims past it are not rotated.
 
   int32_t group_size() const { return num_q_heads / num_kv_heads; }  // q heads per kv head.
 };
@@ -31,6 +36,11 @@ enum QueryVariant : int {
   kSuccCritical = 3,
   kInterCritical = 4
 };
+
+// What a request's q and k hold (attention.proto's QLayout; docs/rotary.md). kVariants: the five
+// query variants [T, 5, Hq, D] (decode [3 or 5, Hq, D]) and a key rotary-embedded by the caller;
+// kPreRotary: q [T, Hq, D] (decode [Hq, D]) and k before the rotary, which the backend applies.
+enum class QLayout : int32_t { kVariants = 0, kPreRotary = 1 };
 
 // s(L) = max(1, 0.1 ln(L / orig) + 1) when orig > 0, else 1.
 inline float LengthScale(int64_t length, int64_t original_max_position_embeddings) {

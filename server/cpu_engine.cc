@@ -14,6 +14,7 @@
 #include "absl/strings/strip.h"
 #include "kernels/dca_cpu.h"
 #include "kernels/dtype.h"
+#include "kernels/dual_chunk_rotary.h"
 #include "kernels/paged_kv.h"
 #include "kernels/sparse_prefill_cpu.h"
 
@@ -41,6 +42,11 @@ int64_t NumElements(const TensorView& t) {
   int64_t n = 1;
   for (int64_t d : t.shape) n *= d;
   return n;
+}
+
+std::vector<float> InvFreqOrEmpty(const DcaGeometry& g) {
+  if (!CheckRotaryGeometry(g).ok()) return {};
+  return RotaryInvFreq(g.rope_theta, g.rotary_dim);
 }
 
 absl::Status CheckElements(absl::string_view name, const TensorView& t, int64_t expected) {
@@ -107,6 +113,7 @@ CpuEngine::CpuEngine(const CpuEngineOptions& options, void* pool)
     : geometry_(options.geometry),
       layout_(options.layout),
       sparse_(options.sparse),
+      inv_freq_(InvFreqOrEmpty(options.geometry)),
       device_name_(CpuModelName()),
       pool_(static_cast<char*>(pool)),
       compute_(std::make_unique<ThreadPool>(options.compute_threads)) {}
@@ -148,6 +155,14 @@ absl::Status CpuEngine::CheckPages(int32_t layer, const int32_t* page_table, int
   return absl::OkStatus();
 }
 
+absl::Status CpuEngine::CheckLayout(QLayout layout) const {
+  if (layout == QLayout::kVariants) return absl::OkStatus();
+  if (layout == QLayout::kPreRotary && !inv_freq_.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "engine: q layout ", static_cast<int32_t>(layout),
+      layout == QLayout::kPreRotary ? " needs a model with a rotary" : " is unknown"));
+}
+
 absl::Status CpuEngine::Prefill(const PrefillJob& job) {
   return layout_.kv_dtype == DType::kFp32 ? PrefillTyped<float>(job) : PrefillTyped<uint16_t>(job);
 }
@@ -169,16 +184,32 @@ absl::Status CpuEngine::PrefillTyped(const PrefillJob& job) {
       !s.ok()) {
     return s;
   }
+  const bool pre_rotary = job.q_layout == QLayout::kPreRotary;
+  if (absl::Status s = CheckLayout(job.q_layout); !s.ok()) return s;
   const int64_t q_n = t * kNumQueryVariants * hq * d, kv_n = t * hkv * d, out_n = t * hq * d;
+  const int64_t q_in_n = pre_rotary ? t * hq * d : q_n;
   for (const auto& [name, view, n] :
-       {std::make_tuple("q", &job.q, q_n), std::make_tuple("k", &job.k, kv_n),
+       {std::make_tuple("q", &job.q, q_in_n), std::make_tuple("k", &job.k, kv_n),
         std::make_tuple("v", &job.v, kv_n)}) {
     if (absl::Status s = CheckElements(name, *view, n); !s.ok()) return s;
   }
   std::vector<float> q(q_n), k(kv_n), v(kv_n), out(out_n);
-  ConvertToFloat(job.q.data, job.q.dtype, q_n, q.data());
   ConvertToFloat(job.k.data, job.k.dtype, kv_n, k.data());
   ConvertToFloat(job.v.data, job.v.dtype, kv_n, v.data());
+  if (pre_rotary) {  // the five variants and the rotated key, in fp32, before anything else
+    std::vector<float> raw(q_in_n);
+    ConvertToFloat(job.q.data, job.q.dtype, q_in_n, raw.data());
+    CpuRotaryParams rotary;
+    rotary.q = raw.data();
+    rotary.k = k.data();
+    rotary.q_variants = q.data();
+    rotary.num_variants = kNumQueryVariants;
+    rotary.start = job.start;
+    rotary.num_tokens = t;
+    DualChunkRotaryCpu(geometry_, inv_freq_, rotary, compute_.get());
+  } else {
+    ConvertToFloat(job.q.data, job.q.dtype, q_n, q.data());
+  }
 
   const float s = LengthScale(job.prompt_len, geometry_.original_max_position_embeddings);
   const PagedKv<KvT> kv = LayerView<KvT>(job.layer, job.page_table);
@@ -220,21 +251,37 @@ absl::Status CpuEngine::DecodeTyped(const DecodeJob& job) {
     if (absl::Status s = CheckPages(job.layer, e.page_table, e.num_pages, e.length); !s.ok()) {
       return s;
     }
-    // q may carry 3 or 5 variants; the first three are contiguous at the front.
-    if (e.q.data == nullptr || NumElements(e.q) < q_n) {
+    if (absl::Status s = CheckLayout(e.q_layout); !s.ok()) return s;
+    if (e.q_layout == QLayout::kPreRotary) {
+      if (absl::Status s = CheckElements("q", e.q, hq * d); !s.ok()) return s;
+    } else if (e.q.data == nullptr || NumElements(e.q) < q_n) {
+      // q may carry 3 or 5 variants; the first three are contiguous at the front.
       return absl::InvalidArgumentError("engine: decode q has fewer than 3 variants");
     }
     if (absl::Status s = CheckElements("k", e.k, kv_n); !s.ok()) return s;
     if (absl::Status s = CheckElements("v", e.v, kv_n); !s.ok()) return s;
   }
-  std::vector<float> q(n * q_n), kv_buf(2 * kv_n), out(n * out_n);
+  std::vector<float> q(n * q_n), kv_buf(2 * kv_n), out(n * out_n), raw_q;
   std::vector<CpuDecodeItem<KvT>> items(n);
   for (int64_t i = 0; i < n; ++i) {
     const DecodeJob::Entry& e = job.entries[i];
     const float s = LengthScale(e.length, geometry_.original_max_position_embeddings);
-    ConvertToFloat(e.q.data, e.q.dtype, q_n, q.data() + i * q_n);
     ConvertToFloat(e.k.data, e.k.dtype, kv_n, kv_buf.data());
     ConvertToFloat(e.v.data, e.v.dtype, kv_n, kv_buf.data() + kv_n);
+    if (e.q_layout == QLayout::kPreRotary) {  // intra, succ, inter and the key at L - 1
+      raw_q.resize(hq * d);
+      ConvertToFloat(e.q.data, e.q.dtype, hq * d, raw_q.data());
+      CpuRotaryParams rotary;
+      rotary.q = raw_q.data();
+      rotary.k = kv_buf.data();
+      rotary.q_variants = q.data() + i * q_n;
+      rotary.num_variants = kNumDecodeVariants;
+      rotary.start = e.length - 1;
+      rotary.num_tokens = 1;
+      DualChunkRotaryCpu(geometry_, inv_freq_, rotary, nullptr);
+    } else {
+      ConvertToFloat(e.q.data, e.q.dtype, q_n, q.data() + i * q_n);
+    }
     const PagedKv<KvT> kv = LayerView<KvT>(job.layer, e.page_table);
     CpuAppendParams append;
     append.k = kv_buf.data();

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/dca.h"
@@ -51,6 +52,8 @@ class CpuEngine : public Engine {
 
   template <typename KvT>
   PagedKv<KvT> LayerView(int32_t layer, const int32_t* page_table) const;
+  // OK for kVariants, and for kPreRotary when the geometry has a rotary.
+  absl::Status CheckLayout(QLayout layout) const;
   absl::Status CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
                           int64_t length) const;
   template <typename KvT>
@@ -61,6 +64,8 @@ class CpuEngine : public Engine {
   const DcaGeometry geometry_;
   const KvLayout layout_;
   const std::shared_ptr<const SparseAttentionConfig> sparse_;  // may be null
+  // RotaryInvFreq of the geometry; empty when it has no usable rotary (pre-rotary jobs refused).
+  const std::vector<float> inv_freq_;
   const std::string device_name_;
   char* const pool_;  // layout_.pool_bytes() bytes, 64-byte aligned; owned
   std::unique_ptr<ThreadPool> compute_;

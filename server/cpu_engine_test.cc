@@ -220,6 +220,134 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, CpuEngineMatchesNaive,
                                          Case{DType::kBf16, DType::kBf16, 3e-2},
                                          Case{DType::kBf16, DType::kFp32, 3e-2}));
 
+// Pre-rotary requests (docs/rotary.md): the engine applies the dual-chunk rotary; the reference
+// applies its own fp64 one (naive::DualChunkRotary). Sequence a: a 300-token prompt in three
+// chunks across both chunk boundaries, then decodes; sequence b sends the five variants, in the
+// same decode batches as a (layouts mix per entry).
+class CpuEnginePreRotary : public testing::TestWithParam<Case> {};
+
+TEST_P(CpuEnginePreRotary, MatchesTheNaiveRotaryAndMixesLayoutsInOneDecode) {
+  const Case c = GetParam();
+  constexpr int64_t kPages = 64;
+  for (int32_t rotary_dim : {kD, kD / 2}) {
+    SCOPED_TRACE(rotary_dim);
+    DcaGeometry g = TinyGeometry();
+    g.chunk_size = 160;
+    g.rope_theta = 10000.0;
+    g.rotary_dim = rotary_dim;
+    CpuEngineOptions options;
+    options.geometry = g;
+    options.layout = TinyLayout(c.kv_dtype, kPages);
+    options.compute_threads = 2;
+    absl::StatusOr<std::unique_ptr<CpuEngine>> engine = CpuEngine::Create(options);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    std::mt19937 rng(16);
+    std::vector<int32_t> pages_a, pages_b;
+    for (int32_t p = kPages - 1; p >= 0; --p) (p % 2 ? pages_a : pages_b).push_back(p);
+    naive::NaiveSequence ref_a(g, kLayers), ref_b(g, kLayers);
+    const int64_t prompt_a = 300;
+    int64_t start = 0;
+    for (int64_t t : {100, 120, 80}) {
+      Tensor q = RandomTensor({t, kHq, kD}, c.io_dtype, &rng);
+      Tensor k = RandomTensor({t, kHkv, kD}, c.io_dtype, &rng);
+      Tensor v = RandomTensor({t, kHkv, kD}, c.io_dtype, &rng);
+      std::string out(t * kHq * kD * ElementSize(c.io_dtype), '\0');
+      PrefillJob job;
+      job.layer = 0;
+      job.page_table = pages_a.data();
+      job.num_pages = static_cast<int64_t>(pages_a.size());
+      job.start = start;
+      job.num_tokens = t;
+      job.prompt_len = prompt_a;
+      job.q_layout = QLayout::kPreRotary;
+      job.q = q.view();
+      job.k = k.view();
+      job.v = v.view();
+      job.out = out.data();
+      job.out_dtype = c.io_dtype;
+      ASSERT_TRUE((*engine)->Prefill(job).ok());
+      absl::StatusOr<std::vector<float>> want =
+          ref_a.PrefillPreRotary(0, q.values, k.values, v.values, prompt_a);
+      ASSERT_TRUE(want.ok()) << want.status();
+      ExpectClose(ToFloats(out, c.io_dtype), *want, c.tol, "prefill a @" + std::to_string(start));
+      start += t;
+    }
+    {
+      const int64_t t = 40;
+      Tensor q = RandomTensor({t, kNumQueryVariants, kHq, kD}, c.io_dtype, &rng);
+      Tensor k = RandomTensor({t, kHkv, kD}, c.io_dtype, &rng);
+      Tensor v = RandomTensor({t, kHkv, kD}, c.io_dtype, &rng);
+      std::string out(t * kHq * kD * ElementSize(c.io_dtype), '\0');
+      PrefillJob job;
+      job.layer = 0;
+      job.page_table = pages_b.data();
+      job.num_pages = static_cast<int64_t>(pages_b.size());
+      job.num_tokens = t;
+      job.prompt_len = t;
+      job.q = q.view();
+      job.k = k.view();
+      job.v = v.view();
+      job.out = out.data();
+      job.out_dtype = c.io_dtype;
+      ASSERT_TRUE((*engine)->Prefill(job).ok());
+      ASSERT_TRUE(ref_b.Prefill(0, q.values, k.values, v.values, t).ok());
+    }
+    for (int step = 0; step < 3; ++step) {
+      Tensor qa = RandomTensor({kHq, kD}, c.io_dtype, &rng);
+      Tensor qb = RandomTensor({kNumDecodeVariants, kHq, kD}, c.io_dtype, &rng);
+      Tensor ka = RandomTensor({kHkv, kD}, c.io_dtype, &rng);
+      Tensor va = RandomTensor({kHkv, kD}, c.io_dtype, &rng);
+      Tensor kb = RandomTensor({kHkv, kD}, c.io_dtype, &rng);
+      Tensor vb = RandomTensor({kHkv, kD}, c.io_dtype, &rng);
+      std::string out_a(kHq * kD * ElementSize(c.io_dtype), '\0'), out_b = out_a;
+      DecodeJob job;
+      job.layer = 0;
+      job.entries.resize(2);
+      job.entries[0] = {pages_a.data(), static_cast<int64_t>(pages_a.size()), 301 + step,
+                        qa.view(),      ka.view(),     va.view(),
+                        out_a.data(),   c.io_dtype,    QLayout::kPreRotary};
+      job.entries[1] = {pages_b.data(), static_cast<int64_t>(pages_b.size()), 41 + step,
+                        qb.view(),      kb.view(),     vb.view(),
+                        out_b.data(),   c.io_dtype};
+      ASSERT_TRUE((*engine)->Decode(job).ok());
+      absl::StatusOr<std::vector<float>> want_a =
+          ref_a.DecodePreRotary(0, qa.values, ka.values, va.values);
+      absl::StatusOr<std::vector<float>> want_b = ref_b.Decode(0, qb.values, kb.values, vb.values);
+      ASSERT_TRUE(want_a.ok() && want_b.ok());
+      ExpectClose(ToFloats(out_a, c.io_dtype), *want_a, c.tol, "decode a " + std::to_string(step));
+      ExpectClose(ToFloats(out_b, c.io_dtype), *want_b, c.tol, "decode b " + std::to_string(step));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CpuEnginePreRotary,
+                         testing::Values(Case{DType::kFp32, DType::kFp32, 1e-4},
+                                         Case{DType::kBf16, DType::kBf16, 3e-2}));
+
+// TinyGeometry has no rotary: a pre-rotary job is refused before anything is touched.
+TEST(CpuEngineTest, RefusesPreRotaryWithoutARotary) {
+  std::unique_ptr<CpuEngine> engine = MakeEngine(DType::kFp32, 4);
+  ASSERT_NE(engine, nullptr);
+  std::mt19937 rng(1);
+  Tensor q = RandomTensor({1, kHq, kD}, DType::kFp32, &rng);
+  Tensor k = RandomTensor({1, kHkv, kD}, DType::kFp32, &rng);
+  std::vector<float> out(kHq * kD);
+  std::vector<int32_t> pages = {0};
+  PrefillJob job;
+  job.page_table = pages.data();
+  job.num_pages = 1;
+  job.num_tokens = 1;
+  job.prompt_len = 1;
+  job.q_layout = QLayout::kPreRotary;
+  job.q = q.view();
+  job.k = k.view();
+  job.v = k.view();
+  job.out = out.data();
+  const absl::Status s = engine->Prefill(job);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "engine: q layout 1 needs a model with a rotary");
+}
+
 TEST(CpuEngineTest, ReportsItsLayoutAndBackend) {
   std::unique_ptr<CpuEngine> engine = MakeEngine(DType::kBf16, 8);
   ASSERT_NE(engine, nullptr);

@@ -14,8 +14,10 @@
 #include "absl/strings/string_view.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/dca_cuda.h"
+#include "kernels/cuda/rotary_cuda.h"
 #include "kernels/cuda/sparse_cuda.h"
 #include "kernels/dtype.h"
+#include "kernels/dual_chunk_rotary.h"
 #include "kernels/mutex.h"
 #include "kernels/status_macros.h"
 #include "kernels/thread_pool.h"
@@ -123,6 +125,8 @@ class CudaEngine : public Engine {
   absl::Status Init(int64_t staging_bytes);
   absl::Status CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
                           int64_t length) const;
+  // OK for kVariants, and for kPreRotary when the geometry has a rotary.
+  absl::Status CheckLayout(QLayout layout) const;
   PagedKv<Bf16> LayerView(int32_t layer, const int32_t* device_page_table) const;
   absl::Status PrefillChunk(const PrefillJob& job, int64_t first, int64_t count, float s)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -154,6 +158,11 @@ class CudaEngine : public Engine {
   DevicePtr d_table_ ABSL_GUARDED_BY(mu_);       // [num_pages]
   size_t sparse_workspace_bytes_ = 0;
   DevicePtr d_sparse_workspace_ ABSL_GUARDED_BY(mu_);  // when sparse_ is set
+  // Pre-rotary requests (docs/rotary.md): RotaryInvFreq of the geometry on the host (decode rows
+  // are rotated there, into their fp32 slots) and on the device (the prefill rotary kernel);
+  // empty / null when the geometry has no usable rotary, and pre-rotary jobs are refused.
+  std::vector<float> inv_freq_;
+  DevicePtr d_inv_freq_ ABSL_GUARDED_BY(mu_);
 
   // Decode: the host writes each row's inputs in their own dtype into fixed slots of pinned
   // memory (h_decode_: DecodeStageRow [B] | q [B, q slot] | k [B, kv slot] | v [B, kv slot]) and
@@ -253,6 +262,12 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   ATTND_ASSIGN_OR_RETURN(d_prefill_, DeviceAlloc(prefill_bytes_, "prefill staging"));
   ATTND_ASSIGN_OR_RETURN(
       d_q_bf16_, DeviceAlloc(max_chunk_ * kNumQueryVariants * hq * d * 2, "prefill q"));
+  if (CheckRotaryGeometry(geometry_).ok()) {
+    inv_freq_ = RotaryInvFreq(geometry_.rope_theta, geometry_.rotary_dim);
+    ATTND_ASSIGN_OR_RETURN(d_inv_freq_, DeviceAlloc(inv_freq_.size() * 4, "rotary frequencies"));
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_inv_freq_.get(), inv_freq_.data(),
+                                          inv_freq_.size() * 4, cudaMemcpyHostToDevice));
+  }
   ATTND_ASSIGN_OR_RETURN(h_table_, PinnedAlloc(layout_.num_pages * 4, "page table"));
   ATTND_ASSIGN_OR_RETURN(d_table_, DeviceAlloc(layout_.num_pages * 4, "page table"));
   if (sparse_ != nullptr) {
@@ -366,6 +381,14 @@ absl::Status CudaEngine::CheckPages(int32_t layer, const int32_t* page_table, in
   return absl::OkStatus();
 }
 
+absl::Status CudaEngine::CheckLayout(QLayout layout) const {
+  if (layout == QLayout::kVariants) return absl::OkStatus();
+  if (layout == QLayout::kPreRotary && !inv_freq_.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "engine: q layout ", static_cast<int32_t>(layout),
+      layout == QLayout::kPreRotary ? " needs a model with a rotary" : " is unknown"));
+}
+
 PagedKv<Bf16> CudaEngine::LayerView(int32_t layer, const int32_t* device_page_table) const {
   PagedKv<Bf16> kv;
   kv.k = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.k_offset(layer));
@@ -387,11 +410,17 @@ absl::Status CudaEngine::Prefill(const PrefillJob& job) {
                                                    job.prompt_len, ")"));
   }
   ATTND_RETURN_IF_ERROR(CheckPages(job.layer, job.page_table, job.num_pages, job.start + t));
-  ATTND_RETURN_IF_ERROR(CheckElements("q", job.q, t * kNumQueryVariants * hq * d));
+  ATTND_RETURN_IF_ERROR(CheckLayout(job.q_layout));
+  const bool pre_rotary = job.q_layout == QLayout::kPreRotary;
+  ATTND_RETURN_IF_ERROR(
+      CheckElements("q", job.q, t * (pre_rotary ? 1 : kNumQueryVariants) * hq * d));
   ATTND_RETURN_IF_ERROR(CheckElements("k", job.k, t * hkv * d));
   ATTND_RETURN_IF_ERROR(CheckElements("v", job.v, t * hkv * d));
   for (const TensorView* view : {&job.q, &job.k, &job.v}) {
     if (!SupportedDType(view->dtype)) return absl::InvalidArgumentError("engine: bad dtype");
+  }
+  if (pre_rotary && (job.k.dtype != job.q.dtype || job.v.dtype != job.q.dtype)) {
+    return absl::InvalidArgumentError("engine: a pre-rotary prefill needs one dtype for q, k, v");
   }
   const float s = LengthScale(job.prompt_len, geometry_.original_max_position_embeddings);
   const bool sparse = sparse_ != nullptr && sparse_->UseSparse(job.prompt_len);
@@ -416,15 +445,17 @@ absl::Status CudaEngine::Prefill(const PrefillJob& job) {
 absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int64_t count,
                                       float s) {
   const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
-  const int64_t q_n = count * kNumQueryVariants * hq * d, kv_n = count * hkv * d;
+  const bool pre_rotary = job.q_layout == QLayout::kPreRotary;
+  // q as it arrives: the five variants, or [count, Hq, D] before the rotary.
+  const int64_t q_row = (pre_rotary ? 1 : kNumQueryVariants) * hq * d;
+  const int64_t q_n = count * q_row, kv_n = count * hkv * d;
   const size_t q_bytes = q_n * ElementSize(job.q.dtype);
   const size_t k_bytes = kv_n * ElementSize(job.k.dtype);
   const size_t v_bytes = kv_n * ElementSize(job.v.dtype);
   const size_t out_bytes = count * hq * d * ElementSize(job.out_dtype);
   // Stage the chunk in pinned memory, then one stream: H2D, convert, append, attend, D2H.
   std::memcpy(At(h_prefill_, q_off_),
-              static_cast<const char*>(job.q.data) + first * kNumQueryVariants * hq * d *
-                                                         ElementSize(job.q.dtype),
+              static_cast<const char*>(job.q.data) + first * q_row * ElementSize(job.q.dtype),
               q_bytes);
   std::memcpy(At(h_prefill_, k_off_),
               static_cast<const char*>(job.k.data) + first * hkv * d * ElementSize(job.k.dtype),
@@ -433,7 +464,10 @@ absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int6
               static_cast<const char*>(job.v.data) + first * hkv * d * ElementSize(job.v.dtype),
               v_bytes);
   Bf16* q_bf16 = static_cast<Bf16*>(d_q_bf16_.get());
-  if (job.q.dtype == DType::kBf16) {  // straight into the kernel's buffer
+  if (pre_rotary) {  // staged as is; the rotary kernel below writes the bf16 variants
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, q_off_), At(h_prefill_, q_off_),
+                                               q_bytes, cudaMemcpyHostToDevice, stream_));
+  } else if (job.q.dtype == DType::kBf16) {  // straight into the kernel's buffer
     ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(q_bf16, At(h_prefill_, q_off_), q_bytes,
                                                cudaMemcpyHostToDevice, stream_));
   } else {
@@ -447,6 +481,20 @@ absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int6
                                              k_bytes, cudaMemcpyHostToDevice, stream_));
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, v_off_), At(h_prefill_, v_off_),
                                              v_bytes, cudaMemcpyHostToDevice, stream_));
+
+  if (pre_rotary) {
+    // The five bf16 variants into the kernels' buffer, and k rotated in place (its own dtype),
+    // before the append scales it: DCA.md rotates the raw key, then length-scales it.
+    CudaRotaryParams rp;
+    rp.q = At(d_prefill_, q_off_);
+    rp.k = At(d_prefill_, k_off_);
+    rp.dtype = job.q.dtype;
+    rp.q_variants = q_bf16;
+    rp.inv_freq = static_cast<const float*>(d_inv_freq_.get());
+    rp.start = job.start + first;
+    rp.num_tokens = count;
+    ATTND_RETURN_IF_ERROR(LaunchDualChunkRotary(geometry_, rp, stream_));
+  }
 
   const PagedKv<Bf16> kv = LayerView(job.layer, static_cast<const int32_t*>(d_table_.get()));
   if (job.k.dtype == job.v.dtype) {
@@ -516,8 +564,11 @@ absl::Status CudaEngine::Decode(const DecodeJob& job) {
       return absl::InvalidArgumentError(absl::StrCat("engine: bad decode length ", e.length));
     }
     ATTND_RETURN_IF_ERROR(CheckPages(job.layer, e.page_table, e.num_pages, e.length));
-    // q may carry 3 or 5 variants; the first three are contiguous at the front.
-    if (e.q.data == nullptr || NumElements(e.q) < q_n) {
+    ATTND_RETURN_IF_ERROR(CheckLayout(e.q_layout));
+    if (e.q_layout == QLayout::kPreRotary) {
+      ATTND_RETURN_IF_ERROR(CheckElements("q", e.q, hq * d));
+    } else if (e.q.data == nullptr || NumElements(e.q) < q_n) {
+      // q may carry 3 or 5 variants; the first three are contiguous at the front.
       return absl::InvalidArgumentError("engine: decode q has fewer than 3 variants");
     }
     ATTND_RETURN_IF_ERROR(CheckElements("k", e.k, kv_n));
@@ -598,11 +649,32 @@ absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t 
     const DecodeJob::Entry& e = job.entries[first + i];
     rows[i].length = static_cast<int32_t>(e.length);
     rows[i].num_pages = static_cast<int32_t>(e.num_pages);
-    rows[i].q_dtype = static_cast<int32_t>(e.q.dtype);
-    rows[i].k_dtype = static_cast<int32_t>(e.k.dtype);
     rows[i].v_dtype = static_cast<int32_t>(e.v.dtype);
-    std::memcpy(At(h_decode_, h_q_off_ + i * q_slot_), e.q.data, q_n * ElementSize(e.q.dtype));
-    std::memcpy(At(h_decode_, h_k_off_ + i * kv_slot_), e.k.data, kv_n * ElementSize(e.k.dtype));
+    if (e.q_layout == QLayout::kPreRotary) {
+      // Rotated here, into the row's slots as fp32 (they hold fp32 rows): the stage kernel and
+      // the captured graphs stay as they are. NOTE host work per row; see docs/rotary.md.
+      float* q_slot = reinterpret_cast<float*>(At(h_decode_, h_q_off_ + i * q_slot_));
+      float* k_slot = reinterpret_cast<float*>(At(h_decode_, h_k_off_ + i * kv_slot_));
+      std::vector<float> raw_q(hq * d);
+      ConvertToFloat(e.q.data, e.q.dtype, hq * d, raw_q.data());
+      ConvertToFloat(e.k.data, e.k.dtype, kv_n, k_slot);
+      CpuRotaryParams rotary;
+      rotary.q = raw_q.data();
+      rotary.k = k_slot;
+      rotary.q_variants = q_slot;
+      rotary.num_variants = kNumDecodeVariants;
+      rotary.start = e.length - 1;
+      rotary.num_tokens = 1;
+      DualChunkRotaryCpu(geometry_, inv_freq_, rotary, nullptr);
+      rows[i].q_dtype = static_cast<int32_t>(DType::kFp32);
+      rows[i].k_dtype = static_cast<int32_t>(DType::kFp32);
+    } else {
+      rows[i].q_dtype = static_cast<int32_t>(e.q.dtype);
+      rows[i].k_dtype = static_cast<int32_t>(e.k.dtype);
+      std::memcpy(At(h_decode_, h_q_off_ + i * q_slot_), e.q.data, q_n * ElementSize(e.q.dtype));
+      std::memcpy(At(h_decode_, h_k_off_ + i * kv_slot_), e.k.data,
+                  kv_n * ElementSize(e.k.dtype));
+    }
     std::memcpy(At(h_decode_, h_v_off_ + i * kv_slot_), e.v.data, kv_n * ElementSize(e.v.dtype));
     std::memcpy(tables + i * table_stride_, e.page_table, e.num_pages * 4);
   };

@@ -31,7 +31,11 @@ struct PrefillJob {
   int64_t start = 0;       // tokens already in this layer; the new ones are start .. start+num_tokens-1
   int64_t num_tokens = 0;  // T >= 1
   int64_t prompt_len = 0;  // L for length scaling (>= start + num_tokens)
-  TensorView q;            // [T, 5, Hq, D]
+  // kPreRotary: q is [T, Hq, D] and k is before the rotary; the engine applies the dual-chunk
+  // rotary at positions start .. start+T-1 (kernels/dual_chunk_rotary.h), then scales keys as
+  // usual.
+  QLayout q_layout = QLayout::kVariants;
+  TensorView q;            // [T, 5, Hq, D] (kVariants) or [T, Hq, D] (kPreRotary)
   TensorView k;            // [T, Hkv, D]
   TensorView v;            // [T, Hkv, D]
   void* out = nullptr;     // [T, Hq, D] of out_dtype
@@ -44,11 +48,13 @@ struct DecodeJob {
     const int32_t* page_table = nullptr;  // the sequence's pages, covering `length`
     int64_t num_pages = 0;
     int64_t length = 0;   // L: the layer's length including the new token (>= 1)
-    TensorView q;         // [3 or 5, Hq, D]; only the first three variants are used
+    TensorView q;         // [3 or 5, Hq, D] (only the first three variants used), or [Hq, D]
     TensorView k;         // [Hkv, D]
     TensorView v;         // [Hkv, D]
     void* out = nullptr;  // [Hq, D] of out_dtype
     DType out_dtype = DType::kFp32;
+    // kPreRotary: q is [Hq, D] and k before the rotary, both rotated for position L - 1.
+    QLayout q_layout = QLayout::kVariants;
   };
   int32_t layer = 0;
   std::vector<Entry> entries;

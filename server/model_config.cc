@@ -146,6 +146,19 @@ class ObjectReader {
     return *v;
   }
 
+  // A finite number greater than `min_exclusive` and at most `max` (integers count as numbers);
+  // `expected` says so in the error.
+  absl::StatusOr<double> NumberOr(absl::string_view key, double min_exclusive, double max,
+                                  absl::string_view expected, double fallback) const {
+    const json* value = Get(key);
+    if (value == nullptr) return fallback;
+    if (value->is_number()) {
+      const double v = value->get<double>();
+      if (std::isfinite(v) && v > min_exclusive && v <= max) return v;
+    }
+    return Error(key, absl::StrCat("must be ", expected, ", got ", Quote(*value)));
+  }
+
   absl::StatusOr<bool> BoolOr(absl::string_view key, bool fallback) const {
     const json* value = Get(key);
     if (value == nullptr) return fallback;
@@ -170,6 +183,9 @@ DcaGeometry ModelConfig::geometry() const {
   g.chunk_len = chunk_len();
   g.original_max_position_embeddings = original_max_position_embeddings;
   g.softmax_scale = softmax_scale;
+  g.chunk_size = chunk_size;
+  g.rope_theta = rope_theta;
+  g.rotary_dim = rotary_dim;
   return g;
 }
 
@@ -241,6 +257,23 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view text,
   config.head_dim = static_cast<int32_t>(*head_dim);
   config.max_position_embeddings = max_positions;
   config.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(*head_dim)));
+
+  // The rotary embedding attnd applies to pre-rotary requests (Hugging Face's rule: the rotated
+  // dims are int(head_dim * partial_rotary_factor)).
+  ATTND_ASSIGN_OR_RETURN(config.rope_theta,
+                         top.NumberOr("rope_theta", 1.0, std::numeric_limits<double>::max(),
+                                      "a number greater than 1", kDefaultRopeTheta));
+  ATTND_ASSIGN_OR_RETURN(
+      const double partial,
+      top.NumberOr("partial_rotary_factor", 0.0, 1.0, "a number in (0, 1]", 1.0));
+  config.partial_rotary_factor = static_cast<float>(partial);
+  const int64_t rotary_dim = static_cast<int64_t>(static_cast<double>(*head_dim) * partial);
+  if (rotary_dim < 2 || rotary_dim % 2 != 0) {
+    return top.Error("partial_rotary_factor",
+                     absl::StrCat("(", partial, ") times head_dim (", *head_dim,
+                                  ") must give an even rotary dimension >= 2, got ", rotary_dim));
+  }
+  config.rotary_dim = static_cast<int32_t>(rotary_dim);
 
   static const json kEmptyObject = json::object();
   const json* dca = top.Get("dual_chunk_attention_config");
@@ -360,6 +393,9 @@ ModelConfig Qwen25_7BInstruct1M() {
   c.sparse_attention_threshold = kDefaultSparseAttentionThreshold;
   c.sparse_attention_last_q = kDefaultSparseAttentionLastQ;
   c.softmax_scale = static_cast<float>(1.0 / std::sqrt(128.0));
+  c.rope_theta = 10000000.0;  // config.json: 1e7, no partial_rotary_factor
+  c.partial_rotary_factor = 1.f;
+  c.rotary_dim = 128;
   return c;
 }
 

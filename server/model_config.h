@@ -22,6 +22,8 @@ inline constexpr int64_t kDefaultLocalSize = 1024;
 inline constexpr int64_t kDefaultOriginalMaxPositionEmbeddings = 0;  // no length scaling
 inline constexpr int64_t kDefaultSparseAttentionThreshold = 32768;
 inline constexpr int64_t kDefaultSparseAttentionLastQ = 64;
+// Hugging Face's Qwen2Config default when config.json has no rope_theta.
+inline constexpr double kDefaultRopeTheta = 10000.0;
 
 struct ModelConfig {
   std::string name;                     // "_name_or_path", else the config's directory or stem
@@ -44,6 +46,11 @@ struct ModelConfig {
   int64_t sparse_attention_last_q = kDefaultSparseAttentionLastQ;
   std::shared_ptr<const SparseAttentionConfig> sparse;  // the budgets, when the file was found
   float softmax_scale = 0.f;  // 1/sqrt(head_dim)
+  // The rotary embedding (neox style, as Qwen2), applied by attnd to pre-rotary requests
+  // (docs/rotary.md):
+  double rope_theta = kDefaultRopeTheta;  // rope_theta
+  float partial_rotary_factor = 1.f;      // partial_rotary_factor, in (0, 1]
+  int32_t rotary_dim = 0;                 // int(head_dim * partial_rotary_factor), even, >= 2
 
   // chunk_size - local_size: the distance between DCA chunk boundaries ("cl").
   int64_t chunk_len() const { return chunk_size - local_size; }

@@ -62,6 +62,9 @@ void ExpectSameConfig(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.sparse_attention_threshold, b.sparse_attention_threshold);
   EXPECT_EQ(a.sparse_attention_last_q, b.sparse_attention_last_q);
   EXPECT_EQ(a.softmax_scale, b.softmax_scale);
+  EXPECT_EQ(a.rope_theta, b.rope_theta);
+  EXPECT_EQ(a.partial_rotary_factor, b.partial_rotary_factor);
+  EXPECT_EQ(a.rotary_dim, b.rotary_dim);
 }
 
 // ---- Shipped configs: values from docs/DCA.md "Model constants" ----
@@ -86,6 +89,9 @@ TEST(ModelConfigTest, ShippedQwen7B) {
   EXPECT_EQ(c->sparse_attention_threshold, 32768);
   EXPECT_EQ(c->sparse_attention_last_q, 64);
   EXPECT_FLOAT_EQ(c->softmax_scale, 0.08838834764831845f);
+  EXPECT_EQ(c->rope_theta, 1e7);
+  EXPECT_EQ(c->partial_rotary_factor, 1.f);
+  EXPECT_EQ(c->rotary_dim, 128);
 
   const DcaGeometry g = c->geometry();
   EXPECT_EQ(g.num_q_heads, 28);
@@ -95,6 +101,9 @@ TEST(ModelConfigTest, ShippedQwen7B) {
   EXPECT_EQ(g.chunk_len, 253952);
   EXPECT_EQ(g.original_max_position_embeddings, 262144);
   EXPECT_FLOAT_EQ(g.softmax_scale, 0.08838834764831845f);
+  EXPECT_EQ(g.chunk_size, 262144);
+  EXPECT_EQ(g.rope_theta, 1e7);
+  EXPECT_EQ(g.rotary_dim, 128);
 
   // The embedded default is the same model, without the pattern file.
   ModelConfig dense = *c;
@@ -139,6 +148,8 @@ TEST(ModelConfigTest, ShippedTinyMatchesTheGoldenCase) {
   EXPECT_EQ(c->sparse_attention_last_q, 64);
   EXPECT_EQ(c->softmax_scale, 0.125f);  // the golden case's softmax_scale, exactly
   EXPECT_EQ(c->geometry().chunk_len, 128);
+  EXPECT_EQ(c->rope_theta, 10000.0);  // dense_pre_rotary's rope_theta and rotary_dim
+  EXPECT_EQ(c->rotary_dim, 64);
 }
 
 TEST(ModelConfigTest, LoadsAModelDirectory) {
@@ -190,6 +201,9 @@ TEST(ModelConfigTest, DefaultsWhenKeysAreAbsent) {
   EXPECT_EQ(c->sparse_attention_threshold, 32768);
   EXPECT_EQ(c->sparse_attention_last_q, 64);
   EXPECT_EQ(c->geometry().original_max_position_embeddings, 0);
+  EXPECT_EQ(c->rope_theta, 10000.0);  // Hugging Face's Qwen2 default
+  EXPECT_EQ(c->partial_rotary_factor, 1.f);
+  EXPECT_EQ(c->rotary_dim, 64);
 
   // An empty dual_chunk_attention_config gets the same defaults.
   c = ParseModelConfig(kMinimal, "/models/m/config.json");
@@ -296,6 +310,17 @@ TEST(ModelConfigTest, MalformedKeysNameFileKeyAndExpectation) {
        "got -5"},
       {Minimal(R"("dual_chunk_attention_config": {"sparse_attention_last_q": 0})"),
        "dual_chunk_attention_config.sparse_attention_last_q must be a positive integer, got 0"},
+      // Rotary.
+      {Minimal(R"("rope_theta": "1e7")"),
+       R"(rope_theta must be a number greater than 1, got "1e7")"},
+      {Minimal(R"("rope_theta": 0.5)"), "rope_theta must be a number greater than 1, got 0.5"},
+      {Minimal(R"("partial_rotary_factor": 0)"),
+       "partial_rotary_factor must be a number in (0, 1], got 0"},
+      {Minimal(R"("partial_rotary_factor": 1.5)"),
+       "partial_rotary_factor must be a number in (0, 1], got 1.5"},
+      {Minimal(R"("partial_rotary_factor": 0.02)"),
+       "partial_rotary_factor (0.02) times head_dim (64) must give an even rotary dimension >= 2, "
+       "got 1"},
       // Metadata.
       {Minimal(R"("_name_or_path": 7)"), "_name_or_path must be a string, got 7"},
   };
@@ -305,6 +330,18 @@ TEST(ModelConfigTest, MalformedKeysNameFileKeyAndExpectation) {
     EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument) << c.json;
     EXPECT_EQ(config.status().message(), "configs/x.json: " + c.message) << c.json;
   }
+}
+
+TEST(ModelConfigTest, ReadsTheRotary) {
+  absl::StatusOr<ModelConfig> c =
+      ParseModelConfig(Minimal(R"("rope_theta": 1000000, "partial_rotary_factor": 0.5)"), "p.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_theta, 1e6);  // an integer is a number too
+  EXPECT_EQ(c->partial_rotary_factor, 0.5f);
+  EXPECT_EQ(c->rotary_dim, 32);  // head_dim 64 (hidden_size 256 / 4 heads) * 0.5
+  EXPECT_EQ(c->geometry().rotary_dim, 32);
+  EXPECT_EQ(c->geometry().rope_theta, 1e6);
+  EXPECT_EQ(c->geometry().chunk_size, 8192);
 }
 
 TEST(ModelConfigTest, LongValuesAreQuotedShort) {

@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "kernels/dca.h"
+#include "kernels/dual_chunk_rotary.h"
 
 namespace attnd {
 namespace {
@@ -66,6 +67,20 @@ TensorView ToView(const RequestTensor& t) {
   view.data = t.bytes.data();
   view.shape.assign(t.shape.begin(), t.shape.end());
   return view;
+}
+
+// A known layout, and for pre-rotary requests a model whose rotary the engine can apply.
+absl::Status CheckQLayout(QLayout layout, const DcaGeometry& g) {
+  if (layout == QLayout::kVariants) return absl::OkStatus();
+  if (layout != QLayout::kPreRotary) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "q_layout ", static_cast<int32_t>(layout),
+        " is not Q_LAYOUT_VARIANTS (0) or Q_LAYOUT_PRE_ROTARY (1)"));
+  }
+  if (absl::Status s = CheckRotaryGeometry(g); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("q_layout pre_rotary: ", s.message()));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status NotFound(absl::string_view prefix, absl::string_view id) {
@@ -145,6 +160,9 @@ ServerInfo Runtime::Info() const {
   info.model.kv_dtype = layout.kv_dtype;
   info.model.max_position_embeddings = model_.max_position_embeddings;
   info.model.softmax_scale = g.softmax_scale;
+  info.model.rope_theta = model_.rope_theta;
+  info.model.partial_rotary_factor = model_.partial_rotary_factor;
+  info.model.rotary_dim = model_.rotary_dim;
   info.dca.chunk_size = model_.chunk_size;
   info.dca.local_size = model_.local_size;
   info.dca.chunk_len = g.chunk_len;
@@ -208,10 +226,17 @@ absl::Status Runtime::CheckPrefillTensors(const PrefillCall& call, int64_t* num_
     if (absl::Status s = CheckDType("", name, t->dtype); !s.ok()) return s;
   }
   if (absl::Status s = CheckSameDType("", call.q, call.k, call.v); !s.ok()) return s;
+  if (absl::Status s = CheckQLayout(call.q_layout, g); !s.ok()) return s;
 
   const absl::Span<const int64_t> qs = call.q.shape;
-  if (qs.size() != 4 || qs[0] < 1 || qs[1] != kNumQueryVariants || qs[2] != g.num_q_heads ||
-      qs[3] != g.head_dim) {
+  if (call.q_layout == QLayout::kPreRotary) {
+    if (qs.size() != 3 || qs[0] < 1 || qs[1] != g.num_q_heads || qs[2] != g.head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat("q must have shape [T, ", g.num_q_heads, ", ",
+                                                     g.head_dim, "] (T >= 1) for q_layout "
+                                                     "pre_rotary, got ", ShapeString(qs)));
+    }
+  } else if (qs.size() != 4 || qs[0] < 1 || qs[1] != kNumQueryVariants ||
+             qs[2] != g.num_q_heads || qs[3] != g.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat("q must have shape [T, ", kNumQueryVariants,
                                                    ", ", g.num_q_heads, ", ", g.head_dim,
                                                    "] (T >= 1), got ", ShapeString(qs)));
@@ -240,8 +265,15 @@ absl::Status Runtime::CheckDecodeEntry(const DecodeCall::Entry& e) const {
     if (absl::Status s = CheckDType("", name, t->dtype); !s.ok()) return s;
   }
   if (absl::Status s = CheckSameDType("", e.q, e.k, e.v); !s.ok()) return s;
+  if (absl::Status s = CheckQLayout(e.q_layout, g); !s.ok()) return s;
   const absl::Span<const int64_t> qs = e.q.shape;
-  if (qs.size() != 3 || (qs[0] != kNumDecodeVariants && qs[0] != kNumQueryVariants) ||
+  if (e.q_layout == QLayout::kPreRotary) {
+    if (qs.size() != 2 || qs[0] != g.num_q_heads || qs[1] != g.head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat("q must have shape [", g.num_q_heads, ", ",
+                                                     g.head_dim, "] for q_layout pre_rotary, got ",
+                                                     ShapeString(qs)));
+    }
+  } else if (qs.size() != 3 || (qs[0] != kNumDecodeVariants && qs[0] != kNumQueryVariants) ||
       qs[1] != g.num_q_heads || qs[2] != g.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat("q must have shape [", kNumDecodeVariants,
                                                    " or ", kNumQueryVariants, ", ", g.num_q_heads,
@@ -330,6 +362,7 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
   job.start = start;
   job.num_tokens = t;
   job.prompt_len = prompt_len;
+  job.q_layout = call.q_layout;
   job.q = ToView(call.q);
   job.k = ToView(call.k);
   job.v = ToView(call.v);
@@ -440,6 +473,7 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
     je.page_table = seq->pages.data();
     je.num_pages = static_cast<int64_t>(seq->pages.size());
     je.length = o.length;
+    je.q_layout = e.q_layout;
     je.q = ToView(e.q);
     je.k = ToView(e.k);
     je.v = ToView(e.v);

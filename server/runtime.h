@@ -16,6 +16,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "kernels/dca.h"
 #include "kernels/dtype.h"
 #include "kvcache/page_allocator.h"
 #include "kvcache/sequence_table.h"
@@ -40,7 +41,10 @@ struct PrefillCall {
   absl::string_view sequence_id;
   absl::string_view tenant;  // "" when auth is off
   int32_t layer = 0;
-  RequestTensor q;                    // [T, 5, Hq, D]
+  // What q and k hold (the wire value, checked): kVariants q [T, 5, Hq, D]; kPreRotary q
+  // [T, Hq, D] and k before the rotary, which the engine applies (docs/rotary.md).
+  QLayout q_layout = QLayout::kVariants;
+  RequestTensor q;                    // [T, 5, Hq, D] or [T, Hq, D]
   RequestTensor k;                    // [T, Hkv, D]
   RequestTensor v;                    // [T, Hkv, D]
   std::optional<int64_t> prompt_len;  // absent: the layer's length after this call
@@ -57,10 +61,11 @@ struct PrefillResult {
 struct DecodeCall {
   struct Entry {
     absl::string_view sequence_id;
-    RequestTensor q;        // [3 or 5, Hq, D]
+    RequestTensor q;        // [3 or 5, Hq, D] or [Hq, D]
     RequestTensor k;        // [Hkv, D]
     RequestTensor v;        // [Hkv, D]
     OutputBufferFn output;  // unset: the result owns the output
+    QLayout q_layout = QLayout::kVariants;  // per entry; kPreRotary: q [Hq, D], k before the rotary
   };
   absl::string_view tenant;
   int32_t layer = 0;
@@ -97,6 +102,9 @@ struct ServerInfo {
     DType kv_dtype = DType::kFp32;
     int64_t max_position_embeddings = 0;
     float softmax_scale = 0.f;
+    double rope_theta = 0.0;
+    float partial_rotary_factor = 0.f;
+    int32_t rotary_dim = 0;
   } model;
   struct Dca {
     int64_t chunk_size = 0;

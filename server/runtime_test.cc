@@ -190,6 +190,8 @@ TEST_F(RuntimeTest, PrefillBadInputsChangeNothing) {
   Owned q_d32 = Random({3, 5, kHq, 32}, &rng_);
   Owned q_t0 = Random({0, 5, kHq, kD}, &rng_);
   Owned k_t2 = Random({2, kHkv, kD}, &rng_);
+  Owned q_pre_bad = Random({3, 1, kHq, kD}, &rng_);
+  Owned q_pre_d32 = Random({3, kHq, 32}, &rng_);
   std::vector<int64_t> big_shape = {int64_t{1} << 61, 5, kHq, kD};
   std::vector<int64_t> big_kv_shape = {int64_t{1} << 61, kHkv, kD};
   const std::string unknown(32, '0');
@@ -212,6 +214,27 @@ TEST_F(RuntimeTest, PrefillBadInputsChangeNothing) {
       {"q no tokens", [&](PrefillCall* c) { c->q = q_t0.req(); },
        absl::StatusCode::kInvalidArgument,
        "q must have shape [T, 5, 4, 64] (T >= 1), got [0, 5, 4, 64]"},
+      {"unknown q layout", [](PrefillCall* c) { c->q_layout = static_cast<QLayout>(7); },
+       absl::StatusCode::kInvalidArgument,
+       "q_layout 7 is not Q_LAYOUT_VARIANTS (0) or Q_LAYOUT_PRE_ROTARY (1)"},
+      {"variants q sent as pre-rotary",
+       [](PrefillCall* c) { c->q_layout = QLayout::kPreRotary; },
+       absl::StatusCode::kInvalidArgument,
+       "q must have shape [T, 4, 64] (T >= 1) for q_layout pre_rotary, got [3, 5, 4, 64]"},
+      {"pre-rotary q of rank 4",
+       [&](PrefillCall* c) {
+         c->q_layout = QLayout::kPreRotary;
+         c->q = q_pre_bad.req();
+       },
+       absl::StatusCode::kInvalidArgument,
+       "q must have shape [T, 4, 64] (T >= 1) for q_layout pre_rotary, got [3, 1, 4, 64]"},
+      {"pre-rotary q head_dim",
+       [&](PrefillCall* c) {
+         c->q_layout = QLayout::kPreRotary;
+         c->q = q_pre_d32.req();
+       },
+       absl::StatusCode::kInvalidArgument,
+       "q must have shape [T, 4, 64] (T >= 1) for q_layout pre_rotary, got [3, 4, 32]"},
       {"k tokens differ", [&](PrefillCall* c) { c->k = k_t2.req(); },
        absl::StatusCode::kInvalidArgument,
        "k must have shape [3, 2, 64] (T = 3 from q), got [2, 2, 64]"},
@@ -308,6 +331,16 @@ TEST_F(RuntimeTest, DecodeBadInputsChangeNothing) {
   cases.push_back({"four variants", DecodeCall{"", 0, {entry(a, q3), entry(b, q4)}},
                    absl::StatusCode::kInvalidArgument,
                    "entries[1]: q must have shape [3 or 5, 4, 64], got [4, 4, 64]"});
+  DecodeCall pre_bad{"", 0, {entry(a, q3), entry(b, q3)}};
+  pre_bad.entries[1].q_layout = QLayout::kPreRotary;
+  cases.push_back(
+      {"variants q sent as pre-rotary", pre_bad, absl::StatusCode::kInvalidArgument,
+       "entries[1]: q must have shape [4, 64] for q_layout pre_rotary, got [3, 4, 64]"});
+  DecodeCall bad_layout{"", 0, {entry(a, q3)}};
+  bad_layout.entries[0].q_layout = static_cast<QLayout>(-1);
+  cases.push_back(
+      {"unknown q layout", bad_layout, absl::StatusCode::kInvalidArgument,
+       "entries[0]: q_layout -1 is not Q_LAYOUT_VARIANTS (0) or Q_LAYOUT_PRE_ROTARY (1)"});
   DecodeCall bad_k{"", 0, {entry(a, q3)}};
   bad_k.entries[0].k = k_bad.req();
   cases.push_back({"k heads", bad_k, absl::StatusCode::kInvalidArgument,

@@ -480,6 +480,9 @@ void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
   model->set_kv_dtype(ToProto(info.model.kv_dtype));
   model->set_max_position_embeddings(info.model.max_position_embeddings);
   model->set_softmax_scale(info.model.softmax_scale);
+  model->set_rope_theta(info.model.rope_theta);
+  model->set_partial_rotary_factor(info.model.partial_rotary_factor);
+  model->set_rotary_dim(info.model.rotary_dim);
   v1::DcaConfig* dca = response->mutable_dca();
   dca->set_chunk_size(info.dca.chunk_size);
   dca->set_local_size(info.dca.local_size);
@@ -580,6 +583,7 @@ absl::Status AttentionService::RunPrefill(const v1::PrefillRequest& request,
   call.sequence_id = request.sequence_id();
   call.tenant = tenant;
   call.layer = request.layer();
+  call.q_layout = static_cast<QLayout>(request.q_layout());
   call.q = FromProto(request.q());
   call.k = FromProto(request.k());
   call.v = FromProto(request.v());
@@ -622,6 +626,7 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
     const v1::DecodeEntry& in = request.entries(i);
     DecodeCall::Entry& e = call.entries[i];
     e.sequence_id = in.sequence_id();
+    e.q_layout = static_cast<QLayout>(in.q_layout());
     e.q = FromProto(in.q());
     e.k = FromProto(in.k());
     e.v = FromProto(in.v());

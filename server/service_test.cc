@@ -155,6 +155,9 @@ TEST_F(ServiceTest, GetServerInfoFillsEveryField) {
   EXPECT_EQ(info.model().kv_dtype(), v1::DTYPE_FP32);
   EXPECT_EQ(info.model().max_position_embeddings(), 4096);
   EXPECT_FLOAT_EQ(info.model().softmax_scale(), 0.125f);
+  EXPECT_EQ(info.model().rope_theta(), 10000.0);
+  EXPECT_EQ(info.model().partial_rotary_factor(), 1.f);
+  EXPECT_EQ(info.model().rotary_dim(), 64);
   EXPECT_EQ(info.dca().chunk_size(), 160);
   EXPECT_EQ(info.dca().local_size(), 32);
   EXPECT_EQ(info.dca().chunk_len(), 128);

@@ -12,7 +12,7 @@
 namespace attnd::test_models {
 
 // 2 layers, 4 q heads, 2 kv heads, head_dim 64, DCA chunk_size 160 / local_size 32 (chunk_len 128),
-// original_max_position_embeddings 256, softmax scale 1/8.
+// original_max_position_embeddings 256, softmax scale 1/8; rope_theta 1e4 over all 64 dims.
 inline ModelConfig TinyModel() {
   ModelConfig m;
   m.name = "tiny";
@@ -25,6 +25,8 @@ inline ModelConfig TinyModel() {
   m.local_size = 32;
   m.original_max_position_embeddings = 256;
   m.softmax_scale = 0.125f;
+  m.rope_theta = 10000.0;  // configs/tiny: rope_theta 1e4, no partial_rotary_factor
+  m.rotary_dim = 64;
   return m;
 }
 

@@ -1,7 +1,7 @@
-// Replays the golden DCA case dense_gqa_chunked (tests/testdata/dca) through a daemon over
-// loopback gRPC: chunked prefill with the case's prompt_len, then batched decode of two sequences
-// across a chunk boundary. fp32 requests must match the golden outputs within 1e-4; bf16 requests
-// within DCA.md's bf16 bars.
+// Replays the golden DCA cases dense_gqa_chunked and dense_pre_rotary (tests/testdata/dca;
+// pre-rotary q and k: the server applies the dual-chunk rotary) through a daemon over loopback gRPC: chunked prefill with the case's prompt_len, then
+// batched decode of two sequences across a chunk boundary. fp32 requests must match the golden
+// outputs within 1e-4; bf16 requests within DCA.md's bf16 bars.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -78,20 +78,37 @@ class GoldenCase {
 // (request dtype, over a Session stream instead of unary calls)
 class GoldenTest : public ::testing::TestWithParam<std::tuple<DType, bool>> {
  protected:
-  void SetUp() override {
-    const std::string dir = testing::GoldenCaseDir("dense_gqa_chunked");
-    ASSERT_TRUE(golden_.Load(dir)) << "cannot read the golden case in " << dir
-                                   << " (//tests/testdata:dca in the test's data)";
-  }
-  GoldenCase golden_;
+  // The case's steps as requests (pre_rotary: q [T, Hq, D] / [Hq, D], Q_LAYOUT_PRE_ROTARY).
+  void Replay(const GoldenCase& golden, const std::string& name, bool pre_rotary);
 };
 
 TEST_P(GoldenTest, DenseGqaChunked) {
+  const std::string dir = testing::GoldenCaseDir("dense_gqa_chunked");
+  GoldenCase golden;
+  ASSERT_TRUE(golden.Load(dir)) << "cannot read the golden case in " << dir
+                                << " (//tests/testdata:dca in the test's data)";
+  Replay(golden, "golden-dense-gqa-chunked", /*pre_rotary=*/false);
+}
+
+TEST_P(GoldenTest, DensePreRotary) {
+  const std::string dir = testing::GoldenCaseDir("dense_pre_rotary");
+  GoldenCase golden;
+  ASSERT_TRUE(golden.Load(dir)) << "cannot read the golden case in " << dir
+                                << " (//tests/testdata:dca in the test's data)";
+  const nlohmann::json& c = golden.json();
+  ASSERT_EQ(c.at("q_layout"), "pre_rotary");
+  ASSERT_EQ(c.at("rope_style"), "neox");
+  ASSERT_EQ(c.at("rotary_dim"), c.at("head_dim")) << "the config below has no partial rotary";
+  Replay(golden, "golden-dense-pre-rotary", /*pre_rotary=*/true);
+}
+
+void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool pre_rotary) {
   const DType dtype = std::get<0>(GetParam());
   const bool use_session = std::get<1>(GetParam());
-  const nlohmann::json& c = golden_.json();
+  const nlohmann::json& c = golden.json();
   testing::ModelGeometry geometry;
-  geometry.name = "golden-dense-gqa-chunked";
+  geometry.name = name;
+  if (pre_rotary) geometry.rope_theta = c.at("rope_theta").get<double>();
   geometry.num_layers = 1;
   geometry.num_q_heads = c.at("num_q_heads");
   geometry.num_kv_heads = c.at("num_kv_heads");
@@ -141,17 +158,19 @@ TEST_P(GoldenTest, DenseGqaChunked) {
   const bool exact = dtype == DType::kFp32 && !kOnCuda;
   const double max_bar = exact ? 1e-4 : 2e-2;
   const double mean_bar = exact ? 1e-4 : 2e-3;
-  const int64_t q_row = geometry.q_elems_per_token();
+  const v1::QLayout layout = pre_rotary ? v1::Q_LAYOUT_PRE_ROTARY : v1::Q_LAYOUT_VARIANTS;
+  const int64_t q_variants = pre_rotary ? 1 : 5;  // q rows per token as sent
+  const int64_t q_row = q_variants * geometry.num_q_heads * geometry.head_dim;
   const int64_t kv_row = geometry.kv_elems_per_token();
   const int64_t o_row = geometry.o_elems_per_token();
   int steps = 0;
   double worst = 0;
   for (const nlohmann::json& step : c.at("steps")) {
     const std::string op = step.at("op");
-    const Tensor q = golden_.Get(step.at("q"));
-    const Tensor k = golden_.Get(step.at("k"));
-    const Tensor v = golden_.Get(step.at("v"));
-    const Tensor out = golden_.Get(step.at("out"));
+    const Tensor q = golden.Get(step.at("q"));
+    const Tensor k = golden.Get(step.at("k"));
+    const Tensor v = golden.Get(step.at("v"));
+    const Tensor out = golden.Get(step.at("out"));
     SCOPED_TRACE(absl::StrCat("step ", steps, " (", op, ")"));
     if (op == "prefill") {
       const int64_t tokens = step.at("tokens");
@@ -161,10 +180,13 @@ TEST_P(GoldenTest, DenseGqaChunked) {
       auto prefill = [&](auto& target) {
         const int64_t hq = geometry.num_q_heads, hkv = geometry.num_kv_heads;
         const int64_t d = geometry.head_dim;
-        return target.Prefill(id, 0, HostTensor::FromFloats(dtype, {tokens, 5, hq, d}, q.values),
+        const std::vector<int64_t> q_shape =
+            pre_rotary ? std::vector<int64_t>{tokens, hq, d}
+                       : std::vector<int64_t>{tokens, 5, hq, d};
+        return target.Prefill(id, 0, HostTensor::FromFloats(dtype, q_shape, q.values),
                               HostTensor::FromFloats(dtype, {tokens, hkv, d}, k.values),
                               HostTensor::FromFloats(dtype, {tokens, hkv, d}, v.values),
-                              step.at("prompt_len").get<int64_t>());
+                              step.at("prompt_len").get<int64_t>(), layout);
       };
       absl::StatusOr<client::PrefillResult> r = use_session ? prefill(*session) : prefill(client);
       ASSERT_TRUE(r.ok()) << r.status();
@@ -185,8 +207,11 @@ TEST_P(GoldenTest, DenseGqaChunked) {
       for (size_t i = 0; i < seqs.size(); ++i) {
         DecodeInput in;
         in.sequence_id = id_of(seqs[i]);
-        in.q = HostTensor::FromFloats(dtype, {5, geometry.num_q_heads, geometry.head_dim},
-                                      testing::Rows(q.values, q_row, i, i + 1));
+        const std::vector<int64_t> q_shape =
+            pre_rotary ? std::vector<int64_t>{geometry.num_q_heads, geometry.head_dim}
+                       : std::vector<int64_t>{5, geometry.num_q_heads, geometry.head_dim};
+        in.q = HostTensor::FromFloats(dtype, q_shape, testing::Rows(q.values, q_row, i, i + 1));
+        in.q_layout = layout;
         in.k = HostTensor::FromFloats(dtype, {geometry.num_kv_heads, geometry.head_dim},
                                       testing::Rows(k.values, kv_row, i, i + 1));
         in.v = HostTensor::FromFloats(dtype, {geometry.num_kv_heads, geometry.head_dim},
@@ -210,8 +235,8 @@ TEST_P(GoldenTest, DenseGqaChunked) {
     ++steps;
   }
   EXPECT_EQ(steps, static_cast<int>(c.at("steps").size()));
-  std::printf("%s%s: %d steps, worst max abs error %.3g\n", DTypeName(dtype).data(),
-              use_session ? " session" : "", steps, worst);
+  std::printf("%s %s%s: %d steps, worst max abs error %.3g\n", name.c_str(),
+              DTypeName(dtype).data(), use_session ? " session" : "", steps, worst);
   if (session != nullptr) {
     absl::Status closed = session->Close();
     EXPECT_TRUE(closed.ok()) << closed;

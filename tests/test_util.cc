@@ -41,6 +41,7 @@ absl::StatusOr<std::string> WriteModelConfig(const ModelGeometry& geometry) {
       {"head_dim", geometry.head_dim},
       {"hidden_size", geometry.num_q_heads * geometry.head_dim},
       {"max_position_embeddings", geometry.max_position_embeddings},
+      {"rope_theta", geometry.rope_theta},
       {"dual_chunk_attention_config",
        {{"chunk_size", geometry.chunk_size},
         {"local_size", geometry.local_size},

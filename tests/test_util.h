@@ -29,6 +29,7 @@ struct ModelGeometry {
   int64_t chunk_size = 160;
   int64_t local_size = 32;
   int64_t original_max_position_embeddings = 256;
+  double rope_theta = 10000.0;  // written as config.json's rope_theta
 
   int64_t chunk_len() const { return chunk_size - local_size; }
   DcaGeometry dca() const;  // softmax_scale = 1/sqrt(head_dim)

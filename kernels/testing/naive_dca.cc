@@ -67,6 +67,56 @@ std::vector<double> Attend(const DcaGeometry& geometry, int64_t p, absl::Span<co
   return out;
 }
 
+absl::StatusOr<RotatedInputs> DualChunkRotary(const DcaGeometry& geometry, int64_t start,
+                                              absl::Span<const float> q, absl::Span<const float> k,
+                                              int num_variants) {
+  const int64_t hq = geometry.num_q_heads, hkv = geometry.num_kv_heads, d = geometry.head_dim;
+  const int64_t rd = geometry.rotary_dim, cl = geometry.chunk_len, cs = geometry.chunk_size;
+  if (rd < 2 || rd % 2 != 0 || rd > d || cs <= cl || geometry.rope_theta <= 0) {
+    return absl::InvalidArgumentError("the geometry has no usable rotary");
+  }
+  const int64_t t = static_cast<int64_t>(q.size()) / (hq * d);
+  if (t == 0 || static_cast<int64_t>(q.size()) != t * hq * d ||
+      static_cast<int64_t>(k.size()) != t * hkv * d || (num_variants != 3 && num_variants != 5)) {
+    return absl::InvalidArgumentError(absl::StrCat("rotary sizes q=", q.size(), " k=", k.size(),
+                                                   " variants=", num_variants, " do not match"));
+  }
+  // Rotates row x (D values) by position `pos` into out, neox style, in fp64.
+  auto rotate = [&](const float* x, double pos, float* out) {
+    const int64_t half = rd / 2;
+    for (int64_t i = 0; i < half; ++i) {
+      const double freq = std::pow(geometry.rope_theta, -2.0 * static_cast<double>(i) / rd);
+      const double a = pos * freq;
+      const double x1 = x[i], x2 = x[i + half];
+      out[i] = static_cast<float>(x1 * std::cos(a) - x2 * std::sin(a));
+      out[i + half] = static_cast<float>(x2 * std::cos(a) + x1 * std::sin(a));
+    }
+    for (int64_t i = rd; i < d; ++i) out[i] = x[i];
+  };
+  RotatedInputs r;
+  r.q_variants.resize(t * num_variants * hq * d);
+  r.k.resize(t * hkv * d);
+  for (int64_t n = 0; n < t; ++n) {
+    const int64_t p = start + n;
+    const int64_t rel = p % cl;
+    // DCA.md: intra r; succ min(r + cl, chunk_size); inter min(2 cl - 1, chunk_size);
+    // succ_critical r + cl; inter_critical r + chunk_size; the key r.
+    const int64_t positions[5] = {rel, std::min(rel + cl, cs), std::min(2 * cl - 1, cs), rel + cl,
+                                  rel + cs};
+    for (int v = 0; v < num_variants; ++v) {
+      for (int64_t h = 0; h < hq; ++h) {
+        rotate(q.data() + (n * hq + h) * d, static_cast<double>(positions[v]),
+               r.q_variants.data() + ((n * num_variants + v) * hq + h) * d);
+      }
+    }
+    for (int64_t h = 0; h < hkv; ++h) {
+      rotate(k.data() + (n * hkv + h) * d, static_cast<double>(rel),
+             r.k.data() + (n * hkv + h) * d);
+    }
+  }
+  return r;
+}
+
 NaiveSequence::NaiveSequence(const DcaGeometry& geometry, int num_layers)
     : geometry_(geometry), keys_(std::max(num_layers, 0)), values_(std::max(num_layers, 0)) {}
 
@@ -146,6 +196,29 @@ absl::StatusOr<std::vector<float>> NaiveSequence::Decode(int layer, absl::Span<c
   const std::vector<double> o = Attend(geometry_, length_after - 1, q3, keys_[layer],
                                        values_[layer], geometry_.softmax_scale);
   return std::vector<float>(o.begin(), o.end());
+}
+
+absl::StatusOr<std::vector<float>> NaiveSequence::PrefillPreRotary(int layer,
+                                                                   absl::Span<const float> q,
+                                                                   absl::Span<const float> k,
+                                                                   absl::Span<const float> v,
+                                                                   int64_t prompt_len) {
+  absl::Status status = CheckLayer(layer);
+  if (!status.ok()) return status;
+  absl::StatusOr<RotatedInputs> r = DualChunkRotary(geometry_, length(layer), q, k, 5);
+  if (!r.ok()) return r.status();
+  return Prefill(layer, r->q_variants, r->k, v, prompt_len);
+}
+
+absl::StatusOr<std::vector<float>> NaiveSequence::DecodePreRotary(int layer,
+                                                                  absl::Span<const float> q,
+                                                                  absl::Span<const float> k,
+                                                                  absl::Span<const float> v) {
+  absl::Status status = CheckLayer(layer);
+  if (!status.ok()) return status;
+  absl::StatusOr<RotatedInputs> r = DualChunkRotary(geometry_, length(layer), q, k, 3);
+  if (!r.ok()) return r.status();
+  return Decode(layer, r->q_variants, r->k, v);
 }
 
 }  // namespace naive

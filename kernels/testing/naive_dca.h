@@ -28,6 +28,19 @@ std::vector<double> Attend(const DcaGeometry& geometry, int64_t p, absl::Span<co
                            absl::Span<const double> keys, absl::Span<const double> values,
                            double softmax_scale);
 
+// The dual-chunk rotary of DCA.md ("Dual-chunk rotary"), in fp64 from the contract's formulas
+// (exact angles t * theta^(-2i/rd), not the reference's fp32 cache: the two agree to ~1e-5 rad at
+// the small positions tests use). geometry.chunk_size, rope_theta and rotary_dim must be set.
+struct RotatedInputs {
+  std::vector<float> q_variants;  // [T, num_variants, Hq, D]
+  std::vector<float> k;           // [T, Hkv, D], rotated, not length-scaled
+};
+// q: [T, Hq, D] and k: [T, Hkv, D] before the rotary, token n at absolute position start + n.
+// num_variants: 5 (prefill) or 3 (decode). INVALID_ARGUMENT on inconsistent sizes or no rotary.
+absl::StatusOr<RotatedInputs> DualChunkRotary(const DcaGeometry& geometry, int64_t start,
+                                              absl::Span<const float> q, absl::Span<const float> k,
+                                              int num_variants);
+
 // One sequence's cached K/V per layer plus the prefill/decode rules of DCA.md ("Length scaling").
 // fp32 in and out, fp64 inside. Not thread-safe.
 class NaiveSequence {
@@ -48,6 +61,16 @@ class NaiveSequence {
   // query variants are multiplied by s(L), and the softmax scale is the geometry's.
   absl::StatusOr<std::vector<float>> Decode(int layer, absl::Span<const float> q,
                                             absl::Span<const float> k, absl::Span<const float> v);
+
+  // The same for pre-rotary inputs (q [T, Hq, D] / [Hq, D], k before the rotary): DualChunkRotary
+  // at the layer's length, then Prefill / Decode.
+  absl::StatusOr<std::vector<float>> PrefillPreRotary(int layer, absl::Span<const float> q,
+                                                      absl::Span<const float> k,
+                                                      absl::Span<const float> v,
+                                                      int64_t prompt_len);
+  absl::StatusOr<std::vector<float>> DecodePreRotary(int layer, absl::Span<const float> q,
+                                                     absl::Span<const float> k,
+                                                     absl::Span<const float> v);
 
   // Tokens cached in `layer` (0 for a bad layer).
   int64_t length(int layer) const;

@@ -90,6 +90,39 @@ TEST(NaiveSequenceTest, RejectsBadInput) {
   EXPECT_EQ(seq.length(0), 0);
 }
 
+// D = 4, rotary_dim 2 (dims 2..3 pass through), theta 100, cl = 6, chunk_size 8: the token at
+// p = 9 has r = 3, so intra/key rotate by 3, succ by min(9, 8) = 8, inter by min(11, 8) = 8,
+// succ_critical by 9 and inter_critical by 11, all at frequency 1 (i = 0 only).
+TEST(DualChunkRotaryTest, RotatesEachVariantByItsPosition) {
+  DcaGeometry geo;
+  geo.num_q_heads = 1;
+  geo.num_kv_heads = 1;
+  geo.head_dim = 4;
+  geo.chunk_len = 6;
+  geo.chunk_size = 8;
+  geo.rope_theta = 100.0;
+  geo.rotary_dim = 2;
+  const std::vector<float> q = {1.f, 0.5f, 7.f, -3.f};
+  const std::vector<float> k = {-2.f, 1.f, 4.f, 5.f};
+  absl::StatusOr<RotatedInputs> r = DualChunkRotary(geo, 9, q, k, 5);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const double positions[5] = {3, 8, 8, 9, 11};
+  for (int v = 0; v < 5; ++v) {
+    const double a = positions[v];
+    EXPECT_NEAR(r->q_variants[v * 4 + 0], 1.0 * std::cos(a) - 0.5 * std::sin(a), 1e-6) << v;
+    EXPECT_NEAR(r->q_variants[v * 4 + 1], 0.5 * std::cos(a) + 1.0 * std::sin(a), 1e-6) << v;
+    EXPECT_EQ(r->q_variants[v * 4 + 2], 7.f);
+    EXPECT_EQ(r->q_variants[v * 4 + 3], -3.f);
+  }
+  EXPECT_NEAR(r->k[0], -2.0 * std::cos(3.0) - 1.0 * std::sin(3.0), 1e-6);
+  EXPECT_NEAR(r->k[1], 1.0 * std::cos(3.0) - 2.0 * std::sin(3.0), 1e-6);
+  EXPECT_EQ(r->k[2], 4.f);
+  EXPECT_EQ(r->k[3], 5.f);
+
+  geo.rotary_dim = 0;
+  EXPECT_FALSE(DualChunkRotary(geo, 9, q, k, 5).ok());
+}
+
 }  // namespace
 }  // namespace naive
 }  // namespace attnd

@@ -29,17 +29,30 @@ def _read_pem(value):
         return f.read()
 
 
-def _prefill_request(seq, layer, q, k, v, prompt_len):
+_Q_LAYOUTS = {"variants": 0, "pre_rotary": 1}
+
+
+def _q_layout(value):
+    """"variants" | "pre_rotary" (or an attnd.v1.QLayout value) -> the wire value."""
+    if isinstance(value, str):
+        if value not in _Q_LAYOUTS:
+            raise invalid_argument("q_layout must be 'variants' or 'pre_rotary', got %r" % value)
+        return _Q_LAYOUTS[value]
+    return int(value)
+
+
+def _prefill_request(seq, layer, q, k, v, prompt_len, q_layout="variants"):
     """-> (serialized attnd.v1.PrefillRequest as a _wire.Msg, Like of q)."""
     if not isinstance(seq, str):
         raise invalid_argument("sequence id must be a str, got %s" % type(seq).__name__)
     qa, qd, like = _tensors.to_numpy(q, "q")
     ka, kd, _ = _tensors.to_numpy(k, "k")
     va, vd, _ = _tensors.to_numpy(v, "v")
-    return _wire.prefill_request(seq, int(layer), (qa, qd), (ka, kd), (va, vd), prompt_len), like
+    return _wire.prefill_request(seq, int(layer), (qa, qd), (ka, kd), (va, vd), prompt_len,
+                                 _q_layout(q_layout)), like
 
 
-def _decode_request(layer, seqs, q, k, v):
+def _decode_request(layer, seqs, q, k, v, q_layout="variants"):
     """-> (serialized attnd.v1.DecodeRequest as a _wire.Msg, Like of q)."""
     if isinstance(seqs, str):
         seqs = [seqs]
@@ -49,10 +62,25 @@ def _decode_request(layer, seqs, q, k, v):
     for s in seqs:
         if not isinstance(s, str):
             raise invalid_argument("sequence id must be a str, got %s" % type(s).__name__)
-    qs, like = _tensors.split_arrays(q, "q", len(seqs))
+    if isinstance(q_layout, (str, int)):
+        layouts = [_q_layout(q_layout)] * len(seqs)
+    else:  # one per sequence: a batch may mix layouts
+        layouts = [_q_layout(x) for x in q_layout]
+        if len(layouts) != len(seqs):
+            raise invalid_argument("q_layout: %d layouts for %d sequences" % (len(layouts), len(seqs)))
     ks, _ = _tensors.split_arrays(k, "k", len(seqs))
     vs, _ = _tensors.split_arrays(v, "v", len(seqs))
-    return _wire.decode_request(int(layer), list(zip(seqs, qs, ks, vs))), like
+    if len(set(layouts)) == 1:
+        qs, like = _tensors.split_arrays(q, "q", len(seqs))
+    else:  # mixed layouts have differently shaped q rows: a list of per-sequence arrays
+        if len(q) != len(seqs):
+            raise invalid_argument("q: %d rows for %d sequences" % (len(q), len(seqs)))
+        qs, like = [], None
+        for i, row in enumerate(q):
+            a, dt, row_like = _tensors.to_numpy(row, "q[%d]" % i)
+            qs.append((a, dt))
+            like = like or row_like
+    return _wire.decode_request(int(layer), list(zip(seqs, qs, ks, vs, layouts))), like
 
 
 def _prefill_output(mv, start, end, like):
@@ -157,26 +185,31 @@ class Client:
         return self._call(self._stub.ReleaseSequence, pb.ReleaseSequenceRequest(sequence_id=seq),
                           timeout).pages_freed
 
-    def prefill(self, seq, layer, q, k, v, prompt_len=None, timeout=None, return_length=False):
+    def prefill(self, seq, layer, q, k, v, prompt_len=None, timeout=None, return_length=False,
+                q_layout="variants"):
         """Appends T tokens to one layer of a sequence and returns their attention output.
 
         q [T, 5, Hq, D] (intra, succ, inter, succ_critical, inter_critical), k/v [T, Hkv, D] -> out [T, Hq, D]
-        in q's dtype and kind. prompt_len: the whole prompt's length when the prompt is sent in several calls
-        (the same value in every call). return_length=True returns (out, layer length after the call).
+        in q's dtype and kind. q_layout="pre_rotary": q [T, Hq, D] and k before the rotary embedding; the
+        server applies the dual-chunk rotary (docs/rotary.md). prompt_len: the whole prompt's length when the
+        prompt is sent in several calls (the same value in every call). return_length=True returns (out, layer
+        length after the call).
         """
-        req, like = _prefill_request(seq, layer, q, k, v, prompt_len)
+        req, like = _prefill_request(seq, layer, q, k, v, prompt_len, q_layout)
         resp = self._call(self._prefill, req.tobytes(), timeout)
         mv = memoryview(resp)
         out, length = _prefill_output(mv, 0, len(mv), like)
         return (out, length) if return_length else out
 
-    def decode(self, layer, seqs, q, k, v, timeout=None, return_lengths=False):
+    def decode(self, layer, seqs, q, k, v, timeout=None, return_lengths=False, q_layout="variants"):
         """One decode step of a batch of sequences in one layer (all or nothing).
 
         seqs: B sequence ids (each at most once); q [B, 3 or 5, Hq, D], k/v [B, Hkv, D] -> out [B, Hq, D].
+        q_layout="pre_rotary": q [B, Hq, D] and k before the rotary; a list of B layouts mixes them per
+        sequence (then q is a list of B arrays, [3 or 5, Hq, D] or [Hq, D]).
         return_lengths=True returns (out, [layer length after the token, per sequence]).
         """
-        req, like = _decode_request(layer, seqs, q, k, v)
+        req, like = _decode_request(layer, seqs, q, k, v, q_layout)
         resp = self._call(self._decode, req.tobytes(), timeout)
         mv = memoryview(resp)
         out, lengths = _decode_output(mv, 0, len(mv), like)
@@ -333,21 +366,21 @@ class Session:
         while self._pending:
             self._pending.popleft()._fail(err)
 
-    def submit_prefill(self, seq, layer, q, k, v, prompt_len=None):
-        req, like = _prefill_request(seq, layer, q, k, v, prompt_len)
+    def submit_prefill(self, seq, layer, q, k, v, prompt_len=None, q_layout="variants"):
+        req, like = _prefill_request(seq, layer, q, k, v, prompt_len, q_layout)
         return self._send("prefill", like, prefill=req)
 
-    def submit_decode(self, layer, seqs, q, k, v):
-        req, like = _decode_request(layer, seqs, q, k, v)
+    def submit_decode(self, layer, seqs, q, k, v, q_layout="variants"):
+        req, like = _decode_request(layer, seqs, q, k, v, q_layout)
         return self._send("decode", like, decode=req)
 
-    def prefill(self, seq, layer, q, k, v, prompt_len=None):
+    def prefill(self, seq, layer, q, k, v, prompt_len=None, q_layout="variants"):
         """As Client.prefill, over the stream."""
-        return self.submit_prefill(seq, layer, q, k, v, prompt_len).result()
+        return self.submit_prefill(seq, layer, q, k, v, prompt_len, q_layout).result()
 
-    def decode(self, layer, seqs, q, k, v):
+    def decode(self, layer, seqs, q, k, v, q_layout="variants"):
         """As Client.decode, over the stream."""
-        return self.submit_decode(layer, seqs, q, k, v).result()
+        return self.submit_decode(layer, seqs, q, k, v, q_layout).result()
 
     def close(self):
         """Reads the answers still owed, half-closes the stream and waits for it to end with OK.

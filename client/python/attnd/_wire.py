@@ -24,10 +24,10 @@ def _num(message, field):
 
 # Field numbers.
 T_DTYPE, T_SHAPE, T_DATA = _num(pb.Tensor, "dtype"), _num(pb.Tensor, "shape"), _num(pb.Tensor, "data")
-P_SEQ, P_LAYER, P_Q, P_K, P_V, P_PROMPT_LEN = (_num(pb.PrefillRequest, f) for f in
-                                               ("sequence_id", "layer", "q", "k", "v", "prompt_len"))
+P_SEQ, P_LAYER, P_Q, P_K, P_V, P_PROMPT_LEN, P_Q_LAYOUT = (
+    _num(pb.PrefillRequest, f) for f in ("sequence_id", "layer", "q", "k", "v", "prompt_len", "q_layout"))
 PR_O, PR_LENGTH = _num(pb.PrefillResponse, "o"), _num(pb.PrefillResponse, "length")
-E_SEQ, E_Q, E_K, E_V = (_num(pb.DecodeEntry, f) for f in ("sequence_id", "q", "k", "v"))
+E_SEQ, E_Q, E_K, E_V, E_Q_LAYOUT = (_num(pb.DecodeEntry, f) for f in ("sequence_id", "q", "k", "v", "q_layout"))
 D_LAYER, D_ENTRIES = _num(pb.DecodeRequest, "layer"), _num(pb.DecodeRequest, "entries")
 DO_O, DO_LENGTH = _num(pb.DecodeOutput, "o"), _num(pb.DecodeOutput, "length")
 DR_OUTPUTS = _num(pb.DecodeResponse, "outputs")
@@ -96,8 +96,8 @@ def tensor(array, dtype):
     return m
 
 
-def prefill_request(seq, layer, q, k, v, prompt_len):
-    """q/k/v: (array, DType) pairs."""
+def prefill_request(seq, layer, q, k, v, prompt_len, q_layout=0):
+    """q/k/v: (array, DType) pairs; q_layout: an attnd.v1.QLayout value."""
     m = Msg()
     if seq:
         m.bytes_field(P_SEQ, seq.encode())
@@ -106,19 +106,21 @@ def prefill_request(seq, layer, q, k, v, prompt_len):
         m.message_field(field, tensor(a, dt))
     if prompt_len is not None:
         m.varint_field(P_PROMPT_LEN, prompt_len, always=True)  # proto3 optional: presence is meaningful
+    m.varint_field(P_Q_LAYOUT, q_layout)  # 0 (the five variants) is the default: not written
     return m
 
 
 def decode_request(layer, entries):
-    """entries: (seq, (q, dtype), (k, dtype), (v, dtype)) per sequence."""
+    """entries: (seq, (q, dtype), (k, dtype), (v, dtype), q_layout) per sequence."""
     m = Msg()
     m.varint_field(D_LAYER, layer)
-    for seq, q, k, v in entries:
+    for seq, q, k, v, q_layout in entries:
         e = Msg()
         if seq:
             e.bytes_field(E_SEQ, seq.encode())
         for field, (a, dt) in ((E_Q, q), (E_K, k), (E_V, v)):
             e.message_field(field, tensor(a, dt))
+        e.varint_field(E_Q_LAYOUT, q_layout)
         m.message_field(D_ENTRIES, e)
     return m
 

@@ -1,0 +1,85 @@
+// Device code of the dual-chunk rotary (rotary_cuda.h). Included by rotary_cuda.cu only.
+#ifndef ATTND_KERNELS_CUDA_ROTARY_CUDA_KERNELS_CUH_
+#define ATTND_KERNELS_CUDA_ROTARY_CUDA_KERNELS_CUH_
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/rotary_cuda.h"
+#include "kernels/dual_chunk_rotary.h"
+
+namespace attnd {
+namespace rotary_kernels {
+
+struct RotaryArgs {
+  CudaRotaryParams p;
+  int32_t num_q_heads;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  int32_t half;  // rotary_dim / 2
+  int64_t chunk_size;
+  int64_t chunk_len;
+};
+
+// Grid: (num_tokens); dynamic shared memory: 2 * 5 * half floats (cos, then sin, per variant).
+__global__ void DualChunkRotaryKernel(RotaryArgs a) {
+  extern __shared__ float trig[];
+  float* cos_v = trig;
+  float* sin_v = trig + kNumQueryVariants * a.half;
+  const int64_t n = blockIdx.x;
+  const int64_t pos = a.p.start + n;
+  const int dtype = static_cast<int>(a.p.dtype);
+  for (int j = threadIdx.x; j < kNumQueryVariants * a.half; j += blockDim.x) {
+    const int v = j / a.half, i = j % a.half;
+    const int64_t t = DualChunkRotaryPosition(v, pos, a.chunk_size, a.chunk_len);
+    // NOTE the angle is an fp32 product, as the reference's fp32 cache (dual_chunk_rotary.h).
+    const float angle = __fmul_rn(static_cast<float>(t), a.p.inv_freq[i]);
+    double s, c;
+    sincos(static_cast<double>(angle), &s, &c);
+    cos_v[j] = static_cast<float>(c);
+    sin_v[j] = static_cast<float>(s);
+  }
+  __syncthreads();
+
+  const int d = a.head_dim, half = a.half, rd = 2 * a.half;
+  // Query variants: element (v, h, i) of the token's [5, Hq, D] output.
+  const int64_t q_base = n * a.num_q_heads * d;
+  const int row_elems = a.num_q_heads * d;
+  Bf16* out = a.p.q_variants + n * kNumQueryVariants * row_elems;
+  for (int e = threadIdx.x; e < kNumQueryVariants * row_elems; e += blockDim.x) {
+    const int v = e / row_elems, hi = e % row_elems, h = hi / d, i = hi % d;
+    const int64_t row = q_base + static_cast<int64_t>(h) * d;
+    float x;
+    if (i < half) {
+      const float x1 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i);
+      const float x2 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i + half);
+      x = x1 * cos_v[v * half + i] - x2 * sin_v[v * half + i];
+    } else if (i < rd) {
+      const int j = i - half;
+      const float x1 = cuda_common::LoadAsFloat(a.p.q, dtype, row + j);
+      const float x2 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i);
+      x = x2 * cos_v[v * half + j] + x1 * sin_v[v * half + j];
+    } else {
+      x = cuda_common::LoadAsFloat(a.p.q, dtype, row + i);
+    }
+    out[e] = __float2bfloat16_rn(x);
+  }
+  // The key, in place, by the intra position: one thread per dim pair, so no element is read
+  // after another thread wrote it. Dims past rotary_dim stay as they are.
+  const int64_t k_base = n * a.num_kv_heads * d;
+  for (int e = threadIdx.x; e < a.num_kv_heads * half; e += blockDim.x) {
+    const int h = e / half, i = e % half;
+    const int64_t row = k_base + static_cast<int64_t>(h) * d;
+    const float x1 = cuda_common::LoadAsFloat(a.p.k, dtype, row + i);
+    const float x2 = cuda_common::LoadAsFloat(a.p.k, dtype, row + i + half);
+    cuda_common::StoreOne(a.p.k, dtype, row + i, x1 * cos_v[i] - x2 * sin_v[i]);
+    cuda_common::StoreOne(a.p.k, dtype, row + i + half, x2 * cos_v[i] + x1 * sin_v[i]);
+  }
+}
+
+}  // namespace rotary_kernels
+}  // namespace attnd
+
+#endif  // ATTND_KERNELS_CUDA_ROTARY_CUDA_KERNELS_CUH_
