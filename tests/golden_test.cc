@@ -1,9 +1,15 @@
 // Replays the golden DCA cases dense_gqa_chunked and dense_pre_rotary (tests/testdata/dca;
 // pre-rotary q and k: the server applies the dual-chunk rotary) through a daemon over loopback gRPC: chunked prefill with the case's prompt_len, then
-// batched decode of two sequences across a chunk boundary. fp32 requests must match the golden
+// batched decode of two sequences across a chunk boundary; unary, over a Session stream, and
+// with every tensor in a registered shm region (docs/regions.md). fp32 requests must match the golden
 // outputs within 1e-4; bf16 requests within DCA.md's bf16 bars.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -15,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
 #include "nlohmann/json.hpp"
@@ -75,8 +82,134 @@ class GoldenCase {
   std::string blob_;
 };
 
-// (request dtype, over a Session stream instead of unary calls)
-class GoldenTest : public ::testing::TestWithParam<std::tuple<DType, bool>> {
+// The tensors of every request in a registered shm region instead of inline (docs/regions.md):
+// inputs written at the region's start, the output read back from after them.
+class ShmTransport {
+ public:
+  ShmTransport(const std::string& target, client::AttndClient* client) : client_(client) {
+    static int counter = 0;
+    name_ = absl::StrCat("/attnd-golden-", getpid(), "-", counter++);
+    fd_ = shm_open(name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd_ < 0 || ftruncate(fd_, kBytes) != 0) return;
+    base_ = static_cast<char*>(mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0));
+    auto stub = v1::Attention::NewStub(
+        grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+    v1::RegisterRegionRequest request;
+    request.mutable_system_shm()->set_name(name_);
+    request.mutable_system_shm()->set_byte_size(kBytes);
+    v1::RegisterRegionResponse response;
+    grpc::ClientContext context;
+    if (stub->RegisterRegion(&context, request, &response).ok()) region_ = response.region_id();
+  }
+  ~ShmTransport() {
+    if (base_ != nullptr) munmap(base_, kBytes);
+    if (fd_ >= 0) close(fd_);
+    shm_unlink(name_.c_str());
+  }
+  bool ok() const { return !region_.empty(); }
+
+  absl::StatusOr<client::PrefillResult> Prefill(const std::string& id, int32_t layer,
+                                                const HostTensor& q, const HostTensor& k,
+                                                const HostTensor& v, int64_t prompt_len,
+                                                v1::QLayout layout) {
+    used_ = 0;
+    v1::PrefillRequest request;
+    request.set_sequence_id(id);
+    request.set_layer(layer);
+    request.set_prompt_len(prompt_len);
+    request.set_q_layout(layout);
+    Put(q, request.mutable_q());
+    Put(k, request.mutable_k());
+    Put(v, request.mutable_v());
+    const std::vector<int64_t> o_shape = {q.shape[0], q.shape[q.shape.size() - 2],
+                                          q.shape.back()};
+    const uint64_t o_at = Output(o_shape, q.dtype, request.mutable_output_region());
+    absl::StatusOr<v1::PrefillResponse> r = client_->PrefillRaw(request);
+    if (!r.ok()) return r.status();
+    client::PrefillResult result;
+    result.length = r->length();
+    result.o = Get(o_shape, q.dtype, o_at);
+    if (!r->o().data().empty() || r->o().region().region_id() != region_) {
+      return absl::InternalError("the reply carried bytes or another region");
+    }
+    return result;
+  }
+
+  absl::StatusOr<std::vector<client::DecodeResult>> Decode(
+      int32_t layer, const std::vector<client::DecodeInput>& entries) {
+    used_ = 0;
+    v1::DecodeRequest request;
+    request.set_layer(layer);
+    std::vector<uint64_t> at;
+    std::vector<std::vector<int64_t>> shapes;
+    for (const client::DecodeInput& in : entries) {
+      v1::DecodeEntry* e = request.add_entries();
+      e->set_sequence_id(in.sequence_id);
+      e->set_q_layout(in.q_layout);
+      Put(in.q, e->mutable_q());
+      Put(in.k, e->mutable_k());
+      Put(in.v, e->mutable_v());
+      shapes.push_back({in.q.shape[in.q.shape.size() - 2], in.q.shape.back()});
+      at.push_back(Output(shapes.back(), in.q.dtype, e->mutable_output_region()));
+    }
+    absl::StatusOr<v1::DecodeResponse> r = client_->DecodeRaw(request);
+    if (!r.ok()) return r.status();
+    std::vector<client::DecodeResult> results;
+    for (int i = 0; i < r->outputs_size(); ++i) {
+      client::DecodeResult d;
+      d.length = r->outputs(i).length();
+      d.o = Get(shapes[i], entries[i].q.dtype, at[i]);
+      results.push_back(std::move(d));
+    }
+    return results;
+  }
+
+ private:
+  static constexpr size_t kBytes = 64 << 20;
+  // 64-byte aligned bump allocation in the region.
+  uint64_t Take(size_t n) {
+    const uint64_t at = used_;
+    used_ = (used_ + n + 63) / 64 * 64;
+    EXPECT_LE(used_, kBytes) << "the golden case outgrew the test's shm region";
+    return at;
+  }
+  void Put(const HostTensor& t, v1::Tensor* out) {
+    const uint64_t at = Take(t.data.size());
+    std::memcpy(base_ + at, t.data.data(), t.data.size());
+    out->set_dtype(client::ToProtoDType(t.dtype));
+    for (int64_t d : t.shape) out->add_shape(d);
+    out->mutable_region()->set_region_id(region_);
+    out->mutable_region()->set_offset(at);
+    out->mutable_region()->set_byte_size(t.data.size());
+  }
+  uint64_t Output(const std::vector<int64_t>& shape, DType dtype, v1::RegionRef* ref) {
+    int64_t n = ElementSize(dtype);
+    for (int64_t d : shape) n *= d;
+    const uint64_t at = Take(n);
+    std::memset(base_ + at, 0xff, n);  // NaN in every dtype unless attnd writes it
+    ref->set_region_id(region_);
+    ref->set_offset(at);
+    ref->set_byte_size(n);
+    return at;
+  }
+  HostTensor Get(const std::vector<int64_t>& shape, DType dtype, uint64_t at) const {
+    int64_t n = ElementSize(dtype);
+    for (int64_t d : shape) n *= d;
+    return HostTensor::FromBytes(dtype, shape, std::string(base_ + at, n));
+  }
+
+  client::AttndClient* const client_;
+  std::string name_;
+  std::string region_;
+  int fd_ = -1;
+  char* base_ = nullptr;
+  uint64_t used_ = 0;
+};
+
+enum class Transport { kUnary, kSession, kShm };
+
+// (request dtype, how requests travel)
+class GoldenTest : public ::testing::TestWithParam<std::tuple<DType, Transport>> {
  protected:
   // The case's steps as requests (pre_rotary: q [T, Hq, D] / [Hq, D], Q_LAYOUT_PRE_ROTARY).
   void Replay(const GoldenCase& golden, const std::string& name, bool pre_rotary);
@@ -104,7 +237,8 @@ TEST_P(GoldenTest, DensePreRotary) {
 
 void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool pre_rotary) {
   const DType dtype = std::get<0>(GetParam());
-  const bool use_session = std::get<1>(GetParam());
+  const Transport transport = std::get<1>(GetParam());
+  const bool use_session = transport == Transport::kSession;
   const nlohmann::json& c = golden.json();
   testing::ModelGeometry geometry;
   geometry.name = name;
@@ -141,6 +275,11 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
     absl::StatusOr<std::unique_ptr<client::Session>> opened = client.OpenSession();
     ASSERT_TRUE(opened.ok()) << opened.status();
     session = std::move(*opened);
+  }
+  std::unique_ptr<ShmTransport> shm;
+  if (transport == Transport::kShm) {
+    shm = std::make_unique<ShmTransport>((*daemon)->target(), &client);
+    ASSERT_TRUE(shm->ok()) << "cannot register the test's shm region";
   }
 
   // The case's sequence numbers -> server ids, created on first use.
@@ -188,7 +327,9 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
                               HostTensor::FromFloats(dtype, {tokens, hkv, d}, v.values),
                               step.at("prompt_len").get<int64_t>(), layout);
       };
-      absl::StatusOr<client::PrefillResult> r = use_session ? prefill(*session) : prefill(client);
+      absl::StatusOr<client::PrefillResult> r = use_session ? prefill(*session)
+                                                 : shm != nullptr ? prefill(*shm)
+                                                                  : prefill(client);
       ASSERT_TRUE(r.ok()) << r.status();
       EXPECT_EQ(r->length, start + tokens);
       EXPECT_EQ(r->o.dtype, dtype);
@@ -219,7 +360,9 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
         entries.push_back(std::move(in));
       }
       absl::StatusOr<std::vector<client::DecodeResult>> r =
-          use_session ? session->Decode(0, entries) : client.Decode(0, entries);
+          use_session ? session->Decode(0, entries)
+          : shm != nullptr ? shm->Decode(0, entries)
+                           : client.Decode(0, entries);
       ASSERT_TRUE(r.ok()) << r.status();
       ASSERT_EQ(r->size(), seqs.size());
       for (size_t i = 0; i < seqs.size(); ++i) {
@@ -236,7 +379,8 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   }
   EXPECT_EQ(steps, static_cast<int>(c.at("steps").size()));
   std::printf("%s %s%s: %d steps, worst max abs error %.3g\n", name.c_str(),
-              DTypeName(dtype).data(), use_session ? " session" : "", steps, worst);
+              DTypeName(dtype).data(),
+              use_session ? " session" : shm != nullptr ? " shm regions" : "", steps, worst);
   if (session != nullptr) {
     absl::Status closed = session->Close();
     EXPECT_TRUE(closed.ok()) << closed;
@@ -252,13 +396,17 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   EXPECT_EQ(info->kv_cache().pages_free(), info->kv_cache().pages_total());
 }
 
-INSTANTIATE_TEST_SUITE_P(DtypesAndTransports, GoldenTest,
-                         ::testing::Combine(::testing::Values(DType::kFp32, DType::kBf16),
-                                            ::testing::Bool()),
-                         [](const ::testing::TestParamInfo<std::tuple<DType, bool>>& info) {
-                           return absl::StrCat(DTypeName(std::get<0>(info.param)),
-                                               std::get<1>(info.param) ? "_session" : "_unary");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    DtypesAndTransports, GoldenTest,
+    ::testing::Combine(::testing::Values(DType::kFp32, DType::kBf16),
+                       ::testing::Values(Transport::kUnary, Transport::kSession, Transport::kShm)),
+    [](const ::testing::TestParamInfo<std::tuple<DType, Transport>>& info) {
+      const Transport t = std::get<1>(info.param);
+      return absl::StrCat(DTypeName(std::get<0>(info.param)),
+                          t == Transport::kSession ? "_session"
+                          : t == Transport::kShm   ? "_shm"
+                                                   : "_unary");
+    });
 
 }  // namespace
 }  // namespace attnd
