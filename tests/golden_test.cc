@@ -3,8 +3,14 @@
 // batched decode of two sequences across a chunk boundary; unary, over a Session stream, and
 // with every tensor in a registered shm region (docs/regions.md). fp32 requests must match the golden
 // outputs within 1e-4; bf16 requests within DCA.md's bf16 bars.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,6 +38,7 @@
 // golden_cuda_test builds this file with ATTND_GOLDEN_ON_CUDA: the same replay against the CUDA
 // backend (bf16 K/V on the device, so every request dtype is held to DCA.md's bf16 bars).
 #ifdef ATTND_GOLDEN_ON_CUDA
+#include <cuda_runtime_api.h>
 constexpr bool kOnCuda = true;
 #else
 constexpr bool kOnCuda = false;
@@ -82,31 +89,146 @@ class GoldenCase {
   std::string blob_;
 };
 
-// The tensors of every request in a registered shm region instead of inline (docs/regions.md):
-// inputs written at the region's start, the output read back from after them.
-class ShmTransport {
+// Memory a region names: written and read by the test as the client would.
+class RegionMemory {
  public:
-  ShmTransport(const std::string& target, client::AttndClient* client) : client_(client) {
+  static constexpr size_t kBytes = 64 << 20;
+  virtual ~RegionMemory() = default;
+  virtual void Write(uint64_t at, const void* src, size_t n) = 0;
+  virtual std::string Read(uint64_t at, size_t n) = 0;
+  virtual void Fill(uint64_t at, size_t n) = 0;  // 0xff: NaN in every dtype unless attnd writes it
+  virtual void Describe(v1::RegisterRegionRequest* request) = 0;
+};
+
+class ShmMemory : public RegionMemory {
+ public:
+  ShmMemory() {
     static int counter = 0;
     name_ = absl::StrCat("/attnd-golden-", getpid(), "-", counter++);
     fd_ = shm_open(name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
     if (fd_ < 0 || ftruncate(fd_, kBytes) != 0) return;
     base_ = static_cast<char*>(mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0));
-    auto stub = v1::Attention::NewStub(
-        grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
-    v1::RegisterRegionRequest request;
-    request.mutable_system_shm()->set_name(name_);
-    request.mutable_system_shm()->set_byte_size(kBytes);
-    v1::RegisterRegionResponse response;
-    grpc::ClientContext context;
-    if (stub->RegisterRegion(&context, request, &response).ok()) region_ = response.region_id();
   }
-  ~ShmTransport() {
+  ~ShmMemory() override {
     if (base_ != nullptr) munmap(base_, kBytes);
     if (fd_ >= 0) close(fd_);
     shm_unlink(name_.c_str());
   }
-  bool ok() const { return !region_.empty(); }
+  void Write(uint64_t at, const void* src, size_t n) override { std::memcpy(base_ + at, src, n); }
+  std::string Read(uint64_t at, size_t n) override { return std::string(base_ + at, n); }
+  void Fill(uint64_t at, size_t n) override { std::memset(base_ + at, 0xff, n); }
+  void Describe(v1::RegisterRegionRequest* request) override {
+    request->mutable_system_shm()->set_name(name_);
+    request->mutable_system_shm()->set_byte_size(kBytes);
+  }
+
+ private:
+  std::string name_;
+  int fd_ = -1;
+  char* base_ = nullptr;
+};
+
+#ifdef ATTND_GOLDEN_ON_CUDA
+// Device memory of this process, shared with the daemon (another process) by a CUDA IPC handle.
+class CudaMemory : public RegionMemory {
+ public:
+  CudaMemory() { ok_ = cudaMalloc(&base_, kBytes) == cudaSuccess; }
+  ~CudaMemory() override {
+    if (ok_) cudaFree(base_);
+  }
+  void Write(uint64_t at, const void* src, size_t n) override {
+    EXPECT_EQ(cudaMemcpy(static_cast<char*>(base_) + at, src, n, cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  std::string Read(uint64_t at, size_t n) override {
+    std::string out(n, '\0');
+    EXPECT_EQ(cudaMemcpy(out.data(), static_cast<char*>(base_) + at, n, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return out;
+  }
+  void Fill(uint64_t at, size_t n) override {
+    EXPECT_EQ(cudaMemset(static_cast<char*>(base_) + at, 0xff, n), cudaSuccess);
+  }
+  void Describe(v1::RegisterRegionRequest* request) override {
+    cudaIpcMemHandle_t handle;
+    EXPECT_EQ(cudaIpcGetMemHandle(&handle, base_), cudaSuccess);
+    request->mutable_cuda_ipc()->set_handle(&handle, sizeof(handle));
+    request->mutable_cuda_ipc()->set_byte_size(kBytes);
+  }
+
+ private:
+  void* base_ = nullptr;
+  bool ok_ = false;
+};
+
+// attnd in its own process: a CUDA IPC handle opens only in a process other than its exporter's.
+class ChildDaemon {
+ public:
+  ~ChildDaemon() {
+    if (pid_ > 0) {
+      kill(pid_, SIGTERM);
+      int status = 0;
+      waitpid(pid_, &status, 0);
+    }
+  }
+  absl::Status Start(const std::string& config) {
+    std::string binary;
+    if (const char* srcdir = std::getenv("TEST_SRCDIR")) {
+      const std::string candidate = absl::StrCat(srcdir, "/attnd/server/attnd");
+      if (access(candidate.c_str(), X_OK) == 0) binary = candidate;
+    }
+    if (binary.empty()) binary = "attnd";  // the GPU machine's bundle puts it on PATH
+    // A free port: bound and released (another process could take it meanwhile; unlikely here).
+    const int probe = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    if (bind(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        getsockname(probe, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      close(probe);
+      return absl::InternalError("no free port");
+    }
+    close(probe);
+    target_ = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+    std::vector<std::string> args = {binary,          "--device=cuda",       "--kv-dtype=bf16",
+                                     "--listen=" + target_, "--metrics-listen=",
+                                     "--model-config=" + config, "--kv-cache-bytes=33554432",
+                                     "--page-size=16"};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    if (posix_spawnp(&pid_, binary.c_str(), nullptr, nullptr, argv.data(), environ) != 0) {
+      pid_ = -1;
+      return absl::InternalError(absl::StrCat("cannot start ", binary));
+    }
+    return absl::OkStatus();
+  }
+  const std::string& target() const { return target_; }
+
+ private:
+  pid_t pid_ = -1;
+  std::string target_;
+};
+#endif
+
+// The tensors of every request in a registered region instead of inline (docs/regions.md): shm,
+// or CUDA IPC device memory; inputs bump-allocated from the region's start, outputs after them.
+class RegionTransport {
+ public:
+  RegionTransport(const std::string& target, client::AttndClient* client,
+                  std::unique_ptr<RegionMemory> memory)
+      : client_(client), memory_(std::move(memory)) {
+    auto stub = v1::Attention::NewStub(
+        grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+    v1::RegisterRegionRequest request;
+    memory_->Describe(&request);
+    v1::RegisterRegionResponse response;
+    grpc::ClientContext context;
+    status_ = stub->RegisterRegion(&context, request, &response);
+    region_ = response.region_id();
+  }
+  const grpc::Status& status() const { return status_; }
 
   absl::StatusOr<client::PrefillResult> Prefill(const std::string& id, int32_t layer,
                                                 const HostTensor& q, const HostTensor& k,
@@ -165,17 +287,16 @@ class ShmTransport {
   }
 
  private:
-  static constexpr size_t kBytes = 64 << 20;
   // 64-byte aligned bump allocation in the region.
   uint64_t Take(size_t n) {
     const uint64_t at = used_;
     used_ = (used_ + n + 63) / 64 * 64;
-    EXPECT_LE(used_, kBytes) << "the golden case outgrew the test's shm region";
+    EXPECT_LE(used_, RegionMemory::kBytes) << "the golden case outgrew the test's region";
     return at;
   }
   void Put(const HostTensor& t, v1::Tensor* out) {
     const uint64_t at = Take(t.data.size());
-    std::memcpy(base_ + at, t.data.data(), t.data.size());
+    memory_->Write(at, t.data.data(), t.data.size());
     out->set_dtype(client::ToProtoDType(t.dtype));
     for (int64_t d : t.shape) out->add_shape(d);
     out->mutable_region()->set_region_id(region_);
@@ -186,7 +307,7 @@ class ShmTransport {
     int64_t n = ElementSize(dtype);
     for (int64_t d : shape) n *= d;
     const uint64_t at = Take(n);
-    std::memset(base_ + at, 0xff, n);  // NaN in every dtype unless attnd writes it
+    memory_->Fill(at, n);
     ref->set_region_id(region_);
     ref->set_offset(at);
     ref->set_byte_size(n);
@@ -195,18 +316,17 @@ class ShmTransport {
   HostTensor Get(const std::vector<int64_t>& shape, DType dtype, uint64_t at) const {
     int64_t n = ElementSize(dtype);
     for (int64_t d : shape) n *= d;
-    return HostTensor::FromBytes(dtype, shape, std::string(base_ + at, n));
+    return HostTensor::FromBytes(dtype, shape, memory_->Read(at, n));
   }
 
   client::AttndClient* const client_;
-  std::string name_;
+  std::unique_ptr<RegionMemory> memory_;
+  grpc::Status status_;
   std::string region_;
-  int fd_ = -1;
-  char* base_ = nullptr;
   uint64_t used_ = 0;
 };
 
-enum class Transport { kUnary, kSession, kShm };
+enum class Transport { kUnary, kSession, kShm, kCudaIpc };
 
 // (request dtype, how requests travel)
 class GoldenTest : public ::testing::TestWithParam<std::tuple<DType, Transport>> {
@@ -266,20 +386,53 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   options.kv_dtype = kOnCuda ? "bf16" : "fp32";
   options.kv_cache_bytes = 32ll << 20;
   options.compute_threads = 2;
-  absl::StatusOr<std::unique_ptr<testing::TestDaemon>> daemon =
-      testing::TestDaemon::Start(geometry, options);
-  ASSERT_TRUE(daemon.ok()) << daemon.status();
-  client::AttndClient& client = (*daemon)->client();
+  std::unique_ptr<testing::TestDaemon> in_process;
+  std::string target;
+  std::unique_ptr<client::AttndClient> child_client;
+#ifdef ATTND_GOLDEN_ON_CUDA
+  ChildDaemon child;
+#endif
+  if (transport != Transport::kCudaIpc) {
+    absl::StatusOr<std::unique_ptr<testing::TestDaemon>> daemon =
+        testing::TestDaemon::Start(geometry, options);
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    in_process = *std::move(daemon);
+    target = in_process->target();
+  } else {
+#ifdef ATTND_GOLDEN_ON_CUDA
+    absl::StatusOr<std::string> config = testing::WriteModelConfig(geometry);
+    ASSERT_TRUE(config.ok()) << config.status();
+    absl::Status started = child.Start(*config);
+    ASSERT_TRUE(started.ok()) << started;
+    target = child.target();
+    client::ClientOptions client_options;
+    client_options.connect_timeout = absl::Seconds(60);
+    absl::StatusOr<std::unique_ptr<client::AttndClient>> connected =
+        client::AttndClient::Connect(target, client_options);
+    ASSERT_TRUE(connected.ok()) << connected.status();
+    child_client = *std::move(connected);
+#else
+    GTEST_SKIP() << "CUDA IPC regions need the CUDA backend (golden_cuda_test)";
+#endif
+  }
+  client::AttndClient& client = in_process != nullptr ? in_process->client() : *child_client;
   std::unique_ptr<client::Session> session;
   if (use_session) {
     absl::StatusOr<std::unique_ptr<client::Session>> opened = client.OpenSession();
     ASSERT_TRUE(opened.ok()) << opened.status();
     session = std::move(*opened);
   }
-  std::unique_ptr<ShmTransport> shm;
+  std::unique_ptr<RegionTransport> shm;  // shm or CUDA IPC regions
   if (transport == Transport::kShm) {
-    shm = std::make_unique<ShmTransport>((*daemon)->target(), &client);
-    ASSERT_TRUE(shm->ok()) << "cannot register the test's shm region";
+    shm = std::make_unique<RegionTransport>(target, &client, std::make_unique<ShmMemory>());
+  }
+#ifdef ATTND_GOLDEN_ON_CUDA
+  if (transport == Transport::kCudaIpc) {
+    shm = std::make_unique<RegionTransport>(target, &client, std::make_unique<CudaMemory>());
+  }
+#endif
+  if (shm != nullptr) {
+    ASSERT_TRUE(shm->status().ok()) << "RegisterRegion: " << shm->status().error_message();
   }
 
   // The case's sequence numbers -> server ids, created on first use.
@@ -380,7 +533,11 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   EXPECT_EQ(steps, static_cast<int>(c.at("steps").size()));
   std::printf("%s %s%s: %d steps, worst max abs error %.3g\n", name.c_str(),
               DTypeName(dtype).data(),
-              use_session ? " session" : shm != nullptr ? " shm regions" : "", steps, worst);
+              use_session                      ? " session"
+              : transport == Transport::kShm     ? " shm regions"
+              : transport == Transport::kCudaIpc ? " CUDA IPC regions"
+                                                 : "",
+              steps, worst);
   if (session != nullptr) {
     absl::Status closed = session->Close();
     EXPECT_TRUE(closed.ok()) << closed;
@@ -399,13 +556,19 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
 INSTANTIATE_TEST_SUITE_P(
     DtypesAndTransports, GoldenTest,
     ::testing::Combine(::testing::Values(DType::kFp32, DType::kBf16),
-                       ::testing::Values(Transport::kUnary, Transport::kSession, Transport::kShm)),
+                       ::testing::Values(Transport::kUnary, Transport::kSession, Transport::kShm
+#ifdef ATTND_GOLDEN_ON_CUDA
+                                         ,
+                                         Transport::kCudaIpc
+#endif
+                                         )),
     [](const ::testing::TestParamInfo<std::tuple<DType, Transport>>& info) {
       const Transport t = std::get<1>(info.param);
       return absl::StrCat(DTypeName(std::get<0>(info.param)),
-                          t == Transport::kSession ? "_session"
-                          : t == Transport::kShm   ? "_shm"
-                                                   : "_unary");
+                          t == Transport::kSession   ? "_session"
+                          : t == Transport::kShm     ? "_shm"
+                          : t == Transport::kCudaIpc ? "_cuda_ipc"
+                                                     : "_unary");
     });
 
 }  // namespace
