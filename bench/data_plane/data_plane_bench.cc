@@ -575,6 +575,95 @@ void EnginePrefill(const std::vector<int64_t>& contexts) {
   cudaFree(d_variants);
   cudaFree(dev);
 }
+
+// Engine::Decode in-process with host inputs, as the daemon calls it (host packing, the pre-rotary
+// rows' rotary on the host, graph replay, sync, unpack): the decode figure below the service.
+void EngineDecode(const std::vector<int64_t>& batches) {
+  const int64_t context = absl::GetFlag(FLAGS_decode_context);
+  int64_t max_batch = 1;
+  for (int64_t b : batches) max_batch = std::max(max_batch, b);
+  const int64_t pages_per_seq = (context + 512) / 16 + 1;
+  CudaEngineOptions options;
+  options.geometry.num_q_heads = 28;
+  options.geometry.num_kv_heads = 4;
+  options.geometry.head_dim = 128;
+  options.geometry.chunk_len = 253952;
+  options.geometry.chunk_size = 262144;
+  options.geometry.original_max_position_embeddings = 262144;
+  options.geometry.softmax_scale = 1.f / std::sqrt(128.f);
+  options.geometry.rope_theta = 10000000.0;
+  options.geometry.rotary_dim = 128;
+  options.layout.num_layers = 1;
+  options.layout.page_size = 16;
+  options.layout.num_kv_heads = 4;
+  options.layout.head_dim = 128;
+  options.layout.kv_dtype = DType::kBf16;
+  options.layout.num_pages = max_batch * pages_per_seq + 16;
+  absl::StatusOr<std::unique_ptr<Engine>> engine = CreateCudaEngine(options);
+  if (!engine.ok()) {
+    std::printf("decode\tengine\t-\tskipped: %s\n", std::string(engine.status().message()).c_str());
+    return;
+  }
+  std::mt19937 rng(3);
+  // The KV of every sequence: one prefill of `context` tokens each (variants layout, host data).
+  const std::string pq = RandomBf16(&rng, context * 5 * 28 * 128),
+                    pk = RandomBf16(&rng, context * 4 * 128), pv = RandomBf16(&rng, context * 4 * 128);
+  std::string pout(context * 28 * 128 * 2, '\0');
+  std::vector<std::vector<int32_t>> tables(max_batch);
+  for (int64_t s = 0; s < max_batch; ++s) {
+    for (int64_t i = 0; i < pages_per_seq; ++i) tables[s].push_back(s * pages_per_seq + i);
+    PrefillJob job;
+    job.page_table = tables[s].data();
+    job.num_pages = (context + 15) / 16;
+    job.num_tokens = context;
+    job.prompt_len = context;
+    job.q = TensorView{DType::kBf16, pq.data(), {context, 5, 28, 128}, false};
+    job.k = TensorView{DType::kBf16, pk.data(), {context, 4, 128}, false};
+    job.v = TensorView{DType::kBf16, pv.data(), {context, 4, 128}, false};
+    job.out = pout.data();
+    job.out_dtype = DType::kBf16;
+    if (absl::Status st = (*engine)->Prefill(job); !st.ok()) {
+      std::printf("decode\tengine\t-\tfailed: %s\n", std::string(st.message()).c_str());
+      return;
+    }
+  }
+  const std::string q3 = RandomBf16(&rng, 3 * 28 * 128), q1 = RandomBf16(&rng, 28 * 128),
+                    k = RandomBf16(&rng, 4 * 128), v = RandomBf16(&rng, 4 * 128);
+  for (bool pre : {true, false}) {
+    for (int64_t b : batches) {
+      std::vector<std::string> outs(b, std::string(28 * 128 * 2, '\0'));
+      std::vector<double> lat;
+      for (int it = 0; it < 220; ++it) {
+        DecodeJob job;
+        job.layer = 0;
+        for (int64_t s = 0; s < b; ++s) {
+          DecodeJob::Entry e;
+          e.page_table = tables[s].data();
+          e.num_pages = (context + 16) / 16;
+          e.length = context + 1;  // the same position every step: the KV stays as prefilled
+          e.q = pre ? TensorView{DType::kBf16, q1.data(), {28, 128}, false}
+                    : TensorView{DType::kBf16, q3.data(), {3, 28, 128}, false};
+          e.q_layout = pre ? QLayout::kPreRotary : QLayout::kVariants;
+          e.k = TensorView{DType::kBf16, k.data(), {4, 128}, false};
+          e.v = TensorView{DType::kBf16, v.data(), {4, 128}, false};
+          e.out = outs[s].data();
+          e.out_dtype = DType::kBf16;
+          job.entries.push_back(e);
+        }
+        const auto t0 = Clock::now();
+        absl::Status st = (*engine)->Decode(job);
+        if (it >= 20) lat.push_back(Us(Clock::now() - t0));
+        if (!st.ok()) {
+          std::printf("decode\tengine\t-\tfailed: %s\n", std::string(st.message()).c_str());
+          return;
+        }
+      }
+      std::printf("decode\tengine %s\tbatch %lld\tp50 %.1f us\tp99 %.1f us\n",
+                  pre ? "pre_rotary" : "variants", static_cast<long long>(b),
+                  Percentile(lat, 0.5), Percentile(lat, 0.99));
+    }
+  }
+}
 #endif
 
 }  // namespace
@@ -585,7 +674,10 @@ int main(int argc, char** argv) {
   const std::vector<int64_t> contexts = attnd::ParseList(absl::GetFlag(FLAGS_contexts));
   if (absl::GetFlag(FLAGS_engine)) {
 #ifdef ATTND_BENCH_CUDA
-    attnd::EnginePrefill(contexts);
+    if (!absl::GetFlag(FLAGS_skip_prefill)) attnd::EnginePrefill(contexts);
+    if (!absl::GetFlag(FLAGS_skip_decode)) {
+      attnd::EngineDecode(attnd::ParseList(absl::GetFlag(FLAGS_decode_batches)));
+    }
 #else
     std::printf("prefill\tengine\t-\tskipped: built without CUDA\n");
 #endif

@@ -44,27 +44,31 @@ __global__ void DualChunkRotaryKernel(RotaryArgs a) {
   __syncthreads();
 
   const int d = a.head_dim, half = a.half, rd = 2 * a.half;
-  // Query variants: element (v, h, i) of the token's [5, Hq, D] output.
+  // Query variants: one thread per dim pair (h, i < half) of the token's q, which it loads once
+  // and writes, rotated, into all five variants of [5, Hq, D] (one divide per pair, not three
+  // per element: the loop was integer-bound).
   const int64_t q_base = n * a.num_q_heads * d;
   const int row_elems = a.num_q_heads * d;
   Bf16* out = a.p.q_variants + n * kNumQueryVariants * row_elems;
-  for (int e = threadIdx.x; e < kNumQueryVariants * row_elems; e += blockDim.x) {
-    const int v = e / row_elems, hi = e % row_elems, h = hi / d, i = hi % d;
+  for (int e = threadIdx.x; e < a.num_q_heads * half; e += blockDim.x) {
+    const int h = e / half, i = e - h * half;
     const int64_t row = q_base + static_cast<int64_t>(h) * d;
-    float x;
-    if (i < half) {
-      const float x1 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i);
-      const float x2 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i + half);
-      x = x1 * cos_v[v * half + i] - x2 * sin_v[v * half + i];
-    } else if (i < rd) {
-      const int j = i - half;
-      const float x1 = cuda_common::LoadAsFloat(a.p.q, dtype, row + j);
-      const float x2 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i);
-      x = x2 * cos_v[v * half + j] + x1 * sin_v[v * half + j];
-    } else {
-      x = cuda_common::LoadAsFloat(a.p.q, dtype, row + i);
+    const float x1 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i);
+    const float x2 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i + half);
+    Bf16* o = out + h * d + i;
+#pragma unroll
+    for (int v = 0; v < kNumQueryVariants; ++v) {
+      const float c = cos_v[v * half + i], s = sin_v[v * half + i];
+      o[v * row_elems] = __float2bfloat16_rn(x1 * c - x2 * s);
+      o[v * row_elems + half] = __float2bfloat16_rn(x2 * c + x1 * s);
     }
-    out[e] = __float2bfloat16_rn(x);
+  }
+  // Dims past rotary_dim (partial rotary): copied into every variant.
+  const int rest = d - rd;
+  for (int e = threadIdx.x; rest > 0 && e < a.num_q_heads * rest; e += blockDim.x) {
+    const int h = e / rest, i = rd + (e - h * rest);
+    const float x = cuda_common::LoadAsFloat(a.p.q, dtype, q_base + static_cast<int64_t>(h) * d + i);
+    for (int v = 0; v < kNumQueryVariants; ++v) out[v * row_elems + h * d + i] = __float2bfloat16_rn(x);
   }
   // The key, in place, by the intra position: one thread per dim pair, so no element is read
   // after another thread wrote it. Dims past rotary_dim stay as they are.
