@@ -52,6 +52,8 @@ ABSL_FLAG(int64_t, chunk, 4096, "prefill: tokens per call");
 ABSL_FLAG(std::string, decode_batches, "1,8,64", "decode: entries per call");
 ABSL_FLAG(int64_t, decode_context, 4096, "decode: tokens in each sequence before the steps");
 ABSL_FLAG(int32_t, decode_steps, 300, "decode: timed steps per batch and transport");
+ABSL_FLAG(std::string, decode_q_layout, "pre_rotary",
+          "decode: pre_rotary (q [Hq, D]) or variants (q [3, Hq, D], rotated by the caller)");
 ABSL_FLAG(bool, engine, false, "also time the CUDA engine in-process (needs a GPU, no daemon)");
 ABSL_FLAG(bool, skip_prefill, false, "decode only");
 ABSL_FLAG(std::string, q_layout, "pre_rotary",
@@ -320,14 +322,19 @@ class Bench {
         }
       }
     }
-    const int64_t q_bytes = g_.hq * g_.d * 2, kv_bytes = g_.hkv * g_.d * 2;
+    const bool variants = absl::GetFlag(FLAGS_decode_q_layout) == "variants";
+    const int64_t nv = variants ? 3 : 1;
+    const std::vector<int64_t> q_shape =
+        variants ? std::vector<int64_t>{3, g_.hq, g_.d} : std::vector<int64_t>{g_.hq, g_.d};
+    const int64_t q_bytes = nv * g_.hq * g_.d * 2, kv_bytes = g_.hkv * g_.d * 2;
+    const int64_t o_bytes = g_.hq * g_.d * 2;
     const std::string q = RandomBf16(&rng, q_bytes / 2), k = RandomBf16(&rng, kv_bytes / 2),
                       v = RandomBf16(&rng, kv_bytes / 2);
     v1::DecodeRequest request;
     request.set_layer(0);
     std::unique_ptr<Shm> shm;
     std::string region;
-    const uint64_t row = q_bytes + 2 * kv_bytes + q_bytes;  // q, k, v, o per entry
+    const uint64_t row = q_bytes + 2 * kv_bytes + o_bytes;  // q, k, v, o per entry
     if (transport == "shm") {
       shm = std::make_unique<Shm>(std::max<uint64_t>(4096, batch * row));
       v1::RegisterRegionRequest r;
@@ -339,20 +346,20 @@ class Bench {
     for (int64_t i = 0; i < batch; ++i) {
       v1::DecodeEntry* e = request.add_entries();
       e->set_sequence_id(seqs[i]);
-      e->set_q_layout(v1::Q_LAYOUT_PRE_ROTARY);
+      e->set_q_layout(variants ? v1::Q_LAYOUT_VARIANTS : v1::Q_LAYOUT_PRE_ROTARY);
       if (transport == "shm") {
         const uint64_t at = i * row;
         std::memcpy(shm->base + at, q.data(), q_bytes);
         std::memcpy(shm->base + at + q_bytes, k.data(), kv_bytes);
         std::memcpy(shm->base + at + q_bytes + kv_bytes, v.data(), kv_bytes);
-        SetRef(e->mutable_q(), {g_.hq, g_.d}, region, at, q_bytes);
+        SetRef(e->mutable_q(), q_shape, region, at, q_bytes);
         SetRef(e->mutable_k(), {g_.hkv, g_.d}, region, at + q_bytes, kv_bytes);
         SetRef(e->mutable_v(), {g_.hkv, g_.d}, region, at + q_bytes + kv_bytes, kv_bytes);
         e->mutable_output_region()->set_region_id(region);
         e->mutable_output_region()->set_offset(at + q_bytes + 2 * kv_bytes);
-        e->mutable_output_region()->set_byte_size(q_bytes);
+        e->mutable_output_region()->set_byte_size(o_bytes);
       } else {
-        SetTensor(e->mutable_q(), {g_.hq, g_.d}, q);
+        SetTensor(e->mutable_q(), q_shape, q);
         SetTensor(e->mutable_k(), {g_.hkv, g_.d}, k);
         SetTensor(e->mutable_v(), {g_.hkv, g_.d}, v);
       }
@@ -394,8 +401,9 @@ class Bench {
     for (const std::string& s : seqs) Release(s);
     if (!region.empty()) Unregister(region);
     if (!ok) return false;
-    std::printf("decode\t%s\tbatch %lld\tp50 %.1f us\tp99 %.1f us\tmean %.1f us\n",
-                transport.c_str(), static_cast<long long>(batch), Percentile(lat, 0.5),
+    std::printf("decode\t%s %s\tbatch %lld\tp50 %.1f us\tp99 %.1f us\tmean %.1f us\n",
+                transport.c_str(), variants ? "variants" : "pre_rotary",
+                static_cast<long long>(batch), Percentile(lat, 0.5),
                 Percentile(lat, 0.99),
                 std::accumulate(lat.begin(), lat.end(), 0.0) / static_cast<double>(lat.size()));
     return true;

@@ -27,10 +27,10 @@ for t in rotary_cuda_test cuda_engine_test golden_cuda_test sparse_golden_cuda_t
 done
 
 echo "## the engine alone (device-resident inputs), and the rotary kernel alone"
-for layout in pre_rotary variants; do
-  data_plane_bench --engine --q_layout $layout --contexts 16384,32768,131072 2>&1 |
-    tee "$out/engine_$layout.txt"
-done
+data_plane_bench --engine --q_layout pre_rotary --contexts 16384,32768,131072 2>&1 |
+  tee "$out/engine_pre_rotary.txt"
+data_plane_bench --engine --q_layout variants --contexts 16384,32768,131072 --skip_decode 2>&1 |
+  tee "$out/engine_variants.txt"
 decode_step_bench --context 4096 --batches 1,8,64 --capture_layers 0 >"$out/decode_step.txt" 2>&1
 tail -12 "$out/decode_step.txt"
 
@@ -42,6 +42,8 @@ pid=$!
 for _ in $(seq 1 600); do attnctl info --target 127.0.0.1:$port >/dev/null 2>&1 && break; sleep 0.2; done
 data_plane_bench --target 127.0.0.1:$port --contexts 16384,131072 2>&1 | tee "$out/serving_pre_rotary.txt"
 ((PIPESTATUS[0] == 0)) || status=1
+data_plane_bench --target 127.0.0.1:$port --skip_prefill --decode_q_layout variants \
+  --transports grpc,ring 2>&1 | tee "$out/serving_decode_variants.txt"
 data_plane_bench --target 127.0.0.1:$port --q_layout variants --skip_decode \
   --contexts 16384,32768 2>&1 | tee "$out/serving_variants.txt"
 data_plane_bench --target 127.0.0.1:$port --skip_decode --contexts 32768 --transports grpc,cuda-ipc \
