@@ -22,6 +22,7 @@
 #include "client/attnctl.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
+#include "version/build_info.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address, host:port");
 ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest gRPC message sent or received");
@@ -59,7 +60,8 @@ constexpr char kUsage[] =
     "         reference; exits non-zero on FAIL (--dtype --layers --max-tokens --decode-steps "
     "--seed)\n"
     "  bench  prefill/decode latency and throughput (--context --prefill-chunk --decode-steps\n"
-    "         --batch --dtype --layers)";
+    "         --batch --dtype --layers)\n"
+    "  -h, --help  the flags below    --version  attnctl's version and build";
 
 // absl flags are underscore names; accept the dashed spelling the docs use by rewriting the
 // name part of "--some-flag[=value]" before parsing.
@@ -104,6 +106,8 @@ absl::StatusOr<std::string> ReadToken(const std::string& path) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
+  attnd::SetUsageConfig("attnctl", "client/main.cc");
+  attnd::ShortHelpToHelp(argc, argv);
   std::vector<std::string> normalized = NormalizeFlagNames(argc, argv);
   std::vector<char*> normalized_argv;
   for (std::string& a : normalized) normalized_argv.push_back(a.data());

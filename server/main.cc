@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
+#include "version/build_info.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "host:port to serve on; port 0 picks a free one");
 ABSL_FLAG(std::string, model_config, "",
@@ -98,7 +99,12 @@ void DashesToUnderscores(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("attnd: dual chunk attention over gRPC. Flags: --helpfull");
+  absl::SetProgramUsageMessage(
+      "dual-chunk attention over gRPC (docs/operations.md lists every flag).\n"
+      "usage: attnd [--flag=value ...]   flags may be spelled --kv-cache-bytes or --kv_cache_bytes\n"
+      "  -h, --help  these flags    --helpfull  gRPC's and absl's too    --version  version and build");
+  attnd::SetUsageConfig("attnd", "server/main.cc");
+  attnd::ShortHelpToHelp(argc, argv);
   DashesToUnderscores(argc, argv);
   absl::ParseCommandLine(argc, argv);
 

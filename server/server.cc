@@ -41,11 +41,11 @@
 #include "server/tls.h"
 #include "server/work_queue.h"
 #include "spdlog/spdlog.h"
+#include "version/build_info.h"
 
 namespace attnd {
 namespace {
 
-constexpr char kVersion[] = "0.1.0";
 constexpr char kServiceName[] = "attnd.v1.Attention";
 
 // Set when gRPC reports that accept4 failed (e.g. EMFILE: out of file descriptors). NOTE: gRPC

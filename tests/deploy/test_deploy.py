@@ -255,7 +255,7 @@ def port(address):
 
 
 def kversion():
-    m = re.search(r'kVersion\[\] = "([^"]+)"', read(os.path.join(ROOT, "server", "server.cc")))
+    m = re.search(r'kVersion\[\] = "([^"]+)"', read(os.path.join(ROOT, "version", "build_info.h")))
     return m.group(1)
 
 
