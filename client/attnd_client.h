@@ -62,11 +62,20 @@ struct DecodeResult {
 // grpc::Status -> absl::Status with the same code and message.
 absl::Status FromGrpc(const grpc::Status& status);
 
+// Why `target` (host:port) gives no gRPC channel, found by a plain TCP connect and, when that
+// succeeds, one HTTP request: UNAVAILABLE "cannot reach attnd at TARGET: connection refused; is
+// the daemon running? ...", "... answers HTTP, not gRPC: that is attnd's metrics port ...", or
+// that it accepts TCP but the gRPC handshake failed (with the TLS hint that `tls` calls for).
+// Waits at most `timeout` for each step.
+absl::Status DiagnoseUnreachable(const std::string& target, bool tls, absl::Duration timeout);
+
 class Session;
 
 class AttndClient {
  public:
-  // Opens a channel to `target` (host:port) and waits until it is ready.
+  // Opens a channel to `target` (host:port) and waits until it is ready, at most
+  // options.connect_timeout; fails as soon as the first connection attempt fails (connection
+  // refused, or a port that does not speak gRPC), saying why (DiagnoseUnreachable).
   static absl::StatusOr<std::unique_ptr<AttndClient>> Connect(const std::string& target,
                                                               const ClientOptions& options = {});
 
@@ -101,11 +110,17 @@ class AttndClient {
   const ClientOptions& options() const { return options_; }
 
  private:
-  AttndClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+  AttndClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options,
+              std::string target);
   // Per-call settings every RPC shares: the deadline and the bearer token.
   void SetDeadline(grpc::ClientContext* context) const;
 
+  // FromGrpc, and an UNIMPLEMENTED attnd.v1 method says that the target serves gRPC but not
+  // attnd's API (e.g. attnd's --health-listen port).
+  absl::Status Checked(const grpc::Status& status, absl::string_view method) const;
+
   const ClientOptions options_;
+  std::string target_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
   friend class Session;

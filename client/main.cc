@@ -55,7 +55,8 @@ namespace {
 constexpr char kUsage[] =
     "attnctl <info|health|smoke|bench> [flags]\n"
     "  info   print the server's model, DCA config, KV pool and limits\n"
-    "  health grpc.health.v1 Check (--service); exits 0 when SERVING, 1 otherwise\n"
+    "  health grpc.health.v1 Check (--service); exits 0 when SERVING, 1 otherwise (NOT_SERVING,\n"
+    "         unknown service, server unreachable); 2 for a usage error\n"
     "  smoke  prefill + decode one sequence and check every output against the naive fp64\n"
     "         reference; exits non-zero on FAIL (--dtype --layers --max-tokens --decode-steps "
     "--seed)\n"
@@ -138,8 +139,8 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<attnd::client::AttndClient>> client =
       attnd::client::AttndClient::Connect(absl::GetFlag(FLAGS_target), client_options);
   if (!client.ok()) {
-    std::cerr << "attnctl: " << client.status() << "\n";
-    return 2;
+    std::cerr << "attnctl: " << client.status().message() << "\n";
+    return command == "health" ? 1 : 2;  // health: unreachable is "not SERVING", as its usage says
   }
   if (command == "info") return attnd::client::RunInfo(**client, std::cout, std::cerr);
   if (command == "health") {
@@ -147,7 +148,7 @@ int main(int argc, char** argv) {
     absl::StatusOr<bool> serving = (*client)->Healthy(service);
     if (!serving.ok()) {
       std::cerr << "attnctl: health: " << serving.status() << "\n";
-      return 2;
+      return 1;
     }
     std::cout << (service.empty() ? "server" : service) << ": "
               << (*serving ? "SERVING" : "NOT_SERVING") << "\n";

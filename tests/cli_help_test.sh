@@ -1,6 +1,7 @@
 #!/bin/bash
 # attnd and attnctl: -h / --help list the flags of their main.cc (absl's default filter matched no
-# file and printed "No flags matched"), and --version prints the version, revision and build.
+# file and printed "No flags matched"), --version prints the version, revision and build, and
+# attnctl health exits as its usage says.
 set -u
 attnd=$1
 attnctl=$2
@@ -29,5 +30,13 @@ for pair in "attnd:$attnd" "attnctl:$attnctl"; do
   check "$name --version" "$out" "^$name [0-9]+\.[0-9]+\.[0-9]+$" "^revision: ([0-9a-f]{12}(-dirty)?|unknown)" \
     "^build: (opt|dbg|fastbuild) .*CUDA backend: (yes|no)$"
 done
+# attnctl health: 1 when not SERVING, the server unreachable included (its usage); 2 for usage errors.
+out=$("$attnctl" health --target 127.0.0.1:1 --connect-timeout 20s 2>&1)
+rc=$?
+[ $rc -eq 1 ] || { echo "FAIL: attnctl health on a closed port exited $rc, want 1: $out"; fail=1; }
+check "attnctl health (closed port)" "$out" "cannot reach attnd at 127.0.0.1:1: connection refused"
+"$attnctl" frobnicate >/dev/null 2>&1
+rc=$?
+[ $rc -eq 2 ] || { echo "FAIL: attnctl frobnicate exited $rc, want 2"; fail=1; }
 [ $fail -eq 0 ] && echo PASS
 exit $fail
