@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <ostream>
+#include <string>
 #include <vector>
 
 #include "client/attnd_client.h"
@@ -16,6 +17,14 @@ namespace client {
 
 // `attnctl info`: GetServerInfo as aligned "key: value" lines.
 int RunInfo(AttndClient& client, std::ostream& out, std::ostream& err);
+
+// `attnctl sequences [--tenant T]`: every live sequence (attnd.v1.Admin), one line each: id,
+// tenant, pages, min/max tokens over its layers, idle time; then the totals.
+int RunSequences(AttndClient& client, const std::string& tenant, std::ostream& out,
+                 std::ostream& err);
+// `attnctl release ID`: releases any tenant's sequence (attnd.v1.Admin) and says what it freed.
+int RunRelease(AttndClient& client, const std::string& sequence_id, std::ostream& out,
+               std::ostream& err);
 
 inline constexpr int32_t kDefaultLayers = 0;
 inline constexpr int32_t kAllLayers = -1;

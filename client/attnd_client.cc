@@ -96,7 +96,8 @@ AttndClient::AttndClient(std::shared_ptr<grpc::Channel> channel, const ClientOpt
     : options_(options),
       target_(std::move(target)),
       channel_(std::move(channel)),
-      stub_(v1::Attention::NewStub(channel_)) {}
+      stub_(v1::Attention::NewStub(channel_)),
+      admin_stub_(v1::Admin::NewStub(channel_)) {}
 
 namespace {
 
@@ -257,6 +258,28 @@ void AttndClient::SetDeadline(grpc::ClientContext* context) const {
     context->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
   }
   if (!options_.token.empty()) context->AddMetadata("authorization", "Bearer " + options_.token);
+}
+
+absl::StatusOr<v1::AdminListSequencesResponse> AttndClient::ListSequences(
+    const std::string& tenant) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::AdminListSequencesRequest request;
+  request.set_tenant(tenant);
+  v1::AdminListSequencesResponse response;
+  ATTND_RETURN_IF_ERROR(FromGrpc(admin_stub_->ListSequences(&context, request, &response)));
+  return response;
+}
+
+absl::StatusOr<v1::AdminReleaseSequenceResponse> AttndClient::AdminRelease(
+    const std::string& sequence_id) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::AdminReleaseSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  v1::AdminReleaseSequenceResponse response;
+  ATTND_RETURN_IF_ERROR(FromGrpc(admin_stub_->ReleaseSequence(&context, request, &response)));
+  return response;
 }
 
 absl::StatusOr<bool> AttndClient::Healthy(const std::string& service) {

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attnd/v1/attention.grpc.pb.h"
+#include "attnd/v1/admin.grpc.pb.h"
 #include "client/host_tensor.h"
 #include "grpcpp/grpcpp.h"
 
@@ -104,6 +105,11 @@ class AttndClient {
   // A new Session stream.
   absl::StatusOr<std::unique_ptr<Session>> OpenSession();
 
+  // attnd.v1.Admin (the admin tenant only, or loopback callers with tokens off): every live
+  // sequence (of `tenant` only, when set), and releasing any tenant's sequence.
+  absl::StatusOr<v1::AdminListSequencesResponse> ListSequences(const std::string& tenant = "");
+  absl::StatusOr<v1::AdminReleaseSequenceResponse> AdminRelease(const std::string& sequence_id);
+
   // grpc.health.v1 Check for `service` ("" = the whole server): true when SERVING.
   absl::StatusOr<bool> Healthy(const std::string& service);
 
@@ -123,6 +129,7 @@ class AttndClient {
   std::string target_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
+  std::unique_ptr<v1::Admin::Stub> admin_stub_;
   friend class Session;
 };
 

@@ -2,6 +2,8 @@
 //   attnctl info                       server, model, DCA config, KV pool and limits
 //   attnctl smoke [--dtype ...]        end-to-end numeric check against the naive fp64 reference
 //   attnctl bench [--context ...]      prefill / decode latency and throughput
+//   attnctl sequences [--tenant T]     every tenant's live sequences (attnd.v1.Admin)
+//   attnctl release ID                 release any tenant's sequence (attnd.v1.Admin)
 // Flags may be spelled with dashes or underscores (--max-tokens == --max_tokens).
 #include <unistd.h>
 
@@ -47,13 +49,14 @@ ABSL_FLAG(std::string, token_file, "",
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA of the server's certificate; set = TLS");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate, for mutual TLS");
 ABSL_FLAG(std::string, tls_key, "", "PEM client key, for mutual TLS");
+ABSL_FLAG(std::string, tenant, "", "sequences: only this tenant's sequences (default: all)");
 ABSL_FLAG(std::string, service, "",
           "health: the service to check (\"\" = the server, or attnd.v1.Attention)");
 
 namespace {
 
 constexpr char kUsage[] =
-    "attnctl <info|health|smoke|bench> [flags]\n"
+    "attnctl <info|health|smoke|bench|sequences|release ID> [flags]\n"
     "  info   print the server's model, DCA config, KV pool and limits\n"
     "  health grpc.health.v1 Check (--service); exits 0 when SERVING, 1 otherwise (NOT_SERVING,\n"
     "         unknown service, server unreachable); 2 for a usage error\n"
@@ -62,6 +65,9 @@ constexpr char kUsage[] =
     "--seed)\n"
     "  bench  prefill/decode latency and throughput (--context --prefill-chunk --decode-steps\n"
     "         --batch --dtype --layers)\n"
+    "  sequences  every live sequence: id, tenant, pages, min/max length, idle time (--tenant);\n"
+    "             attnd.v1.Admin: attnd's --admin-tenant token, or loopback when tokens are off\n"
+    "  release ID  release any tenant's sequence and free its pages (attnd.v1.Admin, as above)\n"
     "  -h, --help  the flags below    --version  attnctl's version and build";
 
 // absl flags are underscore names; accept the dashed spelling the docs use by rewriting the
@@ -114,13 +120,21 @@ int main(int argc, char** argv) {
   for (std::string& a : normalized) normalized_argv.push_back(a.data());
   std::vector<char*> positional =
       absl::ParseCommandLine(static_cast<int>(normalized_argv.size()), normalized_argv.data());
-  if (positional.size() != 2) {
+  if (positional.size() < 2) {
     std::cerr << kUsage << "\n";
     return 2;
   }
   const std::string command = positional[1];
-  if (command != "info" && command != "health" && command != "smoke" && command != "bench") {
+  if (command != "info" && command != "health" && command != "smoke" && command != "bench" &&
+      command != "sequences" && command != "release") {
     std::cerr << "attnctl: unknown command \"" << command << "\"\n" << kUsage << "\n";
+    return 2;
+  }
+  const size_t want_args = command == "release" ? 3 : 2;
+  if (positional.size() != want_args) {
+    std::cerr << "attnctl: " << command
+              << (command == "release" ? " takes one sequence id" : " takes no arguments")
+              << "\n" << kUsage << "\n";
     return 2;
   }
 
@@ -143,6 +157,12 @@ int main(int argc, char** argv) {
     return command == "health" ? 1 : 2;  // health: unreachable is "not SERVING", as its usage says
   }
   if (command == "info") return attnd::client::RunInfo(**client, std::cout, std::cerr);
+  if (command == "sequences") {
+    return attnd::client::RunSequences(**client, absl::GetFlag(FLAGS_tenant), std::cout, std::cerr);
+  }
+  if (command == "release") {
+    return attnd::client::RunRelease(**client, positional[2], std::cout, std::cerr);
+  }
   if (command == "health") {
     const std::string service = absl::GetFlag(FLAGS_service);
     absl::StatusOr<bool> serving = (*client)->Healthy(service);

@@ -63,6 +63,10 @@ ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle; set = mutual TLS: clients must present a certificate it signed");
 ABSL_FLAG(std::string, auth_token_file, "",
           "file of 'TENANT TOKEN' lines; clients send 'authorization: Bearer TOKEN'; empty = off");
+ABSL_FLAG(std::string, admin_tenant, "",
+          "the tenant of --auth-token-file that may call attnd.v1.Admin (attnctl sequences / "
+          "release: every tenant's sequences); empty = nobody; with tokens off, loopback callers "
+          "may");
 ABSL_FLAG(absl::Duration, sequence_idle_timeout, absl::ZeroDuration(),
           "release sequences unused for this long (e.g. 10m), freeing their pages; 0 = never");
 ABSL_FLAG(int64_t, tenant_page_quota, 0, "most KV pages one tenant's sequences may hold; 0 = no limit");
@@ -156,6 +160,7 @@ int main(int argc, char** argv) {
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  options.admin_tenant = absl::GetFlag(FLAGS_admin_tenant);
   options.sequence_idle_timeout = absl::GetFlag(FLAGS_sequence_idle_timeout);
   options.tenant_page_quota = absl::GetFlag(FLAGS_tenant_page_quota);
   options.tenant_max_sequences = absl::GetFlag(FLAGS_tenant_max_sequences);

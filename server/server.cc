@@ -27,6 +27,7 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "kernels/mutex.h"
+#include "server/admin_service.h"
 #include "server/auth.h"
 #include "server/batcher.h"
 #include "server/clock.h"
@@ -221,6 +222,7 @@ class AttndServerImpl : public AttndServer {
   // uses.
   std::unique_ptr<AttndMetrics> metrics_;
   std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
+  std::unique_ptr<AdminService> admin_;  // before the queue: its queued work uses it
   std::unique_ptr<Runtime> runtime_;
   std::unique_ptr<WorkQueue> work_queue_;
   std::unique_ptr<DecodeExecutor> decode_executor_;
@@ -236,7 +238,12 @@ class AttndServerImpl : public AttndServer {
 
 absl::Status AttndServerImpl::StartAuth(const ServerOptions& options,
                                         std::shared_ptr<grpc::AuthMetadataProcessor>* processor) {
-  if (options.auth_token_file.empty()) return absl::OkStatus();
+  if (options.auth_token_file.empty()) {
+    if (options.admin_tenant.empty()) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        "--admin-tenant needs --auth-token-file (tenants come from tokens); with tokens off, "
+        "attnd.v1.Admin serves loopback callers: leave --admin-tenant out");
+  }
   absl::StatusOr<TokenStore> store = TokenStore::LoadFile(options.auth_token_file);
   if (!store.ok()) return WithFlag("--auth-token-file", store.status());
   TokenAuthOptions auth_options;
@@ -244,6 +251,11 @@ absl::Status AttndServerImpl::StartAuth(const ServerOptions& options,
   auth_options.on_failure = [failures](absl::string_view reason) {
     failures->Increment({reason});
   };
+  if (!options.admin_tenant.empty() && !store->HasTenant(options.admin_tenant)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--admin-tenant \"", options.admin_tenant, "\" has no token in --auth-token-file ",
+        options.auth_token_file, ": add a line '", options.admin_tenant, " TOKEN' there"));
+  }
   tokens_ = std::make_shared<const TokenStore>(*std::move(store));
   *processor = std::make_shared<TokenAuthProcessor>(tokens_, std::move(auth_options));
   return absl::OkStatus();
@@ -466,6 +478,8 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
                                                 decode_queue_.get(), metrics_.get(), batcher_,
                                                 tokens_, options.max_inflight_request_bytes);
   service_for_metrics_.store(service_.get());
+  admin_ = std::make_unique<AdminService>(runtime_.get(), work_queue_.get(), tokens_,
+                                          options.admin_tenant);
 
   // Our own health service, not gRPC's default: its Watch streams end when the drain begins.
   grpc::EnableDefaultHealthCheckService(false);
@@ -485,6 +499,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   // One daemon per port: a second one on the same port must fail, not share the port's traffic.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(service_.get());
+  builder.RegisterService(admin_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {
     return absl::UnavailableError(absl::StrCat("--listen ", options.listen,

@@ -46,6 +46,9 @@ struct ServerOptions {
   std::string tls_key;                            // PEM private key
   std::string tls_client_ca;                      // PEM CA bundle; set = mutual TLS
   std::string auth_token_file;                    // "TENANT TOKEN" lines; "" = auth off
+  // The tenant (of auth_token_file) that may call attnd.v1.Admin; "" = none. With auth off the
+  // Admin service serves loopback peers instead, and this must be "".
+  std::string admin_tenant;
   absl::Duration sequence_idle_timeout = absl::ZeroDuration();  // 0 = never reclaim
   int64_t tenant_page_quota = 0;                  // KV pages per tenant; 0 = unlimited
   int64_t tenant_max_sequences = 0;               // live sequences per tenant; 0 = unlimited
