@@ -50,6 +50,12 @@ ABSL_FLAG(int32_t, decode_batches_in_flight, 2,
           "merged decode batches of one layer that may run at once (2: the next batch is formed and "
           "launched while the previous one answers its calls; docs/batching.md)");
 ABSL_FLAG(std::string, log_level, "info", "trace | debug | info | warn | error | critical | off");
+ABSL_FLAG(int64_t, request_log_sample, 1000,
+          "the request log (--log-level info): one line per RPC for one in N OK requests and every "
+          "error; 1 = every request, 0 = errors only");
+ABSL_FLAG(int64_t, request_log_max_per_second, 50,
+          "at most this many request log lines per second (0 = no cap); the rest are counted and "
+          "reported as 'suppressed N'");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
           "on SIGINT/SIGTERM, how long in-flight requests may run before they are cancelled");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9400",
@@ -161,6 +167,8 @@ int main(int argc, char** argv) {
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   options.admin_tenant = absl::GetFlag(FLAGS_admin_tenant);
+  options.request_log_sample = absl::GetFlag(FLAGS_request_log_sample);
+  options.request_log_max_per_second = absl::GetFlag(FLAGS_request_log_max_per_second);
   options.sequence_idle_timeout = absl::GetFlag(FLAGS_sequence_idle_timeout);
   options.tenant_page_quota = absl::GetFlag(FLAGS_tenant_page_quota);
   options.tenant_max_sequences = absl::GetFlag(FLAGS_tenant_max_sequences);

@@ -37,6 +37,7 @@
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/model_config.h"
+#include "server/request_log.h"
 #include "server/runtime.h"
 #include "server/service.h"
 #include "server/tls.h"
@@ -133,6 +134,11 @@ absl::Status CheckOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("--request-workers must be >= 0, got ", o.request_workers));
   }
+  if (o.request_log_sample < 0 || o.request_log_max_per_second < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--request-log-sample and --request-log-max-per-second must be >= 0, got ",
+        o.request_log_sample, " and ", o.request_log_max_per_second));
+  }
   if (o.sequence_idle_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("--sequence-idle-timeout must be >= 0, got ",
@@ -223,6 +229,7 @@ class AttndServerImpl : public AttndServer {
   std::unique_ptr<AttndMetrics> metrics_;
   std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
   std::unique_ptr<AdminService> admin_;  // before the queue: its queued work uses it
+  std::unique_ptr<RequestLog> request_log_;  // before the service that writes to it
   std::unique_ptr<Runtime> runtime_;
   std::unique_ptr<WorkQueue> work_queue_;
   std::unique_ptr<DecodeExecutor> decode_executor_;
@@ -474,9 +481,14 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   } else {
     decode_queue_ = std::make_unique<DirectDecodeQueue>(runtime_.get(), work_queue_.get());
   }
-  service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
-                                                decode_queue_.get(), metrics_.get(), batcher_,
-                                                tokens_, options.max_inflight_request_bytes);
+  RequestLogOptions log_options;
+  log_options.sample = options.request_log_sample;
+  log_options.max_lines_per_second = options.request_log_max_per_second;
+  request_log_ = std::make_unique<RequestLog>(
+      log_options, Clock::Real(), [](const std::string& line) { spdlog::info("{}", line); });
+  service_ = std::make_unique<AttentionService>(
+      runtime_.get(), work_queue_.get(), decode_queue_.get(), metrics_.get(), batcher_, tokens_,
+      options.max_inflight_request_bytes, request_log_.get());
   service_for_metrics_.store(service_.get());
   admin_ = std::make_unique<AdminService>(runtime_.get(), work_queue_.get(), tokens_,
                                           options.admin_tenant);

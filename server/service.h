@@ -17,6 +17,7 @@
 #include "server/batcher.h"
 #include "server/decode_queue.h"
 #include "server/metrics.h"
+#include "server/request_log.h"
 #include "server/runtime.h"
 #include "server/work_queue.h"
 
@@ -62,11 +63,12 @@ class UnaryCall : public grpc::ServerUnaryReactor {
 class AttentionService : public AttentionServiceBase {
  public:
   // `batcher`: decode_queue when it is a BatchingDecodeQueue, for GetServerInfo's decode_batching
-  // counters (nullptr: batching is reported off).
+  // counters (nullptr: batching is reported off). `request_log` (may be null; must outlive the
+  // service) gets every recorded RPC.
   AttentionService(Runtime* runtime, WorkQueue* work_queue, DecodeQueue* decode_queue,
                    AttndMetrics* metrics = nullptr, const BatchingDecodeQueue* batcher = nullptr,
                    std::shared_ptr<const TokenStore> tokens = nullptr,
-                   int64_t max_inflight_request_bytes = 0);
+                   int64_t max_inflight_request_bytes = 0, RequestLog* request_log = nullptr);
 
   // Sessions waiting for their next request end now with UNAVAILABLE; busy ones end after the
   // response they are computing. Call before grpc::Server::Shutdown so idle streams do not hold
@@ -138,7 +140,7 @@ class AttentionService : public AttentionServiceBase {
                                 void (AttentionService::*serve)(grpc::CallbackServerContext*,
                                                                 const Request*, Response*,
                                                                 UnaryCall*));
-  // Records one finished request with its google.rpc code (no-op without metrics). Latencies the
+  // Records one finished request with its google.rpc code in the metrics and the request log. Latencies the
   // clock does not know (InfinitePast) are not observed.
   void Record(absl::string_view rpc, int code, const RequestClock& clock, int64_t bytes_received,
               int64_t bytes_sent);
@@ -160,6 +162,7 @@ class AttentionService : public AttentionServiceBase {
   const BatchingDecodeQueue* const batcher_;  // may be null
   const std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
   const int64_t max_inflight_request_bytes_;        // 0: no budget
+  RequestLog* const request_log_;                    // may be null
   std::atomic<int64_t> inflight_request_bytes_{0};
 
   // Atomic, not under mu_: sessions read it under their own lock, and BeginShutdown takes mu_
