@@ -24,11 +24,15 @@
 #include "client/attnctl.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
+#include "server/flag_types.h"
 #include "version/build_info.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address, host:port");
-ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest gRPC message sent or received");
-ABSL_FLAG(absl::Duration, connect_timeout, absl::Seconds(10), "how long to wait for the server");
+ABSL_FLAG(attnd::ByteSize, max_message_bytes, attnd::ByteSize{512ll << 20},
+          "largest gRPC message sent or received (bytes, or 512Mi, 1Gi, ...)");
+ABSL_FLAG(attnd::FlexDuration, connect_timeout, attnd::FlexDuration{absl::Seconds(10)},
+          "how long to wait for the server (10s, 500ms; a bare number is seconds); a refused "
+          "connection fails at once");
 ABSL_FLAG(std::string, dtype, "",
           "request dtype: bf16 | fp16 | fp32 (default: smoke fp32, bench bf16)");
 ABSL_FLAG(int32_t, layers, -1,
@@ -139,8 +143,8 @@ int main(int argc, char** argv) {
   }
 
   attnd::client::ClientOptions client_options;
-  client_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  client_options.connect_timeout = absl::GetFlag(FLAGS_connect_timeout);
+  client_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes).bytes;
+  client_options.connect_timeout = absl::GetFlag(FLAGS_connect_timeout).value;
   client_options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
   client_options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   client_options.tls_key_file = absl::GetFlag(FLAGS_tls_key);

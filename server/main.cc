@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/flag_types.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
 #include "version/build_info.h"
@@ -19,15 +20,17 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "host:port to serve on; port 0
 ABSL_FLAG(std::string, model_config, "",
           "path to the model's Hugging Face config.json; empty = Qwen2.5-7B-Instruct-1M");
 ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda");
-ABSL_FLAG(int64_t, kv_cache_bytes, 0,
-          "bytes of KV pool; 0 = the backend's default (CPU: min(4 GiB, RAM / 4); "
+ABSL_FLAG(attnd::ByteSize, kv_cache_bytes, attnd::ByteSize{0},
+          "KV pool size in bytes (4096, 512Mi, 4Gi, 1.5G: K/M/G/T powers of 1000, Ki/Mi/Gi/Ti of "
+          "1024); 0 = the backend's default (CPU: min(4 GiB, RAM / 4); "
           "cuda: --kv-cache-fraction of free GPU memory)");
 ABSL_FLAG(double, kv_cache_fraction, 0.9,
           "cuda only, when --kv-cache-bytes is 0: the share of the GPU's free memory at start-up "
           "that becomes the KV pool");
 ABSL_FLAG(std::string, kv_dtype, "auto", "auto | bf16 | fp32 (auto: fp32 on cpu, bf16 on cuda)");
 ABSL_FLAG(int32_t, page_size, 16, "tokens per KV page; must divide the DCA chunk length");
-ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest request or response, in bytes");
+ABSL_FLAG(attnd::ByteSize, max_message_bytes, attnd::ByteSize{512ll << 20},
+          "largest request or response (bytes, or 512Mi, 1Gi, ...)");
 ABSL_FLAG(int64_t, max_sequence_length, 0, "most tokens per sequence; 0 = the model's maximum");
 ABSL_FLAG(int64_t, max_sequences, 0,
           "most live sequences, all tenants together; 0 = one per KV page");
@@ -56,8 +59,9 @@ ABSL_FLAG(int64_t, request_log_sample, 1000,
 ABSL_FLAG(int64_t, request_log_max_per_second, 50,
           "at most this many request log lines per second (0 = no cap); the rest are counted and "
           "reported as 'suppressed N'");
-ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
-          "on SIGINT/SIGTERM, how long in-flight requests may run before they are cancelled");
+ABSL_FLAG(attnd::FlexDuration, drain_timeout, attnd::FlexDuration{absl::Seconds(30)},
+          "on SIGINT/SIGTERM, how long in-flight requests may run before they are cancelled (30s, "
+          "1m, 500ms; a bare number is seconds)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9400",
           "host:port for HTTP GET /metrics (Prometheus) and /healthz; empty = off");
 ABSL_FLAG(std::string, health_listen, "",
@@ -73,18 +77,19 @@ ABSL_FLAG(std::string, admin_tenant, "",
           "the tenant of --auth-token-file that may call attnd.v1.Admin (attnctl sequences / "
           "release: every tenant's sequences); empty = nobody; with tokens off, loopback callers "
           "may");
-ABSL_FLAG(absl::Duration, sequence_idle_timeout, absl::ZeroDuration(),
-          "release sequences unused for this long (e.g. 10m), freeing their pages; 0 = never");
+ABSL_FLAG(attnd::FlexDuration, sequence_idle_timeout, attnd::FlexDuration{absl::ZeroDuration()},
+          "release sequences unused for this long (10m, 90s; a bare number is seconds), freeing "
+          "their pages; 0 = never");
 ABSL_FLAG(int64_t, tenant_page_quota, 0, "most KV pages one tenant's sequences may hold; 0 = no limit");
 ABSL_FLAG(int64_t, tenant_max_sequences, 0,
           "most live sequences of one tenant, empty ones included; 0 = no limit");
 ABSL_FLAG(int32_t, max_streams_per_connection, 64,
           "most concurrent calls (HTTP/2 streams) on one client connection");
-ABSL_FLAG(int64_t, max_inflight_request_bytes, 2ll << 30,
-          "requests being served, in bytes, all together; beyond it a request gets "
+ABSL_FLAG(attnd::ByteSize, max_inflight_request_bytes, attnd::ByteSize{2ll << 30},
+          "requests being served, in bytes (or 2Gi, ...), all together; beyond it a request gets "
           "RESOURCE_EXHAUSTED at once; at least --max-message-bytes");
-ABSL_FLAG(int64_t, grpc_memory_bytes, 4ll << 30,
-          "gRPC's memory quota for its transport buffers, in bytes (at least 64 MiB)");
+ABSL_FLAG(attnd::ByteSize, grpc_memory_bytes, attnd::ByteSize{4ll << 30},
+          "gRPC's memory quota for its transport buffers, in bytes (or 4Gi, ...; at least 64Mi)");
 
 namespace {
 
@@ -128,7 +133,7 @@ int main(int argc, char** argv) {
                      level, "\""));
   }
   spdlog::set_level(parsed);
-  const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
+  const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout).value;
   if (drain < absl::ZeroDuration()) {
     return Fail(absl::StrCat("--drain-timeout must be >= 0, got ", absl::FormatDuration(drain)));
   }
@@ -145,11 +150,11 @@ int main(int argc, char** argv) {
   options.listen = absl::GetFlag(FLAGS_listen);
   options.model_config = absl::GetFlag(FLAGS_model_config);
   options.device = absl::GetFlag(FLAGS_device);
-  options.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  options.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes).bytes;
   options.kv_cache_fraction = absl::GetFlag(FLAGS_kv_cache_fraction);
   options.kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
   options.page_size = absl::GetFlag(FLAGS_page_size);
-  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes).bytes;
   options.max_sequence_length = absl::GetFlag(FLAGS_max_sequence_length);
   options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
@@ -169,12 +174,12 @@ int main(int argc, char** argv) {
   options.admin_tenant = absl::GetFlag(FLAGS_admin_tenant);
   options.request_log_sample = absl::GetFlag(FLAGS_request_log_sample);
   options.request_log_max_per_second = absl::GetFlag(FLAGS_request_log_max_per_second);
-  options.sequence_idle_timeout = absl::GetFlag(FLAGS_sequence_idle_timeout);
+  options.sequence_idle_timeout = absl::GetFlag(FLAGS_sequence_idle_timeout).value;
   options.tenant_page_quota = absl::GetFlag(FLAGS_tenant_page_quota);
   options.tenant_max_sequences = absl::GetFlag(FLAGS_tenant_max_sequences);
   options.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
-  options.max_inflight_request_bytes = absl::GetFlag(FLAGS_max_inflight_request_bytes);
-  options.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
+  options.max_inflight_request_bytes = absl::GetFlag(FLAGS_max_inflight_request_bytes).bytes;
+  options.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes).bytes;
 
   absl::StatusOr<std::unique_ptr<attnd::AttndServer>> server = attnd::AttndServer::Start(options);
   if (!server.ok()) return Fail(std::string(server.status().message()));

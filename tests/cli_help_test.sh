@@ -38,5 +38,25 @@ check "attnctl health (closed port)" "$out" "cannot reach attnd at 127.0.0.1:1: 
 "$attnctl" frobnicate >/dev/null 2>&1
 rc=$?
 [ $rc -eq 2 ] || { echo "FAIL: attnctl frobnicate exited $rc, want 2"; fail=1; }
+# Byte sizes and durations: suffixes and bare seconds reach the options; bad values say what is
+# expected.
+expect_fail() {  # expect_fail NAME REGEX CMD...
+  local name=$1 re=$2
+  shift 2
+  local out rc
+  out=$("$@" 2>&1)
+  rc=$?
+  [ $rc -ne 0 ] || { echo "FAIL: $name exited 0"; fail=1; }
+  grep -Eq -- "$re" <<<"$out" || { echo "FAIL: $name: no /$re/ in: $out"; fail=1; }
+}
+expect_fail "attnd --kv-cache-bytes=1X" "1X\": expected a byte count: .*Ki, Mi, Gi" "$attnd" --kv-cache-bytes=1X
+expect_fail "attnd --drain-timeout=thirty" "expected a duration: a number of seconds" \
+  "$attnd" --drain-timeout=thirty
+expect_fail "attnd 2Mi/1Mi" "--max-inflight-request-bytes \(1048576\) must be at least --max-message-bytes \(2097152\)" \
+  "$attnd" --max-message-bytes=2Mi --max-inflight-request-bytes=1Mi --metrics-listen=
+expect_fail "attnd --drain-timeout=-5" "--drain-timeout must be >= 0, got -5s" "$attnd" --drain-timeout=-5
+expect_fail "attnctl --max-message-bytes=3Gi" "max_message_bytes must be in \[1, 2\^31\), got 3221225472" \
+  "$attnctl" info --max-message-bytes=3Gi
+check "attnd --help defaults" "$("$attnd" --help 2>&1)" "default: 512Mi;" "default: 2Gi;" "default: 4Gi;" "default: 30s;"
 [ $fail -eq 0 ] && echo PASS
 exit $fail
