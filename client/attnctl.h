@@ -38,6 +38,9 @@ struct SmokeOptions {
   uint64_t seed = 1;
   // Q_LAYOUT_PRE_ROTARY: send q/k before the rotary; the reference rotates them itself (fp64).
   v1::QLayout q_layout = v1::Q_LAYOUT_VARIANTS;
+  // Progress lines on `err` ("smoke: prefill call 2/5 done: tokens 0..1023, 8 layers, 3.1 s"):
+  // one per prefill call and one per tenth of the decode steps.
+  bool progress = false;
 };
 // Layer caps when `layers` is 0: the reference is fp64 and single-process, so big models run
 // fewer layers by default (every layer exercises the same kernels; the geometry is what matters).

@@ -209,6 +209,7 @@ int main(int argc, char** argv) {
     if (decode_steps >= 0) options.decode_steps = decode_steps;
     options.seed = absl::GetFlag(FLAGS_seed);
     options.q_layout = q_layout;
+    options.progress = true;  // to stderr: stdout stays the report
     return attnd::client::RunSmoke(**client, options, std::cout, std::cerr);
   }
 
