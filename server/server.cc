@@ -408,7 +408,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   {
     const ServerInfo info = runtime_->Info();
     absl::StatusOr<std::unique_ptr<AttndMetrics>> metrics =
-        AttndMetrics::Create(BuildInfo{kVersion, "", info.backend, info.model.name});
+        AttndMetrics::Create(BuildInfo{kVersion, StampedRevision(), info.backend, info.model.name});
     if (!metrics.ok()) return metrics.status();
     metrics_ = *std::move(metrics);
   }

@@ -23,6 +23,10 @@ constexpr char kCompilationMode[] =
 absl::string_view GitRevision() { return kGitRevision; }
 absl::string_view CompilationMode() { return kCompilationMode; }
 
+std::string StampedRevision() {
+  return absl::StartsWith(GitRevision(), "unknown") ? "" : std::string(GitRevision());
+}
+
 bool BuiltWithCuda() {
 #ifdef ATTND_BUILT_WITH_CUDA
   return true;

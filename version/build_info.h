@@ -15,6 +15,9 @@ inline constexpr char kVersion[] = "0.1.0";
 // The git revision the binary was built from (12 hex digits, "-dirty" with uncommitted changes),
 // stamped by `bazel build --stamp`; "unknown (not stamped; build with --stamp)" otherwise.
 absl::string_view GitRevision();
+// GitRevision() when the build was stamped (a 12-digit revision), else "" (attnd_build_info's
+// revision label).
+std::string StampedRevision();
 // Bazel's compilation mode: "opt", "dbg" or "fastbuild" (attnd's .bazelrc builds fastbuild with -O2).
 absl::string_view CompilationMode();
 // Whether the CUDA backend was built in (a toolkit was found at build time).

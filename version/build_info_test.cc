@@ -16,6 +16,11 @@ TEST(BuildInfo, VersionTextNamesProgramVersionRevisionAndBuild) {
   EXPECT_TRUE(absl::StrContains(text, absl::StrCat("build: ", CompilationMode()))) << text;
   EXPECT_TRUE(absl::StrContains(text, BuiltWithCuda() ? "CUDA backend: yes" : "CUDA backend: no"));
   EXPECT_FALSE(GitRevision().empty());
+  if (absl::StartsWith(GitRevision(), "unknown")) {
+    EXPECT_EQ(StampedRevision(), "");
+  } else {
+    EXPECT_EQ(StampedRevision(), GitRevision());
+  }
   const absl::string_view mode = CompilationMode();
   EXPECT_TRUE(mode == "opt" || mode == "dbg" || mode == "fastbuild") << mode;
 }
