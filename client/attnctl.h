@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <ostream>
+#include <string>
 #include <vector>
 
 #include "client/attnd_client.h"
@@ -16,6 +17,14 @@ namespace client {
 
 // `attnctl info`: GetServerInfo as aligned "key: value" lines.
 int RunInfo(AttndClient& client, std::ostream& out, std::ostream& err);
+
+// `attnctl sequences [--tenant T]`: every live sequence (attnd.v1.Admin), one line each: id,
+// tenant, pages, min/max tokens over its layers, idle time; then the totals.
+int RunSequences(AttndClient& client, const std::string& tenant, std::ostream& out,
+                 std::ostream& err);
+// `attnctl release ID`: releases any tenant's sequence (attnd.v1.Admin) and says what it freed.
+int RunRelease(AttndClient& client, const std::string& sequence_id, std::ostream& out,
+               std::ostream& err);
 
 inline constexpr int32_t kDefaultLayers = 0;
 inline constexpr int32_t kAllLayers = -1;
@@ -29,6 +38,9 @@ struct SmokeOptions {
   uint64_t seed = 1;
   // Q_LAYOUT_PRE_ROTARY: send q/k before the rotary; the reference rotates them itself (fp64).
   v1::QLayout q_layout = v1::Q_LAYOUT_VARIANTS;
+  // Progress lines on `err` ("smoke: prefill call 2/5 done: tokens 0..1023, 8 layers, 3.1 s"):
+  // one per prefill call and one per tenth of the decode steps.
+  bool progress = false;
 };
 // Layer caps when `layers` is 0: the reference is fp64 and single-process, so big models run
 // fewer layers by default (every layer exercises the same kernels; the geometry is what matters).

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "client/attnctl.h"
 #include "client/smoke_reference.h"
 #include "kernels/dca.h"
@@ -206,6 +207,13 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
   std::string failure;  // an RPC or reference error, not a numeric one
 
   const double budget_per_call = kReferenceBudget / (calls.size() * layers);
+  const absl::Time began = absl::Now();
+  const auto progress = [&](const std::string& line) {
+    if (!options.progress) return;
+    err << "smoke: " << line << ", "
+        << absl::StrFormat("%.1f s", absl::ToDoubleSeconds(absl::Now() - began)) << std::endl;
+  };
+  int64_t prefilled = 0;
   for (size_t c = 0; c < calls.size() && failure.empty(); ++c) {
     const int64_t t = calls[c];
     for (int32_t layer = 0; layer < layers && failure.empty(); ++layer) {
@@ -256,7 +264,14 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
       rows_checked += rows.size();
       rows_total += t;
     }
+    if (failure.empty()) {
+      progress(absl::StrCat("prefill call ", c + 1, "/", calls.size(), " done: tokens ", prefilled,
+                            "..", prefilled + t - 1, " of ", prompt, ", ", layers, " layer",
+                            layers == 1 ? "" : "s", " checked"));
+    }
+    prefilled += t;
   }
+  const int64_t decode_every = std::max<int64_t>(1, (decode_steps + 9) / 10);
   for (int64_t step = 0; step < decode_steps && failure.empty(); ++step) {
     const int64_t variants = pre_rotary ? 1 : step % 2 == 0 ? 5 : 3;
     for (int32_t layer = 0; layer < layers && failure.empty(); ++layer) {
@@ -294,6 +309,10 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
         break;
       }
       decode_errors.Add((*r)[0].o.ToFloats(), *want, where);
+    }
+    if (failure.empty() && ((step + 1) % decode_every == 0 || step + 1 == decode_steps)) {
+      progress(absl::StrCat("decode step ", step + 1, "/", decode_steps, " done, ", layers,
+                            " layer", layers == 1 ? "" : "s", " checked"));
     }
   }
 

@@ -1,10 +1,21 @@
 #include "client/attnd_client.h"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/status_macros.h"
@@ -80,8 +91,121 @@ absl::Status FromGrpc(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-AttndClient::AttndClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
-    : options_(options), channel_(std::move(channel)), stub_(v1::Attention::NewStub(channel_)) {}
+AttndClient::AttndClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options,
+                         std::string target)
+    : options_(options),
+      target_(std::move(target)),
+      channel_(std::move(channel)),
+      stub_(v1::Attention::NewStub(channel_)),
+      admin_stub_(v1::Admin::NewStub(channel_)) {}
+
+namespace {
+
+int MillisOf(absl::Duration d) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(absl::ToInt64Milliseconds(d), 60000)));
+}
+
+// A TCP connection to host:port within `timeout`: the fd, or -errno (-EAI_* codes as
+// -(1000 + code) for a name that does not resolve).
+int ConnectTcp(const std::string& host, const std::string& port, absl::Duration timeout) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int gai = getaddrinfo(host.c_str(), port.c_str(), &hints, &found);
+  if (gai != 0) return -(1000 + std::abs(gai));
+  int result = -ECONNREFUSED;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      result = -errno;
+      continue;
+    }
+    int err = 0;
+    if (connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      err = errno;
+      if (err == EINPROGRESS) {
+        pollfd p{fd, POLLOUT, 0};
+        if (poll(&p, 1, MillisOf(timeout)) == 1) {
+          socklen_t len = sizeof(err);
+          getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+        } else {
+          err = ETIMEDOUT;
+        }
+      }
+    }
+    if (err == 0) {
+      freeaddrinfo(found);
+      return fd;
+    }
+    close(fd);
+    result = -err;
+  }
+  freeaddrinfo(found);
+  return result;
+}
+
+// The first bytes the peer sends back after an HTTP/1.0 request ("" when it sends nothing in time).
+std::string HttpProbe(int fd, absl::string_view host, absl::Duration timeout) {
+  const std::string request = absl::StrCat("GET /healthz HTTP/1.0\r\nHost: ", host, "\r\n\r\n");
+  if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) < 0) return "";
+  char buffer[16];
+  pollfd p{fd, POLLIN, 0};
+  if (poll(&p, 1, MillisOf(timeout)) != 1) return "";
+  const ssize_t n = recv(fd, buffer, sizeof(buffer), 0);
+  return n > 0 ? std::string(buffer, static_cast<size_t>(n)) : "";
+}
+
+}  // namespace
+
+absl::Status DiagnoseUnreachable(const std::string& target, bool tls, absl::Duration timeout) {
+  const std::string prefix = absl::StrCat("cannot reach attnd at ", target, ": ");
+  absl::string_view address = target;
+  if (absl::ConsumePrefix(&address, "dns:")) absl::ConsumePrefix(&address, "///");
+  if (!absl::ConsumePrefix(&address, "ipv4:")) absl::ConsumePrefix(&address, "ipv6:");
+  const size_t colon = address.rfind(':');
+  if (absl::StartsWith(target, "unix:") || colon == absl::string_view::npos) {
+    return absl::UnavailableError(
+        absl::StrCat(prefix, "no gRPC connection (expected host:port, e.g. 127.0.0.1:50051)"));
+  }
+  std::string host(address.substr(0, colon));
+  const std::string port(address.substr(colon + 1));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  const int fd = ConnectTcp(host, port, timeout);
+  if (fd <= -1000) {
+    return absl::UnavailableError(absl::StrCat(prefix, "the host name \"", host,
+                                               "\" does not resolve (", gai_strerror(-(fd + 1000)),
+                                               ")"));
+  }
+  if (fd == -ECONNREFUSED) {
+    return absl::UnavailableError(absl::StrCat(
+        prefix, "connection refused; is the daemon running? (start it with script/server; it "
+                "listens on --listen, default 127.0.0.1:50051)"));
+  }
+  if (fd < 0) return absl::UnavailableError(absl::StrCat(prefix, std::strerror(-fd)));
+  const std::string answer = HttpProbe(fd, host, timeout);
+  close(fd);
+  if (absl::StartsWith(answer, "HTTP/")) {
+    return absl::UnavailableError(absl::StrCat(
+        prefix, "it answers HTTP, not gRPC: that is attnd's metrics port (--metrics-listen, "
+                "default 127.0.0.1:9400) or another web server; point --target at attnd's "
+                "--listen address (default 127.0.0.1:50051)"));
+  }
+  return absl::UnavailableError(absl::StrCat(
+      prefix, "it accepts TCP connections but the gRPC connection failed",
+      tls ? " (TLS is on: is the server plaintext, or its certificate not signed by --tls-ca?)"
+          : " (is the server TLS? then pass --tls-ca)"));
+}
+
+absl::Status AttndClient::Checked(const grpc::Status& status, absl::string_view method) const {
+  absl::Status s = FromGrpc(status);
+  if (s.code() == absl::StatusCode::kUnimplemented && s.message().empty()) {
+    return absl::UnimplementedError(absl::StrCat(
+        target_, " serves gRPC but not attnd.v1.Attention/", method,
+        ": is it attnd's health-only port (--health-listen, which serves only "
+        "grpc.health.v1.Health)? point --target at attnd's --listen address"));
+  }
+  return s;
+}
 
 absl::StatusOr<std::unique_ptr<AttndClient>> AttndClient::Connect(const std::string& target,
                                                                   const ClientOptions& options) {
@@ -110,11 +234,23 @@ absl::StatusOr<std::unique_ptr<AttndClient>> AttndClient::Connect(const std::str
     return absl::InvalidArgumentError("a TLS client certificate needs the server's CA file too");
   }
   std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(target, credentials, args);
-  if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
-    return absl::UnavailableError(absl::StrCat("cannot connect to attnd at ", target, " within ",
-                                               absl::FormatDuration(options.connect_timeout)));
+  const absl::Time deadline = absl::Now() + options.connect_timeout;
+  for (;;) {
+    const grpc_connectivity_state state = channel->GetState(/*try_to_connect=*/true);
+    if (state == GRPC_CHANNEL_READY) break;
+    // The first attempt failed (gRPC would retry with backoff until the deadline): say why now.
+    if (state == GRPC_CHANNEL_TRANSIENT_FAILURE || state == GRPC_CHANNEL_SHUTDOWN) {
+      return DiagnoseUnreachable(target, !options.tls_ca_file.empty(),
+                                 std::min(absl::Seconds(2), options.connect_timeout));
+    }
+    if (!channel->WaitForStateChange(state, absl::ToChronoTime(deadline))) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot reach attnd at ", target, ": no connection within ",
+          absl::FormatDuration(options.connect_timeout),
+          " (--connect-timeout); is the host up and the port not blocked by a firewall?"));
+    }
   }
-  return std::unique_ptr<AttndClient>(new AttndClient(std::move(channel), options));
+  return std::unique_ptr<AttndClient>(new AttndClient(std::move(channel), options, target));
 }
 
 void AttndClient::SetDeadline(grpc::ClientContext* context) const {
@@ -122,6 +258,28 @@ void AttndClient::SetDeadline(grpc::ClientContext* context) const {
     context->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
   }
   if (!options_.token.empty()) context->AddMetadata("authorization", "Bearer " + options_.token);
+}
+
+absl::StatusOr<v1::AdminListSequencesResponse> AttndClient::ListSequences(
+    const std::string& tenant) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::AdminListSequencesRequest request;
+  request.set_tenant(tenant);
+  v1::AdminListSequencesResponse response;
+  ATTND_RETURN_IF_ERROR(FromGrpc(admin_stub_->ListSequences(&context, request, &response)));
+  return response;
+}
+
+absl::StatusOr<v1::AdminReleaseSequenceResponse> AttndClient::AdminRelease(
+    const std::string& sequence_id) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::AdminReleaseSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  v1::AdminReleaseSequenceResponse response;
+  ATTND_RETURN_IF_ERROR(FromGrpc(admin_stub_->ReleaseSequence(&context, request, &response)));
+  return response;
 }
 
 absl::StatusOr<bool> AttndClient::Healthy(const std::string& service) {
@@ -140,7 +298,7 @@ absl::StatusOr<v1::GetServerInfoResponse> AttndClient::Info() {
   SetDeadline(&context);
   v1::GetServerInfoResponse response;
   ATTND_RETURN_IF_ERROR(
-      FromGrpc(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &response)));
+      Checked(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &response), "GetServerInfo"));
   return response;
 }
 
@@ -149,7 +307,7 @@ absl::StatusOr<std::string> AttndClient::CreateSequence() {
   SetDeadline(&context);
   v1::CreateSequenceResponse response;
   ATTND_RETURN_IF_ERROR(
-      FromGrpc(stub_->CreateSequence(&context, v1::CreateSequenceRequest(), &response)));
+      Checked(stub_->CreateSequence(&context, v1::CreateSequenceRequest(), &response), "CreateSequence"));
   return response.sequence_id();
 }
 
@@ -158,7 +316,7 @@ absl::StatusOr<v1::ReleaseSequenceResponse> AttndClient::ReleaseRaw(
   grpc::ClientContext context;
   SetDeadline(&context);
   v1::ReleaseSequenceResponse response;
-  ATTND_RETURN_IF_ERROR(FromGrpc(stub_->ReleaseSequence(&context, request, &response)));
+  ATTND_RETURN_IF_ERROR(Checked(stub_->ReleaseSequence(&context, request, &response), "ReleaseSequence"));
   return response;
 }
 
@@ -173,7 +331,7 @@ absl::StatusOr<v1::PrefillResponse> AttndClient::PrefillRaw(const v1::PrefillReq
   grpc::ClientContext context;
   SetDeadline(&context);
   v1::PrefillResponse response;
-  ATTND_RETURN_IF_ERROR(FromGrpc(stub_->Prefill(&context, request, &response)));
+  ATTND_RETURN_IF_ERROR(Checked(stub_->Prefill(&context, request, &response), "Prefill"));
   return response;
 }
 
@@ -181,7 +339,7 @@ absl::StatusOr<v1::DecodeResponse> AttndClient::DecodeRaw(const v1::DecodeReques
   grpc::ClientContext context;
   SetDeadline(&context);
   v1::DecodeResponse response;
-  ATTND_RETURN_IF_ERROR(FromGrpc(stub_->Decode(&context, request, &response)));
+  ATTND_RETURN_IF_ERROR(Checked(stub_->Decode(&context, request, &response), "Decode"));
   return response;
 }
 

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attnd/v1/attention.grpc.pb.h"
+#include "attnd/v1/admin.grpc.pb.h"
 #include "client/host_tensor.h"
 #include "grpcpp/grpcpp.h"
 
@@ -62,11 +63,20 @@ struct DecodeResult {
 // grpc::Status -> absl::Status with the same code and message.
 absl::Status FromGrpc(const grpc::Status& status);
 
+// Why `target` (host:port) gives no gRPC channel, found by a plain TCP connect and, when that
+// succeeds, one HTTP request: UNAVAILABLE "cannot reach attnd at TARGET: connection refused; is
+// the daemon running? ...", "... answers HTTP, not gRPC: that is attnd's metrics port ...", or
+// that it accepts TCP but the gRPC handshake failed (with the TLS hint that `tls` calls for).
+// Waits at most `timeout` for each step.
+absl::Status DiagnoseUnreachable(const std::string& target, bool tls, absl::Duration timeout);
+
 class Session;
 
 class AttndClient {
  public:
-  // Opens a channel to `target` (host:port) and waits until it is ready.
+  // Opens a channel to `target` (host:port) and waits until it is ready, at most
+  // options.connect_timeout; fails as soon as the first connection attempt fails (connection
+  // refused, or a port that does not speak gRPC), saying why (DiagnoseUnreachable).
   static absl::StatusOr<std::unique_ptr<AttndClient>> Connect(const std::string& target,
                                                               const ClientOptions& options = {});
 
@@ -95,19 +105,31 @@ class AttndClient {
   // A new Session stream.
   absl::StatusOr<std::unique_ptr<Session>> OpenSession();
 
+  // attnd.v1.Admin (the admin tenant only, or loopback callers with tokens off): every live
+  // sequence (of `tenant` only, when set), and releasing any tenant's sequence.
+  absl::StatusOr<v1::AdminListSequencesResponse> ListSequences(const std::string& tenant = "");
+  absl::StatusOr<v1::AdminReleaseSequenceResponse> AdminRelease(const std::string& sequence_id);
+
   // grpc.health.v1 Check for `service` ("" = the whole server): true when SERVING.
   absl::StatusOr<bool> Healthy(const std::string& service);
 
   const ClientOptions& options() const { return options_; }
 
  private:
-  AttndClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+  AttndClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options,
+              std::string target);
   // Per-call settings every RPC shares: the deadline and the bearer token.
   void SetDeadline(grpc::ClientContext* context) const;
 
+  // FromGrpc, and an UNIMPLEMENTED attnd.v1 method says that the target serves gRPC but not
+  // attnd's API (e.g. attnd's --health-listen port).
+  absl::Status Checked(const grpc::Status& status, absl::string_view method) const;
+
   const ClientOptions options_;
+  std::string target_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
+  std::unique_ptr<v1::Admin::Stub> admin_stub_;
   friend class Session;
 };
 

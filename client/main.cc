@@ -2,6 +2,8 @@
 //   attnctl info                       server, model, DCA config, KV pool and limits
 //   attnctl smoke [--dtype ...]        end-to-end numeric check against the naive fp64 reference
 //   attnctl bench [--context ...]      prefill / decode latency and throughput
+//   attnctl sequences [--tenant T]     every tenant's live sequences (attnd.v1.Admin)
+//   attnctl release ID                 release any tenant's sequence (attnd.v1.Admin)
 // Flags may be spelled with dashes or underscores (--max-tokens == --max_tokens).
 #include <unistd.h>
 
@@ -22,10 +24,15 @@
 #include "client/attnctl.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
+#include "server/flag_types.h"
+#include "version/build_info.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address, host:port");
-ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest gRPC message sent or received");
-ABSL_FLAG(absl::Duration, connect_timeout, absl::Seconds(10), "how long to wait for the server");
+ABSL_FLAG(attnd::ByteSize, max_message_bytes, attnd::ByteSize{512ll << 20},
+          "largest gRPC message sent or received (bytes, or 512Mi, 1Gi, ...)");
+ABSL_FLAG(attnd::FlexDuration, connect_timeout, attnd::FlexDuration{absl::Seconds(10)},
+          "how long to wait for the server (10s, 500ms; a bare number is seconds); a refused "
+          "connection fails at once");
 ABSL_FLAG(std::string, dtype, "",
           "request dtype: bf16 | fp16 | fp32 (default: smoke fp32, bench bf16)");
 ABSL_FLAG(int32_t, layers, -1,
@@ -46,20 +53,26 @@ ABSL_FLAG(std::string, token_file, "",
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA of the server's certificate; set = TLS");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate, for mutual TLS");
 ABSL_FLAG(std::string, tls_key, "", "PEM client key, for mutual TLS");
+ABSL_FLAG(std::string, tenant, "", "sequences: only this tenant's sequences (default: all)");
 ABSL_FLAG(std::string, service, "",
           "health: the service to check (\"\" = the server, or attnd.v1.Attention)");
 
 namespace {
 
 constexpr char kUsage[] =
-    "attnctl <info|health|smoke|bench> [flags]\n"
+    "attnctl <info|health|smoke|bench|sequences|release ID> [flags]\n"
     "  info   print the server's model, DCA config, KV pool and limits\n"
-    "  health grpc.health.v1 Check (--service); exits 0 when SERVING, 1 otherwise\n"
+    "  health grpc.health.v1 Check (--service); exits 0 when SERVING, 1 otherwise (NOT_SERVING,\n"
+    "         unknown service, server unreachable); 2 for a usage error\n"
     "  smoke  prefill + decode one sequence and check every output against the naive fp64\n"
     "         reference; exits non-zero on FAIL (--dtype --layers --max-tokens --decode-steps "
     "--seed)\n"
     "  bench  prefill/decode latency and throughput (--context --prefill-chunk --decode-steps\n"
-    "         --batch --dtype --layers)";
+    "         --batch --dtype --layers)\n"
+    "  sequences  every live sequence: id, tenant, pages, min/max length, idle time (--tenant);\n"
+    "             attnd.v1.Admin: attnd's --admin-tenant token, or loopback when tokens are off\n"
+    "  release ID  release any tenant's sequence and free its pages (attnd.v1.Admin, as above)\n"
+    "  -h, --help  the flags below    --version  attnctl's version and build";
 
 // absl flags are underscore names; accept the dashed spelling the docs use by rewriting the
 // name part of "--some-flag[=value]" before parsing.
@@ -104,24 +117,34 @@ absl::StatusOr<std::string> ReadToken(const std::string& path) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
+  attnd::SetUsageConfig("attnctl", "client/main.cc");
+  attnd::ShortHelpToHelp(argc, argv);
   std::vector<std::string> normalized = NormalizeFlagNames(argc, argv);
   std::vector<char*> normalized_argv;
   for (std::string& a : normalized) normalized_argv.push_back(a.data());
   std::vector<char*> positional =
       absl::ParseCommandLine(static_cast<int>(normalized_argv.size()), normalized_argv.data());
-  if (positional.size() != 2) {
+  if (positional.size() < 2) {
     std::cerr << kUsage << "\n";
     return 2;
   }
   const std::string command = positional[1];
-  if (command != "info" && command != "health" && command != "smoke" && command != "bench") {
+  if (command != "info" && command != "health" && command != "smoke" && command != "bench" &&
+      command != "sequences" && command != "release") {
     std::cerr << "attnctl: unknown command \"" << command << "\"\n" << kUsage << "\n";
+    return 2;
+  }
+  const size_t want_args = command == "release" ? 3 : 2;
+  if (positional.size() != want_args) {
+    std::cerr << "attnctl: " << command
+              << (command == "release" ? " takes one sequence id" : " takes no arguments")
+              << "\n" << kUsage << "\n";
     return 2;
   }
 
   attnd::client::ClientOptions client_options;
-  client_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  client_options.connect_timeout = absl::GetFlag(FLAGS_connect_timeout);
+  client_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes).bytes;
+  client_options.connect_timeout = absl::GetFlag(FLAGS_connect_timeout).value;
   client_options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
   client_options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   client_options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
@@ -134,16 +157,22 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<attnd::client::AttndClient>> client =
       attnd::client::AttndClient::Connect(absl::GetFlag(FLAGS_target), client_options);
   if (!client.ok()) {
-    std::cerr << "attnctl: " << client.status() << "\n";
-    return 2;
+    std::cerr << "attnctl: " << client.status().message() << "\n";
+    return command == "health" ? 1 : 2;  // health: unreachable is "not SERVING", as its usage says
   }
   if (command == "info") return attnd::client::RunInfo(**client, std::cout, std::cerr);
+  if (command == "sequences") {
+    return attnd::client::RunSequences(**client, absl::GetFlag(FLAGS_tenant), std::cout, std::cerr);
+  }
+  if (command == "release") {
+    return attnd::client::RunRelease(**client, positional[2], std::cout, std::cerr);
+  }
   if (command == "health") {
     const std::string service = absl::GetFlag(FLAGS_service);
     absl::StatusOr<bool> serving = (*client)->Healthy(service);
     if (!serving.ok()) {
       std::cerr << "attnctl: health: " << serving.status() << "\n";
-      return 2;
+      return 1;
     }
     std::cout << (service.empty() ? "server" : service) << ": "
               << (*serving ? "SERVING" : "NOT_SERVING") << "\n";
@@ -180,6 +209,7 @@ int main(int argc, char** argv) {
     if (decode_steps >= 0) options.decode_steps = decode_steps;
     options.seed = absl::GetFlag(FLAGS_seed);
     options.q_layout = q_layout;
+    options.progress = true;  // to stderr: stdout stays the report
     return attnd::client::RunSmoke(**client, options, std::cout, std::cerr);
   }
 

@@ -201,7 +201,7 @@ class Harness {
     shm_unlink(shm_name_.c_str());  // the mapping stays; nothing is left in /dev/shm
     service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
                                                   decode_queue_.get(), nullptr, nullptr, nullptr,
-                                                  0, regions_.get());
+                                                  0, nullptr, regions_.get());
     grpc::ServerBuilder builder;
     builder.SetMaxReceiveMessageSize(64 << 20);
     builder.RegisterService(service_.get());

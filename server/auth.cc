@@ -112,6 +112,13 @@ absl::StatusOr<TokenStore> TokenStore::LoadFile(const std::string& path) {
   return Parse(buffer.str(), path);
 }
 
+bool TokenStore::HasTenant(absl::string_view tenant) const {
+  for (const Entry& e : entries_) {
+    if (e.tenant == tenant) return true;
+  }
+  return false;
+}
+
 std::optional<std::string> TokenStore::Authenticate(absl::string_view token) const {
   const Digest digest = Sha256(token);
   size_t match = entries_.size();

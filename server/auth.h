@@ -54,6 +54,8 @@ class TokenStore {
   std::optional<std::string> Authenticate(absl::string_view token) const;
 
   size_t size() const { return entries_.size(); }
+  // Whether some token belongs to `tenant` (e.g. to check --admin-tenant at start-up).
+  bool HasTenant(absl::string_view tenant) const;
 
  private:
   using Digest = std::array<uint8_t, 32>;

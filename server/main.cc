@@ -11,22 +11,26 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/flag_types.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
+#include "version/build_info.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "host:port to serve on; port 0 picks a free one");
 ABSL_FLAG(std::string, model_config, "",
           "path to the model's Hugging Face config.json; empty = Qwen2.5-7B-Instruct-1M");
 ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda");
-ABSL_FLAG(int64_t, kv_cache_bytes, 0,
-          "bytes of KV pool; 0 = the backend's default (CPU: min(4 GiB, RAM / 4); "
+ABSL_FLAG(attnd::ByteSize, kv_cache_bytes, attnd::ByteSize{0},
+          "KV pool size in bytes (4096, 512Mi, 4Gi, 1.5G: K/M/G/T powers of 1000, Ki/Mi/Gi/Ti of "
+          "1024); 0 = the backend's default (CPU: min(4 GiB, RAM / 4); "
           "cuda: --kv-cache-fraction of free GPU memory)");
 ABSL_FLAG(double, kv_cache_fraction, 0.9,
           "cuda only, when --kv-cache-bytes is 0: the share of the GPU's free memory at start-up "
           "that becomes the KV pool");
 ABSL_FLAG(std::string, kv_dtype, "auto", "auto | bf16 | fp32 (auto: fp32 on cpu, bf16 on cuda)");
 ABSL_FLAG(int32_t, page_size, 16, "tokens per KV page; must divide the DCA chunk length");
-ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest request or response, in bytes");
+ABSL_FLAG(attnd::ByteSize, max_message_bytes, attnd::ByteSize{512ll << 20},
+          "largest request or response (bytes, or 512Mi, 1Gi, ...)");
 ABSL_FLAG(int64_t, max_sequence_length, 0, "most tokens per sequence; 0 = the model's maximum");
 ABSL_FLAG(int64_t, max_sequences, 0,
           "most live sequences, all tenants together; 0 = one per KV page");
@@ -49,8 +53,15 @@ ABSL_FLAG(int32_t, decode_batches_in_flight, 2,
           "merged decode batches of one layer that may run at once (2: the next batch is formed and "
           "launched while the previous one answers its calls; docs/batching.md)");
 ABSL_FLAG(std::string, log_level, "info", "trace | debug | info | warn | error | critical | off");
-ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
-          "on SIGINT/SIGTERM, how long in-flight requests may run before they are cancelled");
+ABSL_FLAG(int64_t, request_log_sample, 1000,
+          "the request log (--log-level info): one line per RPC for one in N OK requests and every "
+          "error; 1 = every request, 0 = errors only");
+ABSL_FLAG(int64_t, request_log_max_per_second, 50,
+          "at most this many request log lines per second (0 = no cap); the rest are counted and "
+          "reported as 'suppressed N'");
+ABSL_FLAG(attnd::FlexDuration, drain_timeout, attnd::FlexDuration{absl::Seconds(30)},
+          "on SIGINT/SIGTERM, how long in-flight requests may run before they are cancelled (30s, "
+          "1m, 500ms; a bare number is seconds)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9400",
           "host:port for HTTP GET /metrics (Prometheus) and /healthz; empty = off");
 ABSL_FLAG(std::string, health_listen, "",
@@ -62,23 +73,28 @@ ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle; set = mutual TLS: clients must present a certificate it signed");
 ABSL_FLAG(std::string, auth_token_file, "",
           "file of 'TENANT TOKEN' lines; clients send 'authorization: Bearer TOKEN'; empty = off");
-ABSL_FLAG(absl::Duration, sequence_idle_timeout, absl::ZeroDuration(),
-          "release sequences unused for this long (e.g. 10m), freeing their pages; 0 = never");
+ABSL_FLAG(std::string, admin_tenant, "",
+          "the tenant of --auth-token-file that may call attnd.v1.Admin (attnctl sequences / "
+          "release: every tenant's sequences); empty = nobody; with tokens off, loopback callers "
+          "may");
+ABSL_FLAG(attnd::FlexDuration, sequence_idle_timeout, attnd::FlexDuration{absl::ZeroDuration()},
+          "release sequences unused for this long (10m, 90s; a bare number is seconds), freeing "
+          "their pages; 0 = never");
 ABSL_FLAG(int64_t, tenant_page_quota, 0, "most KV pages one tenant's sequences may hold; 0 = no limit");
 ABSL_FLAG(int64_t, tenant_max_sequences, 0,
           "most live sequences of one tenant, empty ones included; 0 = no limit");
 ABSL_FLAG(int32_t, max_streams_per_connection, 64,
           "most concurrent calls (HTTP/2 streams) on one client connection");
-ABSL_FLAG(int64_t, max_inflight_request_bytes, 2ll << 30,
-          "requests being served, in bytes, all together; beyond it a request gets "
+ABSL_FLAG(attnd::ByteSize, max_inflight_request_bytes, attnd::ByteSize{2ll << 30},
+          "requests being served, in bytes (or 2Gi, ...), all together; beyond it a request gets "
           "RESOURCE_EXHAUSTED at once; at least --max-message-bytes");
-ABSL_FLAG(int64_t, grpc_memory_bytes, 4ll << 30,
-          "gRPC's memory quota for its transport buffers, in bytes (at least 64 MiB)");
+ABSL_FLAG(attnd::ByteSize, grpc_memory_bytes, attnd::ByteSize{4ll << 30},
+          "gRPC's memory quota for its transport buffers, in bytes (or 4Gi, ...; at least 64Mi)");
 ABSL_FLAG(int64_t, max_regions_per_tenant, 64,
           "tensor regions and shared-memory rings one tenant may hold (docs/regions.md); 0 turns "
           "regions and rings off");
-ABSL_FLAG(int64_t, max_region_bytes_per_tenant, 64ll << 30,
-          "bytes of regions and rings one tenant may have mapped");
+ABSL_FLAG(attnd::ByteSize, max_region_bytes_per_tenant, attnd::ByteSize{64ll << 30},
+          "bytes of regions and rings one tenant may have mapped (or 64Gi, ...)");
 ABSL_FLAG(absl::Duration, region_idle_timeout, absl::Seconds(300),
           "a region or ring no request used for this long is unregistered (e.g. 300s; 0 = never)");
 ABSL_FLAG(int64_t, ring_spin_us, 50,
@@ -107,7 +123,12 @@ void DashesToUnderscores(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("attnd: dual chunk attention over gRPC. Flags: --helpfull");
+  absl::SetProgramUsageMessage(
+      "dual-chunk attention over gRPC (docs/operations.md lists every flag).\n"
+      "usage: attnd [--flag=value ...]   flags may be spelled --kv-cache-bytes or --kv_cache_bytes\n"
+      "  -h, --help  these flags    --helpfull  gRPC's and absl's too    --version  version and build");
+  attnd::SetUsageConfig("attnd", "server/main.cc");
+  attnd::ShortHelpToHelp(argc, argv);
   DashesToUnderscores(argc, argv);
   absl::ParseCommandLine(argc, argv);
 
@@ -121,7 +142,7 @@ int main(int argc, char** argv) {
                      level, "\""));
   }
   spdlog::set_level(parsed);
-  const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
+  const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout).value;
   if (drain < absl::ZeroDuration()) {
     return Fail(absl::StrCat("--drain-timeout must be >= 0, got ", absl::FormatDuration(drain)));
   }
@@ -138,11 +159,11 @@ int main(int argc, char** argv) {
   options.listen = absl::GetFlag(FLAGS_listen);
   options.model_config = absl::GetFlag(FLAGS_model_config);
   options.device = absl::GetFlag(FLAGS_device);
-  options.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  options.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes).bytes;
   options.kv_cache_fraction = absl::GetFlag(FLAGS_kv_cache_fraction);
   options.kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
   options.page_size = absl::GetFlag(FLAGS_page_size);
-  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes).bytes;
   options.max_sequence_length = absl::GetFlag(FLAGS_max_sequence_length);
   options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
@@ -159,14 +180,17 @@ int main(int argc, char** argv) {
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
-  options.sequence_idle_timeout = absl::GetFlag(FLAGS_sequence_idle_timeout);
+  options.admin_tenant = absl::GetFlag(FLAGS_admin_tenant);
+  options.request_log_sample = absl::GetFlag(FLAGS_request_log_sample);
+  options.request_log_max_per_second = absl::GetFlag(FLAGS_request_log_max_per_second);
+  options.sequence_idle_timeout = absl::GetFlag(FLAGS_sequence_idle_timeout).value;
   options.tenant_page_quota = absl::GetFlag(FLAGS_tenant_page_quota);
   options.tenant_max_sequences = absl::GetFlag(FLAGS_tenant_max_sequences);
   options.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
-  options.max_inflight_request_bytes = absl::GetFlag(FLAGS_max_inflight_request_bytes);
-  options.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
+  options.max_inflight_request_bytes = absl::GetFlag(FLAGS_max_inflight_request_bytes).bytes;
+  options.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes).bytes;
   options.max_regions_per_tenant = absl::GetFlag(FLAGS_max_regions_per_tenant);
-  options.max_region_bytes_per_tenant = absl::GetFlag(FLAGS_max_region_bytes_per_tenant);
+  options.max_region_bytes_per_tenant = absl::GetFlag(FLAGS_max_region_bytes_per_tenant).bytes;
   options.region_idle_timeout = absl::GetFlag(FLAGS_region_idle_timeout);
   options.ring_spin = absl::Microseconds(absl::GetFlag(FLAGS_ring_spin_us));
 

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
 #include "absl/strings/string_view.h"
 #include "kernels/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -304,6 +305,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view text,
   ATTND_ASSIGN_OR_RETURN(
       config.sparse_attention_last_q,
       dca_reader.IntOr("sparse_attention_last_q", 1, kInt32Max, kDefaultSparseAttentionLastQ));
+  if (dca == nullptr) {
+    config.warnings.push_back(absl::StrCat(
+        source_name, ": no dual_chunk_attention_config; serving DCA with the defaults chunk_size ",
+        config.chunk_size, ", local_size ", config.local_size, " (chunk_len ", config.chunk_len(),
+        "), original_max_position_embeddings ", config.original_max_position_embeddings,
+        " (no length scaling), sparse attention off. A model not trained for these gets attention "
+        "that differs from its own beyond ",
+        config.chunk_len(), " tokens: add its dual_chunk_attention_config to config.json"));
+  }
   return config;
 }
 
@@ -375,6 +385,7 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path) {
     config.sparse_attention_enabled = sparse->enabled;
     config.sparse = std::make_shared<const SparseAttentionConfig>(*std::move(sparse));
   }
+  for (const std::string& warning : config.warnings) spdlog::warn("{}", warning);
   return config;
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -51,6 +52,11 @@ struct ModelConfig {
   double rope_theta = kDefaultRopeTheta;  // rope_theta
   float partial_rotary_factor = 1.f;      // partial_rotary_factor, in (0, 1]
   int32_t rotary_dim = 0;                 // int(head_dim * partial_rotary_factor), even, >= 2
+
+  // What the operator should know about how the config was read, e.g. that it has no
+  // dual_chunk_attention_config and which defaults were used. LoadModelConfig logs each with
+  // spdlog::warn; ParseModelConfig only fills them in.
+  std::vector<std::string> warnings;
 
   // chunk_size - local_size: the distance between DCA chunk boundaries ("cl").
   int64_t chunk_len() const { return chunk_size - local_size; }

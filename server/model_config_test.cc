@@ -205,9 +205,21 @@ TEST(ModelConfigTest, DefaultsWhenKeysAreAbsent) {
   EXPECT_EQ(c->partial_rotary_factor, 1.f);
   EXPECT_EQ(c->rotary_dim, 64);
 
+  // No dual_chunk_attention_config at all: a warning names the file and every default used.
+  ASSERT_EQ(c->warnings.size(), 1u);
+  const std::string& w = c->warnings[0];
+  EXPECT_NE(w.find("models/plain.json: no dual_chunk_attention_config"), std::string::npos) << w;
+  EXPECT_NE(w.find(absl::StrCat("chunk_size ", kDefaultChunkSize)), std::string::npos) << w;
+  EXPECT_NE(w.find(absl::StrCat("local_size ", kDefaultLocalSize)), std::string::npos) << w;
+  EXPECT_NE(w.find(absl::StrCat("chunk_len ", kDefaultChunkSize - kDefaultLocalSize)),
+            std::string::npos)
+      << w;
+  EXPECT_NE(w.find("original_max_position_embeddings 0"), std::string::npos) << w;
+
   // An empty dual_chunk_attention_config gets the same defaults.
   c = ParseModelConfig(kMinimal, "/models/m/config.json");
   ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->warnings.empty());  // the key is there
   EXPECT_EQ(c->name, "m");
   EXPECT_EQ(c->chunk_size, 160);
   EXPECT_EQ(c->original_max_position_embeddings, 0);

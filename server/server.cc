@@ -27,6 +27,7 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "kernels/mutex.h"
+#include "server/admin_service.h"
 #include "server/auth.h"
 #include "server/batcher.h"
 #include "server/clock.h"
@@ -36,6 +37,7 @@
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/model_config.h"
+#include "server/request_log.h"
 #include "server/runtime.h"
 #include "server/regions.h"
 #include "server/ring.h"
@@ -43,11 +45,11 @@
 #include "server/tls.h"
 #include "server/work_queue.h"
 #include "spdlog/spdlog.h"
+#include "version/build_info.h"
 
 namespace attnd {
 namespace {
 
-constexpr char kVersion[] = "0.1.0";
 constexpr char kServiceName[] = "attnd.v1.Attention";
 
 // Set when gRPC reports that accept4 failed (e.g. EMFILE: out of file descriptors). NOTE: gRPC
@@ -133,6 +135,11 @@ absl::Status CheckOptions(const ServerOptions& o) {
   if (o.request_workers < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--request-workers must be >= 0, got ", o.request_workers));
+  }
+  if (o.request_log_sample < 0 || o.request_log_max_per_second < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--request-log-sample and --request-log-max-per-second must be >= 0, got ",
+        o.request_log_sample, " and ", o.request_log_max_per_second));
   }
   if (o.sequence_idle_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
@@ -223,6 +230,8 @@ class AttndServerImpl : public AttndServer {
   // uses.
   std::unique_ptr<AttndMetrics> metrics_;
   std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
+  std::unique_ptr<AdminService> admin_;  // before the queue: its queued work uses it
+  std::unique_ptr<RequestLog> request_log_;  // before the service that writes to it
   std::unique_ptr<Runtime> runtime_;
   std::unique_ptr<WorkQueue> work_queue_;
   std::unique_ptr<DecodeExecutor> decode_executor_;
@@ -240,7 +249,12 @@ class AttndServerImpl : public AttndServer {
 
 absl::Status AttndServerImpl::StartAuth(const ServerOptions& options,
                                         std::shared_ptr<grpc::AuthMetadataProcessor>* processor) {
-  if (options.auth_token_file.empty()) return absl::OkStatus();
+  if (options.auth_token_file.empty()) {
+    if (options.admin_tenant.empty()) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        "--admin-tenant needs --auth-token-file (tenants come from tokens); with tokens off, "
+        "attnd.v1.Admin serves loopback callers: leave --admin-tenant out");
+  }
   absl::StatusOr<TokenStore> store = TokenStore::LoadFile(options.auth_token_file);
   if (!store.ok()) return WithFlag("--auth-token-file", store.status());
   TokenAuthOptions auth_options;
@@ -248,6 +262,11 @@ absl::Status AttndServerImpl::StartAuth(const ServerOptions& options,
   auth_options.on_failure = [failures](absl::string_view reason) {
     failures->Increment({reason});
   };
+  if (!options.admin_tenant.empty() && !store->HasTenant(options.admin_tenant)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--admin-tenant \"", options.admin_tenant, "\" has no token in --auth-token-file ",
+        options.auth_token_file, ": add a line '", options.admin_tenant, " TOKEN' there"));
+  }
   tokens_ = std::make_shared<const TokenStore>(*std::move(store));
   *processor = std::make_shared<TokenAuthProcessor>(tokens_, std::move(auth_options));
   return absl::OkStatus();
@@ -404,7 +423,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   {
     const ServerInfo info = runtime_->Info();
     absl::StatusOr<std::unique_ptr<AttndMetrics>> metrics =
-        AttndMetrics::Create(BuildInfo{kVersion, "", info.backend, info.model.name});
+        AttndMetrics::Create(BuildInfo{kVersion, StampedRevision(), info.backend, info.model.name});
     if (!metrics.ok()) return metrics.status();
     metrics_ = *std::move(metrics);
   }
@@ -485,6 +504,11 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   } else {
     decode_queue_ = std::make_unique<DirectDecodeQueue>(runtime_.get(), work_queue_.get());
   }
+  RequestLogOptions log_options;
+  log_options.sample = options.request_log_sample;
+  log_options.max_lines_per_second = options.request_log_max_per_second;
+  request_log_ = std::make_unique<RequestLog>(
+      log_options, Clock::Real(), [](const std::string& line) { spdlog::info("{}", line); });
   if (options.max_regions_per_tenant > 0) {
     RegionRegistryOptions region_options;
     region_options.max_regions_per_tenant = options.max_regions_per_tenant;
@@ -498,7 +522,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   }
   service_ = std::make_unique<AttentionService>(
       runtime_.get(), work_queue_.get(), decode_queue_.get(), metrics_.get(), batcher_, tokens_,
-      options.max_inflight_request_bytes, regions_.get(), rings_.get());
+      options.max_inflight_request_bytes, request_log_.get(), regions_.get(), rings_.get());
   if (rings_ != nullptr) {
     rings_->SetHandler([service = service_.get()](const v1::SessionRequest& request,
                                                   absl::string_view tenant,
@@ -508,6 +532,8 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     });
   }
   service_for_metrics_.store(service_.get());
+  admin_ = std::make_unique<AdminService>(runtime_.get(), work_queue_.get(), tokens_,
+                                          options.admin_tenant);
 
   // Our own health service, not gRPC's default: its Watch streams end when the drain begins.
   grpc::EnableDefaultHealthCheckService(false);
@@ -527,6 +553,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   // One daemon per port: a second one on the same port must fail, not share the port's traffic.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(service_.get());
+  builder.RegisterService(admin_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {
     return absl::UnavailableError(absl::StrCat("--listen ", options.listen,

@@ -46,6 +46,14 @@ struct ServerOptions {
   std::string tls_key;                            // PEM private key
   std::string tls_client_ca;                      // PEM CA bundle; set = mutual TLS
   std::string auth_token_file;                    // "TENANT TOKEN" lines; "" = auth off
+  // The tenant (of auth_token_file) that may call attnd.v1.Admin; "" = none. With auth off the
+  // Admin service serves loopback peers instead, and this must be "".
+  std::string admin_tenant;
+  // The request log (server/request_log.h): one info line per RPC, one in request_log_sample OK
+  // requests (0 = none) and every error, at most request_log_max_per_second lines a second (0 = no
+  // cap; the rest are counted as suppressed).
+  int64_t request_log_sample = 1000;
+  int64_t request_log_max_per_second = 50;
   absl::Duration sequence_idle_timeout = absl::ZeroDuration();  // 0 = never reclaim
   int64_t tenant_page_quota = 0;                  // KV pages per tenant; 0 = unlimited
   int64_t tenant_max_sequences = 0;               // live sequences per tenant; 0 = unlimited

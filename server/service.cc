@@ -22,7 +22,30 @@ struct RequestClock {
   absl::Time received = absl::Now();
   absl::Time started = absl::InfinitePast();   // InfinitePast: no worker ran it
   absl::Time finished = absl::InfinitePast();  // InfinitePast: not known (e.g. a merged batch)
+  // For the request log (Describe): who asked, about which sequence, for how many tokens.
+  std::string tenant;
+  std::string sequence_id;
+  int64_t tokens = -1;
 };
+
+// The request log's view of each request (RequestLogEntry): its sequence and token count.
+void Describe(const v1::GetServerInfoRequest&, RequestClock*) {}
+void Describe(const v1::CreateSequenceRequest&, RequestClock*) {}
+void Describe(const v1::ReleaseSequenceRequest& r, RequestClock* c) {
+  c->sequence_id = r.sequence_id();
+}
+void Describe(const v1::PrefillRequest& r, RequestClock* c) {
+  c->sequence_id = r.sequence_id();
+  if (r.q().shape_size() > 0) c->tokens = r.q().shape(0);
+}
+void Describe(const v1::DecodeRequest& r, RequestClock* c) {
+  if (r.entries_size() > 0) c->sequence_id = r.entries(0).sequence_id();
+  c->tokens = r.entries_size();
+}
+void Describe(const v1::SessionRequest& r, RequestClock* c) {
+  if (r.has_prefill()) Describe(r.prefill(), c);
+  if (r.has_decode()) Describe(r.decode(), c);
+}
 
 namespace {
 
@@ -188,6 +211,8 @@ class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::By
     response_.Clear();
     response_.set_tag(request_.tag());
     clock_ = RequestClock();
+    if (tenant_.ok()) clock_.tenant = *tenant_;
+    Describe(request_, &clock_);
     request_bytes_ = SizeOf(request_);
     absl::Status submitted = service_->TakeRequestBytes(request_bytes_);
     if (!submitted.ok()) {
@@ -319,8 +344,8 @@ AttentionService::AttentionService(Runtime* runtime, WorkQueue* work_queue,
                                    DecodeQueue* decode_queue, AttndMetrics* metrics,
                                    const BatchingDecodeQueue* batcher,
                                    std::shared_ptr<const TokenStore> tokens,
-                                   int64_t max_inflight_request_bytes, RegionRegistry* regions,
-                                   RingServer* rings)
+                                   int64_t max_inflight_request_bytes, RequestLog* request_log,
+                                   RegionRegistry* regions, RingServer* rings)
     : runtime_(runtime),
       work_queue_(work_queue),
       decode_queue_(decode_queue),
@@ -328,6 +353,7 @@ AttentionService::AttentionService(Runtime* runtime, WorkQueue* work_queue,
       batcher_(batcher),
       tokens_(std::move(tokens)),
       max_inflight_request_bytes_(max_inflight_request_bytes),
+      request_log_(request_log),
       regions_(regions),
       rings_(rings) {}
 
@@ -352,6 +378,12 @@ void AttentionService::GiveRequestBytes(int64_t bytes) {
 
 void AttentionService::Record(absl::string_view rpc, int code, const RequestClock& clock,
                               int64_t bytes_received, int64_t bytes_sent) {
+  if (request_log_ != nullptr) {
+    const int64_t latency_us = clock.received != absl::InfinitePast()
+                                   ? absl::ToInt64Microseconds(absl::Now() - clock.received)
+                                   : -1;
+    request_log_->Log({rpc, clock.tenant, clock.sequence_id, clock.tokens, code, latency_us});
+  }
   if (metrics_ == nullptr) return;
   const absl::Time now = absl::Now();
   const absl::Time past = absl::InfinitePast();
@@ -698,12 +730,14 @@ void AttentionService::ServeOnWorker(absl::string_view rpc, grpc::CallbackServer
                                      UnaryCall* reactor,
                                      std::function<absl::Status(const std::string&)> body) {
   RequestClock clock;
+  Describe(*request, &clock);
   absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
   if (!tenant.ok()) {
     Record(rpc, static_cast<int>(tenant.status().code()), clock, SizeOf(*request), 0);
     reactor->Finish(ToGrpcStatus(tenant.status()));
     return;
   }
+  clock.tenant = *tenant;
   const int64_t bytes = SizeOf(*request);
   if (absl::Status s = TakeRequestBytes(bytes); !s.ok()) {
     Record(rpc, static_cast<int>(s.code()), clock, bytes, 0);
@@ -893,6 +927,8 @@ void AttentionService::ServeDecode(grpc::CallbackServerContext* context,
     return;
   }
   auto tenant = std::make_shared<const std::string>(*std::move(resolved));
+  clock->tenant = *tenant;
+  Describe(*request, clock.get());
   const int64_t bytes = SizeOf(*request);
   if (absl::Status s = TakeRequestBytes(bytes); !s.ok()) {
     Record("Decode", static_cast<int>(s.code()), *clock, bytes, 0);

@@ -19,6 +19,7 @@
 #include "server/metrics.h"
 #include "server/regions.h"
 #include "server/ring.h"
+#include "server/request_log.h"
 #include "server/runtime.h"
 #include "server/work_queue.h"
 
@@ -69,11 +70,13 @@ class UnaryCall : public grpc::ServerUnaryReactor {
 class AttentionService : public AttentionServiceBase {
  public:
   // `batcher`: decode_queue when it is a BatchingDecodeQueue, for GetServerInfo's decode_batching
-  // counters (nullptr: batching is reported off).
+  // counters (nullptr: batching is reported off). `request_log` (may be null; must outlive the
+  // service) gets every recorded RPC.
   AttentionService(Runtime* runtime, WorkQueue* work_queue, DecodeQueue* decode_queue,
                    AttndMetrics* metrics = nullptr, const BatchingDecodeQueue* batcher = nullptr,
                    std::shared_ptr<const TokenStore> tokens = nullptr,
-                   int64_t max_inflight_request_bytes = 0, RegionRegistry* regions = nullptr,
+                   int64_t max_inflight_request_bytes = 0, RequestLog* request_log = nullptr,
+                   RegionRegistry* regions = nullptr,
                    RingServer* rings = nullptr);
 
   // Runs one request of a Session stream or a ring (as `tenant`, with no client deadline): a
@@ -182,7 +185,7 @@ class AttentionService : public AttentionServiceBase {
                                 void (AttentionService::*serve)(grpc::CallbackServerContext*,
                                                                 const Request*, Response*,
                                                                 UnaryCall*));
-  // Records one finished request with its google.rpc code (no-op without metrics). Latencies the
+  // Records one finished request with its google.rpc code in the metrics and the request log. Latencies the
   // clock does not know (InfinitePast) are not observed.
   void Record(absl::string_view rpc, int code, const RequestClock& clock, int64_t bytes_received,
               int64_t bytes_sent);
@@ -204,6 +207,7 @@ class AttentionService : public AttentionServiceBase {
   const BatchingDecodeQueue* const batcher_;  // may be null
   const std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
   const int64_t max_inflight_request_bytes_;        // 0: no budget
+  RequestLog* const request_log_;                    // may be null
   RegionRegistry* const regions_;  // null: no tensor regions
   RingServer* const rings_;        // null: no rings
   std::atomic<int64_t> inflight_request_bytes_{0};

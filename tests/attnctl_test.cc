@@ -96,6 +96,29 @@ TEST_F(AttnctlTest, SmokeRejectsTooManyLayers) {
   ExpectNothingLeft();
 }
 
+TEST_F(AttnctlTest, SmokeProgressGoesToErrOnePerPrefillCallAndDecodeTenth) {
+  std::ostringstream out, err;
+  client::SmokeOptions options;
+  options.layers = 2;
+  options.decode_steps = 20;
+  options.progress = true;
+  ASSERT_EQ(client::RunSmoke(daemon_->client(), options, out, err), 0) << out.str() << err.str();
+  const std::string e = err.str();
+  EXPECT_THAT(e, ContainsRegex("smoke: prefill call 1/[0-9]+ done: tokens 0\\.\\.[0-9]+ of [0-9]+, 2 "
+                               "layers checked, [0-9.]+ s\n"));
+  EXPECT_THAT(e, HasSubstr("smoke: decode step 2/20 done, 2 layers checked"));
+  EXPECT_THAT(e, HasSubstr("smoke: decode step 20/20 done"));
+  EXPECT_THAT(e, Not(HasSubstr("decode step 3/20")));  // one line per tenth, not per step
+  EXPECT_THAT(out.str(), Not(HasSubstr("smoke: ")));  // the report stays clean
+  ExpectNothingLeft();
+
+  // Off by default.
+  std::ostringstream quiet_out, quiet_err;
+  options.progress = false;
+  ASSERT_EQ(client::RunSmoke(daemon_->client(), options, quiet_out, quiet_err), 0);
+  EXPECT_THAT(quiet_err.str(), Not(HasSubstr("smoke: ")));
+}
+
 TEST_F(AttnctlTest, BenchPrintsATableAndReleasesEverything) {
   std::ostringstream out, err;
   client::BenchOptions options;

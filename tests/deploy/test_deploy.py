@@ -255,7 +255,7 @@ def port(address):
 
 
 def kversion():
-    m = re.search(r'kVersion\[\] = "([^"]+)"', read(os.path.join(ROOT, "server", "server.cc")))
+    m = re.search(r'kVersion\[\] = "([^"]+)"', read(os.path.join(ROOT, "version", "build_info.h")))
     return m.group(1)
 
 
@@ -342,6 +342,9 @@ class ContainerfileTest(unittest.TestCase):
         self.assertTrue(cmd.startswith("attnctl health "), cmd)
         # Shell form, so the target follows FLAGS_health_listen when it is overridden.
         self.assertIn("--target=127.0.0.1:${FLAGS_health_listen##*:}", cmd)
+        # attnctl's connect timeout ends before Docker's --timeout kills it.
+        connect = re.search(r"--connect-timeout=(\S+)", cmd).group(1)
+        self.assertLess(seconds(connect), seconds(re.search(r"--timeout=(\S+)", hc).group(1)))
         start = re.search(r"--start-period=(\S+)", hc).group(1)
         probe = self.k8s.container["startupProbe"]
         self.assertGreaterEqual(seconds(start), 60)

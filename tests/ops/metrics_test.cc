@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/ops/ops_util.h"
+#include "version/build_info.h"
 
 namespace attnd {
 namespace ops_testing {
@@ -144,7 +145,8 @@ TEST(OpsMetricsTest, ScrapeMatchesTheCallsMade) {
   // Two executed decode batches of one sequence each (unary and session).
   EXPECT_EQ(Sample(m, "attnd_decode_batch_size_count"), 2);
   EXPECT_EQ(Sample(m, "attnd_decode_batch_size_sum"), 2);
-  EXPECT_EQ(Sample(m, "attnd_build_info{version=\"" + info.version() + "\",revision=\"\",backend=\"" +
+  EXPECT_EQ(Sample(m, "attnd_build_info{version=\"" + info.version() + "\",revision=\"" +
+                          StampedRevision() + "\",backend=\"" +
                           info.backend() + "\",model=\"" + info.model().name() + "\"}"),
             1);
 
