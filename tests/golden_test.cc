@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
 #include "grpcpp/grpcpp.h"
@@ -405,10 +406,14 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
     absl::Status started = child.Start(*config);
     ASSERT_TRUE(started.ok()) << started;
     target = child.target();
-    client::ClientOptions client_options;
-    client_options.connect_timeout = absl::Seconds(60);
+    // Connect fails at once while nothing listens: retry until the child serves (start-up
+    // captures the decode graphs).
     absl::StatusOr<std::unique_ptr<client::AttndClient>> connected =
-        client::AttndClient::Connect(target, client_options);
+        absl::UnavailableError("not tried");
+    for (const absl::Time until = absl::Now() + absl::Seconds(60);
+         !connected.ok() && absl::Now() < until; absl::SleepFor(absl::Milliseconds(100))) {
+      connected = client::AttndClient::Connect(target);
+    }
     ASSERT_TRUE(connected.ok()) << connected.status();
     child_client = *std::move(connected);
 #else
