@@ -44,7 +44,7 @@ absl::Status FillRandom(unsigned char* buf, size_t n) {
   const int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     return absl::InternalError(
-        absl::StrCat("cannot read random bytes for a sequence id: ", std::strerror(errno)));
+        absl::StrCat("cannot read random bytes for an id: ", std::strerror(errno)));
   }
   while (got < n) {
     const ssize_t r = read(fd, buf + got, n - got);
@@ -56,20 +56,11 @@ absl::Status FillRandom(unsigned char* buf, size_t n) {
       const int err = r < 0 ? errno : EIO;
       close(fd);
       return absl::InternalError(
-          absl::StrCat("cannot read /dev/urandom for a sequence id: ", std::strerror(err)));
+          absl::StrCat("cannot read /dev/urandom for an id: ", std::strerror(err)));
     }
   }
   close(fd);
   return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> NewSequenceId() {
-  unsigned char bytes[kIdBytes];
-  absl::Status s = FillRandom(bytes, sizeof(bytes));
-  if (!s.ok()) return s;
-  // BytesToHexString emits lowercase, the only spelling IsWellFormedId accepts.
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
 }
 
 absl::Status MalformedIdError(absl::string_view id) {
@@ -88,6 +79,15 @@ absl::Status SequenceNotFound(absl::string_view id) {
 
 }  // namespace
 
+absl::StatusOr<std::string> NewRandomId() {
+  unsigned char bytes[kIdBytes];
+  absl::Status s = FillRandom(bytes, sizeof(bytes));
+  if (!s.ok()) return s;
+  // BytesToHexString emits lowercase, the only spelling IsWellFormedId accepts.
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
 SequenceTable::SequenceTable(const SequenceTableOptions& options, PageAllocator* allocator)
     : options_(options), allocator_(allocator) {}
 
@@ -100,7 +100,7 @@ bool SequenceTable::IsWellFormedId(absl::string_view id) {
 }
 
 absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Create(absl::string_view tenant) {
-  absl::StatusOr<std::string> id = NewSequenceId();
+  absl::StatusOr<std::string> id = NewRandomId();
   if (!id.ok()) return id.status();
   auto seq = std::make_shared<Sequence>(*std::move(id), std::string(tenant), options_.num_layers);
   {

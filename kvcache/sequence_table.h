@@ -18,6 +18,10 @@
 
 namespace attnd {
 
+// 128 bits from the kernel's CSPRNG as 32 lowercase hex characters: the id of sequences and of
+// tensor regions (unguessable, so an id is a capability). SequenceTable::IsWellFormedId checks one.
+absl::StatusOr<std::string> NewRandomId();
+
 // One live sequence. Lock `mu` for every access; whoever holds it may read and write the K/V in the
 // sequence's pages (one request at a time per sequence, so compute never races an append).
 struct Sequence {

@@ -163,11 +163,27 @@ absl::Status CpuEngine::CheckLayout(QLayout layout) const {
       layout == QLayout::kPreRotary ? " needs a model with a rotary" : " is unknown"));
 }
 
+namespace {
+
+absl::Status NoDeviceMemory() {
+  return absl::InvalidArgumentError(
+      "the CPU backend reads and writes host memory only: device (CUDA IPC) tensors need "
+      "--device cuda");
+}
+
+}  // namespace
+
 absl::Status CpuEngine::Prefill(const PrefillJob& job) {
+  if (job.q.on_device || job.k.on_device || job.v.on_device || job.out_on_device) {
+    return NoDeviceMemory();
+  }
   return layout_.kv_dtype == DType::kFp32 ? PrefillTyped<float>(job) : PrefillTyped<uint16_t>(job);
 }
 
 absl::Status CpuEngine::Decode(const DecodeJob& job) {
+  for (const DecodeJob::Entry& e : job.entries) {
+    if (e.q.on_device || e.k.on_device || e.v.on_device || e.out_on_device) return NoDeviceMemory();
+  }
   return layout_.kv_dtype == DType::kFp32 ? DecodeTyped<float>(job) : DecodeTyped<uint16_t>(job);
 }
 

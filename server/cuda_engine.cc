@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "kernels/mutex.h"
 #include "kernels/status_macros.h"
 #include "kernels/thread_pool.h"
+#include "server/regions.h"
 #include "spdlog/spdlog.h"
 
 namespace attnd {
@@ -89,7 +91,35 @@ absl::StatusOr<PinnedPtr> PinnedAlloc(size_t bytes, absl::string_view what) {
 char* At(const DevicePtr& p, size_t off) { return static_cast<char*>(p.get()) + off; }
 char* At(const PinnedPtr& p, size_t off) { return static_cast<char*>(p.get()) + off; }
 
-class CudaEngine : public Engine {
+std::string FormatUuid(const cudaUUID_t& uuid) {
+  const auto* b = reinterpret_cast<const unsigned char*>(uuid.bytes);
+  std::string hex;
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) hex += '-';
+    absl::StrAppend(&hex, absl::Hex(b[i], absl::kZeroPad2));
+  }
+  return "GPU-" + hex;
+}
+
+// cuMemGetAddressRange through the runtime's driver entry point (attnd links no libcuda): the
+// allocation an IPC mapping belongs to, so a region's byte size can be checked against it.
+using GetAddressRangeFn = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
+
+GetAddressRangeFn AddressRangeFn() {
+  static const GetAddressRangeFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return GetAddressRangeFn{nullptr};
+    }
+    return reinterpret_cast<GetAddressRangeFn>(f);
+  }();
+  return fn;
+}
+
+class CudaEngine : public Engine, public DeviceMemoryOpener {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const CudaEngineOptions& options);
   ~CudaEngine() override;
@@ -101,6 +131,12 @@ class CudaEngine : public Engine {
 
   absl::Status Prefill(const PrefillJob& job) override;
   absl::Status Decode(const DecodeJob& job) override;
+  std::string device_uuid() const override { return device_uuid_; }
+  DeviceMemoryOpener* device_memory_opener() override { return this; }
+
+  // CUDA IPC regions (docs/regions.md): the handle's allocation, opened on this engine's device.
+  absl::StatusOr<Mapping> OpenIpcHandle(absl::string_view handle) override;
+  void CloseIpcHandle(void* device_ptr) override;
 
  private:
   explicit CudaEngine(const CudaEngineOptions& options) : geometry_(options.geometry),
@@ -132,6 +168,8 @@ class CudaEngine : public Engine {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status DecodeBatch(const DecodeJob& job, size_t first, size_t count)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Decode with some tensors in device memory: through host copies, then Decode.
+  absl::Status DecodeFromDevice(const DecodeJob& job);
 
   const DcaGeometry geometry_;
   const KvLayout layout_;
@@ -141,6 +179,7 @@ class CudaEngine : public Engine {
   const std::shared_ptr<const SparseAttentionConfig> sparse_;
   std::vector<int32_t> sizes_;  // captured sizes, ascending, <= max_decode_batch_
   std::string device_name_;
+  std::string device_uuid_;  // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi
   int32_t num_sms_ = 0;
   DevicePtr pool_;
 
@@ -244,6 +283,7 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   cudaDeviceProp prop;
   ATTND_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
   device_name_ = prop.name;
+  device_uuid_ = FormatUuid(prop.uuid);
   num_sms_ = prop.multiProcessorCount;
   ATTND_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
@@ -422,6 +462,10 @@ absl::Status CudaEngine::Prefill(const PrefillJob& job) {
   if (pre_rotary && (job.k.dtype != job.q.dtype || job.v.dtype != job.q.dtype)) {
     return absl::InvalidArgumentError("engine: a pre-rotary prefill needs one dtype for q, k, v");
   }
+  if ((job.k.on_device || job.v.on_device) && job.k.dtype != job.v.dtype) {
+    return absl::InvalidArgumentError(
+        "engine: k and v in device memory need one dtype (they are appended as they are)");
+  }
   const float s = LengthScale(job.prompt_len, geometry_.original_max_position_embeddings);
   const bool sparse = sparse_ != nullptr && sparse_->UseSparse(job.prompt_len);
   if (sparse && t > max_chunk_) {
@@ -453,34 +497,37 @@ absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int6
   const size_t k_bytes = kv_n * ElementSize(job.k.dtype);
   const size_t v_bytes = kv_n * ElementSize(job.v.dtype);
   const size_t out_bytes = count * hq * d * ElementSize(job.out_dtype);
-  // Stage the chunk in pinned memory, then one stream: H2D, convert, append, attend, D2H.
-  std::memcpy(At(h_prefill_, q_off_),
-              static_cast<const char*>(job.q.data) + first * q_row * ElementSize(job.q.dtype),
-              q_bytes);
-  std::memcpy(At(h_prefill_, k_off_),
-              static_cast<const char*>(job.k.data) + first * hkv * d * ElementSize(job.k.dtype),
-              k_bytes);
-  std::memcpy(At(h_prefill_, v_off_),
-              static_cast<const char*>(job.v.data) + first * hkv * d * ElementSize(job.v.dtype),
-              v_bytes);
-  Bf16* q_bf16 = static_cast<Bf16*>(d_q_bf16_.get());
-  if (pre_rotary) {  // staged as is; the rotary kernel below writes the bf16 variants
-    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, q_off_), At(h_prefill_, q_off_),
-                                               q_bytes, cudaMemcpyHostToDevice, stream_));
-  } else if (job.q.dtype == DType::kBf16) {  // straight into the kernel's buffer
-    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(q_bf16, At(h_prefill_, q_off_), q_bytes,
+  // Host tensors: staged in pinned memory, then H2D. Device tensors (CUDA IPC regions): one
+  // device-to-device copy. Then one stream: convert, append, attend, and the output back.
+  const auto stage = [this](const TensorView& view, size_t offset, size_t bytes, size_t h_off,
+                            void* device_dst) -> absl::Status {
+    const char* src = static_cast<const char*>(view.data) + offset;
+    if (view.on_device) {
+      ATTND_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(device_dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+      return absl::OkStatus();
+    }
+    std::memcpy(At(h_prefill_, h_off), src, bytes);
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_dst, At(h_prefill_, h_off), bytes,
                                                cudaMemcpyHostToDevice, stream_));
+    return absl::OkStatus();
+  };
+  Bf16* q_bf16 = static_cast<Bf16*>(d_q_bf16_.get());
+  const size_t q_at = first * q_row * ElementSize(job.q.dtype);
+  if (pre_rotary) {  // staged as is; the rotary kernel below writes the bf16 variants
+    ATTND_RETURN_IF_ERROR(stage(job.q, q_at, q_bytes, q_off_, At(d_prefill_, q_off_)));
+  } else if (job.q.dtype == DType::kBf16) {  // straight into the kernel's buffer
+    ATTND_RETURN_IF_ERROR(stage(job.q, q_at, q_bytes, q_off_, q_bf16));
   } else {
-    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, q_off_), At(h_prefill_, q_off_),
-                                               q_bytes, cudaMemcpyHostToDevice, stream_));
+    ATTND_RETURN_IF_ERROR(stage(job.q, q_at, q_bytes, q_off_, At(d_prefill_, q_off_)));
     ATTND_RETURN_IF_ERROR(
         LaunchConvertToBf16(At(d_prefill_, q_off_), job.q.dtype, q_n, q_bf16, stream_));
   }
   // k and v regions are adjacent in both mirrors only per tensor; copy each.
-  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, k_off_), At(h_prefill_, k_off_),
-                                             k_bytes, cudaMemcpyHostToDevice, stream_));
-  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, v_off_), At(h_prefill_, v_off_),
-                                             v_bytes, cudaMemcpyHostToDevice, stream_));
+  ATTND_RETURN_IF_ERROR(stage(job.k, first * hkv * d * ElementSize(job.k.dtype), k_bytes, k_off_,
+                              At(d_prefill_, k_off_)));
+  ATTND_RETURN_IF_ERROR(stage(job.v, first * hkv * d * ElementSize(job.v.dtype), v_bytes, v_off_,
+                              At(d_prefill_, v_off_)));
 
   if (pre_rotary) {
     // The five bf16 variants into the kernels' buffer, and k rotated in place (its own dtype),
@@ -548,11 +595,17 @@ absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int6
   } else {
     ATTND_RETURN_IF_ERROR(LaunchDcaPrefill(geometry_, pp, stream_));
   }
+  char* out = static_cast<char*>(job.out) + first * hq * d * ElementSize(job.out_dtype);
+  if (job.out_on_device) {  // straight into the client's buffer
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out, At(d_prefill_, out_off_), out_bytes,
+                                               cudaMemcpyDeviceToDevice, stream_));
+    ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return absl::OkStatus();
+  }
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(h_prefill_, out_off_), At(d_prefill_, out_off_),
                                              out_bytes, cudaMemcpyDeviceToHost, stream_));
   ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  std::memcpy(static_cast<char*>(job.out) + first * hq * d * ElementSize(job.out_dtype),
-              At(h_prefill_, out_off_), out_bytes);
+  std::memcpy(out, At(h_prefill_, out_off_), out_bytes);
   return absl::OkStatus();
 }
 
@@ -578,6 +631,11 @@ absl::Status CudaEngine::Decode(const DecodeJob& job) {
     }
   }
   if (job.entries.empty()) return absl::OkStatus();
+  for (const DecodeJob::Entry& e : job.entries) {
+    if (e.q.on_device || e.k.on_device || e.v.on_device || e.out_on_device) {
+      return DecodeFromDevice(job);
+    }
+  }
   MutexLock lock(&mu_);
   ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   for (size_t first = 0; first < job.entries.size(); first += max_decode_batch_) {
@@ -585,6 +643,75 @@ absl::Status CudaEngine::Decode(const DecodeJob& job) {
         job, first, std::min<size_t>(max_decode_batch_, job.entries.size() - first)));
   }
   return absl::OkStatus();
+}
+
+absl::Status CudaEngine::DecodeFromDevice(const DecodeJob& job) {
+  // A decode row is a few tens of KB and the step reads its rows from pinned host slots (the
+  // captured graphs' fixed addresses), so device rows are brought to the host first and outputs
+  // taken back: not the fast path for decode (rings are, docs/regions.md), but exact.
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  DecodeJob host = job;
+  std::deque<std::string> copies;
+  const auto to_host = [&copies](TensorView* view) -> absl::Status {
+    if (!view->on_device) return absl::OkStatus();
+    std::string& c = copies.emplace_back(NumElements(*view) * ElementSize(view->dtype), '\0');
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy(c.data(), view->data, c.size(), cudaMemcpyDeviceToHost));
+    view->data = c.data();
+    view->on_device = false;
+    return absl::OkStatus();
+  };
+  const int64_t out_row = int64_t{geometry_.num_q_heads} * geometry_.head_dim;
+  for (DecodeJob::Entry& e : host.entries) {
+    ATTND_RETURN_IF_ERROR(to_host(&e.q));
+    ATTND_RETURN_IF_ERROR(to_host(&e.k));
+    ATTND_RETURN_IF_ERROR(to_host(&e.v));
+    if (e.out_on_device) {
+      e.out = copies.emplace_back(out_row * ElementSize(e.out_dtype), '\0').data();
+      e.out_on_device = false;
+    }
+  }
+  ATTND_RETURN_IF_ERROR(Decode(host));
+  for (size_t i = 0; i < job.entries.size(); ++i) {
+    if (!job.entries[i].out_on_device) continue;
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy(job.entries[i].out, host.entries[i].out,
+                                          out_row * ElementSize(job.entries[i].out_dtype),
+                                          cudaMemcpyHostToDevice));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DeviceMemoryOpener::Mapping> CudaEngine::OpenIpcHandle(absl::string_view handle) {
+  cudaIpcMemHandle_t h;
+  if (handle.size() != sizeof(h)) {
+    return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC handle is ", sizeof(h), " bytes"));
+  }
+  std::memcpy(&h, handle.data(), sizeof(h));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  void* ptr = nullptr;
+  const cudaError_t err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot open the CUDA IPC handle on ", device_name_, " (", device_uuid_, "): ",
+        cudaGetErrorString(err),
+        " (the exporting process must run on this host, on this GPU, and keep the memory)"));
+  }
+  Mapping m;
+  m.device_ptr = ptr;
+  unsigned long long base = 0;  // NOLINT(runtime/int)
+  size_t size = 0;
+  const GetAddressRangeFn range = AddressRangeFn();
+  if (range == nullptr || range(&base, &size, reinterpret_cast<unsigned long long>(ptr)) != 0) {
+    cudaIpcCloseMemHandle(ptr);
+    return absl::InternalError("cannot query the size of the CUDA IPC allocation");
+  }
+  m.bytes = base + size - reinterpret_cast<unsigned long long>(ptr);
+  return m;
+}
+
+void CudaEngine::CloseIpcHandle(void* device_ptr) {
+  cudaSetDevice(device_);
+  cudaIpcCloseMemHandle(device_ptr);
 }
 
 absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t plan) {

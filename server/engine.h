@@ -15,12 +15,17 @@
 
 namespace attnd {
 
+class DeviceMemoryOpener;  // server/regions.h
+
 // A validated request tensor: dtype and shape checked against the model, data holding exactly
 // product(shape) * ElementSize(dtype) bytes (any alignment).
 struct TensorView {
   DType dtype = DType::kFp32;
   const void* data = nullptr;
   std::vector<int64_t> shape;
+  // data is device memory of the engine's GPU (a CUDA IPC region, docs/regions.md), not host
+  // memory. Only the CUDA engine accepts it.
+  bool on_device = false;
 };
 
 // Append num_tokens tokens to one layer of one sequence and compute their attention.
@@ -40,6 +45,7 @@ struct PrefillJob {
   TensorView v;            // [T, Hkv, D]
   void* out = nullptr;     // [T, Hq, D] of out_dtype
   DType out_dtype = DType::kFp32;
+  bool out_on_device = false;  // out is device memory (as TensorView::on_device)
 };
 
 // One decode step in one layer for a batch of distinct sequences.
@@ -55,6 +61,7 @@ struct DecodeJob {
     DType out_dtype = DType::kFp32;
     // kPreRotary: q is [Hq, D] and k before the rotary, both rotated for position L - 1.
     QLayout q_layout = QLayout::kVariants;
+    bool out_on_device = false;  // out is device memory (as TensorView::on_device)
   };
   int32_t layer = 0;
   std::vector<Entry> entries;
@@ -80,6 +87,13 @@ class Engine {
   // False once the device is lost for good (e.g. a GPU fell off the bus): the server then turns
   // its health NOT_SERVING (it polls this). Engines that cannot lose their device keep the default.
   virtual bool healthy() const { return true; }
+
+  // The GPU's UUID ("GPU-..."), for clients deciding whether CUDA IPC can reach this engine's
+  // device; "" for engines without one.
+  virtual std::string device_uuid() const { return ""; }
+  // Opens CUDA IPC handles on this engine's device, for CUDA IPC regions; null when the engine
+  // cannot (the CPU engine). Lives as long as the engine.
+  virtual DeviceMemoryOpener* device_memory_opener() { return nullptr; }
 };
 
 }  // namespace attnd

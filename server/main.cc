@@ -74,6 +74,15 @@ ABSL_FLAG(int64_t, max_inflight_request_bytes, 2ll << 30,
           "RESOURCE_EXHAUSTED at once; at least --max-message-bytes");
 ABSL_FLAG(int64_t, grpc_memory_bytes, 4ll << 30,
           "gRPC's memory quota for its transport buffers, in bytes (at least 64 MiB)");
+ABSL_FLAG(int64_t, max_regions_per_tenant, 64,
+          "tensor regions and shared-memory rings one tenant may hold (docs/regions.md); 0 turns "
+          "regions and rings off");
+ABSL_FLAG(int64_t, max_region_bytes_per_tenant, 64ll << 30,
+          "bytes of regions and rings one tenant may have mapped");
+ABSL_FLAG(absl::Duration, region_idle_timeout, absl::Seconds(300),
+          "a region or ring no request used for this long is unregistered (e.g. 300s; 0 = never)");
+ABSL_FLAG(int64_t, ring_spin_us, 50,
+          "microseconds a ring's server thread spins for the next request before it sleeps");
 
 namespace {
 
@@ -156,6 +165,10 @@ int main(int argc, char** argv) {
   options.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
   options.max_inflight_request_bytes = absl::GetFlag(FLAGS_max_inflight_request_bytes);
   options.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
+  options.max_regions_per_tenant = absl::GetFlag(FLAGS_max_regions_per_tenant);
+  options.max_region_bytes_per_tenant = absl::GetFlag(FLAGS_max_region_bytes_per_tenant);
+  options.region_idle_timeout = absl::GetFlag(FLAGS_region_idle_timeout);
+  options.ring_spin = absl::Microseconds(absl::GetFlag(FLAGS_ring_spin_us));
 
   absl::StatusOr<std::unique_ptr<attnd::AttndServer>> server = attnd::AttndServer::Start(options);
   if (!server.ok()) return Fail(std::string(server.status().message()));

@@ -55,8 +55,8 @@ struct Region {
   uint64_t dev = 0, ino = 0;
   std::string handle;  // CUDA IPC: the handle's 64 bytes (mappings are shared per handle)
 
-  std::atomic<int64_t> users{0};  // requests holding a RegionLease
-  std::atomic<int64_t> last_used_us{0};  // Clock time of the last lease's end, in us since epoch
+  mutable std::atomic<int64_t> users{0};  // requests holding a RegionLease
+  mutable std::atomic<int64_t> last_used_us{0};  // when the last lease ended (Clock, unix us)
 };
 
 // Keeps a region mapped and marked in use (UnregisterRegion answers FAILED_PRECONDITION) for as
@@ -108,16 +108,19 @@ class RegionRegistry {
   absl::StatusOr<std::shared_ptr<const Region>> RegisterCudaIpc(absl::string_view tenant,
                                                                 absl::string_view handle,
                                                                 uint64_t bytes);
-  // NOT_FOUND (unknown, or another tenant's, or another kind: a ring is closed with
-  // kind kRing, a region with any other), FAILED_PRECONDITION while leased.
+  // NOT_FOUND (unknown, another tenant's, or the other kind: `ring` says which is meant),
+  // FAILED_PRECONDITION while leased.
   absl::Status Unregister(absl::string_view tenant, absl::string_view id, bool ring);
 
   // A lease on `tenant`'s region `id` (not a ring). INVALID_ARGUMENT for a malformed id, NOT_FOUND
   // as Unregister.
   absl::StatusOr<RegionLease> Acquire(absl::string_view tenant, absl::string_view id);
 
-  // Unregisters every region and ring unused (no lease) since before now - idle_timeout; returns
-  // what it removed (rings: the caller stops their threads first, holding their leases).
+  // A lease on `tenant`'s ring `id`, for the ring's server thread. NOT_FOUND as Unregister.
+  absl::StatusOr<RegionLease> AcquireRing(absl::string_view tenant, absl::string_view id);
+
+  // Unregisters every region (not ring: the ring server reclaims those) that no lease has used
+  // since before now - idle_timeout, and returns them (already unmapped).
   std::vector<std::shared_ptr<const Region>> ReclaimIdle();
 
   struct TenantUsage {

@@ -65,6 +65,7 @@ TensorView ToView(const RequestTensor& t) {
   TensorView view;
   view.dtype = t.dtype;
   view.data = t.bytes.data();
+  view.on_device = t.on_device;
   view.shape.assign(t.shape.begin(), t.shape.end());
   return view;
 }
@@ -368,6 +369,7 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
   job.v = ToView(call.v);
   job.out = out;
   job.out_dtype = call.q.dtype;
+  job.out_on_device = call.output_on_device && call.output;
   if (absl::Status s = engine_->Prefill(job); !s.ok()) {
     table_.Rollback(seq, *pages_added);
     return EngineError(*engine_, s);
@@ -479,6 +481,7 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
     je.v = ToView(e.v);
     je.out = OutputBuffer(e.output, out_bytes, &o.out);
     je.out_dtype = e.q.dtype;
+    je.out_on_device = e.output_on_device && e.output;
     if (je.out == nullptr) {
       rollback();
       return absl::InternalError(absl::StrCat("entries[", i, "]: no buffer for the output"));

@@ -30,7 +30,8 @@ namespace attnd {
 struct RequestTensor {
   DType dtype = DType::kFp32;
   absl::Span<const int64_t> shape;
-  absl::string_view bytes;
+  absl::string_view bytes;  // with on_device, a device address range (never dereferenced here)
+  bool on_device = false;   // TensorView::on_device
 };
 
 // Where an output tensor of `bytes` bytes is written, e.g. a response's bytes field resized to fit
@@ -49,6 +50,7 @@ struct PrefillCall {
   RequestTensor v;                    // [T, Hkv, D]
   std::optional<int64_t> prompt_len;  // absent: the layer's length after this call
   OutputBufferFn output;              // unset: the result owns the output in `out`
+  bool output_on_device = false;      // output returns device memory (PrefillJob::out_on_device)
 };
 
 struct PrefillResult {
@@ -65,6 +67,7 @@ struct DecodeCall {
     RequestTensor k;        // [Hkv, D]
     RequestTensor v;        // [Hkv, D]
     OutputBufferFn output;  // unset: the result owns the output
+    bool output_on_device = false;
     QLayout q_layout = QLayout::kVariants;  // per entry; kPreRotary: q [Hq, D], k before the rotary
   };
   absl::string_view tenant;

@@ -37,6 +37,8 @@
 #include "server/metrics_http.h"
 #include "server/model_config.h"
 #include "server/runtime.h"
+#include "server/regions.h"
+#include "server/ring.h"
 #include "server/service.h"
 #include "server/tls.h"
 #include "server/work_queue.h"
@@ -226,6 +228,8 @@ class AttndServerImpl : public AttndServer {
   std::unique_ptr<DecodeExecutor> decode_executor_;
   std::unique_ptr<DecodeQueue> decode_queue_;
   BatchingDecodeQueue* batcher_ = nullptr;  // decode_queue_ when batching is on
+  std::unique_ptr<RegionRegistry> regions_;  // null: regions and rings are off
+  std::unique_ptr<RingServer> rings_;
   std::unique_ptr<AttentionService> service_;
   std::atomic<const AttentionService*> service_for_metrics_{nullptr};  // service_, once it exists
   std::unique_ptr<HealthService> health_;
@@ -285,7 +289,17 @@ void AttndServerImpl::HealthWatchLoop() {
     // Every 5 s: give freed heap back to the OS. Large requests are freed in pieces that glibc
     // keeps in its arenas; without this, RSS stayed hundreds of MB up after a burst (issue #13).
     if (++ticks % 50 == 0) malloc_trim(0);
+#else
+    ++ticks;
 #endif
+    // Every second: regions and rings no request used for --region-idle-timeout (a client that
+    // died holding them) are unregistered.
+    if (ticks % 10 == 0 && regions_ != nullptr) {
+      const size_t regions = regions_->ReclaimIdle().size();
+      const int rings = rings_->ReclaimIdle();
+      if (regions > 0) spdlog::info("unregistered {} idle tensor region(s)", regions);
+      (void)rings;  // RingServer logs each ring it closes
+    }
     {
       MutexLock lock(&health_mu_);
       const auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(health_mu_) { return health_stop_; };
@@ -372,6 +386,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
                  (*engine)->backend());
     model->sparse_attention_enabled = false;
   }
+  DeviceMemoryOpener* const ipc_opener = (*engine)->device_memory_opener();
   if (options.wrap_engine) *engine = options.wrap_engine(*std::move(engine));
 
   RuntimeOptions runtime_options;
@@ -462,9 +477,28 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   } else {
     decode_queue_ = std::make_unique<DirectDecodeQueue>(runtime_.get(), work_queue_.get());
   }
-  service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
-                                                decode_queue_.get(), metrics_.get(), batcher_,
-                                                tokens_, options.max_inflight_request_bytes);
+  if (options.max_regions_per_tenant > 0) {
+    RegionRegistryOptions region_options;
+    region_options.max_regions_per_tenant = options.max_regions_per_tenant;
+    region_options.max_bytes_per_tenant = options.max_region_bytes_per_tenant;
+    region_options.idle_timeout = options.region_idle_timeout;
+    regions_ = std::make_unique<RegionRegistry>(region_options, ipc_opener, Clock::Real());
+    RingOptions ring_options;
+    ring_options.spin = options.ring_spin;
+    ring_options.idle_timeout = options.region_idle_timeout;
+    rings_ = std::make_unique<RingServer>(regions_.get(), ring_options);
+  }
+  service_ = std::make_unique<AttentionService>(
+      runtime_.get(), work_queue_.get(), decode_queue_.get(), metrics_.get(), batcher_, tokens_,
+      options.max_inflight_request_bytes, regions_.get(), rings_.get());
+  if (rings_ != nullptr) {
+    rings_->SetHandler([service = service_.get()](const v1::SessionRequest& request,
+                                                  absl::string_view tenant,
+                                                  v1::SessionResponse* response,
+                                                  std::function<void(absl::Status)> done) {
+      return service->SubmitSessionRequest(request, tenant, response, std::move(done));
+    });
+  }
   service_for_metrics_.store(service_.get());
 
   // Our own health service, not gRPC's default: its Watch streams end when the drain begins.
@@ -543,6 +577,9 @@ void AttndServerImpl::Shutdown(absl::Time deadline) {
   if (health_ != nullptr) health_->Shutdown();
   // Queued decodes go to the work queue now (no batching delay) while it still accepts, and run.
   if (batcher_ != nullptr) batcher_->Shutdown();
+  // Each ring answers its request in flight (the flushed batch runs on the work queue), then
+  // tells its client it is closed.
+  if (rings_ != nullptr) rings_->Shutdown();
   if (work_queue_ != nullptr) work_queue_->StopAccepting();
   if (server_ != nullptr) {
     server_->Shutdown(absl::ToChronoTime(deadline));

@@ -56,6 +56,13 @@ struct ServerOptions {
   int64_t max_inflight_request_bytes = 2ll << 30;  // requests being served, all together
   int64_t grpc_memory_bytes = 4ll << 30;        // gRPC's resource quota (transport buffers)
 
+  // Tensor regions and shared-memory rings (docs/regions.md). max_regions_per_tenant 0 turns
+  // both off.
+  int64_t max_regions_per_tenant = 64;                // regions and rings of one tenant
+  int64_t max_region_bytes_per_tenant = 64ll << 30;   // their mapped bytes
+  absl::Duration region_idle_timeout = absl::Seconds(300);  // unused this long: unregistered
+  absl::Duration ring_spin = absl::Microseconds(50);  // a ring's thread spins this long per request
+
   // Tests only (fault injection, tests/reliability): wraps the engine before the runtime takes it,
   // e.g. in server/fault_engine.h's FaultEngine. Unset = the engine as created.
   std::function<std::unique_ptr<Engine>(std::unique_ptr<Engine>)> wrap_engine;

@@ -1,6 +1,7 @@
 #include "server/service.h"
 
 #include <atomic>
+#include <cstdio>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -9,7 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "kernels/status_macros.h"
 #include "server/auth.h"
+#include "server/region_tensors.h"
 #include "server/status.h"
 
 namespace attnd {
@@ -22,16 +25,6 @@ struct RequestClock {
 };
 
 namespace {
-
-// The wire enum and DType share their numbers (DTYPE_BF16 = kBf16 = 1, ...); an unknown wire value
-// passes through so the runtime can name it in its error.
-RequestTensor FromProto(const v1::Tensor& t) {
-  RequestTensor r;
-  r.dtype = static_cast<DType>(t.dtype());
-  r.shape = absl::MakeConstSpan(t.shape().data(), t.shape().size());
-  r.bytes = t.data();
-  return r;
-}
 
 v1::DType ToProto(DType t) { return static_cast<v1::DType>(static_cast<int>(t)); }
 
@@ -117,6 +110,22 @@ absl::Status Admit(grpc::CallbackServerContext* context, RequestClock* clock) {
     return absl::CancelledError("the call was cancelled before it started; nothing was done");
   }
   return absl::OkStatus();
+}
+
+// Linux's boot id: two processes that read the same one run on one host (one kernel), which is
+// what sharing memory needs. Read once.
+const std::string& HostBootId() {
+  static const std::string* id = [] {
+    std::string s;
+    if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+      char buf[64] = {};
+      if (std::fgets(buf, sizeof(buf), f) != nullptr) s = buf;
+      std::fclose(f);
+    }
+    while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+    return new std::string(s);
+  }();
+  return *id;
 }
 
 int64_t SizeOf(const google::protobuf::Message& m) { return static_cast<int64_t>(m.ByteSizeLong()); }
@@ -310,14 +319,17 @@ AttentionService::AttentionService(Runtime* runtime, WorkQueue* work_queue,
                                    DecodeQueue* decode_queue, AttndMetrics* metrics,
                                    const BatchingDecodeQueue* batcher,
                                    std::shared_ptr<const TokenStore> tokens,
-                                   int64_t max_inflight_request_bytes)
+                                   int64_t max_inflight_request_bytes, RegionRegistry* regions,
+                                   RingServer* rings)
     : runtime_(runtime),
       work_queue_(work_queue),
       decode_queue_(decode_queue),
       metrics_(metrics),
       batcher_(batcher),
       tokens_(std::move(tokens)),
-      max_inflight_request_bytes_(max_inflight_request_bytes) {}
+      max_inflight_request_bytes_(max_inflight_request_bytes),
+      regions_(regions),
+      rings_(rings) {}
 
 absl::Status AttentionService::TakeRequestBytes(int64_t bytes) {
   if (max_inflight_request_bytes_ <= 0) return absl::OkStatus();
@@ -451,6 +463,154 @@ grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* 
   return Raw("Decode", context, request, reply, &AttentionService::ServeDecode);
 }
 
+grpc::ServerUnaryReactor* AttentionService::RegisterRegion(grpc::CallbackServerContext* context,
+                                                           const grpc::ByteBuffer* request,
+                                                           grpc::ByteBuffer* reply) {
+  return Raw("RegisterRegion", context, request, reply, &AttentionService::ServeRegisterRegion);
+}
+
+grpc::ServerUnaryReactor* AttentionService::UnregisterRegion(grpc::CallbackServerContext* context,
+                                                             const grpc::ByteBuffer* request,
+                                                             grpc::ByteBuffer* reply) {
+  return Raw("UnregisterRegion", context, request, reply,
+             &AttentionService::ServeUnregisterRegion);
+}
+
+grpc::ServerUnaryReactor* AttentionService::OpenRing(grpc::CallbackServerContext* context,
+                                                     const grpc::ByteBuffer* request,
+                                                     grpc::ByteBuffer* reply) {
+  return Raw("OpenRing", context, request, reply, &AttentionService::ServeOpenRing);
+}
+
+grpc::ServerUnaryReactor* AttentionService::CloseRing(grpc::CallbackServerContext* context,
+                                                      const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* reply) {
+  return Raw("CloseRing", context, request, reply, &AttentionService::ServeCloseRing);
+}
+
+template <typename Request, typename Response>
+void AttentionService::ServeInline(absl::string_view rpc, grpc::CallbackServerContext* context,
+                                   const Request* request, Response* response,
+                                   UnaryCall* reactor,
+                                   const std::function<absl::Status(const std::string&)>& body) {
+  RequestClock clock;
+  absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
+  absl::Status s = tenant.status();
+  if (s.ok() && shutting_down()) s = ShuttingDown();
+  if (s.ok()) s = body(*tenant);
+  if (!s.ok()) response->Clear();
+  Record(rpc, static_cast<int>(s.code()), clock, SizeOf(*request), SizeOf(*response));
+  reactor->Finish(ToGrpcStatus(s));
+}
+
+namespace {
+
+absl::Status NoRegions(absl::string_view what) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("this server serves no ", what, " (started with --max-regions-per-tenant 0?)"));
+}
+
+}  // namespace
+
+void AttentionService::ServeRegisterRegion(grpc::CallbackServerContext* context,
+                                           const v1::RegisterRegionRequest* request,
+                                           v1::RegisterRegionResponse* response,
+                                           UnaryCall* reactor) {
+  // On the gRPC thread: mapping a shm object or opening a handle is quick and computes nothing.
+  ServeInline("RegisterRegion", context, request, response, reactor,
+              [this, request, response](const std::string& tenant) -> absl::Status {
+                if (regions_ == nullptr) return NoRegions("tensor regions");
+                absl::StatusOr<std::shared_ptr<const Region>> region;
+                switch (request->kind_case()) {
+                  case v1::RegisterRegionRequest::kSystemShm:
+                    region = regions_->RegisterShm(tenant, request->system_shm().name(),
+                                                   request->system_shm().offset(),
+                                                   request->system_shm().byte_size(),
+                                                   RegionKind::kSystemShm);
+                    break;
+                  case v1::RegisterRegionRequest::kCudaIpc:
+                    region = regions_->RegisterCudaIpc(tenant, request->cuda_ipc().handle(),
+                                                       request->cuda_ipc().byte_size());
+                    break;
+                  default:
+                    return absl::InvalidArgumentError(
+                        "RegisterRegionRequest needs system_shm or cuda_ipc");
+                }
+                if (!region.ok()) return region.status();
+                response->set_region_id((*region)->id);
+                response->set_byte_size((*region)->bytes);
+                return absl::OkStatus();
+              });
+}
+
+void AttentionService::ServeUnregisterRegion(grpc::CallbackServerContext* context,
+                                             const v1::UnregisterRegionRequest* request,
+                                             v1::UnregisterRegionResponse* response,
+                                             UnaryCall* reactor) {
+  ServeInline("UnregisterRegion", context, request, response, reactor,
+              [this, request](const std::string& tenant) -> absl::Status {
+                if (regions_ == nullptr) return NoRegions("tensor regions");
+                return regions_->Unregister(tenant, request->region_id(), /*ring=*/false);
+              });
+}
+
+void AttentionService::ServeOpenRing(grpc::CallbackServerContext* context,
+                                     const v1::OpenRingRequest* request,
+                                     v1::OpenRingResponse* response, UnaryCall* reactor) {
+  ServeInline("OpenRing", context, request, response, reactor,
+              [this, request, response](const std::string& tenant) -> absl::Status {
+                if (rings_ == nullptr) return NoRegions("rings");
+                absl::StatusOr<RingServer::Opened> opened =
+                    rings_->Open(tenant, request->name(), request->byte_size());
+                if (!opened.ok()) return opened.status();
+                response->set_ring_id(opened->ring_id);
+                response->set_request_capacity(opened->request_capacity);
+                response->set_response_capacity(opened->response_capacity);
+                return absl::OkStatus();
+              });
+}
+
+void AttentionService::ServeCloseRing(grpc::CallbackServerContext* context,
+                                      const v1::CloseRingRequest* request,
+                                      v1::CloseRingResponse* response, UnaryCall* reactor) {
+  ServeInline("CloseRing", context, request, response, reactor,
+              [this, request](const std::string& tenant) -> absl::Status {
+                if (rings_ == nullptr) return NoRegions("rings");
+                return rings_->Close(tenant, request->ring_id());
+              });
+}
+
+absl::Status AttentionService::SubmitSessionRequest(const v1::SessionRequest& request,
+                                                    absl::string_view tenant,
+                                                    v1::SessionResponse* response,
+                                                    std::function<void(absl::Status)> done) {
+  if (shutting_down()) return ShuttingDown();
+  auto clock = std::make_shared<RequestClock>();
+  const int64_t bytes = SizeOf(request);
+  switch (request.request_case()) {
+    case v1::SessionRequest::kPrefill:
+      return work_queue_->Submit([this, &request, tenant, response, clock, bytes,
+                                  done = std::move(done)] {
+        clock->started = absl::Now();
+        absl::Status s = RunPrefill(request.prefill(), tenant, response->mutable_prefill());
+        clock->finished = absl::Now();
+        Record("Ring.Prefill", static_cast<int>(s.code()), *clock, bytes, 0);
+        done(std::move(s));
+      });
+    case v1::SessionRequest::kDecode:
+      return SubmitDecode(request.decode(), tenant, nullptr, DecodeContext(),
+                          response->mutable_decode(),
+                          [this, clock, bytes, done = std::move(done)](absl::Status s) {
+                            clock->finished = absl::Now();
+                            Record("Ring.Decode", static_cast<int>(s.code()), *clock, bytes, 0);
+                            done(std::move(s));
+                          });
+    default:
+      return absl::InvalidArgumentError(
+          "a session request must hold a prefill or a decode request");
+  }
+}
+
 void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,
                                           v1::GetServerInfoResponse* response,
@@ -506,6 +666,17 @@ void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
   limits->set_max_sequences(info.limits.max_sequences);
   limits->set_tenant_max_sequences(info.limits.tenant_max_sequences);
   limits->set_tenant_page_quota(info.limits.tenant_page_quota);
+  if (regions_ != nullptr) {
+    v1::RegionSupport* r = response->mutable_regions();
+    r->add_kinds(v1::REGION_KIND_SYSTEM_SHM);
+    if (regions_->cuda_ipc()) r->add_kinds(v1::REGION_KIND_CUDA_IPC);
+    r->set_host_boot_id(HostBootId());
+    r->set_device_uuid(runtime_->engine().device_uuid());
+    r->set_max_regions_per_tenant(regions_->options().max_regions_per_tenant);
+    r->set_max_region_bytes_per_tenant(regions_->options().max_bytes_per_tenant);
+    r->set_idle_timeout_seconds(absl::ToInt64Seconds(regions_->options().idle_timeout));
+    r->set_rings(rings_ != nullptr);
+  }
   if (batcher_ != nullptr) {
     FillBatchingStats(*batcher_, scoped, response->mutable_decode_batching());
   } else {
@@ -584,17 +755,35 @@ absl::Status AttentionService::RunPrefill(const v1::PrefillRequest& request,
   call.tenant = tenant;
   call.layer = request.layer();
   call.q_layout = static_cast<QLayout>(request.q_layout());
-  call.q = FromProto(request.q());
-  call.k = FromProto(request.k());
-  call.v = FromProto(request.v());
+  RegionTensors regions(regions_, tenant);
+  ATTND_ASSIGN_OR_RETURN(call.q, regions.Input("q", request.q()));
+  ATTND_ASSIGN_OR_RETURN(call.k, regions.Input("k", request.k()));
+  ATTND_ASSIGN_OR_RETURN(call.v, regions.Input("v", request.v()));
   if (request.has_prompt_len()) call.prompt_len = request.prompt_len();
-  call.output = IntoTensor(response->mutable_o());
+  if (request.has_output_region()) {
+    // o is [T, Hq, D] of q's dtype; a q the runtime rejects is rejected before o is written.
+    const ModelConfig& m = runtime_->model();
+    const uint64_t element = ElementSize(call.q.dtype);
+    const uint64_t tokens = request.q().shape_size() > 0 && request.q().shape(0) > 0
+                                ? static_cast<uint64_t>(request.q().shape(0))
+                                : 0;
+    ATTND_RETURN_IF_ERROR(regions.Output(
+        "output_region", request.output_region(), element,
+        tokens * static_cast<uint64_t>(m.num_q_heads) * static_cast<uint64_t>(m.head_dim) * element,
+        &call.output, &call.output_on_device));
+  } else {
+    call.output = IntoTensor(response->mutable_o());
+  }
   absl::StatusOr<PrefillResult> result = runtime_->Prefill(call);
+  if (result.ok()) {
+    if (absl::Status s = regions.CopyOutputs(); !s.ok()) result = s;
+  }
   if (!result.ok()) {
     response->Clear();
     return result.status();
   }
   SetMeta(result->out_dtype, result->out_shape, response->mutable_o());
+  if (request.has_output_region()) *response->mutable_o()->mutable_region() = request.output_region();
   response->set_length(result->length);
   return absl::OkStatus();
 }
@@ -620,6 +809,9 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
   call.layer = request.layer();
   call.entries.resize(request.entries_size());
   response->Clear();
+  // The regions' leases and copies live until the call is answered.
+  auto regions = std::make_shared<RegionTensors>(regions_, tenant);
+  const ModelConfig& m = runtime_->model();
   // Outputs exist before the engine runs so it can write into them; their addresses are stable.
   for (int i = 0; i < request.entries_size(); ++i) response->add_outputs();
   for (int i = 0; i < request.entries_size(); ++i) {
@@ -627,15 +819,39 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
     DecodeCall::Entry& e = call.entries[i];
     e.sequence_id = in.sequence_id();
     e.q_layout = static_cast<QLayout>(in.q_layout());
-    e.q = FromProto(in.q());
-    e.k = FromProto(in.k());
-    e.v = FromProto(in.v());
-    e.output = IntoTensor(response->mutable_outputs(i)->mutable_o());
+    const std::string at = absl::StrCat("entries[", i, "].");
+    absl::StatusOr<RequestTensor> q = regions->Input(absl::StrCat(at, "q"), in.q());
+    absl::StatusOr<RequestTensor> k = q.ok() ? regions->Input(absl::StrCat(at, "k"), in.k()) : q;
+    absl::StatusOr<RequestTensor> v = k.ok() ? regions->Input(absl::StrCat(at, "v"), in.v()) : k;
+    if (!v.ok()) {
+      response->Clear();
+      return v.status();
+    }
+    e.q = *q;
+    e.k = *k;
+    e.v = *v;
+    if (in.has_output_region()) {
+      const uint64_t element = ElementSize(e.q.dtype);
+      if (absl::Status s = regions->Output(
+              absl::StrCat(at, "output_region"), in.output_region(), element,
+              static_cast<uint64_t>(m.num_q_heads) * static_cast<uint64_t>(m.head_dim) * element,
+              &e.output, &e.output_on_device);
+          !s.ok()) {
+        response->Clear();
+        return s;
+      }
+    } else {
+      e.output = IntoTensor(response->mutable_outputs(i)->mutable_o());
+    }
   }
   const int64_t entries = request.entries_size();
   return decode_queue_->Submit(
       std::move(call), context,
-      [this, entries, response, done = std::move(done)](absl::StatusOr<DecodeResult> result) {
+      [this, entries, response, regions, &request,
+       done = std::move(done)](absl::StatusOr<DecodeResult> result) {
+        if (result.ok()) {
+          if (absl::Status s = regions->CopyOutputs(); !s.ok()) result = s;
+        }
         // Without the batcher one decode request is one executed batch; the batcher observes its
         // merged batches itself (DecodeBatcherOptions::on_batch).
         if (result.ok() && metrics_ != nullptr && batcher_ == nullptr) {
@@ -651,6 +867,8 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
           const DecodeResult::Output& out = result->outputs[i];
           v1::DecodeOutput* o = response->mutable_outputs(static_cast<int>(i));
           SetMeta(out.out_dtype, out.out_shape, o->mutable_o());
+          const v1::DecodeEntry& in = request.entries(static_cast<int>(i));
+          if (in.has_output_region()) *o->mutable_o()->mutable_region() = in.output_region();
           o->set_length(out.length);
         }
         done(absl::OkStatus());

@@ -17,6 +17,8 @@
 #include "server/batcher.h"
 #include "server/decode_queue.h"
 #include "server/metrics.h"
+#include "server/regions.h"
+#include "server/ring.h"
 #include "server/runtime.h"
 #include "server/work_queue.h"
 
@@ -43,7 +45,12 @@ using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_GetServerInfo<
     v1::Attention::WithRawCallbackMethod_CreateSequence<
         v1::Attention::WithRawCallbackMethod_ReleaseSequence<
             v1::Attention::WithRawCallbackMethod_Prefill<v1::Attention::WithRawCallbackMethod_Decode<
-                v1::Attention::WithRawCallbackMethod_Session<v1::Attention::Service>>>>>>;
+                v1::Attention::WithRawCallbackMethod_Session<
+                    v1::Attention::WithRawCallbackMethod_RegisterRegion<
+                        v1::Attention::WithRawCallbackMethod_UnregisterRegion<
+                            v1::Attention::WithRawCallbackMethod_OpenRing<
+                                v1::Attention::WithRawCallbackMethod_CloseRing<
+                                    v1::Attention::Service>>>>>>>>>>;
 
 // The reactor of one raw unary call: owns the parsed request and the response, and Finish
 // serializes the response (on OK) into the call's reply bytes first.
@@ -66,7 +73,16 @@ class AttentionService : public AttentionServiceBase {
   AttentionService(Runtime* runtime, WorkQueue* work_queue, DecodeQueue* decode_queue,
                    AttndMetrics* metrics = nullptr, const BatchingDecodeQueue* batcher = nullptr,
                    std::shared_ptr<const TokenStore> tokens = nullptr,
-                   int64_t max_inflight_request_bytes = 0);
+                   int64_t max_inflight_request_bytes = 0, RegionRegistry* regions = nullptr,
+                   RingServer* rings = nullptr);
+
+  // Runs one request of a Session stream or a ring (as `tenant`, with no client deadline): a
+  // prefill on the work queue, a decode through the decode queue. done gets its status after
+  // `response` is filled; request and response must stay valid until then. An error returned
+  // here means done is never called.
+  absl::Status SubmitSessionRequest(const v1::SessionRequest& request, absl::string_view tenant,
+                                    v1::SessionResponse* response,
+                                    std::function<void(absl::Status)> done);
 
   // Sessions waiting for their next request end now with UNAVAILABLE; busy ones end after the
   // response they are computing. Call before grpc::Server::Shutdown so idle streams do not hold
@@ -93,6 +109,18 @@ class AttentionService : public AttentionServiceBase {
                                    grpc::ByteBuffer* reply) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Session(
       grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* reply) override;
+  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* context,
+                                             const grpc::ByteBuffer* request,
+                                             grpc::ByteBuffer* reply) override;
+  grpc::ServerUnaryReactor* OpenRing(grpc::CallbackServerContext* context,
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* reply) override;
+  grpc::ServerUnaryReactor* CloseRing(grpc::CallbackServerContext* context,
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* reply) override;
 
  private:
   friend class SessionReactor;
@@ -130,6 +158,22 @@ class AttentionService : public AttentionServiceBase {
                     v1::PrefillResponse* response, UnaryCall* reactor);
   void ServeDecode(grpc::CallbackServerContext* context, const v1::DecodeRequest* request,
                    v1::DecodeResponse* response, UnaryCall* reactor);
+  void ServeRegisterRegion(grpc::CallbackServerContext* context,
+                           const v1::RegisterRegionRequest* request,
+                           v1::RegisterRegionResponse* response, UnaryCall* reactor);
+  void ServeUnregisterRegion(grpc::CallbackServerContext* context,
+                             const v1::UnregisterRegionRequest* request,
+                             v1::UnregisterRegionResponse* response, UnaryCall* reactor);
+  void ServeOpenRing(grpc::CallbackServerContext* context, const v1::OpenRingRequest* request,
+                     v1::OpenRingResponse* response, UnaryCall* reactor);
+  void ServeCloseRing(grpc::CallbackServerContext* context, const v1::CloseRingRequest* request,
+                      v1::CloseRingResponse* response, UnaryCall* reactor);
+  // The region RPCs: resolves the tenant, runs `body` on the gRPC thread (they only map memory),
+  // records and finishes.
+  template <typename Request, typename Response>
+  void ServeInline(absl::string_view rpc, grpc::CallbackServerContext* context,
+                   const Request* request, Response* response, UnaryCall* reactor,
+                   const std::function<absl::Status(const std::string&)>& body);
   // Parses `request` as Request (INVALID_ARGUMENT "cannot parse attnd.v1.<Request>" when it does
   // not) and runs `serve` with a reactor that owns the request and response.
   template <typename Request, typename Response>
@@ -160,6 +204,8 @@ class AttentionService : public AttentionServiceBase {
   const BatchingDecodeQueue* const batcher_;  // may be null
   const std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
   const int64_t max_inflight_request_bytes_;        // 0: no budget
+  RegionRegistry* const regions_;  // null: no tensor regions
+  RingServer* const rings_;        // null: no rings
   std::atomic<int64_t> inflight_request_bytes_{0};
 
   // Atomic, not under mu_: sessions read it under their own lock, and BeginShutdown takes mu_

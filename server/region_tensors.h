@@ -1,0 +1,71 @@
+// One request's view of its tensors when they live in registered regions (docs/regions.md): turns
+// a v1::Tensor's RegionRef into a RequestTensor, and an output RegionRef into the buffer the
+// engine writes. Holds a lease on every region it touched (so none is unregistered mid-request)
+// and the private copies of shm bytes, until it is destroyed.
+//   system shm: inputs are copied out of the mapping (guarded against SIGBUS), outputs are staged
+//               in private memory and copied in by CopyOutputs; engines never see shm memory.
+//   CUDA IPC:   the tensor is the device address; the CUDA engine copies device-to-device.
+#ifndef ATTND_SERVER_REGION_TENSORS_H_
+#define ATTND_SERVER_REGION_TENSORS_H_
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "attnd/v1/attention.pb.h"
+#include "server/regions.h"
+#include "server/runtime.h"
+
+namespace attnd {
+
+class RegionTensors {
+ public:
+  // `registry` null: the server takes no regions, and any RegionRef is FAILED_PRECONDITION.
+  RegionTensors(RegionRegistry* registry, absl::string_view tenant)
+      : registry_(registry), tenant_(tenant) {}
+  RegionTensors(const RegionTensors&) = delete;
+  RegionTensors& operator=(const RegionTensors&) = delete;
+
+  // The tensor as the runtime takes it: inline bytes (no copy), or its region's bytes. `name`
+  // ("q", "entries[2].k") prefixes errors. The RequestTensor points into `t` or into this object.
+  absl::StatusOr<RequestTensor> Input(absl::string_view name, const v1::Tensor& t);
+
+  // Where the engine writes an output of `bytes` bytes of `element_size`-byte elements into
+  // `ref`: sets *fn (and *on_device). Checks the range and that it overlaps no input seen so far
+  // (call it after the Inputs of the same request).
+  absl::Status Output(absl::string_view name, const v1::RegionRef& ref, uint64_t element_size,
+                      uint64_t bytes, OutputBufferFn* fn, bool* on_device);
+
+  // After the engine succeeded: copies the staged shm outputs into their regions.
+  // FAILED_PRECONDITION when an object shrank meanwhile.
+  absl::Status CopyOutputs();
+
+ private:
+  // Memory identity: two regions over one shm object (or one CUDA allocation) share memory.
+  struct Span {
+    uint64_t object_a = 0, object_b = 0;  // (st_dev, st_ino), or (device address space, 0)
+    uint64_t begin = 0, end = 0;          // absolute within the object
+  };
+  absl::StatusOr<const Region*> Lease(absl::string_view name, const v1::RegionRef& ref);
+  static Span SpanOf(const Region& r, uint64_t offset, uint64_t bytes);
+
+  RegionRegistry* const registry_;
+  const std::string tenant_;
+  std::vector<RegionLease> leases_;
+  std::deque<std::string> copies_;  // stable addresses
+  std::vector<Span> inputs_;
+  struct Staged {
+    const Region* region;
+    uint64_t offset;
+    std::string* buffer;
+  };
+  std::vector<Staged> staged_;
+};
+
+}  // namespace attnd
+
+#endif  // ATTND_SERVER_REGION_TENSORS_H_

@@ -1,0 +1,484 @@
+// Tensor regions and rings end to end (docs/regions.md), on the CPU backend over loopback: a
+// sequence fed through a shm region (inputs and output) gives bit-identical outputs to a twin fed
+// inline bytes; every bad reference is refused with its code and changes nothing; a ring carries
+// Session requests (and a garbage one) through shared memory with the futex doorbell, written here
+// by hand from proto/attnd/v1/shm_ring.h, independent of the client library.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "attnd/v1/attention.grpc.pb.h"
+#include "attnd/v1/shm_ring.h"
+#include "gtest/gtest.h"
+#include "grpcpp/grpcpp.h"
+#include "server/server.h"
+#include "tests/test_util.h"
+
+namespace attnd {
+namespace {
+
+constexpr size_t kShmBytes = 1 << 20;
+
+// A client-side shm object, mapped; unlinked and unmapped at the end.
+class Shm {
+ public:
+  explicit Shm(size_t bytes) : bytes_(bytes) {
+    static std::atomic<int> counter{0};
+    name_ = absl::StrCat("/attnd-regions-e2e-", getpid(), "-", counter++);
+    fd_ = shm_open(name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    EXPECT_GE(fd_, 0);
+    EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0);
+    base_ = static_cast<char*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0));
+  }
+  ~Shm() {
+    munmap(base_, bytes_);
+    close(fd_);
+    shm_unlink(name_.c_str());
+  }
+  char* base() { return base_; }
+  const std::string& name() const { return name_; }
+  void Truncate(size_t bytes) { ASSERT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0); }
+
+ private:
+  size_t bytes_;
+  std::string name_;
+  int fd_ = -1;
+  char* base_ = nullptr;
+};
+
+class RegionsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ServerOptions options;
+    options.device = "cpu";
+    options.kv_dtype = "fp32";
+    options.kv_cache_bytes = 16ll << 20;
+    options.compute_threads = 2;
+    options.region_idle_timeout = absl::Seconds(2);
+    options.ring_spin = absl::Microseconds(20);
+    absl::StatusOr<std::unique_ptr<testing::TestDaemon>> daemon =
+        testing::TestDaemon::Start(geometry_, options);
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = *std::move(daemon);
+    stub_ = v1::Attention::NewStub(
+        grpc::CreateChannel(daemon_->target(), grpc::InsecureChannelCredentials()));
+  }
+
+  grpc::Status Register(const std::string& name, uint64_t offset, uint64_t bytes,
+                        std::string* id) {
+    v1::RegisterRegionRequest request;
+    request.mutable_system_shm()->set_name(name);
+    request.mutable_system_shm()->set_offset(offset);
+    request.mutable_system_shm()->set_byte_size(bytes);
+    v1::RegisterRegionResponse response;
+    grpc::ClientContext context;
+    grpc::Status s = stub_->RegisterRegion(&context, request, &response);
+    if (id != nullptr) *id = response.region_id();
+    return s;
+  }
+
+  grpc::Status Unregister(const std::string& id) {
+    v1::UnregisterRegionRequest request;
+    request.set_region_id(id);
+    v1::UnregisterRegionResponse response;
+    grpc::ClientContext context;
+    return stub_->UnregisterRegion(&context, request, &response);
+  }
+
+  grpc::Status Prefill(const v1::PrefillRequest& request, v1::PrefillResponse* response) {
+    grpc::ClientContext context;
+    return stub_->Prefill(&context, request, response);
+  }
+
+  std::string NewSequence() {
+    absl::StatusOr<std::string> id = daemon_->client().CreateSequence();
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.ok() ? *id : "";
+  }
+
+  // An inline fp32 tensor, or (with `shm`) the same values written at `offset` and referenced.
+  v1::Tensor Tensor(const std::vector<int64_t>& shape, const std::vector<float>& values,
+                    const std::string& region = "", char* shm = nullptr, uint64_t offset = 0) {
+    v1::Tensor t;
+    t.set_dtype(v1::DTYPE_FP32);
+    for (int64_t d : shape) t.add_shape(d);
+    const size_t bytes = values.size() * sizeof(float);
+    if (region.empty()) {
+      t.set_data(values.data(), bytes);
+    } else {
+      std::memcpy(shm + offset, values.data(), bytes);
+      t.mutable_region()->set_region_id(region);
+      t.mutable_region()->set_offset(offset);
+      t.mutable_region()->set_byte_size(bytes);
+    }
+    return t;
+  }
+
+  testing::ModelGeometry geometry_;
+  std::unique_ptr<testing::TestDaemon> daemon_;
+  std::unique_ptr<v1::Attention::Stub> stub_;
+};
+
+TEST_F(RegionsTest, ShmRegionsGiveTheSameOutputsAsInlineBytes) {
+  Shm shm(kShmBytes);
+  std::string region;
+  ASSERT_TRUE(Register(shm.name(), 0, kShmBytes, &region).ok());
+  const int64_t t = 40, hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads,
+                d = geometry_.head_dim;
+  std::mt19937 rng(7);
+  const std::vector<float> q = testing::RandomInputs(&rng, t * 5 * hq * d);
+  const std::vector<float> k = testing::RandomInputs(&rng, t * hkv * d);
+  const std::vector<float> v = testing::RandomInputs(&rng, t * hkv * d);
+  const std::string inline_seq = NewSequence(), region_seq = NewSequence();
+
+  v1::PrefillRequest a;
+  a.set_sequence_id(inline_seq);
+  *a.mutable_q() = Tensor({t, 5, hq, d}, q);
+  *a.mutable_k() = Tensor({t, hkv, d}, k);
+  *a.mutable_v() = Tensor({t, hkv, d}, v);
+  v1::PrefillResponse ra;
+  ASSERT_TRUE(Prefill(a, &ra).ok());
+
+  const uint64_t q_off = 0, k_off = q.size() * 4, v_off = k_off + k.size() * 4,
+                 o_off = v_off + v.size() * 4;
+  v1::PrefillRequest b;
+  b.set_sequence_id(region_seq);
+  *b.mutable_q() = Tensor({t, 5, hq, d}, q, region, shm.base(), q_off);
+  *b.mutable_k() = Tensor({t, hkv, d}, k, region, shm.base(), k_off);
+  *b.mutable_v() = Tensor({t, hkv, d}, v, region, shm.base(), v_off);
+  b.mutable_output_region()->set_region_id(region);
+  b.mutable_output_region()->set_offset(o_off);
+  b.mutable_output_region()->set_byte_size(t * hq * d * 4);
+  v1::PrefillResponse rb;
+  grpc::Status s = Prefill(b, &rb);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(rb.length(), t);
+  EXPECT_TRUE(rb.o().data().empty());  // the bytes went to the region
+  EXPECT_EQ(rb.o().region().region_id(), region);
+  EXPECT_EQ(rb.o().region().offset(), o_off);
+  ASSERT_EQ(rb.o().shape_size(), 3);
+  ASSERT_EQ(ra.o().data().size(), static_cast<size_t>(t * hq * d * 4));
+  EXPECT_EQ(std::memcmp(shm.base() + o_off, ra.o().data().data(), ra.o().data().size()), 0);
+
+  // A decode step: region inputs and output, and an inline entry in the same call.
+  const std::vector<float> dq = testing::RandomInputs(&rng, 3 * hq * d);
+  const std::vector<float> dk = testing::RandomInputs(&rng, hkv * d);
+  const std::vector<float> dv = testing::RandomInputs(&rng, hkv * d);
+  v1::DecodeRequest decode;
+  decode.set_layer(0);
+  v1::DecodeEntry* e0 = decode.add_entries();
+  e0->set_sequence_id(inline_seq);
+  *e0->mutable_q() = Tensor({3, hq, d}, dq);
+  *e0->mutable_k() = Tensor({hkv, d}, dk);
+  *e0->mutable_v() = Tensor({hkv, d}, dv);
+  const uint64_t base = 512 * 1024;
+  v1::DecodeEntry* e1 = decode.add_entries();
+  e1->set_sequence_id(region_seq);
+  *e1->mutable_q() = Tensor({3, hq, d}, dq, region, shm.base(), base);
+  *e1->mutable_k() = Tensor({hkv, d}, dk, region, shm.base(), base + dq.size() * 4);
+  *e1->mutable_v() = Tensor({hkv, d}, dv, region, shm.base(), base + (dq.size() + dk.size()) * 4);
+  const uint64_t out = base + 64 * 1024;
+  e1->mutable_output_region()->set_region_id(region);
+  e1->mutable_output_region()->set_offset(out);
+  e1->mutable_output_region()->set_byte_size(hq * d * 4);
+  v1::DecodeResponse dr;
+  grpc::ClientContext context;
+  s = stub_->Decode(&context, decode, &dr);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_EQ(dr.outputs_size(), 2);
+  EXPECT_EQ(dr.outputs(1).length(), t + 1);
+  EXPECT_TRUE(dr.outputs(1).o().data().empty());
+  ASSERT_EQ(dr.outputs(0).o().data().size(), static_cast<size_t>(hq * d * 4));
+  EXPECT_EQ(std::memcmp(shm.base() + out, dr.outputs(0).o().data().data(), hq * d * 4), 0);
+
+  // Unregistered: the id is gone.
+  EXPECT_TRUE(Unregister(region).ok());
+  v1::PrefillResponse rc;
+  EXPECT_EQ(Prefill(b, &rc).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(RegionsTest, BadReferencesAreRefusedAndChangeNothing) {
+  Shm shm(kShmBytes);
+  std::string region;
+  ASSERT_TRUE(Register(shm.name(), 0, kShmBytes, &region).ok());
+  const int64_t t = 4, hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads,
+                d = geometry_.head_dim;
+  std::mt19937 rng(8);
+  const std::vector<float> q = testing::RandomInputs(&rng, t * 5 * hq * d);
+  const std::vector<float> k = testing::RandomInputs(&rng, t * hkv * d);
+  const std::vector<float> v = testing::RandomInputs(&rng, t * hkv * d);
+  const std::string seq = NewSequence();
+  auto good = [&] {
+    v1::PrefillRequest r;
+    r.set_sequence_id(seq);
+    *r.mutable_q() = Tensor({t, 5, hq, d}, q, region, shm.base(), 0);
+    *r.mutable_k() = Tensor({t, hkv, d}, k, region, shm.base(), 65536);
+    *r.mutable_v() = Tensor({t, hkv, d}, v, region, shm.base(), 131072);
+    return r;
+  };
+  struct Case {
+    std::string what;
+    std::function<void(v1::PrefillRequest*)> edit;
+    grpc::StatusCode code;
+  };
+  const std::vector<Case> cases = {
+      {"past the end",
+       [&](v1::PrefillRequest* r) { r->mutable_k()->mutable_region()->set_offset(kShmBytes - 8); },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"offset overflow",
+       [&](v1::PrefillRequest* r) {
+         r->mutable_k()->mutable_region()->set_offset(~uint64_t{0} - 3);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"misaligned", [&](v1::PrefillRequest* r) { r->mutable_v()->mutable_region()->set_offset(2); },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"byte size not the shape's",
+       [&](v1::PrefillRequest* r) { r->mutable_v()->mutable_region()->set_byte_size(16); },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"unknown region",
+       [&](v1::PrefillRequest* r) {
+         r->mutable_q()->mutable_region()->set_region_id(std::string(32, 'b'));
+       },
+       grpc::StatusCode::NOT_FOUND},
+      {"malformed id",
+       [&](v1::PrefillRequest* r) { r->mutable_q()->mutable_region()->set_region_id("../x"); },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"data and region",
+       [&](v1::PrefillRequest* r) { r->mutable_q()->set_data("abcd"); },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"output overlapping an input",
+       [&](v1::PrefillRequest* r) {
+         r->mutable_output_region()->set_region_id(region);
+         r->mutable_output_region()->set_offset(65536 + 64);  // inside k
+         r->mutable_output_region()->set_byte_size(t * hq * d * 4);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"output of the wrong size",
+       [&](v1::PrefillRequest* r) {
+         r->mutable_output_region()->set_region_id(region);
+         r->mutable_output_region()->set_offset(262144);
+         r->mutable_output_region()->set_byte_size(8);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT},
+  };
+  for (const Case& c : cases) {
+    v1::PrefillRequest r = good();
+    c.edit(&r);
+    v1::PrefillResponse response;
+    grpc::Status s = Prefill(r, &response);
+    EXPECT_EQ(s.error_code(), c.code) << c.what << ": " << s.error_message();
+    EXPECT_FALSE(s.error_message().empty()) << c.what;
+  }
+  // Nothing changed: the sequence is still empty, and a good request now appends at 0.
+  v1::PrefillResponse ok;
+  ASSERT_TRUE(Prefill(good(), &ok).ok());
+  EXPECT_EQ(ok.length(), t);
+
+  // Truncated after registration: FAILED_PRECONDITION, and the layer did not advance.
+  const v1::PrefillRequest again = good();  // written before the truncation (this process too
+                                            // would get SIGBUS past the new end)
+  shm.Truncate(4096);
+  v1::PrefillResponse truncated;
+  grpc::Status s = Prefill(again, &truncated);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_NE(s.error_message().find("shrank"), std::string::npos) << s.error_message();
+
+  // Registration errors.
+  EXPECT_EQ(Register("/attnd-no-such-object", 0, 4096, nullptr).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Register(shm.name(), 0, kShmBytes, nullptr).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);  // now smaller than claimed
+  EXPECT_EQ(Register("../../etc/passwd", 0, 4096, nullptr).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Unregister(std::string(32, 'c')).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(RegionsTest, IdleRegionsAreReclaimed) {
+  Shm shm(kShmBytes);
+  std::string region;
+  ASSERT_TRUE(Register(shm.name(), 0, kShmBytes, &region).ok());
+  v1::GetServerInfoResponse info;
+  {
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info).ok());
+  }
+  EXPECT_EQ(info.regions().idle_timeout_seconds(), 2);
+  ASSERT_GE(info.regions().kinds_size(), 1);
+  EXPECT_EQ(info.regions().kinds(0), v1::REGION_KIND_SYSTEM_SHM);
+  EXPECT_FALSE(info.regions().host_boot_id().empty());
+  EXPECT_TRUE(info.regions().rings());
+  // The reclaimer runs every second; the timeout is 2 s.
+  absl::SleepFor(absl::Milliseconds(4500));
+  EXPECT_EQ(Unregister(region).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// The client's half of the ring protocol, written from shm_ring.h alone.
+class HandRing {
+ public:
+  explicit HandRing(uint64_t half) : half_(half), shm_(ring::kHeaderBytes + 2 * half) {
+    auto* h = header();
+    h->magic = ring::kMagic;
+    h->version = ring::kVersion;
+    h->half_bytes = half;
+  }
+  ring::Header* header() { return reinterpret_cast<ring::Header*>(shm_.base()); }
+  const std::string& name() const { return shm_.name(); }
+  uint64_t bytes() const { return ring::kHeaderBytes + 2 * half_; }
+
+  // Writes raw request bytes, rings, waits (spin then futex) for the answer.
+  bool RoundTrip(const std::string& request, std::string* response, bool sleep_first) {
+    ring::Header* h = header();
+    const uint32_t seq = h->request_seq.load() + 1;
+    const uint64_t n = request.size();
+    std::memcpy(shm_.base() + ring::RequestOffset(), &n, 8);
+    std::memcpy(shm_.base() + ring::RequestOffset() + 8, request.data(), n);
+    if (sleep_first) absl::SleepFor(absl::Milliseconds(5));  // let the server fall asleep
+    h->request_seq.store(seq, std::memory_order_seq_cst);
+    if (h->server_sleeping.load(std::memory_order_seq_cst) != 0) ring::FutexWake(&h->request_seq);
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (h->response_seq.load(std::memory_order_acquire) != seq) {
+      if (h->closed.load() != 0 || absl::Now() > deadline) return false;
+      h->client_sleeping.store(1, std::memory_order_seq_cst);
+      if (h->response_seq.load(std::memory_order_seq_cst) != seq) {
+        ring::FutexWait(&h->response_seq, seq - 1, 100000);
+      }
+      h->client_sleeping.store(0);
+    }
+    uint64_t len;
+    std::memcpy(&len, shm_.base() + ring::ResponseOffset(half_), 8);
+    response->assign(shm_.base() + ring::ResponseOffset(half_) + 8, len);
+    return true;
+  }
+
+ private:
+  uint64_t half_;
+  Shm shm_;
+};
+
+TEST_F(RegionsTest, RingCarriesSessionRequests) {
+  HandRing hand(256 * 1024);
+  v1::OpenRingRequest open;
+  open.set_name(hand.name());
+  open.set_byte_size(hand.bytes());
+  v1::OpenRingResponse opened;
+  {
+    grpc::ClientContext context;
+    grpc::Status s = stub_->OpenRing(&context, open, &opened);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  EXPECT_EQ(opened.request_capacity(), 256 * 1024 - 8u);
+
+  const int64_t t = 20, hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads,
+                d = geometry_.head_dim;
+  std::mt19937 rng(9);
+  const std::string ring_seq = NewSequence(), grpc_seq = NewSequence();
+  for (int step = 0; step < 6; ++step) {
+    const bool prefill = step == 0;
+    const int64_t n = prefill ? t : 1;
+    const std::vector<float> q = testing::RandomInputs(&rng, n * (prefill ? 5 : 3) * hq * d);
+    const std::vector<float> k = testing::RandomInputs(&rng, n * hkv * d);
+    const std::vector<float> v = testing::RandomInputs(&rng, n * hkv * d);
+    v1::SessionRequest request;
+    request.set_tag(100 + step);
+    std::string want;
+    if (prefill) {
+      v1::PrefillRequest* p = request.mutable_prefill();
+      *p->mutable_q() = Tensor({t, 5, hq, d}, q);
+      *p->mutable_k() = Tensor({t, hkv, d}, k);
+      *p->mutable_v() = Tensor({t, hkv, d}, v);
+      p->set_sequence_id(grpc_seq);
+      v1::PrefillResponse r;
+      ASSERT_TRUE(Prefill(*p, &r).ok());
+      want = r.o().data();
+      p->set_sequence_id(ring_seq);
+    } else {
+      v1::DecodeEntry* e = request.mutable_decode()->add_entries();
+      *e->mutable_q() = Tensor({3, hq, d}, q);
+      *e->mutable_k() = Tensor({hkv, d}, k);
+      *e->mutable_v() = Tensor({hkv, d}, v);
+      e->set_sequence_id(grpc_seq);
+      v1::DecodeResponse r;
+      grpc::ClientContext context;
+      ASSERT_TRUE(stub_->Decode(&context, request.decode(), &r).ok());
+      want = r.outputs(0).o().data();
+      request.mutable_decode()->mutable_entries(0)->set_sequence_id(ring_seq);
+    }
+    std::string bytes;
+    ASSERT_TRUE(hand.RoundTrip(request.SerializeAsString(), &bytes, /*sleep_first=*/step % 2 == 1))
+        << "step " << step;
+    v1::SessionResponse response;
+    ASSERT_TRUE(response.ParseFromString(bytes));
+    EXPECT_EQ(response.tag(), static_cast<uint64_t>(100 + step));
+    ASSERT_EQ(response.code(), 0) << response.message();
+    const std::string& got = prefill ? response.prefill().o().data()
+                                     : response.decode().outputs(0).o().data();
+    EXPECT_EQ(got, want) << "step " << step;
+  }
+  // Garbage in the ring: answered INVALID_ARGUMENT, and the ring goes on.
+  std::string bytes;
+  ASSERT_TRUE(hand.RoundTrip("\xff\xff\xff garbage", &bytes, false));
+  v1::SessionResponse bad;
+  ASSERT_TRUE(bad.ParseFromString(bytes));
+  EXPECT_EQ(bad.code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  // An unknown sequence: its own error, in the response.
+  v1::SessionRequest unknown;
+  v1::DecodeEntry* e = unknown.mutable_decode()->add_entries();
+  e->set_sequence_id(std::string(32, 'e'));
+  *e->mutable_q() = Tensor({3, hq, d}, std::vector<float>(3 * hq * d));
+  *e->mutable_k() = Tensor({hkv, d}, std::vector<float>(hkv * d));
+  *e->mutable_v() = Tensor({hkv, d}, std::vector<float>(hkv * d));
+  ASSERT_TRUE(hand.RoundTrip(unknown.SerializeAsString(), &bytes, false));
+  ASSERT_TRUE(bad.ParseFromString(bytes));
+  EXPECT_EQ(bad.code(), static_cast<int>(grpc::StatusCode::NOT_FOUND)) << bad.message();
+
+  // Closing: the client sees `closed`; the id is gone.
+  v1::CloseRingRequest close;
+  close.set_ring_id(opened.ring_id());
+  v1::CloseRingResponse closed;
+  {
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub_->CloseRing(&context, close, &closed).ok());
+  }
+  EXPECT_EQ(hand.header()->closed.load(), 1u);
+  {
+    grpc::ClientContext context;
+    EXPECT_EQ(stub_->CloseRing(&context, close, &closed).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+}
+
+TEST_F(RegionsTest, BadRingsAreRefused) {
+  HandRing hand(64 * 1024);
+  auto open = [&](uint64_t bytes) {
+    v1::OpenRingRequest request;
+    request.set_name(hand.name());
+    request.set_byte_size(bytes);
+    v1::OpenRingResponse response;
+    grpc::ClientContext context;
+    return stub_->OpenRing(&context, request, &response);
+  };
+  EXPECT_EQ(open(hand.bytes() + 2).error_code(), grpc::StatusCode::INVALID_ARGUMENT);  // too big
+  EXPECT_EQ(open(hand.bytes() - 2).error_code(), grpc::StatusCode::INVALID_ARGUMENT);  // halves
+  hand.header()->magic = 42;
+  grpc::Status s = open(hand.bytes());
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("magic"), std::string::npos) << s.error_message();
+  hand.header()->magic = ring::kMagic;
+  hand.header()->request_seq.store(5);
+  EXPECT_EQ(open(hand.bytes()).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  hand.header()->request_seq.store(0);
+  EXPECT_TRUE(open(hand.bytes()).ok());
+}
+
+}  // namespace
+}  // namespace attnd
