@@ -11,6 +11,7 @@ import errno
 import mmap
 import os
 import secrets
+import weakref
 
 import numpy as np
 
@@ -96,6 +97,8 @@ class ShmRegion:
         self._client = client
         self.size = size
         self.name, self.fd = shm_create(size)
+        # A region never closed still loses its name at exit (the server keeps its own mapping).
+        self._unlink_at_exit = weakref.finalize(self, shm_unlink, self.name)
         self.id = None
         try:
             self._mmap = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -180,7 +183,7 @@ class ShmRegion:
 
     def _free(self):
         if getattr(self, "name", None):
-            shm_unlink(self.name)
+            self._unlink_at_exit()  # shm_unlink, once
             self.name = None
         if getattr(self, "fd", -1) >= 0:
             os.close(self.fd)
