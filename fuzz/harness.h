@@ -1,7 +1,7 @@
 // The attnd service in-process for the libFuzzer targets (fuzz/*_fuzz.cc, built by script/fuzz):
 // a tiny model on the CPU engine with a 16-page pool, the real AttentionService (the same
 // proto -> Runtime translation, work queue and decode queue as attnd) behind a gRPC server with no
-// port, reached through an in-process channel. Each input gets fresh sequences; after it the
+// port, reached through an in-process channel, with one registered shm region for RegionRefs. Each input gets fresh sequences; after it the
 // harness checks the invariants and aborts (a libFuzzer crash) when one does not hold:
 //   - every call returns OK or a code attention.proto documents for it, with a non-empty message;
 //     INTERNAL counts as a finding (the CPU engine only fails on input validation missed);
@@ -9,6 +9,10 @@
 //   - after releasing the input's sequences: pages_free == pages_total, live_sequences == 0.
 #ifndef ATTND_FUZZ_HARNESS_H_
 #define ATTND_FUZZ_HARNESS_H_
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -24,6 +28,7 @@
 #include "server/cpu_engine.h"
 #include "server/decode_queue.h"
 #include "server/model_config.h"
+#include "server/regions.h"
 #include "server/runtime.h"
 #include "server/service.h"
 #include "server/work_queue.h"
@@ -102,6 +107,16 @@ class Harness {
     *id = ids[i];
   }
 
+  // A region id of 0 or 1 bytes names the harness's registered region (a longer one is sent as
+  // it is): the fuzzer reaches the offset, size and alignment checks behind the id.
+  void MapRegion(v1::RegionRef* ref) const {
+    if (ref->region_id().size() <= 1) ref->set_region_id(region_id_);
+  }
+  void MapTensor(v1::Tensor* t) const {
+    if (t->has_region()) MapRegion(t->mutable_region());
+  }
+  static constexpr uint64_t kRegionBytes = 1 << 16;
+
   // OK, or a documented code with a message.
   static void CheckStatus(const char* rpc, int code, const std::string& message) {
     if (code == 0) return;
@@ -173,8 +188,20 @@ class Harness {
     queue_options.num_workers = 2;
     work_queue_ = std::make_unique<WorkQueue>(queue_options);
     decode_queue_ = std::make_unique<DirectDecodeQueue>(runtime_.get(), work_queue_.get());
+    // One registered shm region (docs/regions.md) that fuzzed RegionRefs may name (MapRegion).
+    regions_ = std::make_unique<RegionRegistry>(RegionRegistryOptions(), nullptr, Clock::Real());
+    shm_name_ = "/attnd-fuzz-" + std::to_string(getpid());
+    const int fd = shm_open(shm_name_.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
+    ATTND_FUZZ_CHECK(fd >= 0 && ftruncate(fd, kRegionBytes) == 0, "cannot create the fuzz shm");
+    close(fd);
+    absl::StatusOr<std::shared_ptr<const Region>> region =
+        regions_->RegisterShm("", shm_name_, 0, kRegionBytes, RegionKind::kSystemShm);
+    ATTND_FUZZ_CHECK(region.ok(), "%s", region.status().ToString().c_str());
+    region_id_ = (*region)->id;
+    shm_unlink(shm_name_.c_str());  // the mapping stays; nothing is left in /dev/shm
     service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
-                                                  decode_queue_.get());
+                                                  decode_queue_.get(), nullptr, nullptr, nullptr,
+                                                  0, regions_.get());
     grpc::ServerBuilder builder;
     builder.SetMaxReceiveMessageSize(64 << 20);
     builder.RegisterService(service_.get());
@@ -188,6 +215,9 @@ class Harness {
   std::unique_ptr<Runtime> runtime_;
   std::unique_ptr<WorkQueue> work_queue_;
   std::unique_ptr<DecodeQueue> decode_queue_;
+  std::unique_ptr<RegionRegistry> regions_;
+  std::string shm_name_;
+  std::string region_id_;
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::Attention::Stub> stub_;

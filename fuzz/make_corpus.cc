@@ -94,6 +94,25 @@ int main(int argc, char** argv) {
   v1::ReleaseSequenceRequest release;
   release.set_sequence_id("\x01");
   Write("request_fuzz", "release", Tagged(2, release));
+  // Tensors in the harness's shm region (a region id of 0 or 1 bytes names it), output there too.
+  auto in_region = [](v1::Tensor* t, uint64_t offset) {
+    const uint64_t bytes = t->data().size();
+    t->clear_data();
+    t->mutable_region()->set_offset(offset);
+    t->mutable_region()->set_byte_size(bytes);
+  };
+  v1::PrefillRequest regions = Prefill(v1::DTYPE_FP32, 3, 0, "");
+  in_region(regions.mutable_q(), 0);
+  in_region(regions.mutable_k(), 4096);
+  in_region(regions.mutable_v(), 8192);
+  regions.mutable_output_region()->set_offset(16384);
+  regions.mutable_output_region()->set_byte_size(3 * 2 * 8 * 4);
+  Write("request_fuzz", "prefill_regions", Tagged(0, regions));
+  v1::DecodeRequest decode_regions = Decode(v1::DTYPE_BF16, 3, {"\x01"});
+  in_region(decode_regions.mutable_entries(0)->mutable_q(), 0);
+  decode_regions.mutable_entries(0)->mutable_output_region()->set_offset(1024);
+  decode_regions.mutable_entries(0)->mutable_output_region()->set_byte_size(2 * 8 * 2);
+  Write("request_fuzz", "decode_regions", Tagged(1, decode_regions));
   v1::SessionRequest s1;
   s1.set_tag(9);
   *s1.mutable_prefill() = Prefill(v1::DTYPE_FP32, 2, 1, "\x01");

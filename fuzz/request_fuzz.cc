@@ -29,8 +29,31 @@ void CheckOutput(const char* rpc, const v1::Tensor& o) {
                    "%s: output holds %zu bytes", rpc, o.data().size());
 }
 
-void MapDecode(const std::vector<std::string>& ids, v1::DecodeRequest* r) {
-  for (v1::DecodeEntry& e : *r->mutable_entries()) Harness::MapId(ids, e.mutable_sequence_id());
+void MapDecode(const Harness& h, const std::vector<std::string>& ids, v1::DecodeRequest* r) {
+  for (v1::DecodeEntry& e : *r->mutable_entries()) {
+    Harness::MapId(ids, e.mutable_sequence_id());
+    h.MapTensor(e.mutable_q());
+    h.MapTensor(e.mutable_k());
+    h.MapTensor(e.mutable_v());
+    if (e.has_output_region()) h.MapRegion(e.mutable_output_region());
+  }
+}
+
+void MapPrefill(const Harness& h, const std::vector<std::string>& ids, v1::PrefillRequest* r) {
+  Harness::MapId(ids, r->mutable_sequence_id());
+  h.MapTensor(r->mutable_q());
+  h.MapTensor(r->mutable_k());
+  h.MapTensor(r->mutable_v());
+  if (r->has_output_region()) h.MapRegion(r->mutable_output_region());
+}
+
+// An output that went to a region carries its reference and no bytes; else as CheckOutput.
+void CheckAnyOutput(const char* rpc, const v1::Tensor& o) {
+  if (o.has_region()) {
+    ATTND_FUZZ_CHECK(o.data().empty(), "%s: output in a region also carries bytes", rpc);
+    return;
+  }
+  CheckOutput(rpc, o);
 }
 
 }  // namespace
@@ -56,20 +79,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   grpc::Status status;
   switch (which) {
     case 0: {
-      Harness::MapId(ids, prefill.mutable_sequence_id());
+      MapPrefill(h, ids, &prefill);
       v1::PrefillResponse response;
       status = h.stub().Prefill(&context, prefill, &response);
-      if (status.ok()) CheckOutput("Prefill", response.o());
+      if (status.ok()) CheckAnyOutput("Prefill", response.o());
       break;
     }
     case 1: {
-      MapDecode(ids, &decode);
+      MapDecode(h, ids, &decode);
       v1::DecodeResponse response;
       status = h.stub().Decode(&context, decode, &response);
       if (status.ok()) {
         ATTND_FUZZ_CHECK(response.outputs_size() == decode.entries_size(), "Decode: %d outputs",
                          response.outputs_size());
-        for (const v1::DecodeOutput& o : response.outputs()) CheckOutput("Decode", o.o());
+        for (const v1::DecodeOutput& o : response.outputs()) CheckAnyOutput("Decode", o.o());
       }
       break;
     }
@@ -80,8 +103,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     }
     default: {
-      if (session.has_prefill()) Harness::MapId(ids, session.mutable_prefill()->mutable_sequence_id());
-      if (session.has_decode()) MapDecode(ids, session.mutable_decode());
+      if (session.has_prefill()) MapPrefill(h, ids, session.mutable_prefill());
+      if (session.has_decode()) MapDecode(h, ids, session.mutable_decode());
       auto stream = h.stub().Session(&context);
       ATTND_FUZZ_CHECK(stream->Write(session), "Session: write failed");
       v1::SessionResponse response;
@@ -89,7 +112,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       ATTND_FUZZ_CHECK(response.tag() == session.tag(), "Session: tag %llu for %llu",
                        static_cast<unsigned long long>(response.tag()),
                        static_cast<unsigned long long>(session.tag()));
-      if (response.code() == 0 && response.has_prefill()) CheckOutput("Session", response.prefill().o());
+      if (response.code() == 0 && response.has_prefill()) {
+        CheckAnyOutput("Session", response.prefill().o());
+      }
       Harness::CheckStatus("Session.request", response.code(), response.message());
       stream->WritesDone();
       status = stream->Finish();

@@ -13,8 +13,12 @@ void CosSin(int64_t t, absl::Span<const float> inv_freq, float* cos_out, float* 
   const float tf = static_cast<float>(t);
   for (size_t i = 0; i < inv_freq.size(); ++i) {
     const float angle = tf * inv_freq[i];  // an fp32 product, as the reference's fp32 cache
-    cos_out[i] = static_cast<float>(std::cos(static_cast<double>(angle)));
-    sin_out[i] = static_cast<float>(std::sin(static_cast<double>(angle)));
+    // glibc's sincos: the values of sin and cos, one argument reduction for both (decode rotates
+    // on the host per row, so this is on the per-token path).
+    double s, c;
+    sincos(static_cast<double>(angle), &s, &c);
+    cos_out[i] = static_cast<float>(c);
+    sin_out[i] = static_cast<float>(s);
   }
 }
 

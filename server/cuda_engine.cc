@@ -741,6 +741,18 @@ absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t 
   sp.num_q_heads = geometry_.num_q_heads;
   sp.batch = rows;
   sp.original_max_position_embeddings = geometry_.original_max_position_embeddings;
+  if (d_inv_freq_ != nullptr) {  // the model has a rotary: pre-rotary rows may come
+    CudaDecodeRotaryParams rp;
+    rp.rows = sp.rows;
+    rp.host_q = sp.host_q;
+    rp.host_k = At(h_decode_, h_k_off_);
+    rp.q_row_bytes = sp.q_row_bytes;
+    rp.kv_row_bytes = sp.kv_row_bytes;
+    rp.q = d_q;
+    rp.inv_freq = static_cast<const float*>(d_inv_freq_.get());
+    rp.batch = rows;
+    ATTND_RETURN_IF_ERROR(LaunchDecodeRotary(geometry_, rp, stream_));
+  }
   ATTND_RETURN_IF_ERROR(LaunchDecodeStage(sp, stream_));
 
   CudaDecodeParams dp;
@@ -777,31 +789,16 @@ absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t 
     rows[i].length = static_cast<int32_t>(e.length);
     rows[i].num_pages = static_cast<int32_t>(e.num_pages);
     rows[i].v_dtype = static_cast<int32_t>(e.v.dtype);
-    if (e.q_layout == QLayout::kPreRotary) {
-      // Rotated here, into the row's slots as fp32 (they hold fp32 rows): the stage kernel and
-      // the captured graphs stay as they are. NOTE host work per row; see docs/rotary.md.
-      float* q_slot = reinterpret_cast<float*>(At(h_decode_, h_q_off_ + i * q_slot_));
-      float* k_slot = reinterpret_cast<float*>(At(h_decode_, h_k_off_ + i * kv_slot_));
-      std::vector<float> raw_q(hq * d);
-      ConvertToFloat(e.q.data, e.q.dtype, hq * d, raw_q.data());
-      ConvertToFloat(e.k.data, e.k.dtype, kv_n, k_slot);
-      CpuRotaryParams rotary;
-      rotary.q = raw_q.data();
-      rotary.k = k_slot;
-      rotary.q_variants = q_slot;
-      rotary.num_variants = kNumDecodeVariants;
-      rotary.start = e.length - 1;
-      rotary.num_tokens = 1;
-      DualChunkRotaryCpu(geometry_, inv_freq_, rotary, nullptr);
-      rows[i].q_dtype = static_cast<int32_t>(DType::kFp32);
-      rows[i].k_dtype = static_cast<int32_t>(DType::kFp32);
-    } else {
-      rows[i].q_dtype = static_cast<int32_t>(e.q.dtype);
-      rows[i].k_dtype = static_cast<int32_t>(e.k.dtype);
-      std::memcpy(At(h_decode_, h_q_off_ + i * q_slot_), e.q.data, q_n * ElementSize(e.q.dtype));
-      std::memcpy(At(h_decode_, h_k_off_ + i * kv_slot_), e.k.data,
-                  kv_n * ElementSize(e.k.dtype));
-    }
+    // Each row's tensors in their own dtype. A pre-rotary row's q is [Hq, D] (one variant's
+    // worth): the decode rotary kernel, first in the step, turns it into the three bf16 variants
+    // and rotates k in its slot (DecodeStageRow::rotary).
+    const bool rotary = e.q_layout == QLayout::kPreRotary;
+    rows[i].rotary = rotary ? 1 : 0;
+    rows[i].q_dtype = static_cast<int32_t>(e.q.dtype);
+    rows[i].k_dtype = static_cast<int32_t>(e.k.dtype);
+    std::memcpy(At(h_decode_, h_q_off_ + i * q_slot_), e.q.data,
+                (rotary ? hq * d : q_n) * ElementSize(e.q.dtype));
+    std::memcpy(At(h_decode_, h_k_off_ + i * kv_slot_), e.k.data, kv_n * ElementSize(e.k.dtype));
     std::memcpy(At(h_decode_, h_v_off_ + i * kv_slot_), e.v.data, kv_n * ElementSize(e.v.dtype));
     std::memcpy(tables + i * table_stride_, e.page_table, e.num_pages * 4);
   };

@@ -1,5 +1,6 @@
 #include "server/region_tensors.h"
 
+#include <algorithm>
 #include <limits>
 #include <utility>
 
@@ -32,6 +33,52 @@ int64_t ShapeBytes(const v1::Tensor& t) {
 }
 
 }  // namespace
+
+CopyBufferPool& CopyBufferPool::Get() {
+  static CopyBufferPool* pool = new CopyBufferPool();
+  return *pool;
+}
+
+CopyBufferPool::Buffer CopyBufferPool::Take(size_t bytes) {
+  {
+    MutexLock lock(&mu_);
+    // The smallest idle buffer that fits.
+    size_t best = idle_.size();
+    for (size_t i = 0; i < idle_.size(); ++i) {
+      if (idle_[i].capacity >= bytes &&
+          (best == idle_.size() || idle_[i].capacity < idle_[best].capacity)) {
+        best = i;
+      }
+    }
+    if (best != idle_.size()) {
+      Buffer b = std::move(idle_[best]);
+      idle_.erase(idle_.begin() + static_cast<std::ptrdiff_t>(best));
+      idle_bytes_ -= b.capacity;
+      return b;
+    }
+  }
+  Buffer b;
+  b.data.reset(new char[bytes]);  // default-initialised: no zero fill
+  b.capacity = bytes;
+  return b;
+}
+
+void CopyBufferPool::Give(Buffer buffer) {
+  if (buffer.data == nullptr) return;
+  MutexLock lock(&mu_);
+  if (idle_bytes_ + buffer.capacity > kMaxPooledBytes) return;  // freed
+  idle_bytes_ += buffer.capacity;
+  idle_.push_back(std::move(buffer));
+}
+
+RegionTensors::~RegionTensors() {
+  for (CopyBufferPool::Buffer& b : copies_) CopyBufferPool::Get().Give(std::move(b));
+}
+
+char* RegionTensors::Copy(size_t bytes) {
+  copies_.push_back(CopyBufferPool::Get().Take(std::max<size_t>(bytes, 1)));
+  return copies_.back().data.get();
+}
 
 RegionTensors::Span RegionTensors::SpanOf(const Region& r, uint64_t offset, uint64_t bytes) {
   Span s;
@@ -100,10 +147,9 @@ absl::StatusOr<RequestTensor> RegionTensors::Input(absl::string_view name, const
   if (absl::Status s = CheckStillMapped(*region); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat(name, ": ", s.message()));
   }
-  std::string& copy = copies_.emplace_back();
-  copy.resize(ref.byte_size());
-  if (!GuardedCopy(copy.data(), at, copy.size())) return Shrank(name, *region);
-  r.bytes = copy;
+  char* copy = Copy(ref.byte_size());
+  if (!GuardedCopy(copy, at, ref.byte_size())) return Shrank(name, *region);
+  r.bytes = absl::string_view(copy, ref.byte_size());
   return r;
 }
 
@@ -135,11 +181,11 @@ absl::Status RegionTensors::Output(absl::string_view name, const v1::RegionRef& 
     return absl::Status(s.code(), absl::StrCat(name, ": ", s.message()));
   }
   *on_device = false;
-  std::string* buffer = &copies_.emplace_back();
-  staged_.push_back(Staged{region, ref.offset(), buffer});
-  *fn = [buffer](int64_t n) -> void* {
-    buffer->resize(static_cast<size_t>(n));
-    return buffer->data();
+  char* buffer = Copy(bytes);
+  staged_.push_back(Staged{region, ref.offset(), buffer, bytes});
+  // The runtime asks for exactly `bytes` (checked above against the model's output shape).
+  *fn = [buffer, bytes](int64_t n) -> void* {
+    return static_cast<uint64_t>(n) == bytes ? buffer : nullptr;
   };
   return absl::OkStatus();
 }
@@ -149,7 +195,7 @@ absl::Status RegionTensors::CopyOutputs() {
     // Only a client that truncates its own object while its request runs gets here; the layer
     // has advanced by then (docs/regions.md says so).
     if (CheckStillMapped(*s.region).ok() &&
-        GuardedCopy(s.region->base + s.offset, s.buffer->data(), s.buffer->size())) {
+        GuardedCopy(s.region->base + s.offset, s.buffer, s.bytes)) {
       continue;
     }
     return absl::FailedPreconditionError(absl::StrCat(

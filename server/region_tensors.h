@@ -9,7 +9,7 @@
 #define ATTND_SERVER_REGION_TENSORS_H_
 
 #include <cstdint>
-#include <deque>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,16 +17,39 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "attnd/v1/attention.pb.h"
+#include "kernels/mutex.h"
 #include "server/regions.h"
 #include "server/runtime.h"
 
 namespace attnd {
+
+// Large host buffers for shm copies, reused across requests: a fresh allocation of tens of MB is
+// a fresh mmap whose every page faults and is zeroed by the kernel, which cost more than the copy
+// (a 4096-token 7B prefill through shm took 72 ms before, most of it in page faults). Keeps at
+// most kMaxPooledBytes of idle buffers. Thread-safe.
+class CopyBufferPool {
+ public:
+  static constexpr size_t kMaxPooledBytes = size_t{512} << 20;
+  struct Buffer {
+    std::unique_ptr<char[]> data;
+    size_t capacity = 0;
+  };
+  static CopyBufferPool& Get();
+  Buffer Take(size_t bytes);  // capacity >= bytes, contents undefined
+  void Give(Buffer buffer);
+
+ private:
+  Mutex mu_;
+  std::vector<Buffer> idle_ ABSL_GUARDED_BY(mu_);
+  size_t idle_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
 
 class RegionTensors {
  public:
   // `registry` null: the server takes no regions, and any RegionRef is FAILED_PRECONDITION.
   RegionTensors(RegionRegistry* registry, absl::string_view tenant)
       : registry_(registry), tenant_(tenant) {}
+  ~RegionTensors();
   RegionTensors(const RegionTensors&) = delete;
   RegionTensors& operator=(const RegionTensors&) = delete;
 
@@ -60,12 +83,14 @@ class RegionTensors {
   RegionRegistry* const registry_;
   const std::string tenant_;
   std::vector<RegionLease> leases_;
-  std::deque<std::string> copies_;  // stable addresses
+  std::vector<CopyBufferPool::Buffer> copies_;  // from the pool, given back at the end
+  char* Copy(size_t bytes);
   std::vector<Span> inputs_;
   struct Staged {
     const Region* region;
     uint64_t offset;
-    std::string* buffer;
+    char* buffer;
+    uint64_t bytes;
   };
   std::vector<Staged> staged_;
 };

@@ -51,22 +51,20 @@ void WaitForRequest(void* p) {
   }
 }
 
+void ReadLength(void* p) {
+  auto* a = static_cast<std::pair<const char*, uint64_t>*>(p);
+  std::memcpy(&a->second, a->first, sizeof(a->second));
+}
+
 struct ReadArgs {
-  const char* half;
-  uint64_t capacity;
-  std::string* out;
-  bool fits;  // out
+  const char* from;
+  char* to;
+  uint64_t n;
 };
 
-void ReadRequest(void* p) {
+void ReadBytes(void* p) {
   auto* a = static_cast<ReadArgs*>(p);
-  uint64_t n;
-  std::memcpy(&n, a->half, sizeof(n));
-  a->fits = n <= a->capacity;
-  if (!a->fits) return;
-  // Sized before the guard (resize allocates); see Ring::Run.
-  std::memcpy(a->out->data(), a->half + ring::kLengthBytes, n);
-  a->out->resize(n);  // shrinking a string never allocates
+  std::memcpy(a->to, a->from, a->n);
 }
 
 struct WriteArgs {
@@ -113,7 +111,19 @@ void ReadHeader(void* p) {
 
 void WakeServer(void* p) { ring::FutexWake(&static_cast<ring::Header*>(p)->request_seq); }
 
+// 1: this thread is a ring's, handing a request over; 2: it is running inline work.
+thread_local int t_ring_state = 0;
+
 }  // namespace
+
+bool MayRunInlineOnRingThread() { return t_ring_state == 1; }
+
+void RunInlineOnRingThread(const std::function<void()>& fn) {
+  const int was = t_ring_state;
+  t_ring_state = 2;
+  fn();
+  t_ring_state = was;
+}
 
 // One open ring and its thread. The request and response objects belong to the request in
 // flight (at most one: the thread takes the next only after the answer is written).
@@ -161,23 +171,32 @@ class RingServer::Ring {
       if (!wait.got) return;  // stopping
       last_seq_ = wait.seq;
       last_active_us_.store(absl::ToUnixMicros(absl::Now()));
-      in_.resize(capacity_);  // before the guard: nothing inside it allocates
-      ReadArgs read{request_half_, capacity_, &in_, false};
-      if (!RunGuarded(ReadRequest, &read)) return Broken("reading a request");
+      std::pair<const char*, uint64_t> length{request_half_, 0};
+      if (!RunGuarded(ReadLength, &length)) return Broken("reading a request");
+      const uint64_t n = length.second;
+      const bool fits = n <= capacity_;
+      if (fits && n > in_capacity_) {  // grown before the guard (nothing inside it allocates),
+        in_ = std::make_unique<char[]>(n);  // and never zero-filled: a ring's half may be large
+        in_capacity_ = n;
+      }
+      ReadArgs read{request_half_ + ring::kLengthBytes, in_.get(), fits ? n : 0};
+      if (!RunGuarded(ReadBytes, &read)) return Broken("reading a request");
       request_.Clear();
       response_.Clear();
       inflight_.store(true);
-      if (!read.fits) {
+      if (!fits) {
         Answer(absl::InvalidArgumentError(absl::StrCat(
-            "the request's length field says more than the ring's request half holds (",
-            capacity_, " bytes)")));
-      } else if (!request_.ParseFromString(in_)) {
+            "the request's length field says ", n, " bytes, more than the ring's request half "
+            "holds (", capacity_, ")")));
+      } else if (!request_.ParseFromArray(in_.get(), static_cast<int>(n))) {
         Answer(absl::InvalidArgumentError(
             "cannot parse attnd.v1.SessionRequest from the ring's request half"));
       } else {
         response_.set_tag(request_.tag());
+        t_ring_state = 1;
         absl::Status s = server_->handler_(request_, tenant_, &response_,
                                            [this](absl::Status st) { Answer(std::move(st)); });
+        t_ring_state = 0;
         if (!s.ok()) Answer(std::move(s));
       }
       WaitAnswered();
@@ -216,7 +235,7 @@ class RingServer::Ring {
 
   void WaitAnswered() {
     const int64_t spin_until =
-        absl::GetCurrentTimeNanos() + absl::ToInt64Nanoseconds(server_->options_.spin);
+        absl::GetCurrentTimeNanos() + absl::ToInt64Nanoseconds(server_->options_.answer_spin);
     while (inflight_.load() && absl::GetCurrentTimeNanos() < spin_until) {
     }
     MutexLock lock(&mu_);
@@ -244,7 +263,9 @@ class RingServer::Ring {
   Mutex mu_;
   CondVar answered_;
   uint32_t last_seq_ = 0;
-  std::string in_, out_;
+  std::unique_ptr<char[]> in_;  // the request copied out of the ring
+  uint64_t in_capacity_ = 0;
+  std::string out_;
   v1::SessionRequest request_;
   v1::SessionResponse response_;
   std::thread thread_;

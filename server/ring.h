@@ -29,9 +29,21 @@ struct RingOptions {
   // After each request the ring's thread spins this long for the next one before it sleeps on
   // the futex (the client's next layer usually comes within tens of microseconds).
   absl::Duration spin = absl::Microseconds(50);
+  // While its request runs elsewhere (a batch another thread launched), the ring's thread spins
+  // this long for the answer before it sleeps: a sleeping thread wakes tens of microseconds late.
+  absl::Duration answer_spin = absl::Milliseconds(2);
   absl::Duration idle_timeout = absl::Seconds(300);  // no request this long: closed (0 = never)
   uint64_t max_ring_bytes = uint64_t{1} << 30;       // one ring's object at most
 };
+
+// True on a ring's server thread while it hands a request to the handler (and not inside work
+// that this already runs inline): the thread would only wait for the answer, so the handler may
+// run the work right here instead of waking a worker (a thread hop costs tens of microseconds on
+// a VM). Nested work (a batch launched from inside one) is not inline.
+bool MayRunInlineOnRingThread();
+
+// Runs fn as inline work of a ring thread (MayRunInlineOnRingThread is false inside it).
+void RunInlineOnRingThread(const std::function<void()>& fn);
 
 class RingServer {
  public:

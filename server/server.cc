@@ -469,7 +469,15 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     WorkQueue* workers = work_queue_.get();
     absl::StatusOr<std::unique_ptr<BatchingDecodeQueue>> batcher = BatchingDecodeQueue::Create(
         *batcher_options, decode_executor_.get(),
-        [workers](std::function<void()> fn) { return workers->Submit(std::move(fn)); },
+        [workers](std::function<void()> fn) {
+          // A batch launched by a ring's own request runs on that ring's thread, which would
+          // only wait for it (docs/regions.md, "Rings"); every other batch on a worker.
+          if (MayRunInlineOnRingThread()) {
+            RunInlineOnRingThread(fn);
+            return absl::OkStatus();
+          }
+          return workers->Submit(std::move(fn));
+        },
         Clock::Real(), /*start_timer=*/true);
     if (!batcher.ok()) return batcher.status();
     batcher_ = batcher->get();

@@ -588,15 +588,21 @@ absl::Status AttentionService::SubmitSessionRequest(const v1::SessionRequest& re
   auto clock = std::make_shared<RequestClock>();
   const int64_t bytes = SizeOf(request);
   switch (request.request_case()) {
-    case v1::SessionRequest::kPrefill:
-      return work_queue_->Submit([this, &request, tenant, response, clock, bytes,
-                                  done = std::move(done)] {
+    case v1::SessionRequest::kPrefill: {
+      auto run = [this, &request, tenant, response, clock, bytes, done = std::move(done)] {
         clock->started = absl::Now();
         absl::Status s = RunPrefill(request.prefill(), tenant, response->mutable_prefill());
         clock->finished = absl::Now();
         Record("Ring.Prefill", static_cast<int>(s.code()), *clock, bytes, 0);
         done(std::move(s));
-      });
+      };
+      // A ring's thread would only wait for it: run it there (server/ring.h).
+      if (MayRunInlineOnRingThread()) {
+        RunInlineOnRingThread(run);
+        return absl::OkStatus();
+      }
+      return work_queue_->Submit(std::move(run));
+    }
     case v1::SessionRequest::kDecode:
       return SubmitDecode(request.decode(), tenant, nullptr, DecodeContext(),
                           response->mutable_decode(),

@@ -1,9 +1,21 @@
 // Replays the golden DCA cases dense_gqa_chunked and dense_pre_rotary (tests/testdata/dca;
 // pre-rotary q and k: the server applies the dual-chunk rotary) through a daemon over loopback gRPC: chunked prefill with the case's prompt_len, then
-// batched decode of two sequences across a chunk boundary. fp32 requests must match the golden
+// batched decode of two sequences across a chunk boundary; unary, over a Session stream, and
+// with every tensor in a registered shm region (docs/regions.md). fp32 requests must match the golden
 // outputs within 1e-4; bf16 requests within DCA.md's bf16 bars.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -15,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
 #include "nlohmann/json.hpp"
@@ -25,6 +38,7 @@
 // golden_cuda_test builds this file with ATTND_GOLDEN_ON_CUDA: the same replay against the CUDA
 // backend (bf16 K/V on the device, so every request dtype is held to DCA.md's bf16 bars).
 #ifdef ATTND_GOLDEN_ON_CUDA
+#include <cuda_runtime_api.h>
 constexpr bool kOnCuda = true;
 #else
 constexpr bool kOnCuda = false;
@@ -75,8 +89,247 @@ class GoldenCase {
   std::string blob_;
 };
 
-// (request dtype, over a Session stream instead of unary calls)
-class GoldenTest : public ::testing::TestWithParam<std::tuple<DType, bool>> {
+// Memory a region names: written and read by the test as the client would.
+class RegionMemory {
+ public:
+  static constexpr size_t kBytes = 64 << 20;
+  virtual ~RegionMemory() = default;
+  virtual void Write(uint64_t at, const void* src, size_t n) = 0;
+  virtual std::string Read(uint64_t at, size_t n) = 0;
+  virtual void Fill(uint64_t at, size_t n) = 0;  // 0xff: NaN in every dtype unless attnd writes it
+  virtual void Describe(v1::RegisterRegionRequest* request) = 0;
+};
+
+class ShmMemory : public RegionMemory {
+ public:
+  ShmMemory() {
+    static int counter = 0;
+    name_ = absl::StrCat("/attnd-golden-", getpid(), "-", counter++);
+    fd_ = shm_open(name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd_ < 0 || ftruncate(fd_, kBytes) != 0) return;
+    base_ = static_cast<char*>(mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0));
+  }
+  ~ShmMemory() override {
+    if (base_ != nullptr) munmap(base_, kBytes);
+    if (fd_ >= 0) close(fd_);
+    shm_unlink(name_.c_str());
+  }
+  void Write(uint64_t at, const void* src, size_t n) override { std::memcpy(base_ + at, src, n); }
+  std::string Read(uint64_t at, size_t n) override { return std::string(base_ + at, n); }
+  void Fill(uint64_t at, size_t n) override { std::memset(base_ + at, 0xff, n); }
+  void Describe(v1::RegisterRegionRequest* request) override {
+    request->mutable_system_shm()->set_name(name_);
+    request->mutable_system_shm()->set_byte_size(kBytes);
+  }
+
+ private:
+  std::string name_;
+  int fd_ = -1;
+  char* base_ = nullptr;
+};
+
+#ifdef ATTND_GOLDEN_ON_CUDA
+// Device memory of this process, shared with the daemon (another process) by a CUDA IPC handle.
+class CudaMemory : public RegionMemory {
+ public:
+  CudaMemory() { ok_ = cudaMalloc(&base_, kBytes) == cudaSuccess; }
+  ~CudaMemory() override {
+    if (ok_) cudaFree(base_);
+  }
+  void Write(uint64_t at, const void* src, size_t n) override {
+    EXPECT_EQ(cudaMemcpy(static_cast<char*>(base_) + at, src, n, cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  std::string Read(uint64_t at, size_t n) override {
+    std::string out(n, '\0');
+    EXPECT_EQ(cudaMemcpy(out.data(), static_cast<char*>(base_) + at, n, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return out;
+  }
+  void Fill(uint64_t at, size_t n) override {
+    EXPECT_EQ(cudaMemset(static_cast<char*>(base_) + at, 0xff, n), cudaSuccess);
+  }
+  void Describe(v1::RegisterRegionRequest* request) override {
+    cudaIpcMemHandle_t handle;
+    EXPECT_EQ(cudaIpcGetMemHandle(&handle, base_), cudaSuccess);
+    request->mutable_cuda_ipc()->set_handle(&handle, sizeof(handle));
+    request->mutable_cuda_ipc()->set_byte_size(kBytes);
+  }
+
+ private:
+  void* base_ = nullptr;
+  bool ok_ = false;
+};
+
+// attnd in its own process: a CUDA IPC handle opens only in a process other than its exporter's.
+class ChildDaemon {
+ public:
+  ~ChildDaemon() {
+    if (pid_ > 0) {
+      kill(pid_, SIGTERM);
+      int status = 0;
+      waitpid(pid_, &status, 0);
+    }
+  }
+  absl::Status Start(const std::string& config) {
+    std::string binary;
+    if (const char* srcdir = std::getenv("TEST_SRCDIR")) {
+      const std::string candidate = absl::StrCat(srcdir, "/attnd/server/attnd");
+      if (access(candidate.c_str(), X_OK) == 0) binary = candidate;
+    }
+    if (binary.empty()) binary = "attnd";  // the GPU machine's bundle puts it on PATH
+    // A free port: bound and released (another process could take it meanwhile; unlikely here).
+    const int probe = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    if (bind(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        getsockname(probe, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      close(probe);
+      return absl::InternalError("no free port");
+    }
+    close(probe);
+    target_ = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+    std::vector<std::string> args = {binary,          "--device=cuda",       "--kv-dtype=bf16",
+                                     "--listen=" + target_, "--metrics-listen=",
+                                     "--model-config=" + config, "--kv-cache-bytes=33554432",
+                                     "--page-size=16"};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    if (posix_spawnp(&pid_, binary.c_str(), nullptr, nullptr, argv.data(), environ) != 0) {
+      pid_ = -1;
+      return absl::InternalError(absl::StrCat("cannot start ", binary));
+    }
+    return absl::OkStatus();
+  }
+  const std::string& target() const { return target_; }
+
+ private:
+  pid_t pid_ = -1;
+  std::string target_;
+};
+#endif
+
+// The tensors of every request in a registered region instead of inline (docs/regions.md): shm,
+// or CUDA IPC device memory; inputs bump-allocated from the region's start, outputs after them.
+class RegionTransport {
+ public:
+  RegionTransport(const std::string& target, client::AttndClient* client,
+                  std::unique_ptr<RegionMemory> memory)
+      : client_(client), memory_(std::move(memory)) {
+    auto stub = v1::Attention::NewStub(
+        grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+    v1::RegisterRegionRequest request;
+    memory_->Describe(&request);
+    v1::RegisterRegionResponse response;
+    grpc::ClientContext context;
+    status_ = stub->RegisterRegion(&context, request, &response);
+    region_ = response.region_id();
+  }
+  const grpc::Status& status() const { return status_; }
+
+  absl::StatusOr<client::PrefillResult> Prefill(const std::string& id, int32_t layer,
+                                                const HostTensor& q, const HostTensor& k,
+                                                const HostTensor& v, int64_t prompt_len,
+                                                v1::QLayout layout) {
+    used_ = 0;
+    v1::PrefillRequest request;
+    request.set_sequence_id(id);
+    request.set_layer(layer);
+    request.set_prompt_len(prompt_len);
+    request.set_q_layout(layout);
+    Put(q, request.mutable_q());
+    Put(k, request.mutable_k());
+    Put(v, request.mutable_v());
+    const std::vector<int64_t> o_shape = {q.shape[0], q.shape[q.shape.size() - 2],
+                                          q.shape.back()};
+    const uint64_t o_at = Output(o_shape, q.dtype, request.mutable_output_region());
+    absl::StatusOr<v1::PrefillResponse> r = client_->PrefillRaw(request);
+    if (!r.ok()) return r.status();
+    client::PrefillResult result;
+    result.length = r->length();
+    result.o = Get(o_shape, q.dtype, o_at);
+    if (!r->o().data().empty() || r->o().region().region_id() != region_) {
+      return absl::InternalError("the reply carried bytes or another region");
+    }
+    return result;
+  }
+
+  absl::StatusOr<std::vector<client::DecodeResult>> Decode(
+      int32_t layer, const std::vector<client::DecodeInput>& entries) {
+    used_ = 0;
+    v1::DecodeRequest request;
+    request.set_layer(layer);
+    std::vector<uint64_t> at;
+    std::vector<std::vector<int64_t>> shapes;
+    for (const client::DecodeInput& in : entries) {
+      v1::DecodeEntry* e = request.add_entries();
+      e->set_sequence_id(in.sequence_id);
+      e->set_q_layout(in.q_layout);
+      Put(in.q, e->mutable_q());
+      Put(in.k, e->mutable_k());
+      Put(in.v, e->mutable_v());
+      shapes.push_back({in.q.shape[in.q.shape.size() - 2], in.q.shape.back()});
+      at.push_back(Output(shapes.back(), in.q.dtype, e->mutable_output_region()));
+    }
+    absl::StatusOr<v1::DecodeResponse> r = client_->DecodeRaw(request);
+    if (!r.ok()) return r.status();
+    std::vector<client::DecodeResult> results;
+    for (int i = 0; i < r->outputs_size(); ++i) {
+      client::DecodeResult d;
+      d.length = r->outputs(i).length();
+      d.o = Get(shapes[i], entries[i].q.dtype, at[i]);
+      results.push_back(std::move(d));
+    }
+    return results;
+  }
+
+ private:
+  // 64-byte aligned bump allocation in the region.
+  uint64_t Take(size_t n) {
+    const uint64_t at = used_;
+    used_ = (used_ + n + 63) / 64 * 64;
+    EXPECT_LE(used_, RegionMemory::kBytes) << "the golden case outgrew the test's region";
+    return at;
+  }
+  void Put(const HostTensor& t, v1::Tensor* out) {
+    const uint64_t at = Take(t.data.size());
+    memory_->Write(at, t.data.data(), t.data.size());
+    out->set_dtype(client::ToProtoDType(t.dtype));
+    for (int64_t d : t.shape) out->add_shape(d);
+    out->mutable_region()->set_region_id(region_);
+    out->mutable_region()->set_offset(at);
+    out->mutable_region()->set_byte_size(t.data.size());
+  }
+  uint64_t Output(const std::vector<int64_t>& shape, DType dtype, v1::RegionRef* ref) {
+    int64_t n = ElementSize(dtype);
+    for (int64_t d : shape) n *= d;
+    const uint64_t at = Take(n);
+    memory_->Fill(at, n);
+    ref->set_region_id(region_);
+    ref->set_offset(at);
+    ref->set_byte_size(n);
+    return at;
+  }
+  HostTensor Get(const std::vector<int64_t>& shape, DType dtype, uint64_t at) const {
+    int64_t n = ElementSize(dtype);
+    for (int64_t d : shape) n *= d;
+    return HostTensor::FromBytes(dtype, shape, memory_->Read(at, n));
+  }
+
+  client::AttndClient* const client_;
+  std::unique_ptr<RegionMemory> memory_;
+  grpc::Status status_;
+  std::string region_;
+  uint64_t used_ = 0;
+};
+
+enum class Transport { kUnary, kSession, kShm, kCudaIpc };
+
+// (request dtype, how requests travel)
+class GoldenTest : public ::testing::TestWithParam<std::tuple<DType, Transport>> {
  protected:
   // The case's steps as requests (pre_rotary: q [T, Hq, D] / [Hq, D], Q_LAYOUT_PRE_ROTARY).
   void Replay(const GoldenCase& golden, const std::string& name, bool pre_rotary);
@@ -104,7 +357,8 @@ TEST_P(GoldenTest, DensePreRotary) {
 
 void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool pre_rotary) {
   const DType dtype = std::get<0>(GetParam());
-  const bool use_session = std::get<1>(GetParam());
+  const Transport transport = std::get<1>(GetParam());
+  const bool use_session = transport == Transport::kSession;
   const nlohmann::json& c = golden.json();
   testing::ModelGeometry geometry;
   geometry.name = name;
@@ -132,15 +386,53 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   options.kv_dtype = kOnCuda ? "bf16" : "fp32";
   options.kv_cache_bytes = 32ll << 20;
   options.compute_threads = 2;
-  absl::StatusOr<std::unique_ptr<testing::TestDaemon>> daemon =
-      testing::TestDaemon::Start(geometry, options);
-  ASSERT_TRUE(daemon.ok()) << daemon.status();
-  client::AttndClient& client = (*daemon)->client();
+  std::unique_ptr<testing::TestDaemon> in_process;
+  std::string target;
+  std::unique_ptr<client::AttndClient> child_client;
+#ifdef ATTND_GOLDEN_ON_CUDA
+  ChildDaemon child;
+#endif
+  if (transport != Transport::kCudaIpc) {
+    absl::StatusOr<std::unique_ptr<testing::TestDaemon>> daemon =
+        testing::TestDaemon::Start(geometry, options);
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    in_process = *std::move(daemon);
+    target = in_process->target();
+  } else {
+#ifdef ATTND_GOLDEN_ON_CUDA
+    absl::StatusOr<std::string> config = testing::WriteModelConfig(geometry);
+    ASSERT_TRUE(config.ok()) << config.status();
+    absl::Status started = child.Start(*config);
+    ASSERT_TRUE(started.ok()) << started;
+    target = child.target();
+    client::ClientOptions client_options;
+    client_options.connect_timeout = absl::Seconds(60);
+    absl::StatusOr<std::unique_ptr<client::AttndClient>> connected =
+        client::AttndClient::Connect(target, client_options);
+    ASSERT_TRUE(connected.ok()) << connected.status();
+    child_client = *std::move(connected);
+#else
+    GTEST_SKIP() << "CUDA IPC regions need the CUDA backend (golden_cuda_test)";
+#endif
+  }
+  client::AttndClient& client = in_process != nullptr ? in_process->client() : *child_client;
   std::unique_ptr<client::Session> session;
   if (use_session) {
     absl::StatusOr<std::unique_ptr<client::Session>> opened = client.OpenSession();
     ASSERT_TRUE(opened.ok()) << opened.status();
     session = std::move(*opened);
+  }
+  std::unique_ptr<RegionTransport> shm;  // shm or CUDA IPC regions
+  if (transport == Transport::kShm) {
+    shm = std::make_unique<RegionTransport>(target, &client, std::make_unique<ShmMemory>());
+  }
+#ifdef ATTND_GOLDEN_ON_CUDA
+  if (transport == Transport::kCudaIpc) {
+    shm = std::make_unique<RegionTransport>(target, &client, std::make_unique<CudaMemory>());
+  }
+#endif
+  if (shm != nullptr) {
+    ASSERT_TRUE(shm->status().ok()) << "RegisterRegion: " << shm->status().error_message();
   }
 
   // The case's sequence numbers -> server ids, created on first use.
@@ -188,7 +480,9 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
                               HostTensor::FromFloats(dtype, {tokens, hkv, d}, v.values),
                               step.at("prompt_len").get<int64_t>(), layout);
       };
-      absl::StatusOr<client::PrefillResult> r = use_session ? prefill(*session) : prefill(client);
+      absl::StatusOr<client::PrefillResult> r = use_session ? prefill(*session)
+                                                 : shm != nullptr ? prefill(*shm)
+                                                                  : prefill(client);
       ASSERT_TRUE(r.ok()) << r.status();
       EXPECT_EQ(r->length, start + tokens);
       EXPECT_EQ(r->o.dtype, dtype);
@@ -219,7 +513,9 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
         entries.push_back(std::move(in));
       }
       absl::StatusOr<std::vector<client::DecodeResult>> r =
-          use_session ? session->Decode(0, entries) : client.Decode(0, entries);
+          use_session ? session->Decode(0, entries)
+          : shm != nullptr ? shm->Decode(0, entries)
+                           : client.Decode(0, entries);
       ASSERT_TRUE(r.ok()) << r.status();
       ASSERT_EQ(r->size(), seqs.size());
       for (size_t i = 0; i < seqs.size(); ++i) {
@@ -236,7 +532,12 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   }
   EXPECT_EQ(steps, static_cast<int>(c.at("steps").size()));
   std::printf("%s %s%s: %d steps, worst max abs error %.3g\n", name.c_str(),
-              DTypeName(dtype).data(), use_session ? " session" : "", steps, worst);
+              DTypeName(dtype).data(),
+              use_session                      ? " session"
+              : transport == Transport::kShm     ? " shm regions"
+              : transport == Transport::kCudaIpc ? " CUDA IPC regions"
+                                                 : "",
+              steps, worst);
   if (session != nullptr) {
     absl::Status closed = session->Close();
     EXPECT_TRUE(closed.ok()) << closed;
@@ -252,13 +553,23 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   EXPECT_EQ(info->kv_cache().pages_free(), info->kv_cache().pages_total());
 }
 
-INSTANTIATE_TEST_SUITE_P(DtypesAndTransports, GoldenTest,
-                         ::testing::Combine(::testing::Values(DType::kFp32, DType::kBf16),
-                                            ::testing::Bool()),
-                         [](const ::testing::TestParamInfo<std::tuple<DType, bool>>& info) {
-                           return absl::StrCat(DTypeName(std::get<0>(info.param)),
-                                               std::get<1>(info.param) ? "_session" : "_unary");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    DtypesAndTransports, GoldenTest,
+    ::testing::Combine(::testing::Values(DType::kFp32, DType::kBf16),
+                       ::testing::Values(Transport::kUnary, Transport::kSession, Transport::kShm
+#ifdef ATTND_GOLDEN_ON_CUDA
+                                         ,
+                                         Transport::kCudaIpc
+#endif
+                                         )),
+    [](const ::testing::TestParamInfo<std::tuple<DType, Transport>>& info) {
+      const Transport t = std::get<1>(info.param);
+      return absl::StrCat(DTypeName(std::get<0>(info.param)),
+                          t == Transport::kSession   ? "_session"
+                          : t == Transport::kShm     ? "_shm"
+                          : t == Transport::kCudaIpc ? "_cuda_ipc"
+                                                     : "_unary");
+    });
 
 }  // namespace
 }  // namespace attnd

@@ -13,6 +13,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -455,6 +456,81 @@ TEST_F(RegionsTest, RingCarriesSessionRequests) {
     EXPECT_EQ(stub_->CloseRing(&context, close, &closed).error_code(),
               grpc::StatusCode::NOT_FOUND);
   }
+}
+
+// Decodes from several rings at once join one batcher: with one batch in flight per layer, calls
+// that arrive while it runs are merged, whichever ring they came from.
+TEST_F(RegionsTest, RingDecodesFromSeveralClientsAreBatchedTogether) {
+  daemon_.reset();
+  ServerOptions options;
+  options.device = "cpu";
+  options.kv_dtype = "fp32";
+  options.kv_cache_bytes = 16ll << 20;
+  options.compute_threads = 1;
+  options.decode_batches_in_flight = 1;
+  options.max_queue_delay_us = 2000;
+  options.cuda_graph_batch_sizes = "8";
+  absl::StatusOr<std::unique_ptr<testing::TestDaemon>> daemon =
+      testing::TestDaemon::Start(geometry_, options);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  daemon_ = *std::move(daemon);
+  stub_ = v1::Attention::NewStub(
+      grpc::CreateChannel(daemon_->target(), grpc::InsecureChannelCredentials()));
+  constexpr int kRings = 4, kSteps = 40;
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  std::vector<std::unique_ptr<HandRing>> rings;
+  std::vector<std::string> seqs;
+  std::mt19937 rng(11);
+  for (int r = 0; r < kRings; ++r) {
+    rings.push_back(std::make_unique<HandRing>(64 * 1024));
+    v1::OpenRingRequest open;
+    open.set_name(rings.back()->name());
+    open.set_byte_size(rings.back()->bytes());
+    v1::OpenRingResponse opened;
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub_->OpenRing(&context, open, &opened).ok());
+    seqs.push_back(NewSequence());
+    v1::PrefillRequest p;
+    p.set_sequence_id(seqs.back());
+    *p.mutable_q() = Tensor({8, 5, hq, d}, testing::RandomInputs(&rng, 8 * 5 * hq * d));
+    *p.mutable_k() = Tensor({8, hkv, d}, testing::RandomInputs(&rng, 8 * hkv * d));
+    *p.mutable_v() = Tensor({8, hkv, d}, testing::RandomInputs(&rng, 8 * hkv * d));
+    v1::PrefillResponse pr;
+    ASSERT_TRUE(Prefill(p, &pr).ok());
+  }
+  std::vector<std::string> requests(kRings);
+  for (int r = 0; r < kRings; ++r) {
+    v1::SessionRequest request;
+    v1::DecodeEntry* e = request.mutable_decode()->add_entries();
+    e->set_sequence_id(seqs[r]);
+    *e->mutable_q() = Tensor({3, hq, d}, testing::RandomInputs(&rng, 3 * hq * d));
+    *e->mutable_k() = Tensor({hkv, d}, testing::RandomInputs(&rng, hkv * d));
+    *e->mutable_v() = Tensor({hkv, d}, testing::RandomInputs(&rng, hkv * d));
+    requests[r] = request.SerializeAsString();
+  }
+  std::atomic<int> failures{0};
+  std::vector<std::thread> clients;
+  for (int r = 0; r < kRings; ++r) {
+    clients.emplace_back([&, r] {
+      for (int step = 0; step < kSteps; ++step) {
+        std::string bytes;
+        v1::SessionResponse response;
+        if (!rings[r]->RoundTrip(requests[r], &bytes, false) || !response.ParseFromString(bytes) ||
+            response.code() != 0 || response.decode().outputs(0).length() != 8 + step + 1) {
+          failures.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  absl::StatusOr<v1::GetServerInfoResponse> info = daemon_->client().Info();
+  ASSERT_TRUE(info.ok());
+  const v1::DecodeBatchingStats& b = info->decode_batching();
+  EXPECT_EQ(b.calls_submitted(), kRings * kSteps);
+  EXPECT_EQ(b.entries(), kRings * kSteps);
+  // At least some calls of different rings shared a batch.
+  EXPECT_LT(b.batches(), b.entries()) << "no two ring decodes were merged";
 }
 
 TEST_F(RegionsTest, BadRingsAreRefused) {

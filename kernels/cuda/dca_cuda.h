@@ -109,6 +109,11 @@ struct DecodeStageRow {
   int32_t q_dtype = 0;  // static_cast<int32_t>(DType)
   int32_t k_dtype = 0;
   int32_t v_dtype = 0;
+  // 1: a pre-rotary row (rotary_cuda.h, LaunchDecodeRotary): its q slot holds q [Hq, D] and its k
+  // slot k [Hkv, D], both before the rotary, in q_dtype / k_dtype. The rotary kernel, launched
+  // before this one, wrote the row's three bf16 variants into `q` and its rotated key as fp32 into
+  // the k slot, so the stage leaves q alone and reads k as fp32.
+  int32_t rotary = 0;
 };
 struct CudaDecodeStageParams {
   PagedKvBatch kv;                       // the layer's pool; page_tables = the device table to fill

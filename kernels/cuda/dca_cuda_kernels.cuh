@@ -1099,9 +1099,11 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
   const int32_t* host_table = host_tables + r * stride;
   const int D = kvb.head_dim;
   const int64_t q_elems = int64_t{3} * num_q_heads * D, kv_elems = int64_t{kvb.num_kv_heads} * D;
-  const int64_t n_q = q_elems * DTypeBytes(row.q_dtype) / 16;
+  // A pre-rotary row's q is already in place and its k slot holds the rotated key as fp32.
+  const int k_dtype = row.rotary != 0 ? static_cast<int>(DType::kFp32) : row.k_dtype;
+  const int64_t n_q = row.rotary != 0 ? 0 : q_elems * DTypeBytes(row.q_dtype) / 16;
   const int64_t n_t = (row.num_pages + 3) / 4;
-  const int64_t n_k = kv_elems * DTypeBytes(row.k_dtype) / 16;
+  const int64_t n_k = kv_elems * DTypeBytes(k_dtype) / 16;
   const int64_t n_v = kv_elems * DTypeBytes(row.v_dtype) / 16;
   const int64_t total = n_q + n_t + n_k + n_v;
   const int64_t step = int64_t{gridDim.x} * blockDim.x;
@@ -1147,7 +1149,7 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
         *reinterpret_cast<uint4*>(table + (i - n_q) * 4) = piece[u];
       } else {
         const bool is_k = i < n_q + n_t + n_k;
-        const int n = PieceToFloats(piece[u], is_k ? row.k_dtype : row.v_dtype, x);
+        const int n = PieceToFloats(piece[u], is_k ? k_dtype : row.v_dtype, x);
         const int64_t e = (is_k ? i - n_q - n_t : i - n_q - n_t - n_k) * n;  // first element
         const int64_t off =
             ((int64_t{page} * ps + static_cast<uint32_t>(pos) % ps) * kvb.num_kv_heads + e / D) *

@@ -44,27 +44,31 @@ __global__ void DualChunkRotaryKernel(RotaryArgs a) {
   __syncthreads();
 
   const int d = a.head_dim, half = a.half, rd = 2 * a.half;
-  // Query variants: element (v, h, i) of the token's [5, Hq, D] output.
+  // Query variants: one thread per dim pair (h, i < half) of the token's q, which it loads once
+  // and writes, rotated, into all five variants of [5, Hq, D] (one divide per pair, not three
+  // per element: the loop was integer-bound).
   const int64_t q_base = n * a.num_q_heads * d;
   const int row_elems = a.num_q_heads * d;
   Bf16* out = a.p.q_variants + n * kNumQueryVariants * row_elems;
-  for (int e = threadIdx.x; e < kNumQueryVariants * row_elems; e += blockDim.x) {
-    const int v = e / row_elems, hi = e % row_elems, h = hi / d, i = hi % d;
+  for (int e = threadIdx.x; e < a.num_q_heads * half; e += blockDim.x) {
+    const int h = e / half, i = e - h * half;
     const int64_t row = q_base + static_cast<int64_t>(h) * d;
-    float x;
-    if (i < half) {
-      const float x1 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i);
-      const float x2 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i + half);
-      x = x1 * cos_v[v * half + i] - x2 * sin_v[v * half + i];
-    } else if (i < rd) {
-      const int j = i - half;
-      const float x1 = cuda_common::LoadAsFloat(a.p.q, dtype, row + j);
-      const float x2 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i);
-      x = x2 * cos_v[v * half + j] + x1 * sin_v[v * half + j];
-    } else {
-      x = cuda_common::LoadAsFloat(a.p.q, dtype, row + i);
+    const float x1 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i);
+    const float x2 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i + half);
+    Bf16* o = out + h * d + i;
+#pragma unroll
+    for (int v = 0; v < kNumQueryVariants; ++v) {
+      const float c = cos_v[v * half + i], s = sin_v[v * half + i];
+      o[v * row_elems] = __float2bfloat16_rn(x1 * c - x2 * s);
+      o[v * row_elems + half] = __float2bfloat16_rn(x2 * c + x1 * s);
     }
-    out[e] = __float2bfloat16_rn(x);
+  }
+  // Dims past rotary_dim (partial rotary): copied into every variant.
+  const int rest = d - rd;
+  for (int e = threadIdx.x; rest > 0 && e < a.num_q_heads * rest; e += blockDim.x) {
+    const int h = e / rest, i = rd + (e - h * rest);
+    const float x = cuda_common::LoadAsFloat(a.p.q, dtype, q_base + static_cast<int64_t>(h) * d + i);
+    for (int v = 0; v < kNumQueryVariants; ++v) out[v * row_elems + h * d + i] = __float2bfloat16_rn(x);
   }
   // The key, in place, by the intra position: one thread per dim pair, so no element is read
   // after another thread wrote it. Dims past rotary_dim stay as they are.
@@ -76,6 +80,82 @@ __global__ void DualChunkRotaryKernel(RotaryArgs a) {
     const float x2 = cuda_common::LoadAsFloat(a.p.k, dtype, row + i + half);
     cuda_common::StoreOne(a.p.k, dtype, row + i, x1 * cos_v[i] - x2 * sin_v[i]);
     cuda_common::StoreOne(a.p.k, dtype, row + i + half, x2 * cos_v[i] + x1 * sin_v[i]);
+  }
+}
+
+struct DecodeRotaryArgs {
+  CudaDecodeRotaryParams p;
+  int32_t num_q_heads;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  int32_t half;
+  int64_t chunk_size;
+  int64_t chunk_len;
+};
+
+// Grid: (batch), 256 threads; dynamic shared memory: 2 * 3 * half floats, then the row's raw key
+// as fp32 (num_kv_heads * head_dim floats), read before the slot is overwritten.
+__global__ void DecodeRotaryKernel(DecodeRotaryArgs a) {
+  extern __shared__ float smem[];
+  const int r = blockIdx.x;
+  const DecodeStageRow row = a.p.rows[r];
+  if (row.rotary == 0 || row.length < 1) return;
+  constexpr int kNv = kNumDecodeVariants;
+  const int half = a.half, d = a.head_dim, rd = 2 * a.half;
+  float* cos_v = smem;
+  float* sin_v = smem + kNv * half;
+  float* raw_k = smem + 2 * kNv * half;
+  const int64_t pos = row.length - 1;
+  for (int j = threadIdx.x; j < kNv * half; j += blockDim.x) {
+    const int v = j / half, i = j - v * half;
+    const int64_t t = DualChunkRotaryPosition(v, pos, a.chunk_size, a.chunk_len);
+    const float angle = __fmul_rn(static_cast<float>(t), a.p.inv_freq[i]);  // as the prefill
+    double s, c;
+    sincos(static_cast<double>(angle), &s, &c);
+    cos_v[j] = static_cast<float>(c);
+    sin_v[j] = static_cast<float>(s);
+  }
+  const char* qrow = static_cast<const char*>(a.p.host_q) + r * a.p.q_row_bytes;
+  char* krow = static_cast<char*>(a.p.host_k) + r * a.p.kv_row_bytes;
+  const int kv_elems = a.num_kv_heads * d;
+  for (int e = threadIdx.x; e < kv_elems; e += blockDim.x) {
+    raw_k[e] = cuda_common::LoadAsFloat(krow, row.k_dtype, e);
+  }
+  __syncthreads();
+  const int row_elems = a.num_q_heads * d;
+  Bf16* out = a.p.q + static_cast<int64_t>(r) * kNv * row_elems;
+  for (int e = threadIdx.x; e < a.num_q_heads * half; e += blockDim.x) {
+    const int h = e / half, i = e - h * half;
+    const float x1 = cuda_common::LoadAsFloat(qrow, row.q_dtype, h * d + i);
+    const float x2 = cuda_common::LoadAsFloat(qrow, row.q_dtype, h * d + i + half);
+    Bf16* o = out + h * d + i;
+#pragma unroll
+    for (int v = 0; v < kNv; ++v) {
+      const float c = cos_v[v * half + i], s = sin_v[v * half + i];
+      o[v * row_elems] = __float2bfloat16_rn(x1 * c - x2 * s);
+      o[v * row_elems + half] = __float2bfloat16_rn(x2 * c + x1 * s);
+    }
+  }
+  const int rest = d - rd;
+  for (int e = threadIdx.x; rest > 0 && e < a.num_q_heads * rest; e += blockDim.x) {
+    const int h = e / rest, i = rd + (e - h * rest);
+    const float x = cuda_common::LoadAsFloat(qrow, row.q_dtype, h * d + i);
+    for (int v = 0; v < kNv; ++v) out[v * row_elems + h * d + i] = __float2bfloat16_rn(x);
+  }
+  // The key by the intra position, as fp32 into its own slot (the stage reads it from there).
+  float* kout = reinterpret_cast<float*>(krow);
+  for (int e = threadIdx.x; e < kv_elems; e += blockDim.x) {
+    const int h = e / d, i = e - h * d;
+    const float* k = raw_k + h * d;
+    float x;
+    if (i < half) {
+      x = k[i] * cos_v[i] - k[i + half] * sin_v[i];
+    } else if (i < rd) {
+      x = k[i] * cos_v[i - half] + k[i - half] * sin_v[i - half];
+    } else {
+      x = k[i];
+    }
+    kout[e] = x;
   }
 }
 
