@@ -63,7 +63,19 @@ struct BenchOptions {
   uint64_t seed = 1;
   v1::QLayout q_layout = v1::Q_LAYOUT_VARIANTS;  // pre-rotary: q [T, Hq, D] / [Hq, D] on the wire
   bool progress = true;  // the \r progress line on `err`; off when it is not a terminal
+  // How requests travel, one full pass (and one table) each (docs/regions.md):
+  //   grpc      unary Prefill / Decode RPCs with the tensors' bytes
+  //   session   one Session stream with the bytes
+  //   shm       unary RPCs naming q/k/v and o in a registered POSIX shm region
+  //   ring      a shared-memory ring (RingClient), bytes inline or (ring_regions) shm references
+  //   cuda-ipc  unary RPCs naming device buffers shared with cudaIpcGetMemHandle (CUDA builds)
+  std::vector<std::string> transports = {"grpc"};
+  bool ring_regions = false;  // ring: region references instead of inline bytes
+  int64_t ring_spin_us = 50;  // ring: how long the client spins before it sleeps
+  int32_t cuda_device = -1;   // cuda-ipc: the local device; -1 = the one whose UUID the server has
 };
+// The transports RunBench knows.
+bool IsBenchTransport(const std::string& name);
 // `attnctl bench`: prefill and decode latency/throughput; a progress line on `err` (rewritten
 // with \r) and a summary table on `out`. Releases everything it created, also on failure.
 int RunBench(AttndClient& client, const BenchOptions& options, std::ostream& out,

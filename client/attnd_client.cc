@@ -22,18 +22,28 @@
 
 namespace attnd {
 namespace client {
-namespace {
+namespace internal {
 
-void BuildPrefill(const std::string& sequence_id, int32_t layer, const HostTensor& q,
-                  const HostTensor& k, const HostTensor& v, std::optional<int64_t> prompt_len,
-                  v1::QLayout q_layout, v1::PrefillRequest* request) {
-  request->set_sequence_id(sequence_id);
-  request->set_layer(layer);
-  ToProto(q, request->mutable_q());
-  ToProto(k, request->mutable_k());
-  ToProto(v, request->mutable_v());
-  if (prompt_len.has_value()) request->set_prompt_len(*prompt_len);
-  if (q_layout != v1::Q_LAYOUT_VARIANTS) request->set_q_layout(q_layout);
+void ToProto(const TensorArg& tensor, v1::Tensor* proto) {
+  if (tensor.ref.has_value()) {
+    const TensorRef& r = *tensor.ref;
+    proto->set_dtype(ToProtoDType(r.dtype));
+    for (int64_t d : r.shape) proto->add_shape(d);
+    *proto->mutable_region() = r.region;
+  } else if (tensor.host != nullptr) {
+    client::ToProto(*tensor.host, proto);
+  }
+}
+
+void BuildPrefill(const PrefillInput& in, v1::PrefillRequest* request) {
+  request->set_sequence_id(in.sequence_id);
+  request->set_layer(in.layer);
+  ToProto(in.q, request->mutable_q());
+  ToProto(in.k, request->mutable_k());
+  ToProto(in.v, request->mutable_v());
+  if (in.prompt_len.has_value()) request->set_prompt_len(*in.prompt_len);
+  if (in.q_layout != v1::Q_LAYOUT_VARIANTS) request->set_q_layout(in.q_layout);
+  if (in.output_region.has_value()) *request->mutable_output_region() = *in.output_region;
 }
 
 void BuildDecode(int32_t layer, const std::vector<DecodeInput>& entries,
@@ -42,16 +52,44 @@ void BuildDecode(int32_t layer, const std::vector<DecodeInput>& entries,
   for (const DecodeInput& in : entries) {
     v1::DecodeEntry* e = request->add_entries();
     e->set_sequence_id(in.sequence_id);
-    ToProto(in.q, e->mutable_q());
-    ToProto(in.k, e->mutable_k());
-    ToProto(in.v, e->mutable_v());
+    ToProto(in.q_ref ? TensorArg(*in.q_ref) : TensorArg(in.q), e->mutable_q());
+    ToProto(in.k_ref ? TensorArg(*in.k_ref) : TensorArg(in.k), e->mutable_k());
+    ToProto(in.v_ref ? TensorArg(*in.v_ref) : TensorArg(in.v), e->mutable_v());
     if (in.q_layout != v1::Q_LAYOUT_VARIANTS) e->set_q_layout(in.q_layout);
+    if (in.output_region.has_value()) *e->mutable_output_region() = *in.output_region;
   }
 }
 
+namespace {
+
+// An output tensor: bytes, or (output region) dtype and shape with the region's reference.
+absl::Status ParseOutput(const v1::Tensor& proto, HostTensor* o,
+                         std::optional<v1::RegionRef>* o_region) {
+  if (!proto.has_region()) {
+    ATTND_ASSIGN_OR_RETURN(*o, FromProto(proto));
+    return absl::OkStatus();
+  }
+  if (!proto.data().empty()) {
+    return absl::InternalError("server returned an output with both data and a region");
+  }
+  switch (proto.dtype()) {
+    case v1::DTYPE_BF16: o->dtype = DType::kBf16; break;
+    case v1::DTYPE_FP16: o->dtype = DType::kFp16; break;
+    case v1::DTYPE_FP32: o->dtype = DType::kFp32; break;
+    default:
+      return absl::InternalError(absl::StrCat("server returned dtype ", proto.dtype()));
+  }
+  o->shape.assign(proto.shape().begin(), proto.shape().end());
+  o->data.clear();
+  *o_region = proto.region();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<PrefillResult> ParsePrefill(const v1::PrefillResponse& response) {
   PrefillResult result;
-  ATTND_ASSIGN_OR_RETURN(result.o, FromProto(response.o()));
+  ATTND_RETURN_IF_ERROR(ParseOutput(response.o(), &result.o, &result.o_region));
   result.length = response.length();
   return result;
 }
@@ -65,10 +103,29 @@ absl::StatusOr<std::vector<DecodeResult>> ParseDecode(const v1::DecodeResponse& 
   }
   std::vector<DecodeResult> results(num_entries);
   for (size_t i = 0; i < num_entries; ++i) {
-    ATTND_ASSIGN_OR_RETURN(results[i].o, FromProto(response.outputs(i).o()));
+    ATTND_RETURN_IF_ERROR(
+        ParseOutput(response.outputs(i).o(), &results[i].o, &results[i].o_region));
     results[i].length = response.outputs(i).length();
   }
   return results;
+}
+
+}  // namespace internal
+
+namespace {
+
+PrefillInput MakePrefillInput(const std::string& sequence_id, int32_t layer, const HostTensor& q,
+                              const HostTensor& k, const HostTensor& v,
+                              std::optional<int64_t> prompt_len, v1::QLayout q_layout) {
+  PrefillInput in;
+  in.sequence_id = sequence_id;
+  in.layer = layer;
+  in.q = q;
+  in.k = k;
+  in.v = v;
+  in.prompt_len = prompt_len;
+  in.q_layout = q_layout;
+  return in;
 }
 
 }  // namespace
@@ -348,18 +405,90 @@ absl::StatusOr<PrefillResult> AttndClient::Prefill(const std::string& sequence_i
                                                    const HostTensor& v,
                                                    std::optional<int64_t> prompt_len,
                                                    v1::QLayout q_layout) {
+  return Prefill(MakePrefillInput(sequence_id, layer, q, k, v, prompt_len, q_layout));
+}
+
+absl::StatusOr<PrefillResult> AttndClient::Prefill(const PrefillInput& input) {
   v1::PrefillRequest request;
-  BuildPrefill(sequence_id, layer, q, k, v, prompt_len, q_layout, &request);
+  internal::BuildPrefill(input, &request);
   ATTND_ASSIGN_OR_RETURN(v1::PrefillResponse response, PrefillRaw(request));
-  return ParsePrefill(response);
+  return internal::ParsePrefill(response);
 }
 
 absl::StatusOr<std::vector<DecodeResult>> AttndClient::Decode(
     int32_t layer, const std::vector<DecodeInput>& entries) {
   v1::DecodeRequest request;
-  BuildDecode(layer, entries, &request);
+  internal::BuildDecode(layer, entries, &request);
   ATTND_ASSIGN_OR_RETURN(v1::DecodeResponse response, DecodeRaw(request));
-  return ParseDecode(response, entries.size());
+  return internal::ParseDecode(response, entries.size());
+}
+
+TensorRef TensorRef::In(const std::string& region_id, uint64_t offset, DType dtype,
+                        std::vector<int64_t> shape) {
+  TensorRef r;
+  r.dtype = dtype;
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  r.shape = std::move(shape);
+  r.region.set_region_id(region_id);
+  r.region.set_offset(offset);
+  r.region.set_byte_size(static_cast<uint64_t>(n) * ElementSize(dtype));
+  return r;
+}
+
+absl::StatusOr<std::string> AttndClient::RegisterShm(const std::string& name, uint64_t offset,
+                                                     uint64_t bytes) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::RegisterRegionRequest request;
+  request.mutable_system_shm()->set_name(name);
+  request.mutable_system_shm()->set_offset(offset);
+  request.mutable_system_shm()->set_byte_size(bytes);
+  v1::RegisterRegionResponse response;
+  ATTND_RETURN_IF_ERROR(FromGrpc(stub_->RegisterRegion(&context, request, &response)));
+  return response.region_id();
+}
+
+absl::StatusOr<std::string> AttndClient::RegisterCudaIpc(const std::string& handle,
+                                                         uint64_t bytes) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::RegisterRegionRequest request;
+  request.mutable_cuda_ipc()->set_handle(handle);
+  request.mutable_cuda_ipc()->set_byte_size(bytes);
+  v1::RegisterRegionResponse response;
+  ATTND_RETURN_IF_ERROR(FromGrpc(stub_->RegisterRegion(&context, request, &response)));
+  return response.region_id();
+}
+
+absl::Status AttndClient::UnregisterRegion(const std::string& region_id) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::UnregisterRegionRequest request;
+  request.set_region_id(region_id);
+  v1::UnregisterRegionResponse response;
+  return FromGrpc(stub_->UnregisterRegion(&context, request, &response));
+}
+
+absl::StatusOr<v1::OpenRingResponse> AttndClient::OpenRing(const std::string& name,
+                                                           uint64_t bytes) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::OpenRingRequest request;
+  request.set_name(name);
+  request.set_byte_size(bytes);
+  v1::OpenRingResponse response;
+  ATTND_RETURN_IF_ERROR(FromGrpc(stub_->OpenRing(&context, request, &response)));
+  return response;
+}
+
+absl::Status AttndClient::CloseRing(const std::string& ring_id) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::CloseRingRequest request;
+  request.set_ring_id(ring_id);
+  v1::CloseRingResponse response;
+  return FromGrpc(stub_->CloseRing(&context, request, &response));
 }
 
 absl::StatusOr<std::unique_ptr<Session>> AttndClient::OpenSession() {
@@ -408,20 +537,24 @@ absl::StatusOr<PrefillResult> Session::Prefill(const std::string& sequence_id, i
                                                const HostTensor& v,
                                                std::optional<int64_t> prompt_len,
                                                v1::QLayout q_layout) {
+  return Prefill(MakePrefillInput(sequence_id, layer, q, k, v, prompt_len, q_layout));
+}
+
+absl::StatusOr<PrefillResult> Session::Prefill(const PrefillInput& input) {
   v1::SessionRequest request;
-  BuildPrefill(sequence_id, layer, q, k, v, prompt_len, q_layout, request.mutable_prefill());
+  internal::BuildPrefill(input, request.mutable_prefill());
   ATTND_ASSIGN_OR_RETURN(v1::SessionResponse response, RoundTrip(&request));
   if (!response.has_prefill()) return absl::InternalError("Session answered a prefill without one");
-  return ParsePrefill(response.prefill());
+  return internal::ParsePrefill(response.prefill());
 }
 
 absl::StatusOr<std::vector<DecodeResult>> Session::Decode(int32_t layer,
                                                           const std::vector<DecodeInput>& entries) {
   v1::SessionRequest request;
-  BuildDecode(layer, entries, request.mutable_decode());
+  internal::BuildDecode(layer, entries, request.mutable_decode());
   ATTND_ASSIGN_OR_RETURN(v1::SessionResponse response, RoundTrip(&request));
   if (!response.has_decode()) return absl::InternalError("Session answered a decode without one");
-  return ParseDecode(response.decode(), entries.size());
+  return internal::ParseDecode(response.decode(), entries.size());
 }
 
 absl::Status Session::Close() {

@@ -42,9 +42,43 @@ struct ClientOptions {
   std::string tls_key_file;
 };
 
+// A tensor in a registered region (docs/regions.md): its dtype and shape, and where its bytes are.
+struct TensorRef {
+  DType dtype = DType::kFp32;
+  std::vector<int64_t> shape;
+  v1::RegionRef region;
+
+  // [offset, offset + product(shape) * ElementSize(dtype)) of region `region_id`.
+  static TensorRef In(const std::string& region_id, uint64_t offset, DType dtype,
+                      std::vector<int64_t> shape);
+  uint64_t byte_size() const { return region.byte_size(); }
+};
+
+// A request tensor: host bytes (borrowed: the HostTensor must outlive the call) or a region
+// reference (the server reads the bytes from the region; none travel in the request).
+struct TensorArg {
+  TensorArg() = default;
+  TensorArg(const HostTensor& tensor) : host(&tensor) {}  // NOLINT(runtime/explicit)
+  TensorArg(TensorRef tensor) : ref(std::move(tensor)) {}  // NOLINT(runtime/explicit)
+  const HostTensor* host = nullptr;
+  std::optional<TensorRef> ref;
+};
+
+// A prefill with every option: q/k/v as host bytes or region references, and optionally an output
+// region (then the result's o has dtype and shape but no data, and o_region says where it went).
+struct PrefillInput {
+  std::string sequence_id;
+  int32_t layer = 0;
+  TensorArg q, k, v;
+  std::optional<int64_t> prompt_len;
+  v1::QLayout q_layout = v1::Q_LAYOUT_VARIANTS;
+  std::optional<v1::RegionRef> output_region;  // T * Hq * D * ElementSize(q) bytes
+};
+
 struct PrefillResult {
-  HostTensor o;        // [T, Hq, D], the dtype of q
+  HostTensor o;        // [T, Hq, D], the dtype of q (no data when the output went to a region)
   int64_t length = 0;  // the layer's length after the call
+  std::optional<v1::RegionRef> o_region;  // where o was written, with an output region
 };
 
 struct DecodeInput {
@@ -53,12 +87,27 @@ struct DecodeInput {
   HostTensor k;  // [Hkv, D] (before the rotary with Q_LAYOUT_PRE_ROTARY)
   HostTensor v;  // [Hkv, D]
   v1::QLayout q_layout = v1::Q_LAYOUT_VARIANTS;  // per entry (docs/rotary.md)
+  // Region references used instead of q / k / v when set (the HostTensor is then ignored).
+  std::optional<TensorRef> q_ref, k_ref, v_ref;
+  std::optional<v1::RegionRef> output_region;  // Hq * D * ElementSize(q) bytes
 };
 
 struct DecodeResult {
-  HostTensor o;        // [Hq, D], the dtype of the entry's q
+  HostTensor o;        // [Hq, D], the dtype of the entry's q (no data with an output region)
   int64_t length = 0;  // the layer's length after this token
+  std::optional<v1::RegionRef> o_region;  // where o was written, with an output region
 };
+
+// The request builders and reply parsers the unary calls, Session and RingClient share.
+namespace internal {
+void ToProto(const TensorArg& tensor, v1::Tensor* proto);
+void BuildPrefill(const PrefillInput& in, v1::PrefillRequest* request);
+void BuildDecode(int32_t layer, const std::vector<DecodeInput>& entries,
+                 v1::DecodeRequest* request);
+absl::StatusOr<PrefillResult> ParsePrefill(const v1::PrefillResponse& response);
+absl::StatusOr<std::vector<DecodeResult>> ParseDecode(const v1::DecodeResponse& response,
+                                                      size_t num_entries);
+}  // namespace internal
 
 // grpc::Status -> absl::Status with the same code and message.
 absl::Status FromGrpc(const grpc::Status& status);
@@ -92,9 +141,23 @@ class AttndClient {
                                         const HostTensor& v,
                                         std::optional<int64_t> prompt_len = std::nullopt,
                                         v1::QLayout q_layout = v1::Q_LAYOUT_VARIANTS);
+  absl::StatusOr<PrefillResult> Prefill(const PrefillInput& input);
   // One token for each entry's sequence, all in `layer`; results in entry order.
   absl::StatusOr<std::vector<DecodeResult>> Decode(int32_t layer,
                                                    const std::vector<DecodeInput>& entries);
+
+  // Tensor regions (docs/regions.md); each returns the region id. RegisteredRegion
+  // (client/regions.h) unregisters when it goes away.
+  // [offset, offset + bytes) of the POSIX shm object `name` (offset a multiple of 4096).
+  absl::StatusOr<std::string> RegisterShm(const std::string& name, uint64_t offset,
+                                          uint64_t bytes);
+  // Device memory shared by cudaIpcGetMemHandle: `handle` is the 64-byte cudaIpcMemHandle_t,
+  // `bytes` how much of the allocation (from its start) the region covers.
+  absl::StatusOr<std::string> RegisterCudaIpc(const std::string& handle, uint64_t bytes);
+  absl::Status UnregisterRegion(const std::string& region_id);
+  // Rings (RingClient in client/regions.h lays one out and calls these).
+  absl::StatusOr<v1::OpenRingResponse> OpenRing(const std::string& name, uint64_t bytes);
+  absl::Status CloseRing(const std::string& ring_id);
 
   // The same calls on hand-built protos, for requests the typed API cannot express (tests of
   // malformed input, e.g. DTYPE_UNSPECIFIED).
@@ -146,6 +209,7 @@ class Session {
                                         const HostTensor& v,
                                         std::optional<int64_t> prompt_len = std::nullopt,
                                         v1::QLayout q_layout = v1::Q_LAYOUT_VARIANTS);
+  absl::StatusOr<PrefillResult> Prefill(const PrefillInput& input);
   absl::StatusOr<std::vector<DecodeResult>> Decode(int32_t layer,
                                                    const std::vector<DecodeInput>& entries);
   // Half-closes the stream and returns its final status (OK when the server ended it cleanly).

@@ -67,6 +67,10 @@ class RegionTensors {
   // FAILED_PRECONDITION when an object shrank meanwhile.
   absl::Status CopyOutputs();
 
+  // Ends the requests' use of its regions (UnregisterRegion stops answering FAILED_PRECONDITION).
+  // Call before the reply is sent: a client may unregister as soon as it has the reply.
+  void ReleaseLeases() { leases_.clear(); }
+
  private:
   // Memory identity: two regions over one shm object (or one CUDA allocation) share memory.
   struct Span {

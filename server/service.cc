@@ -892,6 +892,10 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
         if (result.ok()) {
           if (absl::Status s = regions->CopyOutputs(); !s.ok()) result = s;
         }
+        // The reply (done) may reach the client before this callback, and with it the last
+        // reference to `regions`, is destroyed: end the leases first, or an UnregisterRegion
+        // right after the reply can still see the region in use.
+        regions->ReleaseLeases();
         // Without the batcher one decode request is one executed batch; the batcher observes its
         // merged batches itself (DecodeBatcherOptions::on_batch).
         if (result.ok() && metrics_ != nullptr && batcher_ == nullptr) {

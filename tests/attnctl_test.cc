@@ -132,10 +132,30 @@ TEST_F(AttnctlTest, BenchPrintsATableAndReleasesEverything) {
   const std::string s = out.str();
   EXPECT_THAT(s, HasSubstr("2 of 2 layers, bf16, batch 3, prefill chunk 100, 5 decode steps"));
   EXPECT_THAT(s, HasSubstr("decode ms/step p99"));
-  EXPECT_THAT(s, ContainsRegex("\n +64 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+\n"));
-  EXPECT_THAT(s, ContainsRegex("\n +300 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+\n"));
+  EXPECT_THAT(s, HasSubstr("decode us/layer p99"));
+  EXPECT_THAT(s, HasSubstr("\ntransport: grpc (unary RPCs, tensor bytes in the messages)\n"));
+  EXPECT_THAT(s, ContainsRegex("\n +64( +[0-9.]+){7}\n"));
+  EXPECT_THAT(s, ContainsRegex("\n +300( +[0-9.]+){7}\n"));
   EXPECT_THAT(s, HasSubstr("100000  skipped: context + decode steps > max sequence length 4096"));
   ExpectNothingLeft();
+}
+
+TEST_F(AttnctlTest, BenchOverASessionAndUnknownTransports) {
+  std::ostringstream out, err;
+  client::BenchOptions options;
+  options.contexts = {40};
+  options.prefill_chunk = 16;
+  options.decode_steps = 3;
+  options.progress = false;
+  options.transports = {"grpc", "session"};
+  EXPECT_EQ(client::RunBench(daemon_->client(), options, out, err), 0) << err.str();
+  EXPECT_THAT(out.str(), HasSubstr("\ntransport: session (one Session stream"));
+  EXPECT_THAT(out.str(), ContainsRegex("transport: session[^\n]*\n[^\n]*\n +40( +[0-9.]+){7}\n"));
+  ExpectNothingLeft();
+  std::ostringstream out2, err2;
+  options.transports = {"carrier-pigeon"};
+  EXPECT_EQ(client::RunBench(daemon_->client(), options, out2, err2), 2);
+  EXPECT_THAT(err2.str(), HasSubstr("not one of grpc, session, shm, ring, cuda-ipc"));
 }
 
 }  // namespace

@@ -153,7 +153,8 @@ def free_port():
 class Daemon:
     """Starts attnd on a free loopback port, waits until GetServerInfo answers, stops it (SIGTERM, then kill)."""
 
-    def __init__(self, model_config, kv_dtype="fp32", page_size=16, kv_cache_bytes=256 << 20, extra_args=()):
+    def __init__(self, model_config, kv_dtype="fp32", page_size=16, kv_cache_bytes=256 << 20, extra_args=(),
+                 token=None):
         self.args = ["--model-config", model_config, "--device", "cpu", "--kv-dtype", kv_dtype,
                      "--page-size", str(page_size), "--kv-cache-bytes", str(kv_cache_bytes),
                      # metrics on a free port, so test daemons never contend for the default 9400
@@ -161,6 +162,7 @@ class Daemon:
         self.proc = None
         self.target = None
         self.log_path = None
+        self.token = token  # the readiness probe's bearer token, for daemons started with --auth-token-file
 
     def start(self, ready_timeout=60.0):
         binary = attnd_binary()
@@ -181,7 +183,7 @@ class Daemon:
         raise last
 
     def _wait_ready(self, timeout):
-        client = attnd.Client(self.target)
+        client = attnd.Client(self.target, token=self.token)
         deadline = time.monotonic() + timeout
         try:
             while True:

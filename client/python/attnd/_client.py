@@ -8,7 +8,7 @@ import grpc
 
 from ._errors import AttndError, invalid_argument, status_code_from_int
 from ._proto import pb, pb_grpc
-from . import _tensors, _wire
+from . import _regions, _tensors, _wire
 
 # gRPC Python caps received messages at 4 MiB by default; prefill outputs are larger. The server enforces its
 # own limit (GetServerInfo().limits.max_message_bytes) and answers RESOURCE_EXHAUSTED above it.
@@ -41,18 +41,60 @@ def _q_layout(value):
     return int(value)
 
 
-def _prefill_request(seq, layer, q, k, v, prompt_len, q_layout="variants"):
+def _tensor_arg(x, name, regions, used):
+    """-> ((array or RegionTensor, DType), Like): a reference when x lies in a registered region."""
+    ref, region = _regions.find_ref(regions, x)
+    if ref is not None:
+        used.append(region)
+        return (ref, ref.dtype), region.like(x)
+    a, dt, like = _tensors.to_numpy(x, name)
+    return (a, dt), like
+
+
+def _batch_arg(x, name, regions, used, n):
+    """-> ([(array or RegionTensor, DType)] per row, Like) for a [n, ...] batch."""
+    ref, region = _regions.find_ref(regions, x)
+    if ref is not None:
+        used.append(region)
+        return [(r, r.dtype) for r in _regions.row_refs(ref, n)], region.like(x)
+    return _tensors.split_arrays(x, name, n)
+
+
+def _out_ref(out, regions, used):
+    if out is None:
+        return None
+    ref, region = _regions.find_ref(regions, out)
+    if ref is None:
+        raise invalid_argument("out= must be a C-contiguous array inside a region this client registered (a "
+                               "ShmRegion.ndarray view or a CUDA tensor in a register_cuda region), in the "
+                               "request's dtype")
+    used.append(region)
+    return ref
+
+
+def _sync(used):
+    """Device work that wrote a CUDA region must be finished before attnd reads it."""
+    done = set()
+    for r in used:
+        if id(r) not in done:
+            done.add(id(r))
+            r.sync()
+
+
+def _prefill_request(seq, layer, q, k, v, prompt_len, q_layout="variants", regions=(), out=None):
     """-> (serialized attnd.v1.PrefillRequest as a _wire.Msg, Like of q)."""
     if not isinstance(seq, str):
         raise invalid_argument("sequence id must be a str, got %s" % type(seq).__name__)
-    qa, qd, like = _tensors.to_numpy(q, "q")
-    ka, kd, _ = _tensors.to_numpy(k, "k")
-    va, vd, _ = _tensors.to_numpy(v, "v")
-    return _wire.prefill_request(seq, int(layer), (qa, qd), (ka, kd), (va, vd), prompt_len,
-                                 _q_layout(q_layout)), like
+    used = []
+    qa, like = _tensor_arg(q, "q", regions, used)
+    ka, _ = _tensor_arg(k, "k", regions, used)
+    va, _ = _tensor_arg(v, "v", regions, used)
+    output = _out_ref(out, regions, used)
+    _sync(used)
+    return _wire.prefill_request(seq, int(layer), qa, ka, va, prompt_len, _q_layout(q_layout), output), like
 
 
-def _decode_request(layer, seqs, q, k, v, q_layout="variants"):
+def _decode_request(layer, seqs, q, k, v, q_layout="variants", regions=(), out=None):
     """-> (serialized attnd.v1.DecodeRequest as a _wire.Msg, Like of q)."""
     if isinstance(seqs, str):
         seqs = [seqs]
@@ -68,28 +110,50 @@ def _decode_request(layer, seqs, q, k, v, q_layout="variants"):
         layouts = [_q_layout(x) for x in q_layout]
         if len(layouts) != len(seqs):
             raise invalid_argument("q_layout: %d layouts for %d sequences" % (len(layouts), len(seqs)))
-    ks, _ = _tensors.split_arrays(k, "k", len(seqs))
-    vs, _ = _tensors.split_arrays(v, "v", len(seqs))
+    used = []
+    ks, _ = _batch_arg(k, "k", regions, used, len(seqs))
+    vs, _ = _batch_arg(v, "v", regions, used, len(seqs))
     if len(set(layouts)) == 1:
-        qs, like = _tensors.split_arrays(q, "q", len(seqs))
+        qs, like = _batch_arg(q, "q", regions, used, len(seqs))
     else:  # mixed layouts have differently shaped q rows: a list of per-sequence arrays
         if len(q) != len(seqs):
             raise invalid_argument("q: %d rows for %d sequences" % (len(q), len(seqs)))
         qs, like = [], None
         for i, row in enumerate(q):
-            a, dt, row_like = _tensors.to_numpy(row, "q[%d]" % i)
-            qs.append((a, dt))
+            a, row_like = _tensor_arg(row, "q[%d]" % i, regions, used)
+            qs.append(a)
             like = like or row_like
-    return _wire.decode_request(int(layer), list(zip(seqs, qs, ks, vs, layouts))), like
+    outs = [None] * len(seqs)
+    output = _out_ref(out, regions, used)
+    if output is not None:
+        outs = _regions.row_refs(output, len(seqs))
+    _sync(used)
+    return _wire.decode_request(int(layer), list(zip(seqs, qs, ks, vs, layouts, outs))), like
 
 
-def _prefill_output(mv, start, end, like):
+def _bad_output(message):
+    return AttndError(grpc.StatusCode.INTERNAL, message)
+
+
+def _prefill_output(mv, start, end, like, out=None):
     t, length = _wire.parse_prefill_response(mv, start, end)
+    if out is not None:
+        if not t.region:
+            raise _bad_output("server returned the output's bytes instead of writing the output region")
+        return out, length
+    if t.region:
+        raise _bad_output("server wrote the output to a region the request did not name")
     return _tensors.from_proto(t, like), length
 
 
-def _decode_output(mv, start, end, like):
+def _decode_output(mv, start, end, like, out=None):
     outputs = _wire.parse_decode_response(mv, start, end)
+    if out is not None:
+        if not outputs or not all(t.region for t, _ in outputs):
+            raise _bad_output("server returned output bytes instead of writing the output region")
+        return out, [n for _, n in outputs]
+    if any(t.region for t, _ in outputs):
+        raise _bad_output("server wrote an output to a region the request did not name")
     return _tensors.from_protos([t for t, _ in outputs], like), [n for _, n in outputs]
 
 
@@ -130,6 +194,7 @@ class Client:
         self._prefill = self._channel.unary_unary("/attnd.v1.Attention/Prefill")
         self._decode = self._channel.unary_unary("/attnd.v1.Attention/Decode")
         self._session = self._channel.stream_stream("/attnd.v1.Attention/Session")
+        self._regions = []  # ShmRegion / CudaRegion objects registered and not yet unregistered
 
     @property
     def stub(self):
@@ -186,7 +251,7 @@ class Client:
                           timeout).pages_freed
 
     def prefill(self, seq, layer, q, k, v, prompt_len=None, timeout=None, return_length=False,
-                q_layout="variants"):
+                q_layout="variants", out=None):
         """Appends T tokens to one layer of a sequence and returns their attention output.
 
         q [T, 5, Hq, D] (intra, succ, inter, succ_critical, inter_critical), k/v [T, Hkv, D] -> out [T, Hq, D]
@@ -194,26 +259,56 @@ class Client:
         server applies the dual-chunk rotary (docs/rotary.md). prompt_len: the whole prompt's length when the
         prompt is sent in several calls (the same value in every call). return_length=True returns (out, layer
         length after the call).
+        Regions (docs/regions.md): q/k/v that lie in a region this client registered (register_shm views,
+        CUDA tensors in register_cuda regions) travel as references, not bytes. out=: an array in such a
+        region, [T, Hq, D] in q's dtype: attnd writes the output there and `out` itself is returned.
         """
-        req, like = _prefill_request(seq, layer, q, k, v, prompt_len, q_layout)
+        req, like = _prefill_request(seq, layer, q, k, v, prompt_len, q_layout, self._regions, out)
         resp = self._call(self._prefill, req.tobytes(), timeout)
         mv = memoryview(resp)
-        out, length = _prefill_output(mv, 0, len(mv), like)
-        return (out, length) if return_length else out
+        result, length = _prefill_output(mv, 0, len(mv), like, out)
+        return (result, length) if return_length else result
 
-    def decode(self, layer, seqs, q, k, v, timeout=None, return_lengths=False, q_layout="variants"):
+    def decode(self, layer, seqs, q, k, v, timeout=None, return_lengths=False, q_layout="variants", out=None):
         """One decode step of a batch of sequences in one layer (all or nothing).
 
         seqs: B sequence ids (each at most once); q [B, 3 or 5, Hq, D], k/v [B, Hkv, D] -> out [B, Hq, D].
         q_layout="pre_rotary": q [B, Hq, D] and k before the rotary; a list of B layouts mixes them per
         sequence (then q is a list of B arrays, [3 or 5, Hq, D] or [Hq, D]).
         return_lengths=True returns (out, [layer length after the token, per sequence]).
+        Regions: as prefill; out= is [B, Hq, D] in a registered region (row i is entry i's output).
         """
-        req, like = _decode_request(layer, seqs, q, k, v, q_layout)
+        req, like = _decode_request(layer, seqs, q, k, v, q_layout, self._regions, out)
         resp = self._call(self._decode, req.tobytes(), timeout)
         mv = memoryview(resp)
-        out, lengths = _decode_output(mv, 0, len(mv), like)
-        return (out, lengths) if return_lengths else out
+        result, lengths = _decode_output(mv, 0, len(mv), like, out)
+        return (result, lengths) if return_lengths else result
+
+    # -- tensor regions (docs/regions.md) --
+    def register_shm(self, size, timeout=None):
+        """A new POSIX shared-memory object of `size` bytes, registered with attnd: a ShmRegion (use as a
+        context manager). Numpy views from region.ndarray(shape, dtype) passed as q/k/v/out travel as
+        references."""
+        return _regions.ShmRegion(self, size, timeout)
+
+    def register_cuda(self, tensor, timeout=None):
+        """Registers a torch CUDA tensor's allocation (CUDA IPC; the server must run the CUDA backend on this
+        host and GPU): a CudaRegion (a context manager). CUDA tensors inside it travel as references."""
+        return _regions.CudaRegion(self, tensor, timeout)
+
+    def register_shm_name(self, name, offset, size, timeout=None):
+        """RegisterRegion of an existing shm object (a name for shm_open); returns the region id."""
+        return self._register(pb.RegisterRegionRequest(
+            system_shm=pb.SystemShmRegion(name=name, offset=offset, byte_size=size)), timeout)
+
+    def unregister_region(self, region_id, timeout=None):
+        self._unregister(region_id, timeout)
+
+    def _register(self, request, timeout):
+        return self._call(self._stub.RegisterRegion, request, timeout).region_id
+
+    def _unregister(self, region_id, timeout):
+        self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id), timeout)
 
     # -- streaming --
     def session(self, timeout=None):
@@ -230,10 +325,10 @@ class Client:
 
 class Pending:
     """A request sent on a Session whose answer has not been read yet. result() waits for it."""
-    __slots__ = ("_session", "tag", "_kind", "_like", "_done", "_value", "_error")
+    __slots__ = ("_session", "tag", "_kind", "_like", "_out", "_done", "_value", "_error")
 
-    def __init__(self, session, tag, kind, like):
-        self._session, self.tag, self._kind, self._like = session, tag, kind, like
+    def __init__(self, session, tag, kind, like, out=None):
+        self._session, self.tag, self._kind, self._like, self._out = session, tag, kind, like, out
         self._done, self._value, self._error = False, None, None
 
     def done(self):
@@ -256,9 +351,9 @@ class Pending:
             if kind != self._kind:
                 raise AttndError(grpc.StatusCode.INTERNAL, "session answered a %s with %s" % (self._kind, kind))
             if kind == "prefill":
-                self._value = _prefill_output(mv, span[0], span[1], self._like)[0]
+                self._value = _prefill_output(mv, span[0], span[1], self._like, self._out)[0]
             else:
-                self._value = _decode_output(mv, span[0], span[1], self._like)[0]
+                self._value = _decode_output(mv, span[0], span[1], self._like, self._out)[0]
         except AttndError as err:
             self._error = err
 
@@ -315,14 +410,14 @@ class Session:
         else:
             self.close()
 
-    def _send(self, kind, like, **body):
+    def _send(self, kind, like, out=None, **body):
         if self._closed:
             raise AttndError(grpc.StatusCode.FAILED_PRECONDITION, "the session is closed")
         if self._broken is not None:
             raise self._broken
         tag = self._next_tag
         self._next_tag += 1
-        pending = Pending(self, tag, kind, like)
+        pending = Pending(self, tag, kind, like, out)
         self._pending.append(pending)
         self._requests.put(_wire.session_request(tag, **body).tobytes())
         return pending
@@ -366,21 +461,21 @@ class Session:
         while self._pending:
             self._pending.popleft()._fail(err)
 
-    def submit_prefill(self, seq, layer, q, k, v, prompt_len=None, q_layout="variants"):
-        req, like = _prefill_request(seq, layer, q, k, v, prompt_len, q_layout)
-        return self._send("prefill", like, prefill=req)
+    def submit_prefill(self, seq, layer, q, k, v, prompt_len=None, q_layout="variants", out=None):
+        req, like = _prefill_request(seq, layer, q, k, v, prompt_len, q_layout, self._client._regions, out)
+        return self._send("prefill", like, out, prefill=req)
 
-    def submit_decode(self, layer, seqs, q, k, v, q_layout="variants"):
-        req, like = _decode_request(layer, seqs, q, k, v, q_layout)
-        return self._send("decode", like, decode=req)
+    def submit_decode(self, layer, seqs, q, k, v, q_layout="variants", out=None):
+        req, like = _decode_request(layer, seqs, q, k, v, q_layout, self._client._regions, out)
+        return self._send("decode", like, out, decode=req)
 
-    def prefill(self, seq, layer, q, k, v, prompt_len=None, q_layout="variants"):
-        """As Client.prefill, over the stream."""
-        return self.submit_prefill(seq, layer, q, k, v, prompt_len, q_layout).result()
+    def prefill(self, seq, layer, q, k, v, prompt_len=None, q_layout="variants", out=None):
+        """As Client.prefill, over the stream (region references and out= included)."""
+        return self.submit_prefill(seq, layer, q, k, v, prompt_len, q_layout, out).result()
 
-    def decode(self, layer, seqs, q, k, v, q_layout="variants"):
+    def decode(self, layer, seqs, q, k, v, q_layout="variants", out=None):
         """As Client.decode, over the stream."""
-        return self.submit_decode(layer, seqs, q, k, v, q_layout).result()
+        return self.submit_decode(layer, seqs, q, k, v, q_layout, out).result()
 
     def close(self):
         """Reads the answers still owed, half-closes the stream and waits for it to end with OK.

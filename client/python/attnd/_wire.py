@@ -24,8 +24,12 @@ def _num(message, field):
 
 # Field numbers.
 T_DTYPE, T_SHAPE, T_DATA = _num(pb.Tensor, "dtype"), _num(pb.Tensor, "shape"), _num(pb.Tensor, "data")
+T_REGION = _num(pb.Tensor, "region")
+R_ID, R_OFFSET, R_BYTES = (_num(pb.RegionRef, f) for f in ("region_id", "offset", "byte_size"))
 P_SEQ, P_LAYER, P_Q, P_K, P_V, P_PROMPT_LEN, P_Q_LAYOUT = (
     _num(pb.PrefillRequest, f) for f in ("sequence_id", "layer", "q", "k", "v", "prompt_len", "q_layout"))
+P_OUTPUT = _num(pb.PrefillRequest, "output_region")
+E_OUTPUT = _num(pb.DecodeEntry, "output_region")
 PR_O, PR_LENGTH = _num(pb.PrefillResponse, "o"), _num(pb.PrefillResponse, "length")
 E_SEQ, E_Q, E_K, E_V, E_Q_LAYOUT = (_num(pb.DecodeEntry, f) for f in ("sequence_id", "q", "k", "v", "q_layout"))
 D_LAYER, D_ENTRIES = _num(pb.DecodeRequest, "layer"), _num(pb.DecodeRequest, "entries")
@@ -84,9 +88,34 @@ class Msg:
         return out
 
 
-def tensor(array, dtype):
-    """A Tensor message over a C-contiguous little-endian numpy array (no copy until tobytes())."""
+class RegionTensor:
+    """A tensor in a registered region: its DType and shape, and [offset, offset + nbytes) of region_id."""
+    __slots__ = ("dtype", "shape", "region_id", "offset", "nbytes")
+
+    def __init__(self, dtype, shape, region_id, offset, nbytes):
+        self.dtype, self.shape, self.region_id = dtype, tuple(shape), region_id
+        self.offset, self.nbytes = int(offset), int(nbytes)
+
+
+def region_ref(region_id, offset, nbytes):
     m = Msg()
+    m.bytes_field(R_ID, region_id.encode())
+    m.varint_field(R_OFFSET, offset)
+    m.varint_field(R_BYTES, nbytes)
+    return m
+
+
+def tensor(array, dtype):
+    """A Tensor message over a C-contiguous little-endian numpy array (no copy until tobytes()), or a
+    reference when `array` is a RegionTensor."""
+    m = Msg()
+    if isinstance(array, RegionTensor):
+        m.varint_field(T_DTYPE, array.dtype)
+        if array.shape:
+            packed = b"".join(varint(d) for d in array.shape)
+            m.raw(_key(T_SHAPE, _LEN) + varint(len(packed)) + packed)
+        m.message_field(T_REGION, region_ref(array.region_id, array.offset, array.nbytes))
+        return m
     m.varint_field(T_DTYPE, dtype)
     if array.ndim:
         packed = b"".join(varint(d) for d in array.shape)
@@ -96,8 +125,9 @@ def tensor(array, dtype):
     return m
 
 
-def prefill_request(seq, layer, q, k, v, prompt_len, q_layout=0):
-    """q/k/v: (array, DType) pairs; q_layout: an attnd.v1.QLayout value."""
+def prefill_request(seq, layer, q, k, v, prompt_len, q_layout=0, output=None):
+    """q/k/v: (array or RegionTensor, DType) pairs; q_layout: an attnd.v1.QLayout value; output: a
+    RegionTensor where o goes, or None."""
     m = Msg()
     if seq:
         m.bytes_field(P_SEQ, seq.encode())
@@ -107,20 +137,27 @@ def prefill_request(seq, layer, q, k, v, prompt_len, q_layout=0):
     if prompt_len is not None:
         m.varint_field(P_PROMPT_LEN, prompt_len, always=True)  # proto3 optional: presence is meaningful
     m.varint_field(P_Q_LAYOUT, q_layout)  # 0 (the five variants) is the default: not written
+    if output is not None:
+        m.message_field(P_OUTPUT, region_ref(output.region_id, output.offset, output.nbytes))
     return m
 
 
 def decode_request(layer, entries):
-    """entries: (seq, (q, dtype), (k, dtype), (v, dtype), q_layout) per sequence."""
+    """entries: (seq, (q, dtype), (k, dtype), (v, dtype), q_layout[, output RegionTensor or None]) per
+    sequence."""
     m = Msg()
     m.varint_field(D_LAYER, layer)
-    for seq, q, k, v, q_layout in entries:
+    for entry in entries:
+        seq, q, k, v, q_layout = entry[:5]
+        output = entry[5] if len(entry) > 5 else None
         e = Msg()
         if seq:
             e.bytes_field(E_SEQ, seq.encode())
         for field, (a, dt) in ((E_Q, q), (E_K, k), (E_V, v)):
             e.message_field(field, tensor(a, dt))
         e.varint_field(E_Q_LAYOUT, q_layout)
+        if output is not None:
+            e.message_field(E_OUTPUT, region_ref(output.region_id, output.offset, output.nbytes))
         m.message_field(D_ENTRIES, e)
     return m
 
@@ -185,15 +222,16 @@ def _signed64(v):
 
 
 class TensorView:
-    """A decoded Tensor: dtype, shape, and its data as a memoryview into the response bytes."""
-    __slots__ = ("dtype", "shape", "data")
+    """A decoded Tensor: dtype, shape, its data as a memoryview into the response bytes, and whether it
+    carries a region reference instead (an output written to a region)."""
+    __slots__ = ("dtype", "shape", "data", "region")
 
-    def __init__(self, dtype, shape, data):
-        self.dtype, self.shape, self.data = dtype, shape, data
+    def __init__(self, dtype, shape, data, region=False):
+        self.dtype, self.shape, self.data, self.region = dtype, shape, data, region
 
 
 def parse_tensor(mv, start, end):
-    dtype, shape, data = 0, [], mv[0:0]
+    dtype, shape, data, region = 0, [], mv[0:0], False
     for field, wt, value in _fields(mv, start, end):
         if field == T_DTYPE and wt == _VARINT:
             dtype = value
@@ -206,7 +244,9 @@ def parse_tensor(mv, start, end):
             shape.append(_signed64(value))
         elif field == T_DATA and wt == _LEN:
             data = mv[value[0]:value[1]]
-    return TensorView(dtype, shape, data)
+        elif field == T_REGION and wt == _LEN:
+            region = True
+    return TensorView(dtype, shape, data, region)
 
 
 def _parse_output(mv, start, end, o_field, length_field):

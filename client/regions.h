@@ -1,0 +1,172 @@
+// Zero-copy data plane, the client side (docs/regions.md): POSIX shm buffers, registered regions
+// and the shared-memory ring (proto/attnd/v1/shm_ring.h).
+//
+//   auto buf = ShmBuffer::Create(bytes);                       // a fresh shm object, mapped
+//   auto region = RegisteredRegion::Shm(client, **buf);        // RegisterRegion; unregisters on exit
+//   in.q = TensorRef::In(region->id(), offset, DType::kBf16, {T, 5, Hq, D});
+//
+//   auto ring = RingClient::Open(client);                      // OpenRing; CloseRing on exit
+//   auto out = (*ring)->Decode(layer, entries);                // one round trip through the ring
+//
+// Thread safety: a ShmBuffer is plain memory; a RingClient carries one request at a time (use it
+// from one thread at a time, like a Session).
+#ifndef ATTND_CLIENT_REGIONS_H_
+#define ATTND_CLIENT_REGIONS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "attnd/v1/attention.pb.h"
+#include "attnd/v1/shm_ring.h"
+#include "client/attnd_client.h"
+
+namespace attnd {
+namespace client {
+
+// A POSIX shared-memory object this process created (shm_open O_CREAT|O_EXCL under a random name
+// "/attnd-<32 hex>"), sized and mapped read-write. The destructor unlinks the name and unmaps it
+// (attnd keeps its own mapping of a registered object until the region is unregistered).
+class ShmBuffer {
+ public:
+  // `bytes` > 0; the mapping is zero-filled.
+  static absl::StatusOr<std::unique_ptr<ShmBuffer>> Create(size_t bytes);
+  ~ShmBuffer();
+  ShmBuffer(const ShmBuffer&) = delete;
+  ShmBuffer& operator=(const ShmBuffer&) = delete;
+
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& name() const { return name_; }  // for shm_open, with its leading "/"
+  int fd() const { return fd_; }  // open until the destructor (tests truncate through it)
+
+ private:
+  ShmBuffer(std::string name, int fd, uint8_t* data, size_t size)
+      : name_(std::move(name)), fd_(fd), data_(data), size_(size) {}
+  std::string name_;
+  int fd_;
+  uint8_t* data_;
+  size_t size_;
+};
+
+// A region registered with attnd; the destructor unregisters it (errors are dropped: the server
+// reclaims idle regions anyway). Movable. The AttndClient must outlive it.
+class RegisteredRegion {
+ public:
+  // All of `buffer` (offset 0), or [offset, offset + bytes) with bytes > 0.
+  static absl::StatusOr<RegisteredRegion> Shm(AttndClient& client, const ShmBuffer& buffer,
+                                              uint64_t offset = 0, uint64_t bytes = 0);
+  // `handle`: the 64 bytes of a cudaIpcMemHandle_t.
+  static absl::StatusOr<RegisteredRegion> CudaIpc(AttndClient& client, const std::string& handle,
+                                                  uint64_t bytes);
+
+  RegisteredRegion(RegisteredRegion&& other) noexcept { *this = std::move(other); }
+  RegisteredRegion& operator=(RegisteredRegion&& other) noexcept;
+  ~RegisteredRegion();
+
+  const std::string& id() const { return id_; }
+  uint64_t size() const { return size_; }
+  // A tensor at `offset` in this region.
+  TensorRef Tensor(uint64_t offset, DType dtype, std::vector<int64_t> shape) const {
+    return TensorRef::In(id_, offset, dtype, std::move(shape));
+  }
+  v1::RegionRef Ref(uint64_t offset, uint64_t bytes) const;
+  // Unregisters now and returns the server's answer (the destructor then does nothing).
+  absl::Status Unregister();
+  // Forgets the region without unregistering it.
+  std::string Release();
+
+ private:
+  RegisteredRegion(AttndClient* client, std::string id, uint64_t size)
+      : client_(client), id_(std::move(id)), size_(size) {}
+  AttndClient* client_ = nullptr;
+  std::string id_;
+  uint64_t size_ = 0;
+};
+
+struct RingOptions {
+  // Each half's size: the largest request (and response) is half_bytes - 8 bytes. Decode requests
+  // with inline bytes are small; prefills with inline bytes need T * (5 Hq + 2 Hkv) * D * dtype.
+  uint64_t half_bytes = 8ull << 20;
+  // After writing a request, spin this long on response_seq before sleeping on its futex.
+  absl::Duration spin = absl::Microseconds(50);
+  // One futex wait's timeout: the sleeping client re-checks `closed` and the deadline this often.
+  absl::Duration sleep_slice = absl::Milliseconds(10);
+  // Per round trip (waiting for the ring to be free, and for the answer); DEADLINE_EXCEEDED past it.
+  absl::Duration timeout = absl::Seconds(60);
+};
+
+// Counters of how round trips were answered, for tests and the bench.
+struct RingStats {
+  int64_t round_trips = 0;
+  int64_t answered_spinning = 0;  // the response arrived while the client spun
+  int64_t answered_sleeping = 0;  // ... after it set client_sleeping
+  int64_t server_wakes = 0;       // FutexWake calls on request_seq (server_sleeping was set)
+};
+
+// A shared-memory ring: Prefill and Decode requests as SessionRequests through shared memory,
+// answered in order, one at a time (docs/regions.md, "Rings").
+class RingClient {
+ public:
+  // Creates the shm object, lays out the header and opens it with OpenRing. The AttndClient must
+  // outlive the ring (the destructor calls CloseRing).
+  static absl::StatusOr<std::unique_ptr<RingClient>> Open(AttndClient& client,
+                                                          const RingOptions& options = {});
+  // The layout alone, without OpenRing: for tests that play the server's side themselves.
+  static absl::StatusOr<std::unique_ptr<RingClient>> CreateUnopened(
+      const RingOptions& options = {});
+  ~RingClient();
+  RingClient(const RingClient&) = delete;
+  RingClient& operator=(const RingClient&) = delete;
+
+  // Sends `request` and waits for its response. The transport's errors are the status:
+  // UNAVAILABLE once the server closed the ring, DEADLINE_EXCEEDED past options.timeout,
+  // RESOURCE_EXHAUSTED for a request larger than the ring's half, INTERNAL for a malformed answer
+  // or one whose tag is not the request's. The request's own outcome is the response's code.
+  absl::StatusOr<v1::SessionResponse> RoundTrip(const v1::SessionRequest& request);
+
+  // As Session's: a non-OK response code becomes the status.
+  absl::StatusOr<PrefillResult> Prefill(const PrefillInput& input);
+  absl::StatusOr<PrefillResult> Prefill(const std::string& sequence_id, int32_t layer,
+                                        const HostTensor& q, const HostTensor& k,
+                                        const HostTensor& v,
+                                        std::optional<int64_t> prompt_len = std::nullopt,
+                                        v1::QLayout q_layout = v1::Q_LAYOUT_VARIANTS);
+  absl::StatusOr<std::vector<DecodeResult>> Decode(int32_t layer,
+                                                   const std::vector<DecodeInput>& entries);
+
+  // CloseRing now (the destructor then does nothing); the server sets `closed`.
+  absl::Status Close();
+
+  const std::string& ring_id() const { return ring_id_; }
+  const ShmBuffer& buffer() const { return *buffer_; }
+  ring::Header* header() const { return reinterpret_cast<ring::Header*>(buffer_->data()); }
+  uint64_t capacity() const { return ring::Capacity(options_.half_bytes); }
+  const RingStats& stats() const { return stats_; }
+
+ private:
+  RingClient(std::unique_ptr<ShmBuffer> buffer, const RingOptions& options)
+      : buffer_(std::move(buffer)), options_(options) {}
+  static absl::StatusOr<std::unique_ptr<RingClient>> Layout(const RingOptions& options);
+  // Waits until response_seq == `want`; the status says why not.
+  absl::Status WaitResponse(uint32_t want, absl::Time deadline, bool count);
+
+  std::unique_ptr<ShmBuffer> buffer_;
+  RingOptions options_;
+  AttndClient* client_ = nullptr;
+  std::string ring_id_;
+  uint64_t next_tag_ = 1;
+  std::string scratch_;  // the serialized request
+  RingStats stats_;
+};
+
+}  // namespace client
+}  // namespace attnd
+
+#endif  // ATTND_CLIENT_REGIONS_H_

@@ -1,0 +1,405 @@
+"""Tensor regions through the Python client (docs/regions.md): request encoding without a daemon, then against
+a live attnd on the CPU backend: the golden case replayed through a registered shm region, output regions,
+sessions, and every bad reference with its status code. A torch CUDA region test skips without torch/CUDA."""
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+import grpc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import attnd_testing as at  # noqa: E402
+
+attnd = at.attnd
+pb = attnd.proto
+try:
+    import torch
+except ImportError:
+    torch = None
+
+FP32_MAX_ABS = 1e-4
+BF16_MAX_ABS, BF16_MEAN_ABS = 2e-2, 2e-3
+
+
+class RegionRequestEncoding(unittest.TestCase):
+    """What _wire writes for references and output regions must parse as the proto says."""
+
+    def test_prefill_with_references_and_output(self):
+        w = attnd._wire
+        rid = "ab" * 16
+        q = w.RegionTensor(pb.DTYPE_BF16, (3, 5, 4, 8), rid, 4096, 3 * 5 * 4 * 8 * 2)
+        k = np.arange(3 * 2 * 8, dtype=np.float32).reshape(3, 2, 8)
+        v = w.RegionTensor(pb.DTYPE_FP32, (3, 2, 8), rid, 0, 3 * 2 * 8 * 4)  # offset 0: the default
+        out = w.RegionTensor(pb.DTYPE_BF16, (3, 4, 8), rid, 8192, 3 * 4 * 8 * 2)
+        msg = w.prefill_request("cd" * 16, 1, (q, q.dtype), (k, pb.DTYPE_FP32), (v, v.dtype), 3, 1, out)
+        parsed = pb.PrefillRequest.FromString(msg.tobytes())
+        want = pb.PrefillRequest(
+            sequence_id="cd" * 16, layer=1, prompt_len=3, q_layout=1,
+            q=pb.Tensor(dtype=pb.DTYPE_BF16, shape=[3, 5, 4, 8],
+                        region=pb.RegionRef(region_id=rid, offset=4096, byte_size=q.nbytes)),
+            k=pb.Tensor(dtype=pb.DTYPE_FP32, shape=[3, 2, 8], data=k.tobytes()),
+            v=pb.Tensor(dtype=pb.DTYPE_FP32, shape=[3, 2, 8], region=pb.RegionRef(region_id=rid, byte_size=v.nbytes)),
+            output_region=pb.RegionRef(region_id=rid, offset=8192, byte_size=out.nbytes))
+        self.assertEqual(parsed, want)
+        self.assertTrue(parsed.v.HasField("region"))
+
+    def test_decode_entries_with_output_rows(self):
+        w = attnd._wire
+        rid = "ef" * 16
+        q = w.RegionTensor(pb.DTYPE_FP32, (2, 3, 4, 8), rid, 0, 2 * 3 * 4 * 8 * 4)
+        o = w.RegionTensor(pb.DTYPE_FP32, (2, 4, 8), rid, 4096, 2 * 4 * 8 * 4)
+        rows, outs = attnd._regions.row_refs(q, 2), attnd._regions.row_refs(o, 2)
+        kv = np.zeros((2, 8), np.float32)
+        msg = w.decode_request(0, [("%032x" % i, (rows[i], pb.DTYPE_FP32), (kv, pb.DTYPE_FP32),
+                                    (kv, pb.DTYPE_FP32), 0, outs[i]) for i in range(2)])
+        parsed = pb.DecodeRequest.FromString(msg.tobytes())
+        self.assertEqual(parsed.entries[1].q.region.offset, 3 * 4 * 8 * 4)
+        self.assertEqual(parsed.entries[1].q.region.byte_size, 3 * 4 * 8 * 4)
+        self.assertEqual(list(parsed.entries[1].q.shape), [3, 4, 8])
+        self.assertEqual(parsed.entries[1].output_region.offset, 4096 + 4 * 8 * 4)
+        self.assertEqual(parsed.entries[0].q.data, b"")
+
+    def test_output_in_a_region_parses(self):
+        resp = pb.PrefillResponse(o=pb.Tensor(dtype=pb.DTYPE_FP32, shape=[1, 4, 8],
+                                              region=pb.RegionRef(region_id="ab" * 16, byte_size=128)), length=9)
+        t, length = attnd._wire.parse_prefill_response(memoryview(resp.SerializeToString()))
+        self.assertTrue(t.region)
+        self.assertEqual(length, 9)
+        self.assertEqual(len(t.data), 0)
+
+
+class ShmObjects(unittest.TestCase):
+    def test_create_and_unlink(self):
+        name, fd = attnd._regions.shm_create(8192)
+        try:
+            self.assertRegex(name, "^/attnd-[0-9a-f]{32}$")
+            self.assertEqual(os.fstat(fd).st_size, 8192)
+            self.assertTrue(os.path.exists("/dev/shm" + name))
+        finally:
+            os.close(fd)
+            attnd._regions.shm_unlink(name)
+        self.assertFalse(os.path.exists("/dev/shm" + name))
+
+
+def _code(test, code, fn, *args, **kwargs):
+    with test.assertRaises(attnd.AttndError) as cm:
+        fn(*args, **kwargs)
+    test.assertEqual(cm.exception.code, code, cm.exception.message)
+    return cm.exception
+
+
+class RegionsLive(at.DaemonTestCase, unittest.TestCase):
+    def setUp(self):
+        m = self.info.model
+        self.h, self.hkv, self.d = m.num_q_heads, m.num_kv_heads, m.head_dim
+        self.rng = np.random.default_rng(11)
+
+    def raw_prefill(self, req):
+        return self.client._call(self.client.stub.Prefill, req, None)
+
+    def tensors(self, t, dtype=np.float32):
+        r = self.rng
+        return (at.random_bf16_exact(r, (t, 5, self.h, self.d)).astype(dtype),
+                at.random_bf16_exact(r, (t, self.hkv, self.d)).astype(dtype),
+                at.random_bf16_exact(r, (t, self.hkv, self.d)).astype(dtype))
+
+    def test_server_offers_shm_regions_on_this_host(self):
+        regions = self.info.regions
+        self.assertIn(pb.REGION_KIND_SYSTEM_SHM, list(regions.kinds))
+        self.assertNotIn(pb.REGION_KIND_CUDA_IPC, list(regions.kinds))  # the CPU backend
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            self.assertEqual(regions.host_boot_id, f.read().strip())
+        self.assertGreater(regions.max_regions_per_tenant, 0)
+
+    def replay_golden(self, layer, np_dtype, to_wire, from_wire, use_session=False):
+        """dense_gqa_chunked with every q/k/v and output in a registered shm region."""
+        case = at.GoldenCase("dense_gqa_chunked")
+        ids, stats = {}, []
+        biggest = max(case.f32(s["q"]).nbytes + 2 * case.f32(s["k"]).nbytes + case.f32(s["out"]).nbytes
+                      for s in case.steps)
+        with self.client.register_shm(2 * biggest + (1 << 16)) as region:
+            self.assertRegex(region.id, "^[0-9a-f]{32}$")
+            session = self.client.session() if use_session else None
+            api = session if use_session else self.client
+            try:
+                for i, step in enumerate(case.steps):
+                    region._next = 0  # reuse the region from the start every step
+                    q, k, v = (to_wire(case.f32(step[n])) for n in ("q", "k", "v"))
+                    qs, ks, vs = (region.ndarray(a.shape, a.dtype) for a in (q, k, v))
+                    qs[...], ks[...], vs[...] = q, k, v
+                    out_shape = case.f32(step["out"]).shape
+                    out = region.ndarray(out_shape, np_dtype)
+                    if step["op"] == "prefill":
+                        if step["seq"] not in ids:
+                            ids[step["seq"]] = self.client.create_sequence()
+                        got = api.prefill(ids[step["seq"]], layer, qs, ks, vs, prompt_len=step["prompt_len"],
+                                          out=out)
+                    else:
+                        got = api.decode(layer, [ids[s] for s in step["seqs"]], qs, ks, vs, out=out)
+                    self.assertIs(got, out)
+                    stats.append(at.error_stats(from_wire(out), case.f32(step["out"])))
+            finally:
+                if session is not None:
+                    session.close()
+                for seq in ids.values():
+                    self.client.release(seq)
+        self.assertEqual(len(stats), len(case.steps))
+        return stats
+
+    def test_golden_fp32_through_shm(self):
+        stats = self.replay_golden(0, np.float32, lambda x: x.astype(np.float32), lambda o: o)
+        self.assertLessEqual(max(s[0] for s in stats), FP32_MAX_ABS)
+
+    def test_golden_bf16_through_shm(self):
+        stats = self.replay_golden(1, np.uint16, at.f32_to_bf16_bits_exact, at.bf16_bits_to_f32)
+        self.assertLessEqual(max(s[0] for s in stats), BF16_MAX_ABS)
+        self.assertLessEqual(max(s[1] for s in stats), BF16_MEAN_ABS)
+
+    def test_golden_fp32_through_shm_on_a_session(self):
+        stats = self.replay_golden(1, np.float32, lambda x: x.astype(np.float32), lambda o: o, use_session=True)
+        self.assertLessEqual(max(s[0] for s in stats), FP32_MAX_ABS)
+
+    def test_references_are_sent_and_match_bytes(self):
+        q, k, v = self.tensors(9)
+        a, b = self.client.create_sequence(), self.client.create_sequence()
+        try:
+            want = self.client.prefill(a, 0, q, k, v)
+            with self.client.register_shm(1 << 20) as region:
+                qs, ks, vs = (region.ndarray(x.shape, x.dtype) for x in (q, k, v))
+                qs[...], ks[...], vs[...] = q, k, v
+                from attnd._client import _prefill_request
+                msg, _ = _prefill_request(b, 0, qs, ks, vs, None, regions=self.client._regions)
+                parsed = pb.PrefillRequest.FromString(msg.tobytes())
+                for t in (parsed.q, parsed.k, parsed.v):
+                    self.assertTrue(t.HasField("region"))
+                    self.assertEqual(t.data, b"")
+                self.assertLess(len(msg.tobytes()), 400)  # references, not the 6 KiB of tensors
+                # Without out= the output comes back as bytes, as numpy.
+                got = self.client.prefill(b, 0, qs, ks, vs)
+                np.testing.assert_array_equal(got, want)
+                # A view that is not C-contiguous is sent as bytes (the fallback).
+                qt = region.ndarray(q.shape[::-1], q.dtype).T
+                self.assertFalse(qt.flags.c_contiguous)
+        finally:
+            self.client.release(a)
+            self.client.release(b)
+
+    def test_decode_out_rows(self):
+        seqs = [self.client.create_sequence() for _ in range(3)]
+        try:
+            for s in seqs:
+                self.client.prefill(s, 0, *self.tensors(5))
+            q = at.random_bf16_exact(self.rng, (3, 3, self.h, self.d))
+            k = at.random_bf16_exact(self.rng, (3, self.hkv, self.d))
+            v = at.random_bf16_exact(self.rng, (3, self.hkv, self.d))
+            with self.client.register_shm(1 << 20) as region:
+                qs, ks, vs = (region.ndarray(x.shape, x.dtype) for x in (q, k, v))
+                qs[...], ks[...], vs[...] = q, k, v
+                out = region.ndarray((3, self.h, self.d), np.float32)
+                got, lengths = self.client.decode(0, seqs, qs, ks, vs, out=out, return_lengths=True)
+                self.assertIs(got, out)
+                self.assertEqual(lengths, [6, 6, 6])
+                self.assertTrue(np.all(np.isfinite(out)))
+                self.assertGreater(float(np.abs(out).sum()), 0.0)
+        finally:
+            for s in seqs:
+                self.client.release(s)
+
+    def test_bad_references(self):
+        INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+        seq = self.client.create_sequence()
+        size = 1 << 16
+        q, k, v = self.tensors(2)
+        try:
+            with self.client.register_shm(size) as region:
+                rid = region.id
+
+                def tensor(a, offset, nbytes=None, region_id=None):
+                    return pb.Tensor(dtype=pb.DTYPE_FP32, shape=a.shape, region=pb.RegionRef(
+                        region_id=region_id or rid, offset=offset, byte_size=a.nbytes if nbytes is None else nbytes))
+
+                def req(qt, kt=None, vt=None, out=None):
+                    r = pb.PrefillRequest(sequence_id=seq, layer=0, q=qt, k=kt or tensor(k, 8192),
+                                          v=vt or tensor(v, 12288))
+                    if out is not None:
+                        r.output_region.CopyFrom(out)
+                    return r
+
+                self.assertEqual(self.raw_prefill(req(tensor(q, 0))).length, 2)  # the baseline works
+                # Past the end, and an offset + size that overflows.
+                _code(self, INVALID, self.raw_prefill, req(tensor(q, size - 64)))
+                _code(self, INVALID, self.raw_prefill, req(tensor(q, 2 ** 64 - 16)))
+                # Misaligned for fp32 (an offset of 2), through the automatic path too.
+                _code(self, INVALID, self.raw_prefill, req(tensor(q, 2)))
+                qm = region.ndarray(q.shape, np.float32, offset=16386)
+                _code(self, INVALID, self.client.prefill, seq, 0, qm, k, v)
+                # byte_size that is not the shape's.
+                _code(self, INVALID, self.raw_prefill, req(tensor(q, 0, nbytes=q.nbytes - 4)))
+                # Unknown region (well formed), malformed id.
+                _code(self, NOT_FOUND, self.raw_prefill, req(tensor(q, 0, region_id=secrets.token_hex(16))))
+                _code(self, INVALID, self.raw_prefill, req(tensor(q, 0, region_id="not-an-id")))
+                # Output overlapping an input of the same request (q at 0: the output at 64 lies inside it).
+                o_bytes = 2 * self.h * self.d * 4
+                e = _code(self, INVALID, self.raw_prefill,
+                          req(tensor(q, 0), out=pb.RegionRef(region_id=rid, offset=64, byte_size=o_bytes)))
+                self.assertIn("overlap", e.message)
+                qs = region.ndarray(q.shape, np.float32, offset=0)
+                _code(self, INVALID, self.client.prefill, seq, 0, qs, k, v,
+                      out=region.ndarray((2, self.h, self.d), np.float32, offset=0))
+                # Output region of the wrong size.
+                _code(self, INVALID, self.raw_prefill,
+                      req(tensor(q, 0), out=pb.RegionRef(region_id=rid, offset=32768, byte_size=o_bytes - 4)))
+                # None of these changed the sequence: the next good call appends at length 2.
+                self.assertEqual(self.raw_prefill(req(tensor(q, 0))).length, 4)
+                # Unregister, then use.
+                region.unregister()
+                _code(self, NOT_FOUND, self.raw_prefill, req(tensor(q, 0)))
+                _code(self, NOT_FOUND, self.client.unregister_region, rid)
+                # out= outside any registered region is refused before anything is sent.
+                _code(self, INVALID, self.client.prefill, seq, 0, q, k, v, out=np.zeros((2, self.h, self.d), np.float32))
+        finally:
+            self.client.release(seq)
+
+    def test_truncated_after_registration(self):
+        seq = self.client.create_sequence()
+        q, k, v = self.tensors(2)
+        try:
+            region = self.client.register_shm(1 << 16)
+            try:
+                qs, ks, vs = (region.ndarray(x.shape, x.dtype) for x in (q, k, v))
+                qs[...], ks[...], vs[...] = q, k, v
+                self.assertEqual(self.client.prefill(seq, 0, qs, ks, vs, return_length=True)[1], 2)
+                req = pb.PrefillRequest(sequence_id=seq, layer=0)
+                for field, a in (("q", qs), ("k", ks), ("v", vs)):
+                    getattr(req, field).CopyFrom(pb.Tensor(dtype=pb.DTYPE_FP32, shape=a.shape, region=pb.RegionRef(
+                        region_id=region.id, offset=region.offset_of(a), byte_size=a.nbytes)))
+                del qs, ks, vs  # no view may touch the pages past the new end
+                os.ftruncate(region.fd, 4096)
+                e = _code(self, grpc.StatusCode.FAILED_PRECONDITION, self.raw_prefill, req)
+                self.assertIn("shrank", e.message)
+                self.assertEqual(self.client.prefill(seq, 0, q, k, v, return_length=True)[1], 4)  # server alive
+            finally:
+                region.close()
+        finally:
+            self.client.release(seq)
+
+    def test_register_errors(self):
+        _code(self, grpc.StatusCode.INVALID_ARGUMENT, self.client.register_shm_name, "no-slash", 0, 4096)
+        _code(self, grpc.StatusCode.INVALID_ARGUMENT, self.client.register_shm_name,
+              "/attnd-" + secrets.token_hex(16), 0, 4096)  # no such object
+        with self.client.register_shm(8192) as region:
+            _code(self, grpc.StatusCode.INVALID_ARGUMENT, self.client.register_shm_name, region.name, 0, 16384)
+            _code(self, grpc.StatusCode.INVALID_ARGUMENT, self.client.register_shm_name, region.name, 100, 4096)
+            rid = self.client.register_shm_name(region.name, 4096, 4096)
+            self.client.unregister_region(rid)
+        _code(self, grpc.StatusCode.NOT_FOUND, self.client.unregister_region, secrets.token_hex(16))
+
+
+class RegionsTwoTenants(unittest.TestCase):
+    """A region id is valid for the tenant that registered it only."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls._tmp = tempfile.mkdtemp(prefix="attnd-pytest-")
+        tokens = os.path.join(cls._tmp, "tokens")
+        cls.token_a, cls.token_b = secrets.token_hex(16), secrets.token_hex(16)
+        with open(tokens, "w") as f:
+            f.write("team-a %s\nteam-b %s\n" % (cls.token_a, cls.token_b))
+        config = at.GoldenCase("dense_gqa_chunked").write_model_config(os.path.join(cls._tmp, "config.json"))
+        cls.daemon = at.Daemon(config, extra_args=["--auth-token-file", tokens], token=cls.token_a)
+        try:
+            cls.daemon.start()
+        except BaseException:
+            shutil.rmtree(cls._tmp, True)
+            raise
+        cls.a = attnd.Client(cls.daemon.target, token=cls.token_a, timeout=60)
+        cls.b = attnd.Client(cls.daemon.target, token=cls.token_b, timeout=60)
+        cls.info = cls.a.info()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.a.close()
+        cls.b.close()
+        cls.daemon.stop()
+        shutil.rmtree(cls._tmp, True)
+
+    def test_another_tenants_region_is_not_found(self):
+        m = self.info.model
+        rng = np.random.default_rng(4)
+        q = at.random_bf16_exact(rng, (2, 5, m.num_q_heads, m.head_dim))
+        k = at.random_bf16_exact(rng, (2, m.num_kv_heads, m.head_dim))
+        seq_b = self.b.create_sequence()
+        try:
+            with self.a.register_shm(1 << 16) as region:
+                qs, ks = region.ndarray(q.shape, q.dtype), region.ndarray(k.shape, k.dtype)
+                qs[...], ks[...] = q, k
+                seq_a = self.a.create_sequence()
+                self.a.prefill(seq_a, 0, qs, ks, ks)  # tenant a may use it
+                self.a.release(seq_a)
+                req = pb.PrefillRequest(sequence_id=seq_b, layer=0)
+                for field, arr in (("q", qs), ("k", ks), ("v", ks)):
+                    getattr(req, field).CopyFrom(pb.Tensor(dtype=pb.DTYPE_FP32, shape=arr.shape, region=pb.RegionRef(
+                        region_id=region.id, offset=region.offset_of(arr), byte_size=arr.nbytes)))
+                _code(self, grpc.StatusCode.NOT_FOUND, self.b._call, self.b.stub.Prefill, req, None)
+                _code(self, grpc.StatusCode.NOT_FOUND, self.b.unregister_region, region.id)
+        finally:
+            self.b.release(seq_b)
+
+
+def _cuda_ok():
+    return torch is not None and torch.cuda.is_available()
+
+
+@unittest.skipUnless(_cuda_ok(), "torch with a CUDA device is not available (CUDA IPC regions need both)")
+class CudaRegionTorch(unittest.TestCase):
+    """A torch CUDA tensor registered by CUDA IPC with a daemon this test starts with --device cuda."""
+
+    def test_prefill_and_decode_through_a_cuda_region(self):
+        tmp = tempfile.mkdtemp(prefix="attnd-pytest-")
+        config = at.GoldenCase("dense_gqa_chunked").write_model_config(os.path.join(tmp, "config.json"))
+        daemon = at.Daemon(config)
+        daemon.args[daemon.args.index("cpu")] = "cuda"
+        try:
+            daemon.start()
+            client = attnd.Client(daemon.target, timeout=60)
+            info = client.info()
+            if pb.REGION_KIND_CUDA_IPC not in list(info.regions.kinds):
+                self.skipTest("the daemon accepts no CUDA IPC regions")
+            m = info.model
+            h, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
+            t = 7
+            gen = torch.Generator().manual_seed(3)
+            q = torch.rand((t, 5, h, d), generator=gen) - 0.5
+            k = torch.rand((t, hkv, d), generator=gen) - 0.5
+            v = torch.rand((t, hkv, d), generator=gen) - 0.5
+            want_seq, seq = client.create_sequence(), client.create_sequence()
+            want = client.prefill(want_seq, 0, q, k, v)
+            n = q.numel() + 2 * k.numel() + t * h * d
+            buf = torch.zeros(n + 1024, dtype=torch.float32, device="cuda")
+            with client.register_cuda(buf) as region:
+                views, at_ = [], 256  # not at the start: the offset must be right
+                for x in (q, k, v):
+                    view = buf[at_:at_ + x.numel()].view(x.shape)
+                    view.copy_(x.cuda())
+                    views.append(view)
+                    at_ += x.numel()
+                out = buf[at_:at_ + t * h * d].view(t, h, d)
+                got = client.prefill(seq, 0, *views, out=out)
+                self.assertIs(got, out)
+                torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-5)
+                self.assertEqual(region.offset_of(views[0]), 256 * 4)
+            client.release(want_seq)
+            client.release(seq)
+            client.close()
+        finally:
+            daemon.stop()
+            shutil.rmtree(tmp, True)
+
+
+if __name__ == "__main__":
+    unittest.main()
