@@ -17,6 +17,7 @@ import attnd_testing as at  # noqa: E402
 
 attnd = at.attnd
 pb = attnd.proto
+_regions = attnd._regions
 try:
     import torch
 except ImportError:
@@ -71,6 +72,48 @@ class RegionRequestEncoding(unittest.TestCase):
         self.assertTrue(t.region)
         self.assertEqual(length, 9)
         self.assertEqual(len(t.data), 0)
+
+
+class SameHostCheck(unittest.TestCase):
+    """The client refuses regions a server cannot map: another host (boot id), another GPU, a kind it
+    does not accept; the same host passes. A fake client answers GetServerInfo."""
+
+    class _Fake:
+        def __init__(self, info):
+            self._info = info
+
+        def info(self, timeout=None):
+            return self._info
+
+    def _info(self, boot_id, kinds, uuid=""):
+        info = pb.GetServerInfoResponse()
+        info.regions.host_boot_id = boot_id
+        info.regions.kinds.extend(kinds)
+        info.regions.device_uuid = uuid
+        return info
+
+    def test_the_same_host_passes_and_another_is_refused(self):
+        here = _regions.local_boot_id()
+        if not here:
+            self.skipTest("no /proc/sys/kernel/random/boot_id here")
+        shm = pb.REGION_KIND_SYSTEM_SHM
+        _regions.check_can_share(self._Fake(self._info(here, [shm])), shm)
+        with self.assertRaises(attnd.AttndError) as e:
+            _regions.check_can_share(self._Fake(self._info("another-host", [shm])), shm)
+        self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("another host", e.exception.message)
+
+    def test_a_kind_the_server_does_not_take_or_another_gpu(self):
+        here = _regions.local_boot_id()
+        cuda = pb.REGION_KIND_CUDA_IPC
+        with self.assertRaises(attnd.AttndError) as e:
+            _regions.check_can_share(self._Fake(self._info(here, [pb.REGION_KIND_SYSTEM_SHM])), cuda)
+        self.assertIn("no CUDA IPC regions", e.exception.message)
+        info = self._info(here, [pb.REGION_KIND_SYSTEM_SHM, cuda], "GPU-aaaa")
+        with self.assertRaises(attnd.AttndError) as e:
+            _regions.check_can_share(self._Fake(info), cuda, "GPU-bbbb")
+        self.assertIn("CUDA IPC needs the same GPU", e.exception.message)
+        _regions.check_can_share(self._Fake(info), cuda, "GPU-aaaa")
 
 
 class ShmObjects(unittest.TestCase):

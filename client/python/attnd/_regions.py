@@ -13,6 +13,7 @@ import os
 import secrets
 import weakref
 
+import grpc
 import numpy as np
 
 from ._errors import AttndError, invalid_argument
@@ -20,6 +21,38 @@ from ._proto import pb
 from . import _tensors, _wire
 
 _ALIGN = 256  # ShmRegion.ndarray's allocations start at multiples of this
+
+
+def local_boot_id():
+    """Linux's boot id: equal to GetServerInfo.regions.host_boot_id when the server shares this host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def check_can_share(client, kind, device_uuid=None, timeout=None):
+    """Raises FAILED_PRECONDITION unless the server accepts `kind` regions and runs on this host (and, for
+    CUDA IPC, on the GPU whose UUID is `device_uuid`): shared memory cannot cross hosts, and the server's
+    own error would only say that the object or handle does not open."""
+    info = client.info(timeout=timeout).regions
+    kinds = set(info.kinds)
+    if kind not in kinds:
+        what = "CUDA IPC" if kind == pb.REGION_KIND_CUDA_IPC else "system shm"
+        raise AttndError(grpc.StatusCode.FAILED_PRECONDITION,
+                         "this server accepts no %s regions (its backend or --max-regions-per-tenant); "
+                         "send the bytes inline" % what)
+    mine = local_boot_id()
+    if info.host_boot_id and mine and info.host_boot_id != mine:
+        raise AttndError(grpc.StatusCode.FAILED_PRECONDITION,
+                         "attnd runs on another host (boot id %s, this host %s): shared-memory regions need "
+                         "the same host; send the bytes inline" % (info.host_boot_id, mine))
+    if kind == pb.REGION_KIND_CUDA_IPC and device_uuid and info.device_uuid and \
+            device_uuid != info.device_uuid:
+        raise AttndError(grpc.StatusCode.FAILED_PRECONDITION,
+                         "this tensor is on GPU %s but attnd serves GPU %s: CUDA IPC needs the same GPU"
+                         % (device_uuid, info.device_uuid))
 
 _libc = None
 
@@ -94,6 +127,7 @@ class ShmRegion:
         size = int(size)
         if size <= 0:
             raise invalid_argument("register_shm: size must be positive, got %d" % size)
+        check_can_share(client, pb.REGION_KIND_SYSTEM_SHM, None, timeout)
         self._client = client
         self.size = size
         self.name, self.fd = shm_create(size)
@@ -215,6 +249,12 @@ class CudaRegion:
         torch = _tensors._torch()
         if torch is None or not isinstance(tensor, torch.Tensor) or tensor.device.type != "cuda":
             raise invalid_argument("register_cuda needs a torch CUDA tensor")
+        uuid = None
+        try:
+            uuid = "GPU-" + str(torch.cuda.get_device_properties(tensor.device).uuid)
+        except (AttributeError, RuntimeError):
+            pass
+        check_can_share(client, pb.REGION_KIND_CUDA_IPC, uuid, timeout)
         self._client = client
         self._tensor = tensor  # keeps the allocation alive while registered
         self.device = tensor.device
