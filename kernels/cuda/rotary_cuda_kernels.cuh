@@ -93,8 +93,13 @@ struct DecodeRotaryArgs {
   int64_t chunk_len;
 };
 
-// Grid: (batch), 256 threads; dynamic shared memory: 2 * 3 * half floats, then the row's raw key
-// as fp32 (num_kv_heads * head_dim floats), read before the slot is overwritten.
+// Heads of q per block of the decode rotary: q comes from pinned host memory, so each load is a
+// PCIe round trip; spreading a row over blocks keeps one round trip per thread.
+inline constexpr int kDecodeRotaryHeadsPerBlock = 4;
+
+// Grid: (batch, ceil(num_q_heads / kDecodeRotaryHeadsPerBlock)), 256 threads; dynamic shared
+// memory: 2 * 3 * half floats, then (block y = 0, which also rotates the key) the row's raw key as
+// fp32 (num_kv_heads * head_dim floats), read before the slot is overwritten.
 __global__ void DecodeRotaryKernel(DecodeRotaryArgs a) {
   extern __shared__ float smem[];
   const int r = blockIdx.x;
@@ -117,15 +122,18 @@ __global__ void DecodeRotaryKernel(DecodeRotaryArgs a) {
   }
   const char* qrow = static_cast<const char*>(a.p.host_q) + r * a.p.q_row_bytes;
   char* krow = static_cast<char*>(a.p.host_k) + r * a.p.kv_row_bytes;
+  const bool does_key = blockIdx.y == 0;
   const int kv_elems = a.num_kv_heads * d;
-  for (int e = threadIdx.x; e < kv_elems; e += blockDim.x) {
+  for (int e = threadIdx.x; does_key && e < kv_elems; e += blockDim.x) {
     raw_k[e] = cuda_common::LoadAsFloat(krow, row.k_dtype, e);
   }
   __syncthreads();
   const int row_elems = a.num_q_heads * d;
   Bf16* out = a.p.q + static_cast<int64_t>(r) * kNv * row_elems;
-  for (int e = threadIdx.x; e < a.num_q_heads * half; e += blockDim.x) {
-    const int h = e / half, i = e - h * half;
+  const int h0 = blockIdx.y * kDecodeRotaryHeadsPerBlock;
+  const int heads = min(kDecodeRotaryHeadsPerBlock, a.num_q_heads - h0);
+  for (int e = threadIdx.x; e < heads * half; e += blockDim.x) {
+    const int h = h0 + e / half, i = e % half;
     const float x1 = cuda_common::LoadAsFloat(qrow, row.q_dtype, h * d + i);
     const float x2 = cuda_common::LoadAsFloat(qrow, row.q_dtype, h * d + i + half);
     Bf16* o = out + h * d + i;
@@ -137,14 +145,14 @@ __global__ void DecodeRotaryKernel(DecodeRotaryArgs a) {
     }
   }
   const int rest = d - rd;
-  for (int e = threadIdx.x; rest > 0 && e < a.num_q_heads * rest; e += blockDim.x) {
-    const int h = e / rest, i = rd + (e - h * rest);
+  for (int e = threadIdx.x; rest > 0 && e < heads * rest; e += blockDim.x) {
+    const int h = h0 + e / rest, i = rd + e % rest;
     const float x = cuda_common::LoadAsFloat(qrow, row.q_dtype, h * d + i);
     for (int v = 0; v < kNv; ++v) out[v * row_elems + h * d + i] = __float2bfloat16_rn(x);
   }
   // The key by the intra position, as fp32 into its own slot (the stage reads it from there).
   float* kout = reinterpret_cast<float*>(krow);
-  for (int e = threadIdx.x; e < kv_elems; e += blockDim.x) {
+  for (int e = threadIdx.x; does_key && e < kv_elems; e += blockDim.x) {
     const int h = e / d, i = e - h * d;
     const float* k = raw_k + h * d;
     float x;
