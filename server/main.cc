@@ -74,6 +74,9 @@ ABSL_FLAG(int64_t, max_inflight_request_bytes, 2ll << 30,
           "RESOURCE_EXHAUSTED at once; at least --max-message-bytes");
 ABSL_FLAG(int64_t, grpc_memory_bytes, 4ll << 30,
           "gRPC's memory quota for its transport buffers, in bytes (at least 64 MiB)");
+ABSL_FLAG(std::string, grpc_channel_args, "",
+          "extra integer gRPC channel arguments for the API listener, name=value,... (e.g. "
+          "grpc.http2.lookahead_bytes=8388608,grpc.http2.max_frame_size=1048576)");
 
 namespace {
 
@@ -156,6 +159,7 @@ int main(int argc, char** argv) {
   options.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
   options.max_inflight_request_bytes = absl::GetFlag(FLAGS_max_inflight_request_bytes);
   options.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
+  options.grpc_channel_args = absl::GetFlag(FLAGS_grpc_channel_args);
 
   absl::StatusOr<std::unique_ptr<attnd::AttndServer>> server = attnd::AttndServer::Start(options);
   if (!server.ok()) return Fail(std::string(server.status().message()));

@@ -17,8 +17,10 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "grpc/support/log.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -108,6 +110,21 @@ absl::StatusOr<DecodeBatcherOptions> BatcherOptions(const ServerOptions& o) {
   return b;
 }
 
+// "name=value,..." with integer values, names starting "grpc.".
+absl::StatusOr<std::vector<std::pair<std::string, int>>> ParseChannelArgs(absl::string_view text) {
+  std::vector<std::pair<std::string, int>> out;
+  for (absl::string_view entry : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    const std::vector<absl::string_view> kv = absl::StrSplit(entry, absl::MaxSplits('=', 1));
+    int value = 0;
+    if (kv.size() != 2 || !absl::StartsWith(kv[0], "grpc.") || !absl::SimpleAtoi(kv[1], &value)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--grpc-channel-args: '", entry, "' is not grpc.NAME=INTEGER (e.g. grpc.http2.lookahead_bytes=8388608)"));
+    }
+    out.emplace_back(std::string(kv[0]), value);
+  }
+  return out;
+}
+
 absl::Status CheckOptions(const ServerOptions& o) {
   if (o.page_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("--page-size must be > 0, got ", o.page_size));
@@ -158,6 +175,11 @@ absl::Status CheckOptions(const ServerOptions& o) {
   if (o.tenant_page_quota < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--tenant-page-quota must be >= 0, got ", o.tenant_page_quota));
+  }
+  if (absl::StatusOr<std::vector<std::pair<std::string, int>>> args =
+          ParseChannelArgs(o.grpc_channel_args);
+      !args.ok()) {
+    return args.status();
   }
   return absl::OkStatus();
 }
@@ -484,6 +506,12 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   builder.SetResourceQuota(quota);
   // One daemon per port: a second one on the same port must fail, not share the port's traffic.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Checked by CheckOptions already.
+  const std::vector<std::pair<std::string, int>> channel_args =
+      ParseChannelArgs(options.grpc_channel_args).value();
+  for (const auto& [name, value] : channel_args) {
+    builder.AddChannelArgument(name, value);
+  }
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {

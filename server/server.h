@@ -55,6 +55,9 @@ struct ServerOptions {
   int32_t max_streams_per_connection = 64;      // concurrent calls (streams) on one connection
   int64_t max_inflight_request_bytes = 2ll << 30;  // requests being served, all together
   int64_t grpc_memory_bytes = 4ll << 30;        // gRPC's resource quota (transport buffers)
+  // Extra integer channel arguments for the API listener, "name=value,..." (e.g.
+  // "grpc.http2.lookahead_bytes=8388608"), after attnd's own; "" = none (docs/operations.md).
+  std::string grpc_channel_args;
 
   // Tests only (fault injection, tests/reliability): wraps the engine before the runtime takes it,
   // e.g. in server/fault_engine.h's FaultEngine. Unset = the engine as created.
