@@ -7,10 +7,10 @@
 //   prefill  a real one-layer Prefill on a fresh sequence (created and released untimed): wire up,
 //            compute, wire down. MB/s counts request + reply bytes.
 //
-// --client=raw sends a request serialized once before the loop (grpc::GenericStub, ByteBuffer in and
-// out): only the transport and the server are timed. --client=proto builds the v1::PrefillRequest
-// from the tensors' bytes on every call and parses the reply (what the C++ client library does),
-// so the client's own copies are timed too.
+// --client=raw sends a request serialized once before the loop (grpc::GenericStub, ByteBuffer in
+// and out): only the transport and the server are timed. --client=proto builds the
+// v1::PrefillRequest from the tensors' bytes on every call and parses the reply (what the C++
+// client library does), so the client's own copies are timed too.
 //
 // Channel options for the client side are flags (0 / -1 = gRPC's default); the server's are attnd's
 // own flags. Prints one line per case: p50 and min over --repeat calls after --warmup.
@@ -92,7 +92,8 @@ std::string Payload(int64_t n, bool bf16) {
   return out;
 }
 
-void SetTensor(v1::DType dtype, std::vector<int64_t> shape, const std::string& data, v1::Tensor* t) {
+void SetTensor(v1::DType dtype, std::vector<int64_t> shape, const std::string& data,
+               v1::Tensor* t) {
   t->set_dtype(dtype);
   t->mutable_shape()->Assign(shape.begin(), shape.end());
   t->set_data(data);
@@ -163,8 +164,8 @@ class Bench {
       grpc::ByteBuffer reply;
       absl::Notification done;
       grpc::Status status;
-      generic_.UnaryCall(&ctx, "/attnd.v1.Attention/Prefill", grpc::StubOptions(), prebuilt,
-                         &reply, [&](grpc::Status s) {
+      generic_.UnaryCall(&ctx, "/attnd.v1.Attention/Prefill", grpc::StubOptions(), prebuilt, &reply,
+                         [&](grpc::Status s) {
                            status = std::move(s);
                            done.Notify();
                          });
@@ -203,9 +204,10 @@ int main(int argc, char** argv) {
   const int repeat = std::max(1, absl::GetFlag(FLAGS_repeat));
   const int warmup = std::max(0, absl::GetFlag(FLAGS_warmup));
   const std::string label = absl::GetFlag(FLAGS_label);
-  std::printf("# transfer_bench target=%s client=%s dtype=%s geometry Hq=%d Hkv=%d D=%d layers=%d%s%s\n",
-              absl::GetFlag(FLAGS_target).c_str(), raw ? "raw" : "proto", bf16 ? "bf16" : "fp32",
-              g.hq, g.hkv, g.d, g.layers, label.empty() ? "" : " label=", label.c_str());
+  std::printf(
+      "# transfer_bench target=%s client=%s dtype=%s geometry Hq=%d Hkv=%d D=%d layers=%d%s%s\n",
+      absl::GetFlag(FLAGS_target).c_str(), raw ? "raw" : "proto", bf16 ? "bf16" : "fp32", g.hq,
+      g.hkv, g.d, g.layers, label.empty() ? "" : " label=", label.c_str());
   std::printf("%-8s %-10s %6s %9s %9s %9s %9s %9s %8s\n", "mode", "layout", "tokens", "req_MB",
               "reply_MB", "p50_ms", "min_ms", "p50_MB/s", "p50_GB/s");
   for (absl::string_view tok : absl::StrSplit(absl::GetFlag(FLAGS_tokens), ',')) {
@@ -244,7 +246,8 @@ int main(int argc, char** argv) {
           grpc::Status s = bench.Call(c, seq, layer, raw, &prebuilt, &reply_bytes);
           const double elapsed = Ms(Clock::now() - start);
           if (!upload) bench.Release(seq);
-          const bool expected = upload ? s.error_code() == grpc::StatusCode::INVALID_ARGUMENT : s.ok();
+          const bool expected =
+              upload ? s.error_code() == grpc::StatusCode::INVALID_ARGUMENT : s.ok();
           if (!expected) {
             std::fprintf(stderr, "%s %s %ld: unexpected status %d: %s\n", std::string(mode).c_str(),
                          std::string(layout).c_str(), static_cast<long>(t), s.error_code(),
@@ -262,8 +265,8 @@ int main(int argc, char** argv) {
         std::printf("%-8s %-10s %6ld %9.1f %9.1f %9.2f %9.2f %9.0f %8.2f%s%s\n",
                     std::string(mode).c_str(), std::string(layout).c_str(), static_cast<long>(t),
                     req_bytes / 1e6, (upload ? 0 : reply_bytes) / 1e6, p50, ms.front(),
-                    moved / 1e6 / (p50 / 1e3), moved / 1e9 / (p50 / 1e3),
-                    label.empty() ? "" : "  ", label.c_str());
+                    moved / 1e6 / (p50 / 1e3), moved / 1e9 / (p50 / 1e3), label.empty() ? "" : "  ",
+                    label.c_str());
         std::fflush(stdout);
       }
     }
