@@ -74,6 +74,12 @@ ABSL_FLAG(int64_t, max_inflight_request_bytes, 2ll << 30,
           "RESOURCE_EXHAUSTED at once; at least --max-message-bytes");
 ABSL_FLAG(int64_t, grpc_memory_bytes, 4ll << 30,
           "gRPC's memory quota for its transport buffers, in bytes (at least 64 MiB)");
+ABSL_FLAG(bool, wire_fast_path, true,
+          "read unary Prefill requests straight from gRPC's buffers and write replies around the "
+          "engine's output (false: protobuf parses and serializes every message)");
+ABSL_FLAG(int64_t, wire_buffer_pool_bytes, 1ll << 30,
+          "bytes of idle request/reply buffers the Prefill fast path keeps for reuse (freed after "
+          "about 10 s unused)");
 ABSL_FLAG(std::string, grpc_channel_args, "",
           "extra integer gRPC channel arguments for the API listener, name=value,... (e.g. "
           "grpc.http2.lookahead_bytes=8388608,grpc.http2.max_frame_size=1048576)");
@@ -160,6 +166,8 @@ int main(int argc, char** argv) {
   options.max_inflight_request_bytes = absl::GetFlag(FLAGS_max_inflight_request_bytes);
   options.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
   options.grpc_channel_args = absl::GetFlag(FLAGS_grpc_channel_args);
+  options.wire_fast_path = absl::GetFlag(FLAGS_wire_fast_path);
+  options.wire_buffer_pool_bytes = absl::GetFlag(FLAGS_wire_buffer_pool_bytes);
 
   absl::StatusOr<std::unique_ptr<attnd::AttndServer>> server = attnd::AttndServer::Start(options);
   if (!server.ok()) return Fail(std::string(server.status().message()));

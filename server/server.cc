@@ -41,6 +41,7 @@
 #include "server/runtime.h"
 #include "server/service.h"
 #include "server/tls.h"
+#include "server/wire.h"
 #include "server/work_queue.h"
 #include "spdlog/spdlog.h"
 
@@ -168,6 +169,10 @@ absl::Status CheckOptions(const ServerOptions& o) {
         ") must be at least --max-message-bytes (", o.max_message_bytes,
         "), or the largest request could never run"));
   }
+  if (o.wire_buffer_pool_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--wire-buffer-pool-bytes must be >= 0, got ", o.wire_buffer_pool_bytes));
+  }
   if (o.grpc_memory_bytes < (int64_t{64} << 20)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--grpc-memory-bytes must be at least 64 MiB, got ", o.grpc_memory_bytes));
@@ -248,6 +253,7 @@ class AttndServerImpl : public AttndServer {
   std::unique_ptr<DecodeExecutor> decode_executor_;
   std::unique_ptr<DecodeQueue> decode_queue_;
   BatchingDecodeQueue* batcher_ = nullptr;  // decode_queue_ when batching is on
+  std::shared_ptr<wire::BufferPool> buffers_;  // null: the wire fast path is off
   std::unique_ptr<AttentionService> service_;
   std::atomic<const AttentionService*> service_for_metrics_{nullptr};  // service_, once it exists
   std::unique_ptr<HealthService> health_;
@@ -303,11 +309,15 @@ void AttndServerImpl::StopReaper() {
 void AttndServerImpl::HealthWatchLoop() {
   int64_t ticks = 0;
   while (true) {
+    ++ticks;
 #ifdef __GLIBC__
     // Every 5 s: give freed heap back to the OS. Large requests are freed in pieces that glibc
     // keeps in its arenas; without this, RSS stayed hundreds of MB up after a burst (issue #13).
-    if (++ticks % 50 == 0) malloc_trim(0);
+    if (ticks % 50 == 0) malloc_trim(0);
 #endif
+    // Likewise the Prefill fast path's idle buffers: kept while calls keep coming, freed ~10 s
+    // after a burst.
+    if (ticks % 50 == 0 && buffers_ != nullptr) buffers_->TrimIdle(absl::Seconds(10));
     {
       MutexLock lock(&health_mu_);
       const auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(health_mu_) { return health_stop_; };
@@ -484,9 +494,12 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   } else {
     decode_queue_ = std::make_unique<DirectDecodeQueue>(runtime_.get(), work_queue_.get());
   }
-  service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
-                                                decode_queue_.get(), metrics_.get(), batcher_,
-                                                tokens_, options.max_inflight_request_bytes);
+  if (options.wire_fast_path) {
+    buffers_ = std::make_shared<wire::BufferPool>(options.wire_buffer_pool_bytes);
+  }
+  service_ = std::make_unique<AttentionService>(
+      runtime_.get(), work_queue_.get(), decode_queue_.get(), metrics_.get(), batcher_, tokens_,
+      options.max_inflight_request_bytes, buffers_);
   service_for_metrics_.store(service_.get());
 
   // Our own health service, not gRPC's default: its Watch streams end when the drain begins.

@@ -58,6 +58,11 @@ struct ServerOptions {
   // Extra integer channel arguments for the API listener, "name=value,..." (e.g.
   // "grpc.http2.lookahead_bytes=8388608"), after attnd's own; "" = none (docs/operations.md).
   std::string grpc_channel_args;
+  // Unary Prefill requests read from the message's slices and replies written around the engine's
+  // output (server/wire.h); false: protobuf parses and serializes every message.
+  bool wire_fast_path = true;
+  // Idle request/reply buffers the fast path keeps for reuse (freed after ~10 s unused).
+  int64_t wire_buffer_pool_bytes = 1ll << 30;
 
   // Tests only (fault injection, tests/reliability): wraps the engine before the runtime takes it,
   // e.g. in server/fault_engine.h's FaultEngine. Unset = the engine as created.

@@ -18,11 +18,13 @@
 #include "server/decode_queue.h"
 #include "server/metrics.h"
 #include "server/runtime.h"
+#include "server/wire.h"
 #include "server/work_queue.h"
 
 namespace attnd {
 
 class SessionReactor;
+class WirePrefillCall;
 struct RequestClock;
 
 // Thread-safe; gRPC calls the handlers from its own threads. runtime, work_queue and decode_queue
@@ -62,11 +64,15 @@ class UnaryCall : public grpc::ServerUnaryReactor {
 class AttentionService : public AttentionServiceBase {
  public:
   // `batcher`: decode_queue when it is a BatchingDecodeQueue, for GetServerInfo's decode_batching
-  // counters (nullptr: batching is reported off).
+  // counters (nullptr: batching is reported off). `buffers`: unary Prefill requests of the simple
+  // shape are read by server/wire.h (tensors from the message's slices or gathered into these
+  // buffers) and their replies written around the engine's output (nullptr: protobuf parses and
+  // serializes every message).
   AttentionService(Runtime* runtime, WorkQueue* work_queue, DecodeQueue* decode_queue,
                    AttndMetrics* metrics = nullptr, const BatchingDecodeQueue* batcher = nullptr,
                    std::shared_ptr<const TokenStore> tokens = nullptr,
-                   int64_t max_inflight_request_bytes = 0);
+                   int64_t max_inflight_request_bytes = 0,
+                   std::shared_ptr<wire::BufferPool> buffers = nullptr);
 
   // Sessions waiting for their next request end now with UNAVAILABLE; busy ones end after the
   // response they are computing. Call before grpc::Server::Shutdown so idle streams do not hold
@@ -128,6 +134,10 @@ class AttentionService : public AttentionServiceBase {
                             v1::ReleaseSequenceResponse* response, UnaryCall* reactor);
   void ServePrefill(grpc::CallbackServerContext* context, const v1::PrefillRequest* request,
                     v1::PrefillResponse* response, UnaryCall* reactor);
+  // A Prefill parsed by server/wire.h (the same checks, queueing and records as ServePrefill).
+  void ServeWirePrefill(grpc::CallbackServerContext* context, int64_t request_bytes,
+                        WirePrefillCall* call);
+  absl::Status RunWirePrefill(WirePrefillCall* call, absl::string_view tenant);
   void ServeDecode(grpc::CallbackServerContext* context, const v1::DecodeRequest* request,
                    v1::DecodeResponse* response, UnaryCall* reactor);
   // Parses `request` as Request (INVALID_ARGUMENT "cannot parse attnd.v1.<Request>" when it does
@@ -160,6 +170,7 @@ class AttentionService : public AttentionServiceBase {
   const BatchingDecodeQueue* const batcher_;  // may be null
   const std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
   const int64_t max_inflight_request_bytes_;        // 0: no budget
+  const std::shared_ptr<wire::BufferPool> buffers_;  // null: no wire fast path
   std::atomic<int64_t> inflight_request_bytes_{0};
 
   // Atomic, not under mu_: sessions read it under their own lock, and BeginShutdown takes mu_
