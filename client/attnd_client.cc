@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/status_macros.h"
@@ -38,10 +39,10 @@ void BuildDecode(int32_t layer, const std::vector<DecodeInput>& entries,
   }
 }
 
-absl::StatusOr<PrefillResult> ParsePrefill(const v1::PrefillResponse& response) {
+absl::StatusOr<PrefillResult> ParsePrefill(v1::PrefillResponse* response) {
   PrefillResult result;
-  ATTND_ASSIGN_OR_RETURN(result.o, FromProto(response.o()));
-  result.length = response.length();
+  ATTND_ASSIGN_OR_RETURN(result.o, FromProto(std::move(*response->mutable_o())));
+  result.length = response->length();
   return result;
 }
 
@@ -81,7 +82,10 @@ absl::Status FromGrpc(const grpc::Status& status) {
 }
 
 AttndClient::AttndClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
-    : options_(options), channel_(std::move(channel)), stub_(v1::Attention::NewStub(channel_)) {}
+    : options_(options),
+      channel_(std::move(channel)),
+      stub_(v1::Attention::NewStub(channel_)),
+      generic_(channel_) {}
 
 absl::StatusOr<std::unique_ptr<AttndClient>> AttndClient::Connect(const std::string& target,
                                                                   const ClientOptions& options) {
@@ -92,6 +96,7 @@ absl::StatusOr<std::unique_ptr<AttndClient>> AttndClient::Connect(const std::str
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  for (const auto& [name, value] : options.channel_args) args.SetInt(name, value);
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
   if (!options.tls_ca_file.empty()) {
     grpc::SslCredentialsOptions ssl;
@@ -190,10 +195,36 @@ absl::StatusOr<PrefillResult> AttndClient::Prefill(const std::string& sequence_i
                                                    const HostTensor& v,
                                                    std::optional<int64_t> prompt_len,
                                                    v1::QLayout q_layout) {
-  v1::PrefillRequest request;
-  BuildPrefill(sequence_id, layer, q, k, v, prompt_len, q_layout, &request);
-  ATTND_ASSIGN_OR_RETURN(v1::PrefillResponse response, PrefillRaw(request));
-  return ParsePrefill(response);
+  if (!options_.wire_prefill) {
+    v1::PrefillRequest request;
+    BuildPrefill(sequence_id, layer, q, k, v, prompt_len, q_layout, &request);
+    ATTND_ASSIGN_OR_RETURN(v1::PrefillResponse response, PrefillRaw(request));
+    return ParsePrefill(&response);
+  }
+  // One copy of each tensor into a reused buffer, and the reply parsed once (its bytes moved into
+  // the result), instead of proto building, serializing, parsing and copying out.
+  const grpc::ByteBuffer request =
+      EncodePrefillRequest(send_buffers_.get(), sequence_id, layer, q, k, v, prompt_len, q_layout);
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  grpc::ByteBuffer reply;
+  grpc::Status status;
+  absl::Notification done;
+  generic_.UnaryCall(&context, "/attnd.v1.Attention/Prefill", grpc::StubOptions(), &request, &reply,
+                     [&](grpc::Status s) {
+                       status = std::move(s);
+                       done.Notify();
+                     });
+  done.WaitForNotification();
+  ATTND_RETURN_IF_ERROR(FromGrpc(status));
+  v1::PrefillResponse response;
+  const grpc::Status parsed =
+      grpc::SerializationTraits<v1::PrefillResponse>::Deserialize(&reply, &response);
+  if (!parsed.ok()) {
+    return absl::InternalError("malformed Prefill reply from the server: " +
+                               parsed.error_message());
+  }
+  return ParsePrefill(&response);
 }
 
 absl::StatusOr<std::vector<DecodeResult>> AttndClient::Decode(
@@ -254,7 +285,7 @@ absl::StatusOr<PrefillResult> Session::Prefill(const std::string& sequence_id, i
   BuildPrefill(sequence_id, layer, q, k, v, prompt_len, q_layout, request.mutable_prefill());
   ATTND_ASSIGN_OR_RETURN(v1::SessionResponse response, RoundTrip(&request));
   if (!response.has_prefill()) return absl::InternalError("Session answered a prefill without one");
-  return ParsePrefill(response.prefill());
+  return ParsePrefill(response.mutable_prefill());
 }
 
 absl::StatusOr<std::vector<DecodeResult>> Session::Decode(int32_t layer,

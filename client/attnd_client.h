@@ -18,6 +18,8 @@
 #include "absl/time/time.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "client/host_tensor.h"
+#include "client/prefill_wire.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 
 namespace attnd {
@@ -39,6 +41,12 @@ struct ClientOptions {
   std::string tls_ca_file;
   std::string tls_cert_file;
   std::string tls_key_file;
+  // Prefill writes its request by hand into one reused buffer and takes the reply's bytes without
+  // a copy (client/prefill_wire.h); false: through the protobuf classes, as PrefillRaw does.
+  bool wire_prefill = true;
+  // Extra integer channel arguments, e.g. {"grpc.http2.lookahead_bytes", 67108864}
+  // (docs/BENCHMARKS.md, "gRPC bytes path").
+  std::vector<std::pair<std::string, int>> channel_args;
 };
 
 struct PrefillResult {
@@ -108,6 +116,8 @@ class AttndClient {
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
+  grpc::GenericStub generic_;  // Prefill's wire path
+  const std::shared_ptr<SendBuffers> send_buffers_ = std::make_shared<SendBuffers>();
   friend class Session;
 };
 

@@ -24,11 +24,14 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "attnd/v1/attention.grpc.pb.h"
+#include "client/attnd_client.h"
+#include "client/host_tensor.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 
@@ -37,7 +40,9 @@ ABSL_FLAG(std::string, tokens, "4096", "comma-separated token counts per Prefill
 ABSL_FLAG(std::string, layouts, "variants,pre_rotary",
           "q layouts: variants (q [T,5,Hq,D]) and/or pre_rotary (q [T,Hq,D])");
 ABSL_FLAG(std::string, modes, "upload,prefill", "upload and/or prefill (see the file comment)");
-ABSL_FLAG(std::string, client, "raw", "raw (pre-serialized ByteBuffer) or proto (per-call build)");
+ABSL_FLAG(
+    std::string, client, "raw",
+    "raw (pre-serialized ByteBuffer), proto (per-call build), lib or lib_proto (AttndClient)");
 ABSL_FLAG(std::string, dtype, "bf16", "bf16 or fp32 request tensors");
 ABSL_FLAG(int32_t, repeat, 10, "timed calls per case");
 ABSL_FLAG(int32_t, warmup, 2, "untimed calls per case first");
@@ -101,6 +106,7 @@ void SetTensor(v1::DType dtype, std::vector<int64_t> shape, const std::string& d
 
 struct Case {
   std::string q, k, v;  // bytes
+  attnd::client::HostTensor hq, hk, hv;  // the same, for --client=lib
   std::vector<int64_t> q_shape, kv_shape;
   v1::DType dtype = v1::DTYPE_BF16;
   v1::QLayout layout = v1::Q_LAYOUT_VARIANTS;
@@ -159,6 +165,14 @@ class Bench {
   // One Prefill call; *reply_bytes = the reply's size. Returns the status.
   grpc::Status Call(const Case& c, const std::string& seq, int32_t layer, bool raw,
                     const grpc::ByteBuffer* prebuilt, int64_t* reply_bytes) {
+    if (lib_ != nullptr) {
+      absl::StatusOr<attnd::client::PrefillResult> r =
+          lib_->Prefill(seq, layer, c.hq, c.hk, c.hv, std::nullopt, c.layout);
+      *reply_bytes = r.ok() ? static_cast<int64_t>(r->o.data.size()) : 0;
+      return r.ok() ? grpc::Status::OK
+                    : grpc::Status(static_cast<grpc::StatusCode>(r.status().code()),
+                                   std::string(r.status().message()));
+    }
     grpc::ClientContext ctx;
     if (raw) {
       grpc::ByteBuffer reply;
@@ -184,6 +198,9 @@ class Bench {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
   grpc::GenericStub generic_;
+
+ public:
+  std::unique_ptr<attnd::client::AttndClient> lib_;  // --client=lib / lib_proto
 };
 
 grpc::ByteBuffer Serialize(const v1::PrefillRequest& r) {
@@ -197,17 +214,34 @@ grpc::ByteBuffer Serialize(const v1::PrefillRequest& r) {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   Bench bench(Connect());
+  const std::string client = absl::GetFlag(FLAGS_client);
+  if (absl::StartsWith(client, "lib")) {
+    attnd::client::ClientOptions o;
+    o.max_message_bytes = INT32_MAX;
+    o.wire_prefill = client == "lib";
+    if (int v = absl::GetFlag(FLAGS_lookahead_bytes); v > 0)
+      o.channel_args.emplace_back(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, v);
+    if (int v = absl::GetFlag(FLAGS_max_frame_size); v > 0)
+      o.channel_args.emplace_back(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, v);
+    absl::StatusOr<std::unique_ptr<attnd::client::AttndClient>> lib =
+        attnd::client::AttndClient::Connect(absl::GetFlag(FLAGS_target), o);
+    if (!lib.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(lib.status().message()).c_str());
+      return 1;
+    }
+    bench.lib_ = *std::move(lib);
+  }
   Geometry g;
   if (!bench.Info(&g)) return 1;
   const bool bf16 = absl::GetFlag(FLAGS_dtype) == "bf16";
-  const bool raw = absl::GetFlag(FLAGS_client) == "raw";
+  const bool raw = client == "raw";
   const int repeat = std::max(1, absl::GetFlag(FLAGS_repeat));
   const int warmup = std::max(0, absl::GetFlag(FLAGS_warmup));
   const std::string label = absl::GetFlag(FLAGS_label);
   std::printf(
       "# transfer_bench target=%s client=%s dtype=%s geometry Hq=%d Hkv=%d D=%d layers=%d%s%s\n",
-      absl::GetFlag(FLAGS_target).c_str(), raw ? "raw" : "proto", bf16 ? "bf16" : "fp32", g.hq,
-      g.hkv, g.d, g.layers, label.empty() ? "" : " label=", label.c_str());
+      absl::GetFlag(FLAGS_target).c_str(), client.c_str(), bf16 ? "bf16" : "fp32", g.hq, g.hkv, g.d,
+      g.layers, label.empty() ? "" : " label=", label.c_str());
   std::printf("%-8s %-10s %6s %9s %9s %9s %9s %9s %8s\n", "mode", "layout", "tokens", "req_MB",
               "reply_MB", "p50_ms", "min_ms", "p50_MB/s", "p50_GB/s");
   for (absl::string_view tok : absl::StrSplit(absl::GetFlag(FLAGS_tokens), ',')) {
@@ -227,6 +261,12 @@ int main(int argc, char** argv) {
       c.q = Payload(t * (pre ? 1 : 5) * g.hq * g.d, bf16);
       c.k = Payload(t * g.hkv * g.d, bf16);
       c.v = c.k;
+      if (absl::StartsWith(absl::GetFlag(FLAGS_client), "lib")) {
+        const attnd::DType dt = bf16 ? attnd::DType::kBf16 : attnd::DType::kFp32;
+        c.hq = attnd::client::HostTensor::FromBytes(dt, c.q_shape, c.q);
+        c.hk = attnd::client::HostTensor::FromBytes(dt, c.kv_shape, c.k);
+        c.hv = attnd::client::HostTensor::FromBytes(dt, c.kv_shape, c.v);
+      }
       for (absl::string_view mode : absl::StrSplit(absl::GetFlag(FLAGS_modes), ',')) {
         const bool upload = mode == "upload";
         std::vector<double> ms;
