@@ -5,7 +5,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/status_macros.h"
@@ -85,7 +84,8 @@ AttndClient::AttndClient(std::shared_ptr<grpc::Channel> channel, const ClientOpt
     : options_(options),
       channel_(std::move(channel)),
       stub_(v1::Attention::NewStub(channel_)),
-      generic_(channel_) {}
+      prefill_method_("/attnd.v1.Attention/Prefill", grpc::internal::RpcMethod::NORMAL_RPC,
+                      channel_) {}
 
 absl::StatusOr<std::unique_ptr<AttndClient>> AttndClient::Connect(const std::string& target,
                                                                   const ClientOptions& options) {
@@ -208,14 +208,10 @@ absl::StatusOr<PrefillResult> AttndClient::Prefill(const std::string& sequence_i
   grpc::ClientContext context;
   SetDeadline(&context);
   grpc::ByteBuffer reply;
-  grpc::Status status;
-  absl::Notification done;
-  generic_.UnaryCall(&context, "/attnd.v1.Attention/Prefill", grpc::StubOptions(), &request, &reply,
-                     [&](grpc::Status s) {
-                       status = std::move(s);
-                       done.Notify();
-                     });
-  done.WaitForNotification();
+  // Blocking, like the typed stub (the callback API's thread hop cost ~3 ms per call on the
+  // 2-core dev VM).
+  const grpc::Status status = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      channel_.get(), prefill_method_, &context, request, &reply);
   ATTND_RETURN_IF_ERROR(FromGrpc(status));
   v1::PrefillResponse response;
   const grpc::Status parsed =

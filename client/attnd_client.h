@@ -19,8 +19,9 @@
 #include "attnd/v1/attention.grpc.pb.h"
 #include "client/host_tensor.h"
 #include "client/prefill_wire.h"
-#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/client_unary_call.h"
+#include "grpcpp/impl/rpc_method.h"
 
 namespace attnd {
 namespace client {
@@ -116,7 +117,7 @@ class AttndClient {
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
-  grpc::GenericStub generic_;  // Prefill's wire path
+  const grpc::internal::RpcMethod prefill_method_;  // Prefill's wire path (raw bytes)
   const std::shared_ptr<SendBuffers> send_buffers_ = std::make_shared<SendBuffers>();
   friend class Session;
 };

@@ -7,8 +7,8 @@
 //   prefill  a real one-layer Prefill on a fresh sequence (created and released untimed): wire up,
 //            compute, wire down. MB/s counts request + reply bytes.
 //
-// --client=raw sends a request serialized once before the loop (grpc::GenericStub, ByteBuffer in
-// and out): only the transport and the server are timed. --client=proto builds the
+// --client=raw sends a request serialized once before the loop (raw ByteBuffer method, ByteBuffer
+// in and out): only the transport and the server are timed. --client=proto builds the
 // v1::PrefillRequest from the tensors' bytes on every call and parses the reply (what the C++
 // client library does), so the client's own copies are timed too.
 //
@@ -32,8 +32,9 @@
 #include "attnd/v1/attention.grpc.pb.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
-#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/client_unary_call.h"
+#include "grpcpp/impl/rpc_method.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "attnd address");
 ABSL_FLAG(std::string, tokens, "4096", "comma-separated token counts per Prefill call");
@@ -129,7 +130,10 @@ double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(
 class Bench {
  public:
   explicit Bench(std::shared_ptr<grpc::Channel> channel)
-      : channel_(channel), stub_(v1::Attention::NewStub(channel)), generic_(channel) {}
+      : channel_(channel),
+        stub_(v1::Attention::NewStub(channel)),
+        prefill_method_("/attnd.v1.Attention/Prefill", grpc::internal::RpcMethod::NORMAL_RPC,
+                        channel) {}
 
   bool Info(Geometry* g) {
     grpc::ClientContext ctx;
@@ -176,14 +180,8 @@ class Bench {
     grpc::ClientContext ctx;
     if (raw) {
       grpc::ByteBuffer reply;
-      absl::Notification done;
-      grpc::Status status;
-      generic_.UnaryCall(&ctx, "/attnd.v1.Attention/Prefill", grpc::StubOptions(), prebuilt, &reply,
-                         [&](grpc::Status s) {
-                           status = std::move(s);
-                           done.Notify();
-                         });
-      done.WaitForNotification();
+      grpc::Status status = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+          channel_.get(), prefill_method_, &ctx, *prebuilt, &reply);
       *reply_bytes = static_cast<int64_t>(reply.Length());
       return status;
     }
@@ -197,7 +195,7 @@ class Bench {
  private:
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
-  grpc::GenericStub generic_;
+  const grpc::internal::RpcMethod prefill_method_;  // raw bytes, blocking like the typed stub
 
  public:
   std::unique_ptr<attnd::client::AttndClient> lib_;  // --client=lib / lib_proto
