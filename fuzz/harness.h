@@ -173,8 +173,10 @@ class Harness {
     queue_options.num_workers = 2;
     work_queue_ = std::make_unique<WorkQueue>(queue_options);
     decode_queue_ = std::make_unique<DirectDecodeQueue>(runtime_.get(), work_queue_.get());
+    // With the Prefill fast path (server/wire.h), as attnd runs by default.
     service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
-                                                  decode_queue_.get());
+                                                  decode_queue_.get(), nullptr, nullptr, nullptr, 0,
+                                                  std::make_shared<wire::BufferPool>(64 << 20));
     grpc::ServerBuilder builder;
     builder.SetMaxReceiveMessageSize(64 << 20);
     builder.RegisterService(service_.get());

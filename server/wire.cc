@@ -36,9 +36,10 @@ class Reader {
   }
 
   // protobuf's varint: at most 10 bytes; a 10th byte above 1 would overflow 64 bits (not simple).
-  bool Varint(uint64_t* v) {
+  // Tags and lengths protobuf reads as 32-bit: at most 5 bytes there (`max_bytes`).
+  bool Varint(uint64_t* v, int max_bytes = 10) {
     uint64_t result = 0;
-    for (int i = 0; i < 10; ++i) {
+    for (int i = 0; i < max_bytes; ++i) {
       uint8_t b;
       if (!Byte(&b)) return false;
       if (i == 9 && b > 1) return false;
@@ -97,9 +98,14 @@ class Reader {
   size_t off_ = 0;
 };
 
+// A length-delimited field's length, which must fit before `end` (the enclosing message's end).
 bool ReadLength(Reader* r, size_t end, size_t* n) {
   uint64_t v;
-  if (!r->Varint(&v) || v > end - r->pos()) return false;
+  // The tag or the length itself may have run past `end` (a tag cut by a short sub-message).
+  // protobuf refuses lengths of more than 5 bytes or past 2^31 - 17 (its ReadSize).
+  if (!r->Varint(&v, 5) || v > 0x7fffffffu - 16 || r->pos() > end || v > end - r->pos()) {
+    return false;
+  }
   *n = static_cast<size_t>(v);
   return true;
 }
@@ -110,7 +116,7 @@ bool ParseTensor(Reader* r, size_t n, BufferPool* pool, WireTensor* t) {
   uint32_t seen = 0;
   while (r->pos() < end) {
     uint64_t tag;
-    if (!r->Varint(&tag) || tag > 0xffffffffu) return false;
+    if (!r->Varint(&tag, 5) || tag > 0xffffffffu) return false;
     const uint32_t field = static_cast<uint32_t>(tag >> 3);
     const uint32_t type = static_cast<uint32_t>(tag & 7);
     if (field == 0 || field >= 32 || (seen & (1u << field)) != 0) return false;
@@ -293,7 +299,7 @@ bool ParsePrefillRequest(const grpc::ByteBuffer& request, BufferPool* pool,
   uint32_t seen = 0;
   while (r.pos() < end) {
     uint64_t tag;
-    if (!r.Varint(&tag) || tag > 0xffffffffu) return false;
+    if (!r.Varint(&tag, 5) || tag > 0xffffffffu) return false;
     const uint32_t field = static_cast<uint32_t>(tag >> 3);
     const uint32_t type = static_cast<uint32_t>(tag & 7);
     if (field == 0 || field >= 32 || (seen & (1u << field)) != 0) return false;

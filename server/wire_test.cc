@@ -158,6 +158,23 @@ TEST(WireParse, DeclinesWhatIsNotTheSimpleShape) {
   }
 }
 
+// Found by fuzz/wire_fuzz: a tensor's data length whose varint runs past the tensor's own end used
+// to underflow the bounds check and ask the pool for 2^49 bytes (an abort).
+TEST(WireParse, LengthsThatRunPastTheirSubMessageAreDeclined) {
+  auto pool = std::make_shared<BufferPool>(0);
+  const std::string bytes(
+      "\x2a\x03\x1a\xff\xff\xff\xff\xff\xff\xff\x00\xfc\x00\x2f\x03\x09\x00\x29\x30\x18", 20);
+  v1::PrefillRequest proto;
+  EXPECT_FALSE(proto.ParseFromString(bytes));
+  for (size_t step : {0, 1, 3}) {
+    std::vector<size_t> cuts;
+    for (size_t at = step; step > 0 && at < bytes.size(); at += step) cuts.push_back(at);
+    WirePrefillRequest got;
+    EXPECT_FALSE(ParsePrefillRequest(Sliced(bytes, cuts), pool.get(), &got));
+  }
+  EXPECT_EQ(pool->allocations(), 0);
+}
+
 // Mutated and truncated messages: when the hand parser accepts one, protobuf parses it to the same
 // fields; whatever protobuf rejects, the hand parser declines.
 TEST(WireParse, MalformedInputNeverDisagreesWithProtobuf) {
