@@ -19,7 +19,10 @@
 #include "attnd/v1/attention.grpc.pb.h"
 #include "attnd/v1/admin.grpc.pb.h"
 #include "client/host_tensor.h"
+#include "client/prefill_wire.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/client_unary_call.h"
+#include "grpcpp/impl/rpc_method.h"
 
 namespace attnd {
 namespace client {
@@ -40,6 +43,12 @@ struct ClientOptions {
   std::string tls_ca_file;
   std::string tls_cert_file;
   std::string tls_key_file;
+  // Prefill writes its request by hand into one reused buffer and takes the reply's bytes without
+  // a copy (client/prefill_wire.h); false: through the protobuf classes, as PrefillRaw does.
+  bool wire_prefill = true;
+  // Extra integer channel arguments, e.g. {"grpc.http2.lookahead_bytes", 67108864}
+  // (docs/BENCHMARKS.md, "gRPC bytes path").
+  std::vector<std::pair<std::string, int>> channel_args;
 };
 
 // A tensor in a registered region (docs/regions.md): its dtype and shape, and where its bytes are.
@@ -105,6 +114,8 @@ void BuildPrefill(const PrefillInput& in, v1::PrefillRequest* request);
 void BuildDecode(int32_t layer, const std::vector<DecodeInput>& entries,
                  v1::DecodeRequest* request);
 absl::StatusOr<PrefillResult> ParsePrefill(const v1::PrefillResponse& response);
+// The same, moving the output bytes out of `response`.
+absl::StatusOr<PrefillResult> ParsePrefill(v1::PrefillResponse* response);
 absl::StatusOr<std::vector<DecodeResult>> ParseDecode(const v1::DecodeResponse& response,
                                                       size_t num_entries);
 }  // namespace internal
@@ -193,6 +204,8 @@ class AttndClient {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
   std::unique_ptr<v1::Admin::Stub> admin_stub_;
+  const grpc::internal::RpcMethod prefill_method_;  // Prefill's wire path (raw bytes)
+  const std::shared_ptr<SendBuffers> send_buffers_ = std::make_shared<SendBuffers>();
   friend class Session;
 };
 

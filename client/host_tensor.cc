@@ -80,8 +80,10 @@ void ToProto(const HostTensor& tensor, v1::Tensor* proto) {
   proto->set_data(tensor.data);
 }
 
-absl::StatusOr<HostTensor> FromProto(const v1::Tensor& proto) {
-  HostTensor t;
+namespace {
+
+// FromProto with the bytes already in `t.data`.
+absl::StatusOr<HostTensor> FromProtoMeta(const v1::Tensor& proto, HostTensor t) {
   switch (proto.dtype()) {
     case v1::DTYPE_BF16:
       t.dtype = DType::kBf16;
@@ -97,13 +99,26 @@ absl::StatusOr<HostTensor> FromProto(const v1::Tensor& proto) {
           absl::StrCat("server returned a tensor with dtype ", v1::DType_Name(proto.dtype())));
   }
   t.shape.assign(proto.shape().begin(), proto.shape().end());
-  t.data = proto.data();
   absl::Status valid = t.Validate();
   if (!valid.ok()) {
     return absl::InternalError(
         absl::StrCat("server returned a malformed tensor: ", valid.message()));
   }
   return t;
+}
+
+}  // namespace
+
+absl::StatusOr<HostTensor> FromProto(const v1::Tensor& proto) {
+  HostTensor t;
+  t.data = proto.data();
+  return FromProtoMeta(proto, std::move(t));
+}
+
+absl::StatusOr<HostTensor> FromProto(v1::Tensor&& proto) {
+  HostTensor t;
+  t.data = std::move(*proto.mutable_data());
+  return FromProtoMeta(proto, std::move(t));
 }
 
 }  // namespace client

@@ -43,6 +43,8 @@ absl::StatusOr<DType> ParseDType(absl::string_view name);
 // (a server bug if it ever happens, so callers see INTERNAL rather than garbage).
 void ToProto(const HostTensor& tensor, v1::Tensor* proto);
 absl::StatusOr<HostTensor> FromProto(const v1::Tensor& proto);
+// The same, moving the bytes out of `proto` instead of copying them.
+absl::StatusOr<HostTensor> FromProto(v1::Tensor&& proto);
 v1::DType ToProtoDType(DType dtype);
 
 }  // namespace client

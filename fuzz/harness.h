@@ -199,9 +199,10 @@ class Harness {
     ATTND_FUZZ_CHECK(region.ok(), "%s", region.status().ToString().c_str());
     region_id_ = (*region)->id;
     shm_unlink(shm_name_.c_str());  // the mapping stays; nothing is left in /dev/shm
-    service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
-                                                  decode_queue_.get(), nullptr, nullptr, nullptr,
-                                                  0, nullptr, regions_.get());
+    // With the Prefill fast path (server/wire.h), as attnd runs by default.
+    service_ = std::make_unique<AttentionService>(
+        runtime_.get(), work_queue_.get(), decode_queue_.get(), nullptr, nullptr, nullptr, 0,
+        nullptr, regions_.get(), nullptr, std::make_shared<wire::BufferPool>(64 << 20));
     grpc::ServerBuilder builder;
     builder.SetMaxReceiveMessageSize(64 << 20);
     builder.RegisterService(service_.get());

@@ -88,6 +88,11 @@ int main(int argc, char** argv) {
   with_len.set_prompt_len(40);
   Write("request_fuzz", "prefill_fp16_prompt_len", Tagged(0, with_len));
   Write("request_fuzz", "prefill_unknown_id", Tagged(0, Prefill(v1::DTYPE_FP32, 1, 0, "0123456789abcdef0123456789abcdef")));
+  // wire_fuzz: byte 0 = how the rest is sliced (0: one slice, 1..8: every n bytes), a
+  // PrefillRequest.
+  Write("wire_fuzz", "prefill_one_slice", Tagged(0, Prefill(v1::DTYPE_FP32, 3, 0, "")));
+  Write("wire_fuzz", "prefill_bf16_sliced_3", Tagged(3, Prefill(v1::DTYPE_BF16, 2, 1, "")));
+  Write("wire_fuzz", "prefill_prompt_len_sliced_1", Tagged(1, with_len));
   Write("request_fuzz", "decode_fp32_seq1", Tagged(1, Decode(v1::DTYPE_FP32, 3, {"\x01"})));
   Write("request_fuzz", "decode_bf16_5var", Tagged(1, Decode(v1::DTYPE_BF16, 5, {"\x01"})));
   Write("request_fuzz", "decode_two_entries", Tagged(1, Decode(v1::DTYPE_FP32, 3, {"\x00", "\x01"})));

@@ -99,6 +99,15 @@ ABSL_FLAG(absl::Duration, region_idle_timeout, absl::Seconds(300),
           "a region or ring no request used for this long is unregistered (e.g. 300s; 0 = never)");
 ABSL_FLAG(int64_t, ring_spin_us, 50,
           "microseconds a ring's server thread spins for the next request before it sleeps");
+ABSL_FLAG(bool, wire_fast_path, true,
+          "read unary Prefill requests straight from gRPC's buffers and write replies around the "
+          "engine's output (false: protobuf parses and serializes every message)");
+ABSL_FLAG(attnd::ByteSize, wire_buffer_pool_bytes, attnd::ByteSize{1ll << 30},
+          "bytes of idle request/reply buffers the Prefill fast path keeps for reuse (or 1Gi, ...; "
+          "freed after about 10 s unused)");
+ABSL_FLAG(std::string, grpc_channel_args, "",
+          "extra integer gRPC channel arguments for the API listener, name=value,... (e.g. "
+          "grpc.http2.lookahead_bytes=8388608,grpc.http2.max_frame_size=1048576)");
 
 namespace {
 
@@ -193,6 +202,9 @@ int main(int argc, char** argv) {
   options.max_region_bytes_per_tenant = absl::GetFlag(FLAGS_max_region_bytes_per_tenant).bytes;
   options.region_idle_timeout = absl::GetFlag(FLAGS_region_idle_timeout);
   options.ring_spin = absl::Microseconds(absl::GetFlag(FLAGS_ring_spin_us));
+  options.grpc_channel_args = absl::GetFlag(FLAGS_grpc_channel_args);
+  options.wire_fast_path = absl::GetFlag(FLAGS_wire_fast_path);
+  options.wire_buffer_pool_bytes = absl::GetFlag(FLAGS_wire_buffer_pool_bytes).bytes;
 
   absl::StatusOr<std::unique_ptr<attnd::AttndServer>> server = attnd::AttndServer::Start(options);
   if (!server.ok()) return Fail(std::string(server.status().message()));

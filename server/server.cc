@@ -17,8 +17,10 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "grpc/support/log.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -43,6 +45,7 @@
 #include "server/ring.h"
 #include "server/service.h"
 #include "server/tls.h"
+#include "server/wire.h"
 #include "server/work_queue.h"
 #include "spdlog/spdlog.h"
 #include "version/build_info.h"
@@ -112,6 +115,21 @@ absl::StatusOr<DecodeBatcherOptions> BatcherOptions(const ServerOptions& o) {
   return b;
 }
 
+// "name=value,..." with integer values, names starting "grpc.".
+absl::StatusOr<std::vector<std::pair<std::string, int>>> ParseChannelArgs(absl::string_view text) {
+  std::vector<std::pair<std::string, int>> out;
+  for (absl::string_view entry : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    const std::vector<absl::string_view> kv = absl::StrSplit(entry, absl::MaxSplits('=', 1));
+    int value = 0;
+    if (kv.size() != 2 || !absl::StartsWith(kv[0], "grpc.") || !absl::SimpleAtoi(kv[1], &value)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--grpc-channel-args: '", entry, "' is not grpc.NAME=INTEGER (e.g. grpc.http2.lookahead_bytes=8388608)"));
+    }
+    out.emplace_back(std::string(kv[0]), value);
+  }
+  return out;
+}
+
 absl::Status CheckOptions(const ServerOptions& o) {
   if (o.page_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("--page-size must be > 0, got ", o.page_size));
@@ -160,6 +178,10 @@ absl::Status CheckOptions(const ServerOptions& o) {
         ") must be at least --max-message-bytes (", o.max_message_bytes,
         "), or the largest request could never run"));
   }
+  if (o.wire_buffer_pool_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--wire-buffer-pool-bytes must be >= 0, got ", o.wire_buffer_pool_bytes));
+  }
   if (o.grpc_memory_bytes < (int64_t{64} << 20)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--grpc-memory-bytes must be at least 64 MiB, got ", o.grpc_memory_bytes));
@@ -167,6 +189,11 @@ absl::Status CheckOptions(const ServerOptions& o) {
   if (o.tenant_page_quota < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--tenant-page-quota must be >= 0, got ", o.tenant_page_quota));
+  }
+  if (absl::StatusOr<std::vector<std::pair<std::string, int>>> args =
+          ParseChannelArgs(o.grpc_channel_args);
+      !args.ok()) {
+    return args.status();
   }
   return absl::OkStatus();
 }
@@ -239,6 +266,7 @@ class AttndServerImpl : public AttndServer {
   BatchingDecodeQueue* batcher_ = nullptr;  // decode_queue_ when batching is on
   std::unique_ptr<RegionRegistry> regions_;  // null: regions and rings are off
   std::unique_ptr<RingServer> rings_;
+  std::shared_ptr<wire::BufferPool> buffers_;  // null: the wire fast path is off
   std::unique_ptr<AttentionService> service_;
   std::atomic<const AttentionService*> service_for_metrics_{nullptr};  // service_, once it exists
   std::unique_ptr<HealthService> health_;
@@ -304,6 +332,7 @@ void AttndServerImpl::StopReaper() {
 void AttndServerImpl::HealthWatchLoop() {
   int64_t ticks = 0;
   while (true) {
+    ++ticks;
 #ifdef __GLIBC__
     // Every 5 s: give freed heap back to the OS. Large requests are freed in pieces that glibc
     // keeps in its arenas; without this, RSS stayed hundreds of MB up after a burst (issue #13).
@@ -311,6 +340,9 @@ void AttndServerImpl::HealthWatchLoop() {
 #else
     ++ticks;
 #endif
+    // Likewise the Prefill fast path's idle buffers: kept while calls keep coming, freed ~10 s
+    // after a burst.
+    if (ticks % 50 == 0 && buffers_ != nullptr) buffers_->TrimIdle(absl::Seconds(10));
     // Every second: regions and rings no request used for --region-idle-timeout (a client that
     // died holding them) are unregistered.
     if (ticks % 10 == 0 && regions_ != nullptr) {
@@ -520,9 +552,13 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     ring_options.idle_timeout = options.region_idle_timeout;
     rings_ = std::make_unique<RingServer>(regions_.get(), ring_options);
   }
+  if (options.wire_fast_path) {
+    buffers_ = std::make_shared<wire::BufferPool>(options.wire_buffer_pool_bytes);
+  }
   service_ = std::make_unique<AttentionService>(
       runtime_.get(), work_queue_.get(), decode_queue_.get(), metrics_.get(), batcher_, tokens_,
-      options.max_inflight_request_bytes, request_log_.get(), regions_.get(), rings_.get());
+      options.max_inflight_request_bytes, request_log_.get(), regions_.get(), rings_.get(),
+      buffers_);
   if (rings_ != nullptr) {
     rings_->SetHandler([service = service_.get()](const v1::SessionRequest& request,
                                                   absl::string_view tenant,
@@ -552,6 +588,12 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   builder.SetResourceQuota(quota);
   // One daemon per port: a second one on the same port must fail, not share the port's traffic.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Checked by CheckOptions already.
+  const std::vector<std::pair<std::string, int>> channel_args =
+      ParseChannelArgs(options.grpc_channel_args).value();
+  for (const auto& [name, value] : channel_args) {
+    builder.AddChannelArgument(name, value);
+  }
   builder.RegisterService(service_.get());
   builder.RegisterService(admin_.get());
   server_ = builder.BuildAndStart();

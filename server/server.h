@@ -63,6 +63,14 @@ struct ServerOptions {
   int32_t max_streams_per_connection = 64;      // concurrent calls (streams) on one connection
   int64_t max_inflight_request_bytes = 2ll << 30;  // requests being served, all together
   int64_t grpc_memory_bytes = 4ll << 30;        // gRPC's resource quota (transport buffers)
+  // Extra integer channel arguments for the API listener, "name=value,..." (e.g.
+  // "grpc.http2.lookahead_bytes=8388608"), after attnd's own; "" = none (docs/operations.md).
+  std::string grpc_channel_args;
+  // Unary Prefill requests read from the message's slices and replies written around the engine's
+  // output (server/wire.h); false: protobuf parses and serializes every message.
+  bool wire_fast_path = true;
+  // Idle request/reply buffers the fast path keeps for reuse (freed after ~10 s unused).
+  int64_t wire_buffer_pool_bytes = 1ll << 30;
 
   // Tensor regions and shared-memory rings (docs/regions.md). max_regions_per_tenant 0 turns
   // both off.

@@ -345,7 +345,8 @@ AttentionService::AttentionService(Runtime* runtime, WorkQueue* work_queue,
                                    const BatchingDecodeQueue* batcher,
                                    std::shared_ptr<const TokenStore> tokens,
                                    int64_t max_inflight_request_bytes, RequestLog* request_log,
-                                   RegionRegistry* regions, RingServer* rings)
+                                   RegionRegistry* regions, RingServer* rings,
+                                   std::shared_ptr<wire::BufferPool> buffers)
     : runtime_(runtime),
       work_queue_(work_queue),
       decode_queue_(decode_queue),
@@ -355,7 +356,8 @@ AttentionService::AttentionService(Runtime* runtime, WorkQueue* work_queue,
       max_inflight_request_bytes_(max_inflight_request_bytes),
       request_log_(request_log),
       regions_(regions),
-      rings_(rings) {}
+      rings_(rings),
+      buffers_(std::move(buffers)) {}
 
 absl::Status AttentionService::TakeRequestBytes(int64_t bytes) {
   if (max_inflight_request_bytes_ <= 0) return absl::OkStatus();
@@ -443,6 +445,19 @@ class TypedUnaryCall final : public UnaryCall {
 
 }  // namespace
 
+// The reactor of a unary Prefill read by server/wire.h: owns the parsed request (views into its
+// slices or pooled buffers) and the reply writer; the worker fills the reply before Finish.
+class WirePrefillCall final : public grpc::ServerUnaryReactor {
+ public:
+  WirePrefillCall(wire::BufferPool* buffers, grpc::ByteBuffer* reply)
+      : writer(buffers), reply(reply) {}
+  void OnDone() override { delete this; }
+
+  wire::WirePrefillRequest request;
+  wire::PrefillReplyWriter writer;
+  grpc::ByteBuffer* const reply;
+};
+
 template <typename Request, typename Response>
 grpc::ServerUnaryReactor* AttentionService::Raw(
     absl::string_view rpc, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
@@ -486,6 +501,14 @@ grpc::ServerUnaryReactor* AttentionService::ReleaseSequence(grpc::CallbackServer
 grpc::ServerUnaryReactor* AttentionService::Prefill(grpc::CallbackServerContext* context,
                                                     const grpc::ByteBuffer* request,
                                                     grpc::ByteBuffer* reply) {
+  if (buffers_ != nullptr) {
+    auto* call = new WirePrefillCall(buffers_.get(), reply);
+    if (wire::ParsePrefillRequest(*request, buffers_.get(), &call->request)) {
+      ServeWirePrefill(context, static_cast<int64_t>(request->Length()), call);
+      return call;
+    }
+    delete call;  // not the simple shape (or malformed): protobuf's parse, and its error
+  }
   return Raw("Prefill", context, request, reply, &AttentionService::ServePrefill);
 }
 
@@ -825,6 +848,73 @@ absl::Status AttentionService::RunPrefill(const v1::PrefillRequest& request,
   SetMeta(result->out_dtype, result->out_shape, response->mutable_o());
   if (request.has_output_region()) *response->mutable_o()->mutable_region() = request.output_region();
   response->set_length(result->length);
+  return absl::OkStatus();
+}
+
+void AttentionService::ServeWirePrefill(grpc::CallbackServerContext* context, int64_t request_bytes,
+                                        WirePrefillCall* call) {
+  RequestClock clock;
+  clock.sequence_id = call->request.sequence_id;  // for the request log, as Describe does
+  if (!call->request.q.shape.empty()) clock.tokens = call->request.q.shape[0];
+  absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
+  if (tenant.ok()) clock.tenant = *tenant;
+  if (!tenant.ok()) {
+    Record("Prefill", static_cast<int>(tenant.status().code()), clock, request_bytes, 0);
+    call->Finish(ToGrpcStatus(tenant.status()));
+    return;
+  }
+  if (absl::Status s = TakeRequestBytes(request_bytes); !s.ok()) {
+    Record("Prefill", static_cast<int>(s.code()), clock, request_bytes, 0);
+    call->Finish(ToGrpcStatus(s));
+    return;
+  }
+  absl::Status submitted = work_queue_->Submit(
+      [this, context, call, clock, request_bytes, tenant = *std::move(tenant)]() mutable {
+        absl::Status s = Admit(context, &clock);
+        if (s.ok()) s = RunWirePrefill(call, tenant);
+        clock.finished = absl::Now();
+        Record("Prefill", static_cast<int>(s.code()), clock, request_bytes,
+               s.ok() ? static_cast<int64_t>(call->reply->Length()) : 0);
+        GiveRequestBytes(request_bytes);
+        call->Finish(ToGrpcStatus(s));
+      });
+  if (!submitted.ok()) {
+    GiveRequestBytes(request_bytes);
+    Record("Prefill", static_cast<int>(submitted.code()), clock, request_bytes, 0);
+    call->Finish(ToGrpcStatus(submitted));
+  }
+}
+
+namespace {
+
+RequestTensor FromWire(const wire::WireTensor& t) {
+  RequestTensor r;
+  r.dtype = static_cast<DType>(t.dtype);
+  r.shape = absl::MakeConstSpan(t.shape);
+  r.bytes = t.bytes;
+  return r;
+}
+
+}  // namespace
+
+absl::Status AttentionService::RunWirePrefill(WirePrefillCall* call, absl::string_view tenant) {
+  const wire::WirePrefillRequest& request = call->request;
+  PrefillCall c;
+  c.sequence_id = request.sequence_id;
+  c.tenant = tenant;
+  c.layer = request.layer;
+  c.q_layout = static_cast<QLayout>(request.q_layout);
+  c.q = FromWire(request.q);
+  c.k = FromWire(request.k);
+  c.v = FromWire(request.v);
+  c.prompt_len = request.prompt_len;
+  // The engine writes o once, into a pooled buffer that the reply then references (no zero fill,
+  // no serialize copy).
+  wire::PrefillReplyWriter* writer = &call->writer;
+  c.output = [writer](int64_t bytes) { return writer->Output(bytes); };
+  absl::StatusOr<PrefillResult> result = runtime_->Prefill(c);
+  if (!result.ok()) return result.status();
+  *call->reply = writer->Finish(result->out_dtype, result->out_shape, result->length);
   return absl::OkStatus();
 }
 

@@ -21,11 +21,13 @@
 #include "server/ring.h"
 #include "server/request_log.h"
 #include "server/runtime.h"
+#include "server/wire.h"
 #include "server/work_queue.h"
 
 namespace attnd {
 
 class SessionReactor;
+class WirePrefillCall;
 struct RequestClock;
 
 // Thread-safe; gRPC calls the handlers from its own threads. runtime, work_queue and decode_queue
@@ -71,13 +73,16 @@ class AttentionService : public AttentionServiceBase {
  public:
   // `batcher`: decode_queue when it is a BatchingDecodeQueue, for GetServerInfo's decode_batching
   // counters (nullptr: batching is reported off). `request_log` (may be null; must outlive the
-  // service) gets every recorded RPC.
+  // service) gets every recorded RPC. `buffers`: unary Prefill requests of the simple shape are
+  // read by server/wire.h (tensors gathered from the message's slices into these buffers) and
+  // their replies written around the engine's output (nullptr: protobuf parses and serializes
+  // every message).
   AttentionService(Runtime* runtime, WorkQueue* work_queue, DecodeQueue* decode_queue,
                    AttndMetrics* metrics = nullptr, const BatchingDecodeQueue* batcher = nullptr,
                    std::shared_ptr<const TokenStore> tokens = nullptr,
                    int64_t max_inflight_request_bytes = 0, RequestLog* request_log = nullptr,
-                   RegionRegistry* regions = nullptr,
-                   RingServer* rings = nullptr);
+                   RegionRegistry* regions = nullptr, RingServer* rings = nullptr,
+                   std::shared_ptr<wire::BufferPool> buffers = nullptr);
 
   // Runs one request of a Session stream or a ring (as `tenant`, with no client deadline): a
   // prefill on the work queue, a decode through the decode queue. done gets its status after
@@ -159,6 +164,10 @@ class AttentionService : public AttentionServiceBase {
                             v1::ReleaseSequenceResponse* response, UnaryCall* reactor);
   void ServePrefill(grpc::CallbackServerContext* context, const v1::PrefillRequest* request,
                     v1::PrefillResponse* response, UnaryCall* reactor);
+  // A Prefill parsed by server/wire.h (the same checks, queueing and records as ServePrefill).
+  void ServeWirePrefill(grpc::CallbackServerContext* context, int64_t request_bytes,
+                        WirePrefillCall* call);
+  absl::Status RunWirePrefill(WirePrefillCall* call, absl::string_view tenant);
   void ServeDecode(grpc::CallbackServerContext* context, const v1::DecodeRequest* request,
                    v1::DecodeResponse* response, UnaryCall* reactor);
   void ServeRegisterRegion(grpc::CallbackServerContext* context,
@@ -210,6 +219,7 @@ class AttentionService : public AttentionServiceBase {
   RequestLog* const request_log_;                    // may be null
   RegionRegistry* const regions_;  // null: no tensor regions
   RingServer* const rings_;        // null: no rings
+  const std::shared_ptr<wire::BufferPool> buffers_;  // null: no wire fast path
   std::atomic<int64_t> inflight_request_bytes_{0};
 
   // Atomic, not under mu_: sessions read it under their own lock, and BeginShutdown takes mu_

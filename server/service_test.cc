@@ -249,6 +249,73 @@ TEST_F(ServiceTest, RoundTripMatchesTheNaiveReference) {
   }
 }
 
+// Prefill replies through server/wire.h are byte for byte what protobuf serializes (the same
+// request to a server with the fast path off), and a request that is not the simple shape (an
+// unknown field, as from a newer client) still goes through protobuf and gets the same answer.
+TEST_F(ServiceTest, PrefillIsTheSameWithAndWithoutTheWireFastPath) {
+  ServerOptions off = TinyOptions();
+  off.wire_fast_path = false;
+  absl::StatusOr<std::unique_ptr<AttndServer>> plain = AttndServer::Start(off);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  std::shared_ptr<grpc::Channel> plain_channel = grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", (*plain)->port()), grpc::InsecureChannelCredentials());
+  auto raw_prefill = [](const std::shared_ptr<grpc::Channel>& channel, const std::string& bytes,
+                        std::string* reply) {
+    grpc::GenericStub generic(channel);
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer req(&slice, 1), resp;
+    grpc::ClientContext ctx;
+    grpc::Status status;
+    Notification done;
+    generic.UnaryCall(&ctx, "/attnd.v1.Attention/Prefill", grpc::StubOptions(), &req, &resp,
+                      [&](grpc::Status s) {
+                        status = s;
+                        done.Notify();
+                      });
+    done.WaitForNotification();
+    std::vector<grpc::Slice> slices;
+    reply->clear();
+    if (status.ok() && resp.Dump(&slices).ok()) {
+      for (const grpc::Slice& s : slices) {
+        reply->append(reinterpret_cast<const char*>(s.begin()), s.size());
+      }
+    }
+    return status;
+  };
+  auto create = [](const std::shared_ptr<grpc::Channel>& channel) {
+    grpc::ClientContext ctx;
+    v1::CreateSequenceResponse resp;
+    EXPECT_TRUE(v1::Attention::NewStub(channel)
+                    ->CreateSequence(&ctx, v1::CreateSequenceRequest(), &resp)
+                    .ok());
+    return resp.sequence_id();
+  };
+  v1::PrefillRequest req;
+  req.set_layer(1);
+  req.set_prompt_len(140);
+  RandomTensor({140, 5, kHq, kD}, &rng_, req.mutable_q());
+  RandomTensor({140, kHkv, kD}, &rng_, req.mutable_k());
+  RandomTensor({140, kHkv, kD}, &rng_, req.mutable_v());
+  std::string fast, slow, unknown;
+  req.set_sequence_id(Create());
+  ASSERT_TRUE(raw_prefill(channel_, req.SerializeAsString(), &fast).ok());
+  req.set_sequence_id(create(plain_channel));
+  ASSERT_TRUE(raw_prefill(plain_channel, req.SerializeAsString(), &slow).ok());
+  req.set_sequence_id(Create());
+  // Field 15, varint 1: unknown to this proto; protobuf keeps it as an unknown field.
+  ASSERT_TRUE(
+      raw_prefill(channel_, req.SerializeAsString() + std::string("\x78\x01", 2), &unknown).ok());
+  EXPECT_GT(fast.size(), 140u * kHq * kD * 4);
+  EXPECT_TRUE(fast == slow) << "the fast path's reply differs from protobuf's";
+  EXPECT_TRUE(fast == unknown) << "the protobuf fallback's reply differs";
+  // Errors are the runtime's, as before.
+  req.set_layer(2);
+  grpc::Status s = raw_prefill(channel_, req.SerializeAsString(), &fast);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  (*plain)->Shutdown(absl::Now() + absl::Seconds(5));
+  (*plain)->Wait();
+}
+
 TEST_F(ServiceTest, UnaryErrorsCarryCodeAndMessage) {
   const std::string id = Create();
   v1::PrefillRequest req;
