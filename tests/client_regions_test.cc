@@ -31,11 +31,7 @@ using ::testing::HasSubstr;
 class ClientRegionsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ServerOptions options;
-    options.device = "cpu";
-    options.kv_dtype = "fp32";
-    options.kv_cache_bytes = 16ll << 20;
-    options.compute_threads = 2;
+    ServerOptions options = testing::SmallCpuOptions();
     options.ring_spin = absl::Microseconds(20);
     auto daemon = testing::TestDaemon::Start(geometry_, options);
     ASSERT_TRUE(daemon.ok()) << daemon.status();

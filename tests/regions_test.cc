@@ -60,13 +60,15 @@ class Shm {
 class RegionsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ServerOptions options;
-    options.device = "cpu";
-    options.kv_dtype = "fp32";
-    options.kv_cache_bytes = 16ll << 20;
-    options.compute_threads = 2;
+    ServerOptions options = testing::SmallCpuOptions();
     options.region_idle_timeout = absl::Seconds(2);
     options.ring_spin = absl::Microseconds(20);
+    Start(options);
+  }
+
+  // (Re)starts the daemon with `options`, and a stub on it.
+  void Start(const ServerOptions& options) {
+    daemon_.reset();
     absl::StatusOr<std::unique_ptr<testing::TestDaemon>> daemon =
         testing::TestDaemon::Start(geometry_, options);
     ASSERT_TRUE(daemon.ok()) << daemon.status();
@@ -461,21 +463,12 @@ TEST_F(RegionsTest, RingCarriesSessionRequests) {
 // Decodes from several rings at once join one batcher: with one batch in flight per layer, calls
 // that arrive while it runs are merged, whichever ring they came from.
 TEST_F(RegionsTest, RingDecodesFromSeveralClientsAreBatchedTogether) {
-  daemon_.reset();
-  ServerOptions options;
-  options.device = "cpu";
-  options.kv_dtype = "fp32";
-  options.kv_cache_bytes = 16ll << 20;
+  ServerOptions options = testing::SmallCpuOptions();
   options.compute_threads = 1;
   options.decode_batches_in_flight = 1;
   options.max_queue_delay_us = 2000;
   options.cuda_graph_batch_sizes = "8";
-  absl::StatusOr<std::unique_ptr<testing::TestDaemon>> daemon =
-      testing::TestDaemon::Start(geometry_, options);
-  ASSERT_TRUE(daemon.ok()) << daemon.status();
-  daemon_ = *std::move(daemon);
-  stub_ = v1::Attention::NewStub(
-      grpc::CreateChannel(daemon_->target(), grpc::InsecureChannelCredentials()));
+  Start(options);
   constexpr int kRings = 4, kSteps = 40;
   const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
   std::vector<std::unique_ptr<HandRing>> rings;

@@ -54,6 +54,15 @@ absl::StatusOr<std::string> WriteModelConfig(const ModelGeometry& geometry) {
   return path;
 }
 
+ServerOptions SmallCpuOptions() {
+  ServerOptions options;
+  options.device = "cpu";
+  options.kv_dtype = "fp32";
+  options.kv_cache_bytes = 16ll << 20;
+  options.compute_threads = 2;
+  return options;
+}
+
 absl::StatusOr<std::unique_ptr<TestDaemon>> TestDaemon::Start(const ModelGeometry& geometry,
                                                               ServerOptions options) {
   absl::StatusOr<std::string> config = WriteModelConfig(geometry);

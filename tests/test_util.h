@@ -41,6 +41,9 @@ struct ModelGeometry {
 // Writes `geometry` as a config.json into a fresh file under $TEST_TMPDIR (or /tmp).
 absl::StatusOr<std::string> WriteModelConfig(const ModelGeometry& geometry);
 
+// The CPU backend with an fp32 pool of 16 MiB and two compute threads: what most tests start.
+ServerOptions SmallCpuOptions();
+
 // A daemon started in-process plus a client connected to it. Shuts the server down on destruction.
 class TestDaemon {
  public:

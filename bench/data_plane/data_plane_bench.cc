@@ -475,32 +475,39 @@ class Bench {
 };
 
 #ifdef ATTND_BENCH_CUDA
-// The CUDA engine in-process on device-resident inputs (as a CUDA IPC region would give it):
-// D2D copies in, the rotary, append, attention, D2D out. The figure the transports are held to.
-void EnginePrefill(const std::vector<int64_t>& contexts) {
-  DcaGeometry g;
+// Qwen2.5-7B-Instruct-1M's attention and rotary (configs/qwen2.5-7b-instruct-1m/config.json), one
+// layer of bf16 KV in pages of 16 tokens, `pages` of them.
+CudaEngineOptions Qwen7bEngine(int64_t pages, bool graphs) {
+  CudaEngineOptions o;
+  DcaGeometry& g = o.geometry;
   g.num_q_heads = 28;
   g.num_kv_heads = 4;
   g.head_dim = 128;
   g.chunk_len = 253952;
+  g.chunk_size = 262144;
   g.original_max_position_embeddings = 262144;
   g.softmax_scale = 1.f / std::sqrt(128.f);
-  g.chunk_size = 262144;  // Qwen2.5-7B-Instruct-1M's config.json
   g.rope_theta = 10000000.0;
   g.rotary_dim = 128;
+  o.layout.num_layers = 1;
+  o.layout.page_size = 16;
+  o.layout.num_kv_heads = 4;
+  o.layout.head_dim = 128;
+  o.layout.kv_dtype = DType::kBf16;
+  o.layout.num_pages = pages;
+  o.cuda_graphs = graphs;
+  return o;
+}
+
+// The CUDA engine in-process on device-resident inputs (as a CUDA IPC region would give it):
+// D2D copies in, the rotary, append, attention, D2D out. The figure the transports are held to.
+void EnginePrefill(const std::vector<int64_t>& contexts) {
   const int64_t t = absl::GetFlag(FLAGS_chunk);
   int64_t max_context = 0;
   for (int64_t c : contexts) max_context = std::max(max_context, c);
-  CudaEngineOptions options;
-  options.geometry = g;
-  options.layout.num_layers = 1;
-  options.layout.page_size = 16;
-  options.layout.num_kv_heads = 4;
-  options.layout.head_dim = 128;
-  options.layout.kv_dtype = DType::kBf16;
-  options.layout.num_pages = max_context / 16 + 16;
+  CudaEngineOptions options = Qwen7bEngine(max_context / 16 + 16, /*graphs=*/false);
   options.staging_bytes = 1ll << 30;
-  options.cuda_graphs = false;
+  const DcaGeometry& g = options.geometry;
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateCudaEngine(options);
   if (!engine.ok()) {
     std::printf("prefill\tengine\t-\tskipped: %s\n", std::string(engine.status().message()).c_str());
@@ -591,22 +598,7 @@ void EngineDecode(const std::vector<int64_t>& batches) {
   int64_t max_batch = 1;
   for (int64_t b : batches) max_batch = std::max(max_batch, b);
   const int64_t pages_per_seq = (context + 512) / 16 + 1;
-  CudaEngineOptions options;
-  options.geometry.num_q_heads = 28;
-  options.geometry.num_kv_heads = 4;
-  options.geometry.head_dim = 128;
-  options.geometry.chunk_len = 253952;
-  options.geometry.chunk_size = 262144;
-  options.geometry.original_max_position_embeddings = 262144;
-  options.geometry.softmax_scale = 1.f / std::sqrt(128.f);
-  options.geometry.rope_theta = 10000000.0;
-  options.geometry.rotary_dim = 128;
-  options.layout.num_layers = 1;
-  options.layout.page_size = 16;
-  options.layout.num_kv_heads = 4;
-  options.layout.head_dim = 128;
-  options.layout.kv_dtype = DType::kBf16;
-  options.layout.num_pages = max_batch * pages_per_seq + 16;
+  const CudaEngineOptions options = Qwen7bEngine(max_batch * pages_per_seq + 16, /*graphs=*/true);
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateCudaEngine(options);
   if (!engine.ok()) {
     std::printf("decode\tengine\t-\tskipped: %s\n", std::string(engine.status().message()).c_str());

@@ -23,6 +23,38 @@ struct RotaryArgs {
   int64_t chunk_len;
 };
 
+// cos/sin of `num_variants` rotary positions of the token at `pos` into cos_v / sin_v ([variant]
+// [half] each), the block's threads together: fp32 angle (as the reference's fp32 cache), fp64
+// sincos rounded to fp32, as on the CPU (kernels/dual_chunk_rotary.cc).
+__device__ __forceinline__ void FillCosSin(int num_variants, int64_t pos, int half,
+                                           int64_t chunk_size, int64_t chunk_len,
+                                           const float* inv_freq, float* cos_v, float* sin_v) {
+  for (int j = threadIdx.x; j < num_variants * half; j += blockDim.x) {
+    const int v = j / half, i = j - v * half;
+    const int64_t t = DualChunkRotaryPosition(v, pos, chunk_size, chunk_len);
+    const float angle = __fmul_rn(static_cast<float>(t), inv_freq[i]);
+    double s, c;
+    sincos(static_cast<double>(angle), &s, &c);
+    cos_v[j] = static_cast<float>(c);
+    sin_v[j] = static_cast<float>(s);
+  }
+}
+
+// The dim pair (x1, x2) = (q[i], q[i + half]) of one head, rotated by each of NV variants' cos/sin
+// and written as bf16 to o[v * stride] and o[v * stride + half] (o: the head's element i of
+// variant 0).
+template <int NV>
+__device__ __forceinline__ void StoreRotatedPair(float x1, float x2, int i, int half,
+                                                 const float* cos_v, const float* sin_v, Bf16* o,
+                                                 int stride) {
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    const float c = cos_v[v * half + i], s = sin_v[v * half + i];
+    o[v * stride] = __float2bfloat16_rn(x1 * c - x2 * s);
+    o[v * stride + half] = __float2bfloat16_rn(x2 * c + x1 * s);
+  }
+}
+
 // Grid: (num_tokens); dynamic shared memory: 2 * 5 * half floats (cos, then sin, per variant).
 __global__ void DualChunkRotaryKernel(RotaryArgs a) {
   extern __shared__ float trig[];
@@ -31,16 +63,7 @@ __global__ void DualChunkRotaryKernel(RotaryArgs a) {
   const int64_t n = blockIdx.x;
   const int64_t pos = a.p.start + n;
   const int dtype = static_cast<int>(a.p.dtype);
-  for (int j = threadIdx.x; j < kNumQueryVariants * a.half; j += blockDim.x) {
-    const int v = j / a.half, i = j % a.half;
-    const int64_t t = DualChunkRotaryPosition(v, pos, a.chunk_size, a.chunk_len);
-    // NOTE the angle is an fp32 product, as the reference's fp32 cache (dual_chunk_rotary.h).
-    const float angle = __fmul_rn(static_cast<float>(t), a.p.inv_freq[i]);
-    double s, c;
-    sincos(static_cast<double>(angle), &s, &c);
-    cos_v[j] = static_cast<float>(c);
-    sin_v[j] = static_cast<float>(s);
-  }
+  FillCosSin(kNumQueryVariants, pos, a.half, a.chunk_size, a.chunk_len, a.p.inv_freq, cos_v, sin_v);
   __syncthreads();
 
   const int d = a.head_dim, half = a.half, rd = 2 * a.half;
@@ -53,15 +76,9 @@ __global__ void DualChunkRotaryKernel(RotaryArgs a) {
   for (int e = threadIdx.x; e < a.num_q_heads * half; e += blockDim.x) {
     const int h = e / half, i = e - h * half;
     const int64_t row = q_base + static_cast<int64_t>(h) * d;
-    const float x1 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i);
-    const float x2 = cuda_common::LoadAsFloat(a.p.q, dtype, row + i + half);
-    Bf16* o = out + h * d + i;
-#pragma unroll
-    for (int v = 0; v < kNumQueryVariants; ++v) {
-      const float c = cos_v[v * half + i], s = sin_v[v * half + i];
-      o[v * row_elems] = __float2bfloat16_rn(x1 * c - x2 * s);
-      o[v * row_elems + half] = __float2bfloat16_rn(x2 * c + x1 * s);
-    }
+    StoreRotatedPair<kNumQueryVariants>(cuda_common::LoadAsFloat(a.p.q, dtype, row + i),
+                                        cuda_common::LoadAsFloat(a.p.q, dtype, row + i + half), i,
+                                        half, cos_v, sin_v, out + h * d + i, row_elems);
   }
   // Dims past rotary_dim (partial rotary): copied into every variant.
   const int rest = d - rd;
@@ -111,15 +128,7 @@ __global__ void DecodeRotaryKernel(DecodeRotaryArgs a) {
   float* sin_v = smem + kNv * half;
   float* raw_k = smem + 2 * kNv * half;
   const int64_t pos = row.length - 1;
-  for (int j = threadIdx.x; j < kNv * half; j += blockDim.x) {
-    const int v = j / half, i = j - v * half;
-    const int64_t t = DualChunkRotaryPosition(v, pos, a.chunk_size, a.chunk_len);
-    const float angle = __fmul_rn(static_cast<float>(t), a.p.inv_freq[i]);  // as the prefill
-    double s, c;
-    sincos(static_cast<double>(angle), &s, &c);
-    cos_v[j] = static_cast<float>(c);
-    sin_v[j] = static_cast<float>(s);
-  }
+  FillCosSin(kNv, pos, half, a.chunk_size, a.chunk_len, a.p.inv_freq, cos_v, sin_v);
   const char* qrow = static_cast<const char*>(a.p.host_q) + r * a.p.q_row_bytes;
   char* krow = static_cast<char*>(a.p.host_k) + r * a.p.kv_row_bytes;
   const bool does_key = blockIdx.y == 0;
@@ -134,15 +143,9 @@ __global__ void DecodeRotaryKernel(DecodeRotaryArgs a) {
   const int heads = min(kDecodeRotaryHeadsPerBlock, a.num_q_heads - h0);
   for (int e = threadIdx.x; e < heads * half; e += blockDim.x) {
     const int h = h0 + e / half, i = e % half;
-    const float x1 = cuda_common::LoadAsFloat(qrow, row.q_dtype, h * d + i);
-    const float x2 = cuda_common::LoadAsFloat(qrow, row.q_dtype, h * d + i + half);
-    Bf16* o = out + h * d + i;
-#pragma unroll
-    for (int v = 0; v < kNv; ++v) {
-      const float c = cos_v[v * half + i], s = sin_v[v * half + i];
-      o[v * row_elems] = __float2bfloat16_rn(x1 * c - x2 * s);
-      o[v * row_elems + half] = __float2bfloat16_rn(x2 * c + x1 * s);
-    }
+    StoreRotatedPair<kNv>(cuda_common::LoadAsFloat(qrow, row.q_dtype, h * d + i),
+                          cuda_common::LoadAsFloat(qrow, row.q_dtype, h * d + i + half), i, half,
+                          cos_v, sin_v, out + h * d + i, row_elems);
   }
   const int rest = d - rd;
   for (int e = threadIdx.x; rest > 0 && e < heads * rest; e += blockDim.x) {
