@@ -47,7 +47,11 @@ struct Row {
 class Inputs {
  public:
   Inputs(DType dtype, int32_t hq, int32_t hkv, int32_t d, uint64_t seed, v1::QLayout layout)
-      : dtype_(dtype), hq_(hq), hkv_(hkv), d_(d), rng_(static_cast<uint32_t>(seed)),
+      : dtype_(dtype),
+        hq_(hq),
+        hkv_(hkv),
+        d_(d),
+        rng_(static_cast<uint32_t>(seed)),
         pre_rotary_(layout == v1::Q_LAYOUT_PRE_ROTARY) {}
 
   struct Prefill {
@@ -205,8 +209,12 @@ class Transport {
  public:
   Transport(AttndClient& client, Carrier carrier, std::unique_ptr<Staging> staging,
             RegionLayout layout, int64_t hq, int64_t d)
-      : client_(client), carrier_(carrier), staging_(std::move(staging)), layout_(layout),
-        hq_(hq), d_(d) {}
+      : client_(client),
+        carrier_(carrier),
+        staging_(std::move(staging)),
+        layout_(layout),
+        hq_(hq),
+        d_(d) {}
 
   absl::Status Open(const RingOptions& ring_options) {
     if (carrier_ == Carrier::kSession) {
@@ -290,18 +298,24 @@ class Transport {
 
   absl::StatusOr<PrefillResult> Prefill(const PrefillInput& in) {
     switch (carrier_) {
-      case Carrier::kUnary: return client_.Prefill(in);
-      case Carrier::kSession: return session_->Prefill(in);
-      case Carrier::kRing: return ring_->Prefill(in);
+      case Carrier::kUnary:
+        return client_.Prefill(in);
+      case Carrier::kSession:
+        return session_->Prefill(in);
+      case Carrier::kRing:
+        return ring_->Prefill(in);
     }
     return absl::InternalError("unknown carrier");
   }
   absl::StatusOr<std::vector<DecodeResult>> Decode(int32_t layer,
                                                    const std::vector<DecodeInput>& entries) {
     switch (carrier_) {
-      case Carrier::kUnary: return client_.Decode(layer, entries);
-      case Carrier::kSession: return session_->Decode(layer, entries);
-      case Carrier::kRing: return ring_->Decode(layer, entries);
+      case Carrier::kUnary:
+        return client_.Decode(layer, entries);
+      case Carrier::kSession:
+        return session_->Decode(layer, entries);
+      case Carrier::kRing:
+        return ring_->Decode(layer, entries);
     }
     return absl::InternalError("unknown carrier");
   }
@@ -352,11 +366,13 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(
   const v1::ModelInfo& m = info.model();
   std::unique_ptr<Staging> staging;
   Carrier carrier = Carrier::kUnary;
-  const bool regions = name == "shm" || name == "cuda-ipc" || (name == "ring" && options.ring_regions);
+  const bool regions =
+      name == "shm" || name == "cuda-ipc" || (name == "ring" && options.ring_regions);
   if (name == "session") carrier = Carrier::kSession;
   if (name == "ring") carrier = Carrier::kRing;
   if (name == "cuda-ipc" && !ClientBuiltWithCuda()) {
-    return absl::FailedPreconditionError("built without CUDA: cuda-ipc needs a CUDA build of attnctl");
+    return absl::FailedPreconditionError(
+        "built without CUDA: cuda-ipc needs a CUDA build of attnctl");
   }
   if (regions || name == "ring") {
     if (info.regions().host_boot_id().empty() && info.regions().kinds_size() == 0) {
@@ -404,15 +420,15 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(
   if (name == "grpc") *description = "unary RPCs, tensor bytes in the messages";
   if (name == "session") *description = "one Session stream, tensor bytes in the messages";
   if (name == "ring") {
-    *description = absl::StrCat("a shared-memory ring (", ring_half_bytes >> 10,
-                                " KiB halves, client spin ", options.ring_spin_us, " us), ",
-                                regions ? "q/k/v and o in " + staging->Describe()
-                                        : std::string("tensor bytes inline"));
+    *description = absl::StrCat(
+        "a shared-memory ring (", ring_half_bytes >> 10, " KiB halves, client spin ",
+        options.ring_spin_us, " us), ",
+        regions ? "q/k/v and o in " + staging->Describe() : std::string("tensor bytes inline"));
   } else if (regions) {
     *description = absl::StrCat("unary RPCs, q/k/v and o in ", staging->Describe());
   }
-  auto t = std::make_unique<Transport>(client, carrier, std::move(staging), layout,
-                                       m.num_q_heads(), m.head_dim());
+  auto t = std::make_unique<Transport>(client, carrier, std::move(staging), layout, m.num_q_heads(),
+                                       m.head_dim());
   RingOptions ring_options;
   ring_options.half_bytes = ring_half_bytes;
   ring_options.spin = absl::Microseconds(options.ring_spin_us);
@@ -452,8 +468,7 @@ absl::Status VerifyAgainstGrpc(AttndClient& client, Transport& transport, Inputs
     if (*got_bytes != want->o.data) {
       return absl::InternalError("the prefill output in the region differs from gRPC's bytes");
     }
-    absl::StatusOr<std::vector<DecodeResult>> want_d =
-        client.Decode(0, {inputs.ForDecode(ids[0])});
+    absl::StatusOr<std::vector<DecodeResult>> want_d = client.Decode(0, {inputs.ForDecode(ids[0])});
     if (!want_d.ok()) return want_d.status();
     absl::StatusOr<std::vector<DecodeInput>> entries = transport.DecodeArgs(inputs, {ids[1]});
     if (!entries.ok()) return entries.status();
@@ -549,8 +564,7 @@ int RunTransport(AttndClient& client, Transport& transport, const v1::GetServerI
           pargs.prompt_len = context;
           pargs.q_layout = options.q_layout;
           const Clock::time_point t0 = Clock::now();
-          absl::StatusOr<PrefillResult> r =
-              transport.Prefill(pargs);
+          absl::StatusOr<PrefillResult> r = transport.Prefill(pargs);
           prefill_ms += Ms(Clock::now() - t0);
           ++prefill_calls;
           if (!r.ok()) failure = absl::StrCat("Prefill: ", r.status().ToString());
@@ -604,9 +618,8 @@ int RunTransport(AttndClient& client, Transport& transport, const v1::GetServerI
   // Prefill tokens/s counts prompt tokens through all `layers` layers; a decode step is one
   // token for each of the batch's sequences through all `layers` layers.
   out << absl::StrFormat("%9s  %15s  %15s  %14s  %18s  %18s  %19s  %19s\n", "context",
-                         "prefill tok/s", "prefill ms/call", "decode steps/s",
-                         "decode ms/step p50", "decode ms/step p99", "decode us/layer p50",
-                         "decode us/layer p99");
+                         "prefill tok/s", "prefill ms/call", "decode steps/s", "decode ms/step p50",
+                         "decode ms/step p99", "decode us/layer p50", "decode us/layer p99");
   for (const Row& r : rows) {
     if (!r.skipped.empty()) {
       out << absl::StrFormat("%9d  skipped: %s\n", r.context, r.skipped);
@@ -676,16 +689,16 @@ int RunBench(AttndClient& client, const BenchOptions& options, std::ostream& out
       RegionLayout::For(chunk, options.batch, m.num_q_heads(), m.num_kv_heads(), m.head_dim(), es,
                         inputs.pre_rotary());
   // A ring with inline bytes holds a whole prefill chunk (and its output, and a decode batch).
-  const uint64_t ring_half_bytes = AlignUp(
-      static_cast<uint64_t>(std::max<int64_t>(chunk, options.batch) *
-                            (per_token + int64_t{m.num_q_heads()} * m.head_dim() * es)) +
-          (256 << 10),
-      4096);
+  const uint64_t ring_half_bytes =
+      AlignUp(static_cast<uint64_t>(std::max<int64_t>(chunk, options.batch) *
+                                    (per_token + int64_t{m.num_q_heads()} * m.head_dim() * es)) +
+                  (256 << 10),
+              4096);
   int rc = 0;
   for (const std::string& name : options.transports) {
     std::string description, skip;
-    absl::StatusOr<std::unique_ptr<Transport>> transport = MakeTransport(
-        client, *info, options, name, layout, ring_half_bytes, &description, &skip);
+    absl::StatusOr<std::unique_ptr<Transport>> transport =
+        MakeTransport(client, *info, options, name, layout, ring_half_bytes, &description, &skip);
     out << "\ntransport: " << name;
     if (!transport.ok()) {
       out << ": failed: " << transport.status().message() << "\n";
@@ -709,7 +722,8 @@ int RunBench(AttndClient& client, const BenchOptions& options, std::ostream& out
       verified = "; outputs verified once against gRPC's bytes";
     }
     out << " (" << description << verified << ")\n";
-    const int r = RunTransport(client, **transport, *info, options, layers, chunk, inputs, out, err);
+    const int r =
+        RunTransport(client, **transport, *info, options, layers, chunk, inputs, out, err);
     if (r != 0) rc = r;
   }
   return rc;

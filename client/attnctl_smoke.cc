@@ -224,11 +224,11 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
       const std::vector<int64_t> q_shape =
           pre_rotary ? std::vector<int64_t>{t, g.num_q_heads, g.head_dim}
                      : std::vector<int64_t>{t, 5, g.num_q_heads, g.head_dim};
-      absl::StatusOr<PrefillResult> r = client.Prefill(
-          *id, layer, HostTensor::FromFloats(dtype, q_shape, q),
-          HostTensor::FromFloats(dtype, {t, g.num_kv_heads, g.head_dim}, k),
-          HostTensor::FromFloats(dtype, {t, g.num_kv_heads, g.head_dim}, v), prompt,
-          options.q_layout);
+      absl::StatusOr<PrefillResult> r =
+          client.Prefill(*id, layer, HostTensor::FromFloats(dtype, q_shape, q),
+                         HostTensor::FromFloats(dtype, {t, g.num_kv_heads, g.head_dim}, k),
+                         HostTensor::FromFloats(dtype, {t, g.num_kv_heads, g.head_dim}, v), prompt,
+                         options.q_layout);
       const std::string where = absl::StrCat("prefill call ", c, " layer ", layer, " (positions ",
                                              start, "..", start + t - 1, ")");
       if (!r.ok()) {

@@ -73,9 +73,15 @@ absl::Status ParseOutput(v1::Tensor* proto, HostTensor* o, std::optional<v1::Reg
     return absl::InternalError("server returned an output with both data and a region");
   }
   switch (proto->dtype()) {
-    case v1::DTYPE_BF16: o->dtype = DType::kBf16; break;
-    case v1::DTYPE_FP16: o->dtype = DType::kFp16; break;
-    case v1::DTYPE_FP32: o->dtype = DType::kFp32; break;
+    case v1::DTYPE_BF16:
+      o->dtype = DType::kBf16;
+      break;
+    case v1::DTYPE_FP16:
+      o->dtype = DType::kFp16;
+      break;
+    case v1::DTYPE_FP32:
+      o->dtype = DType::kFp32;
+      break;
     default:
       return absl::InternalError(absl::StrCat("server returned dtype ", proto->dtype()));
   }
@@ -172,7 +178,8 @@ AttndClient::AttndClient(std::shared_ptr<grpc::Channel> channel, const ClientOpt
 namespace {
 
 int MillisOf(absl::Duration d) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(absl::ToInt64Milliseconds(d), 60000)));
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(absl::ToInt64Milliseconds(d), 60000)));
 }
 
 // A TCP connection to host:port within `timeout`: the fd, or -errno (-EAI_* codes as
@@ -239,7 +246,8 @@ absl::Status DiagnoseUnreachable(const std::string& target, bool tls, absl::Dura
   }
   std::string host(address.substr(0, colon));
   const std::string port(address.substr(colon + 1));
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
   const int fd = ConnectTcp(host, port, timeout);
   if (fd <= -1000) {
     return absl::UnavailableError(absl::StrCat(prefix, "the host name \"", host,
@@ -247,18 +255,20 @@ absl::Status DiagnoseUnreachable(const std::string& target, bool tls, absl::Dura
                                                ")"));
   }
   if (fd == -ECONNREFUSED) {
-    return absl::UnavailableError(absl::StrCat(
-        prefix, "connection refused; is the daemon running? (start it with script/server; it "
-                "listens on --listen, default 127.0.0.1:50051)"));
+    return absl::UnavailableError(
+        absl::StrCat(prefix,
+                     "connection refused; is the daemon running? (start it with script/server; it "
+                     "listens on --listen, default 127.0.0.1:50051)"));
   }
   if (fd < 0) return absl::UnavailableError(absl::StrCat(prefix, std::strerror(-fd)));
   const std::string answer = HttpProbe(fd, host, timeout);
   close(fd);
   if (absl::StartsWith(answer, "HTTP/")) {
-    return absl::UnavailableError(absl::StrCat(
-        prefix, "it answers HTTP, not gRPC: that is attnd's metrics port (--metrics-listen, "
-                "default 127.0.0.1:9400) or another web server; point --target at attnd's "
-                "--listen address (default 127.0.0.1:50051)"));
+    return absl::UnavailableError(
+        absl::StrCat(prefix,
+                     "it answers HTTP, not gRPC: that is attnd's metrics port (--metrics-listen, "
+                     "default 127.0.0.1:9400) or another web server; point --target at attnd's "
+                     "--listen address (default 127.0.0.1:50051)"));
   }
   return absl::UnavailableError(absl::StrCat(
       prefix, "it accepts TCP connections but the gRPC connection failed",
@@ -269,10 +279,10 @@ absl::Status DiagnoseUnreachable(const std::string& target, bool tls, absl::Dura
 absl::Status AttndClient::Checked(const grpc::Status& status, absl::string_view method) const {
   absl::Status s = FromGrpc(status);
   if (s.code() == absl::StatusCode::kUnimplemented && s.message().empty()) {
-    return absl::UnimplementedError(absl::StrCat(
-        target_, " serves gRPC but not attnd.v1.Attention/", method,
-        ": is it attnd's health-only port (--health-listen, which serves only "
-        "grpc.health.v1.Health)? point --target at attnd's --listen address"));
+    return absl::UnimplementedError(
+        absl::StrCat(target_, " serves gRPC but not attnd.v1.Attention/", method,
+                     ": is it attnd's health-only port (--health-listen, which serves only "
+                     "grpc.health.v1.Health)? point --target at attnd's --listen address"));
   }
   return s;
 }
@@ -368,8 +378,8 @@ absl::StatusOr<v1::GetServerInfoResponse> AttndClient::Info() {
   grpc::ClientContext context;
   SetDeadline(&context);
   v1::GetServerInfoResponse response;
-  ATTND_RETURN_IF_ERROR(
-      Checked(stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &response), "GetServerInfo"));
+  ATTND_RETURN_IF_ERROR(Checked(
+      stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &response), "GetServerInfo"));
   return response;
 }
 
@@ -377,8 +387,8 @@ absl::StatusOr<std::string> AttndClient::CreateSequence() {
   grpc::ClientContext context;
   SetDeadline(&context);
   v1::CreateSequenceResponse response;
-  ATTND_RETURN_IF_ERROR(
-      Checked(stub_->CreateSequence(&context, v1::CreateSequenceRequest(), &response), "CreateSequence"));
+  ATTND_RETURN_IF_ERROR(Checked(
+      stub_->CreateSequence(&context, v1::CreateSequenceRequest(), &response), "CreateSequence"));
   return response.sequence_id();
 }
 
@@ -387,7 +397,8 @@ absl::StatusOr<v1::ReleaseSequenceResponse> AttndClient::ReleaseRaw(
   grpc::ClientContext context;
   SetDeadline(&context);
   v1::ReleaseSequenceResponse response;
-  ATTND_RETURN_IF_ERROR(Checked(stub_->ReleaseSequence(&context, request, &response), "ReleaseSequence"));
+  ATTND_RETURN_IF_ERROR(
+      Checked(stub_->ReleaseSequence(&context, request, &response), "ReleaseSequence"));
   return response;
 }
 

@@ -16,8 +16,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "attnd/v1/attention.grpc.pb.h"
 #include "attnd/v1/admin.grpc.pb.h"
+#include "attnd/v1/attention.grpc.pb.h"
 #include "client/host_tensor.h"
 #include "client/prefill_wire.h"
 #include "grpcpp/grpcpp.h"
@@ -67,7 +67,7 @@ struct TensorRef {
 // reference (the server reads the bytes from the region; none travel in the request).
 struct TensorArg {
   TensorArg() = default;
-  TensorArg(const HostTensor& tensor) : host(&tensor) {}  // NOLINT(runtime/explicit)
+  TensorArg(const HostTensor& tensor) : host(&tensor) {}   // NOLINT(runtime/explicit)
   TensorArg(TensorRef tensor) : ref(std::move(tensor)) {}  // NOLINT(runtime/explicit)
   const HostTensor* host = nullptr;
   std::optional<TensorRef> ref;
@@ -160,8 +160,7 @@ class AttndClient {
   // Tensor regions (docs/regions.md); each returns the region id. RegisteredRegion
   // (client/regions.h) unregisters when it goes away.
   // [offset, offset + bytes) of the POSIX shm object `name` (offset a multiple of 4096).
-  absl::StatusOr<std::string> RegisterShm(const std::string& name, uint64_t offset,
-                                          uint64_t bytes);
+  absl::StatusOr<std::string> RegisterShm(const std::string& name, uint64_t offset, uint64_t bytes);
   // Device memory shared by cudaIpcGetMemHandle: `handle` is the 64-byte cudaIpcMemHandle_t,
   // `bytes` how much of the allocation (from its start) the region covers.
   absl::StatusOr<std::string> RegisterCudaIpc(const std::string& handle, uint64_t bytes);

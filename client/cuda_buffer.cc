@@ -13,10 +13,9 @@ namespace {
 absl::Status Check(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return absl::OkStatus();
   // No device (or no driver) is the caller's environment, not a bug: FAILED_PRECONDITION.
-  const absl::StatusCode code =
-      (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver)
-          ? absl::StatusCode::kFailedPrecondition
-          : absl::StatusCode::kInternal;
+  const absl::StatusCode code = (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver)
+                                    ? absl::StatusCode::kFailedPrecondition
+                                    : absl::StatusCode::kInternal;
   return absl::Status(code, absl::StrCat(what, ": ", cudaGetErrorString(err)));
 }
 

@@ -13,9 +13,7 @@ absl::Status NoCuda() {
 
 bool ClientBuiltWithCuda() { return false; }
 
-absl::StatusOr<std::unique_ptr<DeviceBuffer>> DeviceBuffer::Create(size_t, int) {
-  return NoCuda();
-}
+absl::StatusOr<std::unique_ptr<DeviceBuffer>> DeviceBuffer::Create(size_t, int) { return NoCuda(); }
 DeviceBuffer::~DeviceBuffer() = default;
 absl::Status DeviceBuffer::Write(size_t, const void*, size_t) { return NoCuda(); }
 absl::Status DeviceBuffer::Read(size_t, void*, size_t) const { return NoCuda(); }

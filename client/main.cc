@@ -120,7 +120,8 @@ absl::StatusOr<std::string> ReadToken(const std::string& path) {
   std::string token;
   std::getline(in, token);
   while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
-  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": the first line is empty"));
+  if (token.empty())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": the first line is empty"));
   return token;
 }
 
@@ -148,8 +149,8 @@ int main(int argc, char** argv) {
   const size_t want_args = command == "release" ? 3 : 2;
   if (positional.size() != want_args) {
     std::cerr << "attnctl: " << command
-              << (command == "release" ? " takes one sequence id" : " takes no arguments")
-              << "\n" << kUsage << "\n";
+              << (command == "release" ? " takes one sequence id" : " takes no arguments") << "\n"
+              << kUsage << "\n";
     return 2;
   }
 
@@ -205,9 +206,8 @@ int main(int argc, char** argv) {
               << "\"\n";
     return 2;
   }
-  const attnd::v1::QLayout q_layout = q_layout_name == "pre_rotary"
-                                          ? attnd::v1::Q_LAYOUT_PRE_ROTARY
-                                          : attnd::v1::Q_LAYOUT_VARIANTS;
+  const attnd::v1::QLayout q_layout =
+      q_layout_name == "pre_rotary" ? attnd::v1::Q_LAYOUT_PRE_ROTARY : attnd::v1::Q_LAYOUT_VARIANTS;
   const int64_t decode_steps = absl::GetFlag(FLAGS_decode_steps);
 
   if (command == "smoke") {

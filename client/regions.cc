@@ -68,9 +68,8 @@ ShmBuffer::~ShmBuffer() {
 
 // ---- RegisteredRegion ----
 
-absl::StatusOr<RegisteredRegion> RegisteredRegion::Shm(AttndClient& client,
-                                                       const ShmBuffer& buffer, uint64_t offset,
-                                                       uint64_t bytes) {
+absl::StatusOr<RegisteredRegion> RegisteredRegion::Shm(AttndClient& client, const ShmBuffer& buffer,
+                                                       uint64_t offset, uint64_t bytes) {
   if (bytes == 0) {
     if (offset > buffer.size()) return absl::InvalidArgumentError("offset past the buffer's end");
     bytes = buffer.size() - offset;
@@ -142,8 +141,7 @@ absl::StatusOr<std::unique_ptr<RingClient>> RingClient::Layout(const RingOptions
   return std::unique_ptr<RingClient>(new RingClient(std::move(buffer), options));
 }
 
-absl::StatusOr<std::unique_ptr<RingClient>> RingClient::CreateUnopened(
-    const RingOptions& options) {
+absl::StatusOr<std::unique_ptr<RingClient>> RingClient::CreateUnopened(const RingOptions& options) {
   return Layout(options);
 }
 
@@ -222,8 +220,8 @@ absl::StatusOr<v1::SessionResponse> RingClient::RoundTrip(const v1::SessionReque
   }
   const size_t size = request.ByteSizeLong();
   if (size > capacity()) {
-    return absl::ResourceExhaustedError(absl::StrCat("request of ", size, " bytes exceeds the ring's ",
-                                                     capacity(), "-byte half"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request of ", size, " bytes exceeds the ring's ", capacity(), "-byte half"));
   }
   // 1. Nothing in flight: a request abandoned past its deadline must be answered first.
   const uint32_t seq = h->request_seq.load(std::memory_order_relaxed);
@@ -256,8 +254,8 @@ absl::StatusOr<v1::SessionResponse> RingClient::RoundTrip(const v1::SessionReque
     return absl::InternalError("malformed SessionResponse in the ring");
   }
   if (response.tag() != request.tag()) {
-    return absl::InternalError(absl::StrCat("the ring answered tag ", response.tag(),
-                                            " for request tag ", request.tag()));
+    return absl::InternalError(
+        absl::StrCat("the ring answered tag ", response.tag(), " for request tag ", request.tag()));
   }
   return response;
 }
@@ -270,7 +268,8 @@ absl::StatusOr<PrefillResult> RingClient::Prefill(const PrefillInput& input) {
   if (response.code() != 0) {
     return absl::Status(static_cast<absl::StatusCode>(response.code()), response.message());
   }
-  if (!response.has_prefill()) return absl::InternalError("the ring answered a prefill without one");
+  if (!response.has_prefill())
+    return absl::InternalError("the ring answered a prefill without one");
   return internal::ParsePrefill(response.prefill());
 }
 

@@ -2,8 +2,8 @@
 // and the shared-memory ring (proto/attnd/v1/shm_ring.h).
 //
 //   auto buf = ShmBuffer::Create(bytes);                       // a fresh shm object, mapped
-//   auto region = RegisteredRegion::Shm(client, **buf);        // RegisterRegion; unregisters on exit
-//   in.q = TensorRef::In(region->id(), offset, DType::kBf16, {T, 5, Hq, D});
+//   auto region = RegisteredRegion::Shm(client, **buf);        // RegisterRegion; unregisters on
+//   exit in.q = TensorRef::In(region->id(), offset, DType::kBf16, {T, 5, Hq, D});
 //
 //   auto ring = RingClient::Open(client);                      // OpenRing; CloseRing on exit
 //   auto out = (*ring)->Decode(layer, entries);                // one round trip through the ring
@@ -98,7 +98,8 @@ struct RingOptions {
   absl::Duration spin = absl::Microseconds(50);
   // One futex wait's timeout: the sleeping client re-checks `closed` and the deadline this often.
   absl::Duration sleep_slice = absl::Milliseconds(10);
-  // Per round trip (waiting for the ring to be free, and for the answer); DEADLINE_EXCEEDED past it.
+  // Per round trip (waiting for the ring to be free, and for the answer); DEADLINE_EXCEEDED past
+  // it.
   absl::Duration timeout = absl::Seconds(60);
 };
 

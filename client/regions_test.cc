@@ -121,8 +121,8 @@ class FakeServer {
   std::atomic<bool> paused{false};        // do not answer while set
   std::atomic<bool> close_next{false};    // set `closed` instead of answering
   std::atomic<int> served{0};
-  std::atomic<int> slept{0};          // times the server went to sleep on request_seq
-  std::atomic<int> woke_client{0};    // FutexWake calls on response_seq
+  std::atomic<int> slept{0};        // times the server went to sleep on request_seq
+  std::atomic<int> woke_client{0};  // FutexWake calls on response_seq
   ring::Header* h_;
 
  private:
@@ -324,8 +324,7 @@ TEST(RingClient, TimeoutThenTheLateAnswerIsSkipped) {
   EXPECT_GE(absl::Now() - t0, absl::Milliseconds(100));
   EXPECT_LT(absl::Now() - t0, absl::Seconds(2));
   // Still unanswered: the next call waits for the ring to be free and times out too.
-  EXPECT_EQ(ring->Decode(0, {Entry("a", 1)}).status().code(),
-            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(ring->Decode(0, {Entry("a", 1)}).status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(ring->header()->request_seq.load(), 1u);  // nothing new was written
   server.paused = false;
   // The late answer to request 1 is not mistaken for request 2's.

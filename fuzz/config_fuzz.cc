@@ -26,8 +26,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                        static_cast<long long>(m->max_position_embeddings));
       ATTND_FUZZ_CHECK(m->softmax_scale > 0, "softmax_scale %f", m->softmax_scale);
     } else {
-      ATTND_FUZZ_CHECK(m.status().code() == absl::StatusCode::kInvalidArgument,
-                       "code %d: %s", static_cast<int>(m.status().code()),
+      ATTND_FUZZ_CHECK(m.status().code() == absl::StatusCode::kInvalidArgument, "code %d: %s",
+                       static_cast<int>(m.status().code()),
                        std::string(m.status().message()).c_str());
       ATTND_FUZZ_CHECK(m.status().message().find("fuzz.json") != absl::string_view::npos,
                        "message does not name the file: %s",
@@ -40,10 +40,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       ATTND_FUZZ_CHECK(static_cast<int64_t>(p->size()) == int64_t{layers} * heads,
                        "%zu budgets for %d x %d", p->size(), layers, heads);
     } else {
-      ATTND_FUZZ_CHECK(p.status().code() == absl::StatusCode::kInvalidArgument &&
-                           !p.status().message().empty(),
-                       "code %d: %s", static_cast<int>(p.status().code()),
-                       std::string(p.status().message()).c_str());
+      ATTND_FUZZ_CHECK(
+          p.status().code() == absl::StatusCode::kInvalidArgument && !p.status().message().empty(),
+          "code %d: %s", static_cast<int>(p.status().code()),
+          std::string(p.status().message()).c_str());
     }
   }
   return 0;

@@ -1,8 +1,9 @@
 // The attnd service in-process for the libFuzzer targets (fuzz/*_fuzz.cc, built by script/fuzz):
 // a tiny model on the CPU engine with a 16-page pool, the real AttentionService (the same
 // proto -> Runtime translation, work queue and decode queue as attnd) behind a gRPC server with no
-// port, reached through an in-process channel, with one registered shm region for RegionRefs. Each input gets fresh sequences; after it the
-// harness checks the invariants and aborts (a libFuzzer crash) when one does not hold:
+// port, reached through an in-process channel, with one registered shm region for RegionRefs. Each
+// input gets fresh sequences; after it the harness checks the invariants and aborts (a libFuzzer
+// crash) when one does not hold:
 //   - every call returns OK or a code attention.proto documents for it, with a non-empty message;
 //     INTERNAL counts as a finding (the CPU engine only fails on input validation missed);
 //   - pages_free + the pages the live sequences hold == pages_total, during and after;
@@ -48,14 +49,14 @@ inline constexpr int64_t kPages = 16;
 // Inputs with malformed UTF-8 in string fields fail to parse by design; protobuf would log each.
 inline const bool kQuietProtobuf = (google::protobuf::SetLogHandler(nullptr), true);
 
-#define ATTND_FUZZ_CHECK(cond, ...)                                        \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      std::fprintf(stderr, "invariant violated: %s: ", #cond);              \
-      std::fprintf(stderr, __VA_ARGS__);                                   \
-      std::fprintf(stderr, "\n");                                          \
-      std::abort();                                                        \
-    }                                                                      \
+#define ATTND_FUZZ_CHECK(cond, ...)                            \
+  do {                                                         \
+    if (!(cond)) {                                             \
+      std::fprintf(stderr, "invariant violated: %s: ", #cond); \
+      std::fprintf(stderr, __VA_ARGS__);                       \
+      std::fprintf(stderr, "\n");                              \
+      std::abort();                                            \
+    }                                                          \
   } while (0)
 
 class Harness {
@@ -120,11 +121,10 @@ class Harness {
   // OK, or a documented code with a message.
   static void CheckStatus(const char* rpc, int code, const std::string& message) {
     if (code == 0) return;
-    const bool documented = code == grpc::StatusCode::INVALID_ARGUMENT ||
-                            code == grpc::StatusCode::NOT_FOUND ||
-                            code == grpc::StatusCode::OUT_OF_RANGE ||
-                            code == grpc::StatusCode::RESOURCE_EXHAUSTED ||
-                            code == grpc::StatusCode::FAILED_PRECONDITION;
+    const bool documented =
+        code == grpc::StatusCode::INVALID_ARGUMENT || code == grpc::StatusCode::NOT_FOUND ||
+        code == grpc::StatusCode::OUT_OF_RANGE || code == grpc::StatusCode::RESOURCE_EXHAUSTED ||
+        code == grpc::StatusCode::FAILED_PRECONDITION;
     ATTND_FUZZ_CHECK(documented, "%s answered code %d: %s", rpc, code, message.c_str());
     ATTND_FUZZ_CHECK(!message.empty(), "%s answered code %d with no message", rpc, code);
   }
@@ -142,8 +142,7 @@ class Harness {
     const ServerInfo info = runtime_->Info();
     ATTND_FUZZ_CHECK(info.kv_cache.pages_free + held == info.kv_cache.pages_total,
                      "pages_free %lld + held %lld != total %lld",
-                     static_cast<long long>(info.kv_cache.pages_free),
-                     static_cast<long long>(held),
+                     static_cast<long long>(info.kv_cache.pages_free), static_cast<long long>(held),
                      static_cast<long long>(info.kv_cache.pages_total));
     ATTND_FUZZ_CHECK(info.live_sequences == static_cast<int64_t>(ids.size()),
                      "live_sequences %lld, expected %zu",
@@ -158,11 +157,12 @@ class Harness {
       ATTND_FUZZ_CHECK(freed.ok(), "release: %s", freed.status().ToString().c_str());
     }
     const ServerInfo info = runtime_->Info();
-    ATTND_FUZZ_CHECK(info.kv_cache.pages_free == info.kv_cache.pages_total && info.live_sequences == 0,
-                     "leak: %lld of %lld pages free, %lld live",
-                     static_cast<long long>(info.kv_cache.pages_free),
-                     static_cast<long long>(info.kv_cache.pages_total),
-                     static_cast<long long>(info.live_sequences));
+    ATTND_FUZZ_CHECK(
+        info.kv_cache.pages_free == info.kv_cache.pages_total && info.live_sequences == 0,
+        "leak: %lld of %lld pages free, %lld live",
+        static_cast<long long>(info.kv_cache.pages_free),
+        static_cast<long long>(info.kv_cache.pages_total),
+        static_cast<long long>(info.live_sequences));
   }
 
  private:

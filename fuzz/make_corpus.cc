@@ -87,7 +87,8 @@ int main(int argc, char** argv) {
   v1::PrefillRequest with_len = Prefill(v1::DTYPE_FP16, 4, 0, "\x01");
   with_len.set_prompt_len(40);
   Write("request_fuzz", "prefill_fp16_prompt_len", Tagged(0, with_len));
-  Write("request_fuzz", "prefill_unknown_id", Tagged(0, Prefill(v1::DTYPE_FP32, 1, 0, "0123456789abcdef0123456789abcdef")));
+  Write("request_fuzz", "prefill_unknown_id",
+        Tagged(0, Prefill(v1::DTYPE_FP32, 1, 0, "0123456789abcdef0123456789abcdef")));
   // wire_fuzz: byte 0 = how the rest is sliced (0: one slice, 1..8: every n bytes), a
   // PrefillRequest.
   Write("wire_fuzz", "prefill_one_slice", Tagged(0, Prefill(v1::DTYPE_FP32, 3, 0, "")));
@@ -95,7 +96,8 @@ int main(int argc, char** argv) {
   Write("wire_fuzz", "prefill_prompt_len_sliced_1", Tagged(1, with_len));
   Write("request_fuzz", "decode_fp32_seq1", Tagged(1, Decode(v1::DTYPE_FP32, 3, {"\x01"})));
   Write("request_fuzz", "decode_bf16_5var", Tagged(1, Decode(v1::DTYPE_BF16, 5, {"\x01"})));
-  Write("request_fuzz", "decode_two_entries", Tagged(1, Decode(v1::DTYPE_FP32, 3, {"\x00", "\x01"})));
+  Write("request_fuzz", "decode_two_entries",
+        Tagged(1, Decode(v1::DTYPE_FP32, 3, {"\x00", "\x01"})));
   v1::ReleaseSequenceRequest release;
   release.set_sequence_id("\x01");
   Write("request_fuzz", "release", Tagged(2, release));
@@ -154,9 +156,13 @@ int main(int argc, char** argv) {
  "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
  "hidden_size": 3584, "max_position_embeddings": 1010000, "dual_chunk_attention_config":
  {"chunk_size": 262144, "local_size": 8192, "original_max_position_embeddings": 32768}})");
-  Write("config_fuzz", "sparse_1x2", std::string("\x01\x03", 2) +
-            R"([{"0": ["vertical_and_slash", 1000, 6096, 0.5], "1": ["vertical_and_slash", 30, 800, 1]}])");
-  Write("config_fuzz", "sparse_2x1", std::string("\x01\x01", 2) +
-            R"([{"0": ["vertical_and_slash", 1, 1, 0]}, {"0": ["vertical_and_slash", 3500, 100, 3.5]}])");
+  Write(
+      "config_fuzz", "sparse_1x2",
+      std::string("\x01\x03", 2) +
+          R"([{"0": ["vertical_and_slash", 1000, 6096, 0.5], "1": ["vertical_and_slash", 30, 800, 1]}])");
+  Write(
+      "config_fuzz", "sparse_2x1",
+      std::string("\x01\x01", 2) +
+          R"([{"0": ["vertical_and_slash", 1, 1, 0]}, {"0": ["vertical_and_slash", 3500, 100, 3.5]}])");
   return 0;
 }

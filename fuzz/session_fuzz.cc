@@ -45,9 +45,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                      static_cast<unsigned long long>(response.tag()));
     Harness::CheckStatus("Session", response.code(), response.message());
     if (response.code() == 0) {
-      ATTND_FUZZ_CHECK(response.has_prefill() == r.has_prefill() &&
-                           response.has_decode() == r.has_decode(),
-                       "Session: OK answer of the wrong kind");
+      ATTND_FUZZ_CHECK(
+          response.has_prefill() == r.has_prefill() && response.has_decode() == r.has_decode(),
+          "Session: OK answer of the wrong kind");
     }
     h.CheckPages(ids);
   }

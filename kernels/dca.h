@@ -17,9 +17,9 @@ struct DcaGeometry {
   float softmax_scale = 0.f;  // 1/sqrt(head_dim) unless the model says otherwise.
   // The dual-chunk rotary (DCA.md, "Dual-chunk rotary"), for pre-rotary requests. rotary_dim 0:
   // the model's rotary is unknown, and backends refuse pre-rotary requests.
-  int64_t chunk_size = 0;    // chunk_len + local_size.
+  int64_t chunk_size = 0;  // chunk_len + local_size.
   double rope_theta = 0.0;
-  int32_t rotary_dim = 0;    // Even, <= head_dim; dims past it are not rotated.
+  int32_t rotary_dim = 0;  // Even, <= head_dim; dims past it are not rotated.
 
   int32_t group_size() const { return num_q_heads / num_kv_heads; }  // q heads per kv head.
 };

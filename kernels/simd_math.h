@@ -1,8 +1,9 @@
 // Small fp32 vector helpers shared by the CPU kernels (kernels/dca_cpu.cc, vertical_slash.cc,
-// sparse_prefill_cpu.cc). Written once over GCC vector extensions and instantiated per width: V4 (SSE2, the baseline every x86-64 binary may use) and V8 (AVX2+FMA, used only from
-// functions carrying __attribute__((target("avx2,fma"))), picked at run time as the dense kernels
-// pick theirs: kernels/dca_cpu.h CpuSimdName). The helpers are always_inline so they are compiled
-// for the width of the function that inlines them.
+// sparse_prefill_cpu.cc). Written once over GCC vector extensions and instantiated per width: V4
+// (SSE2, the baseline every x86-64 binary may use) and V8 (AVX2+FMA, used only from functions
+// carrying __attribute__((target("avx2,fma"))), picked at run time as the dense kernels pick
+// theirs: kernels/dca_cpu.h CpuSimdName). The helpers are always_inline so they are compiled for
+// the width of the function that inlines them.
 #ifndef ATTND_KERNELS_SIMD_MATH_H_
 #define ATTND_KERNELS_SIMD_MATH_H_
 
@@ -74,8 +75,8 @@ ATTND_SIMD_INLINE V4::F Fold(V8::F v) {
   return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
 }
 template <typename S>
-ATTND_SIMD_INLINE void Sum4(typename S::F v0, typename S::F v1, typename S::F v2,
-                              typename S::F v3, float* out) {
+ATTND_SIMD_INLINE void Sum4(typename S::F v0, typename S::F v1, typename S::F v2, typename S::F v3,
+                            float* out) {
   const V4::F u0 = Fold(v0), u1 = Fold(v1), u2 = Fold(v2), u3 = Fold(v3);
   const V4::F lo01 = __builtin_shufflevector(u0, u1, 0, 4, 1, 5);  // u0_0 u1_0 u0_1 u1_1
   const V4::F hi01 = __builtin_shufflevector(u0, u1, 2, 6, 3, 7);  // u0_2 u1_2 u0_3 u1_3

@@ -45,8 +45,7 @@ Scratch& ThreadScratch() {
 
 template <typename KvT>
 std::vector<VsHeadPlan> PlanVerticalSlashPiece(const DcaGeometry& geometry, const PagedKv<KvT>& kv,
-                                               const CpuPrefillParams& params,
-                                               const VsPiece& piece,
+                                               const CpuPrefillParams& params, const VsPiece& piece,
                                                absl::Span<const VsBudget> budgets, int64_t last_q,
                                                ThreadPool* pool) {
   std::vector<VsHeadPlan> plans(geometry.num_q_heads);
@@ -58,8 +57,8 @@ std::vector<VsHeadPlan> PlanVerticalSlashPiece(const DcaGeometry& geometry, cons
     for (int s = 0; s < kVsNumStages; ++s) {
       const VsStageLists& st = plan.stages[s];
       if (!st.present) continue;
-      plan.row_blocks[s] = ConvertVerticalSlash(st.q_len, st.kv_len, st.causal, st.columns,
-                                                st.offsets);
+      plan.row_blocks[s] =
+          ConvertVerticalSlash(st.q_len, st.kv_len, st.causal, st.columns, st.offsets);
     }
   });
   return plans;
@@ -74,12 +73,12 @@ namespace {
 
 // One work item of AttendVerticalSlashPiece: q head h, rows [r0, r0 + rows) of the piece.
 // Key tiles outer, rows inner, so a tile of K/V (copied as fp32 into L1-sized scratch) stays in
-// cache while every row of the block uses it; one online softmax per row across the three stages (the same result as
-// merging the stages' outputs by their log-sum-exp).
+// cache while every row of the block uses it; one online softmax per row across the three stages
+// (the same result as merging the stages' outputs by their log-sum-exp).
 template <typename S, typename KvT>
 ATTND_SIMD_INLINE void AttendItem(const DcaGeometry& geometry, const PagedKv<KvT>& kv,
-                                    const CpuPrefillParams& params, const VsPiece& piece,
-                                    const VsHeadPlan& plan, int32_t h, int64_t m) {
+                                  const CpuPrefillParams& params, const VsPiece& piece,
+                                  const VsHeadPlan& plan, int32_t h, int64_t m) {
   using namespace simd_math;
   const int d = geometry.head_dim;
   const int64_t hq = geometry.num_q_heads;
@@ -109,10 +108,11 @@ ATTND_SIMD_INLINE void AttendItem(const DcaGeometry& geometry, const PagedKv<KvT
     const int64_t causal_off = st.kv_len - st.q_len;  // row r sees keys <= causal_off + r
     for (int r = 0; r < rows; ++r) {
       const int64_t row = r0 + r;
-      row_keys[r] = st.causal ? std::upper_bound(keys.begin(), keys.end(), causal_off + row) -
-                                    keys.begin()
-                              : n_keys;
-      const float* src = params.q + (piece.begin + row - params.start) * kNumQueryVariants * hq * d +
+      row_keys[r] =
+          st.causal ? std::upper_bound(keys.begin(), keys.end(), causal_off + row) - keys.begin()
+                    : n_keys;
+      const float* src = params.q +
+                         (piece.begin + row - params.start) * kNumQueryVariants * hq * d +
                          variant_of_stage[s] * hq * d + static_cast<int64_t>(h) * d;
       for (int e = 0; e < d; ++e) q[static_cast<size_t>(r) * d + e] = src[e] * params.softmax_scale;
     }
@@ -170,9 +170,8 @@ void AttendItemV4(const DcaGeometry& g, const PagedKv<KvT>& kv, const CpuPrefill
 template <typename KvT>
 __attribute__((target("avx2,fma"))) void AttendItemV8(const DcaGeometry& g, const PagedKv<KvT>& kv,
                                                       const CpuPrefillParams& p,
-                                                      const VsPiece& piece,
-                                                      const VsHeadPlan& plan, int32_t h,
-                                                      int64_t m) {
+                                                      const VsPiece& piece, const VsHeadPlan& plan,
+                                                      int32_t h, int64_t m) {
   AttendItem<simd_math::V8>(g, kv, p, piece, plan, h, m);
 }
 #pragma GCC diagnostic pop
@@ -203,22 +202,23 @@ void DcaSparsePrefillCpu(const DcaGeometry& geometry, const PagedKv<KvT>& kv,
                          const CpuPrefillParams& params, absl::Span<const VsBudget> budgets,
                          int64_t last_q, ThreadPool* pool) {
   if (params.num_tokens <= 0) return;
-  for (const VsPiece& piece : SplitIntoPieces(params.start, params.num_tokens, geometry.chunk_len)) {
+  for (const VsPiece& piece :
+       SplitIntoPieces(params.start, params.num_tokens, geometry.chunk_len)) {
     const std::vector<VsHeadPlan> plans =
         PlanVerticalSlashPiece<KvT>(geometry, kv, params, piece, budgets, last_q, pool);
     AttendVerticalSlashPiece<KvT>(geometry, kv, params, piece, plans, pool);
   }
 }
 
-#define ATTND_INSTANTIATE_SPARSE(KvT)                                                             \
-  template std::vector<VsHeadPlan> PlanVerticalSlashPiece<KvT>(                                   \
-      const DcaGeometry&, const PagedKv<KvT>&, const CpuPrefillParams&, const VsPiece&,           \
-      absl::Span<const VsBudget>, int64_t, ThreadPool*);                                          \
-  template void AttendVerticalSlashPiece<KvT>(const DcaGeometry&, const PagedKv<KvT>&,            \
-                                              const CpuPrefillParams&, const VsPiece&,            \
-                                              absl::Span<const VsHeadPlan>, ThreadPool*);         \
-  template void DcaSparsePrefillCpu<KvT>(const DcaGeometry&, const PagedKv<KvT>&,                 \
-                                         const CpuPrefillParams&, absl::Span<const VsBudget>,     \
+#define ATTND_INSTANTIATE_SPARSE(KvT)                                                         \
+  template std::vector<VsHeadPlan> PlanVerticalSlashPiece<KvT>(                               \
+      const DcaGeometry&, const PagedKv<KvT>&, const CpuPrefillParams&, const VsPiece&,       \
+      absl::Span<const VsBudget>, int64_t, ThreadPool*);                                      \
+  template void AttendVerticalSlashPiece<KvT>(const DcaGeometry&, const PagedKv<KvT>&,        \
+                                              const CpuPrefillParams&, const VsPiece&,        \
+                                              absl::Span<const VsHeadPlan>, ThreadPool*);     \
+  template void DcaSparsePrefillCpu<KvT>(const DcaGeometry&, const PagedKv<KvT>&,             \
+                                         const CpuPrefillParams&, absl::Span<const VsBudget>, \
                                          int64_t, ThreadPool*);
 ATTND_INSTANTIATE_SPARSE(float)
 ATTND_INSTANTIATE_SPARSE(uint16_t)

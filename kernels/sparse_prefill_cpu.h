@@ -29,8 +29,7 @@ struct VsHeadPlan {
 // Steps 1-3 for every q head of one piece (heads spread over the pool). budgets: [num_q_heads].
 template <typename KvT>
 std::vector<VsHeadPlan> PlanVerticalSlashPiece(const DcaGeometry& geometry, const PagedKv<KvT>& kv,
-                                               const CpuPrefillParams& params,
-                                               const VsPiece& piece,
+                                               const CpuPrefillParams& params, const VsPiece& piece,
                                                absl::Span<const VsBudget> budgets, int64_t last_q,
                                                ThreadPool* pool);
 

@@ -48,8 +48,8 @@ struct Inputs {
     for (float& x : q) x = dist(rng);
     out.resize(tokens * geo.num_q_heads * geo.head_dim);
     for (int64_t i = 0; i < pages; ++i) table.push_back(static_cast<int32_t>(i));
-    kv = PagedKv<float>{k.data(), v.data(), table.data(), kPageSize, geo.num_kv_heads,
-                        geo.head_dim};
+    kv =
+        PagedKv<float>{k.data(), v.data(), table.data(), kPageSize, geo.num_kv_heads, geo.head_dim};
     params.q = q.data();
     params.out = out.data();
     params.num_tokens = tokens;

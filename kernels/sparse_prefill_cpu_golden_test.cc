@@ -65,8 +65,7 @@ void ReplayPrefill(const nlohmann::json& c, const std::string& blob) {
   std::vector<KvT> vbuf(kbuf.size());
   std::vector<int32_t> table(pages);
   std::iota(table.rbegin(), table.rend(), 0);  // pages in reverse order
-  const PagedKv<KvT> kv{kbuf.data(), vbuf.data(), table.data(), kPage, g.num_kv_heads,
-                        g.head_dim};
+  const PagedKv<KvT> kv{kbuf.data(), vbuf.data(), table.data(), kPage, g.num_kv_heads, g.head_dim};
   ThreadPool pool(2);
   const float s = LengthScale(prompt, g.original_max_position_embeddings);
   CpuAppendParams ap;

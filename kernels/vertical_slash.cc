@@ -147,9 +147,9 @@ namespace {
 // the causal corner, probability 0), exponentiated relative to the row max; returns their sum.
 // q holds the row's three estimation queries, pre-scaled: intra, succ_critical, inter_critical.
 template <typename S, typename KvT>
-ATTND_SIMD_INLINE double RowProbabilities(const PagedKv<KvT>& kv, int32_t kv_head,
-                                            const float* q, int64_t pos, int64_t prev, int64_t cl,
-                                            float* logits, float* key_buf) {
+ATTND_SIMD_INLINE double RowProbabilities(const PagedKv<KvT>& kv, int32_t kv_head, const float* q,
+                                          int64_t pos, int64_t prev, int64_t cl, float* logits,
+                                          float* key_buf) {
   using namespace simd_math;
   const int d = kv.head_dim;
   const int64_t stride = static_cast<int64_t>(kv.num_kv_heads) * d;
@@ -189,9 +189,8 @@ double RowProbabilitiesV4(const PagedKv<KvT>& kv, int32_t kv_head, const float* 
 template <typename KvT>
 __attribute__((target("avx2,fma"))) double RowProbabilitiesV8(const PagedKv<KvT>& kv,
                                                               int32_t kv_head, const float* q,
-                                                              int64_t pos, int64_t prev,
-                                                              int64_t cl, float* logits,
-                                                              float* key_buf) {
+                                                              int64_t pos, int64_t prev, int64_t cl,
+                                                              float* logits, float* key_buf) {
   return RowProbabilities<simd_math::V8>(kv, kv_head, q, pos, prev, cl, logits, key_buf);
 }
 #pragma GCC diagnostic pop
@@ -222,11 +221,10 @@ VsSelection EstimateVerticalSlash(const DcaGeometry& geometry, const PagedKv<KvT
     for (int s = 0; s < 3; ++s) {
       for (int e = 0; e < d; ++e) q[s * d + e] = row[variants[s] * hq * d + e] * scale;
     }
-    const double sum =
-        avx2 ? RowProbabilitiesV8<KvT>(kv, kv_head, q.data(), pos, piece.prev, cl, logits.data(),
-                                       key_buf.data())
-             : RowProbabilitiesV4<KvT>(kv, kv_head, q.data(), pos, piece.prev, cl, logits.data(),
-                                       key_buf.data());
+    const double sum = avx2 ? RowProbabilitiesV8<KvT>(kv, kv_head, q.data(), pos, piece.prev, cl,
+                                                      logits.data(), key_buf.data())
+                            : RowProbabilitiesV4<KvT>(kv, kv_head, q.data(), pos, piece.prev, cl,
+                                                      logits.data(), key_buf.data());
     const float inv = static_cast<float>(1.0 / sum);
     // Row i's key j lies on the diagonal anchored at t = j + (n - 1 - i).
     const int64_t shift = n - 1 - i;

@@ -45,8 +45,8 @@ TEST(TopKIndicesTest, TieRules) {
 TEST(SplitIntoPiecesTest, SplitsAtChunkBoundaries) {
   const std::vector<VsPiece> p = SplitIntoPieces(100, 500, 128);
   ASSERT_EQ(p.size(), 5u);
-  const int64_t expect[5][3] = {{0, 100, 128}, {128, 128, 256}, {256, 256, 384},
-                                {384, 384, 512}, {512, 512, 600}};
+  const int64_t expect[5][3] = {
+      {0, 100, 128}, {128, 128, 256}, {256, 256, 384}, {384, 384, 512}, {512, 512, 600}};
   for (int i = 0; i < 5; ++i) {
     EXPECT_EQ(p[i].prev, expect[i][0]);
     EXPECT_EQ(p[i].begin, expect[i][1]);
@@ -152,8 +152,7 @@ void CheckInvariants(const std::vector<VsRowBlock>& rbs, int64_t kv_len, const s
     const VsRowBlock& rb = rbs[m];
     EXPECT_TRUE(std::is_sorted(rb.block_starts.begin(), rb.block_starts.end())) << what;
     EXPECT_TRUE(std::adjacent_find(rb.columns.begin(), rb.columns.end(),
-                                   [](int64_t a, int64_t b) { return a >= b; }) ==
-                rb.columns.end())
+                                   [](int64_t a, int64_t b) { return a >= b; }) == rb.columns.end())
         << what << ": columns not strictly ascending in row block " << m;
     for (size_t i = 0; i < rb.block_starts.size(); ++i) {
       EXPECT_GE(rb.block_starts[i], 0) << what;
@@ -198,8 +197,8 @@ TEST(ConvertVerticalSlashTest, RandomCasesMatchTheNaiveMaskExactly) {
     std::sort(offsets.begin(), offsets.end());
     offsets.erase(std::unique(offsets.begin(), offsets.end()), offsets.end());
     std::reverse(offsets.begin(), offsets.end());
-    const std::string what = absl::StrCat("iter ", iter, " causal ", causal, " q ", q_len, " kv ",
-                                          kv_len);
+    const std::string what =
+        absl::StrCat("iter ", iter, " causal ", causal, " q ", q_len, " kv ", kv_len);
     const std::vector<VsRowBlock> rbs =
         ConvertVerticalSlash(q_len, kv_len, causal, columns, offsets);
     ASSERT_EQ(static_cast<int64_t>(rbs.size()), (q_len + 63) / 64) << what;
@@ -396,11 +395,10 @@ TEST_F(EstimateTest, SelectionMatchesTheNaiveTopKExactly) {
   for (const VsPiece& piece : pieces) {
     for (int32_t h = 0; h < geo_.num_q_heads; ++h) {
       for (int64_t last_q : {64, 8}) {
-        const std::string what = absl::StrCat("piece [", piece.begin, ",", piece.end, ") head ",
-                                              h, " last_q ", last_q);
-        const naive::SparseScores sc =
-            naive::EstimateScores(geo_, q_, 0, keys_, piece.prev, piece.begin, piece.end, h,
-                                  geo_.softmax_scale, last_q);
+        const std::string what =
+            absl::StrCat("piece [", piece.begin, ",", piece.end, ") head ", h, " last_q ", last_q);
+        const naive::SparseScores sc = naive::EstimateScores(
+            geo_, q_, 0, keys_, piece.prev, piece.begin, piece.end, h, geo_.softmax_scale, last_q);
         ASSERT_TRUE(Separated(sc.vertical, budgets[h].vertical, 1e-6))
             << what << ": vertical scores not separated at the budget; pick another seed";
         ASSERT_TRUE(Separated(sc.slash, budgets[h].slash, 1e-6))
@@ -425,11 +423,10 @@ TEST_F(EstimateTest, ZeroQueriesTieEverywhereAndTheTieRuleDecides) {
   Fill(true, 5);
   const VsPiece piece{192, 200, 300};
   const VsBudget budget{45, 120};
-  const VsSelection sel = EstimateVerticalSlash<float>(geo_, kv_->view, Params(), piece, 1, 64,
-                                                       budget);
-  const naive::SparseScores sc =
-      naive::EstimateScores(geo_, q_, 0, keys_, piece.prev, piece.begin, piece.end, 1,
-                            geo_.softmax_scale, 64);
+  const VsSelection sel =
+      EstimateVerticalSlash<float>(geo_, kv_->view, Params(), piece, 1, 64, budget);
+  const naive::SparseScores sc = naive::EstimateScores(geo_, q_, 0, keys_, piece.prev, piece.begin,
+                                                       piece.end, 1, geo_.softmax_scale, 64);
   EXPECT_EQ(sel.vertical, naive::TopK(sc.vertical, budget.vertical, false));
   EXPECT_EQ(sel.slash, naive::TopK(sc.slash, budget.slash, true));
   // Columns 0..29 forced, then 30..44 (equal sums, smaller first).
@@ -445,8 +442,8 @@ TEST_F(EstimateTest, ZeroQueriesTieEverywhereAndTheTieRuleDecides) {
 TEST_F(EstimateTest, BudgetsLargerThanTheKeysTakeEverything) {
   Fill(false, 9);
   const VsPiece piece{0, 0, 20};
-  const VsSelection sel = EstimateVerticalSlash<float>(geo_, kv_->view, Params(), piece, 0, 64,
-                                                       VsBudget{130, 6096});
+  const VsSelection sel =
+      EstimateVerticalSlash<float>(geo_, kv_->view, Params(), piece, 0, 64, VsBudget{130, 6096});
   std::vector<int64_t> all(20);
   std::iota(all.begin(), all.end(), 0);
   EXPECT_EQ(sel.vertical, all);

@@ -263,10 +263,10 @@ absl::StatusOr<int64_t> SequenceTable::EnsureCapacity(Sequence* seq, int64_t len
     if (held + more > quota) {
       const int64_t held_now = held;
       if (held == 0) tenant_pages_.erase(seq->tenant);
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "cannot back ", length, " tokens of sequence ", seq->id, " (", more,
-          " more pages of ", page_size, " tokens): tenant \"", seq->tenant, "\" holds ", held_now,
-          " pages; quota ", quota));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot back ", length, " tokens of sequence ", seq->id, " (", more,
+                       " more pages of ", page_size, " tokens): tenant \"", seq->tenant,
+                       "\" holds ", held_now, " pages; quota ", quota));
     }
     held += more;
   } else {

@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "server/status.h"
 
@@ -55,9 +55,9 @@ absl::Status AdminService::Check(grpc::CallbackServerContext* context) const {
   return AdminAccess(tokens_.get(), admin_tenant_, *tenant, context->peer());
 }
 
-grpc::ServerUnaryReactor* AdminService::ListSequences(
-    grpc::CallbackServerContext* context, const v1::AdminListSequencesRequest* request,
-    v1::AdminListSequencesResponse* response) {
+grpc::ServerUnaryReactor* AdminService::ListSequences(grpc::CallbackServerContext* context,
+                                                      const v1::AdminListSequencesRequest* request,
+                                                      v1::AdminListSequencesResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (absl::Status s = Check(context); !s.ok()) {
     reactor->Finish(ToGrpcStatus(s));

@@ -25,8 +25,8 @@ TEST(AdminAccess, LoopbackPeersOnlyWhenTokensAreOff) {
 }
 
 TEST(AdminAccess, OnlyTheAdminTenantWhenTokensAreOn) {
-  absl::StatusOr<TokenStore> store = TokenStore::Parse(
-      "ops 0123456789abcdef0123\nalice fedcba9876543210fedc\n", "tokens.txt");
+  absl::StatusOr<TokenStore> store =
+      TokenStore::Parse("ops 0123456789abcdef0123\nalice fedcba9876543210fedc\n", "tokens.txt");
   ASSERT_TRUE(store.ok()) << store.status();
   EXPECT_TRUE(store->HasTenant("ops"));
   EXPECT_FALSE(store->HasTenant("op"));

@@ -71,8 +71,8 @@ absl::StatusOr<TokenStore> TokenStore::Parse(absl::string_view contents, absl::s
     const absl::string_view tenant = fields[0];
     const absl::string_view token = fields[1];
     if (!IsValidTenant(tenant)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, "tenant '", tenant, "' must be 1-64 characters of [A-Za-z0-9._-]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "tenant '", tenant, "' must be 1-64 characters of [A-Za-z0-9._-]"));
     }
     if (token.size() < kMinTokenLength || token.size() > kMaxTokenLength) {
       return absl::InvalidArgumentError(absl::StrCat(where, "token for tenant '", tenant, "' has ",
@@ -80,13 +80,13 @@ absl::StatusOr<TokenStore> TokenStore::Parse(absl::string_view contents, absl::s
                                                      kMinTokenLength, "-", kMaxTokenLength));
     }
     if (!IsValidTokenChars(token)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, "token for tenant '", tenant, "' must be printable ASCII without spaces"));
+      return absl::InvalidArgumentError(absl::StrCat(where, "token for tenant '", tenant,
+                                                     "' must be printable ASCII without spaces"));
     }
     Entry entry{std::string(tenant), Sha256(token)};
     if (!seen_digests.insert(std::string(entry.digest.begin(), entry.digest.end())).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, "duplicate token (tenant '", tenant, "'); every token must be unique"));
+      return absl::InvalidArgumentError(absl::StrCat(where, "duplicate token (tenant '", tenant,
+                                                     "'); every token must be unique"));
     }
     store.entries_.push_back(std::move(entry));
   }

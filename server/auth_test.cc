@@ -183,7 +183,8 @@ TEST_F(ProcessorTest, RejectsMissingMalformedAndInvalidTokens) {
         std::string("Bearer "), std::string(kBobToken)}) {
     status = Run({{"authorization", value}});
     EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << value;
-    EXPECT_EQ(status.error_message(), "malformed authorization metadata: expected 'Bearer <token>'");
+    EXPECT_EQ(status.error_message(),
+              "malformed authorization metadata: expected 'Bearer <token>'");
   }
   status = Run({{"authorization", absl::StrCat("Bearer ", kBobToken)},
                 {"authorization", absl::StrCat("Bearer ", kAliceToken)}});
@@ -261,7 +262,8 @@ CallResult Call(grpc::Channel* channel, const std::string& method, const std::st
   result.status = done.get_future().get();
   std::vector<grpc::Slice> slices;
   if (result.status.ok() && resp.Dump(&slices).ok()) {
-    for (const auto& s : slices) result.body.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    for (const auto& s : slices)
+      result.body.append(reinterpret_cast<const char*>(s.begin()), s.size());
   }
   return result;
 }
@@ -285,8 +287,8 @@ TEST(AuthEndToEndTest, TenantsOverLocalCredentials) {
   ASSERT_GT(port, 0);
 
   // A plaintext client on this host (local credentials do no handshake on the wire).
-  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
-                                     grpc::InsecureChannelCredentials());
+  auto channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
   CallResult r = Call(channel.get(), "/test.WhoAmI/Get", kAliceToken);
   ASSERT_TRUE(r.status.ok()) << r.status.error_code() << " " << r.status.error_message();
   EXPECT_EQ(r.body, "alice|token-visible");
@@ -306,7 +308,8 @@ TEST(AuthEndToEndTest, TenantsOverLocalCredentials) {
   r = Call(channel.get(), "/test.WhoAmI/Get", kAliceToken);
   EXPECT_EQ(r.body, "alice|token-visible");
 
-  // Health stays open: an empty HealthCheckRequest, and the reply is status = SERVING (field 1 = 1).
+  // Health stays open: an empty HealthCheckRequest, and the reply is status = SERVING (field 1 =
+  // 1).
   r = Call(channel.get(), "/grpc.health.v1.Health/Check", "");
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.body, std::string("\x08\x01", 2));

@@ -32,7 +32,6 @@ constexpr int kHq = 4, kHkv = 2, kD = 64;  // configs/tiny
 using test_models::RandomFloats;
 using test_models::TinyModel;
 
-
 ServerOptions TinyServerOptions(int clients) {
   ServerOptions o;
   o.listen = "127.0.0.1:0";

@@ -839,7 +839,6 @@ constexpr int kHq = 4, kHkv = 2, kD = 64;
 using test_models::RandomFloats;
 using test_models::TinyModel;
 
-
 absl::string_view Bytes(const std::vector<float>& v) {
   return absl::string_view(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
 }

@@ -94,10 +94,10 @@ absl::StatusOr<std::unique_ptr<CpuEngine>> CpuEngine::Create(const CpuEngineOpti
                         sp->budgets.size() != static_cast<size_t>(sp->num_layers) *
                                                   static_cast<size_t>(sp->num_q_heads) ||
                         sp->last_q < 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cpu engine: the sparse attention config (", sp->num_layers, " layers x ",
-        sp->num_q_heads, " heads, last_q ", sp->last_q, ") does not match the model (",
-        layout.num_layers, " layers x ", g.num_q_heads, " q heads)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cpu engine: the sparse attention config (", sp->num_layers, " layers x ",
+                     sp->num_q_heads, " heads, last_q ", sp->last_q, ") does not match the model (",
+                     layout.num_layers, " layers x ", g.num_q_heads, " q heads)"));
   }
   const size_t bytes = static_cast<size_t>(layout.pool_bytes());
   const size_t rounded = (bytes + kPoolAlignment - 1) / kPoolAlignment * kPoolAlignment;
@@ -158,9 +158,9 @@ absl::Status CpuEngine::CheckPages(int32_t layer, const int32_t* page_table, int
 absl::Status CpuEngine::CheckLayout(QLayout layout) const {
   if (layout == QLayout::kVariants) return absl::OkStatus();
   if (layout == QLayout::kPreRotary && !inv_freq_.empty()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "engine: q layout ", static_cast<int32_t>(layout),
-      layout == QLayout::kPreRotary ? " needs a model with a rotary" : " is unknown"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("engine: q layout ", static_cast<int32_t>(layout),
+                   layout == QLayout::kPreRotary ? " needs a model with a rotary" : " is unknown"));
 }
 
 namespace {

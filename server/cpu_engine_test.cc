@@ -303,11 +303,14 @@ TEST_P(CpuEnginePreRotary, MatchesTheNaiveRotaryAndMixesLayoutsInOneDecode) {
       DecodeJob job;
       job.layer = 0;
       job.entries.resize(2);
-      job.entries[0] = {pages_a.data(), static_cast<int64_t>(pages_a.size()), 301 + step,
-                        qa.view(),      ka.view(),     va.view(),
-                        out_a.data(),   c.io_dtype,    QLayout::kPreRotary};
-      job.entries[1] = {pages_b.data(), static_cast<int64_t>(pages_b.size()), 41 + step,
-                        qb.view(),      kb.view(),     vb.view(),
+      job.entries[0] = {pages_a.data(),     static_cast<int64_t>(pages_a.size()),
+                        301 + step,         qa.view(),
+                        ka.view(),          va.view(),
+                        out_a.data(),       c.io_dtype,
+                        QLayout::kPreRotary};
+      job.entries[1] = {pages_b.data(), static_cast<int64_t>(pages_b.size()),
+                        41 + step,      qb.view(),
+                        kb.view(),      vb.view(),
                         out_b.data(),   c.io_dtype};
       ASSERT_TRUE((*engine)->Decode(job).ok());
       absl::StatusOr<std::vector<float>> want_a =
@@ -475,9 +478,8 @@ TEST(CpuEngineSparseTest, PromptsOverTheThresholdTakeTheSparsePath) {
     job.v = v.view();
     job.out = out.data();
     ASSERT_TRUE((*engine)->Prefill(job).ok());
-    const std::vector<double> want =
-        naive::SparsePrefill(g, q.values, start, keys, values,
-                             static_cast<double>(g.softmax_scale * s), budgets, 32);
+    const std::vector<double> want = naive::SparsePrefill(
+        g, q.values, start, keys, values, static_cast<double>(g.softmax_scale * s), budgets, 32);
     ExpectClose(ToFloats(out, DType::kFp32), std::vector<float>(want.begin(), want.end()), 1e-4,
                 "sparse prefill @" + std::to_string(start));
     start += t;

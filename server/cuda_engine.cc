@@ -45,15 +45,13 @@ int64_t NumElements(const TensorView& t) {
 
 absl::Status CheckElements(absl::string_view name, const TensorView& t, int64_t expected) {
   if (t.data == nullptr || NumElements(t) != expected) {
-    return absl::InvalidArgumentError(absl::StrCat("engine: ", name, " has ", NumElements(t),
-                                                   " elements, expected ", expected));
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine: ", name, " has ", NumElements(t), " elements, expected ", expected));
   }
   return absl::OkStatus();
 }
 
-bool SupportedDType(DType t) {
-  return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32;
-}
+bool SupportedDType(DType t) { return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32; }
 
 struct DeviceFree {
   void operator()(void* p) const { cudaFree(p); }
@@ -139,10 +137,13 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   void CloseIpcHandle(void* device_ptr) override;
 
  private:
-  explicit CudaEngine(const CudaEngineOptions& options) : geometry_(options.geometry),
-      layout_(options.layout), device_(options.device),
-      max_decode_batch_(std::max(1, options.max_decode_batch)),
-      use_graphs_(options.cuda_graphs), sparse_(options.sparse) {
+  explicit CudaEngine(const CudaEngineOptions& options)
+      : geometry_(options.geometry),
+        layout_(options.layout),
+        device_(options.device),
+        max_decode_batch_(std::max(1, options.max_decode_batch)),
+        use_graphs_(options.cuda_graphs),
+        sparse_(options.sparse) {
     for (int32_t size : options.graph_batch_sizes) {
       if (size >= 1 && size <= max_decode_batch_ && (sizes_.empty() || size > sizes_.back())) {
         sizes_.push_back(size);
@@ -192,9 +193,9 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   size_t q_off_ = 0, k_off_ = 0, v_off_ = 0, out_off_ = 0, prefill_bytes_ = 0;
   PinnedPtr h_prefill_ ABSL_GUARDED_BY(mu_);
   DevicePtr d_prefill_ ABSL_GUARDED_BY(mu_);
-  DevicePtr d_q_bf16_ ABSL_GUARDED_BY(mu_);      // [chunk, 5, Hq, D]
-  PinnedPtr h_table_ ABSL_GUARDED_BY(mu_);       // [num_pages]
-  DevicePtr d_table_ ABSL_GUARDED_BY(mu_);       // [num_pages]
+  DevicePtr d_q_bf16_ ABSL_GUARDED_BY(mu_);  // [chunk, 5, Hq, D]
+  PinnedPtr h_table_ ABSL_GUARDED_BY(mu_);   // [num_pages]
+  DevicePtr d_table_ ABSL_GUARDED_BY(mu_);   // [num_pages]
   size_t sparse_workspace_bytes_ = 0;
   DevicePtr d_sparse_workspace_ ABSL_GUARDED_BY(mu_);  // when sparse_ is set
   // Pre-rotary requests (docs/rotary.md): RotaryInvFreq of the geometry on the host (decode rows
@@ -238,9 +239,8 @@ absl::StatusOr<std::unique_ptr<Engine>> CudaEngine::Create(const CudaEngineOptio
         "] does not match the model [", g.num_kv_heads, ", ", g.head_dim, "]"));
   }
   if (layout.kv_dtype != DType::kBf16) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda engine: KV dtype ",
-                                                   DTypeName(layout.kv_dtype),
-                                                   " is not supported; use bf16"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda engine: KV dtype ", DTypeName(layout.kv_dtype), " is not supported; use bf16"));
   }
   if (layout.num_layers <= 0 || layout.page_size <= 0 || layout.num_pages <= 0) {
     return absl::InvalidArgumentError("cuda engine: the KV layout has no layers, pages or slots");
@@ -251,10 +251,10 @@ absl::StatusOr<std::unique_ptr<Engine>> CudaEngine::Create(const CudaEngineOptio
                                                   static_cast<size_t>(sp->num_q_heads) ||
                         sp->last_q < 1 || sp->last_q > 64 || g.num_q_heads > kMaxSparseHeads)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "cuda engine: the sparse attention config (", sp->num_layers, " layers x ",
-        sp->num_q_heads, " heads, last_q ", sp->last_q, ") does not match the model (",
-        layout.num_layers, " layers x ", g.num_q_heads, " q heads) or the CUDA kernels (at most ",
-        kMaxSparseHeads, " q heads, sparse_attention_last_q in [1, 64])"));
+        "cuda engine: the sparse attention config (", sp->num_layers, " layers x ", sp->num_q_heads,
+        " heads, last_q ", sp->last_q, ") does not match the model (", layout.num_layers,
+        " layers x ", g.num_q_heads, " q heads) or the CUDA kernels (at most ", kMaxSparseHeads,
+        " q heads, sparse_attention_last_q in [1, 64])"));
   }
   if (layout.num_pages > INT32_MAX || layout.num_pages * int64_t{layout.page_size} > INT32_MAX) {
     return absl::InvalidArgumentError("cuda engine: more than 2^31 token slots in the pool");
@@ -263,14 +263,14 @@ absl::StatusOr<std::unique_ptr<Engine>> CudaEngine::Create(const CudaEngineOptio
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
     if (err != cudaSuccess) cudaGetLastError();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cuda engine: no usable CUDA device (",
-        err != cudaSuccess ? cudaGetErrorString(err) : "cudaGetDeviceCount() == 0",
-        "); use --device=cpu"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda engine: no usable CUDA device (",
+                     err != cudaSuccess ? cudaGetErrorString(err) : "cudaGetDeviceCount() == 0",
+                     "); use --device=cpu"));
   }
   if (options.device < 0 || options.device >= count) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda engine: device ", options.device,
-                                                   " not in [0, ", count, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda engine: device ", options.device, " not in [0, ", count, ")"));
   }
   std::unique_ptr<CudaEngine> engine(new CudaEngine(options));
   ATTND_RETURN_IF_ERROR(engine->Init(options.staging_bytes));
@@ -300,13 +300,13 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   prefill_bytes_ = AlignUp(out_off_ + max_chunk_ * hq * d * 4);
   ATTND_ASSIGN_OR_RETURN(h_prefill_, PinnedAlloc(prefill_bytes_, "prefill staging"));
   ATTND_ASSIGN_OR_RETURN(d_prefill_, DeviceAlloc(prefill_bytes_, "prefill staging"));
-  ATTND_ASSIGN_OR_RETURN(
-      d_q_bf16_, DeviceAlloc(max_chunk_ * kNumQueryVariants * hq * d * 2, "prefill q"));
+  ATTND_ASSIGN_OR_RETURN(d_q_bf16_,
+                         DeviceAlloc(max_chunk_ * kNumQueryVariants * hq * d * 2, "prefill q"));
   if (CheckRotaryGeometry(geometry_).ok()) {
     inv_freq_ = RotaryInvFreq(geometry_.rope_theta, geometry_.rotary_dim);
     ATTND_ASSIGN_OR_RETURN(d_inv_freq_, DeviceAlloc(inv_freq_.size() * 4, "rotary frequencies"));
-    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_inv_freq_.get(), inv_freq_.data(),
-                                          inv_freq_.size() * 4, cudaMemcpyHostToDevice));
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_inv_freq_.get(), inv_freq_.data(), inv_freq_.size() * 4,
+                                          cudaMemcpyHostToDevice));
   }
   ATTND_ASSIGN_OR_RETURN(h_table_, PinnedAlloc(layout_.num_pages * 4, "page table"));
   ATTND_ASSIGN_OR_RETURN(d_table_, DeviceAlloc(layout_.num_pages * 4, "page table"));
@@ -362,8 +362,7 @@ absl::Status CudaEngine::CaptureDecodeGraphs() {
   graphs_.reserve(sizes_.size() * layout_.num_layers);
   for (int32_t size : sizes_) {
     for (int32_t layer = 0; layer < layout_.num_layers; ++layer) {
-      ATTND_CUDA_RETURN_IF_ERROR(
-          cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      ATTND_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
       const absl::Status enqueued = EnqueueDecodeStep(layer, size, size);
       cudaGraph_t graph = nullptr;
       const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
@@ -384,10 +383,11 @@ absl::Status CudaEngine::CaptureDecodeGraphs() {
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_after, &total));
-  spdlog::info("cuda engine: captured {} decode graphs ({} sizes x {} layers, sizes {}..{}) in "
-               "{:.1f} ms, {:.1f} MiB of device memory",
-               graphs_.size(), sizes_.size(), layout_.num_layers, sizes_.front(), sizes_.back(),
-               ms, (static_cast<double>(free_before) - static_cast<double>(free_after)) / 1048576.0);
+  spdlog::info(
+      "cuda engine: captured {} decode graphs ({} sizes x {} layers, sizes {}..{}) in "
+      "{:.1f} ms, {:.1f} MiB of device memory",
+      graphs_.size(), sizes_.size(), layout_.num_layers, sizes_.front(), sizes_.back(), ms,
+      (static_cast<double>(free_before) - static_cast<double>(free_after)) / 1048576.0);
   return absl::OkStatus();
 }
 
@@ -409,8 +409,8 @@ absl::Status CudaEngine::CheckPages(int32_t layer, const int32_t* page_table, in
   }
   if (num_pages * layout_.page_size < length || (num_pages > 0 && page_table == nullptr) ||
       num_pages > layout_.num_pages) {
-    return absl::InvalidArgumentError(absl::StrCat("engine: ", num_pages,
-                                                   " pages do not cover ", length, " tokens"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine: ", num_pages, " pages do not cover ", length, " tokens"));
   }
   for (int64_t i = 0; i < num_pages; ++i) {
     if (page_table[i] < 0 || page_table[i] >= layout_.num_pages) {
@@ -424,9 +424,9 @@ absl::Status CudaEngine::CheckPages(int32_t layer, const int32_t* page_table, in
 absl::Status CudaEngine::CheckLayout(QLayout layout) const {
   if (layout == QLayout::kVariants) return absl::OkStatus();
   if (layout == QLayout::kPreRotary && !inv_freq_.empty()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "engine: q layout ", static_cast<int32_t>(layout),
-      layout == QLayout::kPreRotary ? " needs a model with a rotary" : " is unknown"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("engine: q layout ", static_cast<int32_t>(layout),
+                   layout == QLayout::kPreRotary ? " needs a model with a rotary" : " is unknown"));
 }
 
 PagedKv<Bf16> CudaEngine::LayerView(int32_t layer, const int32_t* device_page_table) const {
@@ -446,8 +446,8 @@ absl::Status CudaEngine::Prefill(const PrefillJob& job) {
   if (t < 1 || job.start < 0 || job.prompt_len < job.start + t || job.out == nullptr ||
       !SupportedDType(job.out_dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("engine: bad prefill range (start ", job.start,
-                                                   ", tokens ", t, ", prompt_len ",
-                                                   job.prompt_len, ")"));
+                                                   ", tokens ", t, ", prompt_len ", job.prompt_len,
+                                                   ")"));
   }
   ATTND_RETURN_IF_ERROR(CheckPages(job.layer, job.page_table, job.num_pages, job.start + t));
   ATTND_RETURN_IF_ERROR(CheckLayout(job.q_layout));
@@ -469,10 +469,12 @@ absl::Status CudaEngine::Prefill(const PrefillJob& job) {
   const float s = LengthScale(job.prompt_len, geometry_.original_max_position_embeddings);
   const bool sparse = sparse_ != nullptr && sparse_->UseSparse(job.prompt_len);
   if (sparse && t > max_chunk_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "engine: a sparse prefill (prompt_len ", job.prompt_len, " > threshold ",
-        sparse_->threshold, ") takes at most ", max_chunk_, " tokens per call on the CUDA backend, "
-        "got ", t, "; send the prompt in smaller Prefill calls"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine: a sparse prefill (prompt_len ", job.prompt_len, " > threshold ",
+                     sparse_->threshold, ") takes at most ", max_chunk_,
+                     " tokens per call on the CUDA backend, "
+                     "got ",
+                     t, "; send the prompt in smaller Prefill calls"));
   }
 
   MutexLock lock(&mu_);
@@ -508,8 +510,8 @@ absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int6
       return absl::OkStatus();
     }
     std::memcpy(At(h_prefill_, h_off), src, bytes);
-    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_dst, At(h_prefill_, h_off), bytes,
-                                               cudaMemcpyHostToDevice, stream_));
+    ATTND_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(device_dst, At(h_prefill_, h_off), bytes, cudaMemcpyHostToDevice, stream_));
     return absl::OkStatus();
   };
   Bf16* q_bf16 = static_cast<Bf16*>(d_q_bf16_.get());
@@ -584,7 +586,8 @@ absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int6
   pp.start = job.start + first;
   pp.num_tokens = count;
   pp.softmax_scale = geometry_.softmax_scale * s;
-  if (sparse_ != nullptr && sparse_->UseSparse(job.prompt_len)) {  // the whole call: Prefill checked
+  if (sparse_ != nullptr &&
+      sparse_->UseSparse(job.prompt_len)) {  // the whole call: Prefill checked
     SparsePrefillParams sp;
     sp.prefill = pp;
     sp.budgets = sparse_->layer(job.layer);
@@ -639,8 +642,8 @@ absl::Status CudaEngine::Decode(const DecodeJob& job) {
   MutexLock lock(&mu_);
   ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   for (size_t first = 0; first < job.entries.size(); first += max_decode_batch_) {
-    ATTND_RETURN_IF_ERROR(DecodeBatch(
-        job, first, std::min<size_t>(max_decode_batch_, job.entries.size() - first)));
+    ATTND_RETURN_IF_ERROR(
+        DecodeBatch(job, first, std::min<size_t>(max_decode_batch_, job.entries.size() - first)));
   }
   return absl::OkStatus();
 }
@@ -692,8 +695,8 @@ absl::StatusOr<DeviceMemoryOpener::Mapping> CudaEngine::OpenIpcHandle(absl::stri
   if (err != cudaSuccess) {
     cudaGetLastError();  // not sticky: clear it
     return absl::InvalidArgumentError(absl::StrCat(
-        "cannot open the CUDA IPC handle on ", device_name_, " (", device_uuid_, "): ",
-        cudaGetErrorString(err),
+        "cannot open the CUDA IPC handle on ", device_name_, " (", device_uuid_,
+        "): ", cudaGetErrorString(err),
         " (the exporting process must run on this host, on this GPU, and keep the memory)"));
   }
   Mapping m;

@@ -33,9 +33,9 @@ namespace attnd {
 
 struct CudaEngineOptions {
   DcaGeometry geometry;
-  KvLayout layout;                  // kv_dtype must be kBf16; pool_bytes() are cudaMalloc'ed at once
-  int32_t device = 0;               // CUDA device ordinal
-  int32_t max_decode_batch = 256;   // larger decode jobs run in batches of this many
+  KvLayout layout;                 // kv_dtype must be kBf16; pool_bytes() are cudaMalloc'ed at once
+  int32_t device = 0;              // CUDA device ordinal
+  int32_t max_decode_batch = 256;  // larger decode jobs run in batches of this many
   // Decode batch sizes with a captured CUDA graph (ascending; sizes above max_decode_batch are
   // dropped). A batch of n entries is planned as the smallest size >= n (its split-K layout is
   // that size's), so an eager launch and a graph replay compute bit-identical outputs. Empty: plan

@@ -7,7 +7,8 @@ namespace attnd {
 
 absl::Status CudaBuildStatus() {
   return absl::FailedPreconditionError(
-      "--device=cuda: attnd was built without CUDA (no toolkit found at build time); rebuild with a "
+      "--device=cuda: attnd was built without CUDA (no toolkit found at build time); rebuild with "
+      "a "
       "CUDA toolkit >= 12 (see docs/BUILD.md)");
 }
 

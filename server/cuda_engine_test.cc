@@ -1,8 +1,8 @@
-// CudaEngine against the fp64 reference (//kernels/testing:naive_dca): chunked prefill in two layers
-// for several sequences, then decode steps over a mixed batch, with bf16/fp16/fp32 requests and
-// outputs, a pool with shuffled pages, tiny staging (forces chunking) and a small decode batch cap
-// (forces batching). Error paths are checked by code and message. GPU parts skip loudly without a
-// CUDA device; the option checks run everywhere.
+// CudaEngine against the fp64 reference (//kernels/testing:naive_dca): chunked prefill in two
+// layers for several sequences, then decode steps over a mixed batch, with bf16/fp16/fp32 requests
+// and outputs, a pool with shuffled pages, tiny staging (forces chunking) and a small decode batch
+// cap (forces batching). Error paths are checked by code and message. GPU parts skip loudly without
+// a CUDA device; the option checks run everywhere.
 #include "server/cuda_engine.h"
 
 #include <cuda_runtime_api.h>
@@ -47,8 +47,8 @@ CudaEngineOptions TestOptions() {
   o.layout.page_size = 16;
   o.layout.kv_dtype = DType::kBf16;
   o.layout.num_pages = 96;
-  o.max_decode_batch = 2;                  // a 3-entry decode runs as 2 + 1
-  o.staging_bytes = int64_t{90112} * 48;   // 48 tokens of 7B-like geometry per prefill chunk
+  o.max_decode_batch = 2;                 // a 3-entry decode runs as 2 + 1
+  o.staging_bytes = int64_t{90112} * 48;  // 48 tokens of 7B-like geometry per prefill chunk
   return o;
 }
 
@@ -66,8 +66,7 @@ TEST(CudaEngineOptions, RejectsUnsupportedConfigurations) {
   e = CreateCudaEngine(o);
   ASSERT_FALSE(e.ok());
   EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(std::string(e.status().message()).find("head_dim 96"), std::string::npos)
-      << e.status();
+  EXPECT_NE(std::string(e.status().message()).find("head_dim 96"), std::string::npos) << e.status();
 }
 
 TEST(CudaEngineOptions, NoDeviceIsFailedPrecondition) {
@@ -147,8 +146,8 @@ TEST(CudaEngine, PrefillAndDecodeMatchReference) {
     std::vector<int32_t> pages;
     int64_t length = 0;
   };
-  std::vector<Seq> seqs = {{{300}, DType::kBf16, DType::kFp32},      // > 4 chunks of 64
-                           {{1}, DType::kFp32, DType::kBf16},        // one token
+  std::vector<Seq> seqs = {{{300}, DType::kBf16, DType::kFp32},          // > 4 chunks of 64
+                           {{1}, DType::kFp32, DType::kBf16},            // one token
                            {{100, 29, 3}, DType::kFp16, DType::kFp16}};  // chunked, page edges
   std::vector<int32_t> perm(opts.layout.num_pages);
   std::iota(perm.begin(), perm.end(), 0);
@@ -259,8 +258,8 @@ TEST(CudaEngine, GraphReplayIsBitIdenticalToEagerLaunch) {
   std::mt19937 rng(11);
 
   // 16 sequences, prompts from 1 token to > 4 DCA chunks, several on page edges.
-  const std::vector<int64_t> prompts = {1, 15, 16, 17, 31, 32, 63, 64, 65, 100, 128, 129, 200,
-                                        255, 256, 301};
+  const std::vector<int64_t> prompts = {1,  15,  16,  17,  31,  32,  63,  64,
+                                        65, 100, 128, 129, 200, 255, 256, 301};
   const int n_seq = static_cast<int>(prompts.size());
   std::vector<int32_t> perm(with_graphs.layout.num_pages);
   std::iota(perm.begin(), perm.end(), 0);

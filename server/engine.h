@@ -1,6 +1,7 @@
 // The backend seam: an Engine owns the KV pool's memory and computes attention over it. The CPU
-// engine (server/cpu_engine.h) is the embedded default; a CUDA engine implements the same interface.
-// Engines never see protobuf; the runtime validates requests and owns the page bookkeeping.
+// engine (server/cpu_engine.h) is the embedded default; a CUDA engine implements the same
+// interface. Engines never see protobuf; the runtime validates requests and owns the page
+// bookkeeping.
 #ifndef ATTND_SERVER_ENGINE_H_
 #define ATTND_SERVER_ENGINE_H_
 
@@ -31,19 +32,20 @@ struct TensorView {
 // Append num_tokens tokens to one layer of one sequence and compute their attention.
 struct PrefillJob {
   int32_t layer = 0;
-  const int32_t* page_table = nullptr;  // [num_pages] the sequence's pages, covering start+num_tokens
+  const int32_t* page_table =
+      nullptr;  // [num_pages] the sequence's pages, covering start+num_tokens
   int64_t num_pages = 0;
-  int64_t start = 0;       // tokens already in this layer; the new ones are start .. start+num_tokens-1
+  int64_t start = 0;  // tokens already in this layer; the new ones are start .. start+num_tokens-1
   int64_t num_tokens = 0;  // T >= 1
   int64_t prompt_len = 0;  // L for length scaling (>= start + num_tokens)
   // kPreRotary: q is [T, Hq, D] and k is before the rotary; the engine applies the dual-chunk
   // rotary at positions start .. start+T-1 (kernels/dual_chunk_rotary.h), then scales keys as
   // usual.
   QLayout q_layout = QLayout::kVariants;
-  TensorView q;            // [T, 5, Hq, D] (kVariants) or [T, Hq, D] (kPreRotary)
-  TensorView k;            // [T, Hkv, D]
-  TensorView v;            // [T, Hkv, D]
-  void* out = nullptr;     // [T, Hq, D] of out_dtype
+  TensorView q;         // [T, 5, Hq, D] (kVariants) or [T, Hq, D] (kPreRotary)
+  TensorView k;         // [T, Hkv, D]
+  TensorView v;         // [T, Hkv, D]
+  void* out = nullptr;  // [T, Hq, D] of out_dtype
   DType out_dtype = DType::kFp32;
   bool out_on_device = false;  // out is device memory (as TensorView::on_device)
 };

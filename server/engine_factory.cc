@@ -36,7 +36,8 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCuda(const EngineOptions& options)
   absl::StatusOr<DType> kv_dtype = ResolveKvDType(options.kv_dtype, "cuda");
   if (!kv_dtype.ok()) return kv_dtype.status();
   if (*kv_dtype != DType::kBf16) {
-    return absl::InvalidArgumentError("--kv-dtype: the cuda backend stores K/V as bf16; use auto or bf16");
+    return absl::InvalidArgumentError(
+        "--kv-dtype: the cuda backend stores K/V as bf16; use auto or bf16");
   }
   if (CudaDeviceCount() == 0) {
     return absl::FailedPreconditionError(

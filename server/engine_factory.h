@@ -26,14 +26,15 @@ struct EngineOptions {
   // cuda, when kv_cache_bytes is 0: this fraction of the device's free memory (like vLLM's
   // gpu_memory_utilization, but of what is free at start-up).
   double kv_cache_fraction = 0.9;
-  int32_t compute_threads = 0;    // 0 = all cores
+  int32_t compute_threads = 0;  // 0 = all cores
   // Vertical-slash sparse prefill budgets (ModelConfig::sparse), or null. Both backends run the
   // sparse path for prompts over the threshold.
   std::shared_ptr<const SparseAttentionConfig> sparse;
   // cuda: decode batches of up to this many entries, padded to the next captured size (a CUDA graph
   // per size and layer, captured at creation unless cuda_graphs is false). Ignored by the CPU.
   int32_t max_decode_batch = 256;
-  std::vector<int32_t> cuda_graph_batch_sizes = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256};
+  std::vector<int32_t> cuda_graph_batch_sizes = {1,  2,  4,  8,   16,  24,  32,
+                                                 48, 64, 96, 128, 160, 192, 256};
   bool cuda_graphs = true;
 };
 

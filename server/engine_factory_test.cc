@@ -1,7 +1,5 @@
 #include "server/engine_factory.h"
 
-#include "server/cuda_engine.h"
-
 #include <cmath>
 
 #include "gtest/gtest.h"

@@ -1,8 +1,8 @@
 // Tests only: an Engine decorator that fails on command (tests/reliability). It forwards to the
 // engine it wraps until told to fail: the next N prefills/decodes, every job on one layer, or
 // everything from now on because the device is "lost" (then healthy() is false and the server
-// turns its health NOT_SERVING). A failed job returns INTERNAL and never reaches the wrapped engine,
-// so it writes nothing. Thread-safe.
+// turns its health NOT_SERVING). A failed job returns INTERNAL and never reaches the wrapped
+// engine, so it writes nothing. Thread-safe.
 #ifndef ATTND_SERVER_FAULT_ENGINE_H_
 #define ATTND_SERVER_FAULT_ENGINE_H_
 

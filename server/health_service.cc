@@ -13,7 +13,8 @@ using grpc::health::v1::HealthCheckResponse;
 // stream with OK. Deletes itself in OnDone.
 class HealthWatch : public grpc::ServerWriteReactor<HealthCheckResponse> {
  public:
-  HealthWatch(HealthService* service, std::string name) : service_(service), name_(std::move(name)) {
+  HealthWatch(HealthService* service, std::string name)
+      : service_(service), name_(std::move(name)) {
     MutexLock service_lock(&service_->mu_);
     service_->watches_.insert(this);
     Update(service_->StatusOfLocked(name_), service_->shut_down_);
@@ -117,8 +118,8 @@ grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* cont
   MutexLock lock(&mu_);
   const Status status = StatusOfLocked(request->service());
   if (status == HealthCheckResponse::SERVICE_UNKNOWN) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND,
-                                 "unknown service '" + request->service() + "'"));
+    reactor->Finish(
+        grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown service '" + request->service() + "'"));
     return reactor;
   }
   response->set_status(status);

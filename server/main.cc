@@ -49,9 +49,10 @@ ABSL_FLAG(std::string, cuda_graph_batch_sizes, "1,2,4,8,16,24,32,48,64,96,128,16
 ABSL_FLAG(bool, disable_cuda_graphs, false,
           "never pad decode batches or replay CUDA graphs (accepted on the CPU backend, where it "
           "has no effect)");
-ABSL_FLAG(int32_t, decode_batches_in_flight, 2,
-          "merged decode batches of one layer that may run at once (2: the next batch is formed and "
-          "launched while the previous one answers its calls; docs/batching.md)");
+ABSL_FLAG(
+    int32_t, decode_batches_in_flight, 2,
+    "merged decode batches of one layer that may run at once (2: the next batch is formed and "
+    "launched while the previous one answers its calls; docs/batching.md)");
 ABSL_FLAG(std::string, log_level, "info", "trace | debug | info | warn | error | critical | off");
 ABSL_FLAG(int64_t, request_log_sample, 1000,
           "the request log (--log-level info): one line per RPC for one in N OK requests and every "
@@ -80,7 +81,8 @@ ABSL_FLAG(std::string, admin_tenant, "",
 ABSL_FLAG(attnd::FlexDuration, sequence_idle_timeout, attnd::FlexDuration{absl::ZeroDuration()},
           "release sequences unused for this long (10m, 90s; a bare number is seconds), freeing "
           "their pages; 0 = never");
-ABSL_FLAG(int64_t, tenant_page_quota, 0, "most KV pages one tenant's sequences may hold; 0 = no limit");
+ABSL_FLAG(int64_t, tenant_page_quota, 0,
+          "most KV pages one tenant's sequences may hold; 0 = no limit");
 ABSL_FLAG(int64_t, tenant_max_sequences, 0,
           "most live sequences of one tenant, empty ones included; 0 = no limit");
 ABSL_FLAG(int32_t, max_streams_per_connection, 64,
@@ -134,8 +136,10 @@ void DashesToUnderscores(int argc, char** argv) {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "dual-chunk attention over gRPC (docs/operations.md lists every flag).\n"
-      "usage: attnd [--flag=value ...]   flags may be spelled --kv-cache-bytes or --kv_cache_bytes\n"
-      "  -h, --help  these flags    --helpfull  gRPC's and absl's too    --version  version and build");
+      "usage: attnd [--flag=value ...]   flags may be spelled --kv-cache-bytes or "
+      "--kv_cache_bytes\n"
+      "  -h, --help  these flags    --helpfull  gRPC's and absl's too    --version  version and "
+      "build");
   attnd::SetUsageConfig("attnd", "server/main.cc");
   attnd::ShortHelpToHelp(argc, argv);
   DashesToUnderscores(argc, argv);

@@ -44,10 +44,17 @@ std::string EscapeLabelValue(absl::string_view value) {
   out.reserve(value.size());
   for (char c : value) {
     switch (c) {
-      case '\\': out += "\\\\"; break;
-      case '"': out += "\\\""; break;
-      case '\n': out += "\\n"; break;
-      default: out += c;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -98,7 +105,8 @@ bool IsValidMetricName(absl::string_view name) {
   if (name.empty()) return false;
   for (size_t i = 0; i < name.size(); ++i) {
     const char c = name[i];
-    const bool ok = absl::ascii_isalpha(c) || c == '_' || c == ':' || (i > 0 && absl::ascii_isdigit(c));
+    const bool ok =
+        absl::ascii_isalpha(c) || c == '_' || c == ':' || (i > 0 && absl::ascii_isdigit(c));
     if (!ok) return false;
   }
   return true;
@@ -288,9 +296,9 @@ absl::StatusOr<GaugeFamily*> MetricsRegistry::AddGauge(std::string name, std::st
   return raw;
 }
 
-absl::StatusOr<HistogramFamily*> MetricsRegistry::AddHistogram(
-    std::string name, std::string help, std::vector<std::string> label_names,
-    std::vector<double> bounds) {
+absl::StatusOr<HistogramFamily*> MetricsRegistry::AddHistogram(std::string name, std::string help,
+                                                               std::vector<std::string> label_names,
+                                                               std::vector<double> bounds) {
   MutexLock lock(&mu_);
   ATTND_RETURN_IF_ERROR(CheckNewFamily(name, label_names));
   if (std::find(label_names.begin(), label_names.end(), "le") != label_names.end()) {
@@ -365,20 +373,21 @@ absl::StatusOr<std::unique_ptr<AttndMetrics>> AttndMetrics::Create(const BuildIn
       m->decode_batch_size,
       r.AddHistogram("attnd_decode_batch_size", "Sequences per executed decode batch.", {},
                      ExponentialBuckets(1, 2, 9)));
-  ATTND_ASSIGN_OR_RETURN(
-      m->graph_replays_total,
-      r.AddCounter("attnd_cuda_graph_replays_total", "Decode batches run by replaying a CUDA graph."));
+  ATTND_ASSIGN_OR_RETURN(m->graph_replays_total,
+                         r.AddCounter("attnd_cuda_graph_replays_total",
+                                      "Decode batches run by replaying a CUDA graph."));
   ATTND_ASSIGN_OR_RETURN(m->kv_pages_used,
                          r.AddGauge("attnd_kv_pages_used", "KV cache pages held by sequences."));
   ATTND_ASSIGN_OR_RETURN(m->kv_pages_free,
                          r.AddGauge("attnd_kv_pages_free", "KV cache pages free to allocate."));
   ATTND_ASSIGN_OR_RETURN(m->live_sequences,
                          r.AddGauge("attnd_live_sequences", "Sequences created and not released."));
-  ATTND_ASSIGN_OR_RETURN(m->open_fds,
-                         r.AddGauge("attnd_open_fds", "File descriptors open now (one per client "
-                                                      "connection, plus attnd's own)."));
+  ATTND_ASSIGN_OR_RETURN(m->open_fds, r.AddGauge("attnd_open_fds",
+                                                 "File descriptors open now (one per client "
+                                                 "connection, plus attnd's own)."));
   ATTND_ASSIGN_OR_RETURN(
-      m->fd_limit, r.AddGauge("attnd_fd_limit", "The soft RLIMIT_NOFILE attnd runs with; -1 = none."));
+      m->fd_limit,
+      r.AddGauge("attnd_fd_limit", "The soft RLIMIT_NOFILE attnd runs with; -1 = none."));
   ATTND_ASSIGN_OR_RETURN(
       m->accepting,
       r.AddGauge("attnd_api_accepting",
@@ -388,10 +397,9 @@ absl::StatusOr<std::unique_ptr<AttndMetrics>> AttndMetrics::Create(const BuildIn
       m->inflight_request_bytes,
       r.AddGauge("attnd_inflight_request_bytes",
                  "Bytes of requests being served now (--max-inflight-request-bytes bounds it)."));
-  ATTND_ASSIGN_OR_RETURN(
-      m->bytes_received_total,
-      r.AddCounter("attnd_received_bytes_total", "Request message bytes received, by method.",
-                   {"rpc"}));
+  ATTND_ASSIGN_OR_RETURN(m->bytes_received_total,
+                         r.AddCounter("attnd_received_bytes_total",
+                                      "Request message bytes received, by method.", {"rpc"}));
   ATTND_ASSIGN_OR_RETURN(
       m->bytes_sent_total,
       r.AddCounter("attnd_sent_bytes_total", "Response message bytes sent, by method.", {"rpc"}));
@@ -425,12 +433,23 @@ void AttndMetrics::RecordRequest(absl::string_view rpc, absl::string_view code, 
 }
 
 absl::string_view StatusCodeName(int code) {
-  static constexpr absl::string_view kNames[] = {
-      "OK",                "CANCELLED",         "UNKNOWN",       "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND",         "ALREADY_EXISTS", "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",     "OUT_OF_RANGE",
-      "UNIMPLEMENTED",     "INTERNAL",          "UNAVAILABLE",   "DATA_LOSS",
-      "UNAUTHENTICATED"};
+  static constexpr absl::string_view kNames[] = {"OK",
+                                                 "CANCELLED",
+                                                 "UNKNOWN",
+                                                 "INVALID_ARGUMENT",
+                                                 "DEADLINE_EXCEEDED",
+                                                 "NOT_FOUND",
+                                                 "ALREADY_EXISTS",
+                                                 "PERMISSION_DENIED",
+                                                 "RESOURCE_EXHAUSTED",
+                                                 "FAILED_PRECONDITION",
+                                                 "ABORTED",
+                                                 "OUT_OF_RANGE",
+                                                 "UNIMPLEMENTED",
+                                                 "INTERNAL",
+                                                 "UNAVAILABLE",
+                                                 "DATA_LOSS",
+                                                 "UNAUTHENTICATED"};
   if (code < 0 || code >= static_cast<int>(std::size(kNames))) return "UNKNOWN";
   return kNames[code];
 }

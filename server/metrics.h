@@ -1,6 +1,7 @@
-// Prometheus metrics for attnd: a small thread-safe registry of counter, gauge and histogram families
-// rendered in the text exposition format 0.0.4, and `AttndMetrics`, the concrete families the daemon
-// exports. Served over HTTP by server/metrics_http.h; the gRPC service records into AttndMetrics.
+// Prometheus metrics for attnd: a small thread-safe registry of counter, gauge and histogram
+// families rendered in the text exposition format 0.0.4, and `AttndMetrics`, the concrete families
+// the daemon exports. Served over HTTP by server/metrics_http.h; the gRPC service records into
+// AttndMetrics.
 //
 // Everything here is thread-safe: any thread may record while another renders. Recording takes one
 // family mutex (a hash lookup by label values); series are never removed, so label values must come
@@ -172,25 +173,25 @@ class AttndMetrics {
   void RecordRequest(absl::string_view rpc, absl::string_view code, double queue_s,
                      double compute_s, double total_s, int64_t bytes_received, int64_t bytes_sent);
 
-  CounterFamily* requests_total;            // {rpc, code}
-  CounterFamily* request_failures_total;    // {rpc, code}; code != OK
-  HistogramFamily* queue_seconds;           // {rpc}
-  HistogramFamily* compute_seconds;         // {rpc}
-  HistogramFamily* request_seconds;         // {rpc}
-  HistogramFamily* decode_batch_size;       // {}; sequences per executed decode batch
-  CounterFamily* graph_replays_total;       // {}; CUDA graph launches (decode)
-  GaugeFamily* kv_pages_used;               // {}
-  GaugeFamily* kv_pages_free;               // {}
-  GaugeFamily* live_sequences;              // {}
-  GaugeFamily* open_fds;                    // {}; file descriptors open now
-  GaugeFamily* fd_limit;                    // {}; the soft RLIMIT_NOFILE (-1: unlimited)
-  GaugeFamily* accepting;                   // {}; 1 while the API listener accepts connections
-  GaugeFamily* inflight_request_bytes;      // {}; request bytes being served
-  CounterFamily* bytes_received_total;      // {rpc}; request message bytes
-  CounterFamily* bytes_sent_total;          // {rpc}; response message bytes
-  GaugeFamily* build_info;                  // {version, revision, backend, model}; always 1
-  CounterFamily* idle_reclaimed_total;      // {}; sequences released by the idle timeout
-  CounterFamily* auth_failures_total;       // {reason}
+  CounterFamily* requests_total;          // {rpc, code}
+  CounterFamily* request_failures_total;  // {rpc, code}; code != OK
+  HistogramFamily* queue_seconds;         // {rpc}
+  HistogramFamily* compute_seconds;       // {rpc}
+  HistogramFamily* request_seconds;       // {rpc}
+  HistogramFamily* decode_batch_size;     // {}; sequences per executed decode batch
+  CounterFamily* graph_replays_total;     // {}; CUDA graph launches (decode)
+  GaugeFamily* kv_pages_used;             // {}
+  GaugeFamily* kv_pages_free;             // {}
+  GaugeFamily* live_sequences;            // {}
+  GaugeFamily* open_fds;                  // {}; file descriptors open now
+  GaugeFamily* fd_limit;                  // {}; the soft RLIMIT_NOFILE (-1: unlimited)
+  GaugeFamily* accepting;                 // {}; 1 while the API listener accepts connections
+  GaugeFamily* inflight_request_bytes;    // {}; request bytes being served
+  CounterFamily* bytes_received_total;    // {rpc}; request message bytes
+  CounterFamily* bytes_sent_total;        // {rpc}; response message bytes
+  GaugeFamily* build_info;                // {version, revision, backend, model}; always 1
+  CounterFamily* idle_reclaimed_total;    // {}; sequences released by the idle timeout
+  CounterFamily* auth_failures_total;     // {reason}
 
  private:
   AttndMetrics() = default;

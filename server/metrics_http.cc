@@ -72,8 +72,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   http.Get("/metrics", [registry](const httplib::Request&, httplib::Response& res) {
     res.set_content(registry->RenderPrometheusText(), kPrometheusContentType);
   });
-  http.Get("/healthz", [ready = std::move(ready)](const httplib::Request&,
-                                                   httplib::Response& res) {
+  http.Get("/healthz", [ready = std::move(ready)](const httplib::Request&, httplib::Response& res) {
     const bool ok = !ready || ready();
     res.status = ok ? 200 : 503;
     res.set_content(ok ? "ok\n" : "not ready\n", "text/plain; charset=utf-8");
@@ -82,8 +81,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   const int bound =
       port == 0 ? http.bind_to_any_port(host) : (http.bind_to_port(host, port) ? port : -1);
   if (bound <= 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "metrics: cannot listen on ", options.listen, " (address in use, or not permitted)"));
+    return absl::UnavailableError(absl::StrCat("metrics: cannot listen on ", options.listen,
+                                               " (address in use, or not permitted)"));
   }
   Impl* raw = impl.get();
   impl->thread = std::thread([raw] {

@@ -25,7 +25,8 @@ TEST(ParseHostPortTest, AcceptsHostsAndRejectsGarbage) {
   EXPECT_EQ(port, 0);
   ASSERT_TRUE(ParseHostPort(":9400", &host, &port).ok());
   EXPECT_EQ(host, "0.0.0.0");
-  EXPECT_EQ(ParseHostPort("9400", &host, &port).message(), "metrics address '9400' is not host:port");
+  EXPECT_EQ(ParseHostPort("9400", &host, &port).message(),
+            "metrics address '9400' is not host:port");
   EXPECT_EQ(ParseHostPort("h:99999", &host, &port).message(),
             "metrics address 'h:99999': port must be 0..65535");
   EXPECT_EQ(ParseHostPort("::1:80", &host, &port).code(), absl::StatusCode::kInvalidArgument);
@@ -98,8 +99,8 @@ TEST_F(MetricsHttpTest, ABusyPortIsAClearError) {
   auto second = MetricsHttpServer::Start({address}, &metrics_->registry());
   ASSERT_FALSE(second.ok());
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_EQ(second.status().message(), "metrics: cannot listen on " + address +
-                                           " (address in use, or not permitted)");
+  EXPECT_EQ(second.status().message(),
+            "metrics: cannot listen on " + address + " (address in use, or not permitted)");
   auto bad = MetricsHttpServer::Start({"no-port"}, &metrics_->registry());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
 }

@@ -126,8 +126,8 @@ Exposition Parse(const std::string& text) {
 
 TEST(MetricsRegistryTest, CountersWithLabelsRenderAndEscape) {
   MetricsRegistry registry;
-  auto requests = registry.AddCounter("test_requests_total", "Requests.\nSecond \\ line.",
-                                      {"rpc", "code"});
+  auto requests =
+      registry.AddCounter("test_requests_total", "Requests.\nSecond \\ line.", {"rpc", "code"});
   ASSERT_TRUE(requests.ok()) << requests.status();
   (*requests)->Increment({"Prefill", "OK"});
   (*requests)->Increment({"Prefill", "OK"}, 2);
@@ -273,8 +273,7 @@ TEST(AttndMetricsTest, ExportsTheIssueFamilies) {
 
   Exposition e = Parse(m.registry().RenderPrometheusText());
   EXPECT_EQ(e.Get("attnd_requests_total", {{"rpc", "Prefill"}, {"code", "OK"}}), 1);
-  EXPECT_EQ(e.Get("attnd_requests_total", {{"rpc", "Prefill"}, {"code", "RESOURCE_EXHAUSTED"}}),
-            1);
+  EXPECT_EQ(e.Get("attnd_requests_total", {{"rpc", "Prefill"}, {"code", "RESOURCE_EXHAUSTED"}}), 1);
   EXPECT_EQ(e.Get("attnd_requests_total", {{"rpc", "Decode"}, {"code", "NOT_FOUND"}}), 1);
   EXPECT_FALSE(e.Has("attnd_request_failures_total", {{"rpc", "Prefill"}, {"code", "OK"}}));
   EXPECT_EQ(
@@ -297,11 +296,10 @@ TEST(AttndMetricsTest, ExportsTheIssueFamilies) {
   EXPECT_EQ(e.Get("attnd_live_sequences"), 4);
   EXPECT_EQ(e.Get("attnd_received_bytes_total", {{"rpc", "Prefill"}}), 8192);
   EXPECT_EQ(e.Get("attnd_sent_bytes_total", {{"rpc", "Prefill"}}), 1024);
-  EXPECT_EQ(e.Get("attnd_build_info", {{"version", "0.1.0"},
-                                       {"revision", "abc123"},
-                                       {"backend", "cpu"},
-                                       {"model", "tiny"}}),
-            1);
+  EXPECT_EQ(
+      e.Get("attnd_build_info",
+            {{"version", "0.1.0"}, {"revision", "abc123"}, {"backend", "cpu"}, {"model", "tiny"}}),
+      1);
   EXPECT_EQ(e.Get("attnd_sequences_idle_reclaimed_total"), 2);
   EXPECT_EQ(e.Get("attnd_auth_failures_total", {{"reason", "invalid"}}), 1);
   EXPECT_EQ(e.types["attnd_request_duration_seconds"], "histogram");

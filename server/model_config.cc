@@ -16,10 +16,10 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "spdlog/spdlog.h"
 #include "absl/strings/string_view.h"
 #include "kernels/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "spdlog/spdlog.h"
 
 namespace attnd {
 namespace {
@@ -264,9 +264,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view text,
   ATTND_ASSIGN_OR_RETURN(config.rope_theta,
                          top.NumberOr("rope_theta", 1.0, std::numeric_limits<double>::max(),
                                       "a number greater than 1", kDefaultRopeTheta));
-  ATTND_ASSIGN_OR_RETURN(
-      const double partial,
-      top.NumberOr("partial_rotary_factor", 0.0, 1.0, "a number in (0, 1]", 1.0));
+  ATTND_ASSIGN_OR_RETURN(const double partial, top.NumberOr("partial_rotary_factor", 0.0, 1.0,
+                                                            "a number in (0, 1]", 1.0));
   config.partial_rotary_factor = static_cast<float>(partial);
   const int64_t rotary_dim = static_cast<int64_t>(static_cast<double>(*head_dim) * partial);
   if (rotary_dim < 2 || rotary_dim % 2 != 0) {

@@ -46,7 +46,7 @@ struct ModelConfig {
   int64_t sparse_attention_threshold = kDefaultSparseAttentionThreshold;
   int64_t sparse_attention_last_q = kDefaultSparseAttentionLastQ;
   std::shared_ptr<const SparseAttentionConfig> sparse;  // the budgets, when the file was found
-  float softmax_scale = 0.f;  // 1/sqrt(head_dim)
+  float softmax_scale = 0.f;                            // 1/sqrt(head_dim)
   // The rotary embedding (neox style, as Qwen2), applied by attnd to pre-rotary requests
   // (docs/rotary.md):
   double rope_theta = kDefaultRopeTheta;  // rope_theta

@@ -508,8 +508,8 @@ TEST(ModelConfigTest, SparsePatternFileRules) {
             dir + R"(/sparse_attention_config.json: layer 0 head "1": unknown pattern type )"
                   R"("a_shape" (only "vertical_and_slash" is supported))");
   dir = SparseModelDir("sparse_wrong_layers", "");
-  std::ofstream(dir + "/sparse_attention_config.json") << "[" << pattern.substr(1, pattern.size() - 2)
-                                                       << ", {}]";
+  std::ofstream(dir + "/sparse_attention_config.json")
+      << "[" << pattern.substr(1, pattern.size() - 2) << ", {}]";
   c = LoadModelConfig(dir);
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(c.status().message(),

@@ -120,16 +120,16 @@ absl::StatusOr<RequestTensor> RegionTensors::Input(absl::string_view name, const
     return r;
   }
   if (!t.data().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, " carries both data (", t.data().size(),
-        " bytes) and a region reference: send one or the other"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " carries both data (", t.data().size(),
+                     " bytes) and a region reference: send one or the other"));
   }
   const v1::RegionRef& ref = t.region();
   const int64_t need = ShapeBytes(t);
   if (need >= 0 && ref.byte_size() != static_cast<uint64_t>(need)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, ": region byte_size ", ref.byte_size(), " but its shape and dtype need ", need,
-        " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat(name, ": region byte_size ", ref.byte_size(),
+                                                   " but its shape and dtype need ", need,
+                                                   " bytes"));
   }
   ATTND_ASSIGN_OR_RETURN(const Region* region, Lease(name, ref));
   const uint64_t element = ElementSize(r.dtype);

@@ -51,9 +51,9 @@ absl::Status NotFound(absl::string_view what, absl::string_view id) {
 
 absl::Status CheckId(absl::string_view what, absl::string_view id) {
   if (SequenceTable::IsWellFormedId(id)) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      what, " id must be 32 lowercase hex characters, got ", Echo(id), " (", id.size(),
-      " characters)"));
+  return absl::InvalidArgumentError(absl::StrCat(what,
+                                                 " id must be 32 lowercase hex characters, got ",
+                                                 Echo(id), " (", id.size(), " characters)"));
 }
 
 }  // namespace
@@ -158,26 +158,28 @@ absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::Add(std::shared_pt
   return std::shared_ptr<const Region>(region);
 }
 
-absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::RegisterShm(
-    absl::string_view tenant, absl::string_view name, uint64_t offset, uint64_t bytes,
-    RegionKind kind) {
+absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::RegisterShm(absl::string_view tenant,
+                                                                          absl::string_view name,
+                                                                          uint64_t offset,
+                                                                          uint64_t bytes,
+                                                                          RegionKind kind) {
   if (kind != RegionKind::kSystemShm && kind != RegionKind::kRing) {
     return absl::InvalidArgumentError("RegisterShm takes a system shm region or a ring");
   }
   ATTND_RETURN_IF_ERROR(CheckShmName(name));
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   if (bytes == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(RegionKindName(kind), " ", Echo(name),
-                                                   ": byte_size must be at least 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(RegionKindName(kind), " ", Echo(name), ": byte_size must be at least 1"));
   }
   if (offset % page != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        RegionKindName(kind), " ", Echo(name), ": offset ", offset,
-        " is not a multiple of the page size ", page));
+    return absl::InvalidArgumentError(absl::StrCat(RegionKindName(kind), " ", Echo(name),
+                                                   ": offset ", offset,
+                                                   " is not a multiple of the page size ", page));
   }
   if (offset + bytes < offset) {
-    return absl::InvalidArgumentError(absl::StrCat("offset ", offset, " + byte_size ", bytes,
-                                                   " overflows"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("offset ", offset, " + byte_size ", bytes, " overflows"));
   }
   // O_NOFOLLOW: the name is a file in /dev/shm; never follow a link planted there.
   const std::string path(name);
@@ -195,12 +197,12 @@ absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::RegisterShm(
   }
   if (static_cast<uint64_t>(st.st_size) < offset + bytes) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shm object ", Echo(name), " is ", st.st_size, " bytes, smaller than offset ", offset,
-        " + byte_size ", bytes, " claimed"));
+    return absl::InvalidArgumentError(absl::StrCat("shm object ", Echo(name), " is ", st.st_size,
+                                                   " bytes, smaller than offset ", offset,
+                                                   " + byte_size ", bytes, " claimed"));
   }
-  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
-                    static_cast<off_t>(offset));
+  void* base =
+      mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(offset));
   if (base == MAP_FAILED) {
     const int err = errno;
     close(fd);
@@ -280,8 +282,7 @@ absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::RegisterCudaIpc(
   return added;
 }
 
-absl::Status RegionRegistry::Unregister(absl::string_view tenant, absl::string_view id,
-                                        bool ring) {
+absl::Status RegionRegistry::Unregister(absl::string_view tenant, absl::string_view id, bool ring) {
   const char* what = ring ? "ring" : "region";
   ATTND_RETURN_IF_ERROR(CheckId(what, id));
   MutexLock lock(&mu_);
@@ -356,19 +357,19 @@ int64_t RegionRegistry::total_regions() const {
 absl::Status CheckRange(const Region& region, uint64_t offset, uint64_t byte_size,
                         uint64_t element_size, uint64_t expected_bytes) {
   if (offset > region.bytes || byte_size > region.bytes - offset) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "region ", region.id, ": offset ", offset, " + byte_size ", byte_size,
-        " is past the region's end (", region.bytes, " bytes)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("region ", region.id, ": offset ", offset, " + byte_size ", byte_size,
+                     " is past the region's end (", region.bytes, " bytes)"));
   }
   if (element_size > 0 && offset % element_size != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "region ", region.id, ": offset ", offset, " is not a multiple of the element size ",
-        element_size));
+    return absl::InvalidArgumentError(absl::StrCat("region ", region.id, ": offset ", offset,
+                                                   " is not a multiple of the element size ",
+                                                   element_size));
   }
   if (byte_size != expected_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "region ", region.id, ": byte_size ", byte_size, " but the tensor's shape needs ",
-        expected_bytes, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("region ", region.id, ": byte_size ", byte_size,
+                                                   " but the tensor's shape needs ", expected_bytes,
+                                                   " bytes"));
   }
   return absl::OkStatus();
 }
@@ -381,10 +382,10 @@ absl::Status CheckStillMapped(const Region& region) {
                                             ": ", std::strerror(errno)));
   }
   if (static_cast<uint64_t>(st.st_size) < region.object_offset + region.bytes) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the shm object of ", RegionKindName(region.kind), " ", region.id, " shrank to ",
-        st.st_size, " bytes after registration (the region needs ",
-        region.object_offset + region.bytes, "): register it again"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the shm object of ", RegionKindName(region.kind), " ", region.id,
+                     " shrank to ", st.st_size, " bytes after registration (the region needs ",
+                     region.object_offset + region.bytes, "): register it again"));
   }
   return absl::OkStatus();
 }

@@ -55,7 +55,7 @@ struct Region {
   uint64_t dev = 0, ino = 0;
   std::string handle;  // CUDA IPC: the handle's 64 bytes (mappings are shared per handle)
 
-  mutable std::atomic<int64_t> users{0};  // requests holding a RegionLease
+  mutable std::atomic<int64_t> users{0};         // requests holding a RegionLease
   mutable std::atomic<int64_t> last_used_us{0};  // when the last lease ended (Clock, unix us)
 };
 
@@ -79,9 +79,9 @@ class RegionLease {
 };
 
 struct RegionRegistryOptions {
-  int64_t max_regions_per_tenant = 64;           // regions and rings; 0 = unlimited
+  int64_t max_regions_per_tenant = 64;               // regions and rings; 0 = unlimited
   int64_t max_bytes_per_tenant = int64_t{64} << 30;  // mapped bytes; 0 = unlimited
-  absl::Duration idle_timeout = absl::Seconds(300);   // 0 = never reclaim
+  absl::Duration idle_timeout = absl::Seconds(300);  // 0 = never reclaim
 };
 
 // Thread-safe.
@@ -101,9 +101,8 @@ class RegionRegistry {
   // that range. INVALID_ARGUMENT: a bad name, a missing object, one smaller than claimed, a zero
   // size; RESOURCE_EXHAUSTED: the tenant's count or bytes. kind is kSystemShm or kRing.
   absl::StatusOr<std::shared_ptr<const Region>> RegisterShm(absl::string_view tenant,
-                                                            absl::string_view name,
-                                                            uint64_t offset, uint64_t bytes,
-                                                            RegionKind kind);
+                                                            absl::string_view name, uint64_t offset,
+                                                            uint64_t bytes, RegionKind kind);
   // handle: 64 bytes. bytes must fit in the handle's allocation.
   absl::StatusOr<std::shared_ptr<const Region>> RegisterCudaIpc(absl::string_view tenant,
                                                                 absl::string_view handle,

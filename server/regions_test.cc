@@ -97,8 +97,7 @@ TEST(RegionRegistryTest, RegisterAcquireAndUnregister) {
   EXPECT_TRUE(registry.Unregister("alice", (*region)->id, false).ok());
   EXPECT_EQ(registry.Usage("alice").regions, 0);
   EXPECT_EQ(registry.Acquire("alice", (*region)->id).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(registry.Unregister("alice", (*region)->id, false).code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.Unregister("alice", (*region)->id, false).code(), absl::StatusCode::kNotFound);
   munmap(client, 3 * kPage);
 }
 
@@ -118,8 +117,8 @@ TEST(RegionRegistryTest, RejectsBadShmRegistrations) {
   EXPECT_EQ(code(obj.name(), 0, kPage + 1), absl::StatusCode::kInvalidArgument);  // too small
   EXPECT_EQ(code(obj.name(), 100, 8), absl::StatusCode::kInvalidArgument);        // unaligned
   EXPECT_EQ(code(obj.name(), kPage, ~uint64_t{0}), absl::StatusCode::kInvalidArgument);
-  absl::Status small = registry.RegisterShm("t", obj.name(), 0, 2 * kPage,
-                                            RegionKind::kSystemShm).status();
+  absl::Status small =
+      registry.RegisterShm("t", obj.name(), 0, 2 * kPage, RegionKind::kSystemShm).status();
   EXPECT_NE(small.message().find("smaller than"), std::string::npos) << small;
   EXPECT_EQ(registry.total_regions(), 0);
 }
@@ -133,15 +132,12 @@ TEST(RegionRegistryTest, TenantLimits) {
   ShmObject obj(4 * kPage);
   ASSERT_TRUE(registry.RegisterShm("t", obj.name(), 0, kPage, RegionKind::kSystemShm).ok());
   // Bytes: 1 + 3 pages > 3.
-  EXPECT_EQ(registry.RegisterShm("t", obj.name(), 0, 3 * kPage, RegionKind::kSystemShm)
-                .status()
-                .code(),
-            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(
+      registry.RegisterShm("t", obj.name(), 0, 3 * kPage, RegionKind::kSystemShm).status().code(),
+      absl::StatusCode::kResourceExhausted);
   ASSERT_TRUE(registry.RegisterShm("t", obj.name(), 0, kPage, RegionKind::kRing).ok());
   // Count: rings count too.
-  EXPECT_EQ(registry.RegisterShm("t", obj.name(), 0, kPage, RegionKind::kSystemShm)
-                .status()
-                .code(),
+  EXPECT_EQ(registry.RegisterShm("t", obj.name(), 0, kPage, RegionKind::kSystemShm).status().code(),
             absl::StatusCode::kResourceExhausted);
   // Another tenant has its own budget.
   EXPECT_TRUE(registry.RegisterShm("u", obj.name(), 0, kPage, RegionKind::kSystemShm).ok());

@@ -12,9 +12,9 @@ RequestLog::RequestLog(RequestLogOptions options, const Clock* clock,
     : options_(options), clock_(clock), sink_(std::move(sink)) {}
 
 std::string RequestLog::Format(const RequestLogEntry& e) {
-  std::string line = absl::StrCat("request method=", e.method,
-                                  " tenant=", e.tenant.empty() ? "-" : e.tenant,
-                                  " seq=", e.sequence_id.empty() ? "-" : e.sequence_id.substr(0, 8));
+  std::string line =
+      absl::StrCat("request method=", e.method, " tenant=", e.tenant.empty() ? "-" : e.tenant,
+                   " seq=", e.sequence_id.empty() ? "-" : e.sequence_id.substr(0, 8));
   if (e.tokens >= 0) absl::StrAppend(&line, " tokens=", e.tokens);
   absl::StrAppend(&line, " code=", StatusCodeName(e.code));
   if (e.latency_us >= 0) absl::StrAppend(&line, " latency_us=", e.latency_us);

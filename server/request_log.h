@@ -23,7 +23,7 @@
 namespace attnd {
 
 struct RequestLogOptions {
-  int64_t sample = 1000;             // one in N OK requests; 0 = no OK request
+  int64_t sample = 1000;              // one in N OK requests; 0 = no OK request
   int64_t max_lines_per_second = 50;  // 0 = no cap
 };
 

@@ -93,8 +93,9 @@ TEST_F(RequestLogTest, CapPerSecondCountsWhatItSuppressed) {
   log.Log(Ok());
   clock_.Advance(absl::Seconds(1));
   log.Log(Ok());
-  EXPECT_EQ(lines_.back(), "request method=Prefill tenant=team-a seq=01234567 tokens=1 code=OK "
-                           "latency_us=250");
+  EXPECT_EQ(lines_.back(),
+            "request method=Prefill tenant=team-a seq=01234567 tokens=1 code=OK "
+            "latency_us=250");
   EXPECT_EQ(lines_[lines_.size() - 2], "request log: suppressed 1 lines (cap 3 per second)");
 }
 

@@ -175,7 +175,7 @@ class RingServer::Ring {
       if (!RunGuarded(ReadLength, &length)) return Broken("reading a request");
       const uint64_t n = length.second;
       const bool fits = n <= capacity_;
-      if (fits && n > in_capacity_) {  // grown before the guard (nothing inside it allocates),
+      if (fits && n > in_capacity_) {       // grown before the guard (nothing inside it allocates),
         in_ = std::make_unique<char[]>(n);  // and never zero-filled: a ring's half may be large
         in_capacity_ = n;
       }
@@ -185,9 +185,10 @@ class RingServer::Ring {
       response_.Clear();
       inflight_.store(true);
       if (!fits) {
-        Answer(absl::InvalidArgumentError(absl::StrCat(
-            "the request's length field says ", n, " bytes, more than the ring's request half "
-            "holds (", capacity_, ")")));
+        Answer(absl::InvalidArgumentError(absl::StrCat("the request's length field says ", n,
+                                                       " bytes, more than the ring's request half "
+                                                       "holds (",
+                                                       capacity_, ")")));
       } else if (!request_.ParseFromArray(in_.get(), static_cast<int>(n))) {
         Answer(absl::InvalidArgumentError(
             "cannot parse attnd.v1.SessionRequest from the ring's request half"));
@@ -217,10 +218,10 @@ class RingServer::Ring {
       const size_t bytes = out_.size();
       response_.clear_response();
       response_.set_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
-      response_.set_message(absl::StrCat("the response (", bytes,
-                                         " bytes) does not fit the ring's response half (",
-                                         capacity_, " bytes): open a larger ring, or name an "
-                                         "output region"));
+      response_.set_message(absl::StrCat(
+          "the response (", bytes, " bytes) does not fit the ring's response half (", capacity_,
+          " bytes): open a larger ring, or name an "
+          "output region"));
       out_.clear();
       response_.SerializeToString(&out_);
     }
@@ -244,9 +245,10 @@ class RingServer::Ring {
 
   void Broken(absl::string_view doing) {
     broken_.store(true);
-    spdlog::warn("ring {} (tenant \"{}\"): its shm object shrank while attnd was {}; the ring "
-                 "is closed",
-                 id(), tenant_, std::string(doing));
+    spdlog::warn(
+        "ring {} (tenant \"{}\"): its shm object shrank while attnd was {}; the ring "
+        "is closed",
+        id(), tenant_, std::string(doing));
   }
 
   RingServer* const server_;
@@ -279,20 +281,20 @@ RingServer::~RingServer() { Shutdown(); }
 void RingServer::SetHandler(Handler handler) { handler_ = std::move(handler); }
 
 absl::StatusOr<RingServer::Opened> RingServer::Open(absl::string_view tenant,
-                                                     absl::string_view name, uint64_t bytes) {
+                                                    absl::string_view name, uint64_t bytes) {
   {
     MutexLock lock(&mu_);
     if (shut_down_) return absl::UnavailableError("the server is shutting down");
   }
   if (bytes < ring::kHeaderBytes + 2 * 4096 || bytes > options_.max_ring_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a ring's byte_size must be between ", ring::kHeaderBytes + 2 * 4096, " and ",
-        options_.max_ring_bytes, " bytes, got ", bytes));
+    return absl::InvalidArgumentError(absl::StrCat("a ring's byte_size must be between ",
+                                                   ring::kHeaderBytes + 2 * 4096, " and ",
+                                                   options_.max_ring_bytes, " bytes, got ", bytes));
   }
   if ((bytes - ring::kHeaderBytes) % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a ring is its ", ring::kHeaderBytes, "-byte header and two equal halves: byte_size ",
-        bytes, " leaves an odd remainder"));
+    return absl::InvalidArgumentError(absl::StrCat("a ring is its ", ring::kHeaderBytes,
+                                                   "-byte header and two equal halves: byte_size ",
+                                                   bytes, " leaves an odd remainder"));
   }
   const uint64_t half = (bytes - ring::kHeaderBytes) / 2;
   ATTND_ASSIGN_OR_RETURN(std::shared_ptr<const Region> region,
@@ -306,14 +308,14 @@ absl::StatusOr<RingServer::Opened> RingServer::Open(absl::string_view tenant,
   if (!readable) {
     bad = absl::InvalidArgumentError("the ring's shm object shrank during OpenRing");
   } else if (header.magic != ring::kMagic || header.version != ring::kVersion) {
-    bad = absl::InvalidArgumentError(absl::StrCat(
-        "shm object \"", name, "\" is not a version ", ring::kVersion,
-        " attnd ring: its header needs magic 0x", absl::Hex(ring::kMagic), " and version ",
-        ring::kVersion, " (proto/attnd/v1/shm_ring.h)"));
+    bad = absl::InvalidArgumentError(
+        absl::StrCat("shm object \"", name, "\" is not a version ", ring::kVersion,
+                     " attnd ring: its header needs magic 0x", absl::Hex(ring::kMagic),
+                     " and version ", ring::kVersion, " (proto/attnd/v1/shm_ring.h)"));
   } else if (header.half_bytes != half) {
-    bad = absl::InvalidArgumentError(absl::StrCat(
-        "the ring's header says half_bytes ", header.half_bytes, ", but byte_size ", bytes,
-        " gives halves of ", half, " bytes"));
+    bad = absl::InvalidArgumentError(absl::StrCat("the ring's header says half_bytes ",
+                                                  header.half_bytes, ", but byte_size ", bytes,
+                                                  " gives halves of ", half, " bytes"));
   } else if (header.request_seq != header.response_seq) {
     bad = absl::InvalidArgumentError(
         "the ring's request_seq and response_seq differ: open a ring with no request in it");
@@ -365,10 +367,9 @@ absl::Status RingServer::Close(absl::string_view tenant, absl::string_view id) {
 int RingServer::ReclaimIdle() {
   std::vector<std::unique_ptr<Ring>> idle;
   {
-    const int64_t cutoff =
-        options_.idle_timeout > absl::ZeroDuration()
-            ? absl::ToUnixMicros(absl::Now() - options_.idle_timeout)
-            : std::numeric_limits<int64_t>::min();
+    const int64_t cutoff = options_.idle_timeout > absl::ZeroDuration()
+                               ? absl::ToUnixMicros(absl::Now() - options_.idle_timeout)
+                               : std::numeric_limits<int64_t>::min();
     MutexLock lock(&mu_);
     for (auto it = rings_.begin(); it != rings_.end();) {
       if (it->second->idle_since(cutoff)) {

@@ -49,10 +49,9 @@ class RingServer {
  public:
   // Runs one request as `tenant`; calls done exactly once (after filling response) unless it
   // returns an error.
-  using Handler = std::function<absl::Status(const v1::SessionRequest& request,
-                                             absl::string_view tenant,
-                                             v1::SessionResponse* response,
-                                             std::function<void(absl::Status)> done)>;
+  using Handler = std::function<absl::Status(
+      const v1::SessionRequest& request, absl::string_view tenant, v1::SessionResponse* response,
+      std::function<void(absl::Status)> done)>;
 
   // registry must outlive the server; the handler is set once, before the first Open.
   RingServer(RegionRegistry* registry, const RingOptions& options);

@@ -74,9 +74,9 @@ TensorView ToView(const RequestTensor& t) {
 absl::Status CheckQLayout(QLayout layout, const DcaGeometry& g) {
   if (layout == QLayout::kVariants) return absl::OkStatus();
   if (layout != QLayout::kPreRotary) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "q_layout ", static_cast<int32_t>(layout),
-        " is not Q_LAYOUT_VARIANTS (0) or Q_LAYOUT_PRE_ROTARY (1)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("q_layout ", static_cast<int32_t>(layout),
+                     " is not Q_LAYOUT_VARIANTS (0) or Q_LAYOUT_PRE_ROTARY (1)"));
   }
   if (absl::Status s = CheckRotaryGeometry(g); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("q_layout pre_rotary: ", s.message()));
@@ -129,8 +129,7 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const ModelConfig& mode
 }
 
 Runtime::Runtime(const ModelConfig& model, std::unique_ptr<Engine> engine,
-                 const RuntimeOptions& options, int64_t max_sequence_length,
-                 int64_t max_sequences)
+                 const RuntimeOptions& options, int64_t max_sequence_length, int64_t max_sequences)
     : model_(model),
       engine_(std::move(engine)),
       options_(options),
@@ -233,11 +232,13 @@ absl::Status Runtime::CheckPrefillTensors(const PrefillCall& call, int64_t* num_
   if (call.q_layout == QLayout::kPreRotary) {
     if (qs.size() != 3 || qs[0] < 1 || qs[1] != g.num_q_heads || qs[2] != g.head_dim) {
       return absl::InvalidArgumentError(absl::StrCat("q must have shape [T, ", g.num_q_heads, ", ",
-                                                     g.head_dim, "] (T >= 1) for q_layout "
-                                                     "pre_rotary, got ", ShapeString(qs)));
+                                                     g.head_dim,
+                                                     "] (T >= 1) for q_layout "
+                                                     "pre_rotary, got ",
+                                                     ShapeString(qs)));
     }
-  } else if (qs.size() != 4 || qs[0] < 1 || qs[1] != kNumQueryVariants ||
-             qs[2] != g.num_q_heads || qs[3] != g.head_dim) {
+  } else if (qs.size() != 4 || qs[0] < 1 || qs[1] != kNumQueryVariants || qs[2] != g.num_q_heads ||
+             qs[3] != g.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat("q must have shape [T, ", kNumQueryVariants,
                                                    ", ", g.num_q_heads, ", ", g.head_dim,
                                                    "] (T >= 1), got ", ShapeString(qs)));
@@ -275,7 +276,7 @@ absl::Status Runtime::CheckDecodeEntry(const DecodeCall::Entry& e) const {
                                                      ShapeString(qs)));
     }
   } else if (qs.size() != 3 || (qs[0] != kNumDecodeVariants && qs[0] != kNumQueryVariants) ||
-      qs[1] != g.num_q_heads || qs[2] != g.head_dim) {
+             qs[1] != g.num_q_heads || qs[2] != g.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat("q must have shape [", kNumDecodeVariants,
                                                    " or ", kNumQueryVariants, ", ", g.num_q_heads,
                                                    ", ", g.head_dim, "], got ", ShapeString(qs)));

@@ -143,10 +143,10 @@ struct TenantUsage {
 
 struct RuntimeOptions {
   std::string version = "dev";
-  int64_t max_message_bytes = 0;    // reported only; gRPC enforces it
-  int64_t max_sequence_length = 0;  // 0 = the model's max_position_embeddings
-  int64_t max_sequences = 0;        // 0 = one per KV page (each non-empty sequence holds a page)
-  int64_t tenant_page_quota = 0;    // KV pages per tenant; 0 = unlimited
+  int64_t max_message_bytes = 0;     // reported only; gRPC enforces it
+  int64_t max_sequence_length = 0;   // 0 = the model's max_position_embeddings
+  int64_t max_sequences = 0;         // 0 = one per KV page (each non-empty sequence holds a page)
+  int64_t tenant_page_quota = 0;     // KV pages per tenant; 0 = unlimited
   int64_t tenant_max_sequences = 0;  // live sequences per tenant; 0 = unlimited
 };
 

@@ -39,10 +39,10 @@
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/model_config.h"
-#include "server/request_log.h"
-#include "server/runtime.h"
 #include "server/regions.h"
+#include "server/request_log.h"
 #include "server/ring.h"
+#include "server/runtime.h"
 #include "server/service.h"
 #include "server/tls.h"
 #include "server/wire.h"
@@ -67,11 +67,10 @@ void GrpcLog(gpr_log_func_args* args) {
   if (args->severity == GPR_LOG_SEVERITY_ERROR && absl::StrContains(message, "accept4")) {
     g_accept_failed.store(true);
   }
-  const spdlog::level::level_enum level = args->severity == GPR_LOG_SEVERITY_ERROR
-                                              ? spdlog::level::err
-                                              : args->severity == GPR_LOG_SEVERITY_INFO
-                                                    ? spdlog::level::info
-                                                    : spdlog::level::debug;
+  const spdlog::level::level_enum level =
+      args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::err
+      : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info
+                                                : spdlog::level::debug;
   spdlog::log(level, "grpc: {} ({}:{})", args->message, args->file, args->line);
 }
 
@@ -122,8 +121,9 @@ absl::StatusOr<std::vector<std::pair<std::string, int>>> ParseChannelArgs(absl::
     const std::vector<absl::string_view> kv = absl::StrSplit(entry, absl::MaxSplits('=', 1));
     int value = 0;
     if (kv.size() != 2 || !absl::StartsWith(kv[0], "grpc.") || !absl::SimpleAtoi(kv[1], &value)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--grpc-channel-args: '", entry, "' is not grpc.NAME=INTEGER (e.g. grpc.http2.lookahead_bytes=8388608)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--grpc-channel-args: '", entry,
+                       "' is not grpc.NAME=INTEGER (e.g. grpc.http2.lookahead_bytes=8388608)"));
     }
     out.emplace_back(std::string(kv[0]), value);
   }
@@ -155,36 +155,35 @@ absl::Status CheckOptions(const ServerOptions& o) {
         absl::StrCat("--request-workers must be >= 0, got ", o.request_workers));
   }
   if (o.request_log_sample < 0 || o.request_log_max_per_second < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--request-log-sample and --request-log-max-per-second must be >= 0, got ",
-        o.request_log_sample, " and ", o.request_log_max_per_second));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--request-log-sample and --request-log-max-per-second must be >= 0, got ",
+                     o.request_log_sample, " and ", o.request_log_max_per_second));
   }
   if (o.sequence_idle_timeout < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--sequence-idle-timeout must be >= 0, got ",
-                     absl::FormatDuration(o.sequence_idle_timeout)));
+    return absl::InvalidArgumentError(absl::StrCat("--sequence-idle-timeout must be >= 0, got ",
+                                                   absl::FormatDuration(o.sequence_idle_timeout)));
   }
   if (o.tenant_max_sequences < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--tenant-max-sequences must be >= 0, got ", o.tenant_max_sequences));
   }
   if (o.max_streams_per_connection <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--max-streams-per-connection must be > 0, got ", o.max_streams_per_connection));
+    return absl::InvalidArgumentError(absl::StrCat("--max-streams-per-connection must be > 0, got ",
+                                                   o.max_streams_per_connection));
   }
   if (o.max_inflight_request_bytes < o.max_message_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--max-inflight-request-bytes (", o.max_inflight_request_bytes,
-        ") must be at least --max-message-bytes (", o.max_message_bytes,
-        "), or the largest request could never run"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-inflight-request-bytes (", o.max_inflight_request_bytes,
+                     ") must be at least --max-message-bytes (", o.max_message_bytes,
+                     "), or the largest request could never run"));
   }
   if (o.wire_buffer_pool_bytes < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--wire-buffer-pool-bytes must be >= 0, got ", o.wire_buffer_pool_bytes));
   }
   if (o.grpc_memory_bytes < (int64_t{64} << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--grpc-memory-bytes must be at least 64 MiB, got ", o.grpc_memory_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--grpc-memory-bytes must be at least 64 MiB, got ", o.grpc_memory_bytes));
   }
   if (o.tenant_page_quota < 0) {
     return absl::InvalidArgumentError(
@@ -218,9 +217,7 @@ class AttndServerImpl : public AttndServer {
   absl::Status Init(const ServerOptions& options);
 
   int port() const override { return port_; }
-  int metrics_port() const override {
-    return metrics_http_ != nullptr ? metrics_http_->port() : 0;
-  }
+  int metrics_port() const override { return metrics_http_ != nullptr ? metrics_http_->port() : 0; }
   int health_port() const override { return health_only_ != nullptr ? health_only_->port() : 0; }
   std::string startup_summary() const override { return summary_; }
   void Shutdown(absl::Time deadline) override;
@@ -257,13 +254,13 @@ class AttndServerImpl : public AttndServer {
   // uses.
   std::unique_ptr<AttndMetrics> metrics_;
   std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
-  std::unique_ptr<AdminService> admin_;  // before the queue: its queued work uses it
-  std::unique_ptr<RequestLog> request_log_;  // before the service that writes to it
+  std::unique_ptr<AdminService> admin_;       // before the queue: its queued work uses it
+  std::unique_ptr<RequestLog> request_log_;   // before the service that writes to it
   std::unique_ptr<Runtime> runtime_;
   std::unique_ptr<WorkQueue> work_queue_;
   std::unique_ptr<DecodeExecutor> decode_executor_;
   std::unique_ptr<DecodeQueue> decode_queue_;
-  BatchingDecodeQueue* batcher_ = nullptr;  // decode_queue_ when batching is on
+  BatchingDecodeQueue* batcher_ = nullptr;   // decode_queue_ when batching is on
   std::unique_ptr<RegionRegistry> regions_;  // null: regions and rings are off
   std::unique_ptr<RingServer> rings_;
   std::shared_ptr<wire::BufferPool> buffers_;  // null: the wire fast path is off
@@ -287,9 +284,7 @@ absl::Status AttndServerImpl::StartAuth(const ServerOptions& options,
   if (!store.ok()) return WithFlag("--auth-token-file", store.status());
   TokenAuthOptions auth_options;
   CounterFamily* failures = metrics_->auth_failures_total;
-  auth_options.on_failure = [failures](absl::string_view reason) {
-    failures->Increment({reason});
-  };
+  auth_options.on_failure = [failures](absl::string_view reason) { failures->Increment({reason}); };
   if (!options.admin_tenant.empty() && !store->HasTenant(options.admin_tenant)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--admin-tenant \"", options.admin_tenant, "\" has no token in --auth-token-file ",
@@ -312,11 +307,12 @@ void AttndServerImpl::ReaperLoop(absl::Duration timeout) {
     const absl::Time now = absl::Now();
     for (const ReclaimedSequence& r : runtime_->ReclaimIdle(now - timeout)) {
       metrics_->idle_reclaimed_total->Increment({});
-      spdlog::info("released idle sequence {} of tenant \"{}\" ({} pages): unused for {} "
-                   "(--sequence-idle-timeout {})",
-                   r.id, r.tenant, r.pages_freed,
-                   absl::FormatDuration(absl::Trunc(now - r.last_used, absl::Milliseconds(1))),
-                   absl::FormatDuration(timeout));
+      spdlog::info(
+          "released idle sequence {} of tenant \"{}\" ({} pages): unused for {} "
+          "(--sequence-idle-timeout {})",
+          r.id, r.tenant, r.pages_freed,
+          absl::FormatDuration(absl::Trunc(now - r.last_used, absl::Milliseconds(1))),
+          absl::FormatDuration(timeout));
     }
   }
 }
@@ -431,10 +427,10 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   // stays dense, and GetServerInfo must say so.
   if (model->sparse_attention_enabled && (*engine)->backend() != "cpu" &&
       (*engine)->backend() != "cuda") {
-    spdlog::warn("{}: sparse attention is configured but the {} backend has no sparse prefill; "
-                 "prefill runs dense",
-                 model->sparse != nullptr ? model->sparse->source : model->name,
-                 (*engine)->backend());
+    spdlog::warn(
+        "{}: sparse attention is configured but the {} backend has no sparse prefill; "
+        "prefill runs dense",
+        model->sparse != nullptr ? model->sparse->source : model->name, (*engine)->backend());
     model->sparse_attention_enabled = false;
   }
   DeviceMemoryOpener* const ipc_opener = (*engine)->device_memory_opener();
@@ -462,8 +458,8 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   // Sampled at each scrape; the runtime outlives the metrics listener (stopped in Shutdown).
   metrics_->registry().AddCollectHook([this] {
     const ServerInfo info = runtime_->Info();
-    metrics_->kv_pages_used->Set({}, static_cast<double>(info.kv_cache.pages_total -
-                                                         info.kv_cache.pages_free));
+    metrics_->kv_pages_used->Set(
+        {}, static_cast<double>(info.kv_cache.pages_total - info.kv_cache.pages_free));
     metrics_->kv_pages_free->Set({}, static_cast<double>(info.kv_cache.pages_free));
     metrics_->live_sequences->Set({}, static_cast<double>(info.live_sequences));
     metrics_->open_fds->Set({}, static_cast<double>(OpenFds()));
@@ -560,10 +556,9 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
       options.max_inflight_request_bytes, request_log_.get(), regions_.get(), rings_.get(),
       buffers_);
   if (rings_ != nullptr) {
-    rings_->SetHandler([service = service_.get()](const v1::SessionRequest& request,
-                                                  absl::string_view tenant,
-                                                  v1::SessionResponse* response,
-                                                  std::function<void(absl::Status)> done) {
+    rings_->SetHandler([service = service_.get()](
+                           const v1::SessionRequest& request, absl::string_view tenant,
+                           v1::SessionResponse* response, std::function<void(absl::Status)> done) {
       return service->SubmitSessionRequest(request, tenant, response, std::move(done));
     });
   }
@@ -630,8 +625,8 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     absl::StrAppend(&summary_, "; health-only on port ", health_only_->port());
   }
   absl::StrAppend(&summary_, "; fd limit ",
-                  fd_limit_ < 0 ? std::string("unlimited") : absl::StrCat(fd_limit_),
-                  ", at most ", options.max_streams_per_connection, " calls per connection");
+                  fd_limit_ < 0 ? std::string("unlimited") : absl::StrCat(fd_limit_), ", at most ",
+                  options.max_streams_per_connection, " calls per connection");
   return absl::OkStatus();
 }
 

@@ -20,19 +20,19 @@ struct ServerOptions {
   std::string model_config;                // path to a Hugging Face config.json; "" = Qwen2.5-7B-1M
   std::string device = "auto";             // auto | cpu | cuda
   int64_t kv_cache_bytes = 0;              // 0 = the backend's default
-  double kv_cache_fraction = 0.9;          // cuda with kv_cache_bytes 0: share of free device memory
-  std::string kv_dtype = "auto";           // auto | bf16 | fp32 (auto: fp32 on cpu)
-  int32_t page_size = 16;                  // tokens per page; must divide the DCA chunk length
+  double kv_cache_fraction = 0.9;  // cuda with kv_cache_bytes 0: share of free device memory
+  std::string kv_dtype = "auto";   // auto | bf16 | fp32 (auto: fp32 on cpu)
+  int32_t page_size = 16;          // tokens per page; must divide the DCA chunk length
   int64_t max_message_bytes = 512ll << 20;  // fits a 4096-token fp32 prefill of the 14B model
-  int64_t max_sequence_length = 0;         // 0 = the model's max_position_embeddings
-  int64_t max_sequences = 0;               // 0 = unlimited
-  int32_t compute_threads = 0;             // CPU kernel threads; 0 = all cores
-  int32_t request_workers = 0;             // threads running requests; 0 = a default
+  int64_t max_sequence_length = 0;          // 0 = the model's max_position_embeddings
+  int64_t max_sequences = 0;                // 0 = unlimited
+  int32_t compute_threads = 0;              // CPU kernel threads; 0 = all cores
+  int32_t request_workers = 0;              // threads running requests; 0 = a default
 
   // Cross-RPC decode batching (docs/batching.md).
-  bool decode_batching = true;           // false: every Decode runs as its own batch
-  int32_t max_decode_batch = 256;        // entries per merged batch
-  int64_t max_queue_delay_us = 100;      // longest wait for more calls; 0 = never wait
+  bool decode_batching = true;       // false: every Decode runs as its own batch
+  int32_t max_decode_batch = 256;    // entries per merged batch
+  int64_t max_queue_delay_us = 100;  // longest wait for more calls; 0 = never wait
   std::string cuda_graph_batch_sizes = "1,2,4,8,16,24,32,48,64,96,128,160,192,256";
   bool disable_cuda_graphs = false;      // never pad or replay graphs (no effect on CPU)
   int32_t decode_batches_in_flight = 2;  // merged batches of one layer running at once
@@ -41,11 +41,11 @@ struct ServerOptions {
   // HTTP /metrics and /healthz; "" = off. Off here so in-process servers (tests) never collide
   // on a fixed port; attnd's --metrics-listen defaults to 127.0.0.1:9400.
   std::string metrics_listen;
-  std::string health_listen;                      // plaintext health-only gRPC; "" = off
-  std::string tls_cert;                           // PEM chain; with tls_key, the API uses TLS
-  std::string tls_key;                            // PEM private key
-  std::string tls_client_ca;                      // PEM CA bundle; set = mutual TLS
-  std::string auth_token_file;                    // "TENANT TOKEN" lines; "" = auth off
+  std::string health_listen;    // plaintext health-only gRPC; "" = off
+  std::string tls_cert;         // PEM chain; with tls_key, the API uses TLS
+  std::string tls_key;          // PEM private key
+  std::string tls_client_ca;    // PEM CA bundle; set = mutual TLS
+  std::string auth_token_file;  // "TENANT TOKEN" lines; "" = auth off
   // The tenant (of auth_token_file) that may call attnd.v1.Admin; "" = none. With auth off the
   // Admin service serves loopback peers instead, and this must be "".
   std::string admin_tenant;
@@ -55,14 +55,14 @@ struct ServerOptions {
   int64_t request_log_sample = 1000;
   int64_t request_log_max_per_second = 50;
   absl::Duration sequence_idle_timeout = absl::ZeroDuration();  // 0 = never reclaim
-  int64_t tenant_page_quota = 0;                  // KV pages per tenant; 0 = unlimited
-  int64_t tenant_max_sequences = 0;               // live sequences per tenant; 0 = unlimited
+  int64_t tenant_page_quota = 0;     // KV pages per tenant; 0 = unlimited
+  int64_t tenant_max_sequences = 0;  // live sequences per tenant; 0 = unlimited
 
   // Memory and connection bounds (docs/operations.md, "Limits"). A client that sends and never
   // reads is held to them: HTTP/2 flow control stops it once they are reached.
-  int32_t max_streams_per_connection = 64;      // concurrent calls (streams) on one connection
+  int32_t max_streams_per_connection = 64;         // concurrent calls (streams) on one connection
   int64_t max_inflight_request_bytes = 2ll << 30;  // requests being served, all together
-  int64_t grpc_memory_bytes = 4ll << 30;        // gRPC's resource quota (transport buffers)
+  int64_t grpc_memory_bytes = 4ll << 30;           // gRPC's resource quota (transport buffers)
   // Extra integer channel arguments for the API listener, "name=value,..." (e.g.
   // "grpc.http2.lookahead_bytes=8388608"), after attnd's own; "" = none (docs/operations.md).
   std::string grpc_channel_args;
@@ -74,8 +74,8 @@ struct ServerOptions {
 
   // Tensor regions and shared-memory rings (docs/regions.md). max_regions_per_tenant 0 turns
   // both off.
-  int64_t max_regions_per_tenant = 64;                // regions and rings of one tenant
-  int64_t max_region_bytes_per_tenant = 64ll << 30;   // their mapped bytes
+  int64_t max_regions_per_tenant = 64;                      // regions and rings of one tenant
+  int64_t max_region_bytes_per_tenant = 64ll << 30;         // their mapped bytes
   absl::Duration region_idle_timeout = absl::Seconds(300);  // unused this long: unregistered
   absl::Duration ring_spin = absl::Microseconds(50);  // a ring's thread spins this long per request
 
@@ -91,9 +91,9 @@ class AttndServer {
   static absl::StatusOr<std::unique_ptr<AttndServer>> Start(const ServerOptions& options);
   virtual ~AttndServer() = default;
 
-  virtual int port() const = 0;                 // the bound port
-  virtual int metrics_port() const = 0;         // the bound metrics port; 0 = metrics off
-  virtual int health_port() const = 0;          // the bound health-only port; 0 = off
+  virtual int port() const = 0;                     // the bound port
+  virtual int metrics_port() const = 0;             // the bound metrics port; 0 = metrics off
+  virtual int health_port() const = 0;              // the bound health-only port; 0 = off
   virtual std::string startup_summary() const = 0;  // address, backend, model, pool size
   // Health turns NOT_SERVING (gRPC health, the health-only port, /healthz), new work gets
   // UNAVAILABLE, in-flight RPCs may finish until `deadline`, then the rest are cancelled; then the

@@ -1,8 +1,8 @@
 #include "server/service.h"
 
 #include <atomic>
-#include <cstdio>
 #include <chrono>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <utility>
@@ -151,7 +151,9 @@ const std::string& HostBootId() {
   return *id;
 }
 
-int64_t SizeOf(const google::protobuf::Message& m) { return static_cast<int64_t>(m.ByteSizeLong()); }
+int64_t SizeOf(const google::protobuf::Message& m) {
+  return static_cast<int64_t>(m.ByteSizeLong());
+}
 
 }  // namespace
 
@@ -194,11 +196,11 @@ class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::By
           grpc::SerializationTraits<v1::SessionRequest>::Deserialize(&frame_, &request_);
       if (!parsed.ok()) {
         // Every earlier request has been answered (one at a time); nothing after this is read.
-        FinishLocked(grpc::Status(
-            grpc::StatusCode::INVALID_ARGUMENT,
-            absl::StrCat("cannot parse attnd.v1.SessionRequest (message ", frames_,
-                         " on this stream): the stream ends here; the ", frames_ - 1,
-                         " requests before it were answered")));
+        FinishLocked(
+            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                         absl::StrCat("cannot parse attnd.v1.SessionRequest (message ", frames_,
+                                      " on this stream): the stream ends here; the ", frames_ - 1,
+                                      " requests before it were answered")));
         return;
       }
       if (service_->shutting_down()) {
@@ -226,7 +228,8 @@ class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::By
         rpc_ = "Session.Prefill";
         submitted = service_->work_queue_->Submit([this] {
           absl::Status s = Admit(context_, &clock_);
-          if (s.ok()) s = service_->RunPrefill(request_.prefill(), *tenant_, response_.mutable_prefill());
+          if (s.ok())
+            s = service_->RunPrefill(request_.prefill(), *tenant_, response_.mutable_prefill());
           clock_.finished = absl::Now();
           Complete(std::move(s));
         });
@@ -235,7 +238,8 @@ class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::By
         rpc_ = "Session.Decode";
         submitted = service_->SubmitDecode(
             request_.decode(), *tenant_, [this] { return Admit(context_, &clock_); },
-            ContextOf(context_), response_.mutable_decode(), [this](absl::Status s) {
+            ContextOf(context_), response_.mutable_decode(),
+            [this](absl::Status s) {
               clock_.finished = absl::Now();
               Complete(std::move(s));
             });
@@ -305,9 +309,9 @@ class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::By
         grpc::SerializationTraits<v1::SessionResponse>::Serialize(response_, &out_, &own_buffer);
     MutexLock lock(&mu_);
     if (!serialized.ok()) {
-      FinishLocked(grpc::Status(grpc::StatusCode::INTERNAL,
-                                absl::StrCat("cannot serialize a session response: ",
-                                             serialized.error_message())));
+      FinishLocked(grpc::Status(
+          grpc::StatusCode::INTERNAL,
+          absl::StrCat("cannot serialize a session response: ", serialized.error_message())));
       return;
     }
     state_ = State::kWriting;
@@ -365,10 +369,10 @@ absl::Status AttentionService::TakeRequestBytes(int64_t bytes) {
   do {
     // One request alone always fits (the flags guarantee the budget holds the largest message).
     if (used > 0 && used + bytes > max_inflight_request_bytes_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "attnd is serving ", used, " bytes of requests already; this one (", bytes,
-          " bytes) would pass --max-inflight-request-bytes ", max_inflight_request_bytes_,
-          ": retry later"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("attnd is serving ", used, " bytes of requests already; this one (", bytes,
+                       " bytes) would pass --max-inflight-request-bytes ",
+                       max_inflight_request_bytes_, ": retry later"));
     }
   } while (!inflight_request_bytes_.compare_exchange_weak(used, used + bytes));
   return absl::OkStatus();
@@ -390,10 +394,12 @@ void AttentionService::Record(absl::string_view rpc, int code, const RequestCloc
   const absl::Time now = absl::Now();
   const absl::Time past = absl::InfinitePast();
   const bool started = clock.started != past;
-  const double queue_s =
-      started && clock.received != past ? absl::ToDoubleSeconds(clock.started - clock.received) : -1;
-  const double compute_s =
-      started && clock.finished != past ? absl::ToDoubleSeconds(clock.finished - clock.started) : -1;
+  const double queue_s = started && clock.received != past
+                             ? absl::ToDoubleSeconds(clock.started - clock.received)
+                             : -1;
+  const double compute_s = started && clock.finished != past
+                               ? absl::ToDoubleSeconds(clock.finished - clock.started)
+                               : -1;
   const double total_s = clock.received != past ? absl::ToDoubleSeconds(now - clock.received) : -1;
   metrics_->RecordRequest(rpc, StatusCodeName(code), queue_s, compute_s, total_s, bytes_received,
                           bytes_sent);
@@ -466,7 +472,8 @@ grpc::ServerUnaryReactor* AttentionService::Raw(
                                     UnaryCall*)) {
   auto* call = new TypedUnaryCall<Request, Response>(reply);
   grpc::ByteBuffer bytes(*request);  // shares the slices; Deserialize consumes its buffer
-  const grpc::Status parsed = grpc::SerializationTraits<Request>::Deserialize(&bytes, &call->request);
+  const grpc::Status parsed =
+      grpc::SerializationTraits<Request>::Deserialize(&bytes, &call->request);
   if (!parsed.ok()) {
     RequestClock clock;
     const absl::Status s = absl::InvalidArgumentError(absl::StrCat(
@@ -527,8 +534,7 @@ grpc::ServerUnaryReactor* AttentionService::RegisterRegion(grpc::CallbackServerC
 grpc::ServerUnaryReactor* AttentionService::UnregisterRegion(grpc::CallbackServerContext* context,
                                                              const grpc::ByteBuffer* request,
                                                              grpc::ByteBuffer* reply) {
-  return Raw("UnregisterRegion", context, request, reply,
-             &AttentionService::ServeUnregisterRegion);
+  return Raw("UnregisterRegion", context, request, reply, &AttentionService::ServeUnregisterRegion);
 }
 
 grpc::ServerUnaryReactor* AttentionService::OpenRing(grpc::CallbackServerContext* context,
@@ -545,8 +551,7 @@ grpc::ServerUnaryReactor* AttentionService::CloseRing(grpc::CallbackServerContex
 
 template <typename Request, typename Response>
 void AttentionService::ServeInline(absl::string_view rpc, grpc::CallbackServerContext* context,
-                                   const Request* request, Response* response,
-                                   UnaryCall* reactor,
+                                   const Request* request, Response* response, UnaryCall* reactor,
                                    const std::function<absl::Status(const std::string&)>& body) {
   RequestClock clock;
   absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
@@ -572,30 +577,29 @@ void AttentionService::ServeRegisterRegion(grpc::CallbackServerContext* context,
                                            v1::RegisterRegionResponse* response,
                                            UnaryCall* reactor) {
   // On the gRPC thread: mapping a shm object or opening a handle is quick and computes nothing.
-  ServeInline("RegisterRegion", context, request, response, reactor,
-              [this, request, response](const std::string& tenant) -> absl::Status {
-                if (regions_ == nullptr) return NoRegions("tensor regions");
-                absl::StatusOr<std::shared_ptr<const Region>> region;
-                switch (request->kind_case()) {
-                  case v1::RegisterRegionRequest::kSystemShm:
-                    region = regions_->RegisterShm(tenant, request->system_shm().name(),
-                                                   request->system_shm().offset(),
-                                                   request->system_shm().byte_size(),
-                                                   RegionKind::kSystemShm);
-                    break;
-                  case v1::RegisterRegionRequest::kCudaIpc:
-                    region = regions_->RegisterCudaIpc(tenant, request->cuda_ipc().handle(),
-                                                       request->cuda_ipc().byte_size());
-                    break;
-                  default:
-                    return absl::InvalidArgumentError(
-                        "RegisterRegionRequest needs system_shm or cuda_ipc");
-                }
-                if (!region.ok()) return region.status();
-                response->set_region_id((*region)->id);
-                response->set_byte_size((*region)->bytes);
-                return absl::OkStatus();
-              });
+  ServeInline(
+      "RegisterRegion", context, request, response, reactor,
+      [this, request, response](const std::string& tenant) -> absl::Status {
+        if (regions_ == nullptr) return NoRegions("tensor regions");
+        absl::StatusOr<std::shared_ptr<const Region>> region;
+        switch (request->kind_case()) {
+          case v1::RegisterRegionRequest::kSystemShm:
+            region = regions_->RegisterShm(
+                tenant, request->system_shm().name(), request->system_shm().offset(),
+                request->system_shm().byte_size(), RegionKind::kSystemShm);
+            break;
+          case v1::RegisterRegionRequest::kCudaIpc:
+            region = regions_->RegisterCudaIpc(tenant, request->cuda_ipc().handle(),
+                                               request->cuda_ipc().byte_size());
+            break;
+          default:
+            return absl::InvalidArgumentError("RegisterRegionRequest needs system_shm or cuda_ipc");
+        }
+        if (!region.ok()) return region.status();
+        response->set_region_id((*region)->id);
+        response->set_byte_size((*region)->bytes);
+        return absl::OkStatus();
+      });
 }
 
 void AttentionService::ServeUnregisterRegion(grpc::CallbackServerContext* context,
@@ -674,8 +678,7 @@ absl::Status AttentionService::SubmitSessionRequest(const v1::SessionRequest& re
 
 void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,
-                                          v1::GetServerInfoResponse* response,
-                                          UnaryCall* reactor) {
+                                          v1::GetServerInfoResponse* response, UnaryCall* reactor) {
   // Cheap and lock-light: answered on the gRPC thread.
   RequestClock clock;
   const absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
@@ -749,8 +752,7 @@ void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
 
 template <typename Request, typename Response>
 void AttentionService::ServeOnWorker(absl::string_view rpc, grpc::CallbackServerContext* context,
-                                     const Request* request, Response* response,
-                                     UnaryCall* reactor,
+                                     const Request* request, Response* response, UnaryCall* reactor,
                                      std::function<absl::Status(const std::string&)> body) {
   RequestClock clock;
   Describe(*request, &clock);
@@ -767,16 +769,16 @@ void AttentionService::ServeOnWorker(absl::string_view rpc, grpc::CallbackServer
     reactor->Finish(ToGrpcStatus(s));
     return;
   }
-  absl::Status submitted = work_queue_->Submit([this, rpc, context, reactor, request, response,
-                                                clock, bytes, body = std::move(body),
-                                                tenant = *std::move(tenant)]() mutable {
-    absl::Status s = Admit(context, &clock);
-    if (s.ok()) s = body(tenant);
-    clock.finished = absl::Now();
-    Record(rpc, static_cast<int>(s.code()), clock, bytes, SizeOf(*response));
-    GiveRequestBytes(bytes);
-    reactor->Finish(ToGrpcStatus(s));
-  });
+  absl::Status submitted =
+      work_queue_->Submit([this, rpc, context, reactor, request, response, clock, bytes,
+                           body = std::move(body), tenant = *std::move(tenant)]() mutable {
+        absl::Status s = Admit(context, &clock);
+        if (s.ok()) s = body(tenant);
+        clock.finished = absl::Now();
+        Record(rpc, static_cast<int>(s.code()), clock, bytes, SizeOf(*response));
+        GiveRequestBytes(bytes);
+        reactor->Finish(ToGrpcStatus(s));
+      });
   if (!submitted.ok()) {
     GiveRequestBytes(bytes);
     Record(rpc, static_cast<int>(submitted.code()), clock, bytes, 0);
@@ -789,11 +791,11 @@ void AttentionService::ServeCreateSequence(grpc::CallbackServerContext* context,
                                            v1::CreateSequenceResponse* response,
                                            UnaryCall* reactor) {
   ServeOnWorker("CreateSequence", context, request, response, reactor,
-                       [this, response](const std::string& tenant) {
-                         absl::StatusOr<std::string> id = runtime_->CreateSequence(tenant);
-                         if (id.ok()) response->set_sequence_id(*id);
-                         return id.status();
-                       });
+                [this, response](const std::string& tenant) {
+                  absl::StatusOr<std::string> id = runtime_->CreateSequence(tenant);
+                  if (id.ok()) response->set_sequence_id(*id);
+                  return id.status();
+                });
 }
 
 void AttentionService::ServeReleaseSequence(grpc::CallbackServerContext* context,
@@ -802,17 +804,16 @@ void AttentionService::ServeReleaseSequence(grpc::CallbackServerContext* context
                                             UnaryCall* reactor) {
   // On a worker: Release waits for a request in flight on the sequence.
   ServeOnWorker("ReleaseSequence", context, request, response, reactor,
-                       [this, request, response](const std::string& tenant) {
-                         absl::StatusOr<int64_t> freed =
-                             runtime_->ReleaseSequence(request->sequence_id(), tenant);
-                         if (freed.ok()) response->set_pages_freed(*freed);
-                         return freed.status();
-                       });
+                [this, request, response](const std::string& tenant) {
+                  absl::StatusOr<int64_t> freed =
+                      runtime_->ReleaseSequence(request->sequence_id(), tenant);
+                  if (freed.ok()) response->set_pages_freed(*freed);
+                  return freed.status();
+                });
 }
 
 absl::Status AttentionService::RunPrefill(const v1::PrefillRequest& request,
-                                          absl::string_view tenant,
-                                          v1::PrefillResponse* response) {
+                                          absl::string_view tenant, v1::PrefillResponse* response) {
   PrefillCall call;
   call.sequence_id = request.sequence_id();
   call.tenant = tenant;
@@ -846,7 +847,8 @@ absl::Status AttentionService::RunPrefill(const v1::PrefillRequest& request,
     return result.status();
   }
   SetMeta(result->out_dtype, result->out_shape, response->mutable_o());
-  if (request.has_output_region()) *response->mutable_o()->mutable_region() = request.output_region();
+  if (request.has_output_region())
+    *response->mutable_o()->mutable_region() = request.output_region();
   response->set_length(result->length);
   return absl::OkStatus();
 }
@@ -922,9 +924,9 @@ void AttentionService::ServePrefill(grpc::CallbackServerContext* context,
                                     const v1::PrefillRequest* request,
                                     v1::PrefillResponse* response, UnaryCall* reactor) {
   ServeOnWorker("Prefill", context, request, response, reactor,
-                       [this, request, response](const std::string& tenant) {
-                         return RunPrefill(*request, tenant, response);
-                       });
+                [this, request, response](const std::string& tenant) {
+                  return RunPrefill(*request, tenant, response);
+                });
 }
 
 absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,

@@ -18,8 +18,8 @@
 #include "server/decode_queue.h"
 #include "server/metrics.h"
 #include "server/regions.h"
-#include "server/ring.h"
 #include "server/request_log.h"
+#include "server/ring.h"
 #include "server/runtime.h"
 #include "server/wire.h"
 #include "server/work_queue.h"
@@ -40,20 +40,21 @@ struct RequestClock;
 // (AttndMetrics::RecordRequest); requests on a Session stream as "Session.Prefill" and
 // "Session.Decode", and the stream's own end as "Session".
 // Every method is raw (ByteBuffer) so that the service, not gRPC, parses requests: a message that
-// does not parse gets INVALID_ARGUMENT "cannot parse attnd.v1.<Request>" (gRPC 1.51's typed callback
-// methods answered UNIMPLEMENTED with no message), and a Session frame that does not parse ends
-// the stream with INVALID_ARGUMENT instead of looking like the client's half-close (gRPC's typed
-// read reports both as ok=false), which silently dropped the rest.
+// does not parse gets INVALID_ARGUMENT "cannot parse attnd.v1.<Request>" (gRPC 1.51's typed
+// callback methods answered UNIMPLEMENTED with no message), and a Session frame that does not parse
+// ends the stream with INVALID_ARGUMENT instead of looking like the client's half-close (gRPC's
+// typed read reports both as ok=false), which silently dropped the rest.
 using AttentionServiceBase = v1::Attention::WithRawCallbackMethod_GetServerInfo<
     v1::Attention::WithRawCallbackMethod_CreateSequence<
         v1::Attention::WithRawCallbackMethod_ReleaseSequence<
-            v1::Attention::WithRawCallbackMethod_Prefill<v1::Attention::WithRawCallbackMethod_Decode<
-                v1::Attention::WithRawCallbackMethod_Session<
-                    v1::Attention::WithRawCallbackMethod_RegisterRegion<
-                        v1::Attention::WithRawCallbackMethod_UnregisterRegion<
-                            v1::Attention::WithRawCallbackMethod_OpenRing<
-                                v1::Attention::WithRawCallbackMethod_CloseRing<
-                                    v1::Attention::Service>>>>>>>>>>;
+            v1::Attention::WithRawCallbackMethod_Prefill<
+                v1::Attention::WithRawCallbackMethod_Decode<
+                    v1::Attention::WithRawCallbackMethod_Session<
+                        v1::Attention::WithRawCallbackMethod_RegisterRegion<
+                            v1::Attention::WithRawCallbackMethod_UnregisterRegion<
+                                v1::Attention::WithRawCallbackMethod_OpenRing<
+                                    v1::Attention::WithRawCallbackMethod_CloseRing<
+                                        v1::Attention::Service>>>>>>>>>>;
 
 // The reactor of one raw unary call: owns the parsed request and the response, and Finish
 // serializes the response (on OK) into the call's reply bytes first.
@@ -194,8 +195,8 @@ class AttentionService : public AttentionServiceBase {
                                 void (AttentionService::*serve)(grpc::CallbackServerContext*,
                                                                 const Request*, Response*,
                                                                 UnaryCall*));
-  // Records one finished request with its google.rpc code in the metrics and the request log. Latencies the
-  // clock does not know (InfinitePast) are not observed.
+  // Records one finished request with its google.rpc code in the metrics and the request log.
+  // Latencies the clock does not know (InfinitePast) are not observed.
   void Record(absl::string_view rpc, int code, const RequestClock& clock, int64_t bytes_received,
               int64_t bytes_sent);
 
@@ -212,13 +213,13 @@ class AttentionService : public AttentionServiceBase {
   Runtime* const runtime_;
   WorkQueue* const work_queue_;
   DecodeQueue* const decode_queue_;
-  AttndMetrics* const metrics_;  // may be null
-  const BatchingDecodeQueue* const batcher_;  // may be null
-  const std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
-  const int64_t max_inflight_request_bytes_;        // 0: no budget
+  AttndMetrics* const metrics_;                      // may be null
+  const BatchingDecodeQueue* const batcher_;         // may be null
+  const std::shared_ptr<const TokenStore> tokens_;   // null: auth is off
+  const int64_t max_inflight_request_bytes_;         // 0: no budget
   RequestLog* const request_log_;                    // may be null
-  RegionRegistry* const regions_;  // null: no tensor regions
-  RingServer* const rings_;        // null: no rings
+  RegionRegistry* const regions_;                    // null: no tensor regions
+  RingServer* const rings_;                          // null: no rings
   const std::shared_ptr<wire::BufferPool> buffers_;  // null: no wire fast path
   std::atomic<int64_t> inflight_request_bytes_{0};
 

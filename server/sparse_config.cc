@@ -72,8 +72,7 @@ absl::StatusOr<std::vector<VsBudget>> ParseSparsePattern(absl::string_view text,
     const json& heads = root[layer];
     const std::string where_layer = absl::StrCat("layer ", layer);
     if (!heads.is_object()) {
-      return error(where_layer,
-                   absl::StrCat(": expected an object of heads, got ", Quote(heads)));
+      return error(where_layer, absl::StrCat(": expected an object of heads, got ", Quote(heads)));
     }
     if (heads.size() != static_cast<size_t>(num_q_heads)) {
       return error(where_layer, absl::StrCat(" has ", heads.size(), " heads, the model has ",
@@ -86,20 +85,18 @@ absl::StatusOr<std::vector<VsBudget>> ParseSparsePattern(absl::string_view text,
       int64_t head = -1;
       if (key.empty() || !absl::ascii_isdigit(static_cast<unsigned char>(key[0])) ||
           !absl::SimpleAtoi(key, &head) || head < 0 || head >= num_q_heads) {
-        return error(where,
-                     absl::StrCat(": not a q head index in [0, ", num_q_heads, ")"));
+        return error(where, absl::StrCat(": not a q head index in [0, ", num_q_heads, ")"));
       }
       if (seen[head]) return error(where, ": listed twice");
       seen[head] = true;
       const json& entry = it.value();
       if (!entry.is_array() || entry.size() != 4) {
-        return error(where, absl::StrCat(": expected [\"", kPatternType,
-                                         "\", vertical_size, slash_size, score], got ",
-                                         Quote(entry)));
+        return error(where,
+                     absl::StrCat(": expected [\"", kPatternType,
+                                  "\", vertical_size, slash_size, score], got ", Quote(entry)));
       }
       if (!entry[0].is_string()) {
-        return error(where, absl::StrCat(": pattern type must be a string, got ",
-                                         Quote(entry[0])));
+        return error(where, absl::StrCat(": pattern type must be a string, got ", Quote(entry[0])));
       }
       if (entry[0].get<std::string>() != kPatternType) {
         return error(where, absl::StrCat(": unknown pattern type ", Quote(entry[0]), " (only \"",
@@ -111,8 +108,8 @@ absl::StatusOr<std::vector<VsBudget>> ParseSparsePattern(absl::string_view text,
                                          Quote(entry[1])));
       }
       if (!PositiveInt(entry[2], &slash)) {
-        return error(where, absl::StrCat(": slash_size must be a positive integer, got ",
-                                         Quote(entry[2])));
+        return error(
+            where, absl::StrCat(": slash_size must be a positive integer, got ", Quote(entry[2])));
       }
       if (!entry[3].is_number()) {
         return error(where, absl::StrCat(": score must be a number, got ", Quote(entry[3])));
@@ -128,10 +125,9 @@ absl::StatusOr<std::vector<VsBudget>> ParseSparsePattern(absl::string_view text,
 absl::StatusOr<std::optional<SparseAttentionConfig>> LoadSparseAttentionConfig(
     const std::string& model_dir, int32_t num_layers, int32_t num_q_heads,
     const SparseSettings& settings) {
-  const std::string file =
-      absl::StrCat(model_dir.empty() ? "." : model_dir,
-                   !model_dir.empty() && model_dir.back() == '/' ? "" : "/",
-                   kSparseAttentionConfigFile);
+  const std::string file = absl::StrCat(model_dir.empty() ? "." : model_dir,
+                                        !model_dir.empty() && model_dir.back() == '/' ? "" : "/",
+                                        kSparseAttentionConfigFile);
   struct stat st;
   if (stat(file.c_str(), &st) != 0) {
     const int err = errno;
@@ -140,9 +136,9 @@ absl::StatusOr<std::optional<SparseAttentionConfig>> LoadSparseAttentionConfig(
           absl::StrCat(file, ": cannot read the sparse attention config: ", std::strerror(err)));
     }
     if (settings.enabled.value_or(false)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "dual_chunk_attention_config.sparse_attention_enabled is true but ", file,
-          " does not exist; sparse prefill needs its per-head budgets"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("dual_chunk_attention_config.sparse_attention_enabled is true but ", file,
+                       " does not exist; sparse prefill needs its per-head budgets"));
     }
     return std::optional<SparseAttentionConfig>();
   }
@@ -151,9 +147,8 @@ absl::StatusOr<std::optional<SparseAttentionConfig>> LoadSparseAttentionConfig(
         absl::StrCat(file, ": cannot read the sparse attention config: not a regular file"));
   }
   if (st.st_size > kMaxPatternBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(file, ": ", st.st_size,
-                                                   " bytes is too large (limit ",
-                                                   kMaxPatternBytes, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(file, ": ", st.st_size, " bytes is too large (limit ", kMaxPatternBytes, ")"));
   }
   std::ifstream in(file, std::ios::binary);
   std::stringstream text;

@@ -71,9 +71,12 @@ TEST(ParseSparsePatternTest, RejectsMalformedFilesNamingTheEntry) {
       {OneLayer({{"0", ok}, {"1", ok}}), 2, "p.json: has 1 layers, the model has 2"},
       {"[[1, 2]]", 1, "p.json: layer 0: expected an object of heads, got [1,2]"},
       {OneLayer({{"0", ok}}), 1, "p.json: layer 0 has 1 heads, the model has 2 q heads"},
-      {OneLayer({{"0", ok}, {"2", ok}}), 1, "p.json: layer 0 head \"2\": not a q head index in [0, 2)"},
-      {OneLayer({{"0", ok}, {"x", ok}}), 1, "p.json: layer 0 head \"x\": not a q head index in [0, 2)"},
-      {OneLayer({{"0", ok}, {"-1", ok}}), 1, "p.json: layer 0 head \"-1\": not a q head index in [0, 2)"},
+      {OneLayer({{"0", ok}, {"2", ok}}), 1,
+       "p.json: layer 0 head \"2\": not a q head index in [0, 2)"},
+      {OneLayer({{"0", ok}, {"x", ok}}), 1,
+       "p.json: layer 0 head \"x\": not a q head index in [0, 2)"},
+      {OneLayer({{"0", ok}, {"-1", ok}}), 1,
+       "p.json: layer 0 head \"-1\": not a q head index in [0, 2)"},
       {OneLayer({{"0", ok}, {"1", "[\"vertical_and_slash\", 1, 2]"}}), 1,
        "p.json: layer 0 head \"1\": expected [\"vertical_and_slash\", vertical_size, slash_size, "
        "score], got [\"vertical_and_slash\",1,2]"},
@@ -116,7 +119,8 @@ void WriteFile(const std::string& path, const std::string& text) {
 
 TEST(LoadSparseAttentionConfigTest, EnableRules) {
   const std::string dir = TempDir("with_pattern");
-  WriteFile(dir + "/sparse_attention_config.json", OneLayer({{"0", Entry(30, 100)}, {"1", Entry(64, 200)}}));
+  WriteFile(dir + "/sparse_attention_config.json",
+            OneLayer({{"0", Entry(30, 100)}, {"1", Entry(64, 200)}}));
   SparseSettings settings;
   settings.threshold = 256;
   settings.last_q = 16;
@@ -186,8 +190,9 @@ TEST(LoadSparseAttentionConfigTest, UnreadableAndMalformedFiles) {
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(c.status().message(),
-            absl::StrCat(dir, "/sparse_attention_config.json: cannot read the sparse attention "
-                              "config: not a regular file"));
+            absl::StrCat(dir,
+                         "/sparse_attention_config.json: cannot read the sparse attention "
+                         "config: not a regular file"));
 
   const std::string dir2 = TempDir("bad_pattern");
   WriteFile(dir2 + "/sparse_attention_config.json",
@@ -196,8 +201,9 @@ TEST(LoadSparseAttentionConfigTest, UnreadableAndMalformedFiles) {
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(c.status().message(),
-            absl::StrCat(dir2, "/sparse_attention_config.json: layer 0 head \"1\": unknown pattern "
-                               "type \"block_sparse\" (only \"vertical_and_slash\" is supported)"));
+            absl::StrCat(dir2,
+                         "/sparse_attention_config.json: layer 0 head \"1\": unknown pattern "
+                         "type \"block_sparse\" (only \"vertical_and_slash\" is supported)"));
 }
 
 TEST(LoadSparseAttentionConfigTest, ShippedQwen7BPattern) {
@@ -209,8 +215,8 @@ TEST(LoadSparseAttentionConfigTest, ShippedQwen7BPattern) {
   // Budgets from the published Qwen2.5-7B-Instruct-1M pattern's value set
   // (configs/qwen2.5-7b-instruct-1m), (1000, 6096) the commonest; 30 read as 130.
   const std::vector<std::pair<int64_t, int64_t>> allowed = {
-      {1000, 6096},   {130, 800},     {100, 800},     {500, 700},     {3500, 100},
-      {3048, 8144},   {5096, 10192},  {7244, 12240},  {9192, 14288},  {11340, 16336},
+      {1000, 6096},   {130, 800},     {100, 800},     {500, 700},    {3500, 100},
+      {3048, 8144},   {5096, 10192},  {7244, 12240},  {9192, 14288}, {11340, 16336},
       {13388, 18384}, {15436, 20432}, {19532, 24528}, {22032, 18532}};
   std::map<std::pair<int64_t, int64_t>, int> counts;
   for (const VsBudget& b : (*c)->budgets) {
@@ -219,8 +225,9 @@ TEST(LoadSparseAttentionConfigTest, ShippedQwen7BPattern) {
         << b.vertical << ", " << b.slash;
     ++counts[key];
   }
-  const auto commonest = std::max_element(
-      counts.begin(), counts.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+  const auto commonest =
+      std::max_element(counts.begin(), counts.end(),
+                       [](const auto& a, const auto& b) { return a.second < b.second; });
   EXPECT_EQ(commonest->first, (std::pair<int64_t, int64_t>(1000, 6096)));
   EXPECT_TRUE((*c)->enabled);
 }

@@ -17,7 +17,8 @@ TestCerts::TestCerts() {
   const char* tmp = std::getenv("TEST_TMPDIR");
   dir_ = absl::StrCat(tmp ? tmp : "/tmp", "/attnd-test-certs");
   const std::string script = absl::StrCat(R"(set -e
-d=")", dir_, R"("
+d=")",
+                                          dir_, R"("
 rm -rf "$d"; mkdir -p "$d"; cd "$d"
 key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$1" 2>/dev/null; }
 ca() {  # ca NAME CN

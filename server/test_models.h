@@ -1,5 +1,5 @@
-// What the server tests share: the tiny model (configs/tiny/config.json's geometry, small enough for
-// exact CPU references) and random inputs.
+// What the server tests share: the tiny model (configs/tiny/config.json's geometry, small enough
+// for exact CPU references) and random inputs.
 #ifndef ATTND_SERVER_TEST_MODELS_H_
 #define ATTND_SERVER_TEST_MODELS_H_
 

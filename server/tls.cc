@@ -43,7 +43,8 @@ absl::StatusOr<std::string> ReadFile(absl::string_view flag, const std::string& 
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     const int err = errno;
-    const std::string message = absl::StrCat("cannot read ", flag, " ", path, ": ", std::strerror(err));
+    const std::string message =
+        absl::StrCat("cannot read ", flag, " ", path, ": ", std::strerror(err));
     if (err == ENOENT) return absl::NotFoundError(message);
     if (err == EACCES) return absl::PermissionDeniedError(message);
     return absl::InvalidArgumentError(message);
@@ -68,7 +69,8 @@ absl::StatusOr<X509Ptr> ParseCertificate(absl::string_view flag, const std::stri
         absl::StrCat(flag, " ", path, ": no PEM certificate (-----BEGIN CERTIFICATE-----) found"));
   }
   if (X509_cmp_current_time(X509_get0_notAfter(cert.get())) < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": the certificate has expired"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " ", path, ": the certificate has expired"));
   }
   return cert;
 }
@@ -77,12 +79,12 @@ absl::StatusOr<PkeyPtr> ParseKey(absl::string_view flag, const std::string& path
                                  const std::string& pem) {
   BioPtr bio = MemBio(pem);
   // A null password callback with an encrypted key fails instead of prompting on the terminal.
-  PkeyPtr key(PEM_read_bio_PrivateKey(bio.get(), nullptr,
-                                      [](char*, int, int, void*) { return 0; }, nullptr));
+  PkeyPtr key(PEM_read_bio_PrivateKey(
+      bio.get(), nullptr, [](char*, int, int, void*) { return 0; }, nullptr));
   ERR_clear_error();
   if (key == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag, " ", path, ": no unencrypted PEM private key found"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " ", path, ": no unencrypted PEM private key found"));
   }
   return key;
 }
@@ -102,9 +104,8 @@ absl::StatusOr<CertAndKey> LoadCertAndKey(absl::string_view cert_flag, const std
   const int match = X509_check_private_key(cert.get(), key.get());
   ERR_clear_error();
   if (match != 1) {
-    return absl::InvalidArgumentError(absl::StrCat(key_flag, " ", key_file,
-                                                   " does not match the certificate in ", cert_flag,
-                                                   " ", cert_file));
+    return absl::InvalidArgumentError(absl::StrCat(
+        key_flag, " ", key_file, " does not match the certificate in ", cert_flag, " ", cert_file));
   }
   return out;
 }
@@ -130,9 +131,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeSslServerCredential
         "--tls-cert and --tls-key must be given together (got only " +
         std::string(options.cert_file.empty() ? "--tls-key" : "--tls-cert") + ")");
   }
-  ATTND_ASSIGN_OR_RETURN(
-      CertAndKey pair,
-      LoadCertAndKey("--tls-cert", options.cert_file, "--tls-key", options.key_file));
+  ATTND_ASSIGN_OR_RETURN(CertAndKey pair, LoadCertAndKey("--tls-cert", options.cert_file,
+                                                         "--tls-key", options.key_file));
   grpc::SslServerCredentialsOptions ssl;
   ssl.pem_key_cert_pairs.push_back({pair.key_pem, pair.cert_pem});
   if (!options.client_ca_file.empty()) {
@@ -190,9 +190,8 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     return absl::InvalidArgumentError("--tls-cert and --tls-key must be given together");
   }
   if (!options.cert_file.empty()) {
-    ATTND_ASSIGN_OR_RETURN(
-        CertAndKey pair,
-        LoadCertAndKey("--tls-cert", options.cert_file, "--tls-key", options.key_file));
+    ATTND_ASSIGN_OR_RETURN(CertAndKey pair, LoadCertAndKey("--tls-cert", options.cert_file,
+                                                           "--tls-key", options.key_file));
     ssl.pem_cert_chain = std::move(pair.cert_pem);
     ssl.pem_private_key = std::move(pair.key_pem);
   }

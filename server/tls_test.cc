@@ -89,8 +89,8 @@ class TlsTest : public ::testing::Test {
 };
 
 TEST_F(TlsTest, ServerTlsAcceptsVerifyingClientsOnly) {
-  auto creds = MakeServerCredentials({P("server.pem"), P("server.key"), ""}, nullptr,
-                                     "127.0.0.1:0");
+  auto creds =
+      MakeServerCredentials({P("server.pem"), P("server.key"), ""}, nullptr, "127.0.0.1:0");
   ASSERT_TRUE(creds.ok()) << creds.status();
   StartServer(*creds);
 
@@ -106,8 +106,8 @@ TEST_F(TlsTest, ServerTlsAcceptsVerifyingClientsOnly) {
 }
 
 TEST_F(TlsTest, MutualTlsRequiresAClientCertificateFromTheClientCa) {
-  auto creds = MakeServerCredentials({P("server.pem"), P("server.key"), P("ca.pem")}, nullptr,
-                                     "0.0.0.0:0");
+  auto creds =
+      MakeServerCredentials({P("server.pem"), P("server.key"), P("ca.pem")}, nullptr, "0.0.0.0:0");
   ASSERT_TRUE(creds.ok()) << creds.status();
   StartServer(*creds);
 
@@ -130,8 +130,8 @@ TEST_F(TlsTest, TokensOverTlsWithHealthLeftOpen) {
   ASSERT_TRUE(store.ok());
   auto processor = std::make_shared<TokenAuthProcessor>(
       std::make_shared<const TokenStore>(std::move(*store)), TokenAuthOptions());
-  auto creds = MakeServerCredentials({P("server.pem"), P("server.key"), ""}, processor,
-                                     "0.0.0.0:0");
+  auto creds =
+      MakeServerCredentials({P("server.pem"), P("server.key"), ""}, processor, "0.0.0.0:0");
   ASSERT_TRUE(creds.ok()) << creds.status();
   StartServer(*creds);
   auto channel = TlsChannel({P("ca.pem"), "", ""});

@@ -104,12 +104,13 @@ TEST_F(AttnctlTest, SmokeProgressGoesToErrOnePerPrefillCallAndDecodeTenth) {
   options.progress = true;
   ASSERT_EQ(client::RunSmoke(daemon_->client(), options, out, err), 0) << out.str() << err.str();
   const std::string e = err.str();
-  EXPECT_THAT(e, ContainsRegex("smoke: prefill call 1/[0-9]+ done: tokens 0\\.\\.[0-9]+ of [0-9]+, 2 "
-                               "layers checked, [0-9.]+ s\n"));
+  EXPECT_THAT(e,
+              ContainsRegex("smoke: prefill call 1/[0-9]+ done: tokens 0\\.\\.[0-9]+ of [0-9]+, 2 "
+                            "layers checked, [0-9.]+ s\n"));
   EXPECT_THAT(e, HasSubstr("smoke: decode step 2/20 done, 2 layers checked"));
   EXPECT_THAT(e, HasSubstr("smoke: decode step 20/20 done"));
   EXPECT_THAT(e, Not(HasSubstr("decode step 3/20")));  // one line per tenth, not per step
-  EXPECT_THAT(out.str(), Not(HasSubstr("smoke: ")));  // the report stays clean
+  EXPECT_THAT(out.str(), Not(HasSubstr("smoke: ")));   // the report stays clean
   ExpectNothingLeft();
 
   // Off by default.

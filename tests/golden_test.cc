@@ -1,8 +1,9 @@
 // Replays the golden DCA cases dense_gqa_chunked and dense_pre_rotary (tests/testdata/dca;
-// pre-rotary q and k: the server applies the dual-chunk rotary) through a daemon over loopback gRPC: chunked prefill with the case's prompt_len, then
-// batched decode of two sequences across a chunk boundary; unary, over a Session stream, and
-// with every tensor in a registered shm region (docs/regions.md). fp32 requests must match the golden
-// outputs within 1e-4; bf16 requests within DCA.md's bf16 bars.
+// pre-rotary q and k: the server applies the dual-chunk rotary) through a daemon over loopback
+// gRPC: chunked prefill with the case's prompt_len, then batched decode of two sequences across a
+// chunk boundary; unary, over a Session stream, and with every tensor in a registered shm region
+// (docs/regions.md). fp32 requests must match the golden outputs within 1e-4; bf16 requests within
+// DCA.md's bf16 bars.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -15,8 +16,8 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -192,9 +193,13 @@ class ChildDaemon {
     }
     close(probe);
     target_ = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
-    std::vector<std::string> args = {binary,          "--device=cuda",       "--kv-dtype=bf16",
-                                     "--listen=" + target_, "--metrics-listen=",
-                                     "--model-config=" + config, "--kv-cache-bytes=33554432",
+    std::vector<std::string> args = {binary,
+                                     "--device=cuda",
+                                     "--kv-dtype=bf16",
+                                     "--listen=" + target_,
+                                     "--metrics-listen=",
+                                     "--model-config=" + config,
+                                     "--kv-cache-bytes=33554432",
                                      "--page-size=16"};
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
@@ -220,8 +225,8 @@ class RegionTransport {
   RegionTransport(const std::string& target, client::AttndClient* client,
                   std::unique_ptr<RegionMemory> memory)
       : client_(client), memory_(std::move(memory)) {
-    auto stub = v1::Attention::NewStub(
-        grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+    auto stub =
+        v1::Attention::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
     v1::RegisterRegionRequest request;
     memory_->Describe(&request);
     v1::RegisterRegionResponse response;
@@ -244,8 +249,7 @@ class RegionTransport {
     Put(q, request.mutable_q());
     Put(k, request.mutable_k());
     Put(v, request.mutable_v());
-    const std::vector<int64_t> o_shape = {q.shape[0], q.shape[q.shape.size() - 2],
-                                          q.shape.back()};
+    const std::vector<int64_t> o_shape = {q.shape[0], q.shape[q.shape.size() - 2], q.shape.back()};
     const uint64_t o_at = Output(o_shape, q.dtype, request.mutable_output_region());
     absl::StatusOr<v1::PrefillResponse> r = client_->PrefillRaw(request);
     if (!r.ok()) return r.status();
@@ -477,17 +481,16 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
       auto prefill = [&](auto& target) {
         const int64_t hq = geometry.num_q_heads, hkv = geometry.num_kv_heads;
         const int64_t d = geometry.head_dim;
-        const std::vector<int64_t> q_shape =
-            pre_rotary ? std::vector<int64_t>{tokens, hq, d}
-                       : std::vector<int64_t>{tokens, 5, hq, d};
+        const std::vector<int64_t> q_shape = pre_rotary ? std::vector<int64_t>{tokens, hq, d}
+                                                        : std::vector<int64_t>{tokens, 5, hq, d};
         return target.Prefill(id, 0, HostTensor::FromFloats(dtype, q_shape, q.values),
                               HostTensor::FromFloats(dtype, {tokens, hkv, d}, k.values),
                               HostTensor::FromFloats(dtype, {tokens, hkv, d}, v.values),
                               step.at("prompt_len").get<int64_t>(), layout);
       };
-      absl::StatusOr<client::PrefillResult> r = use_session ? prefill(*session)
-                                                 : shm != nullptr ? prefill(*shm)
-                                                                  : prefill(client);
+      absl::StatusOr<client::PrefillResult> r = use_session      ? prefill(*session)
+                                                : shm != nullptr ? prefill(*shm)
+                                                                 : prefill(client);
       ASSERT_TRUE(r.ok()) << r.status();
       EXPECT_EQ(r->length, start + tokens);
       EXPECT_EQ(r->o.dtype, dtype);
@@ -518,7 +521,7 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
         entries.push_back(std::move(in));
       }
       absl::StatusOr<std::vector<client::DecodeResult>> r =
-          use_session ? session->Decode(0, entries)
+          use_session      ? session->Decode(0, entries)
           : shm != nullptr ? shm->Decode(0, entries)
                            : client.Decode(0, entries);
       ASSERT_TRUE(r.ok()) << r.status();
@@ -538,7 +541,7 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   EXPECT_EQ(steps, static_cast<int>(c.at("steps").size()));
   std::printf("%s %s%s: %d steps, worst max abs error %.3g\n", name.c_str(),
               DTypeName(dtype).data(),
-              use_session                      ? " session"
+              use_session                        ? " session"
               : transport == Transport::kShm     ? " shm regions"
               : transport == Transport::kCudaIpc ? " CUDA IPC regions"
                                                  : "",
@@ -558,23 +561,23 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   EXPECT_EQ(info->kv_cache().pages_free(), info->kv_cache().pages_total());
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    DtypesAndTransports, GoldenTest,
-    ::testing::Combine(::testing::Values(DType::kFp32, DType::kBf16),
-                       ::testing::Values(Transport::kUnary, Transport::kSession, Transport::kShm
+INSTANTIATE_TEST_SUITE_P(DtypesAndTransports, GoldenTest,
+                         ::testing::Combine(::testing::Values(DType::kFp32, DType::kBf16),
+                                            ::testing::Values(Transport::kUnary,
+                                                              Transport::kSession, Transport::kShm
 #ifdef ATTND_GOLDEN_ON_CUDA
-                                         ,
-                                         Transport::kCudaIpc
+                                                              ,
+                                                              Transport::kCudaIpc
 #endif
-                                         )),
-    [](const ::testing::TestParamInfo<std::tuple<DType, Transport>>& info) {
-      const Transport t = std::get<1>(info.param);
-      return absl::StrCat(DTypeName(std::get<0>(info.param)),
-                          t == Transport::kSession   ? "_session"
-                          : t == Transport::kShm     ? "_shm"
-                          : t == Transport::kCudaIpc ? "_cuda_ipc"
-                                                     : "_unary");
-    });
+                                                              )),
+                         [](const ::testing::TestParamInfo<std::tuple<DType, Transport>>& info) {
+                           const Transport t = std::get<1>(info.param);
+                           return absl::StrCat(DTypeName(std::get<0>(info.param)),
+                                               t == Transport::kSession   ? "_session"
+                                               : t == Transport::kShm     ? "_shm"
+                                               : t == Transport::kCudaIpc ? "_cuda_ipc"
+                                                                          : "_unary");
+                         });
 
 }  // namespace
 }  // namespace attnd

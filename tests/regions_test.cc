@@ -20,8 +20,8 @@
 #include "absl/time/clock.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "attnd/v1/shm_ring.h"
-#include "gtest/gtest.h"
 #include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
 #include "server/server.h"
 #include "tests/test_util.h"
 
@@ -77,8 +77,7 @@ class RegionsTest : public ::testing::Test {
         grpc::CreateChannel(daemon_->target(), grpc::InsecureChannelCredentials()));
   }
 
-  grpc::Status Register(const std::string& name, uint64_t offset, uint64_t bytes,
-                        std::string* id) {
+  grpc::Status Register(const std::string& name, uint64_t offset, uint64_t bytes, std::string* id) {
     v1::RegisterRegionRequest request;
     request.mutable_system_shm()->set_name(name);
     request.mutable_system_shm()->set_offset(offset);
@@ -243,7 +242,8 @@ TEST_F(RegionsTest, BadReferencesAreRefusedAndChangeNothing) {
          r->mutable_k()->mutable_region()->set_offset(~uint64_t{0} - 3);
        },
        grpc::StatusCode::INVALID_ARGUMENT},
-      {"misaligned", [&](v1::PrefillRequest* r) { r->mutable_v()->mutable_region()->set_offset(2); },
+      {"misaligned",
+       [&](v1::PrefillRequest* r) { r->mutable_v()->mutable_region()->set_offset(2); },
        grpc::StatusCode::INVALID_ARGUMENT},
       {"byte size not the shape's",
        [&](v1::PrefillRequest* r) { r->mutable_v()->mutable_region()->set_byte_size(16); },
@@ -256,8 +256,7 @@ TEST_F(RegionsTest, BadReferencesAreRefusedAndChangeNothing) {
       {"malformed id",
        [&](v1::PrefillRequest* r) { r->mutable_q()->mutable_region()->set_region_id("../x"); },
        grpc::StatusCode::INVALID_ARGUMENT},
-      {"data and region",
-       [&](v1::PrefillRequest* r) { r->mutable_q()->set_data("abcd"); },
+      {"data and region", [&](v1::PrefillRequest* r) { r->mutable_q()->set_data("abcd"); },
        grpc::StatusCode::INVALID_ARGUMENT},
       {"output overlapping an input",
        [&](v1::PrefillRequest* r) {
@@ -423,8 +422,8 @@ TEST_F(RegionsTest, RingCarriesSessionRequests) {
     ASSERT_TRUE(response.ParseFromString(bytes));
     EXPECT_EQ(response.tag(), static_cast<uint64_t>(100 + step));
     ASSERT_EQ(response.code(), 0) << response.message();
-    const std::string& got = prefill ? response.prefill().o().data()
-                                     : response.decode().outputs(0).o().data();
+    const std::string& got =
+        prefill ? response.prefill().o().data() : response.decode().outputs(0).o().data();
     EXPECT_EQ(got, want) << "step " << step;
   }
   // Garbage in the ring: answered INVALID_ARGUMENT, and the ring goes on.
@@ -455,8 +454,7 @@ TEST_F(RegionsTest, RingCarriesSessionRequests) {
   EXPECT_EQ(hand.header()->closed.load(), 1u);
   {
     grpc::ClientContext context;
-    EXPECT_EQ(stub_->CloseRing(&context, close, &closed).error_code(),
-              grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(stub_->CloseRing(&context, close, &closed).error_code(), grpc::StatusCode::NOT_FOUND);
   }
 }
 

@@ -102,7 +102,8 @@ std::string WriteModelFolder(const nlohmann::json& c, const char* enabled) {
   const int64_t hq = c.at("num_q_heads"), d = c.at("head_dim");
   const nlohmann::json config = {
       {"_name_or_path", "golden-sparse-vs"},
-      {"num_hidden_layers", c.at("dual_chunk_attention_config").at("sparse_attention_config").size()},
+      {"num_hidden_layers",
+       c.at("dual_chunk_attention_config").at("sparse_attention_config").size()},
       {"num_attention_heads", hq},
       {"num_key_value_heads", c.at("num_kv_heads")},
       {"head_dim", d},
@@ -162,8 +163,8 @@ class SparseGoldenTest : public ::testing::TestWithParam<DType> {
     }
 #endif
     const std::string dir = testing::GoldenCaseDir("sparse_vs");
-    ASSERT_TRUE(golden_.Load(dir)) << "cannot read the golden case in " << dir
-                                   << " (//tests/testdata:dca in the test's data)";
+    ASSERT_TRUE(golden_.Load(dir))
+        << "cannot read the golden case in " << dir << " (//tests/testdata:dca in the test's data)";
     ASSERT_FLOAT_EQ(golden_.json().at("softmax_scale").get<float>(),
                     1.f / std::sqrt(golden_.json().at("head_dim").get<float>()))
         << "the case's softmax scale is not 1/sqrt(head_dim); a config.json cannot express it";
@@ -178,8 +179,8 @@ TEST_P(SparseGoldenTest, SparseVs) {
   Daemon daemon;
   // bf16 requests also keep bf16 KV: the case's inputs are exact in bf16, so the selection is the
   // same and only the outputs' rounding differs.
-  const absl::Status started = StartDaemon(WriteModelFolder(c, nullptr),
-                                           dtype == DType::kFp32 ? "fp32" : "bf16", &daemon);
+  const absl::Status started =
+      StartDaemon(WriteModelFolder(c, nullptr), dtype == DType::kFp32 ? "fp32" : "bf16", &daemon);
   ASSERT_TRUE(started.ok()) << started;
   client::AttndClient& client = *daemon.client;
 
@@ -245,8 +246,7 @@ TEST_P(SparseGoldenTest, SparseVs) {
   std::printf("%s: %d steps, worst max abs error %.3g\n", DTypeName(dtype).data(), steps, worst);
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, SparseGoldenTest,
-                         ::testing::Values(DType::kFp32, DType::kBf16),
+INSTANTIATE_TEST_SUITE_P(Dtypes, SparseGoldenTest, ::testing::Values(DType::kFp32, DType::kBf16),
                          [](const ::testing::TestParamInfo<DType>& info) {
                            return std::string(DTypeName(info.param));
                          });

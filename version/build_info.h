@@ -18,7 +18,8 @@ absl::string_view GitRevision();
 // GitRevision() when the build was stamped (a 12-digit revision), else "" (attnd_build_info's
 // revision label).
 std::string StampedRevision();
-// Bazel's compilation mode: "opt", "dbg" or "fastbuild" (attnd's .bazelrc builds fastbuild with -O2).
+// Bazel's compilation mode: "opt", "dbg" or "fastbuild" (attnd's .bazelrc builds fastbuild with
+// -O2).
 absl::string_view CompilationMode();
 // Whether the CUDA backend was built in (a toolkit was found at build time).
 bool BuiltWithCuda();
@@ -26,8 +27,8 @@ bool BuiltWithCuda();
 // "PROGRAM 0.1.0\nrevision: ...\nbuild: fastbuild (-O2, asserts off), CUDA backend: yes|no\n"
 std::string VersionText(absl::string_view program);
 
-// Whether a flag defined in `file` (as __FILE__ spells it) belongs to `main_file` ("server/main.cc"):
-// equal, or ending in "/" + main_file.
+// Whether a flag defined in `file` (as __FILE__ spells it) belongs to `main_file`
+// ("server/main.cc"): equal, or ending in "/" + main_file.
 bool IsMainFile(absl::string_view file, absl::string_view main_file);
 // `file` from its last "server/", "client/", ... component on: the repository-relative path.
 std::string NormalizeFilename(absl::string_view file);

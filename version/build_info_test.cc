@@ -37,7 +37,8 @@ TEST(BuildInfo, NormalizeFilenameKeepsTheRepositoryPath) {
   EXPECT_EQ(NormalizeFilename("/home/u/.cache/bazel/execroot/attnd/server/main.cc"),
             "server/main.cc");
   EXPECT_EQ(NormalizeFilename("client/main.cc"), "client/main.cc");
-  EXPECT_EQ(NormalizeFilename("/usr/include/absl/flags/parse.cc"), "/usr/include/absl/flags/parse.cc");
+  EXPECT_EQ(NormalizeFilename("/usr/include/absl/flags/parse.cc"),
+            "/usr/include/absl/flags/parse.cc");
 }
 
 TEST(BuildInfo, ShortHelpBecomesHelpBeforeDoubleDash) {

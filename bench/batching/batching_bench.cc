@@ -203,8 +203,8 @@ class Client {
       if (!stream->Write(req) || !stream->Read(&resp)) Die("Session", stream->Finish());
       latencies->push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
       if (resp.code() != 0 || resp.tag() != static_cast<uint64_t>(i)) {
-        Die("Session decode", grpc::Status(static_cast<grpc::StatusCode>(resp.code()),
-                                           resp.message()));
+        Die("Session decode",
+            grpc::Status(static_cast<grpc::StatusCode>(resp.code()), resp.message()));
       }
     }
     stream->WritesDone();

@@ -16,9 +16,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <cmath>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -56,8 +56,9 @@ ABSL_FLAG(std::string, decode_q_layout, "pre_rotary",
           "decode: pre_rotary (q [Hq, D]) or variants (q [3, Hq, D], rotated by the caller)");
 ABSL_FLAG(bool, engine, false, "also time the CUDA engine in-process (needs a GPU, no daemon)");
 ABSL_FLAG(bool, skip_prefill, false, "decode only");
-ABSL_FLAG(std::string, q_layout, "pre_rotary",
-          "prefill: pre_rotary (q [T, Hq, D], attnd applies the rotary) or variants (q [T, 5, Hq, D])");
+ABSL_FLAG(
+    std::string, q_layout, "pre_rotary",
+    "prefill: pre_rotary (q [T, Hq, D], attnd applies the rotary) or variants (q [T, 5, Hq, D])");
 ABSL_FLAG(bool, skip_decode, false, "prefill only");
 
 namespace attnd {
@@ -103,8 +104,8 @@ void SetTensor(v1::Tensor* t, std::vector<int64_t> shape, const std::string& byt
   t->set_data(bytes);
 }
 
-void SetRef(v1::Tensor* t, std::vector<int64_t> shape, const std::string& region,
-            uint64_t offset, uint64_t bytes) {
+void SetRef(v1::Tensor* t, std::vector<int64_t> shape, const std::string& region, uint64_t offset,
+            uint64_t bytes) {
   t->set_dtype(v1::DTYPE_BF16);
   for (int64_t s : shape) t->add_shape(s);
   t->mutable_region()->set_region_id(region);
@@ -284,13 +285,12 @@ class Bench {
     if (device != nullptr) cudaFree(device);
 #endif
     if (!ok) return false;
-    std::printf("prefill\t%s %s\tcontext %lld\t%.0f tok/s\tlast chunk %.2f ms\tmedian chunk "
-                "%.2f ms\trequest %.1f MB\n",
-                transport.c_str(), variants ? "variants" : "pre_rotary",
-                static_cast<long long>(context),
-                static_cast<double>(context) / (total_us / 1e6), calls.back() / 1e3,
-                Percentile(calls, 0.5) / 1e3,
-                static_cast<double>(request.ByteSizeLong()) / 1e6);
+    std::printf(
+        "prefill\t%s %s\tcontext %lld\t%.0f tok/s\tlast chunk %.2f ms\tmedian chunk "
+        "%.2f ms\trequest %.1f MB\n",
+        transport.c_str(), variants ? "variants" : "pre_rotary", static_cast<long long>(context),
+        static_cast<double>(context) / (total_us / 1e6), calls.back() / 1e3,
+        Percentile(calls, 0.5) / 1e3, static_cast<double>(request.ByteSizeLong()) / 1e6);
     return true;
   }
 
@@ -403,8 +403,7 @@ class Bench {
     if (!ok) return false;
     std::printf("decode\t%s %s\tbatch %lld\tp50 %.1f us\tp99 %.1f us\tmean %.1f us\n",
                 transport.c_str(), variants ? "variants" : "pre_rotary",
-                static_cast<long long>(batch), Percentile(lat, 0.5),
-                Percentile(lat, 0.99),
+                static_cast<long long>(batch), Percentile(lat, 0.5), Percentile(lat, 0.99),
                 std::accumulate(lat.begin(), lat.end(), 0.0) / static_cast<double>(lat.size()));
     return true;
   }
@@ -456,8 +455,9 @@ class Bench {
       }
       uint64_t len = 0;
       std::memcpy(&len, shm.base + ring::ResponseOffset(half), 8);
-      ok = ok && response.ParseFromArray(shm.base + ring::ResponseOffset(half) + 8,
-                                         static_cast<int>(len)) &&
+      ok = ok &&
+           response.ParseFromArray(shm.base + ring::ResponseOffset(half) + 8,
+                                   static_cast<int>(len)) &&
            response.code() == 0;
       if (i >= warmup) lat->push_back(Us(Clock::now() - start));
       if (!ok) std::fprintf(stderr, "decode ring: %s\n", response.message().c_str());
@@ -510,7 +510,8 @@ void EnginePrefill(const std::vector<int64_t>& contexts) {
   const DcaGeometry& g = options.geometry;
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateCudaEngine(options);
   if (!engine.ok()) {
-    std::printf("prefill\tengine\t-\tskipped: %s\n", std::string(engine.status().message()).c_str());
+    std::printf("prefill\tengine\t-\tskipped: %s\n",
+                std::string(engine.status().message()).c_str());
     return;
   }
   const bool variants = absl::GetFlag(FLAGS_q_layout) == "variants";
@@ -607,7 +608,8 @@ void EngineDecode(const std::vector<int64_t>& batches) {
   std::mt19937 rng(3);
   // The KV of every sequence: one prefill of `context` tokens each (variants layout, host data).
   const std::string pq = RandomBf16(&rng, context * 5 * 28 * 128),
-                    pk = RandomBf16(&rng, context * 4 * 128), pv = RandomBf16(&rng, context * 4 * 128);
+                    pk = RandomBf16(&rng, context * 4 * 128),
+                    pv = RandomBf16(&rng, context * 4 * 128);
   std::string pout(context * 28 * 128 * 2, '\0');
   std::vector<std::vector<int32_t>> tables(max_batch);
   for (int64_t s = 0; s < max_batch; ++s) {
@@ -659,8 +661,8 @@ void EngineDecode(const std::vector<int64_t>& batches) {
         }
       }
       std::printf("decode\tengine %s\tbatch %lld\tp50 %.1f us\tp99 %.1f us\n",
-                  pre ? "pre_rotary" : "variants", static_cast<long long>(b),
-                  Percentile(lat, 0.5), Percentile(lat, 0.99));
+                  pre ? "pre_rotary" : "variants", static_cast<long long>(b), Percentile(lat, 0.5),
+                  Percentile(lat, 0.99));
     }
   }
 }

@@ -11,21 +11,21 @@
 
 #include "absl/status/status.h"
 
-#define CHECK_CUDA(expr)                                                                    \
-  do {                                                                                      \
-    const cudaError_t e_ = (expr);                                                          \
-    if (e_ != cudaSuccess) {                                                                \
+#define CHECK_CUDA(expr)                                                                         \
+  do {                                                                                           \
+    const cudaError_t e_ = (expr);                                                               \
+    if (e_ != cudaSuccess) {                                                                     \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
+      std::exit(1);                                                                              \
+    }                                                                                            \
   } while (0)
-#define CHECK_OK(expr)                                                              \
-  do {                                                                              \
-    const absl::Status s_ = (expr);                                                 \
-    if (!s_.ok()) {                                                                 \
+#define CHECK_OK(expr)                                                               \
+  do {                                                                               \
+    const absl::Status s_ = (expr);                                                  \
+    if (!s_.ok()) {                                                                  \
       std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
-      std::exit(1);                                                                 \
-    }                                                                               \
+      std::exit(1);                                                                  \
+    }                                                                                \
   } while (0)
 
 namespace attnd {

@@ -36,7 +36,6 @@
 namespace attnd {
 namespace {
 
-
 constexpr int kHq = 28, kHkv = 4, kD = 128, kPageSize = 16;
 constexpr int64_t kRealChunkLen = 253952;
 constexpr int64_t kOrig = 262144;
@@ -101,9 +100,8 @@ double CopyBandwidth() {
   CHECK_CUDA(cudaMalloc(&a, bytes));
   CHECK_CUDA(cudaMalloc(&b, bytes));
   CHECK_CUDA(cudaMemset(a, 1, bytes));
-  const double ms = MedianMs(3, 10, [&](int) {
-    CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
-  });
+  const double ms = MedianMs(
+      3, 10, [&](int) { CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
   CHECK_CUDA(cudaFree(a));
   CHECK_CUDA(cudaFree(b));
   return 2.0 * bytes / (ms * 1e-3) / 1e9;
@@ -145,8 +143,10 @@ std::vector<int> PrefillOrder(const std::vector<int>& variants) {
 void BenchPrefill(bool quick, const std::vector<int>& variants) {
   Emit("\n## Prefill (one call of L tokens from position 0; bf16 q/KV, bf16 out; page 16)\n");
   Emit("FLOPs = 4*Hq*D*L(L+1)/2 (causal-equivalent), Hq=28 Hkv=4 D=128\n");
-  Emit("vs_%s: max / mean abs difference from that variant's output over the last <= 8192 "
-       "tokens (all q heads)\n", VariantLabel(kFallbackPrefillVariant).c_str());
+  Emit(
+      "vs_%s: max / mean abs difference from that variant's output over the last <= 8192 "
+      "tokens (all q heads)\n",
+      VariantLabel(kFallbackPrefillVariant).c_str());
   Emit("%-8s %-10s %-7s %-16s %12s %10s %10s %10s\n", "L", "chunk_len", "chunks", "variant",
        "median_ms", "TFLOP/s", "max_diff", "mean_diff");
   std::vector<int64_t> lens = {8192, 32768, 131072};
@@ -227,11 +227,17 @@ void BenchPrefill(bool quick, const std::vector<int>& variants) {
 
 void BenchDecode(bool quick, double copy_gbs) {
   Emit("\n## Decode (split-K, chunk_len 253952, page 16; all sequences of length ctx)\n");
-  Emit("bytes = B*ctx*Hkv*D*2(K,V)*2B; %% of the measured D2D copy bandwidth %.0f GB/s\n", copy_gbs);
+  Emit("bytes = B*ctx*Hkv*D*2(K,V)*2B; %% of the measured D2D copy bandwidth %.0f GB/s\n",
+       copy_gbs);
   Emit("%-6s %-8s %-7s %-7s %-6s %12s %10s %7s %10s\n", "batch", "ctx", "stages", "splits", "sets",
        "median_us", "GB/s", "%copy", "graph_us");
-  Emit("(graph_us: the step captured in a CUDA graph and replayed on one page set; -1 = capture failed)\n");
-  struct Case { int batch; int64_t ctx; };
+  Emit(
+      "(graph_us: the step captured in a CUDA graph and replayed on one page set; -1 = capture "
+      "failed)\n");
+  struct Case {
+    int batch;
+    int64_t ctx;
+  };
   std::vector<Case> cases;
   for (int b : {1, 8, 32, 128})
     for (int64_t ctx : {4096, 32768, 131072}) cases.push_back({b, ctx});
@@ -265,65 +271,65 @@ void BenchDecode(bool quick, double copy_gbs) {
     CHECK_CUDA(cudaMemcpy(lengths, lens.data(), c.batch * 4, cudaMemcpyHostToDevice));
     size_t ws_floats = 0;
     for (int st : {2, 4}) {
-      ws_floats = std::max(ws_floats, DecodeWorkspaceFloats(g, c.batch,
-                                                            PlanDecodeSplits(g, c.batch, c.ctx,
-                                                                             num_sms, st)));
+      ws_floats = std::max(
+          ws_floats,
+          DecodeWorkspaceFloats(g, c.batch, PlanDecodeSplits(g, c.batch, c.ctx, num_sms, st)));
     }
     CHECK_CUDA(cudaMalloc(&ws, ws_floats * 4));
     for (int stages : {2, 4}) {
-    const int32_t splits = PlanDecodeSplits(g, c.batch, c.ctx, num_sms, stages);
-    auto params = [&](int set) {
-      CudaDecodeParams p;
-      p.kv.k = static_cast<Bf16*>(k);
-      p.kv.v = static_cast<Bf16*>(v);
-      p.kv.page_tables = static_cast<int32_t*>(tables) + static_cast<int64_t>(set) * c.batch *
-                                                             pages_per_seq;
-      p.kv.page_table_stride = pages_per_seq;
-      p.kv.page_size = kPageSize;
-      p.kv.num_kv_heads = kHkv;
-      p.kv.head_dim = kD;
-      p.lengths = static_cast<int32_t*>(lengths);
-      p.q = static_cast<Bf16*>(q);
-      p.out = out;
-      p.out_dtype = DType::kBf16;
-      p.batch = c.batch;
-      p.max_splits = splits;
-      p.kv_stages = stages;
-      p.partial_out = static_cast<float*>(ws);
-      p.partial_lse = p.partial_out + static_cast<size_t>(c.batch) * kHq * splits * kD;
-      return p;
-    };
-    const double ms = MedianMs(3, 30, [&](int i) {
-      CHECK_OK(LaunchDcaDecode(g, params(i % sets), nullptr));
-    });
-    const double gbs = step_bytes / (ms * 1e-3) / 1e9;
-    // The same step captured once in a CUDA graph (launch configuration is length-independent),
-    // replayed: median time per replay, or "-" when capture is not possible.
-    double graph_us = -1;
-    {
-      cudaStream_t st;
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      CHECK_CUDA(cudaStreamCreate(&st));
-      bool ok = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
-      ok = LaunchDcaDecode(g, params(0), st).ok() && ok;
-      ok = cudaStreamEndCapture(st, &graph) == cudaSuccess && ok;
-      ok = ok && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
-      if (ok) {
-        graph_us = 1e3 * MedianMs(3, 30, [&](int) { CHECK_CUDA(cudaGraphLaunch(exec, st)); });
-      } else {
-        cudaGetLastError();
+      const int32_t splits = PlanDecodeSplits(g, c.batch, c.ctx, num_sms, stages);
+      auto params = [&](int set) {
+        CudaDecodeParams p;
+        p.kv.k = static_cast<Bf16*>(k);
+        p.kv.v = static_cast<Bf16*>(v);
+        p.kv.page_tables =
+            static_cast<int32_t*>(tables) + static_cast<int64_t>(set) * c.batch * pages_per_seq;
+        p.kv.page_table_stride = pages_per_seq;
+        p.kv.page_size = kPageSize;
+        p.kv.num_kv_heads = kHkv;
+        p.kv.head_dim = kD;
+        p.lengths = static_cast<int32_t*>(lengths);
+        p.q = static_cast<Bf16*>(q);
+        p.out = out;
+        p.out_dtype = DType::kBf16;
+        p.batch = c.batch;
+        p.max_splits = splits;
+        p.kv_stages = stages;
+        p.partial_out = static_cast<float*>(ws);
+        p.partial_lse = p.partial_out + static_cast<size_t>(c.batch) * kHq * splits * kD;
+        return p;
+      };
+      const double ms =
+          MedianMs(3, 30, [&](int i) { CHECK_OK(LaunchDcaDecode(g, params(i % sets), nullptr)); });
+      const double gbs = step_bytes / (ms * 1e-3) / 1e9;
+      // The same step captured once in a CUDA graph (launch configuration is length-independent),
+      // replayed: median time per replay, or "-" when capture is not possible.
+      double graph_us = -1;
+      {
+        cudaStream_t st;
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        CHECK_CUDA(cudaStreamCreate(&st));
+        bool ok = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
+        ok = LaunchDcaDecode(g, params(0), st).ok() && ok;
+        ok = cudaStreamEndCapture(st, &graph) == cudaSuccess && ok;
+        ok = ok && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+        if (ok) {
+          graph_us = 1e3 * MedianMs(3, 30, [&](int) { CHECK_CUDA(cudaGraphLaunch(exec, st)); });
+        } else {
+          cudaGetLastError();
+        }
+        if (exec) cudaGraphExecDestroy(exec);
+        if (graph) cudaGraphDestroy(graph);
+        CHECK_CUDA(cudaStreamSynchronize(st));
+        CHECK_CUDA(cudaStreamDestroy(st));
       }
-      if (exec) cudaGraphExecDestroy(exec);
-      if (graph) cudaGraphDestroy(graph);
-      CHECK_CUDA(cudaStreamSynchronize(st));
-      CHECK_CUDA(cudaStreamDestroy(st));
-    }
-    char label[8];
-    std::snprintf(label, sizeof(label), "%d%s", stages, stages == kDefaultDecodeStages ? "*" : "");
-    Emit("%-6d %-8lld %-7s %-7d %-6d %12.1f %10.0f %6.0f%% %10.1f\n", c.batch,
-         static_cast<long long>(c.ctx), label, splits, sets, ms * 1e3, gbs, 100.0 * gbs / copy_gbs,
-         graph_us);
+      char label[8];
+      std::snprintf(label, sizeof(label), "%d%s", stages,
+                    stages == kDefaultDecodeStages ? "*" : "");
+      Emit("%-6d %-8lld %-7s %-7d %-6d %12.1f %10.0f %6.0f%% %10.1f\n", c.batch,
+           static_cast<long long>(c.ctx), label, splits, sets, ms * 1e3, gbs,
+           100.0 * gbs / copy_gbs, graph_us);
     }
     for (void* p : {k, v, q, out, tables, lengths, ws}) CHECK_CUDA(cudaFree(p));
   }
@@ -334,7 +340,9 @@ std::string DecodeVariantLabel(int v) {
   const DecodeVariant& dv = kDecodeVariants[v];
   char label[40];
   std::snprintf(label, sizeof(label), "v%d w%ds%d %s%s", v, dv.warps, dv.stages,
-                dv.kernel == kDecodeSplit ? "split" : dv.kernel == kDecodePipelined ? "pipe" : "bulk",
+                dv.kernel == kDecodeSplit       ? "split"
+                : dv.kernel == kDecodePipelined ? "pipe"
+                                                : "bulk",
                 v == kDefaultDecodeVariant ? "*" : "");
   return label;
 }
@@ -344,7 +352,10 @@ std::string DecodeVariantLabel(int v) {
 // line per (case, variant) and then a compact table (GB/s, % of copy; the best per row marked).
 // max_diff: largest |out - out of the first variant| on the case's last run (bf16 outputs).
 void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& variants) {
-  struct Case { int batch; int64_t ctx; };
+  struct Case {
+    int batch;
+    int64_t ctx;
+  };
   std::vector<Case> cases;
   for (int b : {1, 8, 32, 128})
     for (int64_t ctx : {4096, 32768, 131072}) cases.push_back({b, ctx});
@@ -367,18 +378,21 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
   CHECK_CUDA(cudaMalloc(&v, kv_bytes));
   FillRandomBf16(k, kv_bytes);
   FillRandomBf16(v, kv_bytes);
-  Emit("\n## Decode variants (chunk_len 253952, page 16, all sequences of length ctx; KV pool "
-       "%.1f GB, shuffled pages)\n", 2.0 * kv_bytes / 1e9);
-  Emit("bytes = B*ctx*Hkv*D*2(K,V)*2B; %%copy = of the D2D copy bandwidth %.0f GB/s; median of 30\n",
-       copy_gbs);
+  Emit(
+      "\n## Decode variants (chunk_len 253952, page 16, all sequences of length ctx; KV pool "
+      "%.1f GB, shuffled pages)\n",
+      2.0 * kv_bytes / 1e9);
+  Emit(
+      "bytes = B*ctx*Hkv*D*2(K,V)*2B; %%copy = of the D2D copy bandwidth %.0f GB/s; median of 30\n",
+      copy_gbs);
   for (int vi : variants) {
     const DecodeVariant& dv = kDecodeVariants[vi];
     Emit("%s: %d warps, %d keys/tile, %d stages, blocks/SM planned for %s\n",
          DecodeVariantLabel(vi).c_str(), dv.warps, 16 * dv.warps, dv.stages,
          dv.kernel == kDecodeSplit ? "padded tiles" : "the variant's shared memory");
   }
-  Emit("%-6s %-8s %-16s %-7s %-5s %11s %9s %7s %10s\n", "batch", "ctx", "variant", "splits",
-       "sets", "median_us", "GB/s", "%copy", "max_diff");
+  Emit("%-6s %-8s %-16s %-7s %-5s %11s %9s %7s %10s\n", "batch", "ctx", "variant", "splits", "sets",
+       "median_us", "GB/s", "%copy", "max_diff");
   std::vector<std::vector<double>> table(cases.size(), std::vector<double>(variants.size(), 0));
   for (size_t ci = 0; ci < cases.size(); ++ci) {
     const Case& c = cases[ci];
@@ -403,9 +417,9 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
     CHECK_CUDA(cudaMemcpy(lengths, lens.data(), c.batch * 4, cudaMemcpyHostToDevice));
     size_t ws_floats = 0;
     for (int vi : variants) {
-      ws_floats = std::max(ws_floats, DecodeWorkspaceFloats(g, c.batch,
-                                                            PlanDecodeSplits(g, c.batch, c.ctx,
-                                                                             num_sms, 0, vi)));
+      ws_floats = std::max(
+          ws_floats,
+          DecodeWorkspaceFloats(g, c.batch, PlanDecodeSplits(g, c.batch, c.ctx, num_sms, 0, vi)));
     }
     CHECK_CUDA(cudaMalloc(&ws, ws_floats * 4));
     std::vector<uint16_t> first(out_elems), got(out_elems);
@@ -416,8 +430,8 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
         CudaDecodeParams p;
         p.kv.k = static_cast<Bf16*>(k);
         p.kv.v = static_cast<Bf16*>(v);
-        p.kv.page_tables = static_cast<int32_t*>(tables) +
-                           static_cast<int64_t>(set) * c.batch * pages_per_seq;
+        p.kv.page_tables =
+            static_cast<int32_t*>(tables) + static_cast<int64_t>(set) * c.batch * pages_per_seq;
         p.kv.page_table_stride = pages_per_seq;
         p.kv.page_size = kPageSize;
         p.kv.num_kv_heads = kHkv;
@@ -434,9 +448,8 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
         return p;
       };
       CHECK_CUDA(cudaMemset(out, 0xff, out_elems * 2));  // NaN: an unwritten output shows
-      const double ms = MedianMs(3, 30, [&](int i) {
-        CHECK_OK(LaunchDcaDecode(g, params(i % sets), nullptr));
-      });
+      const double ms =
+          MedianMs(3, 30, [&](int i) { CHECK_OK(LaunchDcaDecode(g, params(i % sets), nullptr)); });
       // One more run on set 0 for the output comparison.
       CHECK_OK(LaunchDcaDecode(g, params(0), nullptr));
       CHECK_CUDA(cudaDeviceSynchronize());
@@ -459,7 +472,8 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
   CHECK_CUDA(cudaFree(k));
   CHECK_CUDA(cudaFree(v));
   // Compact table: GB/s (% of copy), '<' marks the row's best.
-  Emit("\n## Decode variants summary: GB/s (%% of copy %.0f GB/s); < = best in the row\n", copy_gbs);
+  Emit("\n## Decode variants summary: GB/s (%% of copy %.0f GB/s); < = best in the row\n",
+       copy_gbs);
   Emit("%-11s", "batch x ctx");
   for (int vi : variants) Emit(" %17s", DecodeVariantLabel(vi).c_str());
   Emit("\n");
@@ -468,8 +482,8 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
     std::snprintf(name, sizeof(name), "%d x %lldK", cases[ci].batch,
                   static_cast<long long>(cases[ci].ctx / 1024));
     Emit("%-11s", name);
-    const size_t best = static_cast<size_t>(
-        std::max_element(table[ci].begin(), table[ci].end()) - table[ci].begin());
+    const size_t best = static_cast<size_t>(std::max_element(table[ci].begin(), table[ci].end()) -
+                                            table[ci].begin());
     for (size_t vj = 0; vj < variants.size(); ++vj) {
       char cell[32];
       std::snprintf(cell, sizeof(cell), "%.0f (%.0f%%)%s", table[ci][vj],
@@ -500,7 +514,8 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--prefill-only") == 0) prefill_only = true;
     if (std::strcmp(argv[i], "--decode-only") == 0) decode_only = true;
-    if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) attnd::g_out = std::fopen(argv[++i], "w");
+    if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc)
+      attnd::g_out = std::fopen(argv[++i], "w");
     if (std::strcmp(argv[i], "--variants") == 0 && i + 1 < argc) parse_list(argv[++i], &variants);
     if (std::strcmp(argv[i], "--decode-variants") == 0 && i + 1 < argc) {
       const std::string list = argv[++i];

@@ -30,8 +30,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "bench/gpu/decode_bench_common.h"
 #include "bench/gpu/bench_util.h"
+#include "bench/gpu/decode_bench_common.h"
 #include "kernels/cuda/dca_cuda.h"
 
 ABSL_FLAG(int64_t, context, 4096, "tokens in each sequence");
@@ -66,7 +66,7 @@ int Main() {
   const int32_t max_b = *std::max_element(batches.begin(), batches.end());
   const int64_t pages_per_seq = (context + kPage - 1) / kPage;
   const int64_t pages = 128 * pages_per_seq + 16;  // decode_step_bench's pool at 128 sequences
-  const int64_t stride = (pages + 3) / 4 * 4;  // as the engine's: a multiple of 4
+  const int64_t stride = (pages + 3) / 4 * 4;      // as the engine's: a multiple of 4
   const int64_t max_length = pages * kPage;
   int device = 0, num_sms = 0;
   CHECK_CUDA(cudaGetDevice(&device));

@@ -2,8 +2,8 @@
 // fused prefill (LaunchDcaPrefill): one sequence, one layer, Qwen2.5-7B-1M geometry (28 q heads,
 // 4 kv heads, head_dim 128, chunk_len 253952, original_max_position_embeddings 262144), bf16 paged
 // KV (page 16, shuffled pages), the shipped per-head budgets of one layer
-// (configs/qwen2.5-7b-instruct-1m/sparse_attention_config.json, vertical 30 read as 130), last_q 64,
-// synthetic q/K/V with attention sinks and a local band (sparse_bench_data.h), all L tokens
+// (configs/qwen2.5-7b-instruct-1m/sparse_attention_config.json, vertical 30 read as 130), last_q
+// 64, synthetic q/K/V with attention sinks and a local band (sparse_bench_data.h), all L tokens
 // prefilled in one call (start 0).
 //
 //   sparse_bench [--sizes 131072,262144,524288,1048576] [--layers 17,0,8] [--dense 1]
@@ -41,7 +41,6 @@
 namespace attnd {
 namespace {
 
-
 constexpr int kHq = 28, kHkv = 4, kD = 128, kPage = 16;
 constexpr int64_t kChunkLen = 253952, kOrig = 262144;
 
@@ -76,12 +75,18 @@ int Main(int argc, char** argv) {
   std::string config = "configs/qwen2.5-7b-instruct-1m/sparse_attention_config.json";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--sizes" && i + 1 < argc) sizes = ParseList(argv[++i]);
-    else if (a == "--layers" && i + 1 < argc) layers = ParseList(argv[++i]);
-    else if (a == "--dense" && i + 1 < argc) dense = std::atoi(argv[++i]) != 0;
-    else if (a == "--config" && i + 1 < argc) config = argv[++i];
-    else if (a == "--band" && i + 1 < argc) band = argv[++i];
-    else if (a == "--out" && i + 1 < argc) g_out = std::fopen(argv[++i], "w");
+    if (a == "--sizes" && i + 1 < argc)
+      sizes = ParseList(argv[++i]);
+    else if (a == "--layers" && i + 1 < argc)
+      layers = ParseList(argv[++i]);
+    else if (a == "--dense" && i + 1 < argc)
+      dense = std::atoi(argv[++i]) != 0;
+    else if (a == "--config" && i + 1 < argc)
+      config = argv[++i];
+    else if (a == "--band" && i + 1 < argc)
+      band = argv[++i];
+    else if (a == "--out" && i + 1 < argc)
+      g_out = std::fopen(argv[++i], "w");
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 2;
@@ -95,8 +100,8 @@ int Main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  Emit("device: %s, %d SMs; geometry Hq %d Hkv %d D %d chunk_len %ld orig %ld page %d\n",
-       prop.name, prop.multiProcessorCount, kHq, kHkv, kD, static_cast<long>(kChunkLen),
+  Emit("device: %s, %d SMs; geometry Hq %d Hkv %d D %d chunk_len %ld orig %ld page %d\n", prop.name,
+       prop.multiProcessorCount, kHq, kHkv, kD, static_cast<long>(kChunkLen),
        static_cast<long>(kOrig), kPage);
   for (int64_t layer : layers) {
     const std::vector<VsBudget> b = LayerBudgets(cfg, static_cast<int>(layer));
@@ -141,11 +146,12 @@ int Main(int argc, char** argv) {
   bench::FillSyntheticKv(k, v, d_table, kPage, max_len, shape, nullptr);
   bench::FillSyntheticQ(q, max_len, shape, nullptr);
   CHECK_CUDA(cudaDeviceSynchronize());
-  Emit("synthetic data '%s': noise %.2f band %.2f (64 dims, periods %.0f..%.0f) sinks %d (key "
-       "%.0f, query %.0f); q %.1f GB, KV %.2f GB\n",
-       band.c_str(), shape.noise, shape.band, shape.period_min,
-       shape.period_min * std::pow(shape.period_ratio, 31), shape.sinks, shape.sink_key,
-       shape.sink_query, q_elems * 2.0 / 1e9, kv_elems * 4.0 / 1e9);
+  Emit(
+      "synthetic data '%s': noise %.2f band %.2f (64 dims, periods %.0f..%.0f) sinks %d (key "
+      "%.0f, query %.0f); q %.1f GB, KV %.2f GB\n",
+      band.c_str(), shape.noise, shape.band, shape.period_min,
+      shape.period_min * std::pow(shape.period_ratio, 31), shape.sinks, shape.sink_key,
+      shape.sink_query, q_elems * 2.0 / 1e9, kv_elems * 4.0 / 1e9);
 
   DcaGeometry g;
   g.num_q_heads = kHq;
@@ -174,9 +180,10 @@ int Main(int argc, char** argv) {
   unsigned long long* d_tiles = nullptr;
   CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_tiles), 2 * sizeof(unsigned long long)));
   bool dense_warm = false;
-  Emit("\n| L | layer | sparse ms | estimation ms (share) | index ms | attention ms | key density "
-       "| attn TFLOP/s | workspace GB | dense ms | speedup | rel. L2 err | max abs err |\n"
-       "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  Emit(
+      "\n| L | layer | sparse ms | estimation ms (share) | index ms | attention ms | key density "
+      "| attn TFLOP/s | workspace GB | dense ms | speedup | rel. L2 err | max abs err |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int64_t len : sizes) {
     CudaPrefillParams p;
     p.kv = kv;
@@ -254,7 +261,8 @@ int Main(int argc, char** argv) {
       const double density = tiles[0] / dense_units;
       std::vector<size_t> order(runs);
       std::iota(order.begin(), order.end(), 0);
-      std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return total[a] < total[b]; });
+      std::sort(order.begin(), order.end(),
+                [&](size_t a, size_t b) { return total[a] < total[b]; });
       const size_t mid = order[(runs - 1) / 2];
       double rel = -1, worst = -1;
       std::string per_head;
@@ -275,12 +283,13 @@ int Main(int argc, char** argv) {
       const double attn_ms = total[mid] - est[mid] - index[mid];
       // 4 * 64 * 64 * D FLOPs per tile (QK^T and PV, 2 per MAC), masked keys included.
       const double tflops = tiles[0] * 4.0 * 64 * 64 * kD / (attn_ms * 1e-3) / 1e12;
-      Emit("| %ld | %ld | %.1f | %.1f (%.1f%%) | %.1f | %.1f | %.3f (%llu tiles, %.0f%% columns) "
-           "| %.0f | %.2f | %.1f | %.1fx | %.4f | %.4f |\n",
-           static_cast<long>(len), static_cast<long>(layer), total[mid], est[mid],
-           100.0 * est[mid] / total[mid], index[mid], attn_ms, density, tiles[0],
-           100.0 * tiles[1] / std::max(1ull, tiles[0]), tflops, sp.workspace_bytes / 1e9, dense_ms,
-           dense_ms > 0 ? dense_ms / total[mid] : 0.0, rel, worst);
+      Emit(
+          "| %ld | %ld | %.1f | %.1f (%.1f%%) | %.1f | %.1f | %.3f (%llu tiles, %.0f%% columns) "
+          "| %.0f | %.2f | %.1f | %.1fx | %.4f | %.4f |\n",
+          static_cast<long>(len), static_cast<long>(layer), total[mid], est[mid],
+          100.0 * est[mid] / total[mid], index[mid], attn_ms, density, tiles[0],
+          100.0 * tiles[1] / std::max(1ull, tiles[0]), tflops, sp.workspace_bytes / 1e9, dense_ms,
+          dense_ms > 0 ? dense_ms / total[mid] : 0.0, rel, worst);
       if (!per_head.empty()) {
         Emit("  per-head rel. L2 error, L %ld layer %ld (vertical/slash budget):%s\n",
              static_cast<long>(len), static_cast<long>(layer), per_head.c_str());

@@ -1,11 +1,11 @@
 // Device helpers of sparse_bench.cc: synthetic q / K / V with attention sinks and a local band,
 // written straight into device memory (a 1M-token q is 36 GB), and an error reduction.
-#include "bench/gpu/sparse_bench_data.h"
-
 #include <cuda_bf16.h>
 
 #include <cmath>
 #include <cstdint>
+
+#include "bench/gpu/sparse_bench_data.h"
 
 namespace attnd {
 namespace bench {
@@ -49,12 +49,14 @@ __global__ void FillKvKernel(__nv_bfloat16* kp, __nv_bfloat16* vp, const int32_t
     const int e = static_cast<int>(i % s.d);
     const int h = static_cast<int>((i / s.d) % s.hkv);
     const int64_t pos = i / (static_cast<int64_t>(s.d) * s.hkv);
-    float k = s.noise * Normal(i * 3 + 0x1000000000ull) + s.band * BandFeature(pos, e, s.d, s.period_min, s.period_ratio);
+    float k = s.noise * Normal(i * 3 + 0x1000000000ull) +
+              s.band * BandFeature(pos, e, s.d, s.period_min, s.period_ratio);
     if (pos < s.sinks) k += s.sink_key * SinkDir(h, e, s.d);
     const float v = Normal(i * 3 + 0x2000000000ull);
     const int64_t off =
         ((static_cast<int64_t>(table[pos / page_size]) * page_size + pos % page_size) * s.hkv + h) *
-            s.d + e;
+            s.d +
+        e;
     kp[off] = __float2bfloat16_rn(k);
     vp[off] = __float2bfloat16_rn(v);
   }
@@ -68,14 +70,15 @@ __global__ void FillQKernel(__nv_bfloat16* q, int64_t length, SyntheticShape s) 
     const int e = static_cast<int>(i % s.d);
     const int h = static_cast<int>((i / s.d) % s.hq);
     const int64_t pos = i / (static_cast<int64_t>(s.d) * s.hq * 5);
-    const float x = s.noise * Normal(i + 0x3000000000ull) + s.band * BandFeature(pos, e, s.d, s.period_min, s.period_ratio) +
+    const float x = s.noise * Normal(i + 0x3000000000ull) +
+                    s.band * BandFeature(pos, e, s.d, s.period_min, s.period_ratio) +
                     s.sink_query * SinkDir(h / group, e, s.d);
     q[i] = __float2bfloat16_rn(x);
   }
 }
 
-__global__ void ErrorKernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n,
-                            int hq, int d, double* acc) {
+__global__ void ErrorKernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, int hq,
+                            int d, double* acc) {
   __shared__ double per_head[2 * 64];
   for (int i = threadIdx.x; i < 2 * hq; i += blockDim.x) per_head[i] = 0;
   __syncthreads();

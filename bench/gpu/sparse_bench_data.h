@@ -25,7 +25,7 @@ struct SyntheticShape {
   float band = 2.4f;
   float sink_key = 42.f;
   float sink_query = 4.f;
-  float period_min = 8.f;     // band periods T_f = period_min * period_ratio^f, f < 32
+  float period_min = 8.f;  // band periods T_f = period_min * period_ratio^f, f < 32
   float period_ratio = 1.25f;
 };
 
@@ -34,8 +34,7 @@ struct SyntheticShape {
 void FillSyntheticKv(__nv_bfloat16* k, __nv_bfloat16* v, const int32_t* page_table,
                      int32_t page_size, int64_t length, const SyntheticShape& s,
                      cudaStream_t stream);
-void FillSyntheticQ(__nv_bfloat16* q, int64_t length, const SyntheticShape& s,
-                    cudaStream_t stream);
+void FillSyntheticQ(__nv_bfloat16* q, int64_t length, const SyntheticShape& s, cudaStream_t stream);
 // acc (device, 3 + 2 hq doubles) = {sum (got - want)^2, sum want^2, max |got - want|}, then per
 // q head {sum (got - want)^2, sum want^2}, over n values laid out [tokens, hq, d] (hq <= 64).
 void RelativeError(const __nv_bfloat16* got, const __nv_bfloat16* want, int64_t n, int hq, int d,

@@ -106,7 +106,7 @@ void SetTensor(v1::DType dtype, std::vector<int64_t> shape, const std::string& d
 }
 
 struct Case {
-  std::string q, k, v;  // bytes
+  std::string q, k, v;                   // bytes
   attnd::client::HostTensor hq, hk, hv;  // the same, for --client=lib
   std::vector<int64_t> q_shape, kv_shape;
   v1::DType dtype = v1::DTYPE_BF16;

@@ -51,8 +51,8 @@ int main(int argc, char** argv) {
   auto info = (*client)->Info();
   if (!info.ok()) return Fail("GetServerInfo", info.status());
   const auto& model = info->model();
-  const int64_t layers = model.num_layers(), hq = model.num_q_heads(),
-                hkv = model.num_kv_heads(), d = model.head_dim();
+  const int64_t layers = model.num_layers(), hq = model.num_q_heads(), hkv = model.num_kv_heads(),
+                d = model.head_dim();
   std::printf("attnd %s on %s: model %s, %lld layers, %lld q heads, %lld kv heads, head_dim %lld\n",
               info->version().c_str(), info->backend().c_str(), model.name().c_str(),
               static_cast<long long>(layers), static_cast<long long>(hq),
@@ -65,9 +65,9 @@ int main(int argc, char** argv) {
   constexpr int64_t kPrompt = 8;
   for (int32_t layer = 0; layer < layers; ++layer) {
     // Prefill: the five q variants [T, 5, Hq, D] and the new keys and values [T, Hkv, D].
-    auto prefill = (*client)->Prefill(*seq, layer, Random(&rng, {kPrompt, 5, hq, d}),
-                                      Random(&rng, {kPrompt, hkv, d}),
-                                      Random(&rng, {kPrompt, hkv, d}));
+    auto prefill =
+        (*client)->Prefill(*seq, layer, Random(&rng, {kPrompt, 5, hq, d}),
+                           Random(&rng, {kPrompt, hkv, d}), Random(&rng, {kPrompt, hkv, d}));
     if (!prefill.ok()) return Fail("Prefill", prefill.status());
     std::printf("layer %d: prefilled %lld tokens, output [%lld, %lld, %lld], length %lld\n", layer,
                 static_cast<long long>(kPrompt), static_cast<long long>(prefill->o.shape[0]),
@@ -76,7 +76,8 @@ int main(int argc, char** argv) {
                 static_cast<long long>(prefill->length));
   }
   for (int32_t layer = 0; layer < layers; ++layer) {
-    // Decode one token: q holds the first three variants [3, Hq, D] (decode needs no critical ones).
+    // Decode one token: q holds the first three variants [3, Hq, D] (decode needs no critical
+    // ones).
     std::vector<attnd::client::DecodeInput> entries(1);
     entries[0].sequence_id = *seq;
     entries[0].q = Random(&rng, {3, hq, d});

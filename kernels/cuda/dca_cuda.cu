@@ -1,11 +1,10 @@
 // Launch functions for dca_cuda.h: size checks, the head_dim dispatch and grid planning.
-#include "kernels/cuda/dca_cuda.h"
-
 #include <algorithm>
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/dca_cuda.h"
 #include "kernels/cuda/dca_cuda_kernels.cuh"
 #include "kernels/cuda/prefill_wgmma.cuh"
 
@@ -78,7 +77,7 @@ absl::Status PlanPrefill(const DcaGeometry& g, const CudaPrefillParams& p, int b
 
 template <int D, int Warps, int Stages, int MT, int BN>
 absl::Status LaunchPrefillTyped(const DcaGeometry& g, const CudaPrefillParams& p,
-                                 cudaStream_t stream) {
+                                cudaStream_t stream) {
   cuda_kernels::PrefillArgs a;
   int64_t tiles = 0;
   if (absl::Status s = PlanPrefill(g, p, 16 * MT * Warps, &a, &tiles); !s.ok()) return s;
@@ -159,9 +158,9 @@ absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
                                cudaStream_t stream) {
   const cuda_kernels::DecodeArgs a = DecodeArgsFor(g, p);
   constexpr size_t smem = DecodeSmemBytes<D, Stages>();
-  ATTND_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(cuda_kernels::DcaDecodeSplitKernel<D, Stages>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(cuda_kernels::DcaDecodeSplitKernel<D, Stages>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  smem));
   cuda_kernels::DcaDecodeSplitKernel<D, Stages>
       <<<dim3(p.max_splits, g.num_kv_heads, p.batch), kThreads, smem, stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeSplitKernel");
@@ -195,19 +194,28 @@ template <int D>
 absl::Status LaunchDecodeVariant(const DcaGeometry& g, const CudaDecodeParams& p, int variant,
                                  cudaStream_t stream) {
   switch (variant) {  // kDecodeVariants
-    case 0: return LaunchDecodeTyped<D, 2>(g, p, stream);
-    case 1: return LaunchDecodeTyped<D, 4>(g, p, stream);
-    case 2: return LaunchDecodePipeTyped<D, 4, 2, false>(g, p, stream);
-    case 3: return LaunchDecodePipeTyped<D, 4, 3, false>(g, p, stream);
-    case 4: return LaunchDecodePipeTyped<D, 4, 4, false>(g, p, stream);
-    case 5: return LaunchDecodePipeTyped<D, 8, 2, false>(g, p, stream);
-    case 6: return LaunchDecodePipeTyped<D, 4, 3, true>(g, p, stream);
-    case 7: return LaunchDecodePipeTyped<D, 8, 2, true>(g, p, stream);
+    case 0:
+      return LaunchDecodeTyped<D, 2>(g, p, stream);
+    case 1:
+      return LaunchDecodeTyped<D, 4>(g, p, stream);
+    case 2:
+      return LaunchDecodePipeTyped<D, 4, 2, false>(g, p, stream);
+    case 3:
+      return LaunchDecodePipeTyped<D, 4, 3, false>(g, p, stream);
+    case 4:
+      return LaunchDecodePipeTyped<D, 4, 4, false>(g, p, stream);
+    case 5:
+      return LaunchDecodePipeTyped<D, 8, 2, false>(g, p, stream);
+    case 6:
+      return LaunchDecodePipeTyped<D, 4, 3, true>(g, p, stream);
+    case 7:
+      return LaunchDecodePipeTyped<D, 8, 2, true>(g, p, stream);
     default:
       return absl::InvalidArgumentError(absl::StrCat("decode: variant ", variant, " unsupported"));
   }
 }
-static_assert(kNumDecodeKernelVariants == 8, "LaunchDecodeVariant covers every kDecodeVariants entry");
+static_assert(kNumDecodeKernelVariants == 8,
+              "LaunchDecodeVariant covers every kDecodeVariants entry");
 
 // Resident blocks per multiprocessor of decode variant v (228 KB of shared memory with 1 KB
 // reserved per block, 2048 threads, 64K registers at the -Xptxas -v counts rounded up: <= 160 per
@@ -216,10 +224,10 @@ int DecodeVariantBlocksPerSm(const DcaGeometry& g, int v) {
   const DecodeVariant& dv = kDecodeVariants[v];
   const int d = g.head_dim == 64 ? 64 : 128;
   if (dv.kernel == kDecodeSplit) return DecodeBlocksPerSm(d, dv.stages);
-  const size_t smem = cuda_kernels::DecodePipeSmemBytes(d, dv.warps, dv.stages,
-                                                        dv.kernel == kDecodeBulk,
-                                                        std::max(1, g.group_size())) +
-                      1024;
+  const size_t smem =
+      cuda_kernels::DecodePipeSmemBytes(d, dv.warps, dv.stages, dv.kernel == kDecodeBulk,
+                                        std::max(1, g.group_size())) +
+      1024;
   const int by_smem = static_cast<int>((228 * 1024) / smem);
   const int by_threads = 2048 / (dv.warps * 32);
   const int by_regs = 65536 / (dv.warps * 32 * (d == 128 ? 160 : 120));
@@ -252,7 +260,8 @@ absl::Status CheckCudaGeometry(const DcaGeometry& g) {
                                                    " kv heads unsupported (group size 1..16)"));
   }
   if (g.chunk_len < 1 || g.chunk_len > kMaxPosition) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda: chunk_len ", g.chunk_len, " out of range"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda: chunk_len ", g.chunk_len, " out of range"));
   }
   return absl::OkStatus();
 }
@@ -289,11 +298,11 @@ absl::Status LaunchDecodeStage(const CudaDecodeStageParams& p, cudaStream_t stre
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.page_tables == nullptr ||
       p.kv.page_table_stride < 4 || p.kv.page_table_stride % 4 != 0 || p.kv.head_dim % 8 != 0 ||
-      p.rows == nullptr || p.host_tables == nullptr || p.host_q == nullptr ||
-      p.host_k == nullptr || p.host_v == nullptr || p.lengths == nullptr || p.q == nullptr ||
-      !aligned(p.kv.page_tables) || !aligned(p.host_tables) || !aligned(p.host_q) ||
-      !aligned(p.host_k) || !aligned(p.host_v) || !aligned(p.q) || p.q_row_bytes % 16 != 0 ||
-      p.kv_row_bytes % 16 != 0 || p.num_q_heads < 1 || p.batch < 0 || p.batch > 65535 ||
+      p.rows == nullptr || p.host_tables == nullptr || p.host_q == nullptr || p.host_k == nullptr ||
+      p.host_v == nullptr || p.lengths == nullptr || p.q == nullptr || !aligned(p.kv.page_tables) ||
+      !aligned(p.host_tables) || !aligned(p.host_q) || !aligned(p.host_k) || !aligned(p.host_v) ||
+      !aligned(p.q) || p.q_row_bytes % 16 != 0 || p.kv_row_bytes % 16 != 0 || p.num_q_heads < 1 ||
+      p.batch < 0 || p.batch > 65535 ||
       p.q_row_bytes < int64_t{3} * p.num_q_heads * p.kv.head_dim * 4 ||
       p.kv_row_bytes < int64_t{p.kv.num_kv_heads} * p.kv.head_dim * 4) {
     return absl::InvalidArgumentError(
@@ -338,24 +347,24 @@ absl::Status LaunchDcaPrefill(const DcaGeometry& g, const CudaPrefillParams& p,
   }
   const bool d128 = g.head_dim == 128;
   switch (variant) {  // the supported set: kPrefillVariants (same order)
-#define ATTND_PREFILL_CASE(i, W, S, MT, BN)                                  \
-  case i:                                                                    \
-    static_assert(kPrefillVariants[i].warps == W && kPrefillVariants[i].stages == S && \
+#define ATTND_PREFILL_CASE(i, W, S, MT, BN)                                                     \
+  case i:                                                                                       \
+    static_assert(kPrefillVariants[i].warps == W && kPrefillVariants[i].stages == S &&          \
                       kPrefillVariants[i].m_tiles == MT && kPrefillVariants[i].block_n == BN && \
-                      kPrefillVariants[i].kernel == kPrefillMmaSync, \
-                  "kPrefillVariants order");                                 \
-    return d128 ? LaunchPrefillTyped<128, W, S, MT, BN>(g, p, stream)        \
+                      kPrefillVariants[i].kernel == kPrefillMmaSync,                            \
+                  "kPrefillVariants order");                                                    \
+    return d128 ? LaunchPrefillTyped<128, W, S, MT, BN>(g, p, stream)                           \
                 : LaunchPrefillTyped<64, W, S, MT, BN>(g, p, stream);
-#define ATTND_PREFILL_WGMMA_CASE(i, W, S, BN, K)                                           \
-  case i:                                                                                  \
-    static_assert(kPrefillVariants[i].warps == W && kPrefillVariants[i].stages == S &&     \
-                      kPrefillVariants[i].m_tiles == 1 && kPrefillVariants[i].block_n == BN && \
-                      kPrefillVariants[i].kernel == K,                                     \
-                  "kPrefillVariants order");                                               \
-    return d128 ? LaunchPrefillWgmmaTyped<128, BN, S, K == kPrefillWgmmaOverlap, W == 12>(g, p, \
-                                                                                       stream) \
-                : LaunchPrefillWgmmaTyped<64, BN, S, K == kPrefillWgmmaOverlap, W == 12>(g, p,  \
-                                                                                      stream);
+#define ATTND_PREFILL_WGMMA_CASE(i, W, S, BN, K)                                                  \
+  case i:                                                                                         \
+    static_assert(kPrefillVariants[i].warps == W && kPrefillVariants[i].stages == S &&            \
+                      kPrefillVariants[i].m_tiles == 1 && kPrefillVariants[i].block_n == BN &&    \
+                      kPrefillVariants[i].kernel == K,                                            \
+                  "kPrefillVariants order");                                                      \
+    return d128 ? LaunchPrefillWgmmaTyped<128, BN, S, K == kPrefillWgmmaOverlap, W == 12>(g, p,   \
+                                                                                          stream) \
+                : LaunchPrefillWgmmaTyped<64, BN, S, K == kPrefillWgmmaOverlap, W == 12>(g, p,    \
+                                                                                         stream);
     ATTND_PREFILL_CASE(0, 4, 2, 1, 64)
     ATTND_PREFILL_CASE(1, 8, 2, 1, 64)
     ATTND_PREFILL_CASE(2, 8, 3, 1, 64)
@@ -368,7 +377,7 @@ absl::Status LaunchDcaPrefill(const DcaGeometry& g, const CudaPrefillParams& p,
     ATTND_PREFILL_WGMMA_CASE(9, 12, 3, 128, kPrefillWgmma)
     ATTND_PREFILL_WGMMA_CASE(10, 12, 3, 128, kPrefillWgmmaOverlap)
 // Warp-specialised (12 warps) kernels with Opt bits (prefill_wgmma.cuh).
-#define ATTND_PREFILL_WGMMA_OPT_CASE(i, S, BN, K, OVERLAP, OPT)                                  \
+#define ATTND_PREFILL_WGMMA_OPT_CASE(i, S, BN, K, OVERLAP, OPT)                                \
   case i:                                                                                      \
     static_assert(kPrefillVariants[i].warps == 12 && kPrefillVariants[i].stages == S &&        \
                       kPrefillVariants[i].m_tiles == 1 && kPrefillVariants[i].block_n == BN && \
@@ -378,9 +387,9 @@ absl::Status LaunchDcaPrefill(const DcaGeometry& g, const CudaPrefillParams& p,
                 : LaunchPrefillWgmmaTyped<64, BN, S, OVERLAP, true, OPT>(g, p, stream);
     ATTND_PREFILL_WGMMA_OPT_CASE(11, 3, 128, kPrefillWgmmaAsync, false,
                                  cuda_kernels::wgmma::kOptAsyncProducer)
-    ATTND_PREFILL_WGMMA_OPT_CASE(12, 3, 128, kPrefillWgmmaAsyncOverlap, true,
-                                 cuda_kernels::wgmma::kOptAsyncProducer |
-                                     cuda_kernels::wgmma::kOptNoPingPong)
+    ATTND_PREFILL_WGMMA_OPT_CASE(
+        12, 3, 128, kPrefillWgmmaAsyncOverlap, true,
+        cuda_kernels::wgmma::kOptAsyncProducer | cuda_kernels::wgmma::kOptNoPingPong)
     ATTND_PREFILL_WGMMA_OPT_CASE(13, 3, 128, kPrefillWgmmaAsyncPingPong, true,
                                  cuda_kernels::wgmma::kOptAsyncProducer)
     ATTND_PREFILL_WGMMA_OPT_CASE(14, 3, 128, kPrefillWgmmaAsyncLate, true,
@@ -417,10 +426,14 @@ int32_t ResolveDecodeVariant(int32_t kv_stages, int32_t variant) {
   if (variant >= 0) return variant < kNumDecodeKernelVariants ? variant : -1;
   if (variant != -1) return -1;
   switch (kv_stages) {
-    case 0: return kDefaultDecodeVariant;
-    case 2: return 0;
-    case 4: return 1;
-    default: return -1;
+    case 0:
+      return kDefaultDecodeVariant;
+    case 2:
+      return 0;
+    case 4:
+      return 1;
+    default:
+      return -1;
   }
 }
 
@@ -431,8 +444,8 @@ int32_t DefaultDecodeVariant(const DcaGeometry& g, int32_t batch, int32_t num_sm
   return blocks > one_wave ? kDefaultLargeBatchDecodeVariant : kDefaultDecodeVariant;
 }
 
-int32_t PlanDecodeSplits(const DcaGeometry& g, int32_t batch, int64_t max_length,
-                         int32_t num_sms, int32_t kv_stages, int32_t variant) {
+int32_t PlanDecodeSplits(const DcaGeometry& g, int32_t batch, int64_t max_length, int32_t num_sms,
+                         int32_t kv_stages, int32_t variant) {
   int v = kv_stages == 0 && variant == -1 ? DefaultDecodeVariant(g, batch, num_sms)
                                           : ResolveDecodeVariant(kv_stages, variant);
   if (v < 0) v = kDefaultDecodeVariant;
@@ -448,8 +461,7 @@ size_t DecodeWorkspaceFloats(const DcaGeometry& g, int32_t batch, int32_t max_sp
   return slots * g.head_dim + slots;
 }
 
-absl::Status LaunchDcaDecode(const DcaGeometry& g, const CudaDecodeParams& p,
-                             cudaStream_t stream) {
+absl::Status LaunchDcaDecode(const DcaGeometry& g, const CudaDecodeParams& p, cudaStream_t stream) {
   if (absl::Status s = CheckDecode(g, p); !s.ok()) return s;
   if (p.max_splits < 1 || p.max_splits > 65535 || p.partial_out == nullptr ||
       p.partial_lse == nullptr) {
@@ -466,10 +478,9 @@ absl::Status LaunchDcaDecode(const DcaGeometry& g, const CudaDecodeParams& p,
     v = DefaultDecodeVariant(g, p.batch, num_sms);
   }
   if (v < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("decode: kv_stages ", p.kv_stages, " / variant ",
-                                                   p.variant,
-                                                   " unsupported (kv_stages 0, 2, 4; variant -1.. ",
-                                                   kNumDecodeKernelVariants - 1, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "decode: kv_stages ", p.kv_stages, " / variant ", p.variant,
+        " unsupported (kv_stages 0, 2, 4; variant -1.. ", kNumDecodeKernelVariants - 1, ")"));
   }
   return g.head_dim == 128 ? LaunchDecodeVariant<128>(g, p, v, stream)
                            : LaunchDecodeVariant<64>(g, p, v, stream);

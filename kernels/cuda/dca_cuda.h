@@ -41,9 +41,9 @@ absl::Status CheckCudaGeometry(const DcaGeometry& geometry);
 // A batch of sequences over one layer: sequence b's page table is row b of `page_tables`. Same page
 // arithmetic as PagedKv (Seq(b) is a PagedKv); trivially copyable, passed by value to kernels.
 struct PagedKvBatch {
-  Bf16* k = nullptr;                    // [num_pages, page_size, num_kv_heads, head_dim]
-  Bf16* v = nullptr;                    // [num_pages, page_size, num_kv_heads, head_dim]
-  const int32_t* page_tables = nullptr; // [batch, page_table_stride]
+  Bf16* k = nullptr;                     // [num_pages, page_size, num_kv_heads, head_dim]
+  Bf16* v = nullptr;                     // [num_pages, page_size, num_kv_heads, head_dim]
+  const int32_t* page_tables = nullptr;  // [batch, page_table_stride]
   int64_t page_table_stride = 0;
   int32_t page_size = 0;
   int32_t num_kv_heads = 0;
@@ -66,13 +66,13 @@ struct PagedKvBatch {
 // Prefill append: tokens start .. start+num_tokens-1 of one sequence; keys are stored as
 // key_scale * k, rounded once to bf16 (k/v may be bf16, fp16 or fp32).
 struct CudaAppendParams {
-  PagedKv<Bf16> kv;           // one layer; kv.page_table in device memory
-  const void* k = nullptr;    // [num_tokens, num_kv_heads, head_dim] of in_dtype, unscaled
-  const void* v = nullptr;    // [num_tokens, num_kv_heads, head_dim] of in_dtype
+  PagedKv<Bf16> kv;         // one layer; kv.page_table in device memory
+  const void* k = nullptr;  // [num_tokens, num_kv_heads, head_dim] of in_dtype, unscaled
+  const void* v = nullptr;  // [num_tokens, num_kv_heads, head_dim] of in_dtype
   DType in_dtype = DType::kBf16;
   int64_t start = 0;
   int64_t num_tokens = 0;
-  float key_scale = 1.f;      // s(prompt_len)
+  float key_scale = 1.f;  // s(prompt_len)
 };
 absl::Status LaunchAppendKv(const CudaAppendParams& params, cudaStream_t stream);
 
@@ -124,8 +124,8 @@ struct CudaDecodeStageParams {
   const void* host_v = nullptr;
   int64_t q_row_bytes = 0;
   int64_t kv_row_bytes = 0;
-  int32_t* lengths = nullptr;            // device [batch]
-  Bf16* q = nullptr;                     // device [batch, 3, num_q_heads, head_dim]
+  int32_t* lengths = nullptr;  // device [batch]
+  Bf16* q = nullptr;           // device [batch, 3, num_q_heads, head_dim]
   int32_t num_q_heads = 0;
   int32_t batch = 0;
   int64_t original_max_position_embeddings = 0;
@@ -141,13 +141,13 @@ absl::Status LaunchConvertToBf16(const void* src, DType src_dtype, int64_t n, Bf
 // Attention for num_tokens new tokens at positions start .. start+num_tokens-1 of one sequence,
 // whose K/V are already appended (keys [0, start+num_tokens) valid).
 struct CudaPrefillParams {
-  PagedKv<Bf16> kv;             // one layer; kv.page_table in device memory
-  const Bf16* q = nullptr;      // [num_tokens, 5, num_q_heads, head_dim] (variants as in dca.h)
-  void* out = nullptr;          // [num_tokens, num_q_heads, head_dim] of out_dtype
+  PagedKv<Bf16> kv;         // one layer; kv.page_table in device memory
+  const Bf16* q = nullptr;  // [num_tokens, 5, num_q_heads, head_dim] (variants as in dca.h)
+  void* out = nullptr;      // [num_tokens, num_q_heads, head_dim] of out_dtype
   DType out_dtype = DType::kFp32;
   int64_t start = 0;
   int64_t num_tokens = 0;
-  float softmax_scale = 0.f;    // geometry scale * s(prompt_len)
+  float softmax_scale = 0.f;  // geometry scale * s(prompt_len)
   // Tuning variant of the fast kernel (tests and benchmarks sweep it): -1 = the default
   // (kDefaultPrefillVariant), else an index into kPrefillVariants.
   int32_t variant = -1;
@@ -191,13 +191,21 @@ struct PrefillVariant {
   int32_t block_n;
   int32_t kernel = kPrefillMmaSync;
 };
-inline constexpr PrefillVariant kPrefillVariants[] = {
-    {4, 2, 1, 64},  {8, 2, 1, 64}, {8, 3, 1, 64}, {4, 2, 2, 32}, {4, 3, 2, 32}, {4, 2, 2, 64},
-    {8, 2, 1, 128, kPrefillWgmma}, {8, 3, 1, 128, kPrefillWgmmaOverlap},
-    {8, 4, 1, 64, kPrefillWgmmaOverlap}, {12, 3, 1, 128, kPrefillWgmma},
-    {12, 3, 1, 128, kPrefillWgmmaOverlap}, {12, 3, 1, 128, kPrefillWgmmaAsync},
-    {12, 3, 1, 128, kPrefillWgmmaAsyncOverlap}, {12, 3, 1, 128, kPrefillWgmmaAsyncPingPong},
-    {12, 3, 1, 128, kPrefillWgmmaAsyncLate}};
+inline constexpr PrefillVariant kPrefillVariants[] = {{4, 2, 1, 64},
+                                                      {8, 2, 1, 64},
+                                                      {8, 3, 1, 64},
+                                                      {4, 2, 2, 32},
+                                                      {4, 3, 2, 32},
+                                                      {4, 2, 2, 64},
+                                                      {8, 2, 1, 128, kPrefillWgmma},
+                                                      {8, 3, 1, 128, kPrefillWgmmaOverlap},
+                                                      {8, 4, 1, 64, kPrefillWgmmaOverlap},
+                                                      {12, 3, 1, 128, kPrefillWgmma},
+                                                      {12, 3, 1, 128, kPrefillWgmmaOverlap},
+                                                      {12, 3, 1, 128, kPrefillWgmmaAsync},
+                                                      {12, 3, 1, 128, kPrefillWgmmaAsyncOverlap},
+                                                      {12, 3, 1, 128, kPrefillWgmmaAsyncPingPong},
+                                                      {12, 3, 1, 128, kPrefillWgmmaAsyncLate}};
 inline constexpr int kNumPrefillVariants = 15;
 inline constexpr int kFallbackPrefillVariant = 5;  // {4, 2, 2, 64}: fastest mma.sync (NOTES.md)
 // {12, 3, 1, 128} warp-specialised wgmma with the asynchronous producer, softmax/P.V overlap and
@@ -226,13 +234,13 @@ absl::Status LaunchDcaPrefillReference(const DcaGeometry& geometry, const CudaPr
 struct CudaDecodeParams {
   PagedKvBatch kv;
   const int32_t* lengths = nullptr;  // [batch] L incl. the new token (appended); 0 = padding, out 0
-  const Bf16* q = nullptr;           // [batch, 3, num_q_heads, head_dim]: intra, succ, inter; unscaled
-  void* out = nullptr;               // [batch, num_q_heads, head_dim] of out_dtype
+  const Bf16* q = nullptr;  // [batch, 3, num_q_heads, head_dim]: intra, succ, inter; unscaled
+  void* out = nullptr;      // [batch, num_q_heads, head_dim] of out_dtype
   DType out_dtype = DType::kFp32;
   int32_t batch = 0;
-  int32_t max_splits = 1;            // from PlanDecodeSplits
-  float* partial_out = nullptr;      // [batch, num_q_heads, max_splits, head_dim] workspace
-  float* partial_lse = nullptr;      // [batch, num_q_heads, max_splits] workspace
+  int32_t max_splits = 1;        // from PlanDecodeSplits
+  float* partial_out = nullptr;  // [batch, num_q_heads, max_splits, head_dim] workspace
+  float* partial_lse = nullptr;  // [batch, num_q_heads, max_splits] workspace
   // cp.async stages of the split kernel: 0 = the default, else 2 or 4 (tests/benchmarks sweep it).
   // Ignored when `variant` >= 0.
   int32_t kv_stages = 0;
@@ -277,9 +285,9 @@ int32_t DefaultDecodeVariant(const DcaGeometry& geometry, int32_t batch, int32_t
 int32_t ResolveDecodeVariant(int32_t kv_stages, int32_t variant);
 
 // Split-K plan for the decode variant that (kv_stages, variant) selects (as in CudaDecodeParams;
-// both defaulted = DefaultDecodeVariant(batch)): as many splits as keep every (batch x kv head x split)
-// block resident in one wave on `num_sms` multiprocessors, at least 1, with at least 256 keys per
-// split at max_length. Host-only arithmetic (shared memory and threads per block).
+// both defaulted = DefaultDecodeVariant(batch)): as many splits as keep every (batch x kv head x
+// split) block resident in one wave on `num_sms` multiprocessors, at least 1, with at least 256
+// keys per split at max_length. Host-only arithmetic (shared memory and threads per block).
 int32_t PlanDecodeSplits(const DcaGeometry& geometry, int32_t batch, int64_t max_length,
                          int32_t num_sms, int32_t kv_stages = 0, int32_t variant = -1);
 // Workspace floats needed for (batch, max_splits): partial_out then partial_lse.

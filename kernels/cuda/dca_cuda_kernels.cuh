@@ -25,7 +25,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kThreads = 128;  // 4 warps: decode blocks (prefill blocks are 32 * Warps)
 constexpr int kBlockN = 64;    // keys per K/V tile
 
-// ---- small helpers -------------------------------------------------------------------------------
+// ---- small helpers
+// -------------------------------------------------------------------------------
 
 __device__ __forceinline__ float LengthScaleDevice(int64_t length, int64_t orig) {
   if (orig <= 0 || length <= orig) return 1.f;
@@ -70,7 +71,8 @@ __device__ __forceinline__ void LoadKvTile(const PagedKv<Bf16>& kv, int32_t kv_h
   }
 }
 
-// ---- fused prefill -------------------------------------------------------------------------------
+// ---- fused prefill
+// -------------------------------------------------------------------------------
 
 struct PrefillArgs {
   PagedKv<Bf16> kv;
@@ -177,11 +179,17 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
   const int n_tiles = n_inter + n_succ + n_intra;
   auto tile_range = [&](int j, int& stage, int32_t& k0, int32_t& khi) {
     if (j < n_inter) {
-      stage = kInter; k0 = j * BN; khi = inter_hi;
+      stage = kInter;
+      k0 = j * BN;
+      khi = inter_hi;
     } else if (j < n_inter + n_succ) {
-      stage = kSucc; k0 = succ_lo + (j - n_inter) * BN; khi = prev;
+      stage = kSucc;
+      k0 = succ_lo + (j - n_inter) * BN;
+      khi = prev;
     } else {
-      stage = kIntra; k0 = prev + (j - n_inter - n_succ) * BN; khi = max_q_pos + 1;
+      stage = kIntra;
+      k0 = prev + (j - n_inter - n_succ) * BN;
+      khi = max_q_pos + 1;
     }
   };
 
@@ -189,7 +197,8 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int d = 0; d < kDimBlocks; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.f;
+    for (int d = 0; d < kDimBlocks; ++d)
+      o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.f;
   float m[MT][2], l[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
@@ -201,7 +210,8 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
 
   for (int t = 0; t < Stages - 1; ++t) {  // prologue: the first Stages-1 tiles
     if (t < n_tiles) {
-      int st; int32_t k0, khi;
+      int st;
+      int32_t k0, khi;
       tile_range(t, st, k0, khi);
       LoadKvTile<D, kBlockThreads, BN>(a.kv, kv_head, k0, khi, ks + t * kTile, vs + t * kTile);
     }
@@ -209,14 +219,16 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
   }
   for (int j = 0; j < n_tiles; ++j) {
     if (j + Stages - 1 < n_tiles) {
-      int st; int32_t k0, khi;
+      int st;
+      int32_t k0, khi;
       const int t = j + Stages - 1;
       tile_range(t, st, k0, khi);
       LoadKvTile<D, kBlockThreads, BN>(a.kv, kv_head, k0, khi, ks + (t % Stages) * kTile,
                                        vs + (t % Stages) * kTile);
     }
     CpAsyncCommit();
-    int stage; int32_t k0, khi;
+    int stage;
+    int32_t k0, khi;
     tile_range(j, stage, k0, khi);
     if (stage != q_stage) {  // this stage's query variant
       q_stage = stage;
@@ -224,7 +236,8 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
         for (int kk = 0; kk < kKSteps; ++kk) {
           for (int i = 0; i < 2; ++i) {
             const uint32_t* src = reinterpret_cast<const uint32_t*>(
-                a.q + ((q_row[0][i] / a.num_q_heads) * kNumQueryVariants + stage) * a.num_q_heads * D +
+                a.q +
+                ((q_row[0][i] / a.num_q_heads) * kNumQueryVariants + stage) * a.num_q_heads * D +
                 (q_row[0][i] % a.num_q_heads) * D + kk * 16 + tig * 2);
             qf[kk][i] = row_valid[0][i] ? src[0] : 0u;
             qf[kk][2 + i] = row_valid[0][i] ? src[4] : 0u;
@@ -259,14 +272,18 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nb = 0; nb < kKeyBlocks; ++nb) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.f;
+      for (int nb = 0; nb < kKeyBlocks; ++nb)
+        s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
       uint32_t qa[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         if constexpr (MT == 1) {
-          qa[mt][0] = qf[kk][0]; qa[mt][1] = qf[kk][1]; qa[mt][2] = qf[kk][2]; qa[mt][3] = qf[kk][3];
+          qa[mt][0] = qf[kk][0];
+          qa[mt][1] = qf[kk][1];
+          qa[mt][2] = qf[kk][2];
+          qa[mt][3] = qf[kk][3];
         } else {
           LdMatrixX4(qa[mt], qs + ((warp * MT + mt) * 16 + (lane & 15)) * (D + 8) + kk * 16 +
                                  (lane >> 4) * 8);
@@ -324,8 +341,10 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
       }
 #pragma unroll
       for (int d = 0; d < kDimBlocks; ++d) {
-        o[mt][d][0] *= alpha[0]; o[mt][d][1] *= alpha[0];
-        o[mt][d][2] *= alpha[1]; o[mt][d][3] *= alpha[1];
+        o[mt][d][0] *= alpha[0];
+        o[mt][d][1] *= alpha[0];
+        o[mt][d][2] *= alpha[1];
+        o[mt][d][3] *= alpha[1];
       }
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
@@ -378,9 +397,9 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
 // max m, sum l and output o rescaled, and the probabilities packed as P's A fragment for P.V.
 template <int kDimBlocks>
 __device__ __forceinline__ void DecodeTileSoftmax(int32_t kw, int tig, int32_t k_end,
-                                                  float scale_log2, float (&s)[2][4],
-                                                  float (&m)[2], float (&l)[2],
-                                                  float (&o)[kDimBlocks][4], uint32_t (&pa)[4]) {
+                                                  float scale_log2, float (&s)[2][4], float (&m)[2],
+                                                  float (&l)[2], float (&o)[kDimBlocks][4],
+                                                  uint32_t (&pa)[4]) {
   float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb)
@@ -412,8 +431,10 @@ __device__ __forceinline__ void DecodeTileSoftmax(int32_t kw, int tig, int32_t k
     }
 #pragma unroll
   for (int d = 0; d < kDimBlocks; ++d) {
-    o[d][0] *= alpha[0]; o[d][1] *= alpha[0];
-    o[d][2] *= alpha[1]; o[d][3] *= alpha[1];
+    o[d][0] *= alpha[0];
+    o[d][1] *= alpha[0];
+    o[d][2] *= alpha[1];
+    o[d][3] *= alpha[1];
   }
   pa[0] = PackBf16(s[0][0], s[0][1]);
   pa[1] = PackBf16(s[0][2], s[0][3]);
@@ -421,7 +442,8 @@ __device__ __forceinline__ void DecodeTileSoftmax(int32_t kw, int tig, int32_t k
   pa[3] = PackBf16(s[1][2], s[1][3]);
 }
 
-// ---- split-K decode ------------------------------------------------------------------------------
+// ---- split-K decode
+// ------------------------------------------------------------------------------
 
 struct DecodeArgs {
   PagedKvBatch kv;
@@ -446,17 +468,17 @@ __device__ __forceinline__ int32_t DecodeSplitLen(int32_t len, int32_t max_split
   const int32_t per_split = max((len + max_splits - 1) / max_splits, kMinSplitKeys);
   return (per_split + tile - 1) / tile * tile;
 }
-__device__ __forceinline__ int32_t DecodeLiveSplits(int32_t len, int32_t max_splits,
-                                                    int32_t tile) {
+__device__ __forceinline__ int32_t DecodeLiveSplits(int32_t len, int32_t max_splits, int32_t tile) {
   if (len < 1) return 0;
   const int32_t split_len = DecodeSplitLen(len, max_splits, tile);
   return min(max_splits, (len + split_len - 1) / split_len);
 }
 
 // grid (max_splits, num_kv_heads, batch), block kThreads. Block (s, h, b): keys
-// [s * split_len, (s + 1) * split_len) of sequence b, split_len = DecodeSplitLen(L, max_splits, 64).
-// The group's q heads are the 16 rows of an mma tile (rows >= group are zero); each warp takes 16
-// keys of every 64-key tile with its own online softmax; the four warps merge through shared memory.
+// [s * split_len, (s + 1) * split_len) of sequence b, split_len = DecodeSplitLen(L, max_splits,
+// 64). The group's q heads are the 16 rows of an mma tile (rows >= group are zero); each warp takes
+// 16 keys of every 64-key tile with its own online softmax; the four warps merge through shared
+// memory.
 template <int D, int Stages>
 __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -493,8 +515,11 @@ __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArg
       const int r = (c / kChunksPerRow) % 16;
       const int col = (c % kChunksPerRow) * 8;
       const bool valid = r < a.group;
-      const Bf16* src = a.q + ((static_cast<int64_t>(b) * kNumDecodeVariants + v) * a.num_q_heads +
-                               kv_head * a.group + (valid ? r : 0)) * D + col;
+      const Bf16* src = a.q +
+                        ((static_cast<int64_t>(b) * kNumDecodeVariants + v) * a.num_q_heads +
+                         kv_head * a.group + (valid ? r : 0)) *
+                            D +
+                        col;
       CpAsync16(qs + (v * 16 + r) * (D + 8) + col, src, valid);
     }
   }
@@ -526,7 +551,7 @@ __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArg
     const Bf16* vt = vs + (j % Stages) * kTile + warp * 16 * (D + 8);
     const int32_t kw = k_begin + j * kBlockN + warp * 16;  // first key of this warp's slice
     if (kw < k_end) {
-      const int v_hi = VariantOfKey(kw, prev, cl);                 // largest variant index
+      const int v_hi = VariantOfKey(kw, prev, cl);  // largest variant index
       const int v_lo = VariantOfKey(min(kw + 15, k_end - 1), prev, cl);
       float s[2][4];
       for (int nb = 0; nb < 2; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
@@ -572,8 +597,8 @@ __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArg
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
   }
   float* so = reinterpret_cast<float*>(smem_raw);  // [4][16][D]
-  float* sm = so + 4 * 16 * D;                      // [4][16]
-  float* sl = sm + 4 * 16;                          // [4][16]
+  float* sm = so + 4 * 16 * D;                     // [4][16]
+  float* sl = sm + 4 * 16;                         // [4][16]
   __syncthreads();
 #pragma unroll
   for (int d = 0; d < kDimBlocks; ++d) {
@@ -608,17 +633,19 @@ __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArg
   }
 }
 
-// ---- pipelined split-K decode (decode variants with kernel kDecodePipelined / kDecodeBulk) -------
+// ---- pipelined split-K decode (decode variants with kernel kDecodePipelined / kDecodeBulk)
+// -------
 //
 // Same contract, grid and split arithmetic as DcaDecodeSplitKernel (block (s, h, b) covers keys
-// [s * split_len, (s + 1) * split_len) of sequence b, split_len rounded to the tile), rebuilt so the
-// memory system sees a steady stream of copies:
+// [s * split_len, (s + 1) * split_len) of sequence b, split_len rounded to the tile), rebuilt so
+// the memory system sees a steady stream of copies:
 //  - page indices for a tile are loaded one tile ahead (registers), so issuing a tile's copies
 //    never waits on a page-table round trip (the old loader did one dependent page-table load per
 //    row before each pair of 16-byte copies);
 //  - one __syncthreads per tile: the copies for tile j + Stages - 1 are issued right after the
 //    barrier that frees its ring slot;
-//  - Bulk = false: 16-byte cp.async into unpadded tiles with an XOR swizzle (16-byte chunk c of row r
+//  - Bulk = false: 16-byte cp.async into unpadded tiles with an XOR swizzle (16-byte chunk c of row
+//  r
 //    at chunk c ^ (r & 7)), so ldmatrix stays conflict-free without the 6% padding;
 //    Bulk = true: one cp.async.bulk (256 B at head_dim 128) per K or V row into padded tiles,
 //    completing on one mbarrier per ring slot; rows past the end are zeroed by plain stores;
@@ -656,7 +683,7 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
 // Global -> shared bulk copy of `bytes` (multiple of 16, both addresses 16-byte aligned),
 // completing `bytes` transactions on `bar`.
 __device__ __forceinline__ void BulkCopyG2S(void* smem, const void* gmem, uint32_t bytes,
-                                           uint64_t* bar) {
+                                            uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
           "r"(SmemAddr(smem)),
@@ -718,22 +745,24 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
 
   // This thread's rows of a tile (relative to the tile's first key).
   const int ld_chunk = threadIdx.x % kChunks;
-  const int ld_row0 = Bulk ? static_cast<int>(threadIdx.x) % BN : static_cast<int>(threadIdx.x) / kChunks;
+  const int ld_row0 =
+      Bulk ? static_cast<int>(threadIdx.x) % BN : static_cast<int>(threadIdx.x) / kChunks;
   const bool ld_is_v = Bulk && static_cast<int>(threadIdx.x) >= BN;
   const bool ld_active = !Bulk || static_cast<int>(threadIdx.x) < 2 * BN;
   const int ld_col = Bulk ? 0 : ((ld_chunk ^ (ld_row0 & 7)) << 3);  // swizzled column in the tile
 
   // Page indices of this thread's rows of tile t (0 for rows past k_end: never dereferenced).
-  auto load_pages = [&](int t, int32_t (&pg)[kPages]) {
+  auto load_pages = [&](int t, int32_t(&pg)[kPages]) {
     const int32_t k0 = k_begin + t * BN;
 #pragma unroll
     for (int i = 0; i < kPages; ++i) {
       const int32_t pos = k0 + ld_row0 + i * kRowsPerPass;
-      pg[i] = (ld_active && pos < k_end) ? __ldg(page_table + page_of(static_cast<uint32_t>(pos))) : 0;
+      pg[i] =
+          (ld_active && pos < k_end) ? __ldg(page_table + page_of(static_cast<uint32_t>(pos))) : 0;
     }
   };
   // Issues this thread's copies of tile t into ring slot `slot`.
-  auto issue_tile = [&](int t, const int32_t (&pg)[kPages], int slot) {
+  auto issue_tile = [&](int t, const int32_t(&pg)[kPages], int slot) {
     const int32_t k0 = k_begin + t * BN;
     if constexpr (Bulk) {
       const int32_t valid_rows = min(BN, k_end - k0);
@@ -760,8 +789,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
         const int row = ld_row0 + i * kRowsPerPass;
         const int32_t pos = k0 + row;
         const bool valid = pos < k_end;
-        const int64_t tok =
-            static_cast<int64_t>(pg[i]) * ps + in_page(static_cast<uint32_t>(pos));
+        const int64_t tok = static_cast<int64_t>(pg[i]) * ps + in_page(static_cast<uint32_t>(pos));
         const int64_t off = valid ? tok * row_stride + ld_chunk * 8 : 0;
         const int so = slot * kTile + row * kPitch + ld_col;
         CpAsync16(ks + so, kbase + off, valid);
@@ -781,8 +809,11 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
     const int row = c / kChunks;  // v * group + r
     const int v = row / group, r = row % group;
     const int col = (c % kChunks) * 8;
-    const Bf16* src = a.q + ((static_cast<int64_t>(b) * kNumDecodeVariants + v) * a.num_q_heads +
-                             kv_head * group + r) * D + col;
+    const Bf16* src =
+        a.q +
+        ((static_cast<int64_t>(b) * kNumDecodeVariants + v) * a.num_q_heads + kv_head * group + r) *
+            D +
+        col;
     CpAsync16(qs + row * (D + 8) + col, src, true);
   }
   for (int c = threadIdx.x; c < kChunks; c += kT) {
@@ -875,17 +906,18 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
   }
   float* so = reinterpret_cast<float*>(smem_raw);  // [Warps][16][D]
-  float* sm = so + Warps * 16 * D;                  // [Warps][16]
-  float* sl = sm + Warps * 16;                      // [Warps][16]
-  static_assert((Warps * 16 * D + 2 * Warps * 16) * sizeof(float) <=
-                    2 * Stages * BN * kPitch * sizeof(Bf16),
-                "merge scratch must fit in the K/V ring");
+  float* sm = so + Warps * 16 * D;                 // [Warps][16]
+  float* sl = sm + Warps * 16;                     // [Warps][16]
+  static_assert(
+      (Warps * 16 * D + 2 * Warps * 16) * sizeof(float) <= 2 * Stages * BN * kPitch * sizeof(Bf16),
+      "merge scratch must fit in the K/V ring");
   __syncthreads();
 #pragma unroll
   for (int d = 0; d < kDimBlocks; ++d) {
     const int col = d * 8 + tig * 2;
     *reinterpret_cast<float2*>(&so[(warp * 16 + gid) * D + col]) = make_float2(o[d][0], o[d][1]);
-    *reinterpret_cast<float2*>(&so[(warp * 16 + gid + 8) * D + col]) = make_float2(o[d][2], o[d][3]);
+    *reinterpret_cast<float2*>(&so[(warp * 16 + gid + 8) * D + col]) =
+        make_float2(o[d][2], o[d][3]);
   }
   if (tig == 0) {
     sm[warp * 16 + gid] = m[0];
@@ -909,7 +941,10 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
       const float wgt = exp2f(mw - mx);
       lsum += sl[w * 16 + r] * wgt;
       const float4 x = *reinterpret_cast<const float4*>(&so[(w * 16 + r) * D + d4]);
-      acc.x += x.x * wgt; acc.y += x.y * wgt; acc.z += x.z * wgt; acc.w += x.w * wgt;
+      acc.x += x.x * wgt;
+      acc.y += x.y * wgt;
+      acc.z += x.z * wgt;
+      acc.w += x.w * wgt;
     }
     const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
     const int64_t head = kv_head * group + r;
@@ -924,11 +959,10 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
 // w_s = 2^(lse_s - max) / sum over the row's live splits (DecodeLiveSplits with the split kernel's
 // tile), skipping empty ones.
 template <int D>
-__global__ void __launch_bounds__(D) DcaDecodeReduceKernel(const float* partial_out,
-                                                           const float* partial_lse,
-                                                           const int32_t* lengths, int max_splits,
-                                                           int split_tile, void* out,
-                                                           int out_dtype) {
+__global__ void __launch_bounds__(D)
+    DcaDecodeReduceKernel(const float* partial_out, const float* partial_lse,
+                          const int32_t* lengths, int max_splits, int split_tile, void* out,
+                          int out_dtype) {
   const int64_t slot = static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y;
   const int live = DecodeLiveSplits(lengths[blockIdx.x], max_splits, split_tile);
   const float* lse = partial_lse + slot * max_splits;
@@ -944,7 +978,8 @@ __global__ void __launch_bounds__(D) DcaDecodeReduceKernel(const float* partial_
   StoreOne(out, out_dtype, slot * D + threadIdx.x, wsum > 0.f ? acc / wsum : 0.f);
 }
 
-// ---- simple reference kernels --------------------------------------------------------------------
+// ---- simple reference kernels
+// --------------------------------------------------------------------
 
 // One warp computes one query row at position q_pos: q_variants points at the row's intra query,
 // successive variants `variant_stride` elements apart. Scalar fp32 with an online softmax.
@@ -973,10 +1008,12 @@ __device__ void ReferenceRow(const PagedKv<Bf16>& kv, int32_t kv_head, const Bf1
     const float alpha = expf(m - m_new);
     const float p = expf(x - m_new);
     l = l * alpha + p;
-    for (int i = 0; i < kPerLane; ++i) acc[i] = acc[i] * alpha + p * __bfloat162float(val[lane + 32 * i]);
+    for (int i = 0; i < kPerLane; ++i)
+      acc[i] = acc[i] * alpha + p * __bfloat162float(val[lane + 32 * i]);
     m = m_new;
   }
-  for (int i = 0; i < kPerLane; ++i) StoreOne(out, out_dtype, out_index + lane + 32 * i, acc[i] / l);
+  for (int i = 0; i < kPerLane; ++i)
+    StoreOne(out, out_dtype, out_index + lane + 32 * i, acc[i] / l);
 }
 
 // grid (num_tokens, num_q_heads), block 32.
@@ -1005,7 +1042,8 @@ __global__ void DcaDecodeReferenceKernel(PagedKvBatch kvb, const int32_t* length
                   (static_cast<int64_t>(b) * num_q_heads + h) * D);
 }
 
-// ---- append and conversion -----------------------------------------------------------------------
+// ---- append and conversion
+// -----------------------------------------------------------------------
 
 // grid-stride over num_tokens * Hkv * D elements of one sequence.
 __global__ void AppendKvKernel(PagedKv<Bf16> kv, const void* k, const void* v, int in_dtype,
@@ -1022,7 +1060,8 @@ __global__ void AppendKvKernel(PagedKv<Bf16> kv, const void* k, const void* v, i
   }
 }
 
-// grid (batch), block 128: sequence b's new token at lengths[b] - 1; rows with length 0 are skipped.
+// grid (batch), block 128: sequence b's new token at lengths[b] - 1; rows with length 0 are
+// skipped.
 __global__ void DecodeAppendKvKernel(PagedKvBatch kvb, const int32_t* lengths, const void* k,
                                      const void* v, int in_dtype, int64_t orig) {
   const int32_t b = blockIdx.x;
@@ -1060,9 +1099,8 @@ __device__ __forceinline__ int PieceToFloats(const uint4& piece, int dtype, floa
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint16_t h = static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2)));
-    x[i] = dtype == static_cast<int>(DType::kBf16)
-               ? __bfloat162float(__ushort_as_bfloat16(h))
-               : __half2float(__ushort_as_half(h));
+    x[i] = dtype == static_cast<int>(DType::kBf16) ? __bfloat162float(__ushort_as_bfloat16(h))
+                                                   : __half2float(__ushort_as_half(h));
   }
   return 8;
 }
@@ -1135,7 +1173,7 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
       piece[u] = *reinterpret_cast<const uint4*>(src);
     }
     if (appends) page = host_table[static_cast<uint32_t>(pos) / ps];
-    // Then the stores.
+      // Then the stores.
 #pragma unroll
     for (int u = 0; u < kDecodeStageUnroll; ++u) {
       const int64_t i = base + u * step;
@@ -1153,7 +1191,8 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
         const int64_t e = (is_k ? i - n_q - n_t : i - n_q - n_t - n_k) * n;  // first element
         const int64_t off =
             ((int64_t{page} * ps + static_cast<uint32_t>(pos) % ps) * kvb.num_kv_heads + e / D) *
-                D + e % D;
+                D +
+            e % D;
         StoreBf16Piece((is_k ? kvb.k : kvb.v) + off, x, n, is_k ? key_scale : 1.f);
       }
     }

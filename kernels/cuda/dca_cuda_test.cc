@@ -25,10 +25,11 @@
 namespace attnd {
 namespace {
 
-constexpr double kMaxAbsBar = 2e-2;   // DCA.md: bf16 vs fp32/fp64 reference
+constexpr double kMaxAbsBar = 2e-2;  // DCA.md: bf16 vs fp32/fp64 reference
 constexpr double kMeanAbsBar = 2e-3;
 
-#define CUDA_ASSERT(expr) ASSERT_EQ(cudaSuccess, (expr)) << #expr << ": " << cudaGetErrorString(expr)
+#define CUDA_ASSERT(expr) \
+  ASSERT_EQ(cudaSuccess, (expr)) << #expr << ": " << cudaGetErrorString(expr)
 
 using gpu_test::DevBuf;
 
@@ -145,7 +146,8 @@ std::vector<int32_t> ShuffledPages(int64_t num_pages, std::mt19937* rng) {
   return pages;
 }
 
-// ---- prefill -------------------------------------------------------------------------------------
+// ---- prefill
+// -------------------------------------------------------------------------------------
 
 // "fast w8s3m1n128 wgmma-overlap": the variant's fields and kernel family.
 std::string VariantLabel(int variant) {
@@ -269,7 +271,8 @@ TEST_P(PrefillTest, MatchesFp64Reference) {
       }
     }
     const std::string where = "[" + std::to_string(start) + "," + std::to_string(start + t) + ")";
-    for (size_t r = 0; r < got.size(); ++r) ExpectWithinBars(err[r], c.name + " " + label[r] + " " + where);
+    for (size_t r = 0; r < got.size(); ++r)
+      ExpectWithinBars(err[r], c.name + " " + label[r] + " " + where);
     // Each fast kernel against the simple reference kernel too (same bars).
     for (size_t r = 1; r < got.size(); ++r) {
       ErrStats vs_simple;
@@ -289,18 +292,34 @@ INSTANTIATE_TEST_SUITE_P(
         PrefillCase{"7b_exact_3_chunks_page_edge", 28, 4, 128, 128, 16, 0, {384}},
         PrefillCase{"7b_chunked_odd", 28, 4, 128, 128, 16, 0, {100, 1, 155, 200}},
         PrefillCase{"7b_scaled_fp32_in", 28, 4, 128, 128, 16, 200, {520}, DType::kFp32},
-        PrefillCase{"7b_scaled_chunked_bf16_out", 28, 4, 128, 128, 32, 150, {129, 127, 257},
-                    DType::kBf16, DType::kBf16},
+        PrefillCase{"7b_scaled_chunked_bf16_out",
+                    28,
+                    4,
+                    128,
+                    128,
+                    32,
+                    150,
+                    {129, 127, 257},
+                    DType::kBf16,
+                    DType::kBf16},
         PrefillCase{"gqa1_d64", 8, 8, 64, 256, 16, 0, {256, 544}},
-        PrefillCase{"gqa1_d64_scaled_fp16", 4, 4, 64, 128, 64, 100, {64, 448}, DType::kFp16,
-                    DType::kFp16},
+        PrefillCase{
+            "gqa1_d64_scaled_fp16", 4, 4, 64, 128, 64, 100, {64, 448}, DType::kFp16, DType::kFp16},
         PrefillCase{"14b_geometry", 40, 8, 128, 256, 16, 500, {333, 667}},
         PrefillCase{"gqa16_d128", 32, 2, 128, 128, 16, 0, {300}},
         // Several 128-key tiles per DCA range, ranges and chunks not multiples of the tile or the
         // page, > 3 chunks, chunked prefill starting mid-chunk (wgmma tiles are 128 x 128).
         PrefillCase{"gqa7_d128_long_3p75_chunks", 7, 1, 128, 400, 16, 0, {1500}},
-        PrefillCase{"gqa7_d128_chunked_mid_chunk", 14, 2, 128, 300, 16, 500, {517, 1, 700},
-                    DType::kBf16, DType::kBf16},
+        PrefillCase{"gqa7_d128_chunked_mid_chunk",
+                    14,
+                    2,
+                    128,
+                    300,
+                    16,
+                    500,
+                    {517, 1, 700},
+                    DType::kBf16,
+                    DType::kBf16},
         PrefillCase{"gqa7_d64_scaled", 14, 2, 64, 320, 16, 600, {700, 333}},
         PrefillCase{"gqa1_d128_long", 2, 2, 128, 384, 16, 0, {1200}},
         // Page sizes off the async loader's fast path (power of two >= its 16 or 8 rows per
@@ -310,7 +329,8 @@ INSTANTIATE_TEST_SUITE_P(
         PrefillCase{"gqa4_d128_page12_chunked", 8, 2, 128, 256, 12, 0, {301, 450}}),
     [](const ::testing::TestParamInfo<PrefillCase>& info) { return info.param.name; });
 
-// ---- decode --------------------------------------------------------------------------------------
+// ---- decode
+// --------------------------------------------------------------------------------------
 
 struct DecodeCase {
   std::string name;
@@ -339,9 +359,10 @@ std::string DecodeVariantLabel(int variant) {
 
 // Mixed lengths: the interesting ones first (1, page and chunk edges), then random.
 std::vector<int32_t> MixedLengths(const DecodeCase& c, std::mt19937* rng) {
-  const std::vector<int64_t> edges = {1,          2,          c.page_size,    c.page_size + 1,
-                                      c.cl,       c.cl + 1,   2 * c.cl,       2 * c.cl + 1,
-                                      3 * c.cl,   3 * c.cl + 1, c.max_len,    c.cl - 1};
+  const std::vector<int64_t> edges = {
+      1,         2,        c.page_size,  c.page_size + 1, c.cl,
+      c.cl + 1,  2 * c.cl, 2 * c.cl + 1, 3 * c.cl,        3 * c.cl + 1,
+      c.max_len, c.cl - 1};
   std::vector<int32_t> out;
   std::uniform_int_distribution<int64_t> dist(1, c.max_len);
   for (int b = 0; b < c.batch; ++b) {
@@ -463,7 +484,8 @@ TEST_P(DecodeTest, MatchesFp64Reference) {
   const size_t out_bytes = static_cast<size_t>(c.batch) * c.hq * c.d * ElementSize(c.out_dtype);
   // The simple reference kernel first: checked against fp64, then every fast variant against it.
   // (It leaves length-0 rows undefined; the fast kernels must write zeros there.)
-  const bool any_rows = std::any_of(lengths.begin(), lengths.end(), [](int32_t l) { return l > 0; });
+  const bool any_rows =
+      std::any_of(lengths.begin(), lengths.end(), [](int32_t l) { return l > 0; });
   std::vector<float> simple;
   {
     DevBuf out(out_bytes);
@@ -490,48 +512,48 @@ TEST_P(DecodeTest, MatchesFp64Reference) {
   // Every fast variant at its planned split count and at 1, 7 and 64 splits (most empty at 64),
   // into a NaN-poisoned output and workspace.
   for (int variant = 0; variant < kNumDecodeKernelVariants; ++variant)
-  for (const int32_t splits :
-       {PlanDecodeSplits(g, c.batch, c.max_len, 132, 0, variant), 1, 7, 64}) {
-    const std::string what =
-        c.name + " " + DecodeVariantLabel(variant) + " max_splits=" + std::to_string(splits);
-    DevBuf out(out_bytes);
-    out.Poison();
-    DevBuf ws(DecodeWorkspaceFloats(g, c.batch, splits) * 4);
-    ws.Poison();
-    CudaDecodeParams dp;
-    dp.kv = kvb;
-    dp.lengths = d_lengths.get<int32_t>();
-    dp.q = dq.get<Bf16>();
-    dp.out = out.get();
-    dp.out_dtype = c.out_dtype;
-    dp.batch = c.batch;
-    dp.max_splits = splits;
-    dp.variant = variant;
-    dp.partial_out = ws.get<float>();
-    dp.partial_lse = ws.get<float>() + static_cast<size_t>(c.batch) * c.hq * splits * c.d;
-    absl::Status st = LaunchDcaDecode(g, dp, nullptr);
-    ASSERT_TRUE(st.ok()) << what << ": " << st;
-    CUDA_ASSERT(cudaDeviceSynchronize());
-    CUDA_ASSERT(cudaGetLastError());
-    std::vector<uint8_t> raw(out_bytes);
-    CUDA_ASSERT(cudaMemcpy(raw.data(), out.get(), out_bytes, cudaMemcpyDeviceToHost));
-    const std::vector<float> got = ToFloat(raw, c.out_dtype);
-    ErrStats e, vs_simple;
-    size_t padding_nonzero = 0;
-    for (size_t i = 0; i < want.size(); ++i) {
-      if (lengths[i / (static_cast<size_t>(c.hq) * c.d)] == 0) {
-        padding_nonzero += got[i] != 0.f;  // padding rows: exactly 0 (NaN poison counts too)
-        continue;
+    for (const int32_t splits :
+         {PlanDecodeSplits(g, c.batch, c.max_len, 132, 0, variant), 1, 7, 64}) {
+      const std::string what =
+          c.name + " " + DecodeVariantLabel(variant) + " max_splits=" + std::to_string(splits);
+      DevBuf out(out_bytes);
+      out.Poison();
+      DevBuf ws(DecodeWorkspaceFloats(g, c.batch, splits) * 4);
+      ws.Poison();
+      CudaDecodeParams dp;
+      dp.kv = kvb;
+      dp.lengths = d_lengths.get<int32_t>();
+      dp.q = dq.get<Bf16>();
+      dp.out = out.get();
+      dp.out_dtype = c.out_dtype;
+      dp.batch = c.batch;
+      dp.max_splits = splits;
+      dp.variant = variant;
+      dp.partial_out = ws.get<float>();
+      dp.partial_lse = ws.get<float>() + static_cast<size_t>(c.batch) * c.hq * splits * c.d;
+      absl::Status st = LaunchDcaDecode(g, dp, nullptr);
+      ASSERT_TRUE(st.ok()) << what << ": " << st;
+      CUDA_ASSERT(cudaDeviceSynchronize());
+      CUDA_ASSERT(cudaGetLastError());
+      std::vector<uint8_t> raw(out_bytes);
+      CUDA_ASSERT(cudaMemcpy(raw.data(), out.get(), out_bytes, cudaMemcpyDeviceToHost));
+      const std::vector<float> got = ToFloat(raw, c.out_dtype);
+      ErrStats e, vs_simple;
+      size_t padding_nonzero = 0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        if (lengths[i / (static_cast<size_t>(c.hq) * c.d)] == 0) {
+          padding_nonzero += got[i] != 0.f;  // padding rows: exactly 0 (NaN poison counts too)
+          continue;
+        }
+        e.Add(got[i], want[i]);
+        vs_simple.Add(got[i], simple[i]);
       }
-      e.Add(got[i], want[i]);
-      vs_simple.Add(got[i], simple[i]);
+      EXPECT_EQ(padding_nonzero, 0u) << what << ": length-0 rows must be zeros";
+      if (any_rows) {
+        ExpectWithinBars(e, what);
+        ExpectWithinBars(vs_simple, what + " vs simple");
+      }
     }
-    EXPECT_EQ(padding_nonzero, 0u) << what << ": length-0 rows must be zeros";
-    if (any_rows) {
-      ExpectWithinBars(e, what);
-      ExpectWithinBars(vs_simple, what + " vs simple");
-    }
-  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -548,12 +570,12 @@ INSTANTIATE_TEST_SUITE_P(
                       DecodeCase{"b9_gqa16", 32, 2, 128, 128, 64, 0, 9, 500},
                       // > 3 chunks, ~80 key tiles in one split (the rings wrap many times).
                       DecodeCase{"b3_7b_5k", 28, 4, 128, 1024, 16, 0, 3, 5000},
-                      DecodeCase{"b40_7b_padding", 28, 4, 128, 128, 16, 0, 40, 520,
-                                 DType::kBf16, DType::kBf16, 3},
+                      DecodeCase{"b40_7b_padding", 28, 4, 128, 128, 16, 0, 40, 520, DType::kBf16,
+                                 DType::kBf16, 3},
                       DecodeCase{"b33_gqa7_d64_padding", 14, 2, 64, 96, 16, 0, 33, 400,
                                  DType::kBf16, DType::kFp32, 4},
-                      DecodeCase{"b8_all_padding", 28, 4, 128, 128, 16, 0, 8, 300,
-                                 DType::kBf16, DType::kFp32, 1}),
+                      DecodeCase{"b8_all_padding", 28, 4, 128, 128, 16, 0, 8, 300, DType::kBf16,
+                                 DType::kFp32, 1}),
     [](const ::testing::TestParamInfo<DecodeCase>& info) { return info.param.name; });
 
 // The decode stage kernel (inputs read from pinned host memory) against independent references:
@@ -606,8 +628,7 @@ TEST(CudaDecodeStage, MatchesTheDeviceAppendAndTheHostRounding) {
 
   const size_t pool_elems = static_cast<size_t>(pool_pages) * ps * hkv * d;
   DevBuf k_pool(pool_elems * 2), v_pool(pool_elems * 2), k_ref(pool_elems * 2),
-      v_ref(pool_elems * 2), d_tables(batch * stride * 4), d_len(batch * 4),
-      d_q(batch * q_n * 2);
+      v_ref(pool_elems * 2), d_tables(batch * stride * 4), d_len(batch * 4), d_q(batch * q_n * 2);
   for (const DevBuf* b : {&k_pool, &v_pool, &k_ref, &v_ref, &d_tables, &d_len, &d_q}) b->Poison();
   PagedKvBatch kvb;
   kvb.k = k_pool.get<Bf16>();
@@ -667,8 +688,8 @@ TEST(CudaDecodeStage, MatchesTheDeviceAppendAndTheHostRounding) {
   EXPECT_TRUE(download(v_pool) == download(v_ref)) << "V pool differs from LaunchDecodeAppendKv's";
   std::vector<int32_t> got_len(batch), got_tables(batch * stride);
   CUDA_ASSERT(cudaMemcpy(got_len.data(), d_len.get(), batch * 4, cudaMemcpyDeviceToHost));
-  CUDA_ASSERT(cudaMemcpy(got_tables.data(), d_tables.get(), batch * stride * 4,
-                         cudaMemcpyDeviceToHost));
+  CUDA_ASSERT(
+      cudaMemcpy(got_tables.data(), d_tables.get(), batch * stride * 4, cudaMemcpyDeviceToHost));
   std::vector<uint16_t> got_q(batch * q_n);
   CUDA_ASSERT(cudaMemcpy(got_q.data(), d_q.get(), batch * q_n * 2, cudaMemcpyDeviceToHost));
   EXPECT_EQ(got_len, lengths);
@@ -695,7 +716,8 @@ TEST(CudaDecodeStage, MatchesTheDeviceAppendAndTheHostRounding) {
   cudaFreeHost(h_v);
 }
 
-// ---- host-only checks (run in CI without a GPU) ---------------------------------------------------
+// ---- host-only checks (run in CI without a GPU)
+// ---------------------------------------------------
 
 TEST(CudaGeometry, RejectsUnsupportedShapes) {
   DcaGeometry g = Geometry(28, 4, 96, 128, 0);

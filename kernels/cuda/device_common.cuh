@@ -1,7 +1,7 @@
 // Device helpers shared by the CUDA kernel families (dca_cuda_kernels.cuh, prefill_wgmma.cuh,
 // sparse_cuda_kernels.cuh): dtype loads and stores, the paged-KV offset, and thin wrappers of the
-// PTX instructions they use (cp.async, ldmatrix, mma.sync m16n8k16 bf16). Device code only: included
-// by .cu files through those headers.
+// PTX instructions they use (cp.async, ldmatrix, mma.sync m16n8k16 bf16). Device code only:
+// included by .cu files through those headers.
 #ifndef ATTND_KERNELS_CUDA_DEVICE_COMMON_CUH_
 #define ATTND_KERNELS_CUDA_DEVICE_COMMON_CUH_
 

@@ -343,7 +343,8 @@ constexpr int kConsumerRegs = 232;
 //   kOptAsyncProducer (Ws only): LoadKvTileRows, and each producer thread publishes a tile with
 //     cp.async.mbarrier.arrive.noinc right after issuing it (the tile's full barrier completes when
 //     the copies land; the consumers fence for the async proxy after their wait), so the producer
-//     never waits for its own copies and can run a whole ring ahead; registers 56 / 224 (no spills).
+//     never waits for its own copies and can run a whole ring ahead; registers 56 / 224 (no
+//     spills).
 //   kOptNoPingPong (Ws && Overlap): the intra-warpgroup overlap without the ping-pong turns.
 //   kOptLateRescale (Overlap): FA3's order inside an iteration: P of tile j-1 is packed right after
 //     its softmax, and O is rescaled for tile j-1 only after the S wgmma of tile j is issued (the
@@ -351,7 +352,7 @@ constexpr int kConsumerRegs = 232;
 constexpr int kOptAsyncProducer = 1;
 constexpr int kOptNoPingPong = 2;
 constexpr int kOptLateRescale = 4;
-constexpr int kAsyncProducerRegs = 56;   // 128 x 56 + 256 x 224 = 64512 = 384 x 168
+constexpr int kAsyncProducerRegs = 56;  // 128 x 56 + 256 x 224 = 64512 = 384 x 168
 constexpr int kAsyncConsumerRegs = 224;
 
 // grid (query tiles over all pieces, num_kv_heads), block BlockThreads<Ws>(); see the top of this

@@ -52,10 +52,10 @@ absl::Status LaunchDecodeRotary(const DcaGeometry& g, const CudaDecodeRotaryPara
   const size_t shared =
       (2 * kNumDecodeVariants * a.half + static_cast<size_t>(g.num_kv_heads) * g.head_dim) *
       sizeof(float);
-  const dim3 grid(static_cast<unsigned>(p.batch),
-                  static_cast<unsigned>((g.num_q_heads + rotary_kernels::kDecodeRotaryHeadsPerBlock -
-                                         1) /
-                                        rotary_kernels::kDecodeRotaryHeadsPerBlock));
+  const dim3 grid(
+      static_cast<unsigned>(p.batch),
+      static_cast<unsigned>((g.num_q_heads + rotary_kernels::kDecodeRotaryHeadsPerBlock - 1) /
+                            rotary_kernels::kDecodeRotaryHeadsPerBlock));
   rotary_kernels::DecodeRotaryKernel<<<grid, 256, shared, stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DecodeRotaryKernel");
   return absl::OkStatus();

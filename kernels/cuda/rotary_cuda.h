@@ -48,8 +48,8 @@ struct CudaDecodeRotaryParams {
   void* host_k = nullptr;                // pinned host, row r at r * kv_row_bytes (fp32 rows fit)
   int64_t q_row_bytes = 0;
   int64_t kv_row_bytes = 0;
-  Bf16* q = nullptr;                     // device [batch, 3, num_q_heads, head_dim]
-  const float* inv_freq = nullptr;       // device [rotary_dim / 2]
+  Bf16* q = nullptr;                // device [batch, 3, num_q_heads, head_dim]
+  const float* inv_freq = nullptr;  // device [rotary_dim / 2]
   int32_t batch = 0;
 };
 absl::Status LaunchDecodeRotary(const DcaGeometry& geometry, const CudaDecodeRotaryParams& params,

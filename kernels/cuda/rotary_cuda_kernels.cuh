@@ -84,8 +84,10 @@ __global__ void DualChunkRotaryKernel(RotaryArgs a) {
   const int rest = d - rd;
   for (int e = threadIdx.x; rest > 0 && e < a.num_q_heads * rest; e += blockDim.x) {
     const int h = e / rest, i = rd + (e - h * rest);
-    const float x = cuda_common::LoadAsFloat(a.p.q, dtype, q_base + static_cast<int64_t>(h) * d + i);
-    for (int v = 0; v < kNumQueryVariants; ++v) out[v * row_elems + h * d + i] = __float2bfloat16_rn(x);
+    const float x =
+        cuda_common::LoadAsFloat(a.p.q, dtype, q_base + static_cast<int64_t>(h) * d + i);
+    for (int v = 0; v < kNumQueryVariants; ++v)
+      out[v * row_elems + h * d + i] = __float2bfloat16_rn(x);
   }
   // The key, in place, by the intra position: one thread per dim pair, so no element is read
   // after another thread wrote it. Dims past rotary_dim stay as they are.

@@ -1,7 +1,5 @@
 // Launch side of sparse_cuda.h: the workspace layout, the per-piece plan (host arithmetic over the
 // host-side budgets) and the kernel sequence of each piece.
-#include "kernels/cuda/sparse_cuda.h"
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -9,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/sparse_cuda.h"
 #include "kernels/cuda/sparse_cuda_kernels.cuh"
 
 namespace attnd {
@@ -242,7 +241,8 @@ absl::Status LaunchPiece(const DcaGeometry& g, const SparsePrefillParams& sp, co
     ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(timers.index_end[piece_index], stream));
   }
   // 4. converter and 5. attention, per slice of row blocks (the block lists are per slice).
-  constexpr size_t att_smem = 4 * sk::kTileN * (D + 8) * sizeof(Bf16) + 2 * sk::kTileN * sizeof(int32_t);
+  constexpr size_t att_smem =
+      4 * sk::kTileN * (D + 8) * sizeof(Bf16) + 2 * sk::kTileN * sizeof(int32_t);
   ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       sk::AttendKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, att_smem));
   for (int64_t first = 0; first < plan.row_blocks; first += plan.slice_row_blocks) {
@@ -311,13 +311,13 @@ size_t SparsePrefillWorkspaceBound(const DcaGeometry& g, absl::Span<const VsBudg
   }
   const int64_t segments = (L + sk::kEstSegment - 1) / sk::kEstSegment;
   size_t total = 0;
-  for (const size_t bytes : {hq * L * sizeof(float), hq * L * sizeof(float),
-                             hq * segments * sk::kRows * 2 * sizeof(float),
-                             hq * sk::kRows * 2 * sizeof(float), hq * vstride * sizeof(int32_t),
-                             hq * sstride * sizeof(int32_t), hq * 3 * vstride * sizeof(int32_t),
-                             hq * 3 * sstride * sizeof(int32_t), hq * 3 * 2 * sizeof(int32_t),
-                             hq * 3 * rbs * sizeof(int32_t), blocks * sizeof(int32_t),
-                             masks * sizeof(uint32_t)}) {
+  for (const size_t bytes :
+       {hq * L * sizeof(float), hq * L * sizeof(float),
+        hq * segments * sk::kRows * 2 * sizeof(float), hq * sk::kRows * 2 * sizeof(float),
+        hq * vstride * sizeof(int32_t), hq * sstride * sizeof(int32_t),
+        hq * 3 * vstride * sizeof(int32_t), hq * 3 * sstride * sizeof(int32_t),
+        hq * 3 * 2 * sizeof(int32_t), hq * 3 * rbs * sizeof(int32_t), blocks * sizeof(int32_t),
+        masks * sizeof(uint32_t)}) {
     total += Align(bytes);
   }
   return total;
@@ -329,17 +329,16 @@ absl::Status LaunchSparsePrefillTimed(const DcaGeometry& g, const SparsePrefillP
   const Layout l =
       MakeLayout(g, sp.budgets, sp.prefill.start, sp.prefill.num_tokens, sp.row_block_slice);
   if (sp.workspace == nullptr || sp.workspace_bytes < l.total) {
-    return absl::InvalidArgumentError(absl::StrCat("sparse: workspace of ", sp.workspace_bytes,
-                                                   " bytes < ", l.total, " needed"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sparse: workspace of ", sp.workspace_bytes, " bytes < ", l.total, " needed"));
   }
   const std::vector<Piece> pieces = Pieces(sp.prefill.start, sp.prefill.num_tokens, g.chunk_len);
   int convert_index = 0;
   for (size_t i = 0; i < pieces.size(); ++i) {
     const int pi = static_cast<int>(i);
-    absl::Status s =
-        g.head_dim == 128
-            ? LaunchPiece<128>(g, sp, l, pieces[i], timers, pi, &convert_index, stream)
-            : LaunchPiece<64>(g, sp, l, pieces[i], timers, pi, &convert_index, stream);
+    absl::Status s = g.head_dim == 128
+                         ? LaunchPiece<128>(g, sp, l, pieces[i], timers, pi, &convert_index, stream)
+                         : LaunchPiece<64>(g, sp, l, pieces[i], timers, pi, &convert_index, stream);
     if (!s.ok()) return s;
   }
   return absl::OkStatus();

@@ -16,9 +16,10 @@
 //   3. stage mapping with the fallbacks (one block per q head).
 //   4. the converter: one thread per (q head, stage, 64-row block) walks the offsets exactly as
 //      ConvertVerticalSlash does and stores the block starts. Columns are not copied per row block:
-//      a row block's key set is its blocks plus the stage's whole column list minus the columns that
-//      lie inside its blocks (the CPU converter drops exactly those, and for the causal intra stage
-//      also columns right of its last band, which are future keys the causal mask removes anyway).
+//      a row block's key set is its blocks plus the stage's whole column list minus the columns
+//      that lie inside its blocks (the CPU converter drops exactly those, and for the causal intra
+//      stage also columns right of its last band, which are future keys the causal mask removes
+//      anyway).
 //   5. block-sparse attention, grid (64-row blocks, q heads), 4 warps x 16 rows, mma.sync bf16 with
 //      fp32 online softmax; walks inter, succ and intra tiles (block tiles, then 64-column gathers)
 //      with each stage's query variant in one launch; K/V read through the page table (cp.async,

@@ -34,7 +34,7 @@ struct PieceArgs {
   int out_dtype;
   int32_t start, begin, end, prev, cl;
   int32_t hq, group;
-  int32_t n_est;  // estimation rows
+  int32_t n_est;       // estimation rows
   int32_t row_blocks;  // row blocks of this slice of the piece (the converter / attention launch)
   int32_t rb_offset;   // first row block of the slice
   int32_t num_segments;
@@ -53,7 +53,9 @@ struct PieceArgs {
   int32_t* block_counts;  // [Hq][3][row_blocks] (slice-local row block index)
   int32_t* blocks;
   uint32_t* col_masks;
-  unsigned long long* tile_stats;  // optional: [0] += K/V tiles attended, [1] += column tiles  // bit i of (h, s, m): stage column i lies inside a block of row block m
+  unsigned long long*
+      tile_stats;  // optional: [0] += K/V tiles attended, [1] += column tiles  // bit i of (h, s,
+                   // m): stage column i lies inside a block of row block m
   int64_t mask_base[kMaxSparseHeads];   // (h, s, m) at mask_base[h] + (s * row_blocks + m) * words
   int32_t mask_words[kMaxSparseHeads];  // ceil(column capacity of head h / 32)
   int64_t block_base[kMaxSparseHeads * 3];
@@ -113,9 +115,9 @@ __global__ void __launch_bounds__(kThreads) EstimateKernel(const PieceArgs a) {
   constexpr int kStride = D + 8;
   constexpr int kTile = kTileN * kStride;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);                     // [2][64][D + 8]
-  float* colsum = reinterpret_cast<float*>(ks + 2 * kTile);          // [4][64]
-  float* diag = colsum + 4 * kTileN;                                 // [kEstSegment + 64]
+  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);              // [2][64][D + 8]
+  float* colsum = reinterpret_cast<float*>(ks + 2 * kTile);  // [4][64]
+  float* diag = colsum + 4 * kTileN;                         // [kEstSegment + 64]
 
   const int seg = blockIdx.x, h = blockIdx.y;
   const int kvh = h / a.group;
@@ -177,7 +179,8 @@ __global__ void __launch_bounds__(kThreads) EstimateKernel(const PieceArgs a) {
       }
       float acc[kTileN / 8][4];
 #pragma unroll
-      for (int nb = 0; nb < kTileN / 8; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
+      for (int nb = 0; nb < kTileN / 8; ++nb)
+        acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
@@ -213,7 +216,8 @@ __global__ void __launch_bounds__(kThreads) EstimateKernel(const PieceArgs a) {
       for (int i = 0; i < 2; ++i) {
         float mx = -CUDART_INF_F;
 #pragma unroll
-        for (int nb = 0; nb < kTileN / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * i], s[nb][2 * i + 1]));
+        for (int nb = 0; nb < kTileN / 8; ++nb)
+          mx = fmaxf(mx, fmaxf(s[nb][2 * i], s[nb][2 * i + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(m_row[i], mx);
@@ -250,9 +254,9 @@ __global__ void __launch_bounds__(kThreads) EstimateKernel(const PieceArgs a) {
       if (threadIdx.x < kTileN) {
         const int32_t key = k0 + threadIdx.x;
         if (key < k_hi) {
-          a.vscore[h * a.score_stride + key] =
-              colsum[threadIdx.x] + colsum[kTileN + threadIdx.x] + colsum[2 * kTileN + threadIdx.x] +
-              colsum[3 * kTileN + threadIdx.x];
+          a.vscore[h * a.score_stride + key] = colsum[threadIdx.x] + colsum[kTileN + threadIdx.x] +
+                                               colsum[2 * kTileN + threadIdx.x] +
+                                               colsum[3 * kTileN + threadIdx.x];
         }
       }
     }
@@ -316,9 +320,7 @@ __global__ void __launch_bounds__(kTopKThreads) TopKKernel(const PieceArgs a) {
   int32_t* out = slash ? a.ssel + static_cast<int64_t>(h) * a.sstride
                        : a.vsel + static_cast<int64_t>(h) * a.vstride;
   const int32_t k = min(slash ? a.sbudget[h] : a.vbudget[h], n);
-  auto forced = [&](int32_t j) {
-    return slash ? j >= n - kForcedSlashes : j < kForcedVerticals;
-  };
+  auto forced = [&](int32_t j) { return slash ? j >= n - kForcedSlashes : j < kForcedVerticals; };
   if (k >= n) {
     for (int32_t j = threadIdx.x; j < n; j += kTopKThreads) out[j] = j;
     return;
@@ -379,7 +381,10 @@ __device__ __forceinline__ int32_t LowerBound(const int32_t* v, int32_t n, int32
   int32_t lo = 0, hi = n;
   while (lo < hi) {
     const int32_t mid = (lo + hi) / 2;
-    if (v[mid] < x) lo = mid + 1; else hi = mid;
+    if (v[mid] < x)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -425,7 +430,8 @@ __global__ void MapStagesKernel(const PieceArgs a) {
     const int32_t n_fb = min(5, (kv_len + step - 1) / step);
     int32_t n_cols = c_hi - c_lo, n_offs = o_hi - o_lo;
     if (n_cols > 0) {
-      for (int32_t i = threadIdx.x; i < n_cols; i += blockDim.x) cols[i] = vsel[c_lo + i] - kv_begin;
+      for (int32_t i = threadIdx.x; i < n_cols; i += blockDim.x)
+        cols[i] = vsel[c_lo + i] - kv_begin;
     } else {
       for (int32_t i = threadIdx.x; i < n_fb; i += blockDim.x) cols[i] = i * step;
       n_cols = n_fb;
@@ -451,8 +457,8 @@ __global__ void ConvertKernel(const PieceArgs a) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<int64_t>(a.hq) * 3 * a.row_blocks) return;
   const int32_t ml = static_cast<int32_t>(idx % a.row_blocks);  // storage index in the slice
-  const int32_t m = a.rb_offset + ml;                            // row block of the piece
-  const int hs = static_cast<int>(idx / a.row_blocks);  // h * 3 + s
+  const int32_t m = a.rb_offset + ml;                           // row block of the piece
+  const int hs = static_cast<int>(idx / a.row_blocks);          // h * 3 + s
   const int s = hs % 3, h = hs / 3;
   int32_t* count = a.block_counts + static_cast<int64_t>(hs) * a.row_blocks + ml;
   const int32_t* cnt = a.stage_counts + hs * 2;
@@ -506,7 +512,10 @@ __global__ void ConvertKernel(const PieceArgs a) {
       ++lo;
       while (lo < hi) {
         const int32_t mid = (lo + hi) / 2;
-        if (cols[mid] < rs) lo = mid + 1; else hi = mid;
+        if (cols[mid] < rs)
+          lo = mid + 1;
+        else
+          hi = mid;
       }
       ci = lo;
     }
@@ -525,7 +534,10 @@ __global__ void ConvertKernel(const PieceArgs a) {
     ++lo;
     while (lo < hi) {
       const int32_t mid = (lo + hi) / 2;
-      if (offs[mid] < x) hi = mid; else lo = mid + 1;
+      if (offs[mid] < x)
+        hi = mid;
+      else
+        lo = mid + 1;
     }
     return lo;
   };
@@ -542,7 +554,10 @@ __global__ void ConvertKernel(const PieceArgs a) {
     int32_t lo = si, hi = no - 1;  // find first index in [si, no-1] with offs < base, else no-1
     while (lo < hi) {
       const int32_t mid = (lo + hi) / 2;
-      if (offs[mid] < base) hi = mid; else lo = mid + 1;
+      if (offs[mid] < base)
+        hi = mid;
+      else
+        lo = mid + 1;
     }
     d = offs[lo];
     si = lo + 1;
@@ -595,8 +610,8 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
   constexpr int kTile = kTileN * kStride;
   constexpr int kDimBlocks = D / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);  // [2][64][D + 8]
-  Bf16* vs = ks + 2 * kTile;                     // [2][64][D + 8]
+  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);                // [2][64][D + 8]
+  Bf16* vs = ks + 2 * kTile;                                   // [2][64][D + 8]
   int32_t* kpos = reinterpret_cast<int32_t*>(vs + 2 * kTile);  // [2][64] absolute key or -1
 
   const int ml = a.row_blocks - 1 - blockIdx.x;  // heaviest (last) row blocks first
@@ -629,7 +644,10 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
       int32_t lo = 0, hi = st[i].nc;
       while (lo < hi) {
         const int32_t mid = (lo + hi) / 2;
-        if (c[mid] <= horizon) lo = mid + 1; else hi = mid;
+        if (c[mid] <= horizon)
+          lo = mid + 1;
+        else
+          hi = mid;
       }
       st[i].nc = lo;
     }
@@ -649,8 +667,8 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
   const int total = n_tiles[0] + n_tiles[1] + n_tiles[2];
   if (a.tile_stats != nullptr && threadIdx.x == 0) {
     atomicAdd(&a.tile_stats[0], static_cast<unsigned long long>(total));
-    atomicAdd(&a.tile_stats[1], static_cast<unsigned long long>(
-                                    total - st[0].nb - st[1].nb - st[2].nb));
+    atomicAdd(&a.tile_stats[1],
+              static_cast<unsigned long long>(total - st[0].nb - st[1].nb - st[2].nb));
   }
   auto which = [&](int j, int& i, int& local) {
     i = j < n_tiles[0] ? 0 : (j < n_tiles[0] + n_tiles[1] ? 1 : 2);
@@ -664,7 +682,7 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
   constexpr int kMyRows = kTileN / kRowStep;
   const int col = (threadIdx.x % kChunks) * 8;
   const int row0 = threadIdx.x / kChunks;
-  auto fetch = [&](int j, int32_t (&keys)[kMyRows]) {
+  auto fetch = [&](int j, int32_t(&keys)[kMyRows]) {
     if (j >= total) return;
     int i, local;
     which(j, i, local);
@@ -686,7 +704,7 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
       }
     }
   };
-  auto issue = [&](int j, const int32_t (&keys)[kMyRows]) {
+  auto issue = [&](int j, const int32_t(&keys)[kMyRows]) {
     Bf16* kd = ks + (j & 1) * kTile;
     Bf16* vd = vs + (j & 1) * kTile;
 #pragma unroll
@@ -779,8 +797,10 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
       }
 #pragma unroll
     for (int d = 0; d < kDimBlocks; ++d) {
-      o[d][0] *= alpha[0]; o[d][1] *= alpha[0];
-      o[d][2] *= alpha[1]; o[d][3] *= alpha[1];
+      o[d][0] *= alpha[0];
+      o[d][1] *= alpha[0];
+      o[d][2] *= alpha[1];
+      o[d][3] *= alpha[1];
     }
 #pragma unroll
     for (int kk = 0; kk < kTileN / 16; ++kk) {
@@ -811,7 +831,8 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
     const int64_t base = (static_cast<int64_t>(ri == 0 ? tok0 : tok1) * a.hq + h) * D;
 #pragma unroll
     for (int d = 0; d < kDimBlocks; ++d) {
-      StorePair(a.out, a.out_dtype, base + d * 8 + tig * 2, o[d][2 * ri] * inv, o[d][2 * ri + 1] * inv);
+      StorePair(a.out, a.out_dtype, base + d * 8 + tig * 2, o[d][2 * ri] * inv,
+                o[d][2 * ri + 1] * inv);
     }
   }
 }

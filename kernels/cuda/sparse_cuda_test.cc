@@ -29,8 +29,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "kernels/cuda/testing/gpu_test.h"
 #include "kernels/cuda/dca_cuda.h"
+#include "kernels/cuda/testing/gpu_test.h"
 #include "kernels/dca.h"
 #include "kernels/dca_cpu.h"
 #include "kernels/dtype.h"
@@ -93,8 +93,8 @@ struct Pools {
     std::shuffle(table.begin(), table.end(), rng);
     hk.assign(pages * kPage * row, 0.f);
     hv.assign(pages * kPage * row, 0.f);
-    host = PagedKv<float>{hk.data(), hv.data(), table.data(), kPage, c.g.num_kv_heads,
-                          c.g.head_dim};
+    host =
+        PagedKv<float>{hk.data(), hv.data(), table.data(), kPage, c.g.num_kv_heads, c.g.head_dim};
     for (int64_t p = 0; p < c.length; ++p) {
       for (int h = 0; h < c.g.num_kv_heads; ++h) {
         std::memcpy(host.Key(p, h), &c.k[(p * c.g.num_kv_heads + h) * c.g.head_dim],
@@ -117,8 +117,8 @@ struct Pools {
     cudaMemcpy(dv->get(), bv.data(), bv.size() * 2, cudaMemcpyHostToDevice);
     cudaMemcpy(dtable->get(), table.data(), table.size() * 4, cudaMemcpyHostToDevice);
     cudaMemcpy(dq->get(), bq.data(), bq.size() * 2, cudaMemcpyHostToDevice);
-    dev = PagedKv<Bf16>{dk->get<Bf16>(), dv->get<Bf16>(), dtable->get<int32_t>(), kPage,
-                        c.g.num_kv_heads, c.g.head_dim};
+    dev = PagedKv<Bf16>{dk->get<Bf16>(), dv->get<Bf16>(),  dtable->get<int32_t>(),
+                        kPage,           c.g.num_kv_heads, c.g.head_dim};
   }
   ~Pools() {
     delete dk;
@@ -308,7 +308,7 @@ void ExpectSameSelection(const std::vector<int64_t>& got, const std::vector<int6
 
 // Budgets cycling over small versions of the shipped pattern's shapes, one head taking all.
 std::vector<VsBudget> TestBudgets(int hq) {
-  const VsBudget kinds[] = {{130, 100}, {200, 300}, {64, 700}, {500, 50},
+  const VsBudget kinds[] = {{130, 100},  {200, 300}, {64, 700}, {500, 50},
                             {1000, 150}, {30, 5000}, {333, 120}};
   std::vector<VsBudget> b(hq);
   for (int h = 0; h < hq; ++h) b[h] = kinds[h % 7];
@@ -393,12 +393,13 @@ TEST(SparseCudaTest, PiecesMatchCpuPath) {
       }
       EXPECT_LE(worst_rel, 2e-3) << tag << ": estimation scores vs fp64";
       // Selections vs the CPU path.
-      const VsSelection cpu = EstimateVerticalSlash<float>(c.g, pools.host, cp, piece, h,
-                                                           c.last_q, c.budgets[h]);
+      const VsSelection cpu =
+          EstimateVerticalSlash<float>(c.g, pools.host, cp, piece, h, c.last_q, c.budgets[h]);
       VsSelection gpu;
       const int64_t nv = std::min(c.budgets[h].vertical, piece.end);
       const int64_t ns = std::min(c.budgets[h].slash, piece.end);
-      for (int64_t i = 0; i < nv; ++i) gpu.vertical.push_back(view.vertical[h * view.vertical_stride + i]);
+      for (int64_t i = 0; i < nv; ++i)
+        gpu.vertical.push_back(view.vertical[h * view.vertical_stride + i]);
       for (int64_t i = 0; i < ns; ++i) gpu.slash.push_back(view.slash[h * view.slash_stride + i]);
       ExpectSameSelection(gpu.vertical, cpu.vertical, rv, false, piece.end, tag + " vertical",
                           &exact, &total);
@@ -417,8 +418,8 @@ TEST(SparseCudaTest, PiecesMatchCpuPath) {
           EXPECT_EQ(cnt[1], 0) << tag << " stage " << s;
           continue;
         }
-        plan.row_blocks[s] = ConvertVerticalSlash(st.q_len, st.kv_len, st.causal, st.columns,
-                                                  st.offsets);
+        plan.row_blocks[s] =
+            ConvertVerticalSlash(st.q_len, st.kv_len, st.causal, st.columns, st.offsets);
         ASSERT_EQ(cnt[0], static_cast<int32_t>(st.columns.size())) << tag << " stage " << s;
         ASSERT_EQ(cnt[1], static_cast<int32_t>(st.offsets.size())) << tag << " stage " << s;
         for (size_t i = 0; i < st.columns.size(); ++i) {
@@ -431,8 +432,8 @@ TEST(SparseCudaTest, PiecesMatchCpuPath) {
         for (int64_t m = 0; m < view.row_blocks; ++m) {
           const std::vector<int64_t>& want = plan.row_blocks[s][m].block_starts;
           const int32_t n = view.block_counts[(h * 3 + s) * view.row_blocks + m];
-          const int32_t* got = view.blocks + view.block_base[h * 3 + s] +
-                               m * view.block_cap[h * 3 + s];
+          const int32_t* got =
+              view.blocks + view.block_base[h * 3 + s] + m * view.block_cap[h * 3 + s];
           ASSERT_EQ(n, static_cast<int32_t>(want.size())) << tag << " stage " << s << " rb " << m;
           for (int32_t i = 0; i < n; ++i) {
             ASSERT_EQ(got[i], want[i]) << tag << " stage " << s << " rb " << m << " #" << i;

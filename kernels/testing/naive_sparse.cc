@@ -21,8 +21,8 @@ double Dot(const float* q, const double* k, int d) {
 }  // namespace
 
 SparseScores EstimateScores(const DcaGeometry& geometry, absl::Span<const float> q, int64_t start,
-                            absl::Span<const double> keys, int64_t prev, int64_t begin,
-                            int64_t end, int32_t head, double softmax_scale, int64_t last_q) {
+                            absl::Span<const double> keys, int64_t prev, int64_t begin, int64_t end,
+                            int32_t head, double softmax_scale, int64_t last_q) {
   const int d = geometry.head_dim;
   const int64_t hq = geometry.num_q_heads, hkv = geometry.num_kv_heads;
   const int64_t kv_head = head / (hq / hkv);
@@ -175,8 +175,8 @@ std::vector<uint8_t> StageMask(int64_t q_len, int64_t kv_len, bool causal,
       }
     }
     // The end of the last range (a range right of every visible key when there is no band).
-    const int64_t last_end = ranges.empty() ? (causal ? off + end_m + 64 : kv_len + 64)
-                                            : ranges.back().second;
+    const int64_t last_end =
+        ranges.empty() ? (causal ? off + end_m + 64 : kv_len + 64) : ranges.back().second;
     for (int64_t r = start_m; r < end_m && r < q_len; ++r) {
       uint8_t* row = mask.data() + r * kv_len;
       for (const auto& range : ranges) {

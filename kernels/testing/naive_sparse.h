@@ -30,8 +30,8 @@ struct SparseScores {
 // them); keys: cached (length-scaled) keys [>= end, Hkv, D]. logit = softmax_scale * q . k with
 // query for keys >= prev, query_succ_critical for [prev - cl, prev), query_inter_critical below.
 SparseScores EstimateScores(const DcaGeometry& geometry, absl::Span<const float> q, int64_t start,
-                            absl::Span<const double> keys, int64_t prev, int64_t begin,
-                            int64_t end, int32_t head, double softmax_scale, int64_t last_q);
+                            absl::Span<const double> keys, int64_t prev, int64_t begin, int64_t end,
+                            int32_t head, double softmax_scale, int64_t last_q);
 
 // The top-k of step 1: the k highest scores, ties to the smaller index (verticals) or the larger
 // index (slashes, prefer_larger_index). Returned ascending.

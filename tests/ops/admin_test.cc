@@ -187,7 +187,8 @@ TEST(AdminTest, StartupRefusesAnAdminTenantWithoutToken) {
   o.admin_tenant = "team-a";
   s = AttndServer::Start(o);
   ASSERT_FALSE(s.ok());
-  EXPECT_THAT(std::string(s.status().message()), HasSubstr("--admin-tenant needs --auth-token-file"));
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("--admin-tenant needs --auth-token-file"));
 }
 
 }  // namespace

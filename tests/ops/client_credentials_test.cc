@@ -50,7 +50,8 @@ TEST(ClientCredentialsTest, TokenGetsInAndHealthNeedsNone) {
   ASSERT_TRUE(id.ok()) << id.status();
   EXPECT_TRUE((*good)->Release(*id).ok());
 
-  absl::StatusOr<std::unique_ptr<AttndClient>> none = AttndClient::Connect(daemon.target(), Quick());
+  absl::StatusOr<std::unique_ptr<AttndClient>> none =
+      AttndClient::Connect(daemon.target(), Quick());
   ASSERT_TRUE(none.ok()) << none.status();
   absl::StatusOr<v1::GetServerInfoResponse> refused = (*none)->Info();
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << refused.status();

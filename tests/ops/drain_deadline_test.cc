@@ -104,7 +104,8 @@ TEST(OpsDeadlineTest, ExpiredRequestsQueuedBehindSlowWorkChangeNothing) {
 
   gate->HoldPrefills();
   std::future<Reply> slow_reply = PrefillAsync(stub.get(), MakePrefill(slow, 0, kSlowTokens, &rng));
-  // It holds the only worker now: victim's 1 page plus its 16 are allocated, and it waits at the gate.
+  // It holds the only worker now: victim's 1 page plus its 16 are allocated, and it waits at the
+  // gate.
   ASSERT_TRUE(WaitForHeld(gate, 1));
   ASSERT_TRUE(WaitForPagesUsed(stub.get(), 1 + kSlowTokens / kPageSize));
 

@@ -10,9 +10,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "server/fault_engine.h"
 #include "tests/ops/ops_util.h"
 
@@ -96,11 +96,11 @@ TEST(LimitsTest, ServerInfoShowsATenantOnlyItsOwnUse) {
   }
   const v1::GetServerInfoResponse info = Info(stub.get(), kTokenA);
   EXPECT_TRUE(info.tenant_scoped());
-  EXPECT_EQ(info.live_sequences(), 1);                 // not B's three
-  EXPECT_EQ(info.kv_cache().tenant_pages(), 3);        // 40 tokens in pages of 16
-  EXPECT_EQ(info.kv_cache().pages_total(), 64);        // the capacity is shown
-  EXPECT_EQ(info.kv_cache().pages_free(), 0);          // the others' use is not
-  EXPECT_TRUE(info.decode_batching().enabled());       // the settings are shown
+  EXPECT_EQ(info.live_sequences(), 1);                     // not B's three
+  EXPECT_EQ(info.kv_cache().tenant_pages(), 3);            // 40 tokens in pages of 16
+  EXPECT_EQ(info.kv_cache().pages_total(), 64);            // the capacity is shown
+  EXPECT_EQ(info.kv_cache().pages_free(), 0);              // the others' use is not
+  EXPECT_TRUE(info.decode_batching().enabled());           // the settings are shown
   EXPECT_EQ(info.decode_batching().calls_submitted(), 0);  // the server-wide counters are not
   EXPECT_EQ(Info(stub.get(), kTokenB).live_sequences(), 3);
   // Without tokens there is one tenant, and it sees the whole server.

@@ -103,8 +103,8 @@ TEST(OpsMetricsTest, ScrapeMatchesTheCallsMade) {
   ASSERT_EQ(status, 200);
   const std::string& m = *text;
   auto req_total = [&](const std::string& rpc, const std::string& code) {
-    return SampleOr0(m, absl::StrCat("attnd_requests_total{rpc=\"", rpc, "\",code=\"", code,
-                                     "\"}"));
+    return SampleOr0(m,
+                     absl::StrCat("attnd_requests_total{rpc=\"", rpc, "\",code=\"", code, "\"}"));
   };
   EXPECT_EQ(req_total("CreateSequence", "OK"), 2);
   EXPECT_EQ(req_total("Prefill", "OK"), 1);
@@ -146,8 +146,8 @@ TEST(OpsMetricsTest, ScrapeMatchesTheCallsMade) {
   EXPECT_EQ(Sample(m, "attnd_decode_batch_size_count"), 2);
   EXPECT_EQ(Sample(m, "attnd_decode_batch_size_sum"), 2);
   EXPECT_EQ(Sample(m, "attnd_build_info{version=\"" + info.version() + "\",revision=\"" +
-                          StampedRevision() + "\",backend=\"" +
-                          info.backend() + "\",model=\"" + info.model().name() + "\"}"),
+                          StampedRevision() + "\",backend=\"" + info.backend() + "\",model=\"" +
+                          info.model().name() + "\"}"),
             1);
 
   std::optional<std::string> health = HttpGet(metrics_port, "/healthz", &status);

@@ -166,9 +166,9 @@ int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::strin
   grpc::GenericStub generic(channel);
   // HealthCheckRequest{service = field 1}; the response's field 1 is the status enum.
   const std::string request =
-      service.empty() ? std::string()
-                      : absl::StrCat("\x0a", std::string(1, static_cast<char>(service.size())),
-                                     service);
+      service.empty()
+          ? std::string()
+          : absl::StrCat("\x0a", std::string(1, static_cast<char>(service.size())), service);
   grpc::Slice slice(request);
   grpc::ByteBuffer req(&slice, 1), resp;
   grpc::ClientContext ctx;

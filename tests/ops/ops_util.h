@@ -53,9 +53,8 @@ inline const std::string kTeamBToken = "token-of-team-b-fedcba9876543210";
 std::string WriteTwoTenantTokenFile(const std::string& name);
 
 // Per-call context: a 30 s deadline unless given, and `authorization: Bearer <token>` if set.
-std::unique_ptr<grpc::ClientContext> Context(const std::string& token = "",
-                                             std::chrono::milliseconds timeout =
-                                                 std::chrono::seconds(30));
+std::unique_ptr<grpc::ClientContext> Context(
+    const std::string& token = "", std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
 // CreateSequence; fails the test unless OK.
 std::string MustCreate(v1::Attention::Stub* stub, const std::string& token = "");
@@ -64,8 +63,7 @@ grpc::Status Create(v1::Attention::Stub* stub, const std::string& token, std::st
 // fp32 random inputs of the tiny model.
 v1::PrefillRequest MakePrefill(const std::string& id, int32_t layer, int64_t tokens,
                                std::mt19937* rng);
-v1::DecodeRequest MakeDecode(int32_t layer, const std::vector<std::string>& ids,
-                             std::mt19937* rng);
+v1::DecodeRequest MakeDecode(int32_t layer, const std::vector<std::string>& ids, std::mt19937* rng);
 
 // GET http://127.0.0.1:port/path; nullopt when nothing answers. Sets *status.
 std::optional<std::string> HttpGet(int port, const std::string& path, int* status = nullptr);

@@ -69,7 +69,8 @@ TEST(RequestLogTest, EveryRpcOneLineWhenSampleIsOne) {
   EXPECT_THAT(text, HasSubstr("request method=CreateSequence tenant=- seq=- code=OK latency_us="));
   EXPECT_THAT(text, ContainsRegex("request method=Prefill tenant=- seq=" + id.substr(0, 8) +
                                   " tokens=40 code=OK latency_us=[0-9]+"));
-  EXPECT_THAT(text, HasSubstr("request method=ReleaseSequence tenant=- seq=01234567 code=NOT_FOUND"));
+  EXPECT_THAT(text,
+              HasSubstr("request method=ReleaseSequence tenant=- seq=01234567 code=NOT_FOUND"));
   EXPECT_THAT(text, Not(HasSubstr(id.substr(8))));  // only the prefix of an id is logged
 }
 
@@ -86,7 +87,8 @@ TEST(RequestLogTest, SampleZeroLogsOnlyErrors) {
   }
   const std::string text = log.text();
   EXPECT_THAT(text, Not(HasSubstr("method=CreateSequence")));
-  EXPECT_THAT(text, HasSubstr("method=ReleaseSequence tenant=- seq=not-an-i code=INVALID_ARGUMENT"));
+  EXPECT_THAT(text,
+              HasSubstr("method=ReleaseSequence tenant=- seq=not-an-i code=INVALID_ARGUMENT"));
 }
 
 }  // namespace

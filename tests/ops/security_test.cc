@@ -3,8 +3,8 @@
 // sequence indistinguishable from an unknown one and left untouched, and mTLS handshakes that
 // only a certificate from --tls-client-ca passes.
 #include <fstream>
-#include <sstream>
 #include <random>
+#include <sstream>
 #include <string>
 
 #include "absl/strings/match.h"
@@ -52,7 +52,8 @@ TEST_F(TokenTest, RejectsMissingMalformedAndUnknownTokensAndLeavesHealthOpen) {
   std::string id;
   grpc::Status s = Create(stub_.get(), "", &id);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_EQ(s.error_message(), "missing credentials: send 'authorization: Bearer <token>' metadata");
+  EXPECT_EQ(s.error_message(),
+            "missing credentials: send 'authorization: Bearer <token>' metadata");
   s = Create(stub_.get(), "not-a-token-of-anyone-000000", &id);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(s.error_message(), "invalid bearer token");

@@ -151,16 +151,16 @@ TEST(TenantIdentityTest, ConcurrentCallsOnOneAuthenticatedConnectionAllSucceed) 
       batch[i]->ctx.AddMetadata("authorization", "Bearer " + kTokenA);
       batch[i]->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
       Call* c = batch[i].get();
-      stub->async()->CreateSequence(&c->ctx, &c->req, &c->resp,
-                                    [&, c](grpc::Status s) {
-                                      absl::MutexLock lock(&mu);
-                                      c->status = std::move(s);
-                                      ++done;
-                                    });
+      stub->async()->CreateSequence(&c->ctx, &c->req, &c->resp, [&, c](grpc::Status s) {
+        absl::MutexLock lock(&mu);
+        c->status = std::move(s);
+        ++done;
+      });
     }
     {
       absl::MutexLock lock(&mu);
-      mu.Await(absl::Condition(+[](int* d) { return *d == kInFlight; }, &done));
+      mu.Await(absl::Condition(
+          +[](int* d) { return *d == kInFlight; }, &done));
     }
     const absl::Duration round = absl::Now() - t0;
     if (rounds == 0) first_round = round;

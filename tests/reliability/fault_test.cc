@@ -97,7 +97,8 @@ class Witness {
       std::vector<float> v = RandomInputs(&rng_, tokens * g.kv_elems_per_token());
       const int64_t prompt_len = naive_.length(layer) + tokens;
       auto got = d_->client().Prefill(
-          id_, layer, HostTensor::FromFloats(DType::kFp32, {tokens, 5, g.num_q_heads, g.head_dim}, q),
+          id_, layer,
+          HostTensor::FromFloats(DType::kFp32, {tokens, 5, g.num_q_heads, g.head_dim}, q),
           HostTensor::FromFloats(DType::kFp32, {tokens, g.num_kv_heads, g.head_dim}, k),
           HostTensor::FromFloats(DType::kFp32, {tokens, g.num_kv_heads, g.head_dim}, v),
           prompt_len);
@@ -200,7 +201,8 @@ TEST(FaultTest, EngineFailureFailsOnlyTheAffectedRpcs) {
   {
     grpc::ClientContext context;
     v1::PrefillResponse response;
-    grpc::Status s = stub->Prefill(&context, MakePrefill(d.geometry, other, 0, 100, &rng), &response);
+    grpc::Status s =
+        stub->Prefill(&context, MakePrefill(d.geometry, other, 0, 100, &rng), &response);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL) << s.error_message();
     EXPECT_FALSE(s.error_message().empty());
   }
@@ -482,8 +484,9 @@ TEST(FaultTest, HammerAFullPool) {
         // them a while: some must be refused.
         grpc::ClientContext c2;
         v1::PrefillResponse response;
-        s = stub->Prefill(&c2, MakePrefill(d.geometry, created.sequence_id(), 0, 80 + 16 * (i % 3), &rng),
-                          &response);
+        s = stub->Prefill(
+            &c2, MakePrefill(d.geometry, created.sequence_id(), 0, 80 + 16 * (i % 3), &rng),
+            &response);
         if (s.ok()) {
           ++ok;
         } else if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
@@ -513,8 +516,8 @@ TEST(FaultTest, HammerAFullPool) {
     auto stub = d.Stub();
     grpc::ClientContext context;
     v1::PrefillResponse response;
-    grpc::Status s = stub->Prefill(&context, MakePrefill(d.geometry, id, 0, kPages * kPageSize, &rng),
-                                   &response);
+    grpc::Status s = stub->Prefill(
+        &context, MakePrefill(d.geometry, id, 0, kPages * kPageSize, &rng), &response);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
     EXPECT_EQ(*d.client().Release(id), 0);
   }

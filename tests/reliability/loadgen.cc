@@ -7,7 +7,8 @@
 // Pass criteria (exit 0 only if all hold):
 //   - no RPC fails except RESOURCE_EXHAUSTED on CreateSequence/Prefill/Decode (the pool is full
 //     on purpose; the client then releases its sequence and starts over);
-//   - at the end, after waiting for idle reclaim: pages_free == pages_total and live_sequences == 0;
+//   - at the end, after waiting for idle reclaim: pages_free == pages_total and live_sequences ==
+//   0;
 //   - with --attnd_pid: attnd's VmRSS (from /proc) is flat after warm-up: the last third's max RSS
 //     <= the middle third's max * (1 + --rss_tolerance) + --rss_slack_mib.
 #include <unistd.h>
@@ -149,14 +150,13 @@ int Main() {
   const Geometry g{info->model().num_layers(), info->model().num_q_heads(),
                    info->model().num_kv_heads(), info->model().head_dim()};
   const int64_t pages_total = info->kv_cache().pages_total();
-  std::printf("loadgen: %s, model %s (%d layers), %lld pages of %d tokens; %d clients, %d "
-              "abandoners, %d hammers, %.0f s, prompt %d in chunks of %d, %d decode steps\n",
-              target.c_str(), info->model().name().c_str(), g.layers,
-              static_cast<long long>(pages_total), info->kv_cache().page_size(),
-              absl::GetFlag(FLAGS_clients), absl::GetFlag(FLAGS_abandoners),
-              absl::GetFlag(FLAGS_hammers), absl::GetFlag(FLAGS_seconds),
-              absl::GetFlag(FLAGS_prompt), absl::GetFlag(FLAGS_chunk),
-              absl::GetFlag(FLAGS_decode_steps));
+  std::printf(
+      "loadgen: %s, model %s (%d layers), %lld pages of %d tokens; %d clients, %d "
+      "abandoners, %d hammers, %.0f s, prompt %d in chunks of %d, %d decode steps\n",
+      target.c_str(), info->model().name().c_str(), g.layers, static_cast<long long>(pages_total),
+      info->kv_cache().page_size(), absl::GetFlag(FLAGS_clients), absl::GetFlag(FLAGS_abandoners),
+      absl::GetFlag(FLAGS_hammers), absl::GetFlag(FLAGS_seconds), absl::GetFlag(FLAGS_prompt),
+      absl::GetFlag(FLAGS_chunk), absl::GetFlag(FLAGS_decode_steps));
 
   Counters n;
   const absl::Time start = absl::Now();
@@ -253,16 +253,16 @@ int Main() {
   }
 
   bool ok = true;
-  std::printf("loadgen: %.1f s: %lld RPCs (%.0f/s), %lld sequences completed (%.1f/s), %lld "
-              "prefill tokens x layers (%.0f/s), %lld decode tokens (%.0f/s), %lld abandoned, %lld "
-              "hammer rounds, %lld RESOURCE_EXHAUSTED (intended), %lld failed\n",
-              secs, static_cast<long long>(n.rpcs.load()), n.rpcs.load() / secs,
-              static_cast<long long>(n.completed.load()), n.completed.load() / secs,
-              static_cast<long long>(n.prefill_tokens.load()), n.prefill_tokens.load() / secs,
-              static_cast<long long>(n.decode_tokens.load()), n.decode_tokens.load() / secs,
-              static_cast<long long>(n.abandoned.load()),
-              static_cast<long long>(n.hammer_rounds.load()),
-              static_cast<long long>(n.exhausted.load()), static_cast<long long>(n.failed.load()));
+  std::printf(
+      "loadgen: %.1f s: %lld RPCs (%.0f/s), %lld sequences completed (%.1f/s), %lld "
+      "prefill tokens x layers (%.0f/s), %lld decode tokens (%.0f/s), %lld abandoned, %lld "
+      "hammer rounds, %lld RESOURCE_EXHAUSTED (intended), %lld failed\n",
+      secs, static_cast<long long>(n.rpcs.load()), n.rpcs.load() / secs,
+      static_cast<long long>(n.completed.load()), n.completed.load() / secs,
+      static_cast<long long>(n.prefill_tokens.load()), n.prefill_tokens.load() / secs,
+      static_cast<long long>(n.decode_tokens.load()), n.decode_tokens.load() / secs,
+      static_cast<long long>(n.abandoned.load()), static_cast<long long>(n.hammer_rounds.load()),
+      static_cast<long long>(n.exhausted.load()), static_cast<long long>(n.failed.load()));
   for (const auto& [what, count] : n.failures) {
     std::printf("  FAILED %lld x %s\n", static_cast<long long>(count), what.c_str());
   }
@@ -279,7 +279,12 @@ int Main() {
               static_cast<long long>(free_pages), static_cast<long long>(pages_total),
               static_cast<long long>(live),
               reclaimed_at != absl::InfinitePast()
-                  ? absl::StrCat(" (", absl::FormatDuration(absl::Trunc(reclaimed_at - (start + absl::Seconds(secs)), absl::Milliseconds(100))), " after the load)").c_str()
+                  ? absl::StrCat(
+                        " (",
+                        absl::FormatDuration(absl::Trunc(
+                            reclaimed_at - (start + absl::Seconds(secs)), absl::Milliseconds(100))),
+                        " after the load)")
+                        .c_str()
                   : " -- FAILED: pages leaked or sequences not reclaimed");
   if (free_pages != pages_total || live != 0) ok = false;
 
@@ -295,10 +300,11 @@ int Main() {
       const double limit = middle * (1 + absl::GetFlag(FLAGS_rss_tolerance)) +
                            absl::GetFlag(FLAGS_rss_slack_mib) * 1024;
       const bool flat = last <= limit;
-      std::printf("loadgen: attnd VmRSS max per third: %.1f / %.1f / %.1f MiB (%zu samples); last "
-                  "third limit %.1f MiB: %s\n",
-                  first / 1024.0, middle / 1024.0, last / 1024.0, rss.size(), limit / 1024.0,
-                  flat ? "flat" : "FAILED: grows");
+      std::printf(
+          "loadgen: attnd VmRSS max per third: %.1f / %.1f / %.1f MiB (%zu samples); last "
+          "third limit %.1f MiB: %s\n",
+          first / 1024.0, middle / 1024.0, last / 1024.0, rss.size(), limit / 1024.0,
+          flat ? "flat" : "FAILED: grows");
       if (!flat) ok = false;
     }
   }

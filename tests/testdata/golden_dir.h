@@ -1,5 +1,7 @@
-// Where a golden DCA case of tests/testdata/dca is at test time: in the test's runfiles (the test lists
-// //tests/testdata:dca in its data). Header-only and dependency-free so kernel tests can use it too.
+// Where a golden DCA case of tests/testdata/dca is at test time: in the test's runfiles (the test
+// lists
+// //tests/testdata:dca in its data). Header-only and dependency-free so kernel tests can use it
+// too.
 #ifndef ATTND_TESTS_TESTDATA_GOLDEN_DIR_H_
 #define ATTND_TESTS_TESTDATA_GOLDEN_DIR_H_
 

@@ -41,7 +41,9 @@ class DevBuf {
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
   template <typename T = void>
-  T* get() const { return static_cast<T*>(p_); }
+  T* get() const {
+    return static_cast<T*>(p_);
+  }
   size_t bytes() const { return bytes_; }
   void Poison() const { cudaMemset(p_, 0xff, bytes_); }  // all-ones: NaN in bf16/fp16/fp32
   void Upload(const void* src) const { cudaMemcpy(p_, src, bytes_, cudaMemcpyHostToDevice); }
@@ -53,15 +55,15 @@ class DevBuf {
 
 }  // namespace attnd::gpu_test
 
-#define REQUIRE_GPU()                                                                        \
-  do {                                                                                       \
-    std::string why_, detail_;                                                               \
-    if (!::attnd::gpu_test::GpuPresent(&why_, &detail_)) {                                   \
-      std::fprintf(stderr, "*** SKIPPING GPU TEST %s: %s (%s) ***\n",                        \
-                   ::testing::UnitTest::GetInstance()->current_test_info()->name(),          \
-                   why_.c_str(), detail_.c_str());                                           \
-      GTEST_SKIP() << why_;                                                                  \
-    }                                                                                        \
+#define REQUIRE_GPU()                                                                             \
+  do {                                                                                            \
+    std::string why_, detail_;                                                                    \
+    if (!::attnd::gpu_test::GpuPresent(&why_, &detail_)) {                                        \
+      std::fprintf(stderr, "*** SKIPPING GPU TEST %s: %s (%s) ***\n",                             \
+                   ::testing::UnitTest::GetInstance()->current_test_info()->name(), why_.c_str(), \
+                   detail_.c_str());                                                              \
+      GTEST_SKIP() << why_;                                                                       \
+    }                                                                                             \
   } while (0)
 
 #endif  // ATTND_KERNELS_CUDA_TESTING_GPU_TEST_H_

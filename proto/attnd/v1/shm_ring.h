@@ -1,7 +1,7 @@
 // The layout of a shared-memory ring (OpenRing in attention.proto; docs/regions.md, "Rings"): the
 // part of attnd's API that is not a protobuf message. A client creates a POSIX shm object of
-// kHeaderBytes + 2 * half_bytes bytes, writes the header's first fields, and opens it with OpenRing.
-// Then, one request at a time:
+// kHeaderBytes + 2 * half_bytes bytes, writes the header's first fields, and opens it with
+// OpenRing. Then, one request at a time:
 //
 //   client: waits until response_seq == request_seq (nothing in flight), writes a serialized
 //           attnd.v1.SessionRequest into the request half (its length first), then
@@ -43,8 +43,8 @@ struct Header {
   uint32_t reserved;
   uint64_t half_bytes;  // each half's size: kHeaderBytes + 2 * half_bytes == the object's size
   // One cache line per word the two sides write, so they do not share lines.
-  alignas(64) std::atomic<uint32_t> request_seq;  // the client's: requests written
-  alignas(64) std::atomic<uint32_t> response_seq;  // attnd's: requests answered
+  alignas(64) std::atomic<uint32_t> request_seq;      // the client's: requests written
+  alignas(64) std::atomic<uint32_t> response_seq;     // attnd's: requests answered
   alignas(64) std::atomic<uint32_t> server_sleeping;  // attnd's: 1 while it futex-waits
   alignas(64) std::atomic<uint32_t> client_sleeping;  // the client's: 1 while it futex-waits
   alignas(64) std::atomic<uint32_t> closed;  // attnd's: 1 once the ring serves nothing more
