@@ -370,9 +370,9 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(
       name == "shm" || name == "cuda-ipc" || (name == "ring" && options.ring_regions);
   if (name == "session") carrier = Carrier::kSession;
   if (name == "ring") carrier = Carrier::kRing;
-  if (name == "cuda-ipc" && !ClientBuiltWithCuda()) {
-    return absl::FailedPreconditionError(
-        "built without CUDA: cuda-ipc needs a CUDA build of attnctl");
+  if (name == "cuda-ipc" && !ClientBuiltWithCuda()) {  // this binary cannot: a skip, as below
+    *skip = "attnctl was built without CUDA: cuda-ipc needs a CUDA build of attnctl";
+    return nullptr;
   }
   if (regions || name == "ring") {
     if (info.regions().host_boot_id().empty() && info.regions().kinds_size() == 0) {
