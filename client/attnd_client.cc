@@ -62,39 +62,30 @@ void BuildDecode(int32_t layer, const std::vector<DecodeInput>& entries,
 
 namespace {
 
-// An output tensor: bytes (moved out of the response), or (output region) dtype and shape with the
-// region's reference.
-absl::Status ParseOutput(v1::Tensor* proto, HostTensor* o, std::optional<v1::RegionRef>* o_region) {
-  if (!proto->has_region()) {
-    ATTND_ASSIGN_OR_RETURN(*o, FromProto(std::move(*proto)));
-    return absl::OkStatus();
-  }
-  if (!proto->data().empty()) {
+// An output the server wrote into a region: dtype and shape, no bytes, and the reference.
+absl::Status ParseRegionOutput(const v1::Tensor& proto, HostTensor* o,
+                               std::optional<v1::RegionRef>* o_region) {
+  if (!proto.data().empty()) {
     return absl::InternalError("server returned an output with both data and a region");
   }
-  switch (proto->dtype()) {
-    case v1::DTYPE_BF16:
-      o->dtype = DType::kBf16;
-      break;
-    case v1::DTYPE_FP16:
-      o->dtype = DType::kFp16;
-      break;
-    case v1::DTYPE_FP32:
-      o->dtype = DType::kFp32;
-      break;
-    default:
-      return absl::InternalError(absl::StrCat("server returned dtype ", proto->dtype()));
-  }
-  o->shape.assign(proto->shape().begin(), proto->shape().end());
-  o->data.clear();
-  *o_region = proto->region();
+  ATTND_ASSIGN_OR_RETURN(*o, MetaFromProto(proto));
+  *o_region = proto.region();
   return absl::OkStatus();
 }
 
+// An output tensor: its bytes (moved out of the response), or as ParseRegionOutput.
+absl::Status ParseOutput(v1::Tensor* proto, HostTensor* o, std::optional<v1::RegionRef>* o_region) {
+  if (proto->has_region()) return ParseRegionOutput(*proto, o, o_region);
+  ATTND_ASSIGN_OR_RETURN(*o, FromProto(std::move(*proto)));
+  return absl::OkStatus();
+}
+
+// The same, copying the bytes.
 absl::Status ParseOutput(const v1::Tensor& proto, HostTensor* o,
                          std::optional<v1::RegionRef>* o_region) {
-  v1::Tensor copy = proto;
-  return ParseOutput(&copy, o, o_region);
+  if (proto.has_region()) return ParseRegionOutput(proto, o, o_region);
+  ATTND_ASSIGN_OR_RETURN(*o, FromProto(proto));
+  return absl::OkStatus();
 }
 
 }  // namespace

@@ -82,23 +82,29 @@ void ToProto(const HostTensor& tensor, v1::Tensor* proto) {
 
 namespace {
 
-// FromProto with the bytes already in `t.data`.
-absl::StatusOr<HostTensor> FromProtoMeta(const v1::Tensor& proto, HostTensor t) {
+// t's dtype and shape from `proto` (its bytes are the caller's business).
+absl::Status SetMeta(const v1::Tensor& proto, HostTensor* t) {
   switch (proto.dtype()) {
     case v1::DTYPE_BF16:
-      t.dtype = DType::kBf16;
+      t->dtype = DType::kBf16;
       break;
     case v1::DTYPE_FP16:
-      t.dtype = DType::kFp16;
+      t->dtype = DType::kFp16;
       break;
     case v1::DTYPE_FP32:
-      t.dtype = DType::kFp32;
+      t->dtype = DType::kFp32;
       break;
     default:
       return absl::InternalError(
           absl::StrCat("server returned a tensor with dtype ", v1::DType_Name(proto.dtype())));
   }
-  t.shape.assign(proto.shape().begin(), proto.shape().end());
+  t->shape.assign(proto.shape().begin(), proto.shape().end());
+  return absl::OkStatus();
+}
+
+// FromProto with the bytes already in `t.data`.
+absl::StatusOr<HostTensor> FromProtoMeta(const v1::Tensor& proto, HostTensor t) {
+  if (absl::Status s = SetMeta(proto, &t); !s.ok()) return s;
   absl::Status valid = t.Validate();
   if (!valid.ok()) {
     return absl::InternalError(
@@ -108,6 +114,12 @@ absl::StatusOr<HostTensor> FromProtoMeta(const v1::Tensor& proto, HostTensor t) 
 }
 
 }  // namespace
+
+absl::StatusOr<HostTensor> MetaFromProto(const v1::Tensor& proto) {
+  HostTensor t;
+  if (absl::Status s = SetMeta(proto, &t); !s.ok()) return s;
+  return t;
+}
 
 absl::StatusOr<HostTensor> FromProto(const v1::Tensor& proto) {
   HostTensor t;

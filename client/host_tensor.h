@@ -45,6 +45,8 @@ void ToProto(const HostTensor& tensor, v1::Tensor* proto);
 absl::StatusOr<HostTensor> FromProto(const v1::Tensor& proto);
 // The same, moving the bytes out of `proto` instead of copying them.
 absl::StatusOr<HostTensor> FromProto(v1::Tensor&& proto);
+// Only the dtype and shape, no bytes: an output the server wrote into a region.
+absl::StatusOr<HostTensor> MetaFromProto(const v1::Tensor& proto);
 v1::DType ToProtoDType(DType dtype);
 
 }  // namespace client
