@@ -38,23 +38,21 @@ std::string CpuModelName() {
   return "unknown CPU";
 }
 
-int64_t NumElements(const TensorView& t) {
-  int64_t n = 1;
-  for (int64_t d : t.shape) n *= d;
-  return n;
-}
-
 std::vector<float> InvFreqOrEmpty(const DcaGeometry& g) {
   if (!CheckRotaryGeometry(g).ok()) return {};
   return RotaryInvFreq(g.rope_theta, g.rotary_dim);
 }
 
-absl::Status CheckElements(absl::string_view name, const TensorView& t, int64_t expected) {
-  if (t.data == nullptr || NumElements(t) != expected) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("engine: ", name, " has ", NumElements(t), " elements, expected ", expected));
+// The first `rows` rows of a host view as dense fp32 (views of a shard have a row pitch).
+void RowsToFloat(const TensorView& view, int64_t rows, float* dst) {
+  const int64_t row = RowBytes(view) / ElementSize(view.dtype), pitch = RowPitch(view);
+  const char* src = static_cast<const char*>(view.data);
+  if (pitch == RowBytes(view)) {
+    ConvertToFloat(src, view.dtype, rows * row, dst);
+    return;
   }
-  return absl::OkStatus();
+  for (int64_t r = 0; r < rows; ++r)
+    ConvertToFloat(src + r * pitch, view.dtype, row, dst + r * row);
 }
 
 }  // namespace
@@ -210,11 +208,11 @@ absl::Status CpuEngine::PrefillTyped(const PrefillJob& job) {
     if (absl::Status s = CheckElements(name, *view, n); !s.ok()) return s;
   }
   std::vector<float> q(q_n), k(kv_n), v(kv_n), out(out_n);
-  ConvertToFloat(job.k.data, job.k.dtype, kv_n, k.data());
-  ConvertToFloat(job.v.data, job.v.dtype, kv_n, v.data());
+  RowsToFloat(job.k, t, k.data());
+  RowsToFloat(job.v, t, v.data());
   if (pre_rotary) {  // the five variants and the rotated key, in fp32, before anything else
     std::vector<float> raw(q_in_n);
-    ConvertToFloat(job.q.data, job.q.dtype, q_in_n, raw.data());
+    RowsToFloat(job.q, t, raw.data());
     CpuRotaryParams rotary;
     rotary.q = raw.data();
     rotary.k = k.data();
@@ -224,7 +222,7 @@ absl::Status CpuEngine::PrefillTyped(const PrefillJob& job) {
     rotary.num_tokens = t;
     DualChunkRotaryCpu(geometry_, inv_freq_, rotary, compute_.get());
   } else {
-    ConvertToFloat(job.q.data, job.q.dtype, q_n, q.data());
+    RowsToFloat(job.q, t * kNumQueryVariants, q.data());
   }
 
   const float s = LengthScale(job.prompt_len, geometry_.original_max_position_embeddings);
@@ -251,7 +249,15 @@ absl::Status CpuEngine::PrefillTyped(const PrefillJob& job) {
     DcaPrefillCpu<KvT>(geometry_, kv, prefill, compute_.get());
   }
 
-  ConvertFromFloat(out.data(), out_n, job.out_dtype, job.out);
+  const int64_t out_row = hq * d, out_pitch = job.out_row_pitch;
+  if (out_pitch == 0 || out_pitch == out_row * ElementSize(job.out_dtype)) {
+    ConvertFromFloat(out.data(), out_n, job.out_dtype, job.out);
+  } else {
+    for (int64_t i = 0; i < t; ++i) {
+      ConvertFromFloat(out.data() + i * out_row, out_row, job.out_dtype,
+                       static_cast<char*>(job.out) + i * out_pitch);
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -282,11 +288,11 @@ absl::Status CpuEngine::DecodeTyped(const DecodeJob& job) {
   for (int64_t i = 0; i < n; ++i) {
     const DecodeJob::Entry& e = job.entries[i];
     const float s = LengthScale(e.length, geometry_.original_max_position_embeddings);
-    ConvertToFloat(e.k.data, e.k.dtype, kv_n, kv_buf.data());
-    ConvertToFloat(e.v.data, e.v.dtype, kv_n, kv_buf.data() + kv_n);
+    RowsToFloat(e.k, 1, kv_buf.data());
+    RowsToFloat(e.v, 1, kv_buf.data() + kv_n);
     if (e.q_layout == QLayout::kPreRotary) {  // intra, succ, inter and the key at L - 1
       raw_q.resize(hq * d);
-      ConvertToFloat(e.q.data, e.q.dtype, hq * d, raw_q.data());
+      RowsToFloat(e.q, 1, raw_q.data());
       CpuRotaryParams rotary;
       rotary.q = raw_q.data();
       rotary.k = kv_buf.data();
@@ -296,7 +302,7 @@ absl::Status CpuEngine::DecodeTyped(const DecodeJob& job) {
       rotary.num_tokens = 1;
       DualChunkRotaryCpu(geometry_, inv_freq_, rotary, nullptr);
     } else {
-      ConvertToFloat(e.q.data, e.q.dtype, q_n, q.data() + i * q_n);
+      RowsToFloat(e.q, kNumDecodeVariants, q.data() + i * q_n);
     }
     const PagedKv<KvT> kv = LayerView<KvT>(job.layer, e.page_table);
     CpuAppendParams append;

@@ -37,20 +37,6 @@ constexpr int kCopyThreads = 4;
 
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-int64_t NumElements(const TensorView& t) {
-  int64_t n = 1;
-  for (int64_t d : t.shape) n *= d;
-  return n;
-}
-
-absl::Status CheckElements(absl::string_view name, const TensorView& t, int64_t expected) {
-  if (t.data == nullptr || NumElements(t) != expected) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("engine: ", name, " has ", NumElements(t), " elements, expected ", expected));
-  }
-  return absl::OkStatus();
-}
-
 bool SupportedDType(DType t) { return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32; }
 
 struct DeviceFree {
@@ -130,6 +116,7 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   absl::Status Prefill(const PrefillJob& job) override;
   absl::Status Decode(const DecodeJob& job) override;
   std::string device_uuid() const override { return device_uuid_; }
+  std::string device() const override { return absl::StrCat("cuda:", device_); }
   DeviceMemoryOpener* device_memory_opener() override { return this; }
 
   // CUDA IPC regions (docs/regions.md): the handle's allocation, opened on this engine's device.
@@ -495,41 +482,39 @@ absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int6
   // q as it arrives: the five variants, or [count, Hq, D] before the rotary.
   const int64_t q_row = (pre_rotary ? 1 : kNumQueryVariants) * hq * d;
   const int64_t q_n = count * q_row, kv_n = count * hkv * d;
-  const size_t q_bytes = q_n * ElementSize(job.q.dtype);
-  const size_t k_bytes = kv_n * ElementSize(job.k.dtype);
-  const size_t v_bytes = kv_n * ElementSize(job.v.dtype);
   const size_t out_bytes = count * hq * d * ElementSize(job.out_dtype);
   // Host tensors: staged in pinned memory, then H2D. Device tensors (CUDA IPC regions): one
-  // device-to-device copy. Then one stream: convert, append, attend, and the output back.
-  const auto stage = [this](const TensorView& view, size_t offset, size_t bytes, size_t h_off,
+  // device-to-device copy. Then one stream: convert, append, attend, and the output back. A
+  // shard's views have a row pitch (its heads of each row): packed densely on the way.
+  const auto stage = [this](const TensorView& view, int64_t first_row, int64_t rows, size_t h_off,
                             void* device_dst) -> absl::Status {
-    const char* src = static_cast<const char*>(view.data) + offset;
+    const int64_t row = RowBytes(view), pitch = RowPitch(view);
+    const char* src = static_cast<const char*>(view.data) + first_row * pitch;
     if (view.on_device) {
-      ATTND_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(device_dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+      ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(device_dst, row, src, pitch, row, rows,
+                                                   cudaMemcpyDeviceToDevice, stream_));
       return absl::OkStatus();
     }
-    std::memcpy(At(h_prefill_, h_off), src, bytes);
-    ATTND_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(device_dst, At(h_prefill_, h_off), bytes, cudaMemcpyHostToDevice, stream_));
+    CopyRowsToDense(view, first_row, rows, At(h_prefill_, h_off));
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_dst, At(h_prefill_, h_off), rows * row,
+                                               cudaMemcpyHostToDevice, stream_));
     return absl::OkStatus();
   };
   Bf16* q_bf16 = static_cast<Bf16*>(d_q_bf16_.get());
-  const size_t q_at = first * q_row * ElementSize(job.q.dtype);
+  const int64_t q_rows = pre_rotary ? 1 : kNumQueryVariants;  // rows per token
+  const int64_t q_first = first * q_rows, q_count = count * q_rows;
   if (pre_rotary) {  // staged as is; the rotary kernel below writes the bf16 variants
-    ATTND_RETURN_IF_ERROR(stage(job.q, q_at, q_bytes, q_off_, At(d_prefill_, q_off_)));
+    ATTND_RETURN_IF_ERROR(stage(job.q, q_first, q_count, q_off_, At(d_prefill_, q_off_)));
   } else if (job.q.dtype == DType::kBf16) {  // straight into the kernel's buffer
-    ATTND_RETURN_IF_ERROR(stage(job.q, q_at, q_bytes, q_off_, q_bf16));
+    ATTND_RETURN_IF_ERROR(stage(job.q, q_first, q_count, q_off_, q_bf16));
   } else {
-    ATTND_RETURN_IF_ERROR(stage(job.q, q_at, q_bytes, q_off_, At(d_prefill_, q_off_)));
+    ATTND_RETURN_IF_ERROR(stage(job.q, q_first, q_count, q_off_, At(d_prefill_, q_off_)));
     ATTND_RETURN_IF_ERROR(
         LaunchConvertToBf16(At(d_prefill_, q_off_), job.q.dtype, q_n, q_bf16, stream_));
   }
   // k and v regions are adjacent in both mirrors only per tensor; copy each.
-  ATTND_RETURN_IF_ERROR(stage(job.k, first * hkv * d * ElementSize(job.k.dtype), k_bytes, k_off_,
-                              At(d_prefill_, k_off_)));
-  ATTND_RETURN_IF_ERROR(stage(job.v, first * hkv * d * ElementSize(job.v.dtype), v_bytes, v_off_,
-                              At(d_prefill_, v_off_)));
+  ATTND_RETURN_IF_ERROR(stage(job.k, first, count, k_off_, At(d_prefill_, k_off_)));
+  ATTND_RETURN_IF_ERROR(stage(job.v, first, count, v_off_, At(d_prefill_, v_off_)));
 
   if (pre_rotary) {
     // The five bf16 variants into the kernels' buffer, and k rotated in place (its own dtype),
@@ -598,17 +583,26 @@ absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int6
   } else {
     ATTND_RETURN_IF_ERROR(LaunchDcaPrefill(geometry_, pp, stream_));
   }
-  char* out = static_cast<char*>(job.out) + first * hq * d * ElementSize(job.out_dtype);
+  const size_t out_row = hq * d * ElementSize(job.out_dtype);
+  const size_t out_pitch = job.out_row_pitch != 0 ? job.out_row_pitch : out_row;
+  char* out = static_cast<char*>(job.out) + first * out_pitch;
   if (job.out_on_device) {  // straight into the client's buffer
-    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out, At(d_prefill_, out_off_), out_bytes,
-                                               cudaMemcpyDeviceToDevice, stream_));
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(out, out_pitch, At(d_prefill_, out_off_), out_row,
+                                                 out_row, count, cudaMemcpyDeviceToDevice,
+                                                 stream_));
     ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return absl::OkStatus();
   }
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(h_prefill_, out_off_), At(d_prefill_, out_off_),
                                              out_bytes, cudaMemcpyDeviceToHost, stream_));
   ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  std::memcpy(out, At(h_prefill_, out_off_), out_bytes);
+  const char* staged = static_cast<const char*>(At(h_prefill_, out_off_));  // dense
+  if (out_pitch == out_row) {
+    std::memcpy(out, staged, out_bytes);
+  } else {
+    for (int64_t i = 0; i < count; ++i)
+      std::memcpy(out + i * out_pitch, staged + i * out_row, out_row);
+  }
   return absl::OkStatus();
 }
 
@@ -657,10 +651,13 @@ absl::Status CudaEngine::DecodeFromDevice(const DecodeJob& job) {
   std::deque<std::string> copies;
   const auto to_host = [&copies](TensorView* view) -> absl::Status {
     if (!view->on_device) return absl::OkStatus();
-    std::string& c = copies.emplace_back(NumElements(*view) * ElementSize(view->dtype), '\0');
-    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy(c.data(), view->data, c.size(), cudaMemcpyDeviceToHost));
+    const int64_t row = RowBytes(*view), rows = NumRows(*view);
+    std::string& c = copies.emplace_back(rows * row, '\0');
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2D(c.data(), row, view->data, RowPitch(*view), row, rows,
+                                            cudaMemcpyDeviceToHost));
     view->data = c.data();
     view->on_device = false;
+    view->row_pitch = 0;
     return absl::OkStatus();
   };
   const int64_t out_row = int64_t{geometry_.num_q_heads} * geometry_.head_dim;
@@ -779,7 +776,7 @@ absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t 
 
 absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t count) {
   const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
-  const int64_t q_n = kNumDecodeVariants * hq * d, kv_n = hkv * d, out_n = hq * d;
+  const int64_t kv_n = hkv * d, out_n = hq * d;
   const int32_t b = static_cast<int32_t>(count);
   const auto size = std::lower_bound(sizes_.begin(), sizes_.end(), b);
   const int32_t plan = size == sizes_.end() ? b : *size;
@@ -799,8 +796,7 @@ absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t 
     rows[i].rotary = rotary ? 1 : 0;
     rows[i].q_dtype = static_cast<int32_t>(e.q.dtype);
     rows[i].k_dtype = static_cast<int32_t>(e.k.dtype);
-    std::memcpy(At(h_decode_, h_q_off_ + i * q_slot_), e.q.data,
-                (rotary ? hq * d : q_n) * ElementSize(e.q.dtype));
+    CopyRowsToDense(e.q, 0, rotary ? 1 : kNumDecodeVariants, At(h_decode_, h_q_off_ + i * q_slot_));
     std::memcpy(At(h_decode_, h_k_off_ + i * kv_slot_), e.k.data, kv_n * ElementSize(e.k.dtype));
     std::memcpy(At(h_decode_, h_v_off_ + i * kv_slot_), e.v.data, kv_n * ElementSize(e.v.dtype));
     std::memcpy(tables + i * table_stride_, e.page_table, e.num_pages * 4);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
 #include "kvcache/kv_layout.h"
@@ -27,7 +28,27 @@ struct TensorView {
   // data is device memory of the engine's GPU (a CUDA IPC region, docs/regions.md), not host
   // memory. Only the CUDA engine accepts it.
   bool on_device = false;
+  // Bytes from one row (the last two dimensions, [heads, D]) to the next; 0: the rows are dense.
+  // A sharded engine (server/sharded_engine.h) hands each shard its heads of a larger tensor
+  // this way, so no shard's input is copied to be split.
+  int64_t row_pitch = 0;
 };
+
+// product(shape): the elements a view holds.
+int64_t NumElements(const TensorView& view);
+// Rows of a view (product of all but the last two dimensions; 1 for rank < 2) and the bytes of
+// one row's data.
+int64_t NumRows(const TensorView& view);
+int64_t RowBytes(const TensorView& view);
+// Bytes from one row to the next: row_pitch, or RowBytes when the view is dense.
+int64_t RowPitch(const TensorView& view);
+// The view of heads [first, first + count) of `view` (its second-to-last dimension): the same
+// memory with the first head's address and the row pitch of `view`. No data is touched.
+TensorView SliceHeads(const TensorView& view, int64_t first, int64_t count);
+// Copies rows [first_row, first_row + rows) of a host view into `dst`, densely.
+void CopyRowsToDense(const TensorView& view, int64_t first_row, int64_t rows, void* dst);
+// INVALID_ARGUMENT naming `name` unless the view has data and exactly `expected` elements.
+absl::Status CheckElements(absl::string_view name, const TensorView& view, int64_t expected);
 
 // Append num_tokens tokens to one layer of one sequence and compute their attention.
 struct PrefillJob {
@@ -48,6 +69,7 @@ struct PrefillJob {
   void* out = nullptr;  // [T, Hq, D] of out_dtype
   DType out_dtype = DType::kFp32;
   bool out_on_device = false;  // out is device memory (as TensorView::on_device)
+  int64_t out_row_pitch = 0;   // bytes from one token's [Hq, D] to the next; 0: dense
 };
 
 // One decode step in one layer for a batch of distinct sequences.
@@ -61,6 +83,7 @@ struct DecodeJob {
     TensorView v;         // [Hkv, D]
     void* out = nullptr;  // [Hq, D] of out_dtype
     DType out_dtype = DType::kFp32;
+    // q may have a row pitch (its variants' rows); k, v and out are one row each.
     // kPreRotary: q is [Hq, D] and k before the rotary, both rotated for position L - 1.
     QLayout q_layout = QLayout::kVariants;
     bool out_on_device = false;  // out is device memory (as TensorView::on_device)
@@ -69,6 +92,20 @@ struct DecodeJob {
   std::vector<Entry> entries;
   // Set by a graph backend to whether it replayed a captured CUDA graph (else left unchanged).
   bool* graph_replayed = nullptr;
+};
+
+// What one shard of an engine holds: its device, its slice of the heads and its part of the pool.
+// An unsharded engine is one shard with every head.
+struct EngineShard {
+  std::string device;       // "cpu", "cuda:0", ...
+  std::string device_name;  // the CPU model or GPU name
+  std::string device_uuid;  // "GPU-..." or ""
+  int32_t first_kv_head = 0;
+  int32_t num_kv_heads = 0;
+  int32_t first_q_head = 0;
+  int32_t num_q_heads = 0;
+  int64_t pool_bytes = 0;  // this shard's K/V memory (every shard holds every page)
+  int64_t bytes_used = 0;  // of it, pages held by sequences (the runtime's count; engines say 0)
 };
 
 // Thread-safe for jobs on disjoint sequences (callers serialise jobs per sequence). A failed job
@@ -96,6 +133,11 @@ class Engine {
   // Opens CUDA IPC handles on this engine's device, for CUDA IPC regions; null when the engine
   // cannot (the CPU engine). Lives as long as the engine.
   virtual DeviceMemoryOpener* device_memory_opener() { return nullptr; }
+
+  // The engine's shards, in head order. The default: this engine, one shard with every head.
+  virtual std::vector<EngineShard> shards() const;
+  // "cpu" or "cuda:<ordinal>": where this engine's pool lives.
+  virtual std::string device() const { return backend(); }
 };
 
 }  // namespace attnd

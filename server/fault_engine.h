@@ -37,6 +37,7 @@ class FaultEngine : public Engine {
 
   std::string backend() const override { return inner_->backend(); }
   std::string device_name() const override { return inner_->device_name(); }
+  std::string device() const override { return inner_->device(); }
   const KvLayout& layout() const override { return inner_->layout(); }
   const DcaGeometry& geometry() const override { return inner_->geometry(); }
   absl::Status Prefill(const PrefillJob& job) override;
