@@ -50,7 +50,7 @@ int RunInfo(AttndClient& client, std::ostream& out, std::ostream& err) {
   const v1::KvCacheInfo& kv = info->kv_cache();
   const v1::Limits& l = info->limits();
   const int64_t tokens_in_pool = kv.pages_total() * kv.page_size();
-  const std::vector<std::pair<std::string, std::string>> lines = {
+  std::vector<std::pair<std::string, std::string>> lines = {
       {"version", info->version()},
       {"backend", info->backend()},
       {"device", info->device()},
@@ -83,6 +83,18 @@ int RunInfo(AttndClient& client, std::ostream& out, std::ostream& err) {
       {"max sequences",
        l.max_sequences() == 0 ? std::string("unlimited") : absl::StrCat(l.max_sequences())},
   };
+  // A sharded engine (docs/sharding.md): where each slice of the heads and its pool lives.
+  if (info->devices_size() > 1) {
+    for (int i = 0; i < info->devices_size(); ++i) {
+      const v1::DeviceShard& s = info->devices(i);
+      lines.emplace_back(
+          absl::StrCat("shard ", i),
+          absl::StrCat(s.device(), " (", s.device_name(), "): kv heads ", s.first_kv_head(), "-",
+                       s.first_kv_head() + s.num_kv_heads() - 1, ", q heads ", s.first_q_head(),
+                       "-", s.first_q_head() + s.num_q_heads() - 1, ", pool ",
+                       Bytes(s.pool_bytes()), ", used ", Bytes(s.bytes_used())));
+    }
+  }
   size_t width = 0;
   for (const auto& [key, value] : lines) width = std::max(width, key.size());
   for (const auto& [key, value] : lines) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
 #include "server/engine.h"
@@ -18,11 +19,17 @@ namespace attnd {
 
 struct EngineOptions {
   std::string device = "auto";  // auto | cpu | cuda
+  // cuda: the CUDA devices (ordinals) to shard the kv heads over, one shard each, in head order;
+  // an ordinal may repeat (two shards on one GPU). Empty: device 0 alone.
+  std::vector<int32_t> devices;
+  // cpu: shards of the kv heads (0 or 1: unsharded); each gets compute_threads / shards threads.
+  // cuda: 0, or the number of devices.
+  int32_t shards = 0;
   DcaGeometry geometry;
   int32_t num_layers = 0;
   int32_t page_size = 16;
   std::string kv_dtype = "auto";  // auto | bf16 | fp32
-  int64_t kv_cache_bytes = 0;     // 0 = the backend's default
+  int64_t kv_cache_bytes = 0;     // 0 = the backend's default; all shards together
   // cuda, when kv_cache_bytes is 0: this fraction of the device's free memory (like vLLM's
   // gpu_memory_utilization, but of what is free at start-up).
   double kv_cache_fraction = 0.9;
@@ -38,12 +45,16 @@ struct EngineOptions {
   bool cuda_graphs = true;
 };
 
+// "0,1" (CUDA ordinals, repeats allowed) as a list; INVALID_ARGUMENT naming --devices otherwise.
+absl::StatusOr<std::vector<int32_t>> ParseDeviceList(absl::string_view text);
+
 // The KV dtype for `kv_dtype` on `backend` ("cpu": auto means fp32, exact against fp32 references).
 absl::StatusOr<DType> ResolveKvDType(const std::string& kv_dtype, const std::string& backend);
 
 // cpu builds a CpuEngine, cuda a CUDA engine (FAILED_PRECONDITION without a usable GPU), auto the
-// CUDA engine when a GPU is present and the CPU engine otherwise. Errors name the option that was
-// wrong.
+// CUDA engine when a GPU is present and the CPU engine otherwise; several shards make a sharded
+// engine over them (server/sharded_engine.h), every shard with the same pages. Errors name the
+// option that was wrong.
 absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineOptions& options);
 
 }  // namespace attnd

@@ -20,6 +20,12 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "host:port to serve on; port 0
 ABSL_FLAG(std::string, model_config, "",
           "path to the model's Hugging Face config.json; empty = Qwen2.5-7B-Instruct-1M");
 ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda");
+ABSL_FLAG(std::string, devices, "",
+          "cuda: the GPUs (ordinals) to split the kv heads over, one shard each, e.g. 0,1; a GPU "
+          "may be named twice (0,0: two shards on one GPU); empty = GPU 0 alone");
+ABSL_FLAG(int32_t, shards, 0,
+          "cpu: split the kv heads over this many shards (as --devices does on cuda); 0 or 1 = "
+          "unsharded");
 ABSL_FLAG(attnd::ByteSize, kv_cache_bytes, attnd::ByteSize{0},
           "KV pool size in bytes (4096, 512Mi, 4Gi, 1.5G: K/M/G/T powers of 1000, Ki/Mi/Gi/Ti of "
           "1024); 0 = the backend's default (CPU: min(4 GiB, RAM / 4); "
@@ -172,6 +178,8 @@ int main(int argc, char** argv) {
   options.listen = absl::GetFlag(FLAGS_listen);
   options.model_config = absl::GetFlag(FLAGS_model_config);
   options.device = absl::GetFlag(FLAGS_device);
+  options.devices = absl::GetFlag(FLAGS_devices);
+  options.shards = absl::GetFlag(FLAGS_shards);
   options.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes).bytes;
   options.kv_cache_fraction = absl::GetFlag(FLAGS_kv_cache_fraction);
   options.kv_dtype = absl::GetFlag(FLAGS_kv_dtype);

@@ -380,6 +380,15 @@ absl::StatusOr<std::unique_ptr<AttndMetrics>> AttndMetrics::Create(const BuildIn
                          r.AddGauge("attnd_kv_pages_used", "KV cache pages held by sequences."));
   ATTND_ASSIGN_OR_RETURN(m->kv_pages_free,
                          r.AddGauge("attnd_kv_pages_free", "KV cache pages free to allocate."));
+  ATTND_ASSIGN_OR_RETURN(
+      m->kv_shard_pool_bytes,
+      r.AddGauge("attnd_kv_shard_pool_bytes",
+                 "KV pool bytes of each engine shard on its device (--devices / --shards).",
+                 {"shard", "device"}));
+  ATTND_ASSIGN_OR_RETURN(m->kv_shard_bytes_used,
+                         r.AddGauge("attnd_kv_shard_bytes_used",
+                                    "Of each shard's KV pool, bytes in pages held by sequences.",
+                                    {"shard", "device"}));
   ATTND_ASSIGN_OR_RETURN(m->live_sequences,
                          r.AddGauge("attnd_live_sequences", "Sequences created and not released."));
   ATTND_ASSIGN_OR_RETURN(m->open_fds, r.AddGauge("attnd_open_fds",

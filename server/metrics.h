@@ -182,6 +182,8 @@ class AttndMetrics {
   CounterFamily* graph_replays_total;     // {}; CUDA graph launches (decode)
   GaugeFamily* kv_pages_used;             // {}
   GaugeFamily* kv_pages_free;             // {}
+  GaugeFamily* kv_shard_pool_bytes;       // {shard, device}; each shard's K/V memory
+  GaugeFamily* kv_shard_bytes_used;       // {shard, device}; of it, held by sequences' pages
   GaugeFamily* live_sequences;            // {}
   GaugeFamily* open_fds;                  // {}; file descriptors open now
   GaugeFamily* fd_limit;                  // {}; the soft RLIMIT_NOFILE (-1: unlimited)

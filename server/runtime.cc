@@ -175,6 +175,11 @@ ServerInfo Runtime::Info() const {
   info.kv_cache.pages_free = allocator_.num_free();
   info.kv_cache.bytes_per_page = layout.bytes_per_page();
   info.kv_cache.pool_bytes = layout.pool_bytes();
+  info.devices = engine_->shards();
+  for (EngineShard& shard : info.devices) {
+    shard.bytes_used = (info.kv_cache.pages_total - info.kv_cache.pages_free) *
+                       (shard.pool_bytes / std::max<int64_t>(1, info.kv_cache.pages_total));
+  }
   info.live_sequences = table_.size();
   info.limits.max_message_bytes = options_.max_message_bytes;
   info.limits.max_sequence_length = max_sequence_length_;

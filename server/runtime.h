@@ -125,6 +125,8 @@ struct ServerInfo {
     int64_t bytes_per_page = 0;
     int64_t pool_bytes = 0;
   } kv_cache;
+  // The engine's shards in head order (one for an unsharded engine); pool bytes per device.
+  std::vector<EngineShard> devices;
   int64_t live_sequences = 0;
   struct Limits {
     int64_t max_message_bytes = 0;

@@ -409,6 +409,12 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
 
   EngineOptions engine_options;
   engine_options.device = options.device;
+  if (!options.devices.empty()) {
+    absl::StatusOr<std::vector<int32_t>> devices = ParseDeviceList(options.devices);
+    if (!devices.ok()) return devices.status();
+    engine_options.devices = *std::move(devices);
+  }
+  engine_options.shards = options.shards;
   engine_options.geometry = geometry;
   engine_options.num_layers = model->num_layers;
   engine_options.page_size = options.page_size;
@@ -461,6 +467,13 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     metrics_->kv_pages_used->Set(
         {}, static_cast<double>(info.kv_cache.pages_total - info.kv_cache.pages_free));
     metrics_->kv_pages_free->Set({}, static_cast<double>(info.kv_cache.pages_free));
+    for (size_t i = 0; i < info.devices.size(); ++i) {
+      const EngineShard& shard = info.devices[i];
+      metrics_->kv_shard_pool_bytes->Set({absl::StrCat(i), shard.device},
+                                         static_cast<double>(shard.pool_bytes));
+      metrics_->kv_shard_bytes_used->Set({absl::StrCat(i), shard.device},
+                                         static_cast<double>(shard.bytes_used));
+    }
     metrics_->live_sequences->Set({}, static_cast<double>(info.live_sequences));
     metrics_->open_fds->Set({}, static_cast<double>(OpenFds()));
     metrics_->fd_limit->Set({}, static_cast<double>(fd_limit_));

@@ -19,7 +19,11 @@ struct ServerOptions {
   std::string listen = "127.0.0.1:50051";  // host:port; port 0 picks a free one
   std::string model_config;                // path to a Hugging Face config.json; "" = Qwen2.5-7B-1M
   std::string device = "auto";             // auto | cpu | cuda
-  int64_t kv_cache_bytes = 0;              // 0 = the backend's default
+  // cuda: CUDA device ordinals to shard the kv heads over, e.g. "0,1" or "0,0" (two shards on one
+  // GPU); "" = device 0 alone. cpu: shards (0 or 1 = unsharded). docs/sharding.md.
+  std::string devices;
+  int32_t shards = 0;
+  int64_t kv_cache_bytes = 0;      // 0 = the backend's default
   double kv_cache_fraction = 0.9;  // cuda with kv_cache_bytes 0: share of free device memory
   std::string kv_dtype = "auto";   // auto | bf16 | fp32 (auto: fp32 on cpu)
   int32_t page_size = 16;          // tokens per page; must divide the DCA chunk length

@@ -722,6 +722,18 @@ void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
   kv->set_tenant_pages(usage.pages);
   kv->set_bytes_per_page(info.kv_cache.bytes_per_page);
   kv->set_pool_bytes(info.kv_cache.pool_bytes);
+  for (const EngineShard& shard : info.devices) {
+    v1::DeviceShard* d = response->add_devices();
+    d->set_device(shard.device);
+    d->set_device_name(shard.device_name);
+    d->set_device_uuid(shard.device_uuid);
+    d->set_first_kv_head(shard.first_kv_head);
+    d->set_num_kv_heads(shard.num_kv_heads);
+    d->set_first_q_head(shard.first_q_head);
+    d->set_num_q_heads(shard.num_q_heads);
+    d->set_pool_bytes(shard.pool_bytes);
+    if (!scoped) d->set_bytes_used(shard.bytes_used);
+  }
   response->set_live_sequences(scoped ? usage.sequences : info.live_sequences);
   response->set_tenant_scoped(scoped);
   v1::Limits* limits = response->mutable_limits();

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
@@ -173,7 +174,7 @@ class ChildDaemon {
       waitpid(pid_, &status, 0);
     }
   }
-  absl::Status Start(const std::string& config) {
+  absl::Status Start(const std::string& config, int shards) {
     std::string binary;
     if (const char* srcdir = std::getenv("TEST_SRCDIR")) {
       const std::string candidate = absl::StrCat(srcdir, "/attnd/server/attnd");
@@ -201,6 +202,10 @@ class ChildDaemon {
                                      "--model-config=" + config,
                                      "--kv-cache-bytes=33554432",
                                      "--page-size=16"};
+    if (shards > 1) {  // every shard on this GPU
+      std::vector<std::string> zeros(shards, "0");
+      args.push_back("--devices=" + absl::StrJoin(zeros, ","));
+    }
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -333,8 +338,9 @@ class RegionTransport {
 
 enum class Transport { kUnary, kSession, kShm, kCudaIpc };
 
-// (request dtype, how requests travel)
-class GoldenTest : public ::testing::TestWithParam<std::tuple<DType, Transport>> {
+// (request dtype, how requests travel, engine shards: 2 splits the kv heads over two shards,
+// --shards 2 on the CPU and --devices 0,0 on one GPU)
+class GoldenTest : public ::testing::TestWithParam<std::tuple<DType, Transport, int>> {
  protected:
   // The case's steps as requests (pre_rotary: q [T, Hq, D] / [Hq, D], Q_LAYOUT_PRE_ROTARY).
   void Replay(const GoldenCase& golden, const std::string& name, bool pre_rotary);
@@ -363,6 +369,7 @@ TEST_P(GoldenTest, DensePreRotary) {
 void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool pre_rotary) {
   const DType dtype = std::get<0>(GetParam());
   const Transport transport = std::get<1>(GetParam());
+  const int shards = std::get<2>(GetParam());
   const bool use_session = transport == Transport::kSession;
   const nlohmann::json& c = golden.json();
   testing::ModelGeometry geometry;
@@ -391,6 +398,14 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   options.kv_dtype = kOnCuda ? "bf16" : "fp32";
   options.kv_cache_bytes = 32ll << 20;
   options.compute_threads = 2;
+  if (shards > 1) {
+    if (kOnCuda) {
+      std::vector<std::string> zeros(shards, "0");
+      options.devices = absl::StrJoin(zeros, ",");
+    } else {
+      options.shards = shards;
+    }
+  }
   std::unique_ptr<testing::TestDaemon> in_process;
   std::string target;
   std::unique_ptr<client::AttndClient> child_client;
@@ -407,7 +422,7 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
 #ifdef ATTND_GOLDEN_ON_CUDA
     absl::StatusOr<std::string> config = testing::WriteModelConfig(geometry);
     ASSERT_TRUE(config.ok()) << config.status();
-    absl::Status started = child.Start(*config);
+    absl::Status started = child.Start(*config, shards);
     ASSERT_TRUE(started.ok()) << started;
     target = child.target();
     // Connect fails at once while nothing listens: retry until the child serves (start-up
@@ -559,25 +574,28 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->live_sequences(), 0);
   EXPECT_EQ(info->kv_cache().pages_free(), info->kv_cache().pages_total());
+  EXPECT_EQ(info->devices_size(), shards) << "the engine's shards";
 }
 
-INSTANTIATE_TEST_SUITE_P(DtypesAndTransports, GoldenTest,
-                         ::testing::Combine(::testing::Values(DType::kFp32, DType::kBf16),
-                                            ::testing::Values(Transport::kUnary,
-                                                              Transport::kSession, Transport::kShm
+INSTANTIATE_TEST_SUITE_P(
+    DtypesAndTransports, GoldenTest,
+    ::testing::Combine(::testing::Values(DType::kFp32, DType::kBf16),
+                       ::testing::Values(Transport::kUnary, Transport::kSession, Transport::kShm
 #ifdef ATTND_GOLDEN_ON_CUDA
-                                                              ,
-                                                              Transport::kCudaIpc
+                                         ,
+                                         Transport::kCudaIpc
 #endif
-                                                              )),
-                         [](const ::testing::TestParamInfo<std::tuple<DType, Transport>>& info) {
-                           const Transport t = std::get<1>(info.param);
-                           return absl::StrCat(DTypeName(std::get<0>(info.param)),
-                                               t == Transport::kSession   ? "_session"
-                                               : t == Transport::kShm     ? "_shm"
-                                               : t == Transport::kCudaIpc ? "_cuda_ipc"
-                                                                          : "_unary");
-                         });
+                                         ),
+                       ::testing::Values(1, 2)),
+    [](const ::testing::TestParamInfo<std::tuple<DType, Transport, int>>& info) {
+      const Transport t = std::get<1>(info.param);
+      return absl::StrCat(DTypeName(std::get<0>(info.param)),
+                          t == Transport::kSession   ? "_session"
+                          : t == Transport::kShm     ? "_shm"
+                          : t == Transport::kCudaIpc ? "_cuda_ipc"
+                                                     : "_unary",
+                          std::get<2>(info.param) > 1 ? "_2shards" : "");
+    });
 
 }  // namespace
 }  // namespace attnd
