@@ -1,6 +1,8 @@
 #include "server/sharded_engine.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -17,10 +19,10 @@ namespace attnd {
 
 absl::StatusOr<DcaGeometry> ShardGeometry(const DcaGeometry& geometry, int32_t num_shards) {
   if (num_shards < 1 || geometry.num_kv_heads % num_shards != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        num_shards, " shards cannot split the model's ", geometry.num_kv_heads,
-        " kv heads evenly: use a number of devices (or --shards) that divides ",
-        geometry.num_kv_heads));
+    return absl::InvalidArgumentError(
+        absl::StrCat(num_shards, " shards cannot split the model's ", geometry.num_kv_heads,
+                     " kv heads evenly: use a number of devices (or --shards) that divides ",
+                     geometry.num_kv_heads));
   }
   DcaGeometry shard = geometry;
   shard.num_kv_heads = geometry.num_kv_heads / num_shards;
@@ -46,9 +48,14 @@ namespace {
 
 // Runs the shards of a job at once: shard 0 on the calling thread, the others on workers. Several
 // callers may run jobs at once (jobs on disjoint sequences); the workers take their parts in
-// order. std::mutex, as kernels/thread_pool.h explains, so that TSan sees the hand-offs.
+// order. A decode step is tens of microseconds, about what waking a sleeping thread costs, so a
+// worker that finished a part spins for kSpin before it sleeps, and so does a caller waiting for
+// its parts: back-to-back steps (a model's layers) never sleep. std::mutex, as
+// kernels/thread_pool.h explains, so that TSan sees the hand-offs.
 class FanOut {
  public:
+  static constexpr auto kSpin = std::chrono::microseconds(100);
+
   explicit FanOut(int num_threads) {
     for (int i = 0; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
   }
@@ -63,25 +70,34 @@ class FanOut {
 
   // Calls fn(i) for every i in [0, n); returns when all calls have returned.
   void Run(int n, const std::function<void(int)>& fn) {
-    Call call{&fn, n - 1};
+    Call call;
+    call.fn = &fn;
+    call.remaining.store(n - 1, std::memory_order_relaxed);
+    bool wake = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (int i = 1; i < n; ++i) queue_.push_back({&call, i});
+      queued_.fetch_add(n - 1, std::memory_order_release);
+      wake = sleepers_ > 0;
     }
-    if (n > 2) {
-      work_cv_.notify_all();
-    } else if (n == 2) {
-      work_cv_.notify_one();
-    }
+    if (wake) work_cv_.notify_all();
     fn(0);
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    while (call.remaining.load(std::memory_order_acquire) != 0 &&
+           std::chrono::steady_clock::now() < until) {
+    }
     std::unique_lock<std::mutex> lock(mu_);
-    call.done.wait(lock, [&call] { return call.remaining == 0; });
+    // Taking the lock also waits for the last worker to be done with `call` (it decrements and
+    // notifies under the lock).
+    call.waiting = true;
+    call.done.wait(lock, [&call] { return call.remaining.load(std::memory_order_acquire) == 0; });
   }
 
  private:
   struct Call {
-    const std::function<void(int)>* fn;
-    int remaining;  // parts not yet returned, guarded by mu_
+    const std::function<void(int)>* fn = nullptr;
+    std::atomic<int> remaining{0};  // parts not yet returned
+    bool waiting = false;           // guarded by mu_: the caller sleeps on done
     std::condition_variable done;
   };
   struct Part {
@@ -90,23 +106,36 @@ class FanOut {
   };
 
   void WorkerLoop() {
-    std::unique_lock<std::mutex> lock(mu_);
     while (true) {
-      work_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      const auto until = std::chrono::steady_clock::now() + kSpin;
+      while (queued_.load(std::memory_order_acquire) == 0 &&
+             std::chrono::steady_clock::now() < until) {
+      }
+      std::unique_lock<std::mutex> lock(mu_);
+      while (queue_.empty() && !stopping_) {
+        ++sleepers_;
+        work_cv_.wait(lock);
+        --sleepers_;
+      }
       if (queue_.empty()) return;  // stopping, and nothing left
       const Part part = queue_.front();
       queue_.pop_front();
+      queued_.fetch_sub(1, std::memory_order_relaxed);
       lock.unlock();
       (*part.call->fn)(part.index);
       lock.lock();
-      if (--part.call->remaining == 0) part.call->done.notify_one();
+      if (part.call->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1 && part.call->waiting) {
+        part.call->done.notify_one();
+      }
     }
   }
 
   std::mutex mu_;
   std::condition_variable work_cv_;
-  std::deque<Part> queue_;  // guarded by mu_
-  bool stopping_ = false;   // guarded by mu_
+  std::deque<Part> queue_;      // guarded by mu_
+  std::atomic<int> queued_{0};  // queue_.size(), for spinning without the lock
+  int sleepers_ = 0;            // guarded by mu_: workers waiting on work_cv_
+  bool stopping_ = false;       // guarded by mu_
   std::vector<std::thread> workers_;
 };
 
@@ -147,9 +176,7 @@ class ShardedEngine : public Engine {
   // CUDA IPC regions are opened on the first shard's device; shards on other devices of the host
   // read them through peer access (cudaIpcMemLazyEnablePeerAccess).
   std::string device_uuid() const override { return shards_[0]->device_uuid(); }
-  DeviceMemoryOpener* device_memory_opener() override {
-    return shards_[0]->device_memory_opener();
-  }
+  DeviceMemoryOpener* device_memory_opener() override { return shards_[0]->device_memory_opener(); }
 
   std::vector<EngineShard> shards() const override {
     std::vector<EngineShard> out;
@@ -234,9 +261,8 @@ class ShardedEngine : public Engine {
     fan_out_.Run(num_shards(), [&](int i) { status[i] = part(i); });
     for (int32_t i = 0; i < num_shards(); ++i) {
       if (!status[i].ok()) {
-        return absl::Status(status[i].code(),
-                            absl::StrCat("shard ", i, " (", shards_[i]->device(),
-                                         "): ", status[i].message()));
+        return absl::Status(status[i].code(), absl::StrCat("shard ", i, " (", shards_[i]->device(),
+                                                           "): ", status[i].message()));
       }
     }
     return absl::OkStatus();
@@ -267,10 +293,10 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateShardedEngine(
         l.num_layers != first.num_layers || l.num_pages != first.num_pages ||
         l.page_size != first.page_size || l.head_dim != first.head_dim ||
         l.kv_dtype != first.kv_dtype || shards[i]->backend() != shards[0]->backend()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sharded engine: shard ", i, " (", g.num_kv_heads, " kv heads, ", l.num_pages,
-          " pages) does not match shard 0 and ", shard_geometry.num_kv_heads,
-          " kv heads per shard"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("sharded engine: shard ", i, " (", g.num_kv_heads, " kv heads, ",
+                       l.num_pages, " pages) does not match shard 0 and ",
+                       shard_geometry.num_kv_heads, " kv heads per shard"));
     }
   }
   KvLayout layout = first;

@@ -29,8 +29,7 @@ absl::StatusOr<DcaGeometry> ShardGeometry(const DcaGeometry& geometry, int32_t n
 
 // The sparse budgets of q heads [first_q_head, first_q_head + num_q_heads) of every layer.
 std::shared_ptr<const SparseAttentionConfig> ShardSparse(const SparseAttentionConfig& sparse,
-                                                         int32_t first_q_head,
-                                                         int32_t num_q_heads);
+                                                         int32_t first_q_head, int32_t num_q_heads);
 
 // Wraps shards built for ShardGeometry(geometry, shards.size()) in head order, their layouts
 // alike but for the kv heads (same layers, pages, page size, head_dim and dtype); one shard is

@@ -16,6 +16,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -24,14 +25,13 @@
 #include "kernels/dtype.h"
 #include "kvcache/kv_layout.h"
 #include "server/cpu_engine.h"
+#include "server/cuda_engine.h"
 #include "server/engine.h"
 #include "server/engine_factory.h"
 #include "server/fault_engine.h"
 #include "server/runtime.h"
 #include "server/sparse_config.h"
 #include "server/test_models.h"
-
-#include "server/cuda_engine.h"
 
 #ifdef ATTND_SHARDED_ON_CUDA
 constexpr bool kOnCuda = true;
@@ -126,7 +126,7 @@ class Sequences {
                                 : std::vector<int64_t>{t, kNumQueryVariants, kHq, kD},
                             rng, DType::kBf16);
     const Tensor k = Random({t, kHkv, kD}, rng, DType::kBf16);
-    const Tensor v = Random({t, kHkv, kD}, rng);
+    const Tensor v = Random({t, kHkv, kD}, rng, DType::kBf16);  // CUDA: one dtype for pre-rotary
     std::vector<std::string> outs;
     for (Engine* e : engines_) {
       PrefillJob job;
@@ -151,8 +151,8 @@ class Sequences {
     return outs;
   }
 
-  std::vector<int32_t> table_ = {7, 3, 60, 12, 0, 33, 21, 5, 48, 9, 40, 17, 2, 55, 26, 11,
-                                 63, 30, 1, 44, 19, 8, 37, 50, 14};  // 400 tokens
+  std::vector<int32_t> table_ = {7,  3,  60, 12, 0,  33, 21, 5,  48, 9,  40, 17, 2,
+                                 55, 26, 11, 63, 30, 1,  44, 19, 8,  37, 50, 14};  // 400 tokens
   absl::Status last_status_;
 
  private:
@@ -171,18 +171,20 @@ void ExpectSame(const std::vector<std::string>& outs, const std::string& what,
     const float* a = reinterpret_cast<const float*>(outs[0].data());
     const float* b = reinterpret_cast<const float*>(outs[i].data());
     double worst = 0;
-    for (size_t j = 0; j < outs[0].size() / 4; ++j) worst = std::max<double>(worst, std::abs(a[j] - b[j]));
+    for (size_t j = 0; j < outs[0].size() / 4; ++j)
+      worst = std::max<double>(worst, std::abs(a[j] - b[j]));
     EXPECT_LE(worst, tolerance) << what << ": engine " << i << " vs unsharded";
   }
 }
 
 // The GPU comparisons skip (loudly) where there is no GPU.
-#define SKIP_WITHOUT_DEVICE()                                                              \
-  do {                                                                                     \
-    if (kOnCuda && CudaDeviceCount() == 0) {                                               \
-      std::fprintf(stderr, "*** SKIPPING GPU TEST: sharded_engine_cuda_test: no CUDA device ***\n"); \
-      GTEST_SKIP() << "no CUDA device";                                                    \
-    }                                                                                      \
+#define SKIP_WITHOUT_DEVICE()                                                                \
+  do {                                                                                       \
+    if (kOnCuda && CudaDeviceCount() == 0) {                                                 \
+      std::fprintf(stderr,                                                                   \
+                   "*** SKIPPING GPU TEST: sharded_engine_cuda_test: no CUDA device ***\n"); \
+      GTEST_SKIP() << "no CUDA device";                                                      \
+    }                                                                                        \
   } while (0)
 
 #ifndef ATTND_SHARDED_ON_CUDA
@@ -265,9 +267,9 @@ TEST(ShardedEngineTest, DensePrefillAndDecodeMatchTheUnshardedEngine) {
     std::vector<Tensor> qs, ks, vs;
     for (int i = 0; i < 3; ++i) {
       const bool pre = i == 1;
-      qs.push_back(Random(pre ? std::vector<int64_t>{kHq, kD}
-                              : std::vector<int64_t>{kNumQueryVariants, kHq, kD},
-                          &rng));
+      qs.push_back(Random(
+          pre ? std::vector<int64_t>{kHq, kD} : std::vector<int64_t>{kNumQueryVariants, kHq, kD},
+          &rng));
       ks.push_back(Random({kHkv, kD}, &rng));
       vs.push_back(Random({kHkv, kD}, &rng, DType::kBf16));
     }
@@ -398,7 +400,8 @@ TEST(ShardedRuntimeTest, AFaultInOneShardLeavesNoPageHeld) {
   };
   std::vector<Tensor> first = tensors(40);
   for (int r = 0; r < 2; ++r) {
-    ASSERT_TRUE(prefill((r == 0 ? *rt : *ref).get(), ids[r], 40, first[0], first[1], first[2]).ok());
+    ASSERT_TRUE(
+        prefill((r == 0 ? *rt : *ref).get(), ids[r], 40, first[0], first[1], first[2]).ok());
   }
   const int64_t free_after_first = (*rt)->Info().kv_cache.pages_free;
   ASSERT_EQ(free_after_first, kPages - 3);
