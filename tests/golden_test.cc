@@ -574,7 +574,19 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->live_sequences(), 0);
   EXPECT_EQ(info->kv_cache().pages_free(), info->kv_cache().pages_total());
-  EXPECT_EQ(info->devices_size(), shards) << "the engine's shards";
+  ASSERT_EQ(info->devices_size(), shards) << "the engine's shards";
+  int64_t pool = 0;
+  for (int i = 0; i < shards; ++i) {
+    const v1::DeviceShard& d = info->devices(i);
+    EXPECT_EQ(d.device(), kOnCuda ? "cuda:0" : "cpu");
+    EXPECT_EQ(d.num_kv_heads(), geometry.num_kv_heads / shards);
+    EXPECT_EQ(d.first_kv_head(), i * d.num_kv_heads());
+    EXPECT_EQ(d.num_q_heads(), geometry.num_q_heads / shards);
+    EXPECT_EQ(d.first_q_head(), i * d.num_q_heads());
+    EXPECT_EQ(d.bytes_used(), 0);
+    pool += d.pool_bytes();
+  }
+  EXPECT_EQ(pool, info->kv_cache().pool_bytes());
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -141,6 +141,11 @@ TEST(OpsMetricsTest, ScrapeMatchesTheCallsMade) {
   EXPECT_EQ(Sample(m, "attnd_kv_pages_free"), info.kv_cache().pages_total() - 2);
   EXPECT_EQ(Sample(m, "attnd_live_sequences"), 1);
   EXPECT_EQ(info.kv_cache().pages_total(), 64);
+  // One shard (unsharded): the whole pool on the CPU, two pages of it held.
+  EXPECT_EQ(Sample(m, "attnd_kv_shard_pool_bytes{shard=\"0\",device=\"cpu\"}"),
+            info.kv_cache().pool_bytes());
+  EXPECT_EQ(Sample(m, "attnd_kv_shard_bytes_used{shard=\"0\",device=\"cpu\"}"),
+            2 * info.kv_cache().bytes_per_page());
 
   // Two executed decode batches of one sequence each (unary and session).
   EXPECT_EQ(Sample(m, "attnd_decode_batch_size_count"), 2);
