@@ -174,8 +174,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Build(const ModelConfig& model, int64_t 
   } else {
     o.shards = sharded ? absl::GetFlag(FLAGS_shards) : 1;
   }
-  const int64_t page_bytes = int64_t{2} * model.num_layers * 16 * model.num_kv_heads *
-                             model.head_dim * 2;
+  const int64_t page_bytes =
+      int64_t{2} * model.num_layers * 16 * model.num_kv_heads * model.head_dim * 2;
   o.kv_cache_bytes = (tokens / 16 + 64) * page_bytes;
   return CreateEngine(o);
 }
@@ -346,7 +346,8 @@ int main(int argc, char** argv) {
   const std::vector<int64_t> contexts = ParseList(absl::GetFlag(FLAGS_contexts));
   const std::vector<int64_t> batches = ParseList(absl::GetFlag(FLAGS_decode_batches));
   int64_t tokens = absl::GetFlag(FLAGS_decode_context) + 64;
-  for (int64_t b : batches) tokens = std::max(tokens, b * (absl::GetFlag(FLAGS_decode_context) + 32));
+  for (int64_t b : batches)
+    tokens = std::max(tokens, b * (absl::GetFlag(FLAGS_decode_context) + 32));
   for (int64_t c : contexts) tokens = std::max(tokens, c);
   Bench bench;
   bench.model = *model;
