@@ -493,7 +493,8 @@ int RunTransport(AttndClient& client, Transport& transport, const v1::GetServerI
                  std::ostream& out, std::ostream& err) {
   const v1::GetServerInfoResponse* info = &info0;
   std::vector<Row> rows;
-  std::vector<std::string> live;  // created and not yet released
+  std::vector<std::string> occupancy;  // per device shard, for each context
+  std::vector<std::string> live;       // created and not yet released
   auto release_all = [&]() -> bool {
     bool ok = true;
     for (const std::string& id : live) {
@@ -593,6 +594,18 @@ int RunTransport(AttndClient& client, Transport& transport, const v1::GetServerI
     }
     progress("");
     if (options.progress) err << "\r";
+    // Where the sequences' pages live, before they are released (one line per device shard).
+    if (failure.empty()) {
+      if (absl::StatusOr<v1::GetServerInfoResponse> held = client.Info(); held.ok()) {
+        for (int i = 0; i < held->devices_size(); ++i) {
+          const v1::DeviceShard& d = held->devices(i);
+          occupancy.push_back(absl::StrFormat(
+              "# context %d, before release: shard %d %s: %d of %d KV bytes in use (%.1f%%)\n",
+              context, i, d.device(), d.bytes_used(), d.pool_bytes(),
+              d.pool_bytes() > 0 ? 100.0 * d.bytes_used() / d.pool_bytes() : 0));
+        }
+      }
+    }
     const bool released = release_all();
     if (!failure.empty()) {
       err << "attnctl bench: context " << context << ": " << failure << "\n";
@@ -630,6 +643,7 @@ int RunTransport(AttndClient& client, Transport& transport, const v1::GetServerI
                            r.decode_steps_per_s, r.decode_p50_ms, r.decode_p99_ms,
                            r.decode_layer_p50_us, r.decode_layer_p99_us);
   }
+  for (const std::string& line : occupancy) out << line;
   return rc;
 }
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -71,10 +72,16 @@ std::unique_ptr<Engine> Make(int32_t shards, std::shared_ptr<const SparseAttenti
   EngineOptions o;
   o.device = "cpu";
   o.shards = shards;
-  if (kOnCuda) {  // every shard on GPU 0; K/V in bf16 whatever the test asks
+  if (kOnCuda) {  // K/V in bf16 whatever the test asks
     o.device = "cuda";
     o.shards = 0;
-    o.devices.assign(shards, 0);
+    // ATTND_TEST_DEVICES (e.g. "0,1" on a two-GPU machine) used in turn; else every shard on GPU 0.
+    const char* env = std::getenv("ATTND_TEST_DEVICES");
+    absl::StatusOr<std::vector<int32_t>> listed =
+        ParseDeviceList(env != nullptr && *env != '\0' ? env : "0");
+    EXPECT_TRUE(listed.ok()) << listed.status();
+    if (!listed.ok() || listed->empty()) return nullptr;
+    for (int32_t i = 0; i < shards; ++i) o.devices.push_back((*listed)[i % listed->size()]);
     kv_dtype = DType::kBf16;
   }
   o.geometry = Geometry();

@@ -27,6 +27,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
@@ -131,6 +132,18 @@ class ShmMemory : public RegionMemory {
   char* base_ = nullptr;
 };
 
+// The GPUs of a sharded CUDA run: ATTND_TEST_DEVICES (e.g. "0,1" on a two-GPU machine) used in
+// turn, else every shard on GPU 0.
+std::vector<std::string> ShardDevices(int shards) {
+  const char* env = std::getenv("ATTND_TEST_DEVICES");
+  std::vector<std::string> listed =
+      absl::StrSplit(env != nullptr && *env != '\0' ? env : "0", ',', absl::SkipEmpty());
+  if (listed.empty()) listed = {"0"};
+  std::vector<std::string> devices;
+  for (int i = 0; i < shards; ++i) devices.push_back(listed[i % listed.size()]);
+  return devices;
+}
+
 #ifdef ATTND_GOLDEN_ON_CUDA
 // Device memory of this process, shared with the daemon (another process) by a CUDA IPC handle.
 class CudaMemory : public RegionMemory {
@@ -203,8 +216,7 @@ class ChildDaemon {
                                      "--kv-cache-bytes=33554432",
                                      "--page-size=16"};
     if (shards > 1) {  // every shard on this GPU
-      std::vector<std::string> zeros(shards, "0");
-      args.push_back("--devices=" + absl::StrJoin(zeros, ","));
+      args.push_back("--devices=" + absl::StrJoin(ShardDevices(shards), ","));
     }
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
@@ -400,8 +412,7 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   options.compute_threads = 2;
   if (shards > 1) {
     if (kOnCuda) {
-      std::vector<std::string> zeros(shards, "0");
-      options.devices = absl::StrJoin(zeros, ",");
+      options.devices = absl::StrJoin(ShardDevices(shards), ",");
     } else {
       options.shards = shards;
     }
@@ -578,7 +589,7 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   int64_t pool = 0;
   for (int i = 0; i < shards; ++i) {
     const v1::DeviceShard& d = info->devices(i);
-    EXPECT_EQ(d.device(), kOnCuda ? "cuda:0" : "cpu");
+    EXPECT_EQ(d.device(), kOnCuda ? "cuda:" + ShardDevices(shards)[i] : "cpu");
     EXPECT_EQ(d.num_kv_heads(), geometry.num_kv_heads / shards);
     EXPECT_EQ(d.first_kv_head(), i * d.num_kv_heads());
     EXPECT_EQ(d.num_q_heads(), geometry.num_q_heads / shards);
