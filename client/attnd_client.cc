@@ -441,8 +441,8 @@ absl::StatusOr<PrefillResult> AttndClient::Prefill(const PrefillInput& input) {
   grpc::ClientContext context;
   SetDeadline(&context);
   grpc::ByteBuffer reply;
-  // Blocking, like the typed stub (the callback API's thread hop cost ~3 ms per call on the
-  // 2-core dev VM).
+  // Blocking, like the typed stub: the callback API's thread hop cost more than the call on the
+  // dev VM (docs/BENCHMARKS.md, "gRPC bytes path").
   const grpc::Status status = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
       channel_.get(), prefill_method_, &context, request, &reply);
   ATTND_RETURN_IF_ERROR(FromGrpc(status));

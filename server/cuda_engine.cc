@@ -30,8 +30,8 @@ namespace {
 
 constexpr size_t kAlign = 256;
 // Decode batches of at least this many rows copy their rows into and out of pinned memory on
-// kCopyThreads threads: from there on the copies, not the kernels, are most of a step (batch 128
-// at 4K: about half of 850 us), and a hand-off to the pool costs less than the copies it splits.
+// kCopyThreads threads: from there on the copies, not the kernels, are most of a step (measured
+// in docs/batching.md), and a hand-off to the pool costs less than the copies it splits.
 constexpr int32_t kParallelCopyRows = 16;
 constexpr int kCopyThreads = 4;
 

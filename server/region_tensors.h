@@ -25,7 +25,7 @@ namespace attnd {
 
 // Large host buffers for shm copies, reused across requests: a fresh allocation of tens of MB is
 // a fresh mmap whose every page faults and is zeroed by the kernel, which cost more than the copy
-// (a 4096-token 7B prefill through shm took 72 ms before, most of it in page faults). Keeps at
+// (docs/BENCHMARKS.md, "Data plane": most of a large shm prefill was page faults). Keeps at
 // most kMaxPooledBytes of idle buffers. Thread-safe.
 class CopyBufferPool {
  public:

@@ -5,8 +5,8 @@
 // Why: protobuf's parser copies every bytes field into a fresh std::string and the response's
 // bytes field is resized (zero-filled) before the engine writes it and copied again by Serialize.
 // Large fresh allocations are mmap'ed by glibc, so each of those copies also faults in (and the
-// kernel zeroes) every page, every call: on the 2-core dev VM the parse alone was ~70% of attnd's
-// CPU during 155 MB uploads (docs/BENCHMARKS.md, "gRPC bytes path"). Here, a tensor that lies in
+// kernel zeroes) every page, every call: the parse was most of attnd's CPU during large uploads
+// (docs/BENCHMARKS.md, "gRPC bytes path"). Here, a tensor that lies in
 // one slice is used in place; one that spans slices (gRPC hands a big message over in slices of
 // at most 64 KiB, so large tensors always do) is gathered once into a buffer of a BufferPool,
 // whose memory stays faulted in between calls.

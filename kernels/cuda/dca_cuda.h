@@ -10,13 +10,10 @@
 // Supported set (one dispatch per kernel family): head_dim 64 or 128; group size (Hq / Hkv) 1..16;
 // bf16 KV. Query tensors are bf16; outputs are bf16, fp16 or fp32.
 //
-// NOTE next steps for speed: the default prefill is a warp-specialised wgmma kernel
-// (prefill_wgmma.cuh, ~390-400 TFLOP/s on an H200 at 32K-128K tokens; the mma.sync one it replaced
-// ~235; cuDNN SDPA ~550-660 on plain causal attention); a persistent grid, TMA for the queries and
-// a deeper producer pipeline are the next steps (bench/gpu/NOTES.md). Decode reaches ~75-79% of
-// copy bandwidth at large batch; more bytes in flight per SM (bulk copies, leaner shared memory) is
-// its next step.
-// bench/gpu/NOTES.md has the measurements.
+// The default prefill is a warp-specialised wgmma kernel (prefill_wgmma.cuh), with an mma.sync
+// fallback; decode is split-K over the page table. How fast each is, against which peer, is in
+// docs/BENCHMARKS.md ("CUDA backend"); the tuning history is in bench/gpu/NOTES.md. Numbers are
+// kept there, not here, so that they have one home and a date.
 #ifndef ATTND_KERNELS_CUDA_DCA_CUDA_H_
 #define ATTND_KERNELS_CUDA_DCA_CUDA_H_
 
@@ -209,9 +206,8 @@ inline constexpr PrefillVariant kPrefillVariants[] = {{4, 2, 1, 64},
 inline constexpr int kNumPrefillVariants = 15;
 inline constexpr int kFallbackPrefillVariant = 5;  // {4, 2, 2, 64}: fastest mma.sync (NOTES.md)
 // {12, 3, 1, 128} warp-specialised wgmma with the asynchronous producer, softmax/P.V overlap and
-// ping-pong between the consumer warpgroups: fastest measured on the H200 (528-577 TFLOP/s at 32K,
-// 541 at 128K, vs 390-406 for variant 9 and ~235 for the mma.sync fallback; bench/gpu/NOTES.md)
-// and within the bf16 bars in every test.
+// ping-pong between the consumer warpgroups: the fastest variant measured on the H200
+// (docs/BENCHMARKS.md, bench/gpu/NOTES.md) and within the bf16 bars in every test.
 inline constexpr int kDefaultPrefillVariant = 13;
 inline constexpr int kDefaultDecodeStages = 2;
 
@@ -273,9 +269,9 @@ inline constexpr DecodeVariant kDecodeVariants[] = {
     {4, 3, kDecodeBulk},      {8, 2, kDecodeBulk}};
 inline constexpr int kNumDecodeKernelVariants = 8;
 // The default (kv_stages 0, variant -1) depends on the batch, as measured on the H200
-// (bench/gpu/NOTES.md, "Decode variants"): {4, 2, pipelined} while every (sequence, kv head) block
-// fits one wave at that variant's occupancy (4.2-4.5 TB/s at batch 8-32, 99% of copy bandwidth at
-// 1 x 1M), {4, 3, pipelined} past it (90-98% at batch 128, where the 2-stage ring falls to 75%).
+// (bench/gpu/NOTES.md, "Decode variants"; docs/BENCHMARKS.md): {4, 2, pipelined} while every
+// (sequence, kv head) block fits one wave at that variant's occupancy, {4, 3, pipelined} past it,
+// where the 2-stage ring no longer keeps enough bytes in flight.
 inline constexpr int kDefaultDecodeVariant = 2;
 inline constexpr int kDefaultLargeBatchDecodeVariant = 3;
 // The default variant for `batch` sequences on `num_sms` multiprocessors (host arithmetic).
