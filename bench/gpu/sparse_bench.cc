@@ -7,7 +7,9 @@
 // prefilled in one call (start 0).
 //
 //   sparse_bench [--sizes 131072,262144,524288,1048576] [--layers 17,0,8] [--dense 1]
-//                [--band smooth|rope] [--config FILE] [--out FILE]
+//                [--band smooth|rope] [--config FILE] [--out FILE] [--chunk N]
+// --chunk N times only the last N tokens of each size, as one call of a chunked prefill sees them
+// (the keys before them already cached), against the dense kernels on the same chunk.
 //
 // Per size: sparse time (median of runs; CUDA events around the whole call), the estimation share
 // (events around each piece's estimation + top-k), the index construction (stage mapping +
@@ -73,6 +75,7 @@ int Main(int argc, char** argv) {
   bool dense = true;
   std::string band = "smooth";
   std::string config = "configs/qwen2.5-7b-instruct-1m/sparse_attention_config.json";
+  int64_t chunk = 0;  // 0: the whole size in one call
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--sizes" && i + 1 < argc)
@@ -85,6 +88,8 @@ int Main(int argc, char** argv) {
       config = argv[++i];
     else if (a == "--band" && i + 1 < argc)
       band = argv[++i];
+    else if (a == "--chunk" && i + 1 < argc)
+      chunk = std::atoll(argv[++i]);
     else if (a == "--out" && i + 1 < argc)
       g_out = std::fopen(argv[++i], "w");
     else {
@@ -103,6 +108,10 @@ int Main(int argc, char** argv) {
   Emit("device: %s, %d SMs; geometry Hq %d Hkv %d D %d chunk_len %ld orig %ld page %d\n", prop.name,
        prop.multiProcessorCount, kHq, kHkv, kD, static_cast<long>(kChunkLen),
        static_cast<long>(kOrig), kPage);
+  if (chunk > 0) {
+    Emit("timed: the last %ld tokens of each size in one call (a chunked prefill's last call)\n",
+         static_cast<long>(chunk));
+  }
   for (int64_t layer : layers) {
     const std::vector<VsBudget> b = LayerBudgets(cfg, static_cast<int>(layer));
     int64_t sv = 0, ss = 0;
@@ -187,16 +196,18 @@ int Main(int argc, char** argv) {
   for (int64_t len : sizes) {
     CudaPrefillParams p;
     p.kv = kv;
-    p.q = q;
+    const int64_t first = chunk > 0 && chunk < len ? len - chunk : 0;  // the timed tokens
+    const int64_t rows = len - first;
+    p.q = q + static_cast<size_t>(first) * kNumQueryVariants * kHq * kD;
     p.out_dtype = DType::kBf16;
-    p.start = 0;
-    p.num_tokens = len;
+    p.start = first;
+    p.num_tokens = rows;
     p.softmax_scale = g.softmax_scale * LengthScale(len, kOrig);
     double dense_ms = -1;
     if (dense) {
       if (!dense_warm) {  // module load / first-launch costs out of the timing
         CudaPrefillParams w = p;
-        w.num_tokens = std::min<int64_t>(len, 16384);
+        w.num_tokens = std::min<int64_t>(rows, 16384);
         w.out = out_dense;
         CHECK_OK(LaunchDcaPrefill(g, w, nullptr));
         CHECK_CUDA(cudaDeviceSynchronize());
@@ -216,7 +227,7 @@ int Main(int argc, char** argv) {
       sp.prefill.out = out_sparse;
       sp.budgets = budgets;
       sp.last_q = 64;
-      sp.workspace_bytes = SparsePrefillWorkspaceBytes(g, budgets, 0, len, 64);
+      sp.workspace_bytes = SparsePrefillWorkspaceBytes(g, budgets, first, rows, 64);
       CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&sp.workspace), sp.workspace_bytes));
       SparsePrefillTimers timers;
       timers.estimate_begin = eb;
@@ -227,11 +238,13 @@ int Main(int argc, char** argv) {
       timers.convert_end = ce.data();
       timers.max_converts = kMaxConverts;
       int converts = 0;  // one per slice of each piece
-      for (int64_t b = 0; b < len; b += kChunkLen) {
-        const int64_t rbs = (std::min(len, b + kChunkLen) - b + 63) / 64;
+      int pieces = 0;
+      for (int64_t b = first; b < len; ++pieces) {  // the call's pieces (DCA chunk boundaries)
+        const int64_t end = std::min(len, (b / kChunkLen + 1) * kChunkLen);
+        const int64_t rbs = (end - b + 63) / 64;
         converts += static_cast<int>((rbs + kDefaultRowBlockSlice - 1) / kDefaultRowBlockSlice);
+        b = end;
       }
-      const int pieces = static_cast<int>((len + kChunkLen - 1) / kChunkLen);
       // warm-up + runs: 3 timed runs up to 256K, 2 above
       CHECK_OK(LaunchSparsePrefillTimed(g, sp, timers, nullptr));
       CHECK_CUDA(cudaDeviceSynchronize());
@@ -257,7 +270,10 @@ int Main(int argc, char** argv) {
       unsigned long long tiles[2];
       CHECK_CUDA(cudaMemcpy(tiles, d_tiles, sizeof(tiles), cudaMemcpyDeviceToHost));
       // Dense work in 64x64 (row, key) units: every row sees keys <= itself, all q heads.
-      const double dense_units = static_cast<double>(kHq) * len * (len + 1) / 2 / (64.0 * 64.0);
+      const double dense_units = static_cast<double>(kHq) *
+                                 (static_cast<double>(len) * (len + 1) / 2 -
+                                  static_cast<double>(first) * (first + 1) / 2) /
+                                 (64.0 * 64.0);
       const double density = tiles[0] / dense_units;
       std::vector<size_t> order(runs);
       std::iota(order.begin(), order.end(), 0);
@@ -267,7 +283,7 @@ int Main(int argc, char** argv) {
       double rel = -1, worst = -1;
       std::string per_head;
       if (dense) {
-        bench::RelativeError(out_sparse, out_dense, len * kHq * kD, kHq, kD, d_err, nullptr);
+        bench::RelativeError(out_sparse, out_dense, rows * kHq * kD, kHq, kD, d_err, nullptr);
         double h[3 + 2 * kHq];
         CHECK_CUDA(cudaMemcpy(h, d_err, sizeof(h), cudaMemcpyDeviceToHost));
         rel = std::sqrt(h[0] / h[1]);
