@@ -4,10 +4,12 @@
 #include <sys/random.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -285,6 +287,64 @@ absl::StatusOr<int64_t> SequenceTable::EnsureCapacity(Sequence* seq, int64_t len
   }
   seq->pages.insert(seq->pages.end(), pages->begin(), pages->end());
   return more;
+}
+
+absl::StatusOr<PageReservation> SequenceTable::Reserve(Sequence* seq, int64_t length) {
+  absl::StatusOr<int64_t> added = EnsureCapacity(seq, length);
+  if (!added.ok()) return added.status();
+  return PageReservation(this, seq, *added);
+}
+
+PageReservation::PageReservation(PageReservation&& other) noexcept
+    : table_(other.table_), seq_(other.seq_), pages_(other.pages_) {
+  other.table_ = nullptr;
+}
+
+PageReservation& PageReservation::operator=(PageReservation&& other) noexcept {
+  if (this != &other) {
+    Undo();
+    table_ = other.table_;
+    seq_ = other.seq_;
+    pages_ = other.pages_;
+    other.table_ = nullptr;
+  }
+  return *this;
+}
+
+PageReservation::~PageReservation() { Undo(); }
+
+// The analysis cannot see that the owner of a reservation holds seq_->mu (the class comment's
+// rule: a reservation ends inside the lock's scope).
+void PageReservation::Undo() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (table_ == nullptr) return;
+  table_->Rollback(seq_, pages_);
+  table_ = nullptr;
+}
+
+SequenceLockSet::SequenceLockSet(absl::Span<const std::shared_ptr<Sequence>> seqs)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  for (const std::shared_ptr<Sequence>& seq : seqs) locked_.push_back(seq.get());
+  std::sort(locked_.begin(), locked_.end(),
+            [](const Sequence* a, const Sequence* b) { return a->id < b->id; });
+  for (Sequence* seq : locked_) seq->mu.Lock();
+}
+
+SequenceLockSet::~SequenceLockSet() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  for (auto it = locked_.rbegin(); it != locked_.rend(); ++it) (*it)->mu.Unlock();
+}
+
+std::optional<std::pair<size_t, size_t>> SequenceLockSet::FirstRepeat(
+    absl::Span<const std::shared_ptr<Sequence>> seqs) {
+  std::vector<size_t> order(seqs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return seqs[a]->id < seqs[b]->id; });
+  for (size_t i = 1; i < order.size(); ++i) {
+    if (seqs[order[i]]->id == seqs[order[i - 1]]->id) {
+      return std::make_pair(std::min(order[i], order[i - 1]), std::max(order[i], order[i - 1]));
+    }
+  }
+  return std::nullopt;
 }
 
 void SequenceTable::Rollback(Sequence* seq, int64_t pages_added) {

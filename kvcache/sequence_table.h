@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "kernels/mutex.h"
 #include "kvcache/page_allocator.h"
 
@@ -58,6 +60,56 @@ struct ReclaimedSequence {
   absl::Time last_used;
 };
 
+class SequenceTable;
+
+// Pages reserved for one request on one sequence whose lock the caller holds: given back when the
+// reservation is destroyed, unless Commit() said the request succeeded. So every early return of
+// a request undoes its reservation, and only the success path keeps it. Destroy it (or commit it)
+// while still holding the sequence's lock: declare it after the lock. Move-only.
+class PageReservation {
+ public:
+  PageReservation() = default;
+  PageReservation(PageReservation&& other) noexcept;
+  PageReservation& operator=(PageReservation&& other) noexcept;
+  PageReservation(const PageReservation&) = delete;
+  PageReservation& operator=(const PageReservation&) = delete;
+  ~PageReservation();
+
+  int64_t pages_added() const { return pages_; }
+  // The request succeeded: the pages stay with the sequence.
+  void Commit() { table_ = nullptr; }
+
+ private:
+  friend class SequenceTable;
+  PageReservation(SequenceTable* table, Sequence* seq, int64_t pages)
+      : table_(table), seq_(seq), pages_(pages) {}
+  void Undo();
+
+  SequenceTable* table_ = nullptr;  // null once committed, moved from, or given back
+  Sequence* seq_ = nullptr;
+  int64_t pages_ = 0;
+};
+
+// The locks of several distinct sequences, taken in id order (two sets that share sequences then
+// never wait on each other in a cycle) and released in reverse order on destruction. The caller
+// makes sure no sequence appears twice (FirstRepeat). Not copyable or movable: it lives in the
+// scope it locks.
+class SequenceLockSet {
+ public:
+  explicit SequenceLockSet(absl::Span<const std::shared_ptr<Sequence>> seqs);
+  ~SequenceLockSet();
+  SequenceLockSet(const SequenceLockSet&) = delete;
+  SequenceLockSet& operator=(const SequenceLockSet&) = delete;
+
+  // Positions (a < b) of the first two entries naming one sequence, in id order; nullopt when all
+  // are distinct.
+  static std::optional<std::pair<size_t, size_t>> FirstRepeat(
+      absl::Span<const std::shared_ptr<Sequence>> seqs);
+
+ private:
+  std::vector<Sequence*> locked_;  // in id order
+};
+
 // Thread-safe. Pages come from (and go back to) the allocator given at construction.
 class SequenceTable {
  public:
@@ -82,6 +134,9 @@ class SequenceTable {
   // When seq's tenant would pass tenant_page_quota: RESOURCE_EXHAUSTED "... tenant T holds N
   // pages; quota Q", nothing changed.
   absl::StatusOr<int64_t> EnsureCapacity(Sequence* seq, int64_t length)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
+  // EnsureCapacity, as a reservation that gives the pages back unless committed.
+  absl::StatusOr<PageReservation> Reserve(Sequence* seq, int64_t length)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
   // Gives back the last `pages_added` pages of seq (undoes EnsureCapacity after a failed request).
   void Rollback(Sequence* seq, int64_t pages_added) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);

@@ -276,6 +276,68 @@ TEST(SequenceTableTest, RollbackReturnsTheAddedPages) {
   EXPECT_EQ(alloc.num_free(), 10);
 }
 
+TEST(SequenceTableTest, AReservationGivesItsPagesBackUnlessCommitted) {
+  PageAllocator alloc(10);
+  SequenceTableOptions o = Options();
+  o.tenant_page_quota = 10;
+  SequenceTable table(o, &alloc);
+  std::shared_ptr<Sequence> seq = MustCreate(table, "t");
+  MutexLock lock(&seq->mu);
+  {
+    absl::StatusOr<PageReservation> kept = table.Reserve(seq.get(), 20);  // 2 pages
+    ASSERT_TRUE(kept.ok()) << kept.status();
+    EXPECT_EQ(kept->pages_added(), 2);
+    kept->Commit();
+  }
+  EXPECT_EQ(seq->pages.size(), 2u);
+  EXPECT_EQ(table.TenantPages("t"), 2);
+  {
+    absl::StatusOr<PageReservation> dropped = table.Reserve(seq.get(), 60);  // 2 more
+    ASSERT_TRUE(dropped.ok());
+    EXPECT_EQ(dropped->pages_added(), 2);
+    EXPECT_EQ(alloc.num_free(), 6);
+    // Moved twice: only the last owner gives the pages back, once.
+    PageReservation moved = *std::move(dropped);
+    PageReservation again;
+    again = std::move(moved);
+    EXPECT_EQ(again.pages_added(), 2);
+  }
+  EXPECT_EQ(seq->pages.size(), 2u);
+  EXPECT_EQ(alloc.num_free(), 8);
+  EXPECT_EQ(table.TenantPages("t"), 2);
+  {
+    absl::StatusOr<PageReservation> none = table.Reserve(seq.get(), 30);  // already backed
+    ASSERT_TRUE(none.ok());
+    EXPECT_EQ(none->pages_added(), 0);
+  }
+  EXPECT_EQ(seq->pages.size(), 2u);
+  absl::StatusOr<PageReservation> too_many = table.Reserve(seq.get(), 16 * 11);
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(alloc.num_free(), 8);
+}
+
+TEST(SequenceTableTest, ALockSetHoldsEveryLockAndFindsRepeats) {
+  PageAllocator alloc(4);
+  SequenceTable table(Options(), &alloc);
+  std::vector<std::shared_ptr<Sequence>> seqs = {MustCreate(table, ""), MustCreate(table, ""),
+                                                 MustCreate(table, "")};
+  EXPECT_EQ(SequenceLockSet::FirstRepeat(seqs), std::nullopt);
+  {
+    const SequenceLockSet locks(seqs);
+    for (const auto& seq : seqs) {
+      EXPECT_FALSE(seq->mu.TryLock()) << "not locked: " << seq->id;
+    }
+  }
+  for (const auto& seq : seqs) {
+    ASSERT_TRUE(seq->mu.TryLock()) << "still locked: " << seq->id;
+    seq->mu.Unlock();
+  }
+  std::vector<std::shared_ptr<Sequence>> repeated = {seqs[2], seqs[0], seqs[1], seqs[0]};
+  const auto repeat = SequenceLockSet::FirstRepeat(repeated);
+  ASSERT_TRUE(repeat.has_value());
+  EXPECT_EQ(*repeat, std::make_pair(size_t{1}, size_t{3}));
+}
+
 TEST(SequenceTableTest, ReleaseFreesEveryPageAndForgetsTheId) {
   PageAllocator alloc(10);
   SequenceTable table(Options(), &alloc);

@@ -348,8 +348,9 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
     return absl::OutOfRangeError(absl::StrCat(
         "prompt_len ", prompt_len, " is past the maximum sequence length ", max_sequence_length_));
   }
-  absl::StatusOr<int64_t> pages_added = table_.EnsureCapacity(seq, length);
-  if (!pages_added.ok()) return pages_added.status();
+  // Given back on every return below but the last (PageReservation).
+  absl::StatusOr<PageReservation> reserved = table_.Reserve(seq, length);
+  if (!reserved.ok()) return reserved.status();
 
   PrefillResult result;
   result.out_dtype = call.q.dtype;
@@ -357,10 +358,7 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
   const int64_t out_bytes =
       t * g.num_q_heads * g.head_dim * static_cast<int64_t>(ElementSize(call.q.dtype));
   void* out = OutputBuffer(call.output, out_bytes, &result.out);
-  if (out == nullptr) {
-    table_.Rollback(seq, *pages_added);
-    return absl::InternalError("no buffer for the prefill output");
-  }
+  if (out == nullptr) return absl::InternalError("no buffer for the prefill output");
 
   PrefillJob job;
   job.layer = call.layer;
@@ -376,10 +374,8 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
   job.out = out;
   job.out_dtype = call.q.dtype;
   job.out_on_device = call.output_on_device && call.output;
-  if (absl::Status s = engine_->Prefill(job); !s.ok()) {
-    table_.Rollback(seq, *pages_added);
-    return EngineError(*engine_, s);
-  }
+  if (absl::Status s = engine_->Prefill(job); !s.ok()) return EngineError(*engine_, s);
+  reserved->Commit();
   seq->layer_lengths[call.layer] = length;
   seq->last_used = absl::Now();
   result.length = length;
@@ -388,8 +384,7 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
 
 absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  // (The analysis cannot follow a variable number of held locks; the lock set is the one built
-  // below and released by `unlock_all`.)
+  // (The analysis cannot follow a variable number of held locks: `locks` below holds them.)
   if (call.admit) {
     if (absl::Status s = call.admit(); !s.ok()) return s;
   }
@@ -408,27 +403,13 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
     if (!found.ok()) return WithPrefix(absl::StrCat("entries[", i, "]: "), found.status());
     seqs[i] = *std::move(found);
   }
-  // Lock in id order: two batches sharing sequences can then never wait on each other in a cycle.
-  std::vector<size_t> order(n);
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(),
-            [&](size_t a, size_t b) { return seqs[a]->id < seqs[b]->id; });
-  for (size_t i = 1; i < n; ++i) {
-    if (seqs[order[i]]->id == seqs[order[i - 1]]->id) {
-      const size_t a = std::min(order[i], order[i - 1]), b = std::max(order[i], order[i - 1]);
-      return absl::InvalidArgumentError(absl::StrCat("entries[", a, "] and entries[", b,
-                                                     "] name the same sequence ", seqs[a]->id,
-                                                     "; a decode takes each sequence once"));
-    }
+  if (const auto repeat = SequenceLockSet::FirstRepeat(seqs)) {
+    const auto [a, b] = *repeat;
+    return absl::InvalidArgumentError(absl::StrCat("entries[", a, "] and entries[", b,
+                                                   "] name the same sequence ", seqs[a]->id,
+                                                   "; a decode takes each sequence once"));
   }
-  for (size_t i : order) seqs[i]->mu.Lock();
-  struct Unlocker {
-    const std::vector<std::shared_ptr<Sequence>>& seqs;
-    const std::vector<size_t>& order;
-    ~Unlocker() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      for (auto it = order.rbegin(); it != order.rend(); ++it) seqs[*it]->mu.Unlock();
-    }
-  } unlock_all{seqs, order};
+  const SequenceLockSet locks(seqs);  // in id order; released last, after the reservations
 
   const DcaGeometry& g = engine_->geometry();
   for (size_t i = 0; i < n; ++i) {
@@ -449,18 +430,14 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
                                                 max_sequence_length_, " tokens"));
     }
   }
-  std::vector<int64_t> pages_added(n, 0);
-  auto rollback = [&] {
-    for (size_t i = 0; i < n; ++i) table_.Rollback(seqs[i].get(), pages_added[i]);
-  };
+  // All given back on every return below but the last (PageReservation).
+  std::vector<PageReservation> reserved;
+  reserved.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     Sequence* seq = seqs[i].get();
-    absl::StatusOr<int64_t> added = table_.EnsureCapacity(seq, seq->layer_lengths[call.layer] + 1);
-    if (!added.ok()) {
-      rollback();
-      return WithPrefix(absl::StrCat("entries[", i, "]: "), added.status());
-    }
-    pages_added[i] = *added;
+    absl::StatusOr<PageReservation> r = table_.Reserve(seq, seq->layer_lengths[call.layer] + 1);
+    if (!r.ok()) return WithPrefix(absl::StrCat("entries[", i, "]: "), r.status());
+    reserved.push_back(*std::move(r));
   }
 
   DecodeResult result;
@@ -489,17 +466,14 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
     je.out_dtype = e.q.dtype;
     je.out_on_device = e.output_on_device && e.output;
     if (je.out == nullptr) {
-      rollback();
       return absl::InternalError(absl::StrCat("entries[", i, "]: no buffer for the output"));
     }
   }
   job.graph_replayed = &result.graph_replay;
-  if (absl::Status s = engine_->Decode(job); !s.ok()) {
-    rollback();
-    return EngineError(*engine_, s);
-  }
+  if (absl::Status s = engine_->Decode(job); !s.ok()) return EngineError(*engine_, s);
   const absl::Time now = absl::Now();
   for (size_t i = 0; i < n; ++i) {
+    reserved[i].Commit();
     seqs[i]->layer_lengths[call.layer] = result.outputs[i].length;
     seqs[i]->last_used = now;
   }
