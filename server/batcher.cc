@@ -15,16 +15,8 @@ const int64_t DecodeBatchingStats::kDelayBucketUpperUs[DecodeBatchingStats::kNum
     10,   25,   50,    100,   250,   500,    1000,
     2500, 5000, 10000, 25000, 50000, 100000, std::numeric_limits<int64_t>::max()};
 
-absl::StatusOr<DecodeResult> RuntimeDecodeExecutor::Decode(const DecodeCall& call,
-                                                           int32_t /*padded_size*/,
-                                                           bool* graph_replay) {
-  absl::StatusOr<DecodeResult> result = runtime_->Decode(call);
-  *graph_replay = result.ok() && result->graph_replay;
-  return result;
-}
-
-std::vector<int32_t> DefaultCudaGraphBatchSizes() {
-  return {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256};
+absl::StatusOr<DecodeResult> RuntimeDecodeExecutor::Decode(const DecodeCall& call) {
+  return runtime_->Decode(call);
 }
 
 absl::StatusOr<std::vector<int32_t>> ParseBatchSizes(absl::string_view text) {
@@ -55,12 +47,12 @@ absl::Status CheckDecodeBatcherOptions(const DecodeBatcherOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat("--max-queue-delay-us must be >= 0, got ",
                                                    absl::FormatDuration(o.max_queue_delay)));
   }
-  for (size_t i = 0; i < o.cuda_graph_batch_sizes.size(); ++i) {
-    const int32_t s = o.cuda_graph_batch_sizes[i];
-    if (s <= 0 || (i > 0 && s <= o.cuda_graph_batch_sizes[i - 1])) {
+  for (size_t i = 0; i < o.flush_batch_sizes.size(); ++i) {
+    const int32_t s = o.flush_batch_sizes[i];
+    if (s <= 0 || (i > 0 && s <= o.flush_batch_sizes[i - 1])) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--cuda-graph-batch-sizes must be positive and strictly increasing, got ", s,
-          i > 0 ? absl::StrCat(" after ", o.cuda_graph_batch_sizes[i - 1]) : std::string()));
+          i > 0 ? absl::StrCat(" after ", o.flush_batch_sizes[i - 1]) : std::string()));
     }
   }
   if (o.max_inflight_batches < 1) {
@@ -91,8 +83,8 @@ BatchingDecodeQueue::BatchingDecodeQueue(const DecodeBatcherOptions& options,
                                          DecodeExecutor* executor, BatchDispatchFn dispatch,
                                          const Clock* clock)
     : options_(options), executor_(executor), dispatch_(std::move(dispatch)), clock_(clock) {
-  for (int32_t s : options_.cuda_graph_batch_sizes) {
-    if (s <= options_.max_decode_batch) captured_.push_back(s);
+  for (int32_t s : options_.flush_batch_sizes) {
+    if (s <= options_.max_decode_batch) flush_sizes_.push_back(s);
   }
 }
 
@@ -176,8 +168,9 @@ BatchingDecodeQueue::Plan BatchingDecodeQueue::PlanLocked(const KeyState& state,
   plan.num_calls = i;
   if (i == 0) return plan;  // the head waits for a batch in flight (same sequence)
   const absl::Time due = state.queue.front()->arrival + options_.max_queue_delay;
-  plan.launch = closed || !accepting_ || now >= due ||
-                std::binary_search(captured_.begin(), captured_.end(), static_cast<int32_t>(n));
+  plan.launch =
+      closed || !accepting_ || now >= due ||
+      std::binary_search(flush_sizes_.begin(), flush_sizes_.end(), static_cast<int32_t>(n));
   if (!plan.launch) plan.wake = due;
   return plan;
 }
@@ -234,17 +227,9 @@ void BatchingDecodeQueue::TakeDueLocked(const Key& key, absl::Time now,
     ++stats_.batches;
     stats_.entries += batch->num_entries;
     ++stats_.batches_by_size[static_cast<int32_t>(batch->num_entries)];
-    const int32_t padded = PaddedSize(batch->num_entries);
-    if (padded > 0) stats_.padding_entries += padded - batch->num_entries;
     batches->push_back(std::move(batch));
   }
   if (state.queue.empty() && state.inflight == 0) keys_.erase(it);
-}
-
-int32_t BatchingDecodeQueue::PaddedSize(int64_t num_entries) const {
-  if (!options_.cuda_graphs) return 0;
-  auto it = std::lower_bound(captured_.begin(), captured_.end(), num_entries);
-  return it == captured_.end() ? 0 : *it;
 }
 
 void BatchingDecodeQueue::FinishBatchLocked(const Batch& batch) {
@@ -311,7 +296,7 @@ std::vector<BatchingDecodeQueue::Result> BatchingDecodeQueue::Execute(Batch* bat
     }
   }
 
-  int64_t eager = 0, graphs = 0, completed = 0, deadline = 0, cancelled = 0;
+  int64_t eager = 0, graphs = 0, padding = 0, completed = 0, deadline = 0, cancelled = 0;
   // Answers are collected and handed out by RunBatch once the slot is free (DeliverResults), so
   // the replies' serialisation runs on several workers instead of delaying this key's next batch.
   std::vector<Result> results;
@@ -323,15 +308,16 @@ std::vector<BatchingDecodeQueue::Result> BatchingDecodeQueue::Execute(Batch* bat
     results.emplace_back(std::move(c->done), std::move(r));
   };
   auto run = [&](const DecodeCall& call, int64_t n) {
-    bool replayed = false;
-    absl::StatusOr<DecodeResult> r = executor_->Decode(call, PaddedSize(n), &replayed);
-    ++(replayed ? graphs : eager);
+    absl::StatusOr<DecodeResult> r = executor_->Decode(call);
+    const DecodeStats ran = r.ok() ? r->stats : DecodeStats();
+    ++(ran.graph_replays > 0 ? graphs : eager);
+    padding += ran.padding_entries;
     if (r.ok() && static_cast<int64_t>(r->outputs.size()) != n) {
       return absl::StatusOr<DecodeResult>(
           absl::InternalError(absl::StrCat("decode batcher: the executor returned ",
                                            r->outputs.size(), " outputs for ", n, " entries")));
     }
-    if (r.ok() && options_.on_batch) options_.on_batch(n, replayed);
+    if (r.ok() && options_.on_batch) options_.on_batch(n, ran);
     return r;
   };
 
@@ -387,6 +373,7 @@ std::vector<BatchingDecodeQueue::Result> BatchingDecodeQueue::Execute(Batch* bat
     stats_.calls_cancelled += cancelled;
     stats_.eager_launches += eager;
     stats_.graph_replays += graphs;
+    stats_.padding_entries += padding;
     if (split) ++stats_.split_retries;
   }
   return results;

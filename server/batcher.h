@@ -1,8 +1,9 @@
 // Cross-RPC decode batching: decode calls from all concurrent Decode RPCs and Session streams that
 // target the same layer are merged into one engine batch (one executor call), the way Triton's
-// dynamic batcher merges inference requests. On a CUDA backend each batch is padded to the next
-// captured CUDA-graph size and replayed; on the CPU backend the captured sizes are only a flush
-// rule (and the padding a graph backend would add is counted, not executed).
+// dynamic batcher merges inference requests. The batcher knows nothing of CUDA graphs: a batch
+// that reaches one of the engine's batch sizes (Engine::decode_batch_sizes, the captured sizes on
+// CUDA) launches at once, and the engine pads and replays as it sees fit and says what it ran
+// (DecodeStats).
 //
 // Batch formation, per (layer, tenant) key, all of it FIFO by arrival:
 //   * A batch is the longest prefix of the key's queue that fits: at most max_decode_batch entries
@@ -61,20 +62,16 @@ namespace attnd {
 class DecodeExecutor {
  public:
   virtual ~DecodeExecutor() = default;
-  // Runs `call` as one engine batch with the runtime's all-or-nothing semantics. `padded_size` is
-  // the captured size a graph backend pads it to (0: none, launch eagerly). Sets *graph_replay to
-  // whether a captured graph was replayed.
-  virtual absl::StatusOr<DecodeResult> Decode(const DecodeCall& call, int32_t padded_size,
-                                              bool* graph_replay) = 0;
+  // Runs `call` as one engine batch with the runtime's all-or-nothing semantics; the result's
+  // stats say what the engine ran.
+  virtual absl::StatusOr<DecodeResult> Decode(const DecodeCall& call) = 0;
 };
 
-// Executes through Runtime::Decode. The engine pads to its own captured sizes (the same list) and
-// reports whether it replayed a graph; padded_size is informational here.
+// Executes through Runtime::Decode.
 class RuntimeDecodeExecutor : public DecodeExecutor {
  public:
   explicit RuntimeDecodeExecutor(Runtime* runtime) : runtime_(runtime) {}
-  absl::StatusOr<DecodeResult> Decode(const DecodeCall& call, int32_t padded_size,
-                                      bool* graph_replay) override;
+  absl::StatusOr<DecodeResult> Decode(const DecodeCall& call) override;
 
  private:
   Runtime* const runtime_;
@@ -84,26 +81,21 @@ class RuntimeDecodeExecutor : public DecodeExecutor {
 // destroyed unrun and its status is given to the batch's calls.
 using BatchDispatchFn = std::function<absl::Status(std::function<void()>)>;
 
-// The default captured sizes: SGLang/vLLM-style, dense at small sizes.
-std::vector<int32_t> DefaultCudaGraphBatchSizes();
-
 // Parses "1,2,4,8" (positive, strictly increasing). INVALID_ARGUMENT names the bad item.
 absl::StatusOr<std::vector<int32_t>> ParseBatchSizes(absl::string_view text);
 
 struct DecodeBatcherOptions {
   int32_t max_decode_batch = 256;                            // entries per batch, >= 1
   absl::Duration max_queue_delay = absl::Microseconds(100);  // 0 = never wait for more calls
-  // Flush sizes (and, on a graph backend, the padded sizes). Sizes above max_decode_batch are
-  // ignored. Empty: no size-based flush and no padding.
-  std::vector<int32_t> cuda_graph_batch_sizes = DefaultCudaGraphBatchSizes();
-  // False (--disable-cuda-graphs): never pad or replay (padded_size 0, no padding counted). The
-  // captured sizes stay a flush rule either way. No effect on the CPU backend's numbers.
-  bool cuda_graphs = true;
+  // A batch that reaches one of these sizes launches at once: the engine's batch sizes
+  // (Engine::decode_batch_sizes), or the configured list where the engine has none. Sizes above
+  // max_decode_batch are ignored. Empty: no size-based flush.
+  std::vector<int32_t> flush_batch_sizes = DefaultDecodeBatchSizes();
   int32_t max_inflight_batches = 1;  // per (layer, tenant), >= 1
   int64_t max_queued_calls = 4096;   // Submit beyond it: RESOURCE_EXHAUSTED
   // Called on the worker with the entry count of each engine launch that succeeded (an executed
-  // batch; e.g. a metrics histogram) and whether it replayed a CUDA graph. Unset: nothing.
-  std::function<void(int64_t entries, bool graph_replay)> on_batch;
+  // batch; e.g. a metrics histogram) and what the engine ran. Unset: nothing.
+  std::function<void(int64_t entries, const DecodeStats& ran)> on_batch;
 };
 
 absl::Status CheckDecodeBatcherOptions(const DecodeBatcherOptions& options);
@@ -119,7 +111,7 @@ struct DecodeBatchingStats {
   int64_t batches = 0;                         // merged batches formed
   int64_t entries = 0;                         // entries in them
   std::map<int32_t, int64_t> batches_by_size;  // entries -> batches
-  int64_t padding_entries = 0;                 // entries of padding up to the next captured size
+  int64_t padding_entries = 0;                 // padding rows the engine ran (DecodeStats)
   int64_t eager_launches = 0;                  // executor calls that did not replay a graph
   int64_t graph_replays = 0;                   // executor calls that did
   int64_t split_retries = 0;  // merged batches that failed and were re-run call by call
@@ -217,7 +209,6 @@ class BatchingDecodeQueue : public DecodeQueue {
   // `all_elsewhere`; a group the dispatcher refuses is answered here.
   void DeliverResults(std::vector<Result> results, bool all_elsewhere);
   void FinishBatchLocked(const Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  int32_t PaddedSize(int64_t num_entries) const;
   void TimerLoop();
   // Wakes the timer thread if `t` is earlier than what it sleeps until.
   void WakeTimerLocked(absl::Time t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -226,7 +217,7 @@ class BatchingDecodeQueue : public DecodeQueue {
   }
 
   const DecodeBatcherOptions options_;
-  std::vector<int32_t> captured_;  // ascending, <= max_decode_batch
+  std::vector<int32_t> flush_sizes_;  // ascending, <= max_decode_batch
   DecodeExecutor* const executor_;
   const BatchDispatchFn dispatch_;
   const Clock* const clock_;

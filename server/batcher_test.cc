@@ -49,15 +49,23 @@ class FakeExecutor : public DecodeExecutor {
     int32_t layer;
     std::string tenant;
     std::vector<std::string> ids;
-    int32_t padded_size;
   };
 
-  absl::StatusOr<DecodeResult> Decode(const DecodeCall& call, int32_t padded_size,
-                                      bool* graph_replay) override {
-    Launch launch{call.layer, std::string(call.tenant), {}, padded_size};
+  absl::StatusOr<DecodeResult> Decode(const DecodeCall& call) override {
+    Launch launch{call.layer, std::string(call.tenant), {}};
     for (const auto& e : call.entries) launch.ids.emplace_back(e.sequence_id);
     launches.push_back(launch);
-    *graph_replay = replay_graphs && padded_size > 0;
+    // What a graph engine reports: a replay, padded up to the next of graph_sizes, or an eager
+    // launch past them.
+    DecodeStats stats;
+    const int64_t n = static_cast<int64_t>(call.entries.size());
+    const auto size = std::lower_bound(graph_sizes.begin(), graph_sizes.end(), n);
+    if (replay_graphs && size != graph_sizes.end()) {
+      stats.graph_replays = 1;
+      stats.padding_entries = *size - n;
+    } else {
+      stats.eager_launches = 1;
+    }
     // Like Runtime::Decode: the call's admit hook first, nothing touched when it refuses.
     if (call.admit) {
       if (absl::Status s = call.admit(); !s.ok()) return s;
@@ -75,6 +83,7 @@ class FakeExecutor : public DecodeExecutor {
       }
     }
     DecodeResult result;
+    result.stats = stats;
     for (const auto& e : call.entries) {
       const int64_t len = ++lengths[{call.layer, std::string(e.sequence_id)}];
       DecodeResult::Output o;
@@ -100,6 +109,7 @@ class FakeExecutor : public DecodeExecutor {
   std::vector<Launch> launches;
   std::map<std::pair<int32_t, std::string>, int64_t> lengths;
   bool replay_graphs = false;
+  std::vector<int32_t> graph_sizes = {1, 2, 4, 8};
 };
 
 // Holds dispatched closures until RunAll; can refuse them like a stopped work queue.
@@ -188,7 +198,7 @@ class BatcherTest : public testing::Test {
 
 DecodeBatcherOptions NoSizeFlush(absl::Duration delay = absl::Microseconds(100)) {
   DecodeBatcherOptions o;
-  o.cuda_graph_batch_sizes = {};
+  o.flush_batch_sizes = {};
   o.max_queue_delay = delay;
   return o;
 }
@@ -207,15 +217,16 @@ TEST(BatcherOptionsTest, ParsesAndChecks) {
   EXPECT_TRUE(CheckDecodeBatcherOptions(o).ok());
   EXPECT_EQ(o.max_decode_batch, 256);
   EXPECT_EQ(o.max_queue_delay, absl::Microseconds(100));
-  EXPECT_EQ(o.cuda_graph_batch_sizes,
+  EXPECT_EQ(o.flush_batch_sizes,
             (std::vector<int32_t>{1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256}));
+  EXPECT_EQ(o.flush_batch_sizes, DefaultDecodeBatchSizes());
   o.max_decode_batch = 0;
   EXPECT_EQ(CheckDecodeBatcherOptions(o).message(), "--max-decode-batch must be >= 1, got 0");
   o.max_decode_batch = 8;
   o.max_queue_delay = absl::Microseconds(-1);
   EXPECT_EQ(CheckDecodeBatcherOptions(o).code(), absl::StatusCode::kInvalidArgument);
   o.max_queue_delay = absl::ZeroDuration();
-  o.cuda_graph_batch_sizes = {2, 2};
+  o.flush_batch_sizes = {2, 2};
   EXPECT_EQ(CheckDecodeBatcherOptions(o).message(),
             "--cuda-graph-batch-sizes must be positive and strictly increasing, got 2 after 2");
   FakeExecutor exec;
@@ -299,7 +310,7 @@ TEST_F(BatcherTest, RepliesOfAMergedBatchSpreadOverWorkersAndNoneIsLost) {
 
 TEST_F(BatcherTest, FlushesAtOnceOnReachingACapturedSize) {
   DecodeBatcherOptions o;
-  o.cuda_graph_batch_sizes = {4, 8};
+  o.flush_batch_sizes = {4, 8};
   Make(o);
   Submit({"a"});
   Submit({"b"});
@@ -310,8 +321,7 @@ TEST_F(BatcherTest, FlushesAtOnceOnReachingACapturedSize) {
   EXPECT_EQ(dispatcher_.held.size(), 1u);  // 4 is: launched without waiting
   dispatcher_.RunAll();
   EXPECT_THAT(exec_.Batches(), ElementsAre("a,b,c,d"));
-  EXPECT_EQ(exec_.launches[0].padded_size, 4);
-  EXPECT_EQ(queue_->Stats().padding_entries, 0);
+  EXPECT_EQ(queue_->Stats().padding_entries, 0);  // the engine (here: eager) pads, not the batcher
 }
 
 TEST_F(BatcherTest, FlushesWhenTheNextCallWouldPassTheLimit) {
@@ -347,7 +357,6 @@ TEST_F(BatcherTest, FlushesAFullBatchAndRunsAnOversizeCallAlone) {
   dispatcher_.RunAll();
   EXPECT_THAT(exec_.Batches(), ElementsAre("a,b,c,d", "e,f,g,h,i,j"));
   EXPECT_EQ(big->Summary(), "e@1,f@1,g@1,h@1,i@1,j@1");
-  EXPECT_EQ(exec_.launches[1].padded_size, 0);  // past every captured size: eager, no padding
 }
 
 TEST_F(BatcherTest, WaitsAtMostTheQueueDelay) {
@@ -517,7 +526,7 @@ TEST_F(BatcherTest, AFailingCallFailsOnlyItself) {
 TEST_F(BatcherTest, AdmitHooksRunOnceAndARefusedCallIsLeftOut) {
   DecodeBatcherOptions o;
   std::vector<int64_t> executed;  // on_batch sees only launches that succeeded
-  o.on_batch = [&executed](int64_t n, bool) { executed.push_back(n); };
+  o.on_batch = [&executed](int64_t n, const DecodeStats&) { executed.push_back(n); };
   Make(o);
   std::map<std::string, int> admits;
   auto hook = [&admits](const char* id, absl::Status s) -> std::function<absl::Status()> {
@@ -600,7 +609,7 @@ TEST_F(BatcherTest, ShutdownFlushesQueuedCallsWhichRunToCompletion) {
 
 TEST_F(BatcherTest, ShutdownRunsCallsQueuedBehindABatchInFlight) {
   DecodeBatcherOptions o = NoSizeFlush(absl::Seconds(10));
-  o.cuda_graph_batch_sizes = {1};
+  o.flush_batch_sizes = {1};
   Make(o);
   Submit({"a"});  // in flight (held by the dispatcher)
   Submit({"b"});
@@ -651,29 +660,30 @@ TEST_F(BatcherTest, AnEmptyCallRunsAlone) {
   EXPECT_EQ(empty->result.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(BatcherTest, CountsPaddingAndGraphReplays) {
-  exec_.replay_graphs = true;  // what a graph backend reports
+TEST_F(BatcherTest, CountsWhatTheEngineRan) {
+  // The batcher flushes at the sizes and sums what the executor says it ran (a graph engine's
+  // replays and padding); it pads nothing itself.
+  exec_.replay_graphs = true;
   DecodeBatcherOptions o;
-  o.cuda_graph_batch_sizes = {1, 2, 4, 8};
+  o.flush_batch_sizes = {1, 2, 4, 8};
   o.max_queue_delay = absl::ZeroDuration();
   o.max_decode_batch = 16;
   std::vector<int64_t> observed;
   int observed_replays = 0;
-  o.on_batch = [&observed, &observed_replays](int64_t n, bool replayed) {
+  int64_t observed_padding = 0;
+  o.on_batch = [&](int64_t n, const DecodeStats& ran) {
     observed.push_back(n);
-    observed_replays += replayed ? 1 : 0;
+    observed_replays += ran.graph_replays;
+    observed_padding += ran.padding_entries;
   };
   Make(o);
   Submit({"a"});  // in flight
   Submit({"b", "c", "d"});
-  Submit({"e", "f"});  // batch of 5: padded to 8
+  Submit({"e", "f"});  // batch of 5: the engine pads it to 8
   dispatcher_.RunAll();
   Submit({"g", "h", "i", "j", "k", "l", "m", "n", "o"});  // 9: past 8, eager
   dispatcher_.RunAll();
   ASSERT_EQ(exec_.launches.size(), 3u);
-  EXPECT_EQ(exec_.launches[0].padded_size, 1);
-  EXPECT_EQ(exec_.launches[1].padded_size, 8);
-  EXPECT_EQ(exec_.launches[2].padded_size, 0);
   DecodeBatchingStats s = queue_->Stats();
   EXPECT_EQ(s.padding_entries, 3);
   EXPECT_EQ(s.graph_replays, 2);
@@ -681,16 +691,16 @@ TEST_F(BatcherTest, CountsPaddingAndGraphReplays) {
   EXPECT_EQ(s.batches_by_size, (std::map<int32_t, int64_t>{{1, 1}, {5, 1}, {9, 1}}));
   EXPECT_THAT(observed, ElementsAre(1, 5, 9));
   EXPECT_EQ(observed_replays, 2);
+  EXPECT_EQ(observed_padding, 3);
 
-  // --disable-cuda-graphs: the sizes still flush, but nothing is padded or replayed.
-  o.cuda_graphs = false;
+  // An engine that replays nothing (the CPU, --disable-cuda-graphs): the sizes still flush.
+  exec_.replay_graphs = false;
   Make(o);
   exec_.launches.clear();
   Submit({"p"});
   Submit({"q", "r", "s"});
   dispatcher_.RunAll();
   ASSERT_EQ(exec_.launches.size(), 2u);
-  EXPECT_EQ(exec_.launches[1].padded_size, 0);
   s = queue_->Stats();
   EXPECT_EQ(s.padding_entries, 0);
   EXPECT_EQ(s.graph_replays, 0);
@@ -732,8 +742,7 @@ TEST(BatcherTimerTest, TheTimerFlushesAnExpiredDelay) {
 // each sequence's length counts exactly its calls (in each thread's submission order).
 class CheckingExecutor : public DecodeExecutor {
  public:
-  absl::StatusOr<DecodeResult> Decode(const DecodeCall& call, int32_t, bool* replay) override {
-    *replay = false;
+  absl::StatusOr<DecodeResult> Decode(const DecodeCall& call) override {
     std::vector<std::pair<int32_t, std::string>> keys;
     {
       MutexLock lock(&mu_);

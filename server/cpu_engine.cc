@@ -17,6 +17,7 @@
 #include "kernels/dual_chunk_rotary.h"
 #include "kernels/paged_kv.h"
 #include "kernels/sparse_prefill_cpu.h"
+#include "kernels/status_macros.h"
 
 namespace attnd {
 namespace {
@@ -178,11 +179,15 @@ absl::Status CpuEngine::Prefill(const PrefillJob& job) {
   return layout_.kv_dtype == DType::kFp32 ? PrefillTyped<float>(job) : PrefillTyped<uint16_t>(job);
 }
 
-absl::Status CpuEngine::Decode(const DecodeJob& job) {
+absl::StatusOr<DecodeStats> CpuEngine::Decode(const DecodeJob& job) {
   for (const DecodeJob::Entry& e : job.entries) {
     if (e.q.on_device || e.k.on_device || e.v.on_device || e.out_on_device) return NoDeviceMemory();
   }
-  return layout_.kv_dtype == DType::kFp32 ? DecodeTyped<float>(job) : DecodeTyped<uint16_t>(job);
+  ATTND_RETURN_IF_ERROR(layout_.kv_dtype == DType::kFp32 ? DecodeTyped<float>(job)
+                                                         : DecodeTyped<uint16_t>(job));
+  DecodeStats stats;
+  stats.eager_launches = 1;
+  return stats;
 }
 
 template <typename KvT>

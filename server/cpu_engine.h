@@ -45,7 +45,7 @@ class CpuEngine : public Engine {
   const DcaGeometry& geometry() const override { return geometry_; }
 
   absl::Status Prefill(const PrefillJob& job) override;
-  absl::Status Decode(const DecodeJob& job) override;
+  absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) override;
 
  private:
   CpuEngine(const CpuEngineOptions& options, void* pool);

@@ -114,7 +114,9 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   const DcaGeometry& geometry() const override { return geometry_; }
 
   absl::Status Prefill(const PrefillJob& job) override;
-  absl::Status Decode(const DecodeJob& job) override;
+  absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) override;
+  std::vector<int32_t> decode_batch_sizes() const override { return sizes_; }
+  bool decode_graphs() const override { return !graphs_.empty(); }
   std::string device_uuid() const override { return device_uuid_; }
   std::string device() const override { return absl::StrCat("cuda:", device_); }
   DeviceMemoryOpener* device_memory_opener() override { return this; }
@@ -154,10 +156,11 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   PagedKv<Bf16> LayerView(int32_t layer, const int32_t* device_page_table) const;
   absl::Status PrefillChunk(const PrefillJob& job, int64_t first, int64_t count, float s)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status DecodeBatch(const DecodeJob& job, size_t first, size_t count)
+  // Entries [first, first + count) as one launch, counted in *stats.
+  absl::Status DecodeBatch(const DecodeJob& job, size_t first, size_t count, DecodeStats* stats)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Decode with some tensors in device memory: through host copies, then Decode.
-  absl::Status DecodeFromDevice(const DecodeJob& job);
+  absl::StatusOr<DecodeStats> DecodeFromDevice(const DecodeJob& job);
 
   const DcaGeometry geometry_;
   const KvLayout layout_;
@@ -606,7 +609,7 @@ absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int6
   return absl::OkStatus();
 }
 
-absl::Status CudaEngine::Decode(const DecodeJob& job) {
+absl::StatusOr<DecodeStats> CudaEngine::Decode(const DecodeJob& job) {
   const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
   const int64_t q_n = kNumDecodeVariants * hq * d, kv_n = hkv * d;
   for (const DecodeJob::Entry& e : job.entries) {
@@ -627,7 +630,8 @@ absl::Status CudaEngine::Decode(const DecodeJob& job) {
       if (!SupportedDType(view->dtype)) return absl::InvalidArgumentError("engine: bad dtype");
     }
   }
-  if (job.entries.empty()) return absl::OkStatus();
+  DecodeStats stats;
+  if (job.entries.empty()) return stats;
   for (const DecodeJob::Entry& e : job.entries) {
     if (e.q.on_device || e.k.on_device || e.v.on_device || e.out_on_device) {
       return DecodeFromDevice(job);
@@ -636,13 +640,13 @@ absl::Status CudaEngine::Decode(const DecodeJob& job) {
   MutexLock lock(&mu_);
   ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   for (size_t first = 0; first < job.entries.size(); first += max_decode_batch_) {
-    ATTND_RETURN_IF_ERROR(
-        DecodeBatch(job, first, std::min<size_t>(max_decode_batch_, job.entries.size() - first)));
+    ATTND_RETURN_IF_ERROR(DecodeBatch(
+        job, first, std::min<size_t>(max_decode_batch_, job.entries.size() - first), &stats));
   }
-  return absl::OkStatus();
+  return stats;
 }
 
-absl::Status CudaEngine::DecodeFromDevice(const DecodeJob& job) {
+absl::StatusOr<DecodeStats> CudaEngine::DecodeFromDevice(const DecodeJob& job) {
   // A decode row is a few tens of KB and the step reads its rows from pinned host slots (the
   // captured graphs' fixed addresses), so device rows are brought to the host first and outputs
   // taken back: not the fast path for decode (rings are, docs/regions.md), but exact.
@@ -670,14 +674,14 @@ absl::Status CudaEngine::DecodeFromDevice(const DecodeJob& job) {
       e.out_on_device = false;
     }
   }
-  ATTND_RETURN_IF_ERROR(Decode(host));
+  ATTND_ASSIGN_OR_RETURN(const DecodeStats stats, Decode(host));
   for (size_t i = 0; i < job.entries.size(); ++i) {
     if (!job.entries[i].out_on_device) continue;
     ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy(job.entries[i].out, host.entries[i].out,
                                           out_row * ElementSize(job.entries[i].out_dtype),
                                           cudaMemcpyHostToDevice));
   }
-  return absl::OkStatus();
+  return stats;
 }
 
 absl::StatusOr<DeviceMemoryOpener::Mapping> CudaEngine::OpenIpcHandle(absl::string_view handle) {
@@ -774,7 +778,8 @@ absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t 
   return LaunchDcaDecode(geometry_, dp, stream_);
 }
 
-absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t count) {
+absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t count,
+                                     DecodeStats* stats) {
   const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
   const int64_t kv_n = hkv * d, out_n = hq * d;
   const int32_t b = static_cast<int32_t>(count);
@@ -816,7 +821,8 @@ absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t 
     ATTND_RETURN_IF_ERROR(EnqueueDecodeStep(job.layer, b, plan));
   }
   ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  if (job.graph_replayed != nullptr && replay) *job.graph_replayed = true;
+  ++(replay ? stats->graph_replays : stats->eager_launches);
+  stats->padding_entries += plan - b;
   const float* out = static_cast<const float*>(h_decode_out_.get());
   auto unpack = [&](int64_t i) {
     const DecodeJob::Entry& e = job.entries[first + i];

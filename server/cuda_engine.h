@@ -40,7 +40,7 @@ struct CudaEngineOptions {
   // dropped). A batch of n entries is planned as the smallest size >= n (its split-K layout is
   // that size's), so an eager launch and a graph replay compute bit-identical outputs. Empty: plan
   // each batch by its own size, never capture.
-  std::vector<int32_t> graph_batch_sizes = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256};
+  std::vector<int32_t> graph_batch_sizes = DefaultDecodeBatchSizes();
   // Capture one graph per (size, layer) at creation and replay them (--disable-cuda-graphs: false).
   bool cuda_graphs = true;
   // Vertical-slash sparse prefill budgets (kernels/cuda/sparse_cuda.h), or null: a prefill whose

@@ -222,7 +222,7 @@ TEST(CudaEngine, PrefillAndDecodeMatchReference) {
         e.out_dtype = seqs[i].out;
         job.entries.push_back(e);
       }
-      const absl::Status st = engine.Decode(job);
+      const absl::Status st = engine.Decode(job).status();
       ASSERT_TRUE(st.ok()) << st;
       for (size_t i = 0; i < seqs.size(); ++i) {
         auto want = refs[i].Decode(layer, qs[i].values, ks[i].values, vs[i].values);
@@ -335,13 +335,15 @@ TEST(CudaEngine, GraphReplayIsBitIdenticalToEagerLaunch) {
         e.out = out_b[j].data();
         job_b.entries.push_back(e);
       }
-      bool replayed_a = false, replayed_b = false;
-      job_a.graph_replayed = &replayed_a;
-      job_b.graph_replayed = &replayed_b;
-      ASSERT_TRUE((*a)->Decode(job_a).ok());
-      ASSERT_TRUE((*b)->Decode(job_b).ok());
-      EXPECT_TRUE(replayed_a) << "batch " << n << ": the graph engine did not replay";
-      EXPECT_FALSE(replayed_b) << "batch " << n << ": the eager engine replayed";
+      absl::StatusOr<DecodeStats> ran_a = (*a)->Decode(job_a);
+      absl::StatusOr<DecodeStats> ran_b = (*b)->Decode(job_b);
+      ASSERT_TRUE(ran_a.ok()) << ran_a.status();
+      ASSERT_TRUE(ran_b.ok()) << ran_b.status();
+      EXPECT_EQ(ran_a->graph_replays, 1) << "batch " << n << ": the graph engine did not replay";
+      EXPECT_EQ(ran_b->graph_replays, 0) << "batch " << n << ": the eager engine replayed";
+      EXPECT_EQ(ran_b->eager_launches, 1);
+      // Both plan the batch as the next captured size: the same padding rows.
+      EXPECT_EQ(ran_a->padding_entries, ran_b->padding_entries);
       for (int j = 0; j < n; ++j) {
         EXPECT_EQ(std::memcmp(out_a[j].data(), out_b[j].data(), out_a[j].size()), 0)
             << "batch " << n << " layer " << layer << " entry " << j

@@ -58,6 +58,12 @@ absl::Status CheckElements(absl::string_view name, const TensorView& view, int64
   return absl::OkStatus();
 }
 
+const std::vector<int32_t>& DefaultDecodeBatchSizes() {
+  static const std::vector<int32_t> sizes = {1,  2,  4,  8,   16,  24,  32,
+                                             48, 64, 96, 128, 160, 192, 256};
+  return sizes;
+}
+
 std::vector<EngineShard> Engine::shards() const {
   EngineShard shard;
   shard.device = device();

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
@@ -90,9 +91,20 @@ struct DecodeJob {
   };
   int32_t layer = 0;
   std::vector<Entry> entries;
-  // Set by a graph backend to whether it replayed a captured CUDA graph (else left unchanged).
-  bool* graph_replayed = nullptr;
 };
+
+// What one Engine::Decode ran (a job may run as several launches of at most the engine's batch).
+struct DecodeStats {
+  int32_t graph_replays = 0;    // launches that replayed a captured CUDA graph
+  int32_t eager_launches = 0;   // launches that did not
+  int64_t padding_entries = 0;  // length-0 rows added to reach a planned batch size
+};
+
+// The decode batch sizes engines plan around unless configured otherwise
+// (--cuda-graph-batch-sizes), SGLang/vLLM-style: dense at small sizes. The CUDA engine captures a
+// graph per size and pads a batch to the next one; the batcher launches a batch at once when it
+// reaches one of the engine's sizes.
+const std::vector<int32_t>& DefaultDecodeBatchSizes();
 
 // What one shard of an engine holds: its device, its slice of the heads and its part of the pool.
 // An unsharded engine is one shard with every head.
@@ -121,7 +133,13 @@ class Engine {
   virtual const DcaGeometry& geometry() const = 0;
 
   virtual absl::Status Prefill(const PrefillJob& job) = 0;
-  virtual absl::Status Decode(const DecodeJob& job) = 0;
+  virtual absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) = 0;
+
+  // The batch sizes this engine runs best (it pads to them); empty when any size is as good (the
+  // CPU). The batcher flushes a batch that reaches one.
+  virtual std::vector<int32_t> decode_batch_sizes() const { return {}; }
+  // Whether decodes replay captured CUDA graphs.
+  virtual bool decode_graphs() const { return false; }
 
   // False once the device is lost for good (e.g. a GPU fell off the bus): the server then turns
   // its health NOT_SERVING (it polls this). Engines that cannot lose their device keep the default.

@@ -40,8 +40,7 @@ struct EngineOptions {
   // cuda: decode batches of up to this many entries, padded to the next captured size (a CUDA graph
   // per size and layer, captured at creation unless cuda_graphs is false). Ignored by the CPU.
   int32_t max_decode_batch = 256;
-  std::vector<int32_t> cuda_graph_batch_sizes = {1,  2,  4,  8,   16,  24,  32,
-                                                 48, 64, 96, 128, 160, 192, 256};
+  std::vector<int32_t> cuda_graph_batch_sizes = DefaultDecodeBatchSizes();
   bool cuda_graphs = true;
 };
 

@@ -54,7 +54,7 @@ absl::Status FaultEngine::Prefill(const PrefillJob& job) {
   return inner_->Prefill(job);
 }
 
-absl::Status FaultEngine::Decode(const DecodeJob& job) {
+absl::StatusOr<DecodeStats> FaultEngine::Decode(const DecodeJob& job) {
   if (absl::Status s = Inject("decode", job.layer, &decode_failures_); !s.ok()) return s;
   decodes_.fetch_add(1);
   return inner_->Decode(job);

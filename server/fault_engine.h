@@ -41,7 +41,9 @@ class FaultEngine : public Engine {
   const KvLayout& layout() const override { return inner_->layout(); }
   const DcaGeometry& geometry() const override { return inner_->geometry(); }
   absl::Status Prefill(const PrefillJob& job) override;
-  absl::Status Decode(const DecodeJob& job) override;
+  absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) override;
+  std::vector<int32_t> decode_batch_sizes() const override { return inner_->decode_batch_sizes(); }
+  bool decode_graphs() const override { return inner_->decode_graphs(); }
   bool healthy() const override { return !lost_.load() && inner_->healthy(); }
 
  private:

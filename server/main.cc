@@ -9,8 +9,10 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/engine.h"
 #include "server/flag_types.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
@@ -48,7 +50,7 @@ ABSL_FLAG(bool, decode_batching, true,
 ABSL_FLAG(int32_t, max_decode_batch, 256, "most entries in one merged decode batch");
 ABSL_FLAG(int64_t, max_queue_delay_us, 100,
           "longest a decode waits for more calls to batch with, in microseconds; 0 = never wait");
-ABSL_FLAG(std::string, cuda_graph_batch_sizes, "1,2,4,8,16,24,32,48,64,96,128,160,192,256",
+ABSL_FLAG(std::string, cuda_graph_batch_sizes, absl::StrJoin(attnd::DefaultDecodeBatchSizes(), ","),
           "decode batch sizes with a captured CUDA graph: a batch that reaches one launches at "
           "once, and on CUDA a batch is padded up to the next one; on the CPU backend only the "
           "launch rule applies");

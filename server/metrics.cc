@@ -429,6 +429,11 @@ absl::StatusOr<std::unique_ptr<AttndMetrics>> AttndMetrics::Create(const BuildIn
   return m;
 }
 
+void AttndMetrics::ObserveDecodeBatch(int64_t entries, const DecodeStats& ran) {
+  decode_batch_size->Observe({}, static_cast<double>(entries));
+  if (ran.graph_replays > 0) graph_replays_total->Increment({});
+}
+
 void AttndMetrics::RecordRequest(absl::string_view rpc, absl::string_view code, double queue_s,
                                  double compute_s, double total_s, int64_t bytes_received,
                                  int64_t bytes_sent) {

@@ -21,6 +21,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kernels/mutex.h"
+#include "server/engine.h"
 
 namespace attnd {
 
@@ -170,6 +171,10 @@ class AttndMetrics {
   // (queue: accepted -> a worker started it; compute: the worker's time; total: handler entry ->
   // reply; pass a negative value to skip one, e.g. queue/compute for an RPC rejected up front),
   // and adds the request/response message sizes.
+  // One executed decode batch of `entries` entries (from the batcher or, without it, one Decode
+  // request): the batch-size histogram and the graph-replay counter.
+  void ObserveDecodeBatch(int64_t entries, const DecodeStats& ran);
+
   void RecordRequest(absl::string_view rpc, absl::string_view code, double queue_s,
                      double compute_s, double total_s, int64_t bytes_received, int64_t bytes_sent);
 

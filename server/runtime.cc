@@ -469,8 +469,9 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
       return absl::InternalError(absl::StrCat("entries[", i, "]: no buffer for the output"));
     }
   }
-  job.graph_replayed = &result.graph_replay;
-  if (absl::Status s = engine_->Decode(job); !s.ok()) return EngineError(*engine_, s);
+  absl::StatusOr<DecodeStats> stats = engine_->Decode(job);
+  if (!stats.ok()) return EngineError(*engine_, stats.status());
+  result.stats = *stats;
   const absl::Time now = absl::Now();
   for (size_t i = 0; i < n; ++i) {
     reserved[i].Commit();

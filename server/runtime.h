@@ -88,7 +88,7 @@ struct DecodeResult {
     int64_t length = 0;
   };
   std::vector<Output> outputs;  // one per entry, in call order
-  bool graph_replay = false;    // the engine replayed a captured CUDA graph for (part of) it
+  DecodeStats stats;            // what the engine ran: graph replays, eager launches, padding
 };
 
 // Everything GetServerInfo reports, as plain values.

@@ -42,8 +42,9 @@ class FlakyEngine : public Engine {
   absl::Status Prefill(const PrefillJob& job) override {
     return fail ? absl::DataLossError("injected") : inner_->Prefill(job);
   }
-  absl::Status Decode(const DecodeJob& job) override {
-    return fail ? absl::DataLossError("injected") : inner_->Decode(job);
+  absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) override {
+    if (fail) return absl::DataLossError("injected");
+    return inner_->Decode(job);
   }
   bool fail = false;
 

@@ -107,8 +107,7 @@ absl::StatusOr<DecodeBatcherOptions> BatcherOptions(const ServerOptions& o) {
   DecodeBatcherOptions b;
   b.max_decode_batch = o.max_decode_batch;
   b.max_queue_delay = absl::Microseconds(o.max_queue_delay_us);
-  b.cuda_graph_batch_sizes = *std::move(sizes);
-  b.cuda_graphs = !o.disable_cuda_graphs;
+  b.flush_batch_sizes = *std::move(sizes);
   b.max_inflight_batches = o.decode_batches_in_flight;
   if (absl::Status s = CheckDecodeBatcherOptions(b); !s.ok()) return s;
   return b;
@@ -425,8 +424,8 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   engine_options.sparse = model->sparse;
   // The engine captures a CUDA graph per batch size the batcher pads to: the same list.
   engine_options.max_decode_batch = batcher_options->max_decode_batch;
-  engine_options.cuda_graph_batch_sizes = batcher_options->cuda_graph_batch_sizes;
-  engine_options.cuda_graphs = batcher_options->cuda_graphs;
+  engine_options.cuda_graph_batch_sizes = batcher_options->flush_batch_sizes;
+  engine_options.cuda_graphs = !options.disable_cuda_graphs;
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(engine_options);
   if (!engine.ok()) return engine.status();
   // Vertical-slash sparse prefill runs on the CPU and CUDA engines; on any other backend prefill
@@ -453,6 +452,11 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
       Runtime::Create(*model, *std::move(engine), runtime_options);
   if (!runtime.ok()) return runtime.status();
   runtime_ = *std::move(runtime);
+  // The batcher flushes at the engine's own batch sizes (the captured ones on CUDA); an engine
+  // without preferences (the CPU) keeps the configured list as the flush rule.
+  if (std::vector<int32_t> sizes = runtime_->engine().decode_batch_sizes(); !sizes.empty()) {
+    batcher_options->flush_batch_sizes = std::move(sizes);
+  }
 
   {
     const ServerInfo info = runtime_->Info();
@@ -520,10 +524,8 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   work_queue_ = std::make_unique<WorkQueue>(queue_options);
   if (options.decode_batching) {
     AttndMetrics* metrics = metrics_.get();
-    batcher_options->on_batch = [metrics](int64_t entries, bool graph_replay) {
-      if (metrics == nullptr) return;
-      metrics->decode_batch_size->Observe({}, static_cast<double>(entries));
-      if (graph_replay) metrics->graph_replays_total->Increment({});
+    batcher_options->on_batch = [metrics](int64_t entries, const DecodeStats& ran) {
+      if (metrics != nullptr) metrics->ObserveDecodeBatch(entries, ran);
     };
     decode_executor_ = std::make_unique<RuntimeDecodeExecutor>(runtime_.get());
     WorkQueue* workers = work_queue_.get();

@@ -9,11 +9,11 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "server/engine.h"
 
 namespace attnd {
-
-class Engine;
 
 struct ServerOptions {
   std::string listen = "127.0.0.1:50051";  // host:port; port 0 picks a free one
@@ -37,7 +37,7 @@ struct ServerOptions {
   bool decode_batching = true;       // false: every Decode runs as its own batch
   int32_t max_decode_batch = 256;    // entries per merged batch
   int64_t max_queue_delay_us = 100;  // longest wait for more calls; 0 = never wait
-  std::string cuda_graph_batch_sizes = "1,2,4,8,16,24,32,48,64,96,128,160,192,256";
+  std::string cuda_graph_batch_sizes = absl::StrJoin(DefaultDecodeBatchSizes(), ",");
   bool disable_cuda_graphs = false;      // never pad or replay graphs (no effect on CPU)
   int32_t decode_batches_in_flight = 2;  // merged batches of one layer running at once
 

@@ -78,15 +78,16 @@ DecodeContext ContextOf(const grpc::CallbackServerContext* context) {
 }
 
 // `settings_only`: the counters are server-wide, so a tenant-scoped answer leaves them out.
-void FillBatchingStats(const BatchingDecodeQueue& batcher, bool settings_only,
+// `graphs`: whether the engine replays captured CUDA graphs (Engine::decode_graphs).
+void FillBatchingStats(const BatchingDecodeQueue& batcher, bool settings_only, bool graphs,
                        v1::DecodeBatchingStats* out) {
   const DecodeBatcherOptions& o = batcher.options();
   out->set_enabled(true);
   out->set_max_decode_batch(o.max_decode_batch);
   out->set_max_queue_delay_us(absl::ToInt64Microseconds(o.max_queue_delay));
-  out->mutable_cuda_graph_batch_sizes()->Assign(o.cuda_graph_batch_sizes.begin(),
-                                                o.cuda_graph_batch_sizes.end());
-  out->set_cuda_graphs_enabled(o.cuda_graphs);
+  out->mutable_cuda_graph_batch_sizes()->Assign(o.flush_batch_sizes.begin(),
+                                                o.flush_batch_sizes.end());
+  out->set_cuda_graphs_enabled(graphs);
   if (settings_only) return;
   const DecodeBatchingStats s = batcher.Stats();
   out->set_calls_submitted(s.calls_submitted);
@@ -754,7 +755,8 @@ void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
     r->set_rings(rings_ != nullptr);
   }
   if (batcher_ != nullptr) {
-    FillBatchingStats(*batcher_, scoped, response->mutable_decode_batching());
+    FillBatchingStats(*batcher_, scoped, runtime_->engine().decode_graphs(),
+                      response->mutable_decode_batching());
   } else {
     response->mutable_decode_batching()->set_enabled(false);
   }
@@ -989,38 +991,40 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
     }
   }
   const int64_t entries = request.entries_size();
-  return decode_queue_->Submit(
-      std::move(call), context,
-      [this, entries, response, regions, &request,
-       done = std::move(done)](absl::StatusOr<DecodeResult> result) {
-        if (result.ok()) {
-          if (absl::Status s = regions->CopyOutputs(); !s.ok()) result = s;
-        }
-        // The reply (done) may reach the client before this callback, and with it the last
-        // reference to `regions`, is destroyed: end the leases first, or an UnregisterRegion
-        // right after the reply can still see the region in use.
-        regions->ReleaseLeases();
-        // Without the batcher one decode request is one executed batch; the batcher observes its
-        // merged batches itself (DecodeBatcherOptions::on_batch).
-        if (result.ok() && metrics_ != nullptr && batcher_ == nullptr) {
-          metrics_->decode_batch_size->Observe({}, static_cast<double>(entries));
-          if (result->graph_replay) metrics_->graph_replays_total->Increment({});
-        }
-        if (!result.ok()) {
-          response->Clear();
-          done(result.status());
-          return;
-        }
-        for (size_t i = 0; i < result->outputs.size(); ++i) {
-          const DecodeResult::Output& out = result->outputs[i];
-          v1::DecodeOutput* o = response->mutable_outputs(static_cast<int>(i));
-          SetMeta(out.out_dtype, out.out_shape, o->mutable_o());
-          const v1::DecodeEntry& in = request.entries(static_cast<int>(i));
-          if (in.has_output_region()) *o->mutable_o()->mutable_region() = in.output_region();
-          o->set_length(out.length);
-        }
-        done(absl::OkStatus());
-      });
+  return decode_queue_->Submit(std::move(call), context,
+                               [this, entries, response, regions, &request,
+                                done = std::move(done)](absl::StatusOr<DecodeResult> result) {
+                                 if (result.ok()) {
+                                   if (absl::Status s = regions->CopyOutputs(); !s.ok()) result = s;
+                                 }
+                                 // The reply (done) may reach the client before this callback, and
+                                 // with it the last reference to `regions`, is destroyed: end the
+                                 // leases first, or an UnregisterRegion right after the reply can
+                                 // still see the region in use.
+                                 regions->ReleaseLeases();
+                                 // Without the batcher one decode request is one executed batch;
+                                 // the batcher observes its merged batches itself
+                                 // (DecodeBatcherOptions::on_batch).
+                                 if (result.ok() && metrics_ != nullptr && batcher_ == nullptr) {
+                                   metrics_->ObserveDecodeBatch(entries, result->stats);
+                                 }
+                                 if (!result.ok()) {
+                                   response->Clear();
+                                   done(result.status());
+                                   return;
+                                 }
+                                 for (size_t i = 0; i < result->outputs.size(); ++i) {
+                                   const DecodeResult::Output& out = result->outputs[i];
+                                   v1::DecodeOutput* o =
+                                       response->mutable_outputs(static_cast<int>(i));
+                                   SetMeta(out.out_dtype, out.out_shape, o->mutable_o());
+                                   const v1::DecodeEntry& in = request.entries(static_cast<int>(i));
+                                   if (in.has_output_region())
+                                     *o->mutable_o()->mutable_region() = in.output_region();
+                                   o->set_length(out.length);
+                                 }
+                                 done(absl::OkStatus());
+                               });
 }
 
 void AttentionService::ServeDecode(grpc::CallbackServerContext* context,

@@ -210,20 +210,24 @@ class ShardedEngine : public Engine {
     });
   }
 
-  absl::Status Decode(const DecodeJob& job) override {
+  // Every shard plans the same batch sizes: the first shard's speak for all.
+  std::vector<int32_t> decode_batch_sizes() const override {
+    return shards_[0]->decode_batch_sizes();
+  }
+  bool decode_graphs() const override { return shards_[0]->decode_graphs(); }
+
+  absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) override {
     for (const DecodeJob::Entry& e : job.entries) {
       ATTND_RETURN_IF_ERROR(CheckHeads("q", e.q, geometry_.num_q_heads));
       ATTND_RETURN_IF_ERROR(CheckHeads("k", e.k, geometry_.num_kv_heads));
       ATTND_RETURN_IF_ERROR(CheckHeads("v", e.v, geometry_.num_kv_heads));
     }
-    std::vector<char> replayed(shards_.size(), 0);
+    std::vector<DecodeStats> stats(shards_.size());
     absl::Status status = RunShards([&](int32_t i) {
       const int64_t q_heads = geometry_.num_q_heads / num_shards();
       const int64_t kv_heads = geometry_.num_kv_heads / num_shards();
-      bool shard_replayed = false;
       DecodeJob part;
       part.layer = job.layer;
-      part.graph_replayed = &shard_replayed;
       part.entries = job.entries;
       for (DecodeJob::Entry& e : part.entries) {
         e.q = SliceHeads(e.q, i * q_heads, q_heads);
@@ -232,15 +236,12 @@ class ShardedEngine : public Engine {
         e.out = static_cast<char*>(e.out) +
                 i * q_heads * int64_t{geometry_.head_dim} * ElementSize(e.out_dtype);
       }
-      absl::Status s = shards_[i]->Decode(part);
-      replayed[i] = shard_replayed ? 1 : 0;
-      return s;
+      absl::StatusOr<DecodeStats> s = shards_[i]->Decode(part);
+      if (s.ok()) stats[i] = *s;
+      return s.status();
     });
-    if (status.ok() && job.graph_replayed != nullptr &&
-        std::find(replayed.begin(), replayed.end(), 0) == replayed.end()) {
-      *job.graph_replayed = true;
-    }
-    return status;
+    if (!status.ok()) return status;
+    return stats[0];  // the shards ran the same batches
   }
 
  private:

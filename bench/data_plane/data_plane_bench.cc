@@ -653,7 +653,7 @@ void EngineDecode(const std::vector<int64_t>& batches) {
           job.entries.push_back(e);
         }
         const auto t0 = Clock::now();
-        absl::Status st = (*engine)->Decode(job);
+        absl::Status st = (*engine)->Decode(job).status();
         if (it >= 20) lat.push_back(Us(Clock::now() - t0));
         if (!st.ok()) {
           std::printf("decode\tengine\t-\tfailed: %s\n", std::string(st.message()).c_str());

@@ -302,7 +302,7 @@ void Decode(Bench& b, const std::vector<int64_t>& batches) {
           job.entries.push_back(entry);
         }
         const auto t0 = Clock::now();
-        const absl::Status st = b.engines[e]->Decode(job);
+        const absl::Status st = b.engines[e]->Decode(job).status();
         if (it >= 20) lat[e].push_back(Us(Clock::now() - t0));
         if (!st.ok()) {
           std::printf("decode\t%s\tfailed: %s\n", b.names[e].c_str(),
