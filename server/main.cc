@@ -55,8 +55,8 @@ ABSL_FLAG(std::string, cuda_graph_batch_sizes, absl::StrJoin(attnd::DefaultDecod
           "once, and on CUDA a batch is padded up to the next one; on the CPU backend only the "
           "launch rule applies");
 ABSL_FLAG(bool, disable_cuda_graphs, false,
-          "never pad decode batches or replay CUDA graphs (accepted on the CPU backend, where it "
-          "has no effect)");
+          "never capture or replay CUDA decode graphs: batches launch eagerly, planned as the next "
+          "size as before (accepted on the CPU backend, where it has no effect)");
 ABSL_FLAG(
     int32_t, decode_batches_in_flight, 2,
     "merged decode batches of one layer that may run at once (2: the next batch is formed and "

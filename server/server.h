@@ -38,7 +38,7 @@ struct ServerOptions {
   int32_t max_decode_batch = 256;    // entries per merged batch
   int64_t max_queue_delay_us = 100;  // longest wait for more calls; 0 = never wait
   std::string cuda_graph_batch_sizes = absl::StrJoin(DefaultDecodeBatchSizes(), ",");
-  bool disable_cuda_graphs = false;      // never pad or replay graphs (no effect on CPU)
+  bool disable_cuda_graphs = false;      // never capture or replay graphs (no effect on CPU)
   int32_t decode_batches_in_flight = 2;  // merged batches of one layer running at once
 
   // Operations (docs/operations.md).
