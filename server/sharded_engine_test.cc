@@ -318,30 +318,36 @@ TEST(ShardedEngineTest, SparsePrefillMatchesTheUnshardedEngine) {
 
 #ifndef ATTND_SHARDED_ON_CUDA
 
-TEST(ShardedEngineTest, AFailingShardFailsTheJobNamingIt) {
+// Two CPU shards of Geometry() over kPages pages, each behind a FaultEngine; *faulty is the
+// second one's.
+std::unique_ptr<Engine> TwoFaultableShards(FaultEngine** faulty) {
   const absl::StatusOr<DcaGeometry> g = ShardGeometry(Geometry(), 2);
-  ASSERT_TRUE(g.ok());
+  EXPECT_TRUE(g.ok()) << g.status();
+  if (!g.ok()) return nullptr;
   std::vector<std::unique_ptr<Engine>> shards;
-  FaultEngine* faulty = nullptr;
   for (int i = 0; i < 2; ++i) {
     CpuEngineOptions o;
     o.geometry = *g;
     o.layout = KvLayout{kLayers, g->num_kv_heads, kD, kPageSize, DType::kFp32, kPages};
     o.compute_threads = 1;
     absl::StatusOr<std::unique_ptr<CpuEngine>> e = CpuEngine::Create(o);
-    ASSERT_TRUE(e.ok()) << e.status();
-    if (i == 1) {
-      auto f = std::make_unique<FaultEngine>(*std::move(e));
-      faulty = f.get();
-      shards.push_back(std::move(f));
-    } else {
-      shards.push_back(*std::move(e));
-    }
+    EXPECT_TRUE(e.ok()) << e.status();
+    if (!e.ok()) return nullptr;
+    auto f = std::make_unique<FaultEngine>(*std::move(e));
+    if (i == 1) *faulty = f.get();
+    shards.push_back(std::move(f));
   }
   absl::StatusOr<std::unique_ptr<Engine>> sharded =
       CreateShardedEngine(Geometry(), std::move(shards));
-  ASSERT_TRUE(sharded.ok()) << sharded.status();
-  Sequences seq({sharded->get()});
+  EXPECT_TRUE(sharded.ok()) << sharded.status();
+  return sharded.ok() ? *std::move(sharded) : nullptr;
+}
+
+TEST(ShardedEngineTest, AFailingShardFailsTheJobNamingIt) {
+  FaultEngine* faulty = nullptr;
+  std::unique_ptr<Engine> sharded = TwoFaultableShards(&faulty);
+  ASSERT_TRUE(sharded != nullptr);
+  Sequences seq({sharded.get()});
   std::mt19937 rng(3);
   faulty->FailNextPrefills(1);
   seq.Prefill(0, 0, 20, QLayout::kVariants, DType::kFp32, &rng, /*expect_ok=*/false);
@@ -356,30 +362,15 @@ RequestTensor Req(const Tensor& t) { return RequestTensor{t.dtype, t.shape, t.by
 // nothing is committed and no page stays held, in either shard (they share the page table), and
 // the sequence goes on to give the unsharded engine's outputs.
 TEST(ShardedRuntimeTest, AFaultInOneShardLeavesNoPageHeld) {
-  const absl::StatusOr<DcaGeometry> g = ShardGeometry(Geometry(), 2);
-  ASSERT_TRUE(g.ok());
-  std::vector<std::unique_ptr<Engine>> shards;
   FaultEngine* faulty = nullptr;
-  for (int i = 0; i < 2; ++i) {
-    CpuEngineOptions o;
-    o.geometry = *g;
-    o.layout = KvLayout{kLayers, g->num_kv_heads, kD, kPageSize, DType::kFp32, kPages};
-    o.compute_threads = 1;
-    absl::StatusOr<std::unique_ptr<CpuEngine>> e = CpuEngine::Create(o);
-    ASSERT_TRUE(e.ok()) << e.status();
-    auto f = std::make_unique<FaultEngine>(*std::move(e));
-    if (i == 1) faulty = f.get();
-    shards.push_back(std::move(f));
-  }
-  absl::StatusOr<std::unique_ptr<Engine>> sharded =
-      CreateShardedEngine(Geometry(), std::move(shards));
-  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  std::unique_ptr<Engine> sharded = TwoFaultableShards(&faulty);
+  ASSERT_TRUE(sharded != nullptr);
   ModelConfig model = test_models::TinyModel();
   model.num_q_heads = kHq;
   model.num_kv_heads = kHkv;
   RuntimeOptions ro;
   ro.max_sequence_length = 1024;
-  absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(model, *std::move(sharded), ro);
+  absl::StatusOr<std::unique_ptr<Runtime>> rt = Runtime::Create(model, std::move(sharded), ro);
   ASSERT_TRUE(rt.ok()) << rt.status();
   absl::StatusOr<std::unique_ptr<Runtime>> ref = Runtime::Create(model, Make(1, nullptr), ro);
   ASSERT_TRUE(ref.ok()) << ref.status();

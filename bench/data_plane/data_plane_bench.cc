@@ -32,6 +32,7 @@
 #include "absl/strings/str_split.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "attnd/v1/shm_ring.h"
+#include "bench/common/bench_common.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/dtype.h"
 
@@ -64,18 +65,11 @@ ABSL_FLAG(bool, skip_decode, false, "prefill only");
 namespace attnd {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double Us(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
-
-std::vector<int64_t> ParseList(const std::string& s) {
-  std::vector<int64_t> out;
-  for (absl::string_view item : absl::StrSplit(s, ',', absl::SkipEmpty())) {
-    int64_t v = 0;
-    if (absl::SimpleAtoi(item, &v)) out.push_back(v);
-  }
-  return out;
-}
+using bench::Clock;
+using bench::ParseList;
+using bench::Percentile;
+using bench::RandomBf16;
+using bench::Us;
 
 bool Has(const std::string& list, absl::string_view what) {
   for (absl::string_view item : absl::StrSplit(list, ',')) {
@@ -87,16 +81,6 @@ bool Has(const std::string& list, absl::string_view what) {
 struct Geometry {
   int32_t layers = 0, hq = 0, hkv = 0, d = 0;
 };
-
-// bf16 bytes of n random values in [-1, 1).
-std::string RandomBf16(std::mt19937* rng, int64_t n) {
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  std::vector<float> f(n);
-  for (float& x : f) x = u(*rng);
-  std::string out(n * 2, '\0');
-  ConvertFromFloat(f.data(), n, DType::kBf16, out.data());
-  return out;
-}
 
 void SetTensor(v1::Tensor* t, std::vector<int64_t> shape, const std::string& bytes) {
   t->set_dtype(v1::DTYPE_BF16);
@@ -111,12 +95,6 @@ void SetRef(v1::Tensor* t, std::vector<int64_t> shape, const std::string& region
   t->mutable_region()->set_region_id(region);
   t->mutable_region()->set_offset(offset);
   t->mutable_region()->set_byte_size(bytes);
-}
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
 }
 
 // A shm object of the client's, mapped.
@@ -673,12 +651,12 @@ void EngineDecode(const std::vector<int64_t>& batches) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  const std::vector<int64_t> contexts = attnd::ParseList(absl::GetFlag(FLAGS_contexts));
+  const std::vector<int64_t> contexts = attnd::bench::ParseList(absl::GetFlag(FLAGS_contexts));
   if (absl::GetFlag(FLAGS_engine)) {
 #ifdef ATTND_BENCH_CUDA
     if (!absl::GetFlag(FLAGS_skip_prefill)) attnd::EnginePrefill(contexts);
     if (!absl::GetFlag(FLAGS_skip_decode)) {
-      attnd::EngineDecode(attnd::ParseList(absl::GetFlag(FLAGS_decode_batches)));
+      attnd::EngineDecode(attnd::bench::ParseList(absl::GetFlag(FLAGS_decode_batches)));
     }
 #else
     std::printf("prefill\tengine\t-\tskipped: built without CUDA\n");
@@ -697,7 +675,7 @@ int main(int argc, char** argv) {
     }
   }
   if (!absl::GetFlag(FLAGS_skip_decode)) {
-    for (int64_t batch : attnd::ParseList(absl::GetFlag(FLAGS_decode_batches))) {
+    for (int64_t batch : attnd::bench::ParseList(absl::GetFlag(FLAGS_decode_batches))) {
       for (const char* t : {"grpc", "session", "shm", "ring"}) {
         if (attnd::Has(transports, t) && !bench.Decode(t, batch)) ++failures;
       }

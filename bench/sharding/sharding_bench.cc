@@ -22,6 +22,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/common/bench_common.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
 #include "server/engine.h"
@@ -53,33 +54,11 @@ ABSL_FLAG(bool, pre_rotary, true, "requests carry q and k before the rotary (els
 namespace attnd {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double Us(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
-
-std::vector<int64_t> ParseList(const std::string& text) {
-  std::vector<int64_t> out;
-  for (absl::string_view s : absl::StrSplit(text, ',', absl::SkipEmpty())) {
-    int64_t v = 0;
-    if (absl::SimpleAtoi(s, &v)) out.push_back(v);
-  }
-  return out;
-}
-
-std::string RandomBf16(std::mt19937* rng, int64_t n) {
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  std::vector<float> f(n);
-  for (float& x : f) x = u(*rng);
-  std::string out(n * 2, '\0');
-  ConvertFromFloat(f.data(), n, DType::kBf16, out.data());
-  return out;
-}
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
-}
+using bench::Clock;
+using bench::ParseList;
+using bench::Percentile;
+using bench::RandomBf16;
+using bench::Us;
 
 // The largest |a - b| over bf16 outputs.
 double MaxDiff(const std::string& a, const std::string& b) {
