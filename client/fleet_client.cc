@@ -222,6 +222,11 @@ absl::StatusOr<v1::GetServerInfoResponse> FleetClient::Ask(const std::shared_ptr
   }
   e->instance = info->instance().name();
   e->last_error = absl::OkStatus();
+  // The newest answer wins: a daemon that came back at another address (a rescheduled pod) is no
+  // longer the instance at its old one.
+  for (const std::shared_ptr<Endpoint>& other : endpoints_) {
+    if (other != e && other->instance == e->instance) other->instance.clear();
+  }
   return info;
 }
 
@@ -297,7 +302,11 @@ absl::StatusOr<T> FleetClient::OnOwner(const std::string& sequence_id, const Cal
     absl::StatusOr<std::shared_ptr<Endpoint>> e = Find(*owner);
     if (!e.ok()) return e.status();
     absl::StatusOr<std::shared_ptr<AttndClient>> client = Connected(*e);
-    if (!client.ok()) return client.status();
+    if (!client.ok()) {
+      // Down, or moved: a DNS name may now resolve to the instance's new address.
+      if (attempt == 0 && Unreachable(client.status()) && MovedAway(*owner, *e)) continue;
+      return client.status();
+    }
     absl::StatusOr<T> r = call(**client);
     if (r.ok()) return r;
     if (attempt == 0 && Misrouted(r.status())) {
@@ -308,8 +317,24 @@ absl::StatusOr<T> FleetClient::OnOwner(const std::string& sequence_id, const Cal
       (void)Refresh();
       continue;
     }
-    return Failed(*e, *client, r.status());
+    absl::Status failed = Failed(*e, *client, r.status());
+    if (attempt == 0 && Unreachable(r.status()) && MovedAway(*owner, *e)) continue;
+    return failed;
   }
+}
+
+bool FleetClient::MovedAway(const std::string& instance, const std::shared_ptr<Endpoint>& e) {
+  // Only a DNS name can start pointing elsewhere; a list of addresses cannot.
+  const bool named = std::any_of(targets_.begin(), targets_.end(), [](const std::string& t) {
+    return absl::StartsWith(t, kDnsScheme);
+  });
+  if (!named) return false;
+  if (absl::Status s = Refresh(); !s.ok()) return false;
+  MutexLock lock(&mu_);
+  for (const std::shared_ptr<Endpoint>& other : endpoints_) {
+    if (other->instance == instance) return other != e;
+  }
+  return false;
 }
 
 absl::StatusOr<std::shared_ptr<AttndClient>> FleetClient::ClientFor(

@@ -113,6 +113,9 @@ class FleetClient {
                       const std::shared_ptr<AttndClient>& client, const absl::Status& status);
   // The endpoint that is `instance`, asking every endpoint once when none is known to be.
   absl::StatusOr<std::shared_ptr<Endpoint>> Find(const std::string& instance);
+  // After `e`, the endpoint of `instance`, could not be reached: true when a Refresh finds the
+  // instance at another endpoint (its pod came back at a new address).
+  bool MovedAway(const std::string& instance, const std::shared_ptr<Endpoint>& e);
   // Runs `call` on the owner of `sequence_id`; once more after a Refresh when the daemon there
   // says the sequence is another instance's (the endpoint's daemon changed).
   template <typename T, typename Call>

@@ -436,6 +436,29 @@ TEST(FleetClientTest, ConnectFailsOnlyWhenNoDaemonAnswers) {
             absl::StrCat("attnd at ", unnamed.target(),
                          " has no --instance-name: in a fleet every daemon needs one, so that a "
                          "sequence id says which daemon holds it"));
+  // An instance that comes back at another of the fleet's addresses (a rescheduled pod) is found
+  // there after a Refresh; its sequences are gone.
+  ChildDaemon x1("fleet-x"), x2("fleet-x");
+  ASSERT_TRUE(x1.Start().ok());
+  absl::StatusOr<std::unique_ptr<FleetClient>> moving =
+      FleetClient::Connect({x1.target(), x2.target()});
+  ASSERT_TRUE(moving.ok()) << moving.status();
+  absl::StatusOr<std::string> lost = (*moving)->CreateSequence();
+  ASSERT_TRUE(lost.ok()) << lost.status();
+  x1.Kill();
+  ASSERT_TRUE(x2.Start().ok());
+  EXPECT_EQ((*moving)->Release(*lost).status().code(), absl::StatusCode::kUnavailable);
+  ASSERT_TRUE((*moving)->Refresh().ok());
+  std::vector<client::FleetEndpoint> now = (*moving)->Endpoints();
+  ASSERT_EQ(now.size(), 2u);
+  EXPECT_EQ(now[0].instance, "");  // no longer who it was
+  EXPECT_EQ(now[1].instance, "fleet-x");
+  absl::StatusOr<int64_t> moved = (*moving)->Release(*lost);
+  EXPECT_EQ(moved.status().code(), absl::StatusCode::kNotFound) << moved.status();
+  absl::StatusOr<std::string> placed = (*moving)->CreateSequence();
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  EXPECT_EQ(Owner(*placed), "fleet-x");
+
   // A DNS name stands for every address it resolves to.
   absl::StatusOr<std::vector<std::string>> resolved =
       FleetClient::Resolve({"dns:///localhost:50051", "127.0.0.1:7"});

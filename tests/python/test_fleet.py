@@ -149,6 +149,27 @@ class Fleet(unittest.TestCase):
             self.assertEqual(self.fleet.prefill(again, layer, q, k, v, return_length=True)[1], 32)
         self.assertEqual(self.fleet.release(again), 2)
 
+    def test_an_instance_back_at_another_address_is_found_there(self):
+        x1 = at.Daemon(TINY, kv_cache_bytes=PAGES * PAGE_BYTES, extra_args=["--instance-name", "py-x"])
+        x2_port = at.free_port()
+        try:
+            x1.start()
+            with attnd.FleetClient([x1.target, "127.0.0.1:%d" % x2_port]) as fleet:
+                lost = fleet.create_sequence()
+                x1.kill()
+                x1.start(port=x2_port)
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    fleet.release(lost)
+                self.assertIs(ctx.exception.code, SC.UNAVAILABLE)
+                fleet.refresh()
+                self.assertEqual([n for _, n, _ in fleet.endpoints()], ["", "py-x"])
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    fleet.release(lost)
+                self.assertIs(ctx.exception.code, SC.NOT_FOUND)
+                self.assertEqual(fleet.create_sequence().split(".")[0], "py-x")
+        finally:
+            x1.stop()
+
     def test_targets(self):
         port = int(self.daemons[0].target.rsplit(":", 1)[1])
         self.assertIn("127.0.0.1:%d" % port, attnd._fleet.resolve(["dns:///localhost:%d" % port]))

@@ -219,6 +219,11 @@ class FleetClient:
                 raise e.last_error
             e.instance = info.instance.name
             e.last_error = None
+            # The newest answer wins: a daemon that came back at another address (a rescheduled pod) is no
+            # longer the instance at its old one.
+            for other in self._endpoints:
+                if other is not e and other.instance == e.instance:
+                    other.instance = ""
         return info
 
     def _ask_all(self):
@@ -269,7 +274,25 @@ class FleetClient:
                     except AttndError:
                         pass
                     continue
-                raise self._failed(e, client, err) from None
+                failed = self._failed(e, client, err)
+                if attempt == 0 and _unreachable(err) and self._moved_away(instance, e):
+                    continue  # a DNS name now resolves to the instance's new address
+                raise failed from None
+
+    def _moved_away(self, instance, e):
+        """After `e`, the endpoint of `instance`, could not be reached: whether a refresh finds the instance at
+        another endpoint. Only DNS names can start pointing elsewhere, so only they are resolved again."""
+        if not any(t.startswith(_DNS) for t in self._targets):
+            return False
+        try:
+            self.refresh()
+        except AttndError:
+            return False
+        with self._lock:
+            for other in self._endpoints:
+                if other.instance == instance:
+                    return other is not e
+        return False
 
     def client_for(self, seq):
         """The Client of the daemon that owns `seq` (for sessions, regions, info)."""
