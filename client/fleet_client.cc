@@ -150,6 +150,11 @@ absl::StatusOr<std::unique_ptr<FleetClient>> FleetClient::Connect(
 }
 
 absl::Status FleetClient::Refresh() {
+  if (absl::Status s = Reresolve(); !s.ok()) return s;
+  return AskAll().status();
+}
+
+absl::Status FleetClient::Reresolve() {
   absl::StatusOr<std::vector<std::string>> resolved = Resolve(targets_);
   if (!resolved.ok()) return resolved.status();
   {
@@ -169,7 +174,12 @@ absl::Status FleetClient::Refresh() {
     }
     endpoints_ = std::move(now);
   }
-  return AskAll().status();
+  return absl::OkStatus();
+}
+
+bool FleetClient::Named() const {
+  return std::any_of(targets_.begin(), targets_.end(),
+                     [](const std::string& t) { return absl::StartsWith(t, kDnsScheme); });
 }
 
 std::vector<FleetEndpoint> FleetClient::Endpoints() const {
@@ -347,6 +357,9 @@ absl::StatusOr<std::shared_ptr<AttndClient>> FleetClient::ClientFor(
 }
 
 absl::StatusOr<std::string> FleetClient::CreateSequence() {
+  // A DNS name is resolved again: pods added since (scaled up, or back at a new address) take new
+  // sequences at once. A failed lookup keeps the endpoints known so far.
+  if (Named()) (void)Reresolve();
   absl::StatusOr<std::vector<Probe>> probes = AskAll();
   if (!probes.ok()) return probes.status();
   const size_t n = probes->size();

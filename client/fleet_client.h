@@ -3,7 +3,8 @@
 // on one daemon; the id it returns names that daemon ("<instance>.<32 hex>"), and every later call
 // for the sequence goes there. The single-daemon AttndClient is unchanged; this builds on it.
 //
-// Placement: the reachable daemon with the most free KV pages (GetServerInfo's
+// Placement (DNS names resolved again first, so new pods take sequences): the reachable daemon with
+// the most free KV pages (GetServerInfo's
 // kv_cache.pages_free), ties taken in turn (round robin), so empty daemons fill evenly. With tokens
 // on, daemons hide pages_free (tenant_scoped): placement is then round robin. Unreachable daemons
 // are skipped; CreateSequence fails (UNAVAILABLE) only when none is reachable.
@@ -101,6 +102,10 @@ class FleetClient {
 
   FleetClient(std::vector<std::string> targets, const FleetOptions& options);
 
+  // Resolves targets_ again: endpoints still resolved keep their connection and name, new ones
+  // are added, vanished ones dropped.
+  absl::Status Reresolve();
+  bool Named() const;  // some target is a dns:/// name
   // The endpoint's client, connecting first when it has none.
   absl::StatusOr<std::shared_ptr<AttndClient>> Connected(const std::shared_ptr<Endpoint>& e);
   // GetServerInfo on `e`: records its instance, or why it failed.

@@ -426,6 +426,15 @@ TEST(FleetClientTest, ConnectFailsOnlyWhenNoDaemonAnswers) {
     ASSERT_TRUE(id.ok()) << id.status();
     EXPECT_EQ(Owner(*id), "fleet-a");
   }
+  // Through a DNS name (localhost: 127.0.0.1, and ::1 where it resolves, which nothing listens on).
+  absl::StatusOr<std::unique_ptr<FleetClient>> by_name = FleetClient::Connect(
+      {absl::StrCat("dns:///localhost:", a.target().substr(a.target().rfind(':') + 1))});
+  ASSERT_TRUE(by_name.ok()) << by_name.status();
+  absl::StatusOr<std::string> named_id = (*by_name)->CreateSequence();
+  ASSERT_TRUE(named_id.ok()) << named_id.status();
+  EXPECT_EQ(Owner(*named_id), "fleet-a");
+  EXPECT_TRUE((*by_name)->Release(*named_id).ok());
+
   // A daemon without --instance-name cannot be in a fleet: its ids would not say where they live.
   ChildDaemon unnamed("");
   ASSERT_TRUE(unnamed.Start().ok());

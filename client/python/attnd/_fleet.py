@@ -179,11 +179,18 @@ class FleetClient:
     def refresh(self):
         """Resolves the targets again and asks every endpoint who it is; raises AttndError UNAVAILABLE if none
         answers."""
+        self._reresolve()
+        return self._ask_all()
+
+    def _named(self):
+        return any(t.startswith(_DNS) for t in self._targets)
+
+    def _reresolve(self):
+        """Endpoints still resolved keep their channel and name; new ones are added, vanished ones dropped."""
         resolved = resolve(self._targets)
         with self._lock:
             old = {e.target: e for e in self._endpoints}
             self._endpoints = [old.get(t) or _Endpoint(t) for t in resolved]
-        return self._ask_all()
 
     def _connected(self, e):
         with self._lock:
@@ -282,7 +289,7 @@ class FleetClient:
     def _moved_away(self, instance, e):
         """After `e`, the endpoint of `instance`, could not be reached: whether a refresh finds the instance at
         another endpoint. Only DNS names can start pointing elsewhere, so only they are resolved again."""
-        if not any(t.startswith(_DNS) for t in self._targets):
+        if not self._named():
             return False
         try:
             self.refresh()
@@ -301,6 +308,11 @@ class FleetClient:
     # -- calls --
     def create_sequence(self, timeout=None):
         """A new empty sequence on the least loaded reachable daemon (see the class); returns its id."""
+        if self._named():  # new pods (scaled up, or back at a new address) take sequences at once
+            try:
+                self._reresolve()
+            except AttndError:
+                pass  # a failed lookup keeps the endpoints known so far
         probes = self._ask_all()
         n = len(probes)
         with self._lock:
