@@ -141,6 +141,8 @@ class AttndClient {
                                                               const ClientOptions& options = {});
 
   absl::StatusOr<v1::GetServerInfoResponse> Info();
+  // The same within `timeout` (or rpc_timeout if shorter): DEADLINE_EXCEEDED from a hung server.
+  absl::StatusOr<v1::GetServerInfoResponse> Info(absl::Duration timeout);
   absl::StatusOr<std::string> CreateSequence();
   // Returns the number of pages freed.
   absl::StatusOr<int64_t> Release(const std::string& sequence_id);

@@ -139,13 +139,14 @@ FleetClient::FleetClient(std::vector<std::string> targets, const FleetOptions& o
 absl::StatusOr<std::unique_ptr<FleetClient>> FleetClient::Connect(
     const std::vector<std::string>& targets, const FleetOptions& options) {
   std::unique_ptr<FleetClient> fleet(new FleetClient(targets, options));
-  if (absl::Status s = fleet->Refresh(); !s.ok()) return s;
+  const absl::Status refreshed = fleet->Refresh();
   {
     MutexLock lock(&fleet->mu_);
     for (const std::shared_ptr<Endpoint>& e : fleet->endpoints_) {
       if (e->last_error.code() == absl::StatusCode::kFailedPrecondition) return e->last_error;
     }
   }
+  if (!refreshed.ok()) return refreshed;
   return fleet;
 }
 
@@ -193,7 +194,7 @@ std::vector<FleetEndpoint> FleetClient::Endpoints() const {
 }
 
 absl::StatusOr<std::shared_ptr<AttndClient>> FleetClient::Connected(
-    const std::shared_ptr<Endpoint>& e) {
+    const std::shared_ptr<Endpoint>& e, absl::Duration timeout) {
   std::string target, instance;
   {
     MutexLock lock(&mu_);
@@ -202,8 +203,9 @@ absl::StatusOr<std::shared_ptr<AttndClient>> FleetClient::Connected(
     instance = e->instance;
   }
   // Outside the lock: connecting waits for the network.
-  absl::StatusOr<std::unique_ptr<AttndClient>> connected =
-      AttndClient::Connect(target, options_.client);
+  ClientOptions options = options_.client;
+  options.connect_timeout = std::min(options.connect_timeout, timeout);
+  absl::StatusOr<std::unique_ptr<AttndClient>> connected = AttndClient::Connect(target, options);
   MutexLock lock(&mu_);
   if (!connected.ok()) {
     e->last_error = connected.status();
@@ -218,9 +220,9 @@ absl::StatusOr<std::shared_ptr<AttndClient>> FleetClient::Connected(
 }
 
 absl::StatusOr<v1::GetServerInfoResponse> FleetClient::Ask(const std::shared_ptr<Endpoint>& e) {
-  absl::StatusOr<std::shared_ptr<AttndClient>> client = Connected(e);
+  absl::StatusOr<std::shared_ptr<AttndClient>> client = Connected(e, options_.probe_timeout);
   if (!client.ok()) return client.status();
-  absl::StatusOr<v1::GetServerInfoResponse> info = (*client)->Info();
+  absl::StatusOr<v1::GetServerInfoResponse> info = (*client)->Info(options_.probe_timeout);
   if (!info.ok()) return Failed(e, *client, info.status());
   MutexLock lock(&mu_);
   if (info->instance().name().empty()) {
@@ -274,7 +276,9 @@ absl::Status FleetClient::Failed(const std::shared_ptr<Endpoint>& e,
   if (!Unreachable(status)) return status;
   MutexLock lock(&mu_);
   e->last_error = status;
-  if (e->client == client) e->client = nullptr;
+  // A hung daemon (DEADLINE_EXCEEDED) keeps its channel: a new one would wait for a handshake that
+  // never comes.
+  if (e->client == client && status.code() == absl::StatusCode::kUnavailable) e->client = nullptr;
   return absl::Status(status.code(),
                       absl::StrCat("attnd instance \"", e->instance.empty() ? "?" : e->instance,
                                    "\" at ", e->target, " is unavailable: ", status.message()));

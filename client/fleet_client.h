@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "client/attnd_client.h"
 #include "kernels/mutex.h"
 
@@ -41,6 +42,9 @@ enum class Placement {
 struct FleetOptions {
   ClientOptions client;  // every daemon's connection (timeouts, token, TLS)
   Placement placement = Placement::kLeastLoaded;
+  // How long asking an endpoint who it is and how loaded (GetServerInfo, and connecting first
+  // when needed) may take: a hung daemon is skipped after this rather than stalling placements.
+  absl::Duration probe_timeout = absl::Seconds(5);
 };
 
 // What the client knows of one endpoint (no RPC is made to report it).
@@ -106,8 +110,9 @@ class FleetClient {
   // are added, vanished ones dropped.
   absl::Status Reresolve();
   bool Named() const;  // some target is a dns:/// name
-  // The endpoint's client, connecting first when it has none.
-  absl::StatusOr<std::shared_ptr<AttndClient>> Connected(const std::shared_ptr<Endpoint>& e);
+  // The endpoint's client, connecting first (for at most `timeout`) when it has none.
+  absl::StatusOr<std::shared_ptr<AttndClient>> Connected(
+      const std::shared_ptr<Endpoint>& e, absl::Duration timeout = absl::InfiniteDuration());
   // GetServerInfo on `e`: records its instance, or why it failed.
   absl::StatusOr<v1::GetServerInfoResponse> Ask(const std::shared_ptr<Endpoint>& e);
   // Every endpoint that answers, in endpoint order; UNAVAILABLE listing each failure if none does.

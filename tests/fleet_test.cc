@@ -31,6 +31,7 @@
 #include "client/attnd_client.h"
 #include "client/fleet_client.h"
 #include "client/host_tensor.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/test_util.h"
 
@@ -123,6 +124,9 @@ class ChildDaemon {
     int status = 0;
     waitpid(pid_, &status, 0);
     pid_ = -1;
+  }
+  void Signal(int sig) {
+    if (pid_ > 0) kill(pid_, sig);
   }
   const std::string& target() const { return target_; }
   const std::string& instance() const { return instance_; }
@@ -426,6 +430,26 @@ TEST(FleetClientTest, ConnectFailsOnlyWhenNoDaemonAnswers) {
     ASSERT_TRUE(id.ok()) << id.status();
     EXPECT_EQ(Owner(*id), "fleet-a");
   }
+  // A hung daemon (SIGSTOP: it accepts connections and never answers) is skipped after the probe
+  // timeout instead of stalling placement.
+  ChildDaemon hung("fleet-h");
+  ASSERT_TRUE(hung.Start().ok());
+  client::FleetOptions quick;
+  quick.probe_timeout = absl::Milliseconds(300);
+  absl::StatusOr<std::unique_ptr<FleetClient>> with_hung =
+      FleetClient::Connect({hung.target(), a.target()}, quick);
+  ASSERT_TRUE(with_hung.ok()) << with_hung.status();
+  hung.Signal(SIGSTOP);
+  const absl::Time t0 = absl::Now();
+  for (int s = 0; s < 2; ++s) {
+    absl::StatusOr<std::string> id = (*with_hung)->CreateSequence();
+    ASSERT_TRUE(id.ok()) << id.status();
+    EXPECT_EQ(Owner(*id), "fleet-a");
+  }
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  EXPECT_THAT((*with_hung)->Endpoints()[0].last_error, ::testing::HasSubstr("Deadline Exceeded"));
+  hung.Signal(SIGCONT);
+
   // Through a DNS name (localhost: 127.0.0.1, and ::1 where it resolves, which nothing listens on).
   absl::StatusOr<std::unique_ptr<FleetClient>> by_name = FleetClient::Connect(
       {absl::StrCat("dns:///localhost:", a.target().substr(a.target().rfind(':') + 1))});

@@ -205,7 +205,8 @@ class FleetClient:
             return err
         with self._lock:
             e.last_error = err
-            if e.client is client:
+            # A hung daemon (DEADLINE_EXCEEDED) keeps its channel: a new one would wait for a handshake too.
+            if e.client is client and err.code == grpc.StatusCode.UNAVAILABLE:
                 e.client = None
             instance = e.instance or "?"
         # Not closed here: other threads may still be in calls on it (they fail as this one did).
