@@ -50,7 +50,7 @@ int RunInfo(AttndClient& client, std::ostream& out, std::ostream& err) {
   const v1::KvCacheInfo& kv = info->kv_cache();
   const v1::Limits& l = info->limits();
   const int64_t tokens_in_pool = kv.pages_total() * kv.page_size();
-  const std::vector<std::pair<std::string, std::string>> lines = {
+  std::vector<std::pair<std::string, std::string>> lines = {
       {"version", info->version()},
       {"backend", info->backend()},
       {"device", info->device()},
@@ -83,6 +83,11 @@ int RunInfo(AttndClient& client, std::ostream& out, std::ostream& err) {
       {"max sequences",
        l.max_sequences() == 0 ? std::string("unlimited") : absl::StrCat(l.max_sequences())},
   };
+  if (!info->instance().name().empty()) {  // a fleet member (docs/fleet.md)
+    const std::string& at = info->instance().advertise_address();
+    lines.emplace_back("instance", at.empty() ? info->instance().name()
+                                              : absl::StrCat(info->instance().name(), " at ", at));
+  }
   size_t width = 0;
   for (const auto& [key, value] : lines) width = std::max(width, key.size());
   for (const auto& [key, value] : lines) {
