@@ -144,7 +144,9 @@ class FleetClient:
         self._lock = threading.Lock()
         self._endpoints = []
         self._next = 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="attnd-fleet")
+        # Two pools: a decode's per-daemon calls may refresh (and wait for probes) from inside the decode pool.
+        self._probes = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="attnd-fleet-probe")
+        self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="attnd-fleet-call")
         try:
             self.refresh()
             for e in self._endpoints:
@@ -162,7 +164,8 @@ class FleetClient:
                 e.client = None
         for c in clients:
             c.close()
-        self._pool.shutdown(wait=False)
+        self._probes.shutdown(wait=False)
+        self._calls.shutdown(wait=False)
 
     def __enter__(self):
         return self
@@ -238,7 +241,7 @@ class FleetClient:
         """[(endpoint, GetServerInfoResponse)] of every endpoint that answers, concurrently."""
         with self._lock:
             endpoints = list(self._endpoints)
-        futures = [self._pool.submit(self._ask, e) for e in endpoints]
+        futures = [self._probes.submit(self._ask, e) for e in endpoints]
         answered, why = [], []
         for e, f in zip(endpoints, futures):
             try:
@@ -371,7 +374,7 @@ class FleetClient:
                                                               q_layout=layouts))
 
         owners = list(groups)
-        futures = [self._pool.submit(run, groups[o]) for o in owners]
+        futures = [self._calls.submit(run, groups[o]) for o in owners]
         results, failed, applied = {}, None, []
         for o, f in zip(owners, futures):
             try:
