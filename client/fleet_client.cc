@@ -133,8 +133,20 @@ absl::StatusOr<std::string> FleetClient::OwnerOf(absl::string_view sequence_id) 
   return std::string(sequence_id.substr(0, dot));
 }
 
+namespace {
+
+// Each endpoint's channel gets its own subchannel: gRPC shares them between channels to one address
+// by default, and a fresh channel to a daemon that was down would then report the shared one's
+// TRANSIENT_FAILURE until its reconnect backoff (seconds) ends, instead of connecting at once.
+FleetOptions WithLocalSubchannels(FleetOptions options) {
+  options.client.channel_args.emplace_back("grpc.use_local_subchannel_pool", 1);
+  return options;
+}
+
+}  // namespace
+
 FleetClient::FleetClient(std::vector<std::string> targets, const FleetOptions& options)
-    : targets_(std::move(targets)), options_(options) {}
+    : targets_(std::move(targets)), options_(WithLocalSubchannels(options)) {}
 
 absl::StatusOr<std::unique_ptr<FleetClient>> FleetClient::Connect(
     const std::vector<std::string>& targets, const FleetOptions& options) {
@@ -393,7 +405,9 @@ absl::StatusOr<std::string> FleetClient::CreateSequence() {
       last = client.status();
       continue;
     }
-    absl::StatusOr<std::string> id = (*client)->CreateSequence();
+    // Bounded like a probe: a daemon that stopped answering since its probe must not hold the
+    // placement (a sequence it creates after the deadline is orphaned until idle reclaim).
+    absl::StatusOr<std::string> id = (*client)->CreateSequence(options_.probe_timeout);
     if (id.ok()) {
       MutexLock lock(&mu_);
       next_ = (i + 1) % n;

@@ -43,7 +43,8 @@ struct FleetOptions {
   ClientOptions client;  // every daemon's connection (timeouts, token, TLS)
   Placement placement = Placement::kLeastLoaded;
   // How long asking an endpoint who it is and how loaded (GetServerInfo, and connecting first
-  // when needed) may take: a hung daemon is skipped after this rather than stalling placements.
+  // when needed), and CreateSequence on the daemon picked, may take: a hung daemon is skipped after
+  // this rather than stalling placements.
   absl::Duration probe_timeout = absl::Seconds(5);
 };
 

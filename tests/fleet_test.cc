@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <random>
@@ -73,8 +74,44 @@ class ChildDaemon {
   }
   ~ChildDaemon() { Kill(); }
 
-  // Starts it on its port (the same one after a Kill) and waits until it answers.
+  // Starts it and waits until it answers. The first start may move to another free port when
+  // something else took this one meanwhile (tests run in parallel); a restart after Kill keeps it.
   absl::Status Start() {
+    absl::Status s;
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      s = StartOnce();
+      if (s.ok() || started_ || s.code() != absl::StatusCode::kAborted) break;
+      target_ = absl::StrCat("127.0.0.1:", FreePort());
+    }
+    if (s.ok()) started_ = true;
+    return s;
+  }
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+  }
+  // SIGSTOP returns once every thread is stopped (kill() returns before that).
+  void Signal(int sig) {
+    if (pid_ <= 0) return;
+    kill(pid_, sig);
+    if (sig != SIGSTOP) return;
+    for (int i = 0; i < 1000; ++i) {
+      std::ifstream stat(absl::StrCat("/proc/", pid_, "/stat"));
+      std::string pid, comm, state;
+      stat >> pid >> comm >> state;
+      if (state == "T") return;
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+  }
+  const std::string& target() const { return target_; }
+  const std::string& instance() const { return instance_; }
+
+ private:
+  // ABORTED when the port was taken: attnd exited, or another process answered there.
+  absl::Status StartOnce() {
     std::string binary = "server/attnd";
     if (const char* srcdir = std::getenv("TEST_SRCDIR")) {
       binary = absl::StrCat(srcdir, "/attnd/server/attnd");
@@ -102,39 +139,40 @@ class ChildDaemon {
     }
     client::ClientOptions options;
     options.connect_timeout = absl::Seconds(1);
+    // Its own subchannel: readiness checked here must not warm up the one the fleet client's
+    // channels would share (the test must see the fleet client reconnect by itself).
+    options.channel_args.emplace_back("grpc.use_local_subchannel_pool", 1);
     const absl::Time deadline = absl::Now() + absl::Seconds(60);
     absl::Status last;
     while (absl::Now() < deadline) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return absl::InternalError(absl::StrCat("attnd ", instance_, " exited at start-up"));
-      }
+      if (Exited()) return absl::AbortedError(absl::StrCat("attnd ", instance_, " exited"));
       absl::StatusOr<std::unique_ptr<AttndClient>> c = AttndClient::Connect(target_, options);
-      if (c.ok()) return absl::OkStatus();
+      if (c.ok()) {
+        // Ours? A daemon that cannot bind exits within milliseconds; a named one says its name.
+        absl::SleepFor(absl::Milliseconds(150));
+        absl::StatusOr<v1::GetServerInfoResponse> info = (*c)->Info();
+        if (Exited() || !info.ok() || info->instance().name() != instance_) {
+          Kill();
+          return absl::AbortedError(absl::StrCat(target_, " is another process's"));
+        }
+        return absl::OkStatus();
+      }
       last = c.status();
       absl::SleepFor(absl::Milliseconds(50));
     }
     return absl::DeadlineExceededError(
         absl::StrCat("attnd ", instance_, " never answered: ", last.ToString()));
   }
-  void Kill() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGKILL);
+  bool Exited() {
     int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
+    if (pid_ > 0 && waitpid(pid_, &status, WNOHANG) == pid_) pid_ = -1;
+    return pid_ <= 0;
   }
-  void Signal(int sig) {
-    if (pid_ > 0) kill(pid_, sig);
-  }
-  const std::string& target() const { return target_; }
-  const std::string& instance() const { return instance_; }
 
- private:
   std::string instance_;
   std::string target_;
   pid_t pid_ = -1;
+  bool started_ = false;
 };
 
 struct Inputs {

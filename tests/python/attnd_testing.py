@@ -183,21 +183,22 @@ class Daemon:
         raise last
 
     def _wait_ready(self, timeout):
-        client = attnd.Client(self.target, token=self.token)
         deadline = time.monotonic() + timeout
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise AssertionError("attnd exited with %s at start-up:\n%s" % (self.proc.returncode, self.log()))
-                try:
-                    client.info(timeout=1.0)
-                    return
-                except attnd.AttndError as err:
-                    if time.monotonic() > deadline:
-                        raise AssertionError("attnd not ready after %.0fs (%s):\n%s" % (timeout, err, self.log()))
-                time.sleep(0.05)
-        finally:
-            client.close()
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError("attnd exited with %s at start-up:\n%s" % (self.proc.returncode, self.log()))
+            # A fresh channel each time: one that failed before the daemon listened would wait out gRPC's
+            # reconnect backoff (seconds) after it does.
+            client = attnd.Client(self.target, token=self.token)
+            try:
+                client.info(timeout=1.0)
+                return
+            except attnd.AttndError as err:
+                if time.monotonic() > deadline:
+                    raise AssertionError("attnd not ready after %.0fs (%s):\n%s" % (timeout, err, self.log()))
+            finally:
+                client.close()
+            time.sleep(0.05)
 
     def log(self):
         try:

@@ -27,7 +27,6 @@ def owned_by(seq, owner, this):
 class Fleet(unittest.TestCase):
     NAMES = ("py-a", "py-b", "py-c")
 
-    # One set of daemons for the class: each start waits for gRPC's first reconnect backoff (seconds).
     @classmethod
     def setUpClass(cls):
         cls.daemons = []

@@ -120,7 +120,8 @@ class FleetClient:
         endpoint), or one such string.
       placement: "least_loaded" (the daemon with the most kv_cache.pages_free; round robin among ties and when
         tokens hide pages_free) or "round_robin".
-      connect_timeout: seconds each GetServerInfo that asks an endpoint who it is may take.
+      connect_timeout: seconds each GetServerInfo that asks an endpoint who it is, and the CreateSequence of a
+        placement, may take (a hung daemon is skipped after it).
       The rest as Client (token, TLS, timeout, options), for every endpoint.
 
     create_sequence() places a sequence and returns its id, which names its daemon; prefill, decode and release
@@ -137,6 +138,10 @@ class FleetClient:
         if placement not in ("least_loaded", "round_robin"):
             raise invalid_argument("placement must be 'least_loaded' or 'round_robin', got %r" % (placement,))
         self._targets = [targets] if isinstance(targets, str) else list(targets)
+        # Each endpoint's channel gets its own subchannel: gRPC shares them between channels to one address by
+        # default, and a fresh channel to a daemon that was down would then wait out the shared one's reconnect
+        # backoff (seconds) instead of connecting at once.
+        options = (("grpc.use_local_subchannel_pool", 1),) + tuple(options or ())
         self._client_args = dict(token=token, root_cert=root_cert, timeout=timeout, options=options,
                                  client_cert=client_cert, client_key=client_key)
         self._placement = placement
@@ -329,7 +334,8 @@ class FleetClient:
             e = probes[i][0]
             client = self._connected(e)
             try:
-                seq = client.create_sequence(timeout=timeout)
+                # Bounded like a probe: a daemon that stopped answering since must not hold the placement.
+                seq = client.create_sequence(timeout=self._connect_timeout if timeout is None else timeout)
             except AttndError as err:
                 last = self._failed(e, client, err)
                 if _unreachable(err) or err.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
