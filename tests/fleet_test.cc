@@ -473,7 +473,7 @@ TEST(FleetClientTest, ConnectFailsOnlyWhenNoDaemonAnswers) {
   ChildDaemon hung("fleet-h");
   ASSERT_TRUE(hung.Start().ok());
   client::FleetOptions quick;
-  quick.probe_timeout = absl::Milliseconds(300);
+  quick.probe_timeout = absl::Seconds(1);  // room for a loaded machine (and ASan) on the live one
   absl::StatusOr<std::unique_ptr<FleetClient>> with_hung =
       FleetClient::Connect({hung.target(), a.target()}, quick);
   ASSERT_TRUE(with_hung.ok()) << with_hung.status();
@@ -484,7 +484,7 @@ TEST(FleetClientTest, ConnectFailsOnlyWhenNoDaemonAnswers) {
     ASSERT_TRUE(id.ok()) << id.status();
     EXPECT_EQ(Owner(*id), "fleet-a");
   }
-  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(8));  // not the 10 s connect timeout, nor forever
   EXPECT_THAT((*with_hung)->Endpoints()[0].last_error, ::testing::HasSubstr("Deadline Exceeded"));
   hung.Signal(SIGCONT);
 
