@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -69,7 +70,8 @@ int FreePort() {
 // attnd in a process of its own, so that it can be SIGKILLed like a crashed pod.
 class ChildDaemon {
  public:
-  explicit ChildDaemon(std::string instance) : instance_(std::move(instance)) {
+  explicit ChildDaemon(std::string instance, std::vector<std::string> extra_args = {})
+      : instance_(std::move(instance)), extra_args_(std::move(extra_args)) {
     target_ = absl::StrCat("127.0.0.1:", FreePort());
   }
   ~ChildDaemon() { Kill(); }
@@ -130,6 +132,7 @@ class ChildDaemon {
       args.push_back("--instance-name=" + instance_);
       args.push_back("--advertise-address=" + target_);
     }
+    args.insert(args.end(), extra_args_.begin(), extra_args_.end());
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -151,6 +154,11 @@ class ChildDaemon {
         // Ours? A daemon that cannot bind exits within milliseconds; a named one says its name.
         absl::SleepFor(absl::Milliseconds(150));
         absl::StatusOr<v1::GetServerInfoResponse> info = (*c)->Info();
+        // With tokens on, an unauthenticated GetServerInfo is UNAUTHENTICATED: still an answer.
+        if (!info.ok() && info.status().code() == absl::StatusCode::kUnauthenticated) {
+          return Exited() ? absl::AbortedError(absl::StrCat(target_, " is another process's"))
+                          : absl::OkStatus();
+        }
         if (Exited() || !info.ok() || info->instance().name() != instance_) {
           Kill();
           return absl::AbortedError(absl::StrCat(target_, " is another process's"));
@@ -170,6 +178,7 @@ class ChildDaemon {
   }
 
   std::string instance_;
+  std::vector<std::string> extra_args_;
   std::string target_;
   pid_t pid_ = -1;
   bool started_ = false;
@@ -448,6 +457,39 @@ TEST_F(FleetTest, ADaemonKilledMidRunLosesOnlyItsSequences) {
   }
 }
 
+// With tokens on a daemon hides pages_free from tenants (tenant_scoped): placement is round robin.
+TEST(FleetClientTest, WithTokensPlacementIsRoundRobin) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string tokens =
+      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/fleet-tokens-", getpid());
+  {
+    std::ofstream f(tokens);
+    f << "team-a fleet-token-0123456789abcdef\n";
+  }
+  ChildDaemon d0("fleet-t0", {"--auth-token-file=" + tokens});
+  ChildDaemon d1("fleet-t1", {"--auth-token-file=" + tokens});
+  ASSERT_TRUE(d0.Start().ok());
+  ASSERT_TRUE(d1.Start().ok());
+  client::FleetOptions options;
+  options.client.token = "fleet-token-0123456789abcdef";
+  absl::StatusOr<std::unique_ptr<FleetClient>> fleet =
+      FleetClient::Connect({d0.target(), d1.target()}, options);
+  ASSERT_TRUE(fleet.ok()) << fleet.status();
+  std::mt19937 rng(3);
+  std::vector<std::string> owners;
+  for (int s = 0; s < 4; ++s) {
+    absl::StatusOr<std::string> id = (*fleet)->CreateSequence();
+    ASSERT_TRUE(id.ok()) << id.status();
+    owners.push_back(Owner(*id));
+    if (owners.back() == "fleet-t0") {  // load fleet-t0 only: least loaded would avoid it
+      const Inputs in = PrefillInputs(&rng, 100);
+      ASSERT_TRUE((*fleet)->Prefill(*id, 0, in.q, in.k, in.v).ok());
+    }
+  }
+  EXPECT_EQ(owners, (std::vector<std::string>{"fleet-t0", "fleet-t1", "fleet-t0", "fleet-t1"}));
+  std::remove(tokens.c_str());
+}
+
 TEST(FleetClientTest, ConnectFailsOnlyWhenNoDaemonAnswers) {
   const std::string dead1 = absl::StrCat("127.0.0.1:", FreePort());
   const std::string dead2 = absl::StrCat("127.0.0.1:", FreePort());
@@ -530,6 +572,9 @@ TEST(FleetClientTest, ConnectFailsOnlyWhenNoDaemonAnswers) {
   ASSERT_TRUE(placed.ok()) << placed.status();
   EXPECT_EQ(Owner(*placed), "fleet-x");
 
+  absl::StatusOr<std::unique_ptr<FleetClient>> only_unnamed =
+      FleetClient::Connect({unnamed.target()});
+  EXPECT_EQ(only_unnamed.status().code(), absl::StatusCode::kFailedPrecondition);
   // A DNS name stands for every address it resolves to.
   absl::StatusOr<std::vector<std::string>> resolved =
       FleetClient::Resolve({"dns:///localhost:50051", "127.0.0.1:7"});

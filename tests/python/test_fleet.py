@@ -3,6 +3,7 @@ routing by the id's owner, outputs equal to one daemon's, FAILED_PRECONDITION fr
 SIGKILLed (UNAVAILABLE naming it) and restarted under its name (NOT_FOUND, re-created and re-prefilled)."""
 import os
 import sys
+import tempfile
 import unittest
 
 import grpc
@@ -169,6 +170,30 @@ class Fleet(unittest.TestCase):
         finally:
             x1.stop()
 
+    def test_with_tokens_placement_is_round_robin(self):
+        # Tokens on: pages_free is hidden from tenants (tenant_scoped), so load cannot steer placement.
+        token = "fleet-token-0123456789abcdef"
+        fd, path = tempfile.mkstemp(prefix="attnd-fleet-tokens-")
+        with os.fdopen(fd, "w") as f:
+            f.write("team-a %s\n" % token)
+        daemons = [at.Daemon(TINY, kv_cache_bytes=PAGES * PAGE_BYTES, token=token,
+                             extra_args=["--instance-name", n, "--auth-token-file", path]) for n in ("py-t0", "py-t1")]
+        try:
+            for d in daemons:
+                d.start()
+            with attnd.FleetClient([d.target for d in daemons], token=token) as fleet:
+                owners = []
+                for _ in range(4):
+                    seq = fleet.create_sequence()
+                    owners.append(seq.split(".")[0])
+                    if owners[-1] == "py-t0":  # load py-t0 only: least loaded would avoid it
+                        fleet.prefill(seq, 0, *self.tokens(100))
+                self.assertEqual(owners, ["py-t0", "py-t1", "py-t0", "py-t1"])
+        finally:
+            for d in daemons:
+                d.stop()
+            os.unlink(path)
+
     def test_targets(self):
         port = int(self.daemons[0].target.rsplit(":", 1)[1])
         self.assertIn("127.0.0.1:%d" % port, attnd._fleet.resolve(["dns:///localhost:%d" % port]))
@@ -185,6 +210,9 @@ class Fleet(unittest.TestCase):
         self.assertEqual(ctx.exception.message,
                          "attnd at %s has no --instance-name: in a fleet every daemon needs one, so that a sequence "
                          "id says which daemon holds it" % self.daemons[3].target)
+        with self.assertRaises(attnd.AttndError) as ctx:  # only unnamed: still the clearer error
+            attnd.FleetClient([self.daemons[3].target])
+        self.assertIs(ctx.exception.code, SC.FAILED_PRECONDITION)
         with self.assertRaises(attnd.AttndError) as ctx:
             self.fleet.prefill("0123456789abcdef0123456789abcdef", 0, *self.tokens(1))
         self.assertIs(ctx.exception.code, SC.INVALID_ARGUMENT)

@@ -153,10 +153,16 @@ class FleetClient:
         self._probes = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="attnd-fleet-probe")
         self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="attnd-fleet-call")
         try:
-            self.refresh()
-            for e in self._endpoints:
+            try:
+                self.refresh()
+                failed = None
+            except AttndError as err:
+                failed = err
+            for e in self._endpoints:  # an unnamed daemon is the clearer error, even if nothing else answered
                 if e.last_error is not None and e.last_error.code == grpc.StatusCode.FAILED_PRECONDITION:
                     raise e.last_error
+            if failed is not None:
+                raise failed
         except BaseException:
             self.close()
             raise
