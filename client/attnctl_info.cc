@@ -95,6 +95,11 @@ int RunInfo(AttndClient& client, std::ostream& out, std::ostream& err) {
                        Bytes(s.pool_bytes()), ", used ", Bytes(s.bytes_used())));
     }
   }
+  if (!info->instance().name().empty()) {  // a fleet member (docs/fleet.md)
+    const std::string& at = info->instance().advertise_address();
+    lines.emplace_back("instance", at.empty() ? info->instance().name()
+                                              : absl::StrCat(info->instance().name(), " at ", at));
+  }
   size_t width = 0;
   for (const auto& [key, value] : lines) width = std::max(width, key.size());
   for (const auto& [key, value] : lines) {

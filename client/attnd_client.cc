@@ -374,9 +374,28 @@ absl::StatusOr<v1::GetServerInfoResponse> AttndClient::Info() {
   return response;
 }
 
-absl::StatusOr<std::string> AttndClient::CreateSequence() {
+absl::StatusOr<v1::GetServerInfoResponse> AttndClient::Info(absl::Duration timeout) {
   grpc::ClientContext context;
-  SetDeadline(&context);
+  SetDeadline(&context);  // the token, and rpc_timeout's deadline
+  if (timeout < options_.rpc_timeout) {
+    context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  }
+  v1::GetServerInfoResponse response;
+  ATTND_RETURN_IF_ERROR(Checked(
+      stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &response), "GetServerInfo"));
+  return response;
+}
+
+absl::StatusOr<std::string> AttndClient::CreateSequence() {
+  return CreateSequence(absl::InfiniteDuration());
+}
+
+absl::StatusOr<std::string> AttndClient::CreateSequence(absl::Duration timeout) {
+  grpc::ClientContext context;
+  SetDeadline(&context);  // the token, and rpc_timeout's deadline
+  if (timeout < options_.rpc_timeout) {
+    context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  }
   v1::CreateSequenceResponse response;
   ATTND_RETURN_IF_ERROR(Checked(
       stub_->CreateSequence(&context, v1::CreateSequenceRequest(), &response), "CreateSequence"));

@@ -141,7 +141,11 @@ class AttndClient {
                                                               const ClientOptions& options = {});
 
   absl::StatusOr<v1::GetServerInfoResponse> Info();
+  // The same within `timeout` (or rpc_timeout if shorter): DEADLINE_EXCEEDED from a hung server.
+  absl::StatusOr<v1::GetServerInfoResponse> Info(absl::Duration timeout);
   absl::StatusOr<std::string> CreateSequence();
+  // The same within `timeout` (or rpc_timeout if shorter).
+  absl::StatusOr<std::string> CreateSequence(absl::Duration timeout);
   // Returns the number of pages freed.
   absl::StatusOr<int64_t> Release(const std::string& sequence_id);
 

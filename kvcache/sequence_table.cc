@@ -65,12 +65,28 @@ absl::Status FillRandom(unsigned char* buf, size_t n) {
   return absl::OkStatus();
 }
 
-absl::Status MalformedIdError(absl::string_view id) {
+constexpr size_t kMaxInstanceNameChars = 63;  // a DNS label
+
+bool IsInstanceName(absl::string_view name) {
+  if (name.empty() || name.size() > kMaxInstanceNameChars) return false;
+  if (name.front() == '-' || name.back() == '-') return false;
+  for (char c : name) {
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-')) return false;
+  }
+  return true;
+}
+
+// `instance`: this table's instance name, which its ids must start with ("" = none).
+absl::Status MalformedIdError(absl::string_view id, absl::string_view instance) {
   const bool truncated = id.size() > kMaxEchoedIdChars;
-  return absl::InvalidArgumentError(
-      absl::StrCat("sequence_id must be 32 lowercase hex characters, got \"",
-                   absl::CHexEscape(id.substr(0, kMaxEchoedIdChars)), truncated ? "...\"" : "\"",
-                   " (", id.size(), " characters)"));
+  const std::string expected =
+      instance.empty()
+          ? "32 lowercase hex characters"
+          : absl::StrCat("\"", instance, ".\" followed by 32 lowercase hex characters");
+  return absl::InvalidArgumentError(absl::StrCat("sequence_id must be ", expected, ", got \"",
+                                                 absl::CHexEscape(id.substr(0, kMaxEchoedIdChars)),
+                                                 truncated ? "...\"" : "\"", " (", id.size(),
+                                                 " characters)"));
 }
 
 // One message for "never existed", "released" and "someone else's": callers must not be able to
@@ -90,8 +106,37 @@ absl::StatusOr<std::string> NewRandomId() {
       absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
 }
 
+absl::Status CheckInstanceName(absl::string_view name) {
+  if (name.empty() || IsInstanceName(name)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--instance-name must be a DNS label: 1 to 63 characters of a-z, 0-9 and '-', not starting "
+      "or ending with '-' (e.g. a StatefulSet pod name), got \"",
+      absl::CHexEscape(name.substr(0, kMaxEchoedIdChars)),
+      name.size() > kMaxEchoedIdChars ? "...\"" : "\"", " (", name.size(), " characters)"));
+}
+
 SequenceTable::SequenceTable(const SequenceTableOptions& options, PageAllocator* allocator)
     : options_(options), allocator_(allocator) {}
+
+absl::Status SequenceTable::CheckId(absl::string_view id) const {
+  const std::string& self = options_.instance_name;
+  const size_t dot = id.find('.');
+  if (dot == absl::string_view::npos) {
+    if (self.empty() && IsWellFormedId(id)) return absl::OkStatus();
+    return MalformedIdError(id, self);
+  }
+  const absl::string_view owner = id.substr(0, dot);
+  if (!IsInstanceName(owner) || !IsWellFormedId(id.substr(dot + 1))) {
+    return MalformedIdError(id, self);
+  }
+  if (owner == self) return absl::OkStatus();
+  // Well formed, so short and printable: echoed whole.
+  return absl::FailedPreconditionError(
+      absl::StrCat("sequence ", id, " is owned by attnd instance \"", owner, "\" (",
+                   self.empty() ? std::string("this daemon has no instance name")
+                                : absl::StrCat("this is \"", self, "\""),
+                   "); send calls for it to that instance"));
+}
 
 bool SequenceTable::IsWellFormedId(absl::string_view id) {
   if (id.size() != kIdChars) return false;
@@ -102,9 +147,12 @@ bool SequenceTable::IsWellFormedId(absl::string_view id) {
 }
 
 absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Create(absl::string_view tenant) {
-  absl::StatusOr<std::string> id = NewRandomId();
-  if (!id.ok()) return id.status();
-  auto seq = std::make_shared<Sequence>(*std::move(id), std::string(tenant), options_.num_layers);
+  absl::StatusOr<std::string> random = NewRandomId();
+  if (!random.ok()) return random.status();
+  std::string id = options_.instance_name.empty()
+                       ? *std::move(random)
+                       : absl::StrCat(options_.instance_name, ".", *random);
+  auto seq = std::make_shared<Sequence>(std::move(id), std::string(tenant), options_.num_layers);
   {
     // Nobody else can see seq yet; the lock only satisfies the annotations.
     MutexLock seq_lock(&seq->mu);
@@ -135,7 +183,7 @@ absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Create(absl::string_vie
 
 absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Find(absl::string_view id,
                                                               absl::string_view tenant) const {
-  if (!IsWellFormedId(id)) return MalformedIdError(id);
+  if (absl::Status s = CheckId(id); !s.ok()) return s;
   MutexLock lock(&mu_);
   auto it = sequences_.find(id);
   if (it == sequences_.end() || it->second->tenant != tenant) return SequenceNotFound(id);
@@ -143,7 +191,7 @@ absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Find(absl::string_view 
 }
 
 absl::StatusOr<int64_t> SequenceTable::Release(absl::string_view id, absl::string_view tenant) {
-  if (!IsWellFormedId(id)) return MalformedIdError(id);
+  if (absl::Status s = CheckId(id); !s.ok()) return s;
   std::shared_ptr<Sequence> seq;
   {
     MutexLock lock(&mu_);

@@ -22,7 +22,12 @@ namespace attnd {
 
 // 128 bits from the kernel's CSPRNG as 32 lowercase hex characters: the id of sequences and of
 // tensor regions (unguessable, so an id is a capability). SequenceTable::IsWellFormedId checks one.
+// A sequence of a named instance (SequenceTableOptions::instance_name) has "<instance>." before it.
 absl::StatusOr<std::string> NewRandomId();
+
+// OK for "" (no instance name) or a DNS label: 1 to 63 of [a-z0-9-], not starting or ending with
+// '-' (what a Kubernetes StatefulSet pod name is); INVALID_ARGUMENT naming --instance-name if not.
+absl::Status CheckInstanceName(absl::string_view name);
 
 // One live sequence. Lock `mu` for every access; whoever holds it may read and write the K/V in the
 // sequence's pages (one request at a time per sequence, so compute never races an append).
@@ -30,7 +35,7 @@ struct Sequence {
   Sequence(std::string id_in, std::string tenant_in, int32_t num_layers)
       : id(std::move(id_in)), tenant(std::move(tenant_in)), layer_lengths(num_layers, 0) {}
 
-  const std::string id;      // 32 lowercase hex characters (128 random bits)
+  const std::string id;      // [<instance>.]<32 lowercase hex characters (128 random bits)>
   const std::string tenant;  // who created it; "" when auth is off
 
   Mutex mu;
@@ -50,6 +55,10 @@ struct SequenceTableOptions {
   // Most live sequences of one tenant, empty ones included; 0 = unlimited. Empty sequences hold no
   // pages, so without this one tenant could take every max_sequences slot and lock others out.
   int64_t tenant_max_sequences = 0;
+  // This daemon's name in a fleet (CheckInstanceName): "" = ids are 32 hex characters as ever;
+  // else "<instance_name>.<32 hex>", so an id names the daemon that owns it, and a call for
+  // another instance's sequence fails FAILED_PRECONDITION naming its owner (CheckId).
+  std::string instance_name;
 };
 
 // A sequence the idle reaper released.
@@ -119,8 +128,13 @@ class SequenceTable {
   // RESOURCE_EXHAUSTED past max_sequences or the tenant's tenant_max_sequences; INTERNAL if the OS
   // has no randomness to give.
   absl::StatusOr<std::shared_ptr<Sequence>> Create(absl::string_view tenant);
-  // INVALID_ARGUMENT for a malformed id; NOT_FOUND for an unknown id or another tenant's sequence
-  // (the message is the same either way: no existence oracle).
+  // OK when `id` has the form this table issues. FAILED_PRECONDITION when it is well formed but
+  // names another instance ("<other>.<32 hex>"): "sequence ID is owned by attnd instance "other"
+  // (this is "self"); send calls for it to that instance". INVALID_ARGUMENT when it is malformed,
+  // and for a bare 32-hex id on a named instance (no id this daemon issued looks like that).
+  absl::Status CheckId(absl::string_view id) const;
+  // Errors of CheckId; NOT_FOUND for an unknown id or another tenant's sequence (the message is
+  // the same either way: no existence oracle).
   absl::StatusOr<std::shared_ptr<Sequence>> Find(absl::string_view id,
                                                  absl::string_view tenant) const;
   // Removes the sequence and frees its pages (waiting for a request in flight on it: it locks
@@ -167,6 +181,7 @@ class SequenceTable {
   // now is listed with what it held when its request began (its lock is waited for briefly).
   std::vector<Listing> List(absl::string_view tenant, bool all_tenants) const;
 
+  // 32 lowercase hex characters: a region id, or a sequence id without its instance prefix.
   static bool IsWellFormedId(absl::string_view id);
 
  private:

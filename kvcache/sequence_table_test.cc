@@ -109,6 +109,107 @@ TEST(SequenceTableTest, IsWellFormedId) {
   EXPECT_FALSE(SequenceTable::IsWellFormedId(std::string(32, '\0')));
 }
 
+SequenceTableOptions Named(absl::string_view instance) {
+  SequenceTableOptions o = Options();
+  o.instance_name = std::string(instance);
+  return o;
+}
+
+TEST(SequenceTableTest, CheckInstanceName) {
+  EXPECT_TRUE(CheckInstanceName("").ok());  // unnamed: ids as ever
+  EXPECT_TRUE(CheckInstanceName("attnd-0").ok());
+  EXPECT_TRUE(CheckInstanceName("a").ok());
+  EXPECT_TRUE(CheckInstanceName("0").ok());
+  EXPECT_TRUE(CheckInstanceName(std::string(63, 'z')).ok());
+  const absl::Status too_long = CheckInstanceName(std::string(64, 'z'));
+  EXPECT_EQ(too_long.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(too_long.message(),
+            absl::StrCat("--instance-name must be a DNS label: 1 to 63 characters of a-z, 0-9 and "
+                         "'-', not starting or ending with '-' (e.g. a StatefulSet pod name), got "
+                         "\"",
+                         std::string(64, 'z'), "\" (64 characters)"));
+  for (const char* bad : {"-a", "a-", "Attnd-0", "attnd.0", "attnd_0", "a b", "\n"}) {
+    const absl::Status s = CheckInstanceName(bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(s.message()),
+                ::testing::HasSubstr("--instance-name must be a DNS label"))
+        << bad;
+  }
+  EXPECT_THAT(std::string(CheckInstanceName("a.b").message()),
+              ::testing::EndsWith("got \"a.b\" (3 characters)"));
+}
+
+TEST(SequenceTableTest, NamedInstanceIssuesPrefixedIds) {
+  PageAllocator alloc(8);
+  SequenceTable table(Named("attnd-1"), &alloc);
+  std::shared_ptr<Sequence> seq = MustCreate(table, "");
+  ASSERT_EQ(seq->id.size(), 8u + 32u) << seq->id;
+  EXPECT_EQ(seq->id.substr(0, 8), "attnd-1.");
+  EXPECT_TRUE(SequenceTable::IsWellFormedId(seq->id.substr(8))) << seq->id;
+  EXPECT_TRUE(table.CheckId(seq->id).ok());
+  absl::StatusOr<std::shared_ptr<Sequence>> found = table.Find(seq->id, "");
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->get(), seq.get());
+  // Unnamed tables issue the bare form, unchanged.
+  SequenceTable bare(Options(), &alloc);
+  std::shared_ptr<Sequence> plain = MustCreate(bare, "");
+  EXPECT_TRUE(SequenceTable::IsWellFormedId(plain->id)) << plain->id;
+}
+
+TEST(SequenceTableTest, AnotherInstancesIdIsFailedPreconditionNamingTheOwner) {
+  PageAllocator alloc(8);
+  SequenceTable table(Named("attnd-1"), &alloc);
+  const std::string foreign = "attnd-2.0123456789abcdef0123456789abcdef";
+  const std::string want =
+      "sequence attnd-2.0123456789abcdef0123456789abcdef is owned by attnd instance \"attnd-2\" "
+      "(this is \"attnd-1\"); send calls for it to that instance";
+  absl::Status s = table.CheckId(foreign);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(), want);
+  absl::StatusOr<std::shared_ptr<Sequence>> found = table.Find(foreign, "");
+  EXPECT_EQ(found.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(found.status().message(), want);
+  absl::StatusOr<int64_t> released = table.Release(foreign, "");
+  EXPECT_EQ(released.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(released.status().message(), want);
+
+  // A daemon with no name cannot own a prefixed id either.
+  SequenceTable bare(Options(), &alloc);
+  s = bare.CheckId(foreign);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(),
+            "sequence attnd-2.0123456789abcdef0123456789abcdef is owned by attnd instance "
+            "\"attnd-2\" (this daemon has no instance name); send calls for it to that instance");
+  EXPECT_EQ(bare.Release(foreign, "").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(SequenceTableTest, NamedInstanceRejectsBareAndMalformedIds) {
+  PageAllocator alloc(8);
+  SequenceTable table(Named("attnd-1"), &alloc);
+  // A bare id is no id this daemon issued: malformed here, not "not found".
+  absl::Status s = table.CheckId("0123456789abcdef0123456789abcdef");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(),
+            "sequence_id must be \"attnd-1.\" followed by 32 lowercase hex characters, got "
+            "\"0123456789abcdef0123456789abcdef\" (32 characters)");
+  for (const char* bad :
+       {"attnd-1.", "attnd-1.0123456789abcdef0123456789abcde",  // 31 hex
+        "attnd-1.0123456789ABCDEF0123456789abcdef", ".0123456789abcdef0123456789abcdef",
+        "-x.0123456789abcdef0123456789abcdef", "attnd-2.0123456789abcdef0123456789abcdef.",
+        "a.b.0123456789abcdef0123456789abcdef"}) {
+    s = table.CheckId(bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_EQ(s.message(),
+              absl::StrCat("sequence_id must be \"attnd-1.\" followed by 32 lowercase hex "
+                           "characters, got \"",
+                           bad, "\" (", std::string(bad).size(), " characters)"));
+  }
+  // An unnamed daemon keeps its message.
+  SequenceTable bare(Options(), &alloc);
+  EXPECT_EQ(bare.CheckId("attnd-1.xyz").message(),
+            "sequence_id must be 32 lowercase hex characters, got \"attnd-1.xyz\" (11 characters)");
+}
+
 TEST(SequenceTableTest, FindReturnsTheSameSequence) {
   PageAllocator alloc(8);
   SequenceTable table(Options(), &alloc);

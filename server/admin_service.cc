@@ -103,9 +103,9 @@ grpc::ServerUnaryReactor* AdminService::ReleaseSequence(
   }
   absl::Status submitted = work_queue_->Submit([this, request, response, reactor] {
     const std::string& id = request->sequence_id();
-    if (!SequenceTable::IsWellFormedId(id)) {
-      reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-          "sequence_id \"", id, "\" is malformed: expected 32 lowercase hex characters"))));
+    // Malformed (INVALID_ARGUMENT) or another instance's (FAILED_PRECONDITION naming it).
+    if (absl::Status s = runtime_->CheckSequenceId(id); !s.ok()) {
+      reactor->Finish(ToGrpcStatus(s));
       return;
     }
     // The owner, so that the table's per-tenant check passes; the id is a capability no tenant

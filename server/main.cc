@@ -118,6 +118,13 @@ ABSL_FLAG(attnd::ByteSize, wire_buffer_pool_bytes, attnd::ByteSize{1ll << 30},
 ABSL_FLAG(std::string, grpc_channel_args, "",
           "extra integer gRPC channel arguments for the API listener, name=value,... (e.g. "
           "grpc.http2.lookahead_bytes=8388608,grpc.http2.max_frame_size=1048576)");
+ABSL_FLAG(
+    std::string, instance_name, "",
+    "this daemon's name in a fleet (a DNS label, e.g. the StatefulSet pod name): sequence ids "
+    "become NAME.<32 hex> and calls for other instances' ids fail FAILED_PRECONDITION; "
+    "empty: ids are 32 hex characters");
+ABSL_FLAG(std::string, advertise_address, "",
+          "host:port clients should use to reach this instance (reported by GetServerInfo)");
 
 namespace {
 
@@ -219,6 +226,8 @@ int main(int argc, char** argv) {
   options.grpc_channel_args = absl::GetFlag(FLAGS_grpc_channel_args);
   options.wire_fast_path = absl::GetFlag(FLAGS_wire_fast_path);
   options.wire_buffer_pool_bytes = absl::GetFlag(FLAGS_wire_buffer_pool_bytes).bytes;
+  options.instance_name = absl::GetFlag(FLAGS_instance_name);
+  options.advertise_address = absl::GetFlag(FLAGS_advertise_address);
 
   absl::StatusOr<std::unique_ptr<attnd::AttndServer>> server = attnd::AttndServer::Start(options);
   if (!server.ok()) return Fail(std::string(server.status().message()));

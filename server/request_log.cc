@@ -12,9 +12,13 @@ RequestLog::RequestLog(RequestLogOptions options, const Clock* clock,
     : options_(options), clock_(clock), sink_(std::move(sink)) {}
 
 std::string RequestLog::Format(const RequestLogEntry& e) {
+  // 8 characters of the random part (never the whole capability), after a fleet member's
+  // "<instance>." (at most a DNS label's 63 characters) so the line says which daemon's it is.
+  const size_t dot = e.sequence_id.find('.');
+  const size_t keep = dot != std::string::npos && dot >= 1 && dot <= 63 ? dot + 1 + 8 : 8;
   std::string line =
       absl::StrCat("request method=", e.method, " tenant=", e.tenant.empty() ? "-" : e.tenant,
-                   " seq=", e.sequence_id.empty() ? "-" : e.sequence_id.substr(0, 8));
+                   " seq=", e.sequence_id.empty() ? "-" : e.sequence_id.substr(0, keep));
   if (e.tokens >= 0) absl::StrAppend(&line, " tokens=", e.tokens);
   absl::StrAppend(&line, " code=", StatusCodeName(e.code));
   if (e.latency_us >= 0) absl::StrAppend(&line, " latency_us=", e.latency_us);

@@ -59,6 +59,18 @@ TEST_F(RequestLogTest, LineHasEveryField) {
                                   "code=RESOURCE_EXHAUSTED"));
 }
 
+TEST_F(RequestLogTest, AFleetMembersIdKeepsItsInstance) {
+  RequestLog log = Make(1, 0);
+  RequestLogEntry e = Ok();
+  e.sequence_id = "attnd-3.0123456789abcdef0123456789abcdef";
+  log.Log(e);
+  const std::string long_prefix = std::string(100, 'x') + ".0123456789abcdef";  // not a name
+  e.sequence_id = long_prefix;
+  log.Log(e);
+  EXPECT_THAT(lines_, ElementsAre(HasSubstr(" seq=attnd-3.01234567 tokens="),
+                                  HasSubstr(" seq=xxxxxxxx tokens=")));
+}
+
 TEST_F(RequestLogTest, OneInNOkRequestsAndEveryError) {
   RequestLog log = Make(10, 0);
   for (int i = 0; i < 95; ++i) log.Log(Ok(i));

@@ -114,6 +114,7 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const ModelConfig& mode
         absl::StrCat("max sequence length and max sequences must be >= 0, got ",
                      options.max_sequence_length, " and ", options.max_sequences));
   }
+  if (absl::Status s = CheckInstanceName(options.instance_name); !s.ok()) return s;
   const int64_t max_len =
       options.max_sequence_length > 0 ? options.max_sequence_length : model.max_position_embeddings;
   if (max_len <= 0) {
@@ -138,7 +139,7 @@ Runtime::Runtime(const ModelConfig& model, std::unique_ptr<Engine> engine,
       allocator_(engine_->layout().num_pages),
       table_(SequenceTableOptions{engine_->layout().num_layers, engine_->layout().page_size,
                                   max_sequences, options.tenant_page_quota,
-                                  options.tenant_max_sequences},
+                                  options.tenant_max_sequences, options.instance_name},
              &allocator_) {}
 
 TenantUsage Runtime::Usage(absl::string_view tenant) const {
@@ -186,6 +187,8 @@ ServerInfo Runtime::Info() const {
   info.limits.max_sequences = max_sequences_;
   info.limits.tenant_max_sequences = options_.tenant_max_sequences;
   info.limits.tenant_page_quota = options_.tenant_page_quota;
+  info.instance.name = options_.instance_name;
+  info.instance.advertise_address = options_.advertise_address;
   return info;
 }
 
@@ -319,7 +322,14 @@ void* OutputBuffer(const OutputBufferFn& fn, int64_t bytes, std::string* owned) 
 
 }  // namespace
 
+absl::Status Runtime::Misrouted(absl::string_view id) const {
+  absl::Status s = table_.CheckId(id);
+  // Only a foreign id: a malformed one is reported where it always was, after the tensors.
+  return s.code() == absl::StatusCode::kFailedPrecondition ? s : absl::OkStatus();
+}
+
 absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
+  if (absl::Status s = Misrouted(call.sequence_id); !s.ok()) return s;
   if (absl::Status s = CheckLayer(call.layer); !s.ok()) return s;
   int64_t t = 0;
   if (absl::Status s = CheckPrefillTensors(call, &t); !s.ok()) return s;
@@ -388,8 +398,13 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
   if (call.admit) {
     if (absl::Status s = call.admit(); !s.ok()) return s;
   }
-  if (absl::Status s = CheckLayer(call.layer); !s.ok()) return s;
   const size_t n = call.entries.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (absl::Status s = Misrouted(call.entries[i].sequence_id); !s.ok()) {
+      return WithPrefix(absl::StrCat("entries[", i, "]: "), s);
+    }
+  }
+  if (absl::Status s = CheckLayer(call.layer); !s.ok()) return s;
   if (n == 0) return absl::InvalidArgumentError("a decode needs at least one entry");
   for (size_t i = 0; i < n; ++i) {
     if (absl::Status s = CheckDecodeEntry(call.entries[i]); !s.ok()) {

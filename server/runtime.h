@@ -135,6 +135,10 @@ struct ServerInfo {
     int64_t tenant_max_sequences = 0;  // 0 = unlimited
     int64_t tenant_page_quota = 0;     // 0 = unlimited
   } limits;
+  struct Instance {
+    std::string name;               // "" = not part of a named fleet
+    std::string advertise_address;  // host:port clients should use for this instance; "" = unset
+  } instance;
 };
 
 // What one tenant holds (GetServerInfo with tokens on shows a tenant only its own).
@@ -150,6 +154,10 @@ struct RuntimeOptions {
   int64_t max_sequences = 0;         // 0 = one per KV page (each non-empty sequence holds a page)
   int64_t tenant_page_quota = 0;     // KV pages per tenant; 0 = unlimited
   int64_t tenant_max_sequences = 0;  // live sequences per tenant; 0 = unlimited
+  // A fleet member's name (SequenceTableOptions::instance_name: ids become "<name>.<32 hex>") and
+  // the address clients should reach it at; both reported by Info(). "" = unnamed, ids as ever.
+  std::string instance_name;
+  std::string advertise_address;
 };
 
 // Thread-safe: any thread may call any method. Requests on one sequence run one at a time
@@ -171,7 +179,11 @@ class Runtime {
 
   // The new sequence's id. RESOURCE_EXHAUSTED past max_sequences.
   absl::StatusOr<std::string> CreateSequence(absl::string_view tenant);
-  // Pages freed. INVALID_ARGUMENT for a malformed id, NOT_FOUND for an unknown one.
+  // OK if `id` has this instance's form; FAILED_PRECONDITION naming the owner for another
+  // instance's id; INVALID_ARGUMENT if malformed (SequenceTable::CheckId).
+  absl::Status CheckSequenceId(absl::string_view id) const { return table_.CheckId(id); }
+  // Pages freed. INVALID_ARGUMENT for a malformed id, FAILED_PRECONDITION for another instance's,
+  // NOT_FOUND for an unknown one.
   absl::StatusOr<int64_t> ReleaseSequence(absl::string_view id, absl::string_view tenant);
   // Releases every sequence last used before `cutoff` that is not busy right now (any tenant).
   std::vector<ReclaimedSequence> ReclaimIdle(absl::Time cutoff);
@@ -191,6 +203,9 @@ class Runtime {
   Runtime(const ModelConfig& model, std::unique_ptr<Engine> engine, const RuntimeOptions& options,
           int64_t max_sequence_length, int64_t max_sequences);
 
+  // FAILED_PRECONDITION when `id` is another instance's (checked first: a misrouted call is
+  // told where to go before anything else about it is judged); OK otherwise.
+  absl::Status Misrouted(absl::string_view id) const;
   absl::Status CheckLayer(int32_t layer) const;
   absl::Status CheckPrefillTensors(const PrefillCall& call, int64_t* num_tokens) const;
   absl::Status CheckDecodeEntry(const DecodeCall::Entry& entry) const;

@@ -79,7 +79,7 @@ Owned Random(std::vector<int64_t> shape, std::mt19937* rng, DType dtype = DType:
 
 class RuntimeTest : public testing::Test {
  protected:
-  void Start(int64_t pages, int64_t max_sequences = 0) {
+  void Start(int64_t pages, int64_t max_sequences = 0, const std::string& instance = "") {
     EngineOptions eo;
     eo.device = "cpu";
     eo.geometry = TinyModel().geometry();
@@ -96,6 +96,8 @@ class RuntimeTest : public testing::Test {
     ro.max_message_bytes = 1 << 20;
     ro.max_sequence_length = kMaxLen;
     ro.max_sequences = max_sequences;
+    ro.instance_name = instance;
+    ro.advertise_address = instance.empty() ? "" : instance + ".fleet:50051";
     absl::StatusOr<std::unique_ptr<Runtime>> rt =
         Runtime::Create(TinyModel(), std::move(flaky), ro);
     ASSERT_TRUE(rt.ok()) << rt.status();
@@ -171,6 +173,76 @@ TEST_F(RuntimeTest, InfoReportsModelPoolAndLimits) {
   EXPECT_EQ(info.limits.max_message_bytes, 1 << 20);
   EXPECT_EQ(info.limits.max_sequence_length, kMaxLen);
   EXPECT_EQ(info.limits.max_sequences, 7);
+  EXPECT_EQ(info.instance.name, "");
+  EXPECT_EQ(info.instance.advertise_address, "");
+}
+
+TEST_F(RuntimeTest, BadInstanceNameIsRefusedAtCreate) {
+  EngineOptions eo;
+  eo.device = "cpu";
+  eo.geometry = TinyModel().geometry();
+  eo.num_layers = 2;
+  eo.page_size = 16;
+  eo.kv_cache_bytes = 4 * kPageBytes;
+  absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(eo);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  RuntimeOptions ro;
+  ro.instance_name = "Attnd_0";
+  absl::StatusOr<std::unique_ptr<Runtime>> rt =
+      Runtime::Create(TinyModel(), *std::move(engine), ro);
+  EXPECT_EQ(rt.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(rt.status().message(), "--instance-name must be a DNS label"))
+      << rt.status();
+}
+
+// A fleet member: its ids name it, and a call for another member's sequence is told where to go,
+// before anything else about the call is judged, and changes nothing.
+TEST_F(RuntimeTest, AnotherInstancesSequenceIsFailedPreconditionNamingTheOwner) {
+  Start(40, 0, "attnd-1");
+  EXPECT_EQ(rt_->Info().instance.name, "attnd-1");
+  EXPECT_EQ(rt_->Info().instance.advertise_address, "attnd-1.fleet:50051");
+  const std::string id = NewSequence();
+  ASSERT_TRUE(absl::StartsWith(id, "attnd-1.")) << id;
+  ASSERT_TRUE(PrefillOk(id, 0, 3).ok());
+  const std::string foreign = "attnd-2.0123456789abcdef0123456789abcdef";
+  const std::string third = "attnd-3.0123456789abcdef0123456789abcdef";
+  const std::string owned_by_2 =
+      "sequence attnd-2.0123456789abcdef0123456789abcdef is owned by attnd instance \"attnd-2\" "
+      "(this is \"attnd-1\"); send calls for it to that instance";
+
+  PrefillCall prefill = MakePrefill(foreign, 0, 3);
+  prefill.layer = 99;  // also wrong, but the owner is what the caller needs to hear
+  absl::StatusOr<PrefillResult> p = rt_->Prefill(prefill);
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(p.status().message(), owned_by_2);
+
+  // A batch: the first foreign entry decides.
+  Owned q = Random({3, kHq, kD}, &rng_), k = Random({kHkv, kD}, &rng_);
+  DecodeCall decode;
+  decode.layer = 0;
+  decode.entries.push_back({id, q.req(), k.req(), k.req(), nullptr});
+  decode.entries.push_back({foreign, q.req(), k.req(), k.req(), nullptr});
+  decode.entries.push_back({third, q.req(), k.req(), k.req(), nullptr});
+  absl::StatusOr<DecodeResult> d = rt_->Decode(decode);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(d.status().message(), absl::StrCat("entries[1]: ", owned_by_2));
+  EXPECT_EQ(Lengths(id), (std::vector<int64_t>{3, 0}));
+
+  absl::StatusOr<int64_t> r = rt_->ReleaseSequence(foreign, "");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(r.status().message(), owned_by_2);
+  EXPECT_EQ(rt_->CheckSequenceId(foreign).message(), owned_by_2);
+  EXPECT_TRUE(rt_->CheckSequenceId(id).ok());
+
+  // A bare id cannot be this instance's: malformed, reported where malformed ids always are.
+  absl::StatusOr<PrefillResult> bare = rt_->Prefill(MakePrefill(std::string(32, 'a'), 0, 3));
+  EXPECT_EQ(bare.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bare.status().message(),
+            absl::StrCat("sequence_id must be \"attnd-1.\" followed by 32 lowercase hex "
+                         "characters, got \"",
+                         std::string(32, 'a'), "\" (32 characters)"));
+  EXPECT_EQ(Lengths(id), (std::vector<int64_t>{3, 0}));
+  EXPECT_EQ(rt_->Info().live_sequences, 1);
 }
 
 TEST_F(RuntimeTest, PrefillBadInputsChangeNothing) {

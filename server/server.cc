@@ -29,6 +29,7 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "kernels/mutex.h"
+#include "kvcache/sequence_table.h"
 #include "server/admin_service.h"
 #include "server/auth.h"
 #include "server/batcher.h"
@@ -130,6 +131,8 @@ absl::StatusOr<std::vector<std::pair<std::string, int>>> ParseChannelArgs(absl::
 }
 
 absl::Status CheckOptions(const ServerOptions& o) {
+  // First: it costs nothing, and a fleet's pods all get it from a template.
+  if (absl::Status s = CheckInstanceName(o.instance_name); !s.ok()) return s;
   if (o.page_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("--page-size must be > 0, got ", o.page_size));
   }
@@ -448,6 +451,8 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   runtime_options.max_sequences = options.max_sequences;
   runtime_options.tenant_page_quota = options.tenant_page_quota;
   runtime_options.tenant_max_sequences = options.tenant_max_sequences;
+  runtime_options.instance_name = options.instance_name;
+  runtime_options.advertise_address = options.advertise_address;
   absl::StatusOr<std::unique_ptr<Runtime>> runtime =
       Runtime::Create(*model, *std::move(engine), runtime_options);
   if (!runtime.ok()) return runtime.status();
@@ -638,6 +643,12 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   }
   if (health_only_ != nullptr) {
     absl::StrAppend(&summary_, "; health-only on port ", health_only_->port());
+  }
+  if (!options.instance_name.empty()) {
+    absl::StrAppend(&summary_, "; instance \"", options.instance_name, "\"",
+                    options.advertise_address.empty()
+                        ? std::string()
+                        : absl::StrCat(" at ", options.advertise_address));
   }
   absl::StrAppend(&summary_, "; fd limit ",
                   fd_limit_ < 0 ? std::string("unlimited") : absl::StrCat(fd_limit_), ", at most ",

@@ -83,6 +83,11 @@ struct ServerOptions {
   absl::Duration region_idle_timeout = absl::Seconds(300);  // unused this long: unregistered
   absl::Duration ring_spin = absl::Microseconds(50);  // a ring's thread spins this long per request
 
+  // A fleet member (docs/fleet.md): sequence ids become "<instance_name>.<32 hex>", and calls for
+  // another instance's ids fail FAILED_PRECONDITION naming it. "" = unnamed, ids as ever.
+  std::string instance_name;
+  std::string advertise_address;  // host:port clients should use to reach this instance; reported
+
   // Tests only (fault injection, tests/reliability): wraps the engine before the runtime takes it,
   // e.g. in server/fault_engine.h's FaultEngine. Unset = the engine as created.
   std::function<std::unique_ptr<Engine>(std::unique_ptr<Engine>)> wrap_engine;

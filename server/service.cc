@@ -743,6 +743,8 @@ void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
   limits->set_max_sequences(info.limits.max_sequences);
   limits->set_tenant_max_sequences(info.limits.tenant_max_sequences);
   limits->set_tenant_page_quota(info.limits.tenant_page_quota);
+  response->mutable_instance()->set_name(info.instance.name);
+  response->mutable_instance()->set_advertise_address(info.instance.advertise_address);
   if (regions_ != nullptr) {
     v1::RegionSupport* r = response->mutable_regions();
     r->add_kinds(v1::REGION_KIND_SYSTEM_SHM);

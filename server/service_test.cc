@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "attnd/v1/admin.grpc.pb.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -435,6 +436,128 @@ TEST_F(ServiceTest, SessionAnswersInOrderAndSurvivesAFailedRequest) {
   EXPECT_FALSE(stream->Read(&resp));
   grpc::Status s = stream->Finish();
   EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+// A fleet member (--instance-name): GetServerInfo names it, its ids carry the name, and every
+// transport answers a call for another instance's sequence FAILED_PRECONDITION naming the owner.
+TEST(FleetMemberServiceTest, AnotherInstancesSequenceIsFailedPreconditionOnEveryCall) {
+  ServerOptions options = TinyOptions();
+  options.instance_name = "attnd-a";
+  options.advertise_address = "attnd-a.attnd-headless.default.svc:50051";
+  absl::StatusOr<std::unique_ptr<AttndServer>> server = AttndServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", (*server)->port()), grpc::InsecureChannelCredentials());
+  std::unique_ptr<v1::Attention::Stub> stub = v1::Attention::NewStub(channel);
+  std::mt19937 rng(5);
+
+  {
+    grpc::ClientContext ctx;
+    v1::GetServerInfoResponse info;
+    ASSERT_TRUE(stub->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+    EXPECT_EQ(info.instance().name(), "attnd-a");
+    EXPECT_EQ(info.instance().advertise_address(), "attnd-a.attnd-headless.default.svc:50051");
+  }
+  std::string own;
+  {
+    grpc::ClientContext ctx;
+    v1::CreateSequenceResponse resp;
+    ASSERT_TRUE(stub->CreateSequence(&ctx, v1::CreateSequenceRequest(), &resp).ok());
+    own = resp.sequence_id();
+  }
+  ASSERT_EQ(own.size(), 8u + 32u) << own;
+  EXPECT_EQ(own.substr(0, 8), "attnd-a.");
+
+  const std::string foreign = "attnd-b.00112233445566778899aabbccddeeff";
+  const std::string owned_by_b =
+      "sequence attnd-b.00112233445566778899aabbccddeeff is owned by attnd instance \"attnd-b\" "
+      "(this is \"attnd-a\"); send calls for it to that instance";
+  auto prefill_of = [&](const std::string& id, v1::PrefillRequest* req) {
+    req->set_sequence_id(id);
+    RandomTensor({2, 5, kHq, kD}, &rng, req->mutable_q());
+    RandomTensor({2, kHkv, kD}, &rng, req->mutable_k());
+    RandomTensor({2, kHkv, kD}, &rng, req->mutable_v());
+  };
+  {  // Unary Prefill (the wire fast path parses this one).
+    v1::PrefillRequest req;
+    prefill_of(own, &req);
+    grpc::ClientContext ctx;
+    v1::PrefillResponse resp;
+    ASSERT_TRUE(stub->Prefill(&ctx, req, &resp).ok());
+    prefill_of(foreign, &req);
+    grpc::ClientContext ctx2;
+    grpc::Status s = stub->Prefill(&ctx2, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_EQ(s.error_message(), owned_by_b);
+  }
+  {  // A batched Decode: the first foreign entry is named; nothing is applied.
+    v1::DecodeRequest req;
+    req.set_layer(0);
+    for (const std::string& id : {own, foreign, std::string("attnd-c.") + std::string(32, '0')}) {
+      v1::DecodeEntry* e = req.add_entries();
+      e->set_sequence_id(id);
+      RandomTensor({3, kHq, kD}, &rng, e->mutable_q());
+      RandomTensor({kHkv, kD}, &rng, e->mutable_k());
+      RandomTensor({kHkv, kD}, &rng, e->mutable_v());
+    }
+    grpc::ClientContext ctx;
+    v1::DecodeResponse resp;
+    grpc::Status s = stub->Decode(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_EQ(s.error_message(), absl::StrCat("entries[1]: ", owned_by_b));
+  }
+  {  // ReleaseSequence, and the Admin service's release.
+    v1::ReleaseSequenceRequest req;
+    req.set_sequence_id(foreign);
+    grpc::ClientContext ctx;
+    v1::ReleaseSequenceResponse resp;
+    grpc::Status s = stub->ReleaseSequence(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_EQ(s.error_message(), owned_by_b);
+    std::unique_ptr<v1::Admin::Stub> admin = v1::Admin::NewStub(channel);
+    v1::AdminReleaseSequenceRequest areq;
+    areq.set_sequence_id(foreign);
+    grpc::ClientContext actx;
+    v1::AdminReleaseSequenceResponse aresp;
+    s = admin->ReleaseSequence(&actx, areq, &aresp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_EQ(s.error_message(), owned_by_b);
+  }
+  {  // A Session: the request fails, the stream goes on.
+    grpc::ClientContext ctx;
+    auto stream = stub->Session(&ctx);
+    v1::SessionRequest req;
+    req.set_tag(1);
+    prefill_of(foreign, req.mutable_prefill());
+    ASSERT_TRUE(stream->Write(req));
+    v1::SessionResponse resp;
+    ASSERT_TRUE(stream->Read(&resp));
+    EXPECT_EQ(resp.tag(), 1u);
+    EXPECT_EQ(resp.code(), static_cast<int>(grpc::StatusCode::FAILED_PRECONDITION));
+    EXPECT_EQ(resp.message(), owned_by_b);
+    req.set_tag(2);
+    prefill_of(own, req.mutable_prefill());
+    ASSERT_TRUE(stream->Write(req));
+    ASSERT_TRUE(stream->Read(&resp));
+    EXPECT_EQ(resp.code(), 0) << resp.message();
+    EXPECT_EQ(resp.prefill().length(), 4);
+    ASSERT_TRUE(stream->WritesDone());
+    EXPECT_FALSE(stream->Read(&resp));
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+  (*server)->Shutdown(absl::Now() + absl::Seconds(5));
+  (*server)->Wait();
+}
+
+TEST(FleetMemberServiceTest, ABadInstanceNameFailsStartUp) {
+  ServerOptions options = TinyOptions();
+  options.instance_name = "attnd_0";
+  absl::StatusOr<std::unique_ptr<AttndServer>> server = AttndServer::Start(options);
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(server.status().message(),
+            "--instance-name must be a DNS label: 1 to 63 characters of a-z, 0-9 and '-', not "
+            "starting or ending with '-' (e.g. a StatefulSet pod name), got \"attnd_0\" (7 "
+            "characters)");
 }
 
 // An idle Session must not hold the drain until its deadline: it ends with UNAVAILABLE at once.

@@ -58,6 +58,33 @@ TEST_F(AttnctlTest, InfoPrintsAlignedGeometry) {
   EXPECT_EQ(va - s.rfind('\n', a), vb - s.rfind('\n', b)) << "values are not aligned:\n" << s;
 }
 
+TEST_F(AttnctlTest, InfoNamesAFleetMemberAndSmokePassesOnIt) {
+  std::ostringstream unnamed_out, unnamed_err;
+  EXPECT_EQ(client::RunInfo(daemon_->client(), unnamed_out, unnamed_err), 0);
+  EXPECT_THAT(unnamed_out.str(), Not(HasSubstr("instance:")));
+
+  ServerOptions options;
+  options.page_size = 16;
+  options.kv_dtype = "fp32";
+  options.kv_cache_bytes = 16ll << 20;
+  options.compute_threads = 2;
+  options.instance_name = "attnd-7";
+  options.advertise_address = "attnd-7.attnd-headless.default.svc:50051";
+  absl::StatusOr<std::unique_ptr<testing::TestDaemon>> named =
+      testing::TestDaemon::Start(geometry_, options);
+  ASSERT_TRUE(named.ok()) << named.status();
+  std::ostringstream out, err;
+  EXPECT_EQ(client::RunInfo((*named)->client(), out, err), 0) << err.str();
+  EXPECT_THAT(out.str(),
+              ContainsRegex("\ninstance: +attnd-7 at attnd-7.attnd-headless.default.svc:50051\n"));
+  std::ostringstream smoke_out, smoke_err;
+  client::SmokeOptions smoke;
+  smoke.decode_steps = 2;
+  EXPECT_EQ(client::RunSmoke((*named)->client(), smoke, smoke_out, smoke_err), 0)
+      << smoke_out.str() << smoke_err.str();
+  EXPECT_THAT(smoke_out.str(), HasSubstr("\nPASS max_abs_err="));
+}
+
 TEST_F(AttnctlTest, SmokePassesAcrossThreeChunksInEveryDtype) {
   for (DType dtype : {DType::kFp32, DType::kBf16, DType::kFp16}) {
     std::ostringstream out, err;

@@ -8,12 +8,15 @@ Needs Debian's python3-yaml (installed by script/bootstrap).
 import json
 import os
 import re
+import shutil
+import subprocess
 import unittest
 
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 K8S = os.path.join(ROOT, "deploy", "k8s")
+FLEET = os.path.join(ROOT, "deploy", "k8s-fleet")  # the StatefulSet overlay of K8S (docs/fleet.md)
 CONTAINERFILE = os.path.join(ROOT, "deploy", "Containerfile")
 
 # Flags the manifests use that server/main.cc does not define yet: the operations building blocks
@@ -27,8 +30,8 @@ def read(path):
         return f.read()
 
 
-def load_docs(name):
-    return [d for d in yaml.safe_load_all(read(os.path.join(K8S, name))) if d is not None]
+def load_docs(name, folder=K8S):
+    return [d for d in yaml.safe_load_all(read(os.path.join(folder, name))) if d is not None]
 
 
 def daemon_flags():
@@ -215,6 +218,90 @@ class ManifestsTest(unittest.TestCase):
         # A pending flag that main.cc now defines should leave the pending list.
         self.assertEqual(sorted(PENDING_DAEMON_FLAGS & defined), [],
                          "now defined in main.cc: remove from PENDING_DAEMON_FLAGS")
+
+
+class FleetManifestsTest(unittest.TestCase):
+    """deploy/k8s-fleet: the base's pod as a StatefulSet behind a headless Service, each pod named by its pod name."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.base = ManifestsTest
+        ManifestsTest.setUpClass()
+        cls.files = sorted(f for f in os.listdir(FLEET) if f.endswith((".yaml", ".yml")))
+        cls.docs = {f: load_docs(f, FLEET) for f in cls.files}
+        cls.kustomization = cls.docs["kustomization.yaml"][0]
+        by_kind = {}
+        for f in cls.kustomization["resources"]:
+            if f.endswith(".yaml"):
+                for d in cls.docs[f]:
+                    by_kind.setdefault(d["kind"], []).append(d)
+        cls.by_kind = by_kind
+        (cls.sts,) = by_kind["StatefulSet"]
+        (cls.headless,) = by_kind["Service"]
+        cls.pod = cls.sts["spec"]["template"]["spec"]
+        (cls.container,) = [c for c in cls.pod["containers"] if c["name"] == "attnd"]
+        cls.args = flag_values(cls.container["args"])
+
+    def test_overlay_of_the_base_replacing_its_deployment_and_service(self):
+        resources = self.kustomization["resources"]
+        self.assertEqual(resources[0], "../k8s")
+        self.assertEqual(os.path.realpath(os.path.join(FLEET, resources[0])), os.path.realpath(K8S))
+        patched = set()
+        for p in self.kustomization["patches"]:
+            (d,) = load_docs(p["path"], FLEET)
+            self.assertEqual(d["$patch"], "delete", p["path"])
+            patched.add((d["kind"], d["metadata"]["name"]))
+        base = {(d["kind"], d["metadata"]["name"]) for k in ("Deployment", "Service") for d in self.base.by_kind[k]}
+        self.assertEqual(patched, base)  # exactly the base's single pod and its load-balanced Service
+        listed = {r for r in resources if r.endswith(".yaml")} | {p["path"] for p in self.kustomization["patches"]}
+        self.assertEqual(listed, set(self.files) - {"kustomization.yaml"})
+        self.assertEqual(self.kustomization["images"], self.base.kustomization["images"])
+        self.assertEqual(str(self.kustomization["images"][0]["newTag"]), kversion())
+
+    def test_headless_service_names_every_pod(self):
+        self.assertEqual(self.headless["spec"]["clusterIP"], "None")
+        self.assertEqual(self.sts["spec"]["serviceName"], self.headless["metadata"]["name"])
+        self.assertEqual(self.headless["spec"]["selector"], self.sts["spec"]["selector"]["matchLabels"])
+        labels = self.sts["spec"]["template"]["metadata"]["labels"]
+        for k, v in self.headless["spec"]["selector"].items():
+            self.assertEqual(labels[k], v)
+        names = {p["name"] for p in self.container["ports"]}
+        by_name = {p["name"]: p for p in self.headless["spec"]["ports"]}
+        self.assertEqual(by_name["grpc"]["port"], 50051)
+        for p in self.headless["spec"]["ports"]:
+            self.assertIn(p["targetPort"], names)
+        self.assertNotIn("health", by_name)
+
+    def test_each_pod_is_an_instance_named_by_its_pod_name(self):
+        self.assertGreaterEqual(self.sts["spec"]["replicas"], 2)
+        self.assertEqual(self.sts["spec"]["podManagementPolicy"], "Parallel")
+        env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in self.container["env"]}
+        self.assertEqual(env, {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"})
+        self.assertEqual(self.args["instance_name"], "$(POD_NAME)")
+        grpc_port = port(self.args["listen"])
+        self.assertEqual(self.args["advertise_address"], "$(POD_NAME).%s.$(POD_NAMESPACE).svc:%d"
+                         % (self.headless["metadata"]["name"], grpc_port))
+        # A StatefulSet pod is "<name>-<ordinal>": a DNS label, as --instance-name requires.
+        self.assertRegex("%s-%d" % (self.sts["metadata"]["name"], self.sts["spec"]["replicas"] - 1),
+                         r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+        defined = daemon_flags()
+        self.assertEqual(sorted(set(self.args) - defined), [], "flags not defined in server/main.cc")
+
+    def test_pod_template_is_the_base_pod_plus_the_instance_flags(self):
+        template = json.loads(json.dumps(self.sts["spec"]["template"]))
+        (container,) = [c for c in template["spec"]["containers"] if c["name"] == "attnd"]
+        del container["env"]
+        container["args"] = [a for a in container["args"]
+                             if flag_name(a) not in ("instance_name", "advertise_address")]
+        self.assertEqual(template, self.base.deployment["spec"]["template"])
+        self.assertEqual(self.sts["spec"]["selector"], self.base.deployment["spec"]["selector"])
+
+    @unittest.skipUnless(shutil.which("kubectl"), "no kubectl to render the overlay with")
+    def test_kustomize_renders_the_fleet(self):
+        out = subprocess.run(["kubectl", "kustomize", FLEET], check=True, capture_output=True, text=True).stdout
+        kinds = sorted((d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out) if d)
+        self.assertEqual(kinds, [("ConfigMap", "attnd-model-config"), ("Service", "attnd-headless"),
+                                 ("StatefulSet", "attnd")])
 
 
 def containerfile():

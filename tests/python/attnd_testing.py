@@ -164,12 +164,12 @@ class Daemon:
         self.log_path = None
         self.token = token  # the readiness probe's bearer token, for daemons started with --auth-token-file
 
-    def start(self, ready_timeout=60.0):
+    def start(self, ready_timeout=60.0, port=None):
+        """port: listen there (e.g. the port of a daemon that was killed, to restart it); default a free one."""
         binary = attnd_binary()
         last = None
-        for _ in range(3):  # the free port may be taken between probing and binding: retry on a new one
-            port = free_port()
-            self.target = "127.0.0.1:%d" % port
+        for _ in range(1 if port else 3):  # the free port may be taken between probing and binding: retry
+            self.target = "127.0.0.1:%d" % (port or free_port())
             fd, self.log_path = tempfile.mkstemp(prefix="attnd-pytest-", suffix=".log")
             with os.fdopen(fd, "w") as log:
                 self.proc = subprocess.Popen([binary, "--listen", self.target] + self.args, cwd=REPO,
@@ -183,21 +183,22 @@ class Daemon:
         raise last
 
     def _wait_ready(self, timeout):
-        client = attnd.Client(self.target, token=self.token)
         deadline = time.monotonic() + timeout
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise AssertionError("attnd exited with %s at start-up:\n%s" % (self.proc.returncode, self.log()))
-                try:
-                    client.info(timeout=1.0)
-                    return
-                except attnd.AttndError as err:
-                    if time.monotonic() > deadline:
-                        raise AssertionError("attnd not ready after %.0fs (%s):\n%s" % (timeout, err, self.log()))
-                time.sleep(0.05)
-        finally:
-            client.close()
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError("attnd exited with %s at start-up:\n%s" % (self.proc.returncode, self.log()))
+            # A fresh channel each time: one that failed before the daemon listened would wait out gRPC's
+            # reconnect backoff (seconds) after it does.
+            client = attnd.Client(self.target, token=self.token)
+            try:
+                client.info(timeout=1.0)
+                return
+            except attnd.AttndError as err:
+                if time.monotonic() > deadline:
+                    raise AssertionError("attnd not ready after %.0fs (%s):\n%s" % (timeout, err, self.log()))
+            finally:
+                client.close()
+            time.sleep(0.05)
 
     def log(self):
         try:
@@ -205,6 +206,16 @@ class Daemon:
                 return f.read()[-8000:]
         except OSError:
             return ""
+
+    def kill(self):
+        """SIGKILL, like a crashed pod: no drain."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+        if self.log_path and os.path.exists(self.log_path):
+            os.unlink(self.log_path)
+            self.log_path = None
 
     def stop(self):
         if self.proc is not None and self.proc.poll() is None:

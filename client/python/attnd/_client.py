@@ -242,7 +242,8 @@ class Client:
         return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
 
     def create_sequence(self, timeout=None):
-        """A new empty sequence; returns its id (32 hex characters; treat it as a secret capability)."""
+        """A new empty sequence; returns its id (32 hex characters, after "<instance>." on a daemon started with
+        --instance-name; treat it as a secret capability)."""
         return self._call(self._stub.CreateSequence, pb.CreateSequenceRequest(), timeout).sequence_id
 
     def release(self, seq, timeout=None):
