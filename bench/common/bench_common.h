@@ -19,9 +19,7 @@ namespace attnd::bench {
 
 using Clock = std::chrono::steady_clock;
 
-inline double Us(Clock::duration d) {
-  return std::chrono::duration<double, std::micro>(d).count();
-}
+inline double Us(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
 
 // "1,8,64" as numbers; items that are not integers are skipped.
 inline std::vector<int64_t> ParseList(absl::string_view text) {
