@@ -115,6 +115,7 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
 
   absl::Status Prefill(const PrefillJob& job) override;
   absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) override;
+  absl::StatusOr<std::unique_ptr<PendingDecode>> StartDecode(const DecodeJob& job) override;
   std::vector<int32_t> decode_batch_sizes() const override { return sizes_; }
   bool decode_graphs() const override { return !graphs_.empty(); }
   std::string device_uuid() const override { return device_uuid_; }
@@ -156,9 +157,17 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   PagedKv<Bf16> LayerView(int32_t layer, const int32_t* device_page_table) const;
   absl::Status PrefillChunk(const PrefillJob& job, int64_t first, int64_t count, float s)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Entries [first, first + count) as one launch, counted in *stats.
+  // Entries [first, first + count) as one launch, counted in *stats: DecodeLaunch packs the rows
+  // and queues the step, DecodeFinish waits for it and unpacks the outputs.
   absl::Status DecodeBatch(const DecodeJob& job, size_t first, size_t count, DecodeStats* stats)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status DecodeLaunch(const DecodeJob& job, size_t first, size_t count, DecodeStats* stats)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status DecodeFinish(const DecodeJob& job, size_t first, size_t count)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The engine's checks of a decode job (what the kernels cannot survive).
+  absl::Status CheckDecodeJob(const DecodeJob& job) const;
+  class Pending;
   // Decode with some tensors in device memory: through host copies, then Decode.
   absl::StatusOr<DecodeStats> DecodeFromDevice(const DecodeJob& job);
 
@@ -609,7 +618,7 @@ absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int6
   return absl::OkStatus();
 }
 
-absl::StatusOr<DecodeStats> CudaEngine::Decode(const DecodeJob& job) {
+absl::Status CudaEngine::CheckDecodeJob(const DecodeJob& job) const {
   const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
   const int64_t q_n = kNumDecodeVariants * hq * d, kv_n = hkv * d;
   for (const DecodeJob::Entry& e : job.entries) {
@@ -630,6 +639,59 @@ absl::StatusOr<DecodeStats> CudaEngine::Decode(const DecodeJob& job) {
       if (!SupportedDType(view->dtype)) return absl::InvalidArgumentError("engine: bad dtype");
     }
   }
+  return absl::OkStatus();
+}
+
+// A started decode: holds the engine's lock from DecodeLaunch until DecodeFinish.
+class CudaEngine::Pending : public PendingDecode {
+ public:
+  Pending(CudaEngine* engine, const DecodeJob* job, DecodeStats stats)
+      : engine_(engine), job_(job), stats_(stats) {}
+  ~Pending() override {
+    if (engine_ != nullptr) Finish().IgnoreError();
+  }
+  absl::StatusOr<DecodeStats> Finish() override ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (engine_ == nullptr) return absl::FailedPreconditionError("decode already finished");
+    CudaEngine* engine = std::exchange(engine_, nullptr);
+    const absl::Status s = engine->DecodeFinish(*job_, 0, job_->entries.size());
+    engine->mu_.Unlock();  // taken by StartDecode
+    if (!s.ok()) return s;
+    return stats_;
+  }
+
+ private:
+  CudaEngine* engine_;  // null once finished
+  const DecodeJob* const job_;
+  const DecodeStats stats_;
+};
+
+absl::StatusOr<std::unique_ptr<PendingDecode>> CudaEngine::StartDecode(const DecodeJob& job)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  ATTND_RETURN_IF_ERROR(CheckDecodeJob(job));
+  if (job.entries.empty() || job.entries.size() > static_cast<size_t>(max_decode_batch_)) {
+    return std::unique_ptr<PendingDecode>();
+  }
+  for (const DecodeJob::Entry& e : job.entries) {
+    if (e.q.on_device || e.k.on_device || e.v.on_device || e.out_on_device) {
+      return std::unique_ptr<PendingDecode>();
+    }
+  }
+  mu_.Lock();  // until Pending::Finish
+  DecodeStats stats;
+  absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice");
+  if (s.ok()) s = DecodeLaunch(job, 0, job.entries.size(), &stats);
+  if (!s.ok()) {
+    // A launch that failed half-way may still have queued work: let it drain before the buffers
+    // are reused.
+    cudaStreamSynchronize(stream_);
+    mu_.Unlock();
+    return s;
+  }
+  return std::unique_ptr<PendingDecode>(new Pending(this, &job, stats));
+}
+
+absl::StatusOr<DecodeStats> CudaEngine::Decode(const DecodeJob& job) {
+  ATTND_RETURN_IF_ERROR(CheckDecodeJob(job));
   DecodeStats stats;
   if (job.entries.empty()) return stats;
   for (const DecodeJob::Entry& e : job.entries) {
@@ -780,8 +842,14 @@ absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t 
 
 absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t count,
                                      DecodeStats* stats) {
-  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
-  const int64_t kv_n = hkv * d, out_n = hq * d;
+  ATTND_RETURN_IF_ERROR(DecodeLaunch(job, first, count, stats));
+  return DecodeFinish(job, first, count);
+}
+
+absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t count,
+                                      DecodeStats* stats) {
+  const int64_t hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  const int64_t kv_n = hkv * d;
   const int32_t b = static_cast<int32_t>(count);
   const auto size = std::lower_bound(sizes_.begin(), sizes_.end(), b);
   const int32_t plan = size == sizes_.end() ? b : *size;
@@ -820,9 +888,16 @@ absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t 
   } else {
     ATTND_RETURN_IF_ERROR(EnqueueDecodeStep(job.layer, b, plan));
   }
-  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   ++(replay ? stats->graph_replays : stats->eager_launches);
   stats->padding_entries += plan - b;
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::DecodeFinish(const DecodeJob& job, size_t first, size_t count) {
+  const int64_t out_n = int64_t{geometry_.num_q_heads} * geometry_.head_dim;
+  const int32_t b = static_cast<int32_t>(count);
+  const bool parallel = b >= kParallelCopyRows;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   const float* out = static_cast<const float*>(h_decode_out_.get());
   auto unpack = [&](int64_t i) {
     const DecodeJob::Entry& e = job.entries[first + i];

@@ -6,6 +6,7 @@
 #define ATTND_SERVER_ENGINE_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -120,6 +121,14 @@ struct EngineShard {
   int64_t bytes_used = 0;  // of it, pages held by sequences (the runtime's count; engines say 0)
 };
 
+// A decode that an engine has started and not yet finished (Engine::StartDecode).
+class PendingDecode {
+ public:
+  virtual ~PendingDecode() = default;  // finishes the decode if Finish was not called
+  // Waits for the decode and writes its outputs; call once.
+  virtual absl::StatusOr<DecodeStats> Finish() = 0;
+};
+
 // Thread-safe for jobs on disjoint sequences (callers serialise jobs per sequence). A failed job
 // returns INTERNAL (or INVALID_ARGUMENT for a request the backend cannot serve) and may have
 // written K/V only at positions past the layer's committed length.
@@ -134,6 +143,14 @@ class Engine {
 
   virtual absl::Status Prefill(const PrefillJob& job) = 0;
   virtual absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) = 0;
+  // Decode in two halves, for a caller that drives several engines from one thread (the sharded
+  // engine): the work is queued on the device and this returns; PendingDecode::Finish waits for
+  // it. The job's memory must outlive the pending decode, and the engine runs nothing else until
+  // it is finished. Null (OK) when this engine or this job cannot be split (the CPU, device
+  // tensors, more entries than one launch): call Decode.
+  virtual absl::StatusOr<std::unique_ptr<PendingDecode>> StartDecode(const DecodeJob& /*job*/) {
+    return std::unique_ptr<PendingDecode>();
+  }
 
   // The batch sizes this engine runs best (it pads to them); empty when any size is as good (the
   // CPU). The batcher flushes a batch that reaches one.

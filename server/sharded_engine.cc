@@ -222,26 +222,53 @@ class ShardedEngine : public Engine {
       ATTND_RETURN_IF_ERROR(CheckHeads("k", e.k, geometry_.num_kv_heads));
       ATTND_RETURN_IF_ERROR(CheckHeads("v", e.v, geometry_.num_kv_heads));
     }
-    std::vector<DecodeStats> stats(shards_.size());
-    absl::Status status = RunShards([&](int32_t i) {
-      const int64_t q_heads = geometry_.num_q_heads / num_shards();
-      const int64_t kv_heads = geometry_.num_kv_heads / num_shards();
-      DecodeJob part;
-      part.layer = job.layer;
-      part.entries = job.entries;
-      for (DecodeJob::Entry& e : part.entries) {
+    const int64_t q_heads = geometry_.num_q_heads / num_shards();
+    const int64_t kv_heads = geometry_.num_kv_heads / num_shards();
+    std::vector<DecodeJob> parts(shards_.size());
+    for (int32_t i = 0; i < num_shards(); ++i) {
+      parts[i].layer = job.layer;
+      parts[i].entries = job.entries;
+      for (DecodeJob::Entry& e : parts[i].entries) {
         e.q = SliceHeads(e.q, i * q_heads, q_heads);
         e.k = SliceHeads(e.k, i * kv_heads, kv_heads);
         e.v = SliceHeads(e.v, i * kv_heads, kv_heads);
         e.out = static_cast<char*>(e.out) +
                 i * q_heads * int64_t{geometry_.head_dim} * ElementSize(e.out_dtype);
       }
-      absl::StatusOr<DecodeStats> s = shards_[i]->Decode(part);
+    }
+    // Engines that can start a decode and finish it later (CUDA) are all started from this
+    // thread, then finished: their steps run at once on their streams without a hand-off to
+    // another thread, which costs about as much as a small step. The others run on the fan-out.
+    std::vector<DecodeStats> stats(shards_.size());
+    {
+      std::vector<std::unique_ptr<PendingDecode>> pending(shards_.size());
+      bool split = true;
+      for (int32_t i = 0; i < num_shards() && split; ++i) {
+        absl::StatusOr<std::unique_ptr<PendingDecode>> started = shards_[i]->StartDecode(parts[i]);
+        if (!started.ok()) return Named(i, started.status());  // started ones finish on the way
+        split = *started != nullptr;
+        pending[i] = *std::move(started);
+      }
+      if (split) {
+        absl::Status status;
+        for (int32_t i = 0; i < num_shards(); ++i) {
+          absl::StatusOr<DecodeStats> s = pending[i]->Finish();
+          if (s.ok()) {
+            stats[i] = *s;
+          } else if (status.ok()) {
+            status = Named(i, s.status());
+          }
+        }
+        if (!status.ok()) return status;
+        return stats[0];  // the shards ran the same batches
+      }
+    }  // a shard cannot split this job: any that started have finished; run it whole
+    ATTND_RETURN_IF_ERROR(RunShards([&](int32_t i) {
+      absl::StatusOr<DecodeStats> s = shards_[i]->Decode(parts[i]);
       if (s.ok()) stats[i] = *s;
       return s.status();
-    });
-    if (!status.ok()) return status;
-    return stats[0];  // the shards ran the same batches
+    }));
+    return stats[0];
   }
 
  private:
@@ -256,15 +283,18 @@ class ShardedEngine : public Engine {
     return absl::OkStatus();
   }
 
+  // `s` of shard i, its message prefixed with the shard.
+  absl::Status Named(int32_t i, const absl::Status& s) const {
+    return absl::Status(s.code(),
+                        absl::StrCat("shard ", i, " (", shards_[i]->device(), "): ", s.message()));
+  }
+
   // Runs part(i) for every shard at once; the first failing shard's status, naming it.
   absl::Status RunShards(const std::function<absl::Status(int32_t)>& part) {
     std::vector<absl::Status> status(shards_.size());
     fan_out_.Run(num_shards(), [&](int i) { status[i] = part(i); });
     for (int32_t i = 0; i < num_shards(); ++i) {
-      if (!status[i].ok()) {
-        return absl::Status(status[i].code(), absl::StrCat("shard ", i, " (", shards_[i]->device(),
-                                                           "): ", status[i].message()));
-      }
+      if (!status[i].ok()) return Named(i, status[i]);
     }
     return absl::OkStatus();
   }
