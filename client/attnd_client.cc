@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -325,9 +326,10 @@ absl::StatusOr<std::unique_ptr<AttndClient>> AttndClient::Connect(const std::str
   return std::unique_ptr<AttndClient>(new AttndClient(std::move(channel), options, target));
 }
 
-void AttndClient::SetDeadline(grpc::ClientContext* context) const {
-  if (options_.rpc_timeout != absl::InfiniteDuration()) {
-    context->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+void AttndClient::SetDeadline(grpc::ClientContext* context, absl::Duration timeout) const {
+  const absl::Duration limit = std::min(timeout, options_.rpc_timeout);
+  if (limit != absl::InfiniteDuration()) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + limit));
   }
   if (!options_.token.empty()) context->AddMetadata("authorization", "Bearer " + options_.token);
 }
@@ -366,20 +368,12 @@ absl::StatusOr<bool> AttndClient::Healthy(const std::string& service) {
 }
 
 absl::StatusOr<v1::GetServerInfoResponse> AttndClient::Info() {
-  grpc::ClientContext context;
-  SetDeadline(&context);
-  v1::GetServerInfoResponse response;
-  ATTND_RETURN_IF_ERROR(Checked(
-      stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &response), "GetServerInfo"));
-  return response;
+  return Info(absl::InfiniteDuration());
 }
 
 absl::StatusOr<v1::GetServerInfoResponse> AttndClient::Info(absl::Duration timeout) {
   grpc::ClientContext context;
-  SetDeadline(&context);  // the token, and rpc_timeout's deadline
-  if (timeout < options_.rpc_timeout) {
-    context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  }
+  SetDeadline(&context, timeout);
   v1::GetServerInfoResponse response;
   ATTND_RETURN_IF_ERROR(Checked(
       stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &response), "GetServerInfo"));
@@ -392,10 +386,7 @@ absl::StatusOr<std::string> AttndClient::CreateSequence() {
 
 absl::StatusOr<std::string> AttndClient::CreateSequence(absl::Duration timeout) {
   grpc::ClientContext context;
-  SetDeadline(&context);  // the token, and rpc_timeout's deadline
-  if (timeout < options_.rpc_timeout) {
-    context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  }
+  SetDeadline(&context, timeout);
   v1::CreateSequenceResponse response;
   ATTND_RETURN_IF_ERROR(Checked(
       stub_->CreateSequence(&context, v1::CreateSequenceRequest(), &response), "CreateSequence"));

@@ -196,7 +196,9 @@ class AttndClient {
   AttndClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options,
               std::string target);
   // Per-call settings every RPC shares: the deadline and the bearer token.
-  void SetDeadline(grpc::ClientContext* context) const;
+  // The token, and a deadline of the shorter of `timeout` and the options' rpc_timeout.
+  void SetDeadline(grpc::ClientContext* context,
+                   absl::Duration timeout = absl::InfiniteDuration()) const;
 
   // FromGrpc, and an UNIMPLEMENTED attnd.v1 method says that the target serves gRPC but not
   // attnd's API (e.g. attnd's --health-listen port).
