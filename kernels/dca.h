@@ -2,8 +2,11 @@
 #ifndef ATTND_KERNELS_DCA_H_
 #define ATTND_KERNELS_DCA_H_
 
-#include <cmath>
+#include <math.h>
+
 #include <cstdint>
+
+#include "kernels/host_device.h"
 
 namespace attnd {
 
@@ -43,22 +46,26 @@ enum QueryVariant : int {
 enum class QLayout : int32_t { kVariants = 0, kPreRotary = 1 };
 
 // s(L) = max(1, 0.1 ln(L / orig) + 1) when orig > 0, else 1.
-inline float LengthScale(int64_t length, int64_t original_max_position_embeddings) {
+// Host and device (kernels scale keys and scores with it).
+ATTND_HOST_DEVICE float LengthScale(int64_t length, int64_t original_max_position_embeddings) {
   if (original_max_position_embeddings <= 0 || length <= original_max_position_embeddings)
     return 1.f;
-  const double s = 0.1 * std::log(static_cast<double>(length) /
-                                  static_cast<double>(original_max_position_embeddings)) +
+  const double s = 0.1 * log(static_cast<double>(length) /
+                             static_cast<double>(original_max_position_embeddings)) +
                    1.0;
   return static_cast<float>(s < 1.0 ? 1.0 : s);
 }
 
 // The query variant that a query at absolute position q_pos uses for a key at k_pos <= q_pos:
 // intra inside q's chunk, succ in the chunk before it, inter further back.
-inline QueryVariant VariantFor(int64_t q_pos, int64_t k_pos, int64_t chunk_len) {
-  const int64_t prev = (q_pos / chunk_len) * chunk_len;
+// VariantOfKey: the same rule given prev, the start of q's chunk (kernels compute it once per row).
+ATTND_HOST_DEVICE int VariantOfKey(int64_t k_pos, int64_t prev, int64_t chunk_len) {
   if (k_pos >= prev) return kIntra;
   if (k_pos >= prev - chunk_len) return kSucc;
   return kInter;
+}
+inline QueryVariant VariantFor(int64_t q_pos, int64_t k_pos, int64_t chunk_len) {
+  return static_cast<QueryVariant>(VariantOfKey(k_pos, (q_pos / chunk_len) * chunk_len, chunk_len));
 }
 
 }  // namespace attnd

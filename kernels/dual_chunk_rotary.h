@@ -19,15 +19,8 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "kernels/dca.h"
+#include "kernels/host_device.h"
 #include "kernels/thread_pool.h"
-
-#ifndef ATTND_HOST_DEVICE
-#if defined(__CUDACC__)
-#define ATTND_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define ATTND_HOST_DEVICE inline
-#endif
-#endif
 
 namespace attnd {
 

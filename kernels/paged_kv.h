@@ -6,11 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__CUDACC__)
-#define ATTND_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define ATTND_HOST_DEVICE inline
-#endif
+#include "kernels/host_device.h"
 
 namespace attnd {
 
