@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -180,7 +181,8 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   std::vector<int32_t> sizes_;  // captured sizes, ascending, <= max_decode_batch_
   std::string device_name_;
   std::string device_uuid_;  // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi
-  int32_t num_sms_ = 0;
+  // Kernel choices, occupancy and attributes for this device and geometry (set in Init).
+  std::optional<CudaKernelPlan> kernel_plan_;
   DevicePtr pool_;
 
   Mutex mu_;  // one job at a time: one stream, one set of staging buffers
@@ -283,7 +285,7 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   ATTND_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
   device_name_ = prop.name;
   device_uuid_ = FormatUuid(prop.uuid);
-  num_sms_ = prop.multiProcessorCount;
+  ATTND_ASSIGN_OR_RETURN(kernel_plan_, CudaKernelPlan::Create(geometry_, device_));
   ATTND_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
   ATTND_ASSIGN_OR_RETURN(pool_, DeviceAlloc(layout_.pool_bytes(), "the KV pool"));
@@ -344,9 +346,9 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_tables_.get(), 0, b * table_stride_ * 4, stream_));
   ATTND_ASSIGN_OR_RETURN(h_decode_out_, PinnedAlloc(b * hq * d * 4, "decode output"));
   for (int32_t batch = 1; batch <= max_decode_batch_; ++batch) {
-    const int32_t splits = PlanDecodeSplits(geometry_, batch, max_length_, num_sms_);
+    const int32_t splits = kernel_plan_->DecodeSplits(batch, max_length_);
     workspace_floats_ =
-        std::max(workspace_floats_, DecodeWorkspaceFloats(geometry_, batch, splits));
+        std::max(workspace_floats_, kernel_plan_->DecodeWorkspaceFloats(batch, splits));
   }
   ATTND_ASSIGN_OR_RETURN(d_workspace_, DeviceAlloc(workspace_floats_ * 4, "decode workspace"));
   ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
@@ -593,7 +595,7 @@ absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int6
     sp.workspace_bytes = sparse_workspace_bytes_;
     ATTND_RETURN_IF_ERROR(LaunchSparsePrefill(geometry_, sp, stream_));
   } else {
-    ATTND_RETURN_IF_ERROR(LaunchDcaPrefill(geometry_, pp, stream_));
+    ATTND_RETURN_IF_ERROR(LaunchDcaPrefill(*kernel_plan_, pp, stream_));
   }
   const size_t out_row = hq * d * ElementSize(job.out_dtype);
   const size_t out_pitch = job.out_row_pitch != 0 ? job.out_row_pitch : out_row;
@@ -830,14 +832,14 @@ absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t 
   dp.batch = rows;
   // Planned for the batch's captured size and the longest sequence the pool holds: the same
   // split layout whether this step is replayed or launched, whatever the lengths are.
-  dp.variant = DefaultDecodeVariant(geometry_, plan, num_sms_);  // no device query in a capture
-  dp.max_splits = PlanDecodeSplits(geometry_, plan, max_length_, num_sms_, 0, dp.variant);
-  if (DecodeWorkspaceFloats(geometry_, rows, dp.max_splits) > workspace_floats_) {
+  dp.planned_batch = plan;
+  dp.max_splits = kernel_plan_->DecodeSplits(plan, max_length_);
+  if (kernel_plan_->DecodeWorkspaceFloats(rows, dp.max_splits) > workspace_floats_) {
     return absl::InternalError("cuda engine: decode workspace too small");
   }
   dp.partial_out = static_cast<float*>(d_workspace_.get());
   dp.partial_lse = dp.partial_out + static_cast<size_t>(rows) * hq * dp.max_splits * d;
-  return LaunchDcaDecode(geometry_, dp, stream_);
+  return LaunchDcaDecode(*kernel_plan_, dp, stream_);
 }
 
 absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t count,

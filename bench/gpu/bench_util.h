@@ -8,8 +8,10 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <utility>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 #define CHECK_CUDA(expr)                                                                         \
   do {                                                                                           \
@@ -29,6 +31,17 @@
   } while (0)
 
 namespace attnd {
+
+// The value of an absl::StatusOr, or the status on stderr and exit(1).
+template <typename T>
+T ValueOrDie(absl::StatusOr<T> v, const char* what, const char* file, int line) {
+  if (!v.ok()) {
+    std::fprintf(stderr, "%s:%d %s: %s\n", file, line, what, v.status().ToString().c_str());
+    std::exit(1);
+  }
+  return *std::move(v);
+}
+#define CHECK_OK_VALUE(expr) ::attnd::ValueOrDie((expr), #expr, __FILE__, __LINE__)
 
 // Where Emit also writes its lines (a benchmark's --out file), or null.
 inline FILE* g_out = nullptr;

@@ -68,9 +68,9 @@ int Main() {
   const int64_t pages = 128 * pages_per_seq + 16;  // decode_step_bench's pool at 128 sequences
   const int64_t stride = (pages + 3) / 4 * 4;      // as the engine's: a multiple of 4
   const int64_t max_length = pages * kPage;
-  int device = 0, num_sms = 0;
+  int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
-  CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  const CudaKernelPlan plan = CHECK_OK_VALUE(CudaKernelPlan::Create(g, device));
 
   const size_t token_elems = static_cast<size_t>(kHkv) * kD;
   Bf16 *k_pool = nullptr, *v_pool = nullptr;
@@ -110,8 +110,8 @@ int Main() {
   CHECK_CUDA(cudaMallocHost(&h_out, max_b * kHq * kD * 4));
   size_t workspace = 0;
   for (int b = 1; b <= max_b; ++b) {
-    const int32_t splits = PlanDecodeSplits(g, b, max_length, num_sms);
-    workspace = std::max(workspace, DecodeWorkspaceFloats(g, b, splits));
+    const int32_t splits = plan.DecodeSplits(b, max_length);
+    workspace = std::max(workspace, plan.DecodeWorkspaceFloats(b, splits));
   }
   float* d_work = nullptr;
   CHECK_CUDA(cudaMalloc(&d_work, workspace * 4));
@@ -164,13 +164,12 @@ int Main() {
     dp.out = h_out;
     dp.out_dtype = DType::kFp32;
     dp.batch = b;
-    dp.variant = DefaultDecodeVariant(g, b, num_sms);
-    dp.max_splits = PlanDecodeSplits(g, b, max_length, num_sms, 0, dp.variant);
+    dp.max_splits = plan.DecodeSplits(b, max_length);
     dp.partial_out = d_work;
     dp.partial_lse = d_work + static_cast<size_t>(b) * kHq * dp.max_splits * kD;
     auto enqueue = [&] {
       CHECK_OK(LaunchDecodeStage(sp, stream));
-      CHECK_OK(LaunchDcaDecode(g, dp, stream));
+      CHECK_OK(LaunchDcaDecode(plan, dp, stream));
     };
     cudaGraph_t graph;
     cudaGraphExec_t exec;

@@ -3,10 +3,10 @@
 # SDPA peer), decode variants (tests, bench), the sparse kernels (tests; sparse vs dense prefill at
 # 128K-1M with the current dense default), and the CUDA engine tests with the sparse golden case over
 # gRPC. Build and bundle here:
-#   bazel build //kernels/cuda:dca_cuda_test //bench/gpu:dca_bench //kernels/cuda:sparse_cuda_test \
+#   bazel build //bench/gpu/lab:lab_test //bench/gpu/lab:lab_bench //kernels/cuda:sparse_cuda_test \
 #     //bench/gpu:sparse_bench //server:cuda_engine_test //tests:sparse_golden_cuda_test
 #   script/gpu-bundle .gpu bazel-bin/kernels/cuda/dca_cuda_test \
-#     bazel-bin/bench/gpu/dca_bench bazel-bin/kernels/cuda/sparse_cuda_test \
+#     bazel-bin/bench/gpu/lab/lab_bench bazel-bin/kernels/cuda/sparse_cuda_test \
 #     bazel-bin/bench/gpu/sparse_bench bazel-bin/server/cuda_engine_test \
 #     bazel-bin/tests/sparse_golden_cuda_test
 #   strip .gpu/bin/*   (the bundle carries the golden cases; env.sh points the tests at them)
@@ -19,9 +19,9 @@ mkdir -p "$out"
 logs=$(mktemp -d)
 status=0
 SECONDS=0
-timeout 200 "$here/bench/gpu/prefill_variants.sh" "$out/prefill" 5,9,11,12,13,14 none || status=1
+timeout 200 "$here/bench/gpu/lab/prefill_variants.sh" "$out/prefill" 5,9,11,12,13,14 none || status=1
 echo "[kernels_run +${SECONDS}s] prefill done"
-timeout 150 "$here/bench/gpu/decode_variants.sh" "$logs/decode" || status=1
+timeout 150 "$here/bench/gpu/lab/decode_variants.sh" "$logs/decode" || status=1
 tar czf "$out/decode.tgz" -C "$logs" decode
 echo "[kernels_run +${SECONDS}s] decode done"
 for t in sparse_cuda_test cuda_engine_test sparse_golden_cuda_test; do

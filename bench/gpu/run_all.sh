@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Everything the CUDA backend needs from one GPU-machine call: correctness tests, then benchmarks
 # (ours and the torch SDPA peer, in the same run). From the repo root, after building here:
-#   bazel build //kernels/cuda:dca_cuda_test //server:cuda_engine_test //bench/gpu:dca_bench
+#   bazel build //kernels/cuda:dca_cuda_test //server:cuda_engine_test //bench/gpu/lab:lab_bench
 #   script/gpu-bundle .gpu bazel-bin/kernels/cuda/dca_cuda_test \
-#       bazel-bin/server/cuda_engine_test bazel-bin/bench/gpu/dca_bench
+#       bazel-bin/server/cuda_engine_test bazel-bin/bench/gpu/lab/lab_bench
 # then on the GPU machine:  . .gpu/env.sh && bench/gpu/run_all.sh "$OUT" [--quick|--no-peer|--prefill]
-# --prefill: tests, then dca_bench --prefill-only, then the whole SDPA peer, in one call.
+# --prefill: tests, then lab_bench --prefill-only, then the whole SDPA peer, in one call.
 set -uo pipefail
 out=${1:?usage: run_all.sh OUT_DIR [--quick]}
 quick=${2:-}
@@ -28,12 +28,12 @@ peer=1
 if [[ $quick == --no-peer ]]; then quick=""; peer=0; fi
 bench_args=$quick
 if [[ $quick == --prefill ]]; then quick=""; bench_args="--prefill-only"; fi
-dca_bench $bench_args --out "$out/dca_bench.txt" >/dev/null 2>"$out/dca_bench.err" || {
-  echo "dca_bench failed:"; cat "$out/dca_bench.err"; status=1; }
+lab_bench $bench_args --out "$out/lab_bench.txt" >/dev/null 2>"$out/lab_bench.err" || {
+  echo "lab_bench failed:"; cat "$out/lab_bench.err"; status=1; }
 if ((peer)); then
   PYTHONUNBUFFERED=1 python3 bench/gpu/sdpa_peer.py $quick --out "$out/sdpa_peer.txt" \
     >/dev/null 2>"$out/sdpa_peer.err" || { echo "sdpa_peer failed:"; tail -5 "$out/sdpa_peer.err"; status=1; }
 fi
-cat "$out/dca_bench.txt" 2>/dev/null
+cat "$out/lab_bench.txt" 2>/dev/null
 ((peer)) && cat "$out/sdpa_peer.txt" 2>/dev/null
 exit $status

@@ -193,6 +193,7 @@ int Main(int argc, char** argv) {
       "\n| L | layer | sparse ms | estimation ms (share) | index ms | attention ms | key density "
       "| attn TFLOP/s | workspace GB | dense ms | speedup | rel. L2 err | max abs err |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  const CudaKernelPlan plan = CHECK_OK_VALUE(CudaKernelPlan::Create(g, 0));
   for (int64_t len : sizes) {
     CudaPrefillParams p;
     p.kv = kv;
@@ -209,13 +210,13 @@ int Main(int argc, char** argv) {
         CudaPrefillParams w = p;
         w.num_tokens = std::min<int64_t>(rows, 16384);
         w.out = out_dense;
-        CHECK_OK(LaunchDcaPrefill(g, w, nullptr));
+        CHECK_OK(LaunchDcaPrefill(plan, w, nullptr));
         CHECK_CUDA(cudaDeviceSynchronize());
         dense_warm = true;
       }
       p.out = out_dense;
       CHECK_CUDA(cudaEventRecord(e0));
-      CHECK_OK(LaunchDcaPrefill(g, p, nullptr));
+      CHECK_OK(LaunchDcaPrefill(plan, p, nullptr));
       CHECK_CUDA(cudaEventRecord(e1));
       CHECK_CUDA(cudaEventSynchronize(e1));
       dense_ms = ElapsedMs(e0, e1);

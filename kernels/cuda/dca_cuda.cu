@@ -1,4 +1,5 @@
-// Launch functions for dca_cuda.h: size checks, the head_dim dispatch and grid planning.
+// Launch functions for dca_cuda.h: the plan (device properties, occupancy, kernel attributes, all
+// read once), size checks, the head_dim dispatch and the grids.
 #include <algorithm>
 #include <cstdint>
 
@@ -6,247 +7,192 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/dca_cuda.h"
 #include "kernels/cuda/dca_cuda_kernels.cuh"
+#include "kernels/cuda/dca_cuda_launch.cuh"
+#include "kernels/cuda/kv_write_kernels.cuh"
 #include "kernels/cuda/prefill_wgmma.cuh"
+#include "kernels/status_macros.h"
 
 namespace attnd {
 namespace {
 
-using cuda_kernels::kBlockN;
-using cuda_kernels::kLog2e;
-using cuda_kernels::kThreads;
+using cuda_launch::CheckDecode;
+using cuda_launch::CheckPrefill;
+using cuda_launch::DecodeArgsFor;
+using cuda_launch::kMaxPosition;
+using cuda_launch::PlanPrefill;
+using cuda_launch::ValidDType;
 
-constexpr int64_t kMaxPosition = (int64_t{1} << 31) - 1;
-
-template <int D, int Warps, int Stages, int MT, int BN>
-constexpr size_t PrefillSmemBytes() {
-  return (2 * Stages * BN + (MT > 1 ? 16 * MT * Warps : 0)) * (D + 8) * sizeof(Bf16);
+// The mma.sync fallback: 4 warps of two 16-row m-tiles (128 query rows), 64-key K/V tiles in a
+// 2-deep cp.async ring.
+constexpr int kMmaWarps = 4, kMmaStages = 2, kMmaTiles = 2, kMmaBlockN = 64;
+template <int D>
+constexpr size_t MmaPrefillSmemBytes() {
+  return (2 * kMmaStages * kMmaBlockN + 16 * kMmaTiles * kMmaWarps) * (D + 8) * sizeof(Bf16);
 }
+template <int D>
+constexpr auto MmaPrefillKernel() {
+  return cuda_kernels::DcaPrefillKernel<D, kMmaWarps, kMmaStages, kMmaTiles, kMmaBlockN>;
+}
+// The decode kernel: 4 warps, 64-key tiles, a ring of Stages (2 or 3).
+constexpr int kDecodeWarps = 4;
 template <int D, int Stages>
-constexpr size_t DecodeSmemBytes() {
-  return (2 * Stages * kBlockN + 3 * 16) * (D + 8) * sizeof(Bf16);
+constexpr auto DecodeKernel() {
+  return cuda_kernels::DcaDecodePipeKernel<D, kDecodeWarps, Stages>;
 }
-// Resident decode blocks per multiprocessor (228 KB shared memory, 1 KB reserved per block).
-int DecodeBlocksPerSm(int head_dim, int stages) {
-  const size_t smem = (2 * stages * kBlockN + 3 * 16) * (head_dim + 8) * sizeof(Bf16) + 1024;
-  return std::max<int>(1, static_cast<int>((228 * 1024) / smem));
+size_t DecodeSmemBytes(const DcaGeometry& g, int stages) {
+  return cuda_kernels::DecodePipeSmemBytes(g.head_dim, kDecodeWarps, stages, g.group_size());
 }
 
-bool ValidDType(DType t) { return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32; }
-
-absl::Status CheckKv(const DcaGeometry& g, const PagedKv<Bf16>& kv) {
-  if (kv.k == nullptr || kv.v == nullptr || kv.page_table == nullptr || kv.page_size <= 0) {
-    return absl::InvalidArgumentError("PagedKv: null pointer or page_size <= 0");
+// Sets the kernels' dynamic shared-memory limits on the current device and reads the decode
+// kernels' occupancy at this geometry (blocks per multiprocessor, ring depth 2 and 3).
+template <int D>
+absl::Status PrepareKernels(const DcaGeometry& g, bool wgmma, int32_t* blocks_s2,
+                            int32_t* blocks_s3) {
+  if (wgmma) {
+    constexpr size_t smem = cuda_kernels::wgmma::PrefillSmemBytes<D>();
+    static_assert(smem <= 227 * 1024, "wgmma prefill: shared memory");
+    ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(cuda_kernels::wgmma::DcaPrefillWgmmaKernel<D>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    static_cast<int>(smem)));
   }
-  if (kv.num_kv_heads != g.num_kv_heads || kv.head_dim != g.head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat("PagedKv: ", kv.num_kv_heads, " kv heads x ",
-                                                   kv.head_dim, " does not match the geometry"));
-  }
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(MmaPrefillKernel<D>(),
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  static_cast<int>(MmaPrefillSmemBytes<D>())));
+  const size_t smem2 = DecodeSmemBytes(g, 2), smem3 = DecodeSmemBytes(g, 3);
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      DecodeKernel<D, 2>(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem2)));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      DecodeKernel<D, 3>(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem3)));
+  int n2 = 0, n3 = 0;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &n2, DecodeKernel<D, 2>(), 32 * kDecodeWarps, smem2));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &n3, DecodeKernel<D, 3>(), 32 * kDecodeWarps, smem3));
+  *blocks_s2 = std::max(1, n2);
+  *blocks_s3 = std::max(1, n3);
   return absl::OkStatus();
 }
 
-// Kernel arguments and the number of query tiles (blocks along x) for blocks of block_m rows.
-absl::Status PlanPrefill(const DcaGeometry& g, const CudaPrefillParams& p, int block_m,
-                         cuda_kernels::PrefillArgs* a, int64_t* tiles) {
-  a->kv = p.kv;
-  a->q = p.q;
-  a->out = p.out;
-  a->out_dtype = static_cast<int>(p.out_dtype);
-  a->start = static_cast<int32_t>(p.start);
-  a->num_tokens = static_cast<int32_t>(p.num_tokens);
-  a->chunk_len = static_cast<int32_t>(g.chunk_len);
-  a->num_q_heads = g.num_q_heads;
-  a->group = g.group_size();
-  a->scale_log2 = p.softmax_scale * kLog2e;
-  // Pieces: the first runs from start to the end of its chunk; the rest are whole chunks.
-  const int64_t cl = g.chunk_len;
-  const int64_t lk = p.start + p.num_tokens;
-  const int64_t prev0 = (p.start / cl) * cl;
-  const int64_t end0 = std::min(prev0 + cl, lk);
-  const int64_t rows_first = (end0 - p.start) * a->group;
-  const int64_t tiles_first = (rows_first + block_m - 1) / block_m;
-  const int64_t tiles_full = (cl * a->group + block_m - 1) / block_m;
-  const int64_t more_pieces = (lk - end0 + cl - 1) / cl;
-  *tiles = tiles_first + more_pieces * tiles_full;
-  if (tiles_full > INT32_MAX || *tiles > INT32_MAX) {
-    return absl::InvalidArgumentError("prefill: too many query tiles");
-  }
-  a->tiles_first = static_cast<int32_t>(tiles_first);
-  a->tiles_full = static_cast<int32_t>(tiles_full);
-  return absl::OkStatus();
-}
-
-template <int D, int Warps, int Stages, int MT, int BN>
-absl::Status LaunchPrefillTyped(const DcaGeometry& g, const CudaPrefillParams& p,
-                                cudaStream_t stream) {
+template <int D>
+absl::Status LaunchMmaPrefill(const DcaGeometry& g, const CudaPrefillParams& p,
+                              cudaStream_t stream) {
   cuda_kernels::PrefillArgs a;
   int64_t tiles = 0;
-  if (absl::Status s = PlanPrefill(g, p, 16 * MT * Warps, &a, &tiles); !s.ok()) return s;
-  constexpr size_t smem = PrefillSmemBytes<D, Warps, Stages, MT, BN>();
-  ATTND_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(cuda_kernels::DcaPrefillKernel<D, Warps, Stages, MT, BN>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  cuda_kernels::DcaPrefillKernel<D, Warps, Stages, MT, BN>
-      <<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads), 32 * Warps, smem, stream>>>(a);
+  ATTND_RETURN_IF_ERROR(PlanPrefill(g, p, 16 * kMmaTiles * kMmaWarps, &a, &tiles));
+  const auto kernel = MmaPrefillKernel<D>();
+  kernel<<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads), 32 * kMmaWarps,
+           MmaPrefillSmemBytes<D>(), stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaPrefillKernel");
   return absl::OkStatus();
 }
 
-// True when the current device runs sm_90a machine code (compute capability 9.0).
-bool DeviceIsSm90() {
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
-    cudaGetLastError();  // leave no sticky error behind; the caller falls back
-    return false;
-  }
-  return major == 9 && minor == 0;
-}
-
-template <int D, int BN, int Stages, bool Overlap, bool Ws, int Opt = 0>
-absl::Status LaunchPrefillWgmmaTyped(const DcaGeometry& g, const CudaPrefillParams& p,
-                                     cudaStream_t stream) {
+template <int D>
+absl::Status LaunchWgmmaPrefill(const DcaGeometry& g, const CudaPrefillParams& p,
+                                cudaStream_t stream) {
   namespace wg = cuda_kernels::wgmma;
   cuda_kernels::PrefillArgs a;
   int64_t tiles = 0;
-  if (absl::Status s = PlanPrefill(g, p, wg::kBlockM, &a, &tiles); !s.ok()) return s;
-  // K and V rings, the block's queries, and 1 KB to align the swizzled tiles.
-  constexpr size_t smem = (2 * Stages * BN + wg::kBlockM) * D * sizeof(Bf16) + 1024;
-  static_assert(smem <= 227 * 1024, "wgmma prefill: shared memory");
-  ATTND_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(wg::DcaPrefillWgmmaKernel<D, BN, Stages, Overlap, Ws, Opt>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  wg::DcaPrefillWgmmaKernel<D, BN, Stages, Overlap, Ws, Opt>
-      <<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads), wg::BlockThreads<Ws>(), smem,
-         stream>>>(a);
+  ATTND_RETURN_IF_ERROR(PlanPrefill(g, p, wg::kBlockM, &a, &tiles));
+  wg::DcaPrefillWgmmaKernel<D><<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads),
+                                 wg::kPrefillThreads, wg::PrefillSmemBytes<D>(), stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaPrefillWgmmaKernel");
   return absl::OkStatus();
-}
-
-absl::Status CheckPrefill(const DcaGeometry& g, const CudaPrefillParams& p) {
-  if (absl::Status s = CheckCudaGeometry(g); !s.ok()) return s;
-  if (absl::Status s = CheckKv(g, p.kv); !s.ok()) return s;
-  if (p.q == nullptr || p.out == nullptr || !ValidDType(p.out_dtype)) {
-    return absl::InvalidArgumentError("prefill: null q/out or bad out_dtype");
-  }
-  if (p.start < 0 || p.num_tokens < 1 || p.start + p.num_tokens > kMaxPosition) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prefill: bad token range start=", p.start, " num_tokens=", p.num_tokens));
-  }
-  return absl::OkStatus();
-}
-
-// The split kernels' arguments (both decode kernel families take the same).
-cuda_kernels::DecodeArgs DecodeArgsFor(const DcaGeometry& g, const CudaDecodeParams& p) {
-  cuda_kernels::DecodeArgs a;
-  a.kv = p.kv;
-  a.lengths = p.lengths;
-  a.q = p.q;
-  a.chunk_len = static_cast<int32_t>(g.chunk_len);
-  a.num_q_heads = g.num_q_heads;
-  a.group = g.group_size();
-  a.max_splits = p.max_splits;
-  a.orig = g.original_max_position_embeddings;
-  a.scale_log2 = g.softmax_scale * kLog2e;
-  a.partial_out = p.partial_out;
-  a.partial_lse = p.partial_lse;
-  return a;
 }
 
 template <int D, int Stages>
 absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
                                cudaStream_t stream) {
   const cuda_kernels::DecodeArgs a = DecodeArgsFor(g, p);
-  constexpr size_t smem = DecodeSmemBytes<D, Stages>();
-  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(cuda_kernels::DcaDecodeSplitKernel<D, Stages>,
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  smem));
-  cuda_kernels::DcaDecodeSplitKernel<D, Stages>
-      <<<dim3(p.max_splits, g.num_kv_heads, p.batch), kThreads, smem, stream>>>(a);
-  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeSplitKernel");
-  cuda_kernels::DcaDecodeReduceKernel<D><<<dim3(p.batch, g.num_q_heads), D, 0, stream>>>(
-      p.partial_out, p.partial_lse, p.lengths, p.max_splits, cuda_kernels::kBlockN, p.out,
-      static_cast<int>(p.out_dtype));
-  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReduceKernel");
-  return absl::OkStatus();
-}
-
-// The pipelined/bulk decode kernel (kDecodePipelined, kDecodeBulk), then the same reduction.
-template <int D, int Warps, int Stages, bool Bulk>
-absl::Status LaunchDecodePipeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
-                                   cudaStream_t stream) {
-  const cuda_kernels::DecodeArgs a = DecodeArgsFor(g, p);
-  const size_t smem = cuda_kernels::DecodePipeSmemBytes(D, Warps, Stages, Bulk, g.group_size());
-  ATTND_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(cuda_kernels::DcaDecodePipeKernel<D, Warps, Stages, Bulk>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  cuda_kernels::DcaDecodePipeKernel<D, Warps, Stages, Bulk>
-      <<<dim3(p.max_splits, g.num_kv_heads, p.batch), Warps * 32, smem, stream>>>(a);
+  const auto kernel = DecodeKernel<D, Stages>();
+  kernel<<<dim3(p.max_splits, g.num_kv_heads, p.batch), 32 * kDecodeWarps,
+           DecodeSmemBytes(g, Stages), stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodePipeKernel");
   cuda_kernels::DcaDecodeReduceKernel<D><<<dim3(p.batch, g.num_q_heads), D, 0, stream>>>(
-      p.partial_out, p.partial_lse, p.lengths, p.max_splits, 16 * Warps, p.out,
+      p.partial_out, p.partial_lse, p.lengths, p.max_splits, 16 * kDecodeWarps, p.out,
       static_cast<int>(p.out_dtype));
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReduceKernel");
   return absl::OkStatus();
 }
 
-template <int D>
-absl::Status LaunchDecodeVariant(const DcaGeometry& g, const CudaDecodeParams& p, int variant,
-                                 cudaStream_t stream) {
-  switch (variant) {  // kDecodeVariants
-    case 0:
-      return LaunchDecodeTyped<D, 2>(g, p, stream);
-    case 1:
-      return LaunchDecodeTyped<D, 4>(g, p, stream);
-    case 2:
-      return LaunchDecodePipeTyped<D, 4, 2, false>(g, p, stream);
-    case 3:
-      return LaunchDecodePipeTyped<D, 4, 3, false>(g, p, stream);
-    case 4:
-      return LaunchDecodePipeTyped<D, 4, 4, false>(g, p, stream);
-    case 5:
-      return LaunchDecodePipeTyped<D, 8, 2, false>(g, p, stream);
-    case 6:
-      return LaunchDecodePipeTyped<D, 4, 3, true>(g, p, stream);
-    case 7:
-      return LaunchDecodePipeTyped<D, 8, 2, true>(g, p, stream);
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("decode: variant ", variant, " unsupported"));
+// Restores the calling thread's current device when it leaves scope.
+class CurrentDeviceGuard {
+ public:
+  CurrentDeviceGuard() { ok_ = cudaGetDevice(&saved_) == cudaSuccess; }
+  ~CurrentDeviceGuard() {
+    if (ok_) cudaSetDevice(saved_);
   }
-}
-static_assert(kNumDecodeKernelVariants == 8,
-              "LaunchDecodeVariant covers every kDecodeVariants entry");
 
-// Resident blocks per multiprocessor of decode variant v (228 KB of shared memory with 1 KB
-// reserved per block, 2048 threads, 64K registers at the -Xptxas -v counts rounded up: <= 160 per
-// thread at head_dim 128, <= 120 at 64).
-int DecodeVariantBlocksPerSm(const DcaGeometry& g, int v) {
-  const DecodeVariant& dv = kDecodeVariants[v];
-  const int d = g.head_dim == 64 ? 64 : 128;
-  if (dv.kernel == kDecodeSplit) return DecodeBlocksPerSm(d, dv.stages);
-  const size_t smem =
-      cuda_kernels::DecodePipeSmemBytes(d, dv.warps, dv.stages, dv.kernel == kDecodeBulk,
-                                        std::max(1, g.group_size())) +
-      1024;
-  const int by_smem = static_cast<int>((228 * 1024) / smem);
-  const int by_threads = 2048 / (dv.warps * 32);
-  const int by_regs = 65536 / (dv.warps * 32 * (d == 128 ? 160 : 120));
-  return std::max(1, std::min({by_smem, by_threads, by_regs}));
-}
-
-absl::Status CheckDecode(const DcaGeometry& g, const CudaDecodeParams& p) {
-  if (absl::Status s = CheckCudaGeometry(g); !s.ok()) return s;
-  if (absl::Status s = CheckKv(g, p.kv.Seq(0)); !s.ok()) return s;
-  if (p.lengths == nullptr || p.q == nullptr || p.out == nullptr || !ValidDType(p.out_dtype)) {
-    return absl::InvalidArgumentError("decode: null lengths/q/out or bad out_dtype");
-  }
-  if (p.batch < 1 || p.batch > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("decode: batch ", p.batch, " not in 1..65535"));
-  }
-  return absl::OkStatus();
-}
+ private:
+  int saved_ = 0;
+  bool ok_ = false;
+};
 
 }  // namespace
+
+const char* PrefillKernelName(PrefillKernel kernel) {
+  switch (kernel) {
+    case PrefillKernel::kWgmma:
+      return "wgmma";
+    case PrefillKernel::kMmaSync:
+      return "mma.sync";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<CudaKernelPlan> CudaKernelPlan::Create(const DcaGeometry& g, int device,
+                                                      const CudaKernelPlanOptions& options) {
+  ATTND_RETURN_IF_ERROR(CheckCudaGeometry(g));
+  if (options.prefill != PrefillKernel::kWgmma && options.prefill != PrefillKernel::kMmaSync) {
+    return absl::InvalidArgumentError("kernel plan: unknown prefill kernel");
+  }
+  if (options.decode_stages != 0 && options.decode_stages != 2 && options.decode_stages != 3) {
+    return absl::InvalidArgumentError(absl::StrCat("kernel plan: decode_stages ",
+                                                   options.decode_stages,
+                                                   " unsupported (0 = by batch, 2 or 3)"));
+  }
+  CudaKernelPlan plan;
+  plan.geometry_ = g;
+  plan.device_ = device;
+  plan.decode_stages_ = options.decode_stages;
+  CurrentDeviceGuard guard;
+  int major = 0, minor = 0, sms = 0;
+  if (cudaSetDevice(device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();  // leave no sticky error behind
+    return absl::InternalError(absl::StrCat("kernel plan: cannot read CUDA device ", device));
+  }
+  plan.num_sms_ = sms;
+  // The wgmma kernel exists as sm_90a machine code only.
+  plan.prefill_ = options.prefill == PrefillKernel::kWgmma && major == 9 && minor == 0
+                      ? PrefillKernel::kWgmma
+                      : PrefillKernel::kMmaSync;
+  const bool wgmma = plan.prefill_ == PrefillKernel::kWgmma;
+  ATTND_RETURN_IF_ERROR(g.head_dim == 128
+                            ? PrepareKernels<128>(g, wgmma, &plan.blocks_s2_, &plan.blocks_s3_)
+                            : PrepareKernels<64>(g, wgmma, &plan.blocks_s2_, &plan.blocks_s3_));
+  return plan;
+}
+
+int32_t CudaKernelPlan::DecodeStages(int32_t batch) const {
+  if (decode_stages_ != 0) return decode_stages_;
+  const int64_t blocks = int64_t{std::max(1, batch)} * std::max(1, geometry_.num_kv_heads);
+  return blocks > int64_t{std::max(1, num_sms_)} * blocks_s2_ ? 3 : 2;
+}
+
+int32_t CudaKernelPlan::DecodeSplits(int32_t batch, int64_t max_length) const {
+  const int64_t resident = int64_t{std::max(1, num_sms_)} * DecodeBlocksPerSm(DecodeStages(batch));
+  const int64_t blocks = std::max<int64_t>(1, int64_t{batch} * std::max(1, geometry_.num_kv_heads));
+  const int64_t want = resident / blocks;  // splits that still fit in one wave
+  const int64_t cap = std::max<int64_t>(1, (max_length + 255) / 256);
+  return static_cast<int32_t>(std::clamp<int64_t>(want, 1, std::min<int64_t>(cap, 1024)));
+}
+
+size_t CudaKernelPlan::DecodeWorkspaceFloats(int32_t batch, int32_t max_splits) const {
+  const size_t slots = static_cast<size_t>(batch) * geometry_.num_q_heads * max_splits;
+  return slots * geometry_.head_dim + slots;
+}
 
 absl::Status CheckCudaGeometry(const DcaGeometry& g) {
   if (g.head_dim != 64 && g.head_dim != 128) {
@@ -337,71 +283,15 @@ absl::Status LaunchConvertToBf16(const void* src, DType src_dtype, int64_t n, Bf
   return absl::OkStatus();
 }
 
-absl::Status LaunchDcaPrefill(const DcaGeometry& g, const CudaPrefillParams& p,
+absl::Status LaunchDcaPrefill(const CudaKernelPlan& plan, const CudaPrefillParams& p,
                               cudaStream_t stream) {
-  if (absl::Status s = CheckPrefill(g, p); !s.ok()) return s;
-  int variant = p.variant < 0 ? kDefaultPrefillVariant : p.variant;
-  if (variant < kNumPrefillVariants && kPrefillVariants[variant].kernel != kPrefillMmaSync &&
-      !DeviceIsSm90()) {
-    variant = kFallbackPrefillVariant;
-  }
+  const DcaGeometry& g = plan.geometry();
+  ATTND_RETURN_IF_ERROR(CheckPrefill(g, p));
   const bool d128 = g.head_dim == 128;
-  switch (variant) {  // the supported set: kPrefillVariants (same order)
-#define ATTND_PREFILL_CASE(i, W, S, MT, BN)                                                     \
-  case i:                                                                                       \
-    static_assert(kPrefillVariants[i].warps == W && kPrefillVariants[i].stages == S &&          \
-                      kPrefillVariants[i].m_tiles == MT && kPrefillVariants[i].block_n == BN && \
-                      kPrefillVariants[i].kernel == kPrefillMmaSync,                            \
-                  "kPrefillVariants order");                                                    \
-    return d128 ? LaunchPrefillTyped<128, W, S, MT, BN>(g, p, stream)                           \
-                : LaunchPrefillTyped<64, W, S, MT, BN>(g, p, stream);
-#define ATTND_PREFILL_WGMMA_CASE(i, W, S, BN, K)                                                  \
-  case i:                                                                                         \
-    static_assert(kPrefillVariants[i].warps == W && kPrefillVariants[i].stages == S &&            \
-                      kPrefillVariants[i].m_tiles == 1 && kPrefillVariants[i].block_n == BN &&    \
-                      kPrefillVariants[i].kernel == K,                                            \
-                  "kPrefillVariants order");                                                      \
-    return d128 ? LaunchPrefillWgmmaTyped<128, BN, S, K == kPrefillWgmmaOverlap, W == 12>(g, p,   \
-                                                                                          stream) \
-                : LaunchPrefillWgmmaTyped<64, BN, S, K == kPrefillWgmmaOverlap, W == 12>(g, p,    \
-                                                                                         stream);
-    ATTND_PREFILL_CASE(0, 4, 2, 1, 64)
-    ATTND_PREFILL_CASE(1, 8, 2, 1, 64)
-    ATTND_PREFILL_CASE(2, 8, 3, 1, 64)
-    ATTND_PREFILL_CASE(3, 4, 2, 2, 32)
-    ATTND_PREFILL_CASE(4, 4, 3, 2, 32)
-    ATTND_PREFILL_CASE(5, 4, 2, 2, 64)
-    ATTND_PREFILL_WGMMA_CASE(6, 8, 2, 128, kPrefillWgmma)
-    ATTND_PREFILL_WGMMA_CASE(7, 8, 3, 128, kPrefillWgmmaOverlap)
-    ATTND_PREFILL_WGMMA_CASE(8, 8, 4, 64, kPrefillWgmmaOverlap)
-    ATTND_PREFILL_WGMMA_CASE(9, 12, 3, 128, kPrefillWgmma)
-    ATTND_PREFILL_WGMMA_CASE(10, 12, 3, 128, kPrefillWgmmaOverlap)
-// Warp-specialised (12 warps) kernels with Opt bits (prefill_wgmma.cuh).
-#define ATTND_PREFILL_WGMMA_OPT_CASE(i, S, BN, K, OVERLAP, OPT)                                \
-  case i:                                                                                      \
-    static_assert(kPrefillVariants[i].warps == 12 && kPrefillVariants[i].stages == S &&        \
-                      kPrefillVariants[i].m_tiles == 1 && kPrefillVariants[i].block_n == BN && \
-                      kPrefillVariants[i].kernel == K,                                         \
-                  "kPrefillVariants order");                                                   \
-    return d128 ? LaunchPrefillWgmmaTyped<128, BN, S, OVERLAP, true, OPT>(g, p, stream)        \
-                : LaunchPrefillWgmmaTyped<64, BN, S, OVERLAP, true, OPT>(g, p, stream);
-    ATTND_PREFILL_WGMMA_OPT_CASE(11, 3, 128, kPrefillWgmmaAsync, false,
-                                 cuda_kernels::wgmma::kOptAsyncProducer)
-    ATTND_PREFILL_WGMMA_OPT_CASE(
-        12, 3, 128, kPrefillWgmmaAsyncOverlap, true,
-        cuda_kernels::wgmma::kOptAsyncProducer | cuda_kernels::wgmma::kOptNoPingPong)
-    ATTND_PREFILL_WGMMA_OPT_CASE(13, 3, 128, kPrefillWgmmaAsyncPingPong, true,
-                                 cuda_kernels::wgmma::kOptAsyncProducer)
-    ATTND_PREFILL_WGMMA_OPT_CASE(14, 3, 128, kPrefillWgmmaAsyncLate, true,
-                                 cuda_kernels::wgmma::kOptAsyncProducer |
-                                     cuda_kernels::wgmma::kOptNoPingPong |
-                                     cuda_kernels::wgmma::kOptLateRescale)
-#undef ATTND_PREFILL_CASE
-#undef ATTND_PREFILL_WGMMA_CASE
-#undef ATTND_PREFILL_WGMMA_OPT_CASE
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("prefill: no variant ", p.variant));
+  if (plan.prefill_kernel() == PrefillKernel::kWgmma) {
+    return d128 ? LaunchWgmmaPrefill<128>(g, p, stream) : LaunchWgmmaPrefill<64>(g, p, stream);
   }
+  return d128 ? LaunchMmaPrefill<128>(g, p, stream) : LaunchMmaPrefill<64>(g, p, stream);
 }
 
 absl::Status LaunchDcaPrefillReference(const DcaGeometry& g, const CudaPrefillParams& p,
@@ -422,68 +312,20 @@ absl::Status LaunchDcaPrefillReference(const DcaGeometry& g, const CudaPrefillPa
   return absl::OkStatus();
 }
 
-int32_t ResolveDecodeVariant(int32_t kv_stages, int32_t variant) {
-  if (variant >= 0) return variant < kNumDecodeKernelVariants ? variant : -1;
-  if (variant != -1) return -1;
-  switch (kv_stages) {
-    case 0:
-      return kDefaultDecodeVariant;
-    case 2:
-      return 0;
-    case 4:
-      return 1;
-    default:
-      return -1;
-  }
-}
-
-int32_t DefaultDecodeVariant(const DcaGeometry& g, int32_t batch, int32_t num_sms) {
-  const int64_t blocks = int64_t{std::max(1, batch)} * std::max(1, g.num_kv_heads);
-  const int64_t one_wave =
-      int64_t{std::max(1, num_sms)} * DecodeVariantBlocksPerSm(g, kDefaultDecodeVariant);
-  return blocks > one_wave ? kDefaultLargeBatchDecodeVariant : kDefaultDecodeVariant;
-}
-
-int32_t PlanDecodeSplits(const DcaGeometry& g, int32_t batch, int64_t max_length, int32_t num_sms,
-                         int32_t kv_stages, int32_t variant) {
-  int v = kv_stages == 0 && variant == -1 ? DefaultDecodeVariant(g, batch, num_sms)
-                                          : ResolveDecodeVariant(kv_stages, variant);
-  if (v < 0) v = kDefaultDecodeVariant;
-  const int64_t resident = int64_t{std::max(1, num_sms)} * DecodeVariantBlocksPerSm(g, v);
-  const int64_t blocks = std::max<int64_t>(1, int64_t{batch} * std::max(1, g.num_kv_heads));
-  const int64_t want = resident / blocks;  // splits that still fit in one wave
-  const int64_t cap = std::max<int64_t>(1, (max_length + 255) / 256);
-  return static_cast<int32_t>(std::clamp<int64_t>(want, 1, std::min<int64_t>(cap, 1024)));
-}
-
-size_t DecodeWorkspaceFloats(const DcaGeometry& g, int32_t batch, int32_t max_splits) {
-  const size_t slots = static_cast<size_t>(batch) * g.num_q_heads * max_splits;
-  return slots * g.head_dim + slots;
-}
-
-absl::Status LaunchDcaDecode(const DcaGeometry& g, const CudaDecodeParams& p, cudaStream_t stream) {
-  if (absl::Status s = CheckDecode(g, p); !s.ok()) return s;
+absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParams& p,
+                             cudaStream_t stream) {
+  const DcaGeometry& g = plan.geometry();
+  ATTND_RETURN_IF_ERROR(CheckDecode(g, p));
   if (p.max_splits < 1 || p.max_splits > 65535 || p.partial_out == nullptr ||
       p.partial_lse == nullptr) {
     return absl::InvalidArgumentError("decode: bad max_splits or null workspace");
   }
-  int v = ResolveDecodeVariant(p.kv_stages, p.variant);
-  if (p.kv_stages == 0 && p.variant == -1) {  // the batch-aware default, as PlanDecodeSplits chose
-    int device = 0, num_sms = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      cudaGetLastError();
-      return absl::InternalError("decode: cannot read the device's multiprocessor count");
-    }
-    v = DefaultDecodeVariant(g, p.batch, num_sms);
+  const bool three = plan.DecodeStages(p.planned_batch > 0 ? p.planned_batch : p.batch) == 3;
+  if (g.head_dim == 128) {
+    return three ? LaunchDecodeTyped<128, 3>(g, p, stream)
+                 : LaunchDecodeTyped<128, 2>(g, p, stream);
   }
-  if (v < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "decode: kv_stages ", p.kv_stages, " / variant ", p.variant,
-        " unsupported (kv_stages 0, 2, 4; variant -1.. ", kNumDecodeKernelVariants - 1, ")"));
-  }
-  return g.head_dim == 128 ? LaunchDecodeVariant<128>(g, p, v, stream)
-                           : LaunchDecodeVariant<64>(g, p, v, stream);
+  return three ? LaunchDecodeTyped<64, 3>(g, p, stream) : LaunchDecodeTyped<64, 2>(g, p, stream);
 }
 
 absl::Status LaunchDcaDecodeReference(const DcaGeometry& g, const CudaDecodeParams& p,

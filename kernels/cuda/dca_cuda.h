@@ -10,10 +10,12 @@
 // Supported set (one dispatch per kernel family): head_dim 64 or 128; group size (Hq / Hkv) 1..16;
 // bf16 KV. Query tensors are bf16; outputs are bf16, fp16 or fp32.
 //
-// The default prefill is a warp-specialised wgmma kernel (prefill_wgmma.cuh), with an mma.sync
-// fallback; decode is split-K over the page table. How fast each is, against which peer, is in
-// docs/BENCHMARKS.md ("CUDA backend"); the tuning history is in bench/gpu/NOTES.md. Numbers are
-// kept there, not here, so that they have one home and a date.
+// Each family keeps three kernels here: the Hopper default, the portable fallback and a simple
+// reference for tests; every other configuration measured on the way is in the tuning lab
+// (bench/gpu/lab/). A CudaKernelPlan, built once per device and geometry, picks among them. How
+// fast each is, against which peer, is in docs/BENCHMARKS.md ("CUDA backend"); the tuning history
+// is in bench/gpu/NOTES.md. Numbers are kept there, not here, so that they have one home and a
+// date.
 #ifndef ATTND_KERNELS_CUDA_DCA_CUDA_H_
 #define ATTND_KERNELS_CUDA_DCA_CUDA_H_
 
@@ -24,6 +26,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
@@ -133,6 +136,65 @@ absl::Status LaunchDecodeStage(const CudaDecodeStageParams& params, cudaStream_t
 absl::Status LaunchConvertToBf16(const void* src, DType src_dtype, int64_t n, Bf16* dst,
                                  cudaStream_t stream);
 
+// ---- Plan --------------------------------------------------------------------------------------
+
+// The fused prefill kernels of the product (their alternatives live in the tuning lab,
+// bench/gpu/lab/, which never links into the daemon):
+//   kWgmma    Hopper wgmma (sm_90a; prefill_wgmma.cuh): warp-specialised, an asynchronous
+//             producer warpgroup, softmax overlapped with P V, ping-pong between the two consumer
+//             warpgroups; 128 query rows per block. The default; compute capability 9.0 only.
+//   kMmaSync  mma.sync m16n8k16 (dca_cuda_kernels.cuh): 4 warps of two 16-row tiles, 64-key
+//             tiles in a 2-deep cp.async ring; any GPU this library targets. The fallback.
+// Both handle every shape CheckCudaGeometry accepts, with the same results within the bf16 bars.
+enum class PrefillKernel : int32_t { kWgmma = 0, kMmaSync = 1 };
+const char* PrefillKernelName(PrefillKernel kernel);
+
+struct CudaKernelPlanOptions {
+  // kWgmma runs kMmaSync on GPUs other than compute capability 9.0; kMmaSync forces the fallback.
+  PrefillKernel prefill = PrefillKernel::kWgmma;
+  // K/V ring depth of the decode kernel: 0 = by batch (2 while every (sequence, kv head) block
+  // fits one wave at the 2-deep ring's occupancy, 3 past it), else 2 or 3 for every batch.
+  int32_t decode_stages = 0;
+};
+
+// Everything about the launches that depends on the device and the geometry, decided once: the
+// prefill kernel, the decode ring depth per batch size and its split-K plan (from the occupancy the
+// CUDA runtime reports for the kernels at this geometry), and the kernels' shared-memory
+// attributes (set on `device` here, never at launch). Launch functions then only enqueue. Cheap to
+// copy; valid for the life of the process on the device it was built for.
+class CudaKernelPlan {
+ public:
+  // INVALID_ARGUMENT for a geometry outside the supported set or bad options; INTERNAL when the
+  // device cannot be read. Leaves the calling thread's current device as it was.
+  static absl::StatusOr<CudaKernelPlan> Create(const DcaGeometry& geometry, int device,
+                                               const CudaKernelPlanOptions& options = {});
+
+  const DcaGeometry& geometry() const { return geometry_; }
+  int device() const { return device_; }
+  int32_t num_sms() const { return num_sms_; }
+  PrefillKernel prefill_kernel() const { return prefill_; }
+  // Decode ring depth (2 or 3) for `batch` sequences; depends only on the batch, so a captured
+  // graph keeps its kernel for any lengths.
+  int32_t DecodeStages(int32_t batch) const;
+  // Resident decode blocks per multiprocessor at ring depth `stages` (2 or 3), as the runtime's
+  // occupancy calculator reports it.
+  int32_t DecodeBlocksPerSm(int32_t stages) const { return stages == 3 ? blocks_s3_ : blocks_s2_; }
+  // Split-K plan: as many splits as keep every (batch x kv head x split) block resident in one
+  // wave, at least 1, with at least 256 keys per split at max_length.
+  int32_t DecodeSplits(int32_t batch, int64_t max_length) const;
+  // Workspace floats a decode of (batch, max_splits) needs: partial_out then partial_lse.
+  size_t DecodeWorkspaceFloats(int32_t batch, int32_t max_splits) const;
+
+ private:
+  DcaGeometry geometry_;
+  int device_ = 0;
+  int32_t num_sms_ = 0;
+  PrefillKernel prefill_ = PrefillKernel::kWgmma;
+  int32_t decode_stages_ = 0;
+  int32_t blocks_s2_ = 1;
+  int32_t blocks_s3_ = 1;
+};
+
 // ---- Prefill -----------------------------------------------------------------------------------
 
 // Attention for num_tokens new tokens at positions start .. start+num_tokens-1 of one sequence,
@@ -145,78 +207,13 @@ struct CudaPrefillParams {
   int64_t start = 0;
   int64_t num_tokens = 0;
   float softmax_scale = 0.f;  // geometry scale * s(prompt_len)
-  // Tuning variant of the fast kernel (tests and benchmarks sweep it): -1 = the default
-  // (kDefaultPrefillVariant), else an index into kPrefillVariants.
-  int32_t variant = -1;
 };
 
-// mma.sync: query rows per block = 16 * m_tiles * warps (each warp owns m_tiles 16-row mma tiles,
-// reusing every K/V fragment m_tiles times); wgmma: 128 rows (two consumer warpgroups of 64). K/V
-// tiles of block_n keys in a `stages`-deep cp.async ring.
-// kernel: which fused kernel runs the variant:
-//   kPrefillMmaSync      mma.sync m16n8k16 (HMMA), any CUDA GPU this library targets;
-//   kPrefillWgmma        Hopper wgmma (sm_90a; prefill_wgmma.cuh): two warpgroups of 64 rows,
-//                        m_tiles = 1; warps = 8: all threads issue the K/V cp.async ring, one
-//                        __syncthreads per tile; warps = 12: warp-specialised, a third
-//                        warpgroup produces K/V tiles and hands them over through mbarriers;
-//   kPrefillWgmmaOverlap the same, with the S wgmma of tile j issued beside the P·V wgmma of tile
-//                        j-1 so the softmax overlaps the tensor cores (stages >= 3); with
-//                        warps = 12 the two consumer warpgroups also take turns (ping-pong);
-//   kPrefillWgmmaAsync   warps = 12 with an asynchronous producer (prefill_wgmma.cuh,
-//                        kOptAsyncProducer): all page-table reads of a tile issued up front
-//                        (shift/mask for power-of-two pages), each tile published by
-//                        cp.async.mbarrier.arrive as its copies land (the producer never waits for
-//                        its own copies), registers 56 / 224 so that nothing spills;
-//   kPrefillWgmmaAsyncOverlap  the same plus the intra-warpgroup overlap, without ping-pong;
-//   kPrefillWgmmaAsyncPingPong the same plus the intra-warpgroup overlap and the ping-pong;
-//   kPrefillWgmmaAsyncLate     kPrefillWgmmaAsyncOverlap with FA3's order inside an iteration
-//                        (O rescaled after the next S wgmma is issued, not before).
-// A wgmma variant asked for on a GPU other than compute capability 9.0 runs the mma.sync variant
-// kFallbackPrefillVariant instead (same results within the bf16 bars; the wgmma code only exists
-// as sm_90a machine code). All variants handle every shape CheckCudaGeometry accepts.
-inline constexpr int32_t kPrefillMmaSync = 0;
-inline constexpr int32_t kPrefillWgmma = 1;
-inline constexpr int32_t kPrefillWgmmaOverlap = 2;
-inline constexpr int32_t kPrefillWgmmaAsync = 3;
-inline constexpr int32_t kPrefillWgmmaAsyncOverlap = 4;
-inline constexpr int32_t kPrefillWgmmaAsyncPingPong = 5;
-inline constexpr int32_t kPrefillWgmmaAsyncLate = 6;
-struct PrefillVariant {
-  int32_t warps;
-  int32_t stages;
-  int32_t m_tiles;
-  int32_t block_n;
-  int32_t kernel = kPrefillMmaSync;
-};
-inline constexpr PrefillVariant kPrefillVariants[] = {{4, 2, 1, 64},
-                                                      {8, 2, 1, 64},
-                                                      {8, 3, 1, 64},
-                                                      {4, 2, 2, 32},
-                                                      {4, 3, 2, 32},
-                                                      {4, 2, 2, 64},
-                                                      {8, 2, 1, 128, kPrefillWgmma},
-                                                      {8, 3, 1, 128, kPrefillWgmmaOverlap},
-                                                      {8, 4, 1, 64, kPrefillWgmmaOverlap},
-                                                      {12, 3, 1, 128, kPrefillWgmma},
-                                                      {12, 3, 1, 128, kPrefillWgmmaOverlap},
-                                                      {12, 3, 1, 128, kPrefillWgmmaAsync},
-                                                      {12, 3, 1, 128, kPrefillWgmmaAsyncOverlap},
-                                                      {12, 3, 1, 128, kPrefillWgmmaAsyncPingPong},
-                                                      {12, 3, 1, 128, kPrefillWgmmaAsyncLate}};
-inline constexpr int kNumPrefillVariants = 15;
-inline constexpr int kFallbackPrefillVariant = 5;  // {4, 2, 2, 64}: fastest mma.sync (NOTES.md)
-// {12, 3, 1, 128} warp-specialised wgmma with the asynchronous producer, softmax/P.V overlap and
-// ping-pong between the consumer warpgroups: the fastest variant measured on the H200
-// (docs/BENCHMARKS.md, bench/gpu/NOTES.md) and within the bf16 bars in every test.
-inline constexpr int kDefaultPrefillVariant = 13;
-inline constexpr int kDefaultDecodeStages = 2;
-
-// Fused tensor-core kernel: one launch covers every piece and the three stages. Grid: one block per
-// (query tile of one piece, kv head); a tile's 128 rows (64 for variant 0) are
-// (token, q head of the kv head's group) pairs, so each K/V tile read through the page table serves
-// the whole GQA group. INVALID_ARGUMENT for a variant outside kPrefillVariants. The default (a
-// wgmma variant) runs kFallbackPrefillVariant on GPUs other than compute capability 9.0.
-absl::Status LaunchDcaPrefill(const DcaGeometry& geometry, const CudaPrefillParams& params,
+// Fused tensor-core kernel of the plan (plan.prefill_kernel()): one launch covers every piece and
+// the three stages. Grid: one block per (query tile of one piece, kv head); a tile's rows are
+// (token, q head of the kv head's group) pairs, so each K/V tile read through the page table
+// serves the whole GQA group.
+absl::Status LaunchDcaPrefill(const CudaKernelPlan& plan, const CudaPrefillParams& params,
                               cudaStream_t stream);
 // Simple reference kernel (one warp per query row, scalar fp32, no tiling). Slow; for tests.
 absl::Status LaunchDcaPrefillReference(const DcaGeometry& geometry, const CudaPrefillParams& params,
@@ -225,7 +222,7 @@ absl::Status LaunchDcaPrefillReference(const DcaGeometry& geometry, const CudaPr
 // ---- Decode ------------------------------------------------------------------------------------
 
 // One decode step for a batch of sequences of mixed lengths. Launch configuration depends only on
-// (batch, num_kv_heads, max_splits): lengths are read from device memory, so a captured CUDA graph
+// (batch, max_splits) and the plan: lengths are read from device memory, so a captured CUDA graph
 // can be replayed for other lengths up to the planned maximum.
 struct CudaDecodeParams {
   PagedKvBatch kv;
@@ -234,65 +231,19 @@ struct CudaDecodeParams {
   void* out = nullptr;      // [batch, num_q_heads, head_dim] of out_dtype
   DType out_dtype = DType::kFp32;
   int32_t batch = 0;
-  int32_t max_splits = 1;        // from PlanDecodeSplits
+  int32_t max_splits = 1;  // from CudaKernelPlan::DecodeSplits
+  // The batch size the launch is planned for (>= batch; 0 = batch): the ring depth is
+  // plan.DecodeStages(planned_batch), so a padded size's eager launch runs its graph's kernel.
+  int32_t planned_batch = 0;
   float* partial_out = nullptr;  // [batch, num_q_heads, max_splits, head_dim] workspace
   float* partial_lse = nullptr;  // [batch, num_q_heads, max_splits] workspace
-  // cp.async stages of the split kernel: 0 = the default, else 2 or 4 (tests/benchmarks sweep it).
-  // Ignored when `variant` >= 0.
-  int32_t kv_stages = 0;
-  // Decode kernel variant (tests/benchmarks sweep it): -1 = chosen by kv_stages (0: the default,
-  // DefaultDecodeVariant(batch); 2: variant 0; 4: variant 1), else an index into kDecodeVariants.
-  int32_t variant = -1;
 };
-
-// Decode kernel families (kDecodeVariants[i].kernel):
-//   kDecodeSplit      DcaDecodeSplitKernel: K/V tiles of 64 keys in padded rows, one page-table
-//                     lookup per row right before its copies, two barriers per tile;
-//   kDecodePipelined  DcaDecodePipeKernel with 16-byte cp.async: 16 * warps keys per tile in
-//                     XOR-swizzled (unpadded) rows, page indices loaded one tile ahead, one barrier
-//                     per tile, the GQA group's queries kept compact (3 * group rows + a zero row);
-//   kDecodeBulk       the same kernel with one cp.async.bulk per K or V row (head_dim * 2 bytes)
-//                     into padded rows, completing on an mbarrier per ring slot.
-// All variants take the same workspace and produce the same results within the bf16 bars; the
-// launch configuration depends only on (batch, num_kv_heads, max_splits, the geometry).
-inline constexpr int32_t kDecodeSplit = 0;
-inline constexpr int32_t kDecodePipelined = 1;
-inline constexpr int32_t kDecodeBulk = 2;
-struct DecodeVariant {
-  int32_t warps;   // keys per tile = 16 * warps
-  int32_t stages;  // ring depth
-  int32_t kernel;
-};
-inline constexpr DecodeVariant kDecodeVariants[] = {
-    {4, 2, kDecodeSplit},     {4, 4, kDecodeSplit},     {4, 2, kDecodePipelined},
-    {4, 3, kDecodePipelined}, {4, 4, kDecodePipelined}, {8, 2, kDecodePipelined},
-    {4, 3, kDecodeBulk},      {8, 2, kDecodeBulk}};
-inline constexpr int kNumDecodeKernelVariants = 8;
-// The default (kv_stages 0, variant -1) depends on the batch, as measured on the H200
-// (bench/gpu/NOTES.md, "Decode variants"; docs/BENCHMARKS.md): {4, 2, pipelined} while every
-// (sequence, kv head) block fits one wave at that variant's occupancy, {4, 3, pipelined} past it,
-// where the 2-stage ring no longer keeps enough bytes in flight.
-inline constexpr int kDefaultDecodeVariant = 2;
-inline constexpr int kDefaultLargeBatchDecodeVariant = 3;
-// The default variant for `batch` sequences on `num_sms` multiprocessors (host arithmetic).
-int32_t DefaultDecodeVariant(const DcaGeometry& geometry, int32_t batch, int32_t num_sms);
-// The variant a (kv_stages, variant) pair of CudaDecodeParams selects, or -1 when unsupported;
-// (0, -1) gives kDefaultDecodeVariant here (the batch-aware choice is DefaultDecodeVariant's).
-int32_t ResolveDecodeVariant(int32_t kv_stages, int32_t variant);
-
-// Split-K plan for the decode variant that (kv_stages, variant) selects (as in CudaDecodeParams;
-// both defaulted = DefaultDecodeVariant(batch)): as many splits as keep every (batch x kv head x
-// split) block resident in one wave on `num_sms` multiprocessors, at least 1, with at least 256
-// keys per split at max_length. Host-only arithmetic (shared memory and threads per block).
-int32_t PlanDecodeSplits(const DcaGeometry& geometry, int32_t batch, int64_t max_length,
-                         int32_t num_sms, int32_t kv_stages = 0, int32_t variant = -1);
-// Workspace floats needed for (batch, max_splits): partial_out then partial_lse.
-size_t DecodeWorkspaceFloats(const DcaGeometry& geometry, int32_t batch, int32_t max_splits);
 
 // Split-K (flash-decoding) kernel, grid (max_splits, num_kv_heads, batch): each block walks its key
-// range with the group's q heads as the M dimension of mma tiles, then a reduction kernel, grid
+// range (64-key tiles, page indices loaded a tile ahead, a plan.DecodeStages(batch)-deep cp.async
+// ring) with the group's q heads as the M dimension of mma tiles; then a reduction kernel, grid
 // (batch, num_q_heads), merges the splits by log-sum-exp.
-absl::Status LaunchDcaDecode(const DcaGeometry& geometry, const CudaDecodeParams& params,
+absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParams& params,
                              cudaStream_t stream);
 // Simple reference kernel (one warp per (sequence, q head), scalar fp32). Ignores the workspace.
 absl::Status LaunchDcaDecodeReference(const DcaGeometry& geometry, const CudaDecodeParams& params,

@@ -28,19 +28,6 @@ constexpr int kBlockN = 64;    // keys per K/V tile
 // ---- small helpers
 // -------------------------------------------------------------------------------
 
-__device__ __forceinline__ float LengthScaleDevice(int64_t length, int64_t orig) {
-  if (orig <= 0 || length <= orig) return 1.f;
-  const double s = 0.1 * log(static_cast<double>(length) / static_cast<double>(orig)) + 1.0;
-  return static_cast<float>(s < 1.0 ? 1.0 : s);
-}
-
-// Variant of key k_pos for a query whose chunk starts at prev (k_pos <= query position).
-__device__ __forceinline__ int VariantOfKey(int64_t k_pos, int64_t prev, int64_t chunk_len) {
-  if (k_pos >= prev) return kIntra;
-  if (k_pos >= prev - chunk_len) return kSucc;
-  return kInter;
-}
-
 using cuda_common::CpAsync16;
 using cuda_common::CpAsyncCommit;
 using cuda_common::CpAsyncWait;
@@ -474,229 +461,38 @@ __device__ __forceinline__ int32_t DecodeLiveSplits(int32_t len, int32_t max_spl
   return min(max_splits, (len + split_len - 1) / split_len);
 }
 
-// grid (max_splits, num_kv_heads, batch), block kThreads. Block (s, h, b): keys
-// [s * split_len, (s + 1) * split_len) of sequence b, split_len = DecodeSplitLen(L, max_splits,
-// 64). The group's q heads are the 16 rows of an mma tile (rows >= group are zero); each warp takes
-// 16 keys of every 64-key tile with its own online softmax; the four warps merge through shared
-// memory.
-template <int D, int Stages>
-__global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArgs a) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  constexpr int kTile = kBlockN * (D + 8);
-  constexpr int kKSteps = D / 16;
-  constexpr int kDimBlocks = D / 8;
-  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);  // [Stages][kBlockN][D + 8]
-  Bf16* vs = ks + Stages * kTile;                // [Stages][kBlockN][D + 8]
-  Bf16* qs = vs + Stages * kTile;                // [3][16][D + 8]
-
-  const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
-  const int32_t len = a.lengths[b];
-  const int32_t split_len = DecodeSplitLen(len, a.max_splits, kBlockN);
-  const int32_t k_begin = split * split_len;
-  const int32_t k_end = min(len, k_begin + split_len);
-  if (k_begin >= k_end) {  // empty split: mark it and leave
-    if (threadIdx.x < a.group) {
-      const int64_t head = kv_head * a.group + threadIdx.x;
-      a.partial_lse[(static_cast<int64_t>(b) * a.num_q_heads + head) * a.max_splits + split] =
-          -CUDART_INF_F;
-    }
-    return;
-  }
-  const PagedKv<Bf16> kv = a.kv.Seq(b);
-  const int32_t cl = a.chunk_len;
-  const int32_t prev = ((len - 1) / cl) * cl;  // the query is at position len - 1
-  const float scale_log2 = a.scale_log2 * LengthScaleDevice(len, a.orig);
-
-  // Stage Q: [3][16][D+8], rows >= group zero.
-  {
-    constexpr int kChunksPerRow = D / 8;
-    for (int c = threadIdx.x; c < 3 * 16 * kChunksPerRow; c += kThreads) {
-      const int v = c / (16 * kChunksPerRow);
-      const int r = (c / kChunksPerRow) % 16;
-      const int col = (c % kChunksPerRow) * 8;
-      const bool valid = r < a.group;
-      const Bf16* src = a.q +
-                        ((static_cast<int64_t>(b) * kNumDecodeVariants + v) * a.num_q_heads +
-                         kv_head * a.group + (valid ? r : 0)) *
-                            D +
-                        col;
-      CpAsync16(qs + (v * 16 + r) * (D + 8) + col, src, valid);
-    }
-  }
-  const int n_tiles = (k_end - k_begin + kBlockN - 1) / kBlockN;
-  for (int t = 0; t < Stages - 1; ++t) {  // prologue (the Q staging joins the first group)
-    if (t < n_tiles) {
-      LoadKvTile<D>(kv, kv_head, k_begin + t * kBlockN, k_end, ks + t * kTile, vs + t * kTile);
-    }
-    CpAsyncCommit();
-  }
-
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int gid = lane / 4, tig = lane % 4;
-  float o[kDimBlocks][4];
-  for (int d = 0; d < kDimBlocks; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-  float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
-  float l[2] = {0.f, 0.f};
-
-  for (int j = 0; j < n_tiles; ++j) {
-    if (j + Stages - 1 < n_tiles) {
-      const int t = j + Stages - 1;
-      LoadKvTile<D>(kv, kv_head, k_begin + t * kBlockN, k_end, ks + (t % Stages) * kTile,
-                    vs + (t % Stages) * kTile);
-    }
-    CpAsyncCommit();
-    CpAsyncWait<Stages - 1>();  // tile j (and the Q staging) has landed
-    __syncthreads();
-    const Bf16* kt = ks + (j % Stages) * kTile + warp * 16 * (D + 8);  // this warp's 16 keys
-    const Bf16* vt = vs + (j % Stages) * kTile + warp * 16 * (D + 8);
-    const int32_t kw = k_begin + j * kBlockN + warp * 16;  // first key of this warp's slice
-    if (kw < k_end) {
-      const int v_hi = VariantOfKey(kw, prev, cl);  // largest variant index
-      const int v_lo = VariantOfKey(min(kw + 15, k_end - 1), prev, cl);
-      float s[2][4];
-      for (int nb = 0; nb < 2; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
-      for (int v = v_lo; v <= v_hi; ++v) {  // usually one variant; two or three at a boundary
-        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        const Bf16* qv = qs + v * 16 * (D + 8);
-#pragma unroll
-        for (int kk = 0; kk < kKSteps; ++kk) {
-          uint32_t qa[4], kb[4];
-          LdMatrixX4(qa, qv + (lane & 15) * (D + 8) + kk * 16 + (lane >> 4) * 8);
-          LdMatrixX4(kb, kt + ((lane & 7) + ((lane >> 4) << 3)) * (D + 8) + kk * 16 +
-                             ((lane >> 3) & 1) * 8);
-          Mma16816(acc[0], qa, kb[0], kb[1]);
-          Mma16816(acc[1], qa, kb[2], kb[3]);
-        }
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int32_t key = kw + nb * 8 + tig * 2 + (e & 1);
-            if (VariantOfKey(key, prev, cl) == v) s[nb][e] = acc[nb][e];
-          }
-      }
-      uint32_t pa[4];
-      DecodeTileSoftmax(kw, tig, k_end, scale_log2, s, m, l, o, pa);
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t vb[4];
-        LdMatrixX4Trans(vb, vt + ((lane & 7) + (((lane >> 3) & 1) << 3)) * (D + 8) + dp * 16 +
-                                ((lane >> 4) << 3));
-        Mma16816(o[2 * dp], pa, vb[0], vb[1]);
-        Mma16816(o[2 * dp + 1], pa, vb[2], vb[3]);
-      }
-    }
-    __syncthreads();
-  }
-  CpAsyncWait<0>();
-
-  // Merge the four warps: per-warp (m, l, O) through shared memory (reusing the K/V tiles).
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-  }
-  float* so = reinterpret_cast<float*>(smem_raw);  // [4][16][D]
-  float* sm = so + 4 * 16 * D;                     // [4][16]
-  float* sl = sm + 4 * 16;                         // [4][16]
-  __syncthreads();
-#pragma unroll
-  for (int d = 0; d < kDimBlocks; ++d) {
-    const int col = d * 8 + tig * 2;
-    so[(warp * 16 + gid) * D + col] = o[d][0];
-    so[(warp * 16 + gid) * D + col + 1] = o[d][1];
-    so[(warp * 16 + gid + 8) * D + col] = o[d][2];
-    so[(warp * 16 + gid + 8) * D + col + 1] = o[d][3];
-  }
-  if (tig == 0) {
-    sm[warp * 16 + gid] = m[0];
-    sm[warp * 16 + gid + 8] = m[1];
-    sl[warp * 16 + gid] = l[0];
-    sl[warp * 16 + gid + 8] = l[1];
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < a.group * D; idx += kThreads) {
-    const int r = idx / D, d = idx % D;
-    float mx = -CUDART_INF_F;
-    for (int w = 0; w < 4; ++w) mx = fmaxf(mx, sm[w * 16 + r]);
-    float lsum = 0.f, acc = 0.f;
-    for (int w = 0; w < 4; ++w) {
-      if (sm[w * 16 + r] == -CUDART_INF_F) continue;
-      const float wgt = exp2f(sm[w * 16 + r] - mx);
-      lsum += sl[w * 16 + r] * wgt;
-      acc += so[(w * 16 + r) * D + d] * wgt;
-    }
-    const int64_t head = kv_head * a.group + r;
-    const int64_t slot = (static_cast<int64_t>(b) * a.num_q_heads + head) * a.max_splits + split;
-    a.partial_out[slot * D + d] = lsum > 0.f ? acc / lsum : 0.f;
-    if (d == 0) a.partial_lse[slot] = lsum > 0.f ? mx + log2f(lsum) : -CUDART_INF_F;
-  }
-}
-
-// ---- pipelined split-K decode (decode variants with kernel kDecodePipelined / kDecodeBulk)
-// -------
+// ---- pipelined split-K decode
+// -----------------------------------------------------------------------
 //
-// Same contract, grid and split arithmetic as DcaDecodeSplitKernel (block (s, h, b) covers keys
-// [s * split_len, (s + 1) * split_len) of sequence b, split_len rounded to the tile), rebuilt so
-// the memory system sees a steady stream of copies:
+// grid (max_splits, num_kv_heads, batch), block 32 * Warps. Block (s, h, b) covers keys
+// [s * split_len, (s + 1) * split_len) of sequence b, split_len = DecodeSplitLen(L, max_splits,
+// BN); the group's q heads are the 16 rows of an mma tile (rows >= group read a zero row); each
+// warp takes 16 keys of every tile with its own online softmax, written as a partial (output and
+// log-sum-exp) that DcaDecodeReduceKernel merges. Built so the memory system sees a steady stream
+// of copies (the tuning lab's first split kernel, bench/gpu/lab/, did not):
 //  - page indices for a tile are loaded one tile ahead (registers), so issuing a tile's copies
 //    never waits on a page-table round trip (the old loader did one dependent page-table load per
 //    row before each pair of 16-byte copies);
 //  - one __syncthreads per tile: the copies for tile j + Stages - 1 are issued right after the
 //    barrier that frees its ring slot;
-//  - Bulk = false: 16-byte cp.async into unpadded tiles with an XOR swizzle (16-byte chunk c of row
-//  r
-//    at chunk c ^ (r & 7)), so ldmatrix stays conflict-free without the 6% padding;
-//    Bulk = true: one cp.async.bulk (256 B at head_dim 128) per K or V row into padded tiles,
-//    completing on one mbarrier per ring slot; rows past the end are zeroed by plain stores;
+//  - 16-byte cp.async into unpadded tiles with an XOR swizzle (16-byte chunk c of row r at chunk
+//    c ^ (r & 7)), so ldmatrix stays conflict-free without the 6% padding;
 //  - Q kept compact in shared memory: the group's 3 x group rows plus one zero row that the mma
 //    rows >= group point at, so a 2-stage block fits 3 per multiprocessor at group 7.
 // Keys per tile BN = 16 * Warps (each warp takes 16 keys of every tile, as in the split kernel).
 
-// Shared-memory bytes of DcaDecodePipeKernel<D, Warps, Stages, Bulk> for a GQA group of `group`.
-__host__ __device__ constexpr size_t DecodePipeSmemBytes(int d, int warps, int stages, bool bulk,
-                                                         int group) {
-  return static_cast<size_t>(2 * stages * 16 * warps) * (bulk ? d + 8 : d) * sizeof(Bf16) +
-         static_cast<size_t>(3 * group + 1) * (d + 8) * sizeof(Bf16) +
-         (bulk ? static_cast<size_t>(stages) * 8 : 0);
+// Shared-memory bytes of DcaDecodePipeKernel<D, Warps, Stages> for a GQA group of `group`.
+__host__ __device__ constexpr size_t DecodePipeSmemBytes(int d, int warps, int stages, int group) {
+  return static_cast<size_t>(2 * stages * 16 * warps) * d * sizeof(Bf16) +
+         static_cast<size_t>(3 * group + 1) * (d + 8) * sizeof(Bf16);
 }
 
-__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count));
-}
-__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT_%=;\n"
-      "}\n" ::"r"(SmemAddr(bar)),
-      "r"(parity)
-      : "memory");
-}
-// Global -> shared bulk copy of `bytes` (multiple of 16, both addresses 16-byte aligned),
-// completing `bytes` transactions on `bar`.
-__device__ __forceinline__ void BulkCopyG2S(void* smem, const void* gmem, uint32_t bytes,
-                                            uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(SmemAddr(smem)),
-      "l"(gmem), "r"(bytes), "r"(SmemAddr(bar))
-      : "memory");
-}
-
-template <int D, int Warps, int Stages, bool Bulk>
+template <int D, int Warps, int Stages>
 __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kT = Warps * 32;
   constexpr int BN = 16 * Warps;
-  constexpr int kPitch = Bulk ? D + 8 : D;  // K/V row pitch in elements
+  constexpr int kPitch = D;  // K/V row pitch in elements
   constexpr int kTile = BN * kPitch;
   constexpr int kKSteps = D / 16;
   constexpr int kDimBlocks = D / 8;
@@ -704,16 +500,13 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   // cp.async loader: thread t copies chunk t % kChunks of rows t / kChunks + i * kRowsPerPass.
   constexpr int kRowsPerPass = kT / kChunks;
   constexpr int kPasses = BN / kRowsPerPass;
-  // bulk loader: thread t < 2 * BN copies row t % BN of K (t < BN) or V.
-  constexpr int kPages = Bulk ? 1 : kPasses;  // page-table entries a thread holds for one tile
+  constexpr int kPages = kPasses;  // page-table entries a thread holds for one tile
   static_assert(kRowsPerPass % 8 == 0 && BN % kRowsPerPass == 0, "loader shape");
-  static_assert(!Bulk || 2 * BN <= kT, "bulk loader: one row per thread");
 
   Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);  // [Stages][BN][kPitch]
   Bf16* vs = ks + Stages * kTile;                // [Stages][BN][kPitch]
   Bf16* qs = vs + Stages * kTile;                // [3 * group + 1][D + 8], last row zero
   const int group = a.group;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(qs + (3 * group + 1) * (D + 8));  // Bulk: [Stages]
 
   const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int32_t len = a.lengths[b];
@@ -740,16 +533,13 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   const Bf16* vbase = a.kv.v + static_cast<int64_t>(kv_head) * D;
   const int32_t cl = a.chunk_len;
   const int32_t prev = ((len - 1) / cl) * cl;  // the query is at position len - 1
-  const float scale_log2 = a.scale_log2 * LengthScaleDevice(len, a.orig);
+  const float scale_log2 = a.scale_log2 * LengthScale(len, a.orig);
   const int n_tiles = (k_end - k_begin + BN - 1) / BN;
 
   // This thread's rows of a tile (relative to the tile's first key).
   const int ld_chunk = threadIdx.x % kChunks;
-  const int ld_row0 =
-      Bulk ? static_cast<int>(threadIdx.x) % BN : static_cast<int>(threadIdx.x) / kChunks;
-  const bool ld_is_v = Bulk && static_cast<int>(threadIdx.x) >= BN;
-  const bool ld_active = !Bulk || static_cast<int>(threadIdx.x) < 2 * BN;
-  const int ld_col = Bulk ? 0 : ((ld_chunk ^ (ld_row0 & 7)) << 3);  // swizzled column in the tile
+  const int ld_row0 = static_cast<int>(threadIdx.x) / kChunks;
+  const int ld_col = (ld_chunk ^ (ld_row0 & 7)) << 3;  // swizzled column in the tile
 
   // Page indices of this thread's rows of tile t (0 for rows past k_end: never dereferenced).
   auto load_pages = [&](int t, int32_t(&pg)[kPages]) {
@@ -757,53 +547,25 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
 #pragma unroll
     for (int i = 0; i < kPages; ++i) {
       const int32_t pos = k0 + ld_row0 + i * kRowsPerPass;
-      pg[i] =
-          (ld_active && pos < k_end) ? __ldg(page_table + page_of(static_cast<uint32_t>(pos))) : 0;
+      pg[i] = pos < k_end ? __ldg(page_table + page_of(static_cast<uint32_t>(pos))) : 0;
     }
   };
   // Issues this thread's copies of tile t into ring slot `slot`.
   auto issue_tile = [&](int t, const int32_t(&pg)[kPages], int slot) {
     const int32_t k0 = k_begin + t * BN;
-    if constexpr (Bulk) {
-      const int32_t valid_rows = min(BN, k_end - k0);
-      if (threadIdx.x == 0) {
-        MbarArriveExpectTx(&bars[slot], static_cast<uint32_t>(valid_rows) * 2 * D * sizeof(Bf16));
-      }
-      if (ld_active) {
-        Bf16* dst = (ld_is_v ? vs : ks) + slot * kTile + ld_row0 * kPitch;
-        if (ld_row0 < valid_rows) {
-          const uint32_t pos = static_cast<uint32_t>(k0 + ld_row0);
-          const int64_t tok = static_cast<int64_t>(pg[0]) * ps + in_page(pos);
-          BulkCopyG2S(dst, (ld_is_v ? vbase : kbase) + tok * row_stride, D * sizeof(Bf16),
-                      &bars[slot]);
-        } else {  // past the end: zeros (ordered before the consumers by the tile's barrier)
 #pragma unroll
-          for (int c = 0; c < kChunks; ++c) {
-            *reinterpret_cast<uint4*>(dst + c * 8) = make_uint4(0, 0, 0, 0);
-          }
-        }
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kPasses; ++i) {
-        const int row = ld_row0 + i * kRowsPerPass;
-        const int32_t pos = k0 + row;
-        const bool valid = pos < k_end;
-        const int64_t tok = static_cast<int64_t>(pg[i]) * ps + in_page(static_cast<uint32_t>(pos));
-        const int64_t off = valid ? tok * row_stride + ld_chunk * 8 : 0;
-        const int so = slot * kTile + row * kPitch + ld_col;
-        CpAsync16(ks + so, kbase + off, valid);
-        CpAsync16(vs + so, vbase + off, valid);
-      }
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = ld_row0 + i * kRowsPerPass;
+      const int32_t pos = k0 + row;
+      const bool valid = pos < k_end;
+      const int64_t tok = static_cast<int64_t>(pg[i]) * ps + in_page(static_cast<uint32_t>(pos));
+      const int64_t off = valid ? tok * row_stride + ld_chunk * 8 : 0;
+      const int so = slot * kTile + row * kPitch + ld_col;
+      CpAsync16(ks + so, kbase + off, valid);
+      CpAsync16(vs + so, vbase + off, valid);
     }
   };
 
-  if constexpr (Bulk) {
-    if (threadIdx.x == 0) {
-      for (int s = 0; s < Stages; ++s) MbarInit(&bars[s], 1);
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-  }
   // Stage Q: rows v * group + r, and the zero row 3 * group.
   for (int c = threadIdx.x; c < 3 * group * kChunks; c += kT) {
     const int row = c / kChunks;  // v * group + r
@@ -819,7 +581,6 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   for (int c = threadIdx.x; c < kChunks; c += kT) {
     *reinterpret_cast<uint4*>(qs + 3 * group * (D + 8) + c * 8) = make_uint4(0, 0, 0, 0);
   }
-  if constexpr (Bulk) __syncthreads();  // barrier initialisation visible before any copy uses it
 
   int32_t pg[kPages];
   for (int t = 0; t < Stages - 1; ++t) {  // prologue (the Q staging joins the first group)
@@ -845,8 +606,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   for (int j = 0; j < n_tiles; ++j) {
     const int slot = j % Stages;
     CpAsyncWait<Stages - 2>();  // this thread's copies of tile j (and the Q staging) have landed
-    if constexpr (Bulk) MbarWait(&bars[slot], static_cast<uint32_t>((j / Stages) & 1));
-    __syncthreads();  // tile j visible to all; every warp is done with tile j - 1's slot
+    __syncthreads();            // tile j visible to all; every warp is done with tile j - 1's slot
     {
       const int t = j + Stages - 1;
       if (t < n_tiles) issue_tile(t, pg, t % Stages);
@@ -871,7 +631,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
           LdMatrixX4(qa, qrow + kk * 16 + (lane >> 4) * 8);
           const int kr = (lane & 7) + ((lane >> 4) << 3);
           const int kc = kk * 2 + ((lane >> 3) & 1);
-          LdMatrixX4(kb, kt + kr * kPitch + ((Bulk ? kc : (kc ^ (kr & 7))) << 3));
+          LdMatrixX4(kb, kt + kr * kPitch + ((kc ^ (kr & 7)) << 3));
           Mma16816(acc[0], qa, kb[0], kb[1]);
           Mma16816(acc[1], qa, kb[2], kb[3]);
         }
@@ -890,7 +650,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
         uint32_t vb[4];
         const int vr = (lane & 7) + (((lane >> 3) & 1) << 3);
         const int vc = dp * 2 + (lane >> 4);
-        LdMatrixX4Trans(vb, vt + vr * kPitch + ((Bulk ? vc : (vc ^ (vr & 7))) << 3));
+        LdMatrixX4Trans(vb, vt + vr * kPitch + ((vc ^ (vr & 7)) << 3));
         Mma16816(o[2 * dp], pa, vb[0], vb[1]);
         Mma16816(o[2 * dp + 1], pa, vb[2], vb[3]);
       }
@@ -1038,172 +798,8 @@ __global__ void DcaDecodeReferenceKernel(PagedKvBatch kvb, const int32_t* length
   const int32_t len = lengths[b];
   const Bf16* q_intra = q + (static_cast<int64_t>(b) * kNumDecodeVariants * num_q_heads + h) * D;
   ReferenceRow<D>(kvb.Seq(b), h / group, q_intra, static_cast<int64_t>(num_q_heads) * D, len - 1,
-                  chunk_len, softmax_scale * LengthScaleDevice(len, orig), out, out_dtype,
+                  chunk_len, softmax_scale * LengthScale(len, orig), out, out_dtype,
                   (static_cast<int64_t>(b) * num_q_heads + h) * D);
-}
-
-// ---- append and conversion
-// -----------------------------------------------------------------------
-
-// grid-stride over num_tokens * Hkv * D elements of one sequence.
-__global__ void AppendKvKernel(PagedKv<Bf16> kv, const void* k, const void* v, int in_dtype,
-                               int32_t start, int64_t n, float key_scale) {
-  const int64_t per_token = static_cast<int64_t>(kv.num_kv_heads) * kv.head_dim;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int32_t t = static_cast<int32_t>(i / per_token);
-    const int32_t h = static_cast<int32_t>((i % per_token) / kv.head_dim);
-    const int32_t d = static_cast<int32_t>(i % kv.head_dim);
-    const int64_t off = PagedOffset(kv, start + t, h) + d;
-    kv.k[off] = __float2bfloat16_rn(LoadAsFloat(k, in_dtype, i) * key_scale);
-    kv.v[off] = __float2bfloat16_rn(LoadAsFloat(v, in_dtype, i));
-  }
-}
-
-// grid (batch), block 128: sequence b's new token at lengths[b] - 1; rows with length 0 are
-// skipped.
-__global__ void DecodeAppendKvKernel(PagedKvBatch kvb, const int32_t* lengths, const void* k,
-                                     const void* v, int in_dtype, int64_t orig) {
-  const int32_t b = blockIdx.x;
-  const int32_t len = lengths[b];
-  if (len < 1) return;  // a padding row of a captured batch size: nothing to append
-  const float key_scale = LengthScaleDevice(len, orig);
-  const PagedKv<Bf16> kv = kvb.Seq(b);
-  const int per_token = kv.num_kv_heads * kv.head_dim;
-  for (int i = threadIdx.x; i < per_token; i += blockDim.x) {
-    const int64_t src = static_cast<int64_t>(b) * per_token + i;
-    const int64_t off = PagedOffset(kv, len - 1, i / kv.head_dim) + i % kv.head_dim;
-    kv.k[off] = __float2bfloat16_rn(LoadAsFloat(k, in_dtype, src) * key_scale);
-    kv.v[off] = __float2bfloat16_rn(LoadAsFloat(v, in_dtype, src));
-  }
-}
-
-// grid (kDecodeStageBlocks, batch), block kDecodeStageThreads: CudaDecodeStageParams. Host memory
-// is read over the bus, where every read is a round trip of microseconds, so the kernel makes two:
-// the row's header, then every 16-byte piece of the row (q, page table, k, v, and the page id of
-// the new token) loaded by its own thread before any of them is stored. A row's pieces, in order:
-// q (3 * Hq * D elements of its dtype), its page table (4 ids a piece; tables are 16-byte
-// aligned, so the last piece may carry up to 3 ids past num_pages, which nobody reads), k, v.
-constexpr int kDecodeStageBlocks = 16;
-constexpr int kDecodeStageThreads = 256;
-constexpr int kDecodeStageUnroll = 4;  // pieces in flight per thread: 16 * 256 * 4 * 16 B = 256 KB
-
-// The `n` (16 / element size) values of one 16-byte piece of `dtype` elements, as floats.
-__device__ __forceinline__ int PieceToFloats(const uint4& piece, int dtype, float (&x)[8]) {
-  const uint32_t w[4] = {piece.x, piece.y, piece.z, piece.w};
-  if (dtype == static_cast<int>(DType::kFp32)) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) x[i] = __uint_as_float(w[i]);
-    return 4;
-  }
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint16_t h = static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2)));
-    x[i] = dtype == static_cast<int>(DType::kBf16) ? __bfloat162float(__ushort_as_bfloat16(h))
-                                                   : __half2float(__ushort_as_half(h));
-  }
-  return 8;
-}
-
-// Stores n (4 or 8) floats as bf16 at dst (8- or 16-byte aligned).
-__device__ __forceinline__ void StoreBf16Piece(Bf16* dst, const float (&x)[8], int n, float scale) {
-  const uint32_t p0 = PackBf16(x[0] * scale, x[1] * scale);
-  const uint32_t p1 = PackBf16(x[2] * scale, x[3] * scale);
-  if (n == 4) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(p0, p1);
-  } else {
-    *reinterpret_cast<uint4*>(dst) = make_uint4(p0, p1, PackBf16(x[4] * scale, x[5] * scale),
-                                                PackBf16(x[6] * scale, x[7] * scale));
-  }
-}
-
-__device__ __forceinline__ int32_t DTypeBytes(int dtype) {
-  return dtype == static_cast<int>(DType::kFp32) ? 4 : 2;
-}
-
-__global__ void __launch_bounds__(kDecodeStageThreads)
-    DecodeStageKernel(PagedKvBatch kvb, const DecodeStageRow* rows, const int32_t* host_tables,
-                      const char* host_q, const char* host_k, const char* host_v,
-                      int64_t q_row_bytes, int64_t kv_row_bytes, int32_t* lengths, Bf16* q,
-                      int32_t num_q_heads, int64_t orig) {
-  const int32_t r = blockIdx.y;
-  __shared__ DecodeStageRow row;
-  if (threadIdx.x == 0) row = rows[r];
-  __syncthreads();
-  if (blockIdx.x == 0 && threadIdx.x == 0) lengths[r] = max(row.length, 0);
-  if (row.length < 1) return;  // padding of a captured batch size: nothing else
-
-  const int64_t stride = kvb.page_table_stride;
-  const int32_t* host_table = host_tables + r * stride;
-  const int D = kvb.head_dim;
-  const int64_t q_elems = int64_t{3} * num_q_heads * D, kv_elems = int64_t{kvb.num_kv_heads} * D;
-  // A pre-rotary row's q is already in place and its k slot holds the rotated key as fp32.
-  const int k_dtype = row.rotary != 0 ? static_cast<int>(DType::kFp32) : row.k_dtype;
-  const int64_t n_q = row.rotary != 0 ? 0 : q_elems * DTypeBytes(row.q_dtype) / 16;
-  const int64_t n_t = (row.num_pages + 3) / 4;
-  const int64_t n_k = kv_elems * DTypeBytes(k_dtype) / 16;
-  const int64_t n_v = kv_elems * DTypeBytes(row.v_dtype) / 16;
-  const int64_t total = n_q + n_t + n_k + n_v;
-  const int64_t step = int64_t{gridDim.x} * blockDim.x;
-  const int32_t pos = row.length - 1;  // the new token
-  const uint32_t ps = static_cast<uint32_t>(kvb.page_size);
-  const float key_scale = LengthScaleDevice(row.length, orig);
-  for (int64_t base = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; base < total;
-       base += step * kDecodeStageUnroll) {
-    // Loads first: every piece (and the new token's page id) in flight at once.
-    uint4 piece[kDecodeStageUnroll];
-    int32_t page = 0;
-    bool appends = false;
-#pragma unroll
-    for (int u = 0; u < kDecodeStageUnroll; ++u) {
-      const int64_t i = base + u * step;
-      if (i >= total) continue;
-      const char* src;
-      if (i < n_q) {
-        src = host_q + r * q_row_bytes + i * 16;
-      } else if (i < n_q + n_t) {
-        src = reinterpret_cast<const char*>(host_table) + (i - n_q) * 16;
-      } else if (i < n_q + n_t + n_k) {
-        src = host_k + r * kv_row_bytes + (i - n_q - n_t) * 16;
-        appends = true;
-      } else {
-        src = host_v + r * kv_row_bytes + (i - n_q - n_t - n_k) * 16;
-        appends = true;
-      }
-      piece[u] = *reinterpret_cast<const uint4*>(src);
-    }
-    if (appends) page = host_table[static_cast<uint32_t>(pos) / ps];
-      // Then the stores.
-#pragma unroll
-    for (int u = 0; u < kDecodeStageUnroll; ++u) {
-      const int64_t i = base + u * step;
-      if (i >= total) continue;
-      float x[8];
-      if (i < n_q) {
-        const int n = PieceToFloats(piece[u], row.q_dtype, x);
-        StoreBf16Piece(q + r * q_elems + i * n, x, n, 1.f);
-      } else if (i < n_q + n_t) {
-        int32_t* table = const_cast<int32_t*>(kvb.page_tables) + r * stride;
-        *reinterpret_cast<uint4*>(table + (i - n_q) * 4) = piece[u];
-      } else {
-        const bool is_k = i < n_q + n_t + n_k;
-        const int n = PieceToFloats(piece[u], is_k ? k_dtype : row.v_dtype, x);
-        const int64_t e = (is_k ? i - n_q - n_t : i - n_q - n_t - n_k) * n;  // first element
-        const int64_t off =
-            ((int64_t{page} * ps + static_cast<uint32_t>(pos) % ps) * kvb.num_kv_heads + e / D) *
-                D +
-            e % D;
-        StoreBf16Piece((is_k ? kvb.k : kvb.v) + off, x, n, is_k ? key_scale : 1.f);
-      }
-    }
-  }
-}
-
-__global__ void ConvertToBf16Kernel(const void* src, int dtype, int64_t n, Bf16* dst) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    dst[i] = __float2bfloat16_rn(LoadAsFloat(src, dtype, i));
-  }
 }
 
 }  // namespace cuda_kernels

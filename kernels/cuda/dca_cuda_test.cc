@@ -18,6 +18,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cuda/testing/gpu_test.h"
+#include "kernels/cuda/testing/kernels_under_test.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
@@ -149,21 +150,6 @@ std::vector<int32_t> ShuffledPages(int64_t num_pages, std::mt19937* rng) {
 // ---- prefill
 // -------------------------------------------------------------------------------------
 
-// "fast w8s3m1n128 wgmma-overlap": the variant's fields and kernel family.
-std::string VariantLabel(int variant) {
-  const PrefillVariant& v = kPrefillVariants[variant];
-  const char* kernel = v.kernel == kPrefillMmaSync              ? "mma.sync"
-                       : v.kernel == kPrefillWgmma              ? "wgmma"
-                       : v.kernel == kPrefillWgmmaOverlap       ? "wgmma-overlap"
-                       : v.kernel == kPrefillWgmmaAsync         ? "wgmma-async"
-                       : v.kernel == kPrefillWgmmaAsyncOverlap  ? "wgmma-async-overlap"
-                       : v.kernel == kPrefillWgmmaAsyncPingPong ? "wgmma-async-pingpong"
-                       : v.kernel == kPrefillWgmmaAsyncLate     ? "wgmma-async-late"
-                                                                : "?";
-  return "fast w" + std::to_string(v.warps) + "s" + std::to_string(v.stages) + "m" +
-         std::to_string(v.m_tiles) + "n" + std::to_string(v.block_n) + " " + kernel;
-}
-
 struct PrefillCase {
   std::string name;
   int hq, hkv, d;
@@ -238,23 +224,23 @@ TEST_P(PrefillTest, MatchesFp64Reference) {
     pp.start = start;
     pp.num_tokens = t;
     pp.softmax_scale = static_cast<float>(g.softmax_scale * s);
-    // Every fast variant and the simple kernel, each into its own poisoned output.
+    // The simple kernel and every fast kernel under test, each into its own poisoned output.
     std::vector<std::vector<float>> got;
     std::vector<std::string> label;
-    for (int variant = -1; variant < kNumPrefillVariants; ++variant) {
+    const std::vector<gpu_test::PrefillKernelUnderTest> fast = gpu_test::PrefillKernelsUnderTest();
+    for (int k = -1; k < static_cast<int>(fast.size()); ++k) {
       DevBuf out(out_bytes);
       out.Poison();
       pp.out = out.get();
-      pp.variant = variant;
-      absl::Status st = variant < 0 ? LaunchDcaPrefillReference(g, pp, nullptr)
-                                    : LaunchDcaPrefill(g, pp, nullptr);
+      absl::Status st =
+          k < 0 ? LaunchDcaPrefillReference(g, pp, nullptr) : fast[k].launch(g, pp, nullptr);
       ASSERT_TRUE(st.ok()) << st;
       CUDA_ASSERT(cudaDeviceSynchronize());
       CUDA_ASSERT(cudaGetLastError());
       std::vector<uint8_t> raw(out_bytes);
       CUDA_ASSERT(cudaMemcpy(raw.data(), out.get(), out_bytes, cudaMemcpyDeviceToHost));
       got.push_back(ToFloat(raw, c.out_dtype));
-      label.push_back(variant < 0 ? std::string("simple") : VariantLabel(variant));
+      label.push_back(k < 0 ? std::string("simple") : fast[k].label);
     }
     std::vector<ErrStats> err(got.size());
     std::vector<double> want(c.d);
@@ -346,16 +332,6 @@ struct DecodeCase {
 };
 
 void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
-
-// "w4s3 pipelined": a decode variant's fields and kernel family.
-std::string DecodeVariantLabel(int variant) {
-  const DecodeVariant& v = kDecodeVariants[variant];
-  const char* kernel = v.kernel == kDecodeSplit       ? "split"
-                       : v.kernel == kDecodePipelined ? "pipelined"
-                                                      : "bulk";
-  return "v" + std::to_string(variant) + " w" + std::to_string(v.warps) + "s" +
-         std::to_string(v.stages) + " " + kernel;
-}
 
 // Mixed lengths: the interesting ones first (1, page and chunk edges), then random.
 std::vector<int32_t> MixedLengths(const DecodeCase& c, std::mt19937* rng) {
@@ -511,14 +487,15 @@ TEST_P(DecodeTest, MatchesFp64Reference) {
   }
   // Every fast variant at its planned split count and at 1, 7 and 64 splits (most empty at 64),
   // into a NaN-poisoned output and workspace.
-  for (int variant = 0; variant < kNumDecodeKernelVariants; ++variant)
-    for (const int32_t splits :
-         {PlanDecodeSplits(g, c.batch, c.max_len, 132, 0, variant), 1, 7, 64}) {
+  for (const gpu_test::DecodeKernelUnderTest& kernel : gpu_test::DecodeKernelsUnderTest())
+    for (const int32_t splits : {kernel.plan_splits(g, c.batch, c.max_len), 1, 7, 64}) {
+      ASSERT_GE(splits, 1) << kernel.label << ": no split plan";
       const std::string what =
-          c.name + " " + DecodeVariantLabel(variant) + " max_splits=" + std::to_string(splits);
+          c.name + " " + kernel.label + " max_splits=" + std::to_string(splits);
       DevBuf out(out_bytes);
       out.Poison();
-      DevBuf ws(DecodeWorkspaceFloats(g, c.batch, splits) * 4);
+      const size_t slots = static_cast<size_t>(c.batch) * c.hq * splits;
+      DevBuf ws((slots * c.d + slots) * 4);
       ws.Poison();
       CudaDecodeParams dp;
       dp.kv = kvb;
@@ -528,10 +505,9 @@ TEST_P(DecodeTest, MatchesFp64Reference) {
       dp.out_dtype = c.out_dtype;
       dp.batch = c.batch;
       dp.max_splits = splits;
-      dp.variant = variant;
       dp.partial_out = ws.get<float>();
       dp.partial_lse = ws.get<float>() + static_cast<size_t>(c.batch) * c.hq * splits * c.d;
-      absl::Status st = LaunchDcaDecode(g, dp, nullptr);
+      absl::Status st = kernel.launch(g, dp, nullptr);
       ASSERT_TRUE(st.ok()) << what << ": " << st;
       CUDA_ASSERT(cudaDeviceSynchronize());
       CUDA_ASSERT(cudaGetLastError());
@@ -732,40 +708,47 @@ TEST(CudaGeometry, RejectsUnsupportedShapes) {
   EXPECT_TRUE(CheckCudaGeometry(Geometry(8, 8, 64, 128, 0)).ok());
 }
 
-TEST(CudaDecodePlan, VariantSelection) {
-  EXPECT_EQ(ResolveDecodeVariant(0, -1), kDefaultDecodeVariant);
-  EXPECT_EQ(ResolveDecodeVariant(2, -1), 0);
-  EXPECT_EQ(ResolveDecodeVariant(4, -1), 1);
-  EXPECT_EQ(ResolveDecodeVariant(3, -1), -1);
-  EXPECT_EQ(ResolveDecodeVariant(4, 3), 3);  // variant wins over kv_stages
-  EXPECT_EQ(ResolveDecodeVariant(0, kNumDecodeKernelVariants), -1);
-  EXPECT_EQ(ResolveDecodeVariant(0, -2), -1);
+TEST(CudaKernelPlan, DecodeStagesAndSplits) {
+  REQUIRE_GPU();
   const DcaGeometry g = Geometry(28, 4, 128, 253952, 262144);
-  for (int v = 0; v < kNumDecodeKernelVariants; ++v) {
-    EXPECT_EQ(PlanDecodeSplits(g, 1, 1, 132, 0, v), 1) << v;
-    EXPECT_LE(PlanDecodeSplits(g, 1, int64_t{1} << 30, 132, 0, v), 1024) << v;
-    EXPECT_GE(PlanDecodeSplits(g, 1, 1 << 20, 132, 0, v) * 4, 132) << v;
+  absl::StatusOr<CudaKernelPlan> plan = CudaKernelPlan::Create(g, 0);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const int32_t sms = plan->num_sms(), per_sm = plan->DecodeBlocksPerSm(2);
+  ASSERT_GE(sms, 1);
+  ASSERT_GE(per_sm, plan->DecodeBlocksPerSm(3));  // a deeper ring never fits more blocks
+  // Ring depth 2 while batch x kv heads fits one wave at its occupancy, 3 past it.
+  const int32_t one_wave_batch = sms * per_sm / g.num_kv_heads;
+  EXPECT_EQ(plan->DecodeStages(1), 2);
+  EXPECT_EQ(plan->DecodeStages(one_wave_batch), 2);
+  EXPECT_EQ(plan->DecodeStages(one_wave_batch + 1), 3);
+  // Splits: one wave of blocks, at least one, at most one per 256 keys and 1024.
+  EXPECT_EQ(plan->DecodeSplits(1, 1), 1);
+  EXPECT_EQ(plan->DecodeSplits(1, 1 << 20), std::min(1024, sms * per_sm / g.num_kv_heads));
+  EXPECT_EQ(plan->DecodeSplits(32, 32768), std::max(1, sms * per_sm / (32 * g.num_kv_heads)));
+  EXPECT_EQ(plan->DecodeSplits(256, 1 << 17), 1);
+  EXPECT_LE(plan->DecodeSplits(1, int64_t{1} << 30), 1024);
+  EXPECT_EQ(plan->DecodeWorkspaceFloats(2, 3), size_t{2} * 28 * 3 * 128 + size_t{2} * 28 * 3);
+  // The H200's figures (bench/gpu/NOTES.md): 3 blocks per SM at ring depth 2, 2 at depth 3.
+  cudaDeviceProp prop;
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  if (std::string(prop.name).find("H200") != std::string::npos) {
+    EXPECT_EQ(per_sm, 3);
+    EXPECT_EQ(plan->DecodeBlocksPerSm(3), 2);
+    EXPECT_EQ(plan->prefill_kernel(), PrefillKernel::kWgmma);
   }
-  // kv_stages 2 keeps the split kernel: 2 blocks/SM x 132 / 128 blocks.
-  EXPECT_EQ(PlanDecodeSplits(g, 32, 32768, 132, 2), 2);
-  // w4s2 pipelined fits 3 blocks per multiprocessor at group 7 (71.5 KB of shared memory).
-  EXPECT_EQ(PlanDecodeSplits(g, 32, 32768, 132, 0, 2), 3);
-  // The default is batch-aware: w4s2 pipelined while batch x kv heads fits its one wave (3 x 132
-  // = 396 blocks), w4s3 pipelined past it; the default plan is that variant's plan.
-  EXPECT_EQ(DefaultDecodeVariant(g, 1, 132), kDefaultDecodeVariant);
-  EXPECT_EQ(DefaultDecodeVariant(g, 99, 132), kDefaultDecodeVariant);
-  EXPECT_EQ(DefaultDecodeVariant(g, 100, 132), kDefaultLargeBatchDecodeVariant);
-  EXPECT_EQ(DefaultDecodeVariant(g, 256, 132), kDefaultLargeBatchDecodeVariant);
-  EXPECT_EQ(PlanDecodeSplits(g, 32, 32768, 132), PlanDecodeSplits(g, 32, 32768, 132, 0, 2));
-  EXPECT_EQ(PlanDecodeSplits(g, 128, 32768, 132), PlanDecodeSplits(g, 128, 32768, 132, 0, 3));
 }
 
-TEST(CudaDecodePlan, SplitsFillTheGpuAndStayBounded) {
-  const DcaGeometry g = Geometry(28, 4, 128, 253952, 262144);
-  EXPECT_EQ(PlanDecodeSplits(g, 1, 1, 132), 1);
-  EXPECT_GE(PlanDecodeSplits(g, 1, 1 << 20, 132) * 4, 132);
-  EXPECT_EQ(PlanDecodeSplits(g, 256, 1 << 17, 132), 1);
-  EXPECT_LE(PlanDecodeSplits(g, 1, int64_t{1} << 30, 132), 1024);
+TEST(CudaKernelPlan, RejectsBadGeometryAndOptions) {
+  REQUIRE_GPU();
+  absl::StatusOr<CudaKernelPlan> plan = CudaKernelPlan::Create(Geometry(28, 4, 96, 128, 0), 0);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << plan.status();
+  CudaKernelPlanOptions options;
+  options.decode_stages = 4;
+  plan = CudaKernelPlan::Create(Geometry(28, 4, 128, 128, 0), 0, options);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << plan.status();
+  EXPECT_NE(std::string(plan.status().message()).find("decode_stages 4"), std::string::npos);
+  plan = CudaKernelPlan::Create(Geometry(28, 4, 128, 128, 0), 1 << 20);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInternal) << plan.status();
 }
 
 }  // namespace

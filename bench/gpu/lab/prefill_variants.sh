@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
 # The wgmma prefill variants in one GPU-machine call (< 120 s of GPU time): the prefill tests of
-# dca_cuda_test (every variant, every case), a SASS summary of the wgmma kernels, dca_bench
+# lab_test (every variant, every case), a SASS summary of the wgmma kernels, lab_bench
 # --prefill-only for the chosen variants, torch SDPA (cuDNN, flash) on the same shapes, and, where
 # ncu can read counters, a short warp-state profile of two variants at 8K. A table goes to stdout;
 # OUT_DIR gets two files: prefill_summary.txt (the table) and prefill_logs.tgz (everything).
 # Build and bundle here (only these two programs are needed):
-#   bazel build //kernels/cuda:dca_cuda_test //bench/gpu:dca_bench
-#   script/gpu-bundle .gpu-p bazel-bin/kernels/cuda/dca_cuda_test \
-#       bazel-bin/bench/gpu/dca_bench
+#   bazel build //bench/gpu/lab:lab_test //bench/gpu/lab:lab_bench
+#   script/gpu-bundle .gpu-p bazel-bin/bench/gpu/lab/lab_test \
+#       bazel-bin/bench/gpu/lab/lab_bench
 # then there (carry .gpu-p):
-#   . .gpu-p/env.sh && bench/gpu/prefill_variants.sh "$OUT/prefill" [VARIANTS] [NCU_VARIANTS]
-# VARIANTS defaults to 5,9,11,12,13,14 (dca_bench always times the mma.sync fallback 5 too);
+#   . .gpu-p/env.sh && bench/gpu/lab/prefill_variants.sh "$OUT/prefill" [VARIANTS] [NCU_VARIANTS]
+# VARIANTS defaults to 5,9,11,12,13,14 (lab_bench always times the mma.sync fallback 5 too);
 # NCU_VARIANTS defaults to 9,11; "none" skips ncu.
 set -uo pipefail
 out=${1:?usage: prefill_variants.sh OUT_DIR [VARIANTS] [NCU_VARIANTS]}
 variants=${2:-5,9,11,12,13,14}
 ncu_variants=${3:-9,11}
-here=$(cd "$(dirname "$0")/../.." && pwd)
+here=$(cd "$(dirname "$0")/../../.." && pwd)
 mkdir -p "$out"
 logs=$(mktemp -d)
 status=0
@@ -28,18 +28,18 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit,t
 
 # 1. Correctness: every prefill case, every variant (NaN-poisoned outputs, fp64 and simple-kernel
 #    bars). ~30 s.
-step "dca_cuda_test prefill"
-timeout 240 dca_cuda_test --gtest_filter='Shapes/PrefillTest.*' >"$logs/dca_cuda_test_prefill.log" 2>&1
+step "lab_test prefill"
+timeout 240 lab_test --gtest_filter='Shapes/PrefillTest.*' >"$logs/dca_cuda_test_prefill.log" 2>&1
 rc=$?
 ((rc == 0)) || status=1
-test_line="dca_cuda_test prefill: exit $rc; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' \
+test_line="lab_test prefill: exit $rc; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' \
   "$logs/dca_cuda_test_prefill.log" | tr '\n' ' ')"
 
 # 2. SASS of the wgmma kernels (no device time): opcode counts per kernel, full listing kept.
 step "cuobjdump"
 if command -v cuobjdump >/dev/null; then
-  cuobjdump -sass "$(command -v dca_bench)" >"$logs/dca_bench.sass" 2>&1 || true
-  python3 - "$logs/dca_bench.sass" >"$logs/sass_summary.txt" 2>&1 <<'PY' || true
+  cuobjdump -sass "$(command -v lab_bench)" >"$logs/lab_bench.sass" 2>&1 || true
+  python3 - "$logs/lab_bench.sass" >"$logs/sass_summary.txt" 2>&1 <<'PY' || true
 import collections, re, sys
 kern, counts, order = None, {}, []
 for line in open(sys.argv[1], errors="replace"):
@@ -67,9 +67,9 @@ else
 fi
 
 # 3. Our kernels. ~25 s for five variants.
-step "dca_bench --prefill-only --variants $variants"
-timeout 200 dca_bench --prefill-only --variants "$variants" --out "$logs/dca_bench.txt" \
-  >/dev/null 2>"$logs/dca_bench.err" || { echo "dca_bench failed:"; tail -5 "$logs/dca_bench.err"; status=1; }
+step "lab_bench --prefill-only --configs $variants"
+timeout 200 lab_bench --prefill-only --configs "$variants" --out "$logs/lab_bench.txt" \
+  >/dev/null 2>"$logs/lab_bench.err" || { echo "lab_bench failed:"; tail -5 "$logs/lab_bench.err"; status=1; }
 
 # 4. torch SDPA on the same shapes in the same call (cuDNN and flash; the memory-efficient backend
 #    is far behind and slow at 128K). ~30 s with the torch import.
@@ -87,14 +87,14 @@ if [[ $ncu_variants != none ]] && command -v ncu >/dev/null; then
     timeout 40 ncu --clock-control none -k regex:DcaPrefillWgmmaKernel --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
       --section ComputeWorkloadAnalysis --section LaunchStats --section SourceCounters \
-      dca_bench --quick --prefill-only --variants "$v" >"$logs/ncu_v$v.txt" 2>&1 ||
+      lab_bench --quick --prefill-only --configs "$v" >"$logs/ncu_v$v.txt" 2>&1 ||
       echo "ncu variant $v: exit $? (see ncu_v$v.txt)" >>"$logs/ncu_v$v.txt"
   done
 fi
 step "done"
 
 # Table: TFLOP/s per variant and L, and each over the best SDPA backend at that L.
-python3 - "$logs/dca_bench.txt" "$logs/sdpa_peer.txt" >"$logs/table.txt" 2>&1 <<'PY'
+python3 - "$logs/lab_bench.txt" "$logs/sdpa_peer.txt" >"$logs/table.txt" 2>&1 <<'PY'
 import collections, sys
 ours = collections.OrderedDict()  # (L, cl) -> {variant: (tflops, max_diff)}
 labels = []

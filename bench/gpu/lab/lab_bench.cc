@@ -1,8 +1,12 @@
-// GPU benchmark of the CUDA DCA kernels (kernels/cuda/dca_cuda.h), Qwen2.5-7B-1M geometry
+// GPU benchmark of the CUDA DCA kernels: the product's launches (kernels/cuda/dca_cuda.h, through
+// a CudaKernelPlan) beside the tuning lab's configurations (lab_kernels.h), Qwen2.5-7B-1M geometry
 // (28 q heads, 4 kv heads, head_dim 128), bf16 paged KV with page_size 16 and shuffled pages.
 //
-//   dca_bench [--quick] [--prefill-only | --decode-only] [--variants 5,6,7]
-//             [--decode-variants 0,2,3|all] [--out FILE]
+//   lab_bench [--quick] [--prefill-only | --decode-only] [--configs 5,13|none]
+//             [--decode-configs 2,3|none] [--out FILE]
+//
+// Rows "product ..." are the product's launches; the others are lab configurations by index
+// (default: all of them). --configs none / --decode-configs none: the product's rows only.
 //
 // Prefill: one sequence, all L tokens in one call (start 0), L in {8K, 32K, 128K}, with
 // chunk_len = L/4 (4 DCA chunks: intra, succ and inter stages all active) and the real 253952.
@@ -28,6 +32,7 @@
 #include <vector>
 
 #include "bench/gpu/bench_util.h"
+#include "bench/gpu/lab/lab_kernels.h"
 #include "kernels/cuda/dca_cuda.h"
 #include "kernels/dca.h"
 #include "kernels/dtype.h"
@@ -107,46 +112,30 @@ double CopyBandwidth() {
   return 2.0 * bytes / (ms * 1e-3) / 1e9;
 }
 
-// "w4s2m2n64*" / "w8s3m1n128wgo": the variant's fields, its kernel family (wg = wgmma,
-// wgo = wgmma with softmax/PV overlap, wga / wgao / wgap / wgal = the async producer alone / with
-// the overlap / with the overlap and ping-pong / with the overlap and FA3's late O rescale) and *
-// for the default.
-std::string VariantLabel(int variant) {
-  const PrefillVariant& pv = kPrefillVariants[variant];
-  char label[40];
-  std::snprintf(label, sizeof(label), "w%ds%dm%dn%d%s%s", pv.warps, pv.stages, pv.m_tiles,
-                pv.block_n,
-                pv.kernel == kPrefillWgmma                ? "wg"
-                : pv.kernel == kPrefillWgmmaOverlap       ? "wgo"
-                : pv.kernel == kPrefillWgmmaAsync         ? "wga"
-                : pv.kernel == kPrefillWgmmaAsyncOverlap  ? "wgao"
-                : pv.kernel == kPrefillWgmmaAsyncPingPong ? "wgap"
-                : pv.kernel == kPrefillWgmmaAsyncLate     ? "wgal"
-                                                          : "",
-                variant == kDefaultPrefillVariant ? "*" : "");
-  return label;
+// Prefill rows: kProductWgmma and kProductMmaSync are the product's plan (default, and with the
+// fallback forced); indices >= 0 are lab configurations.
+constexpr int kProductWgmma = -1, kProductMmaSync = -2;
+std::string ConfigLabel(int config) {
+  if (config == kProductWgmma) return "product default*";
+  if (config == kProductMmaSync) return "product mma.sync";
+  return lab::PrefillConfigLabel(config);
 }
 
-// Prefill variants to time: `variants` (empty = all), the mma.sync fallback first so that every
-// other variant's output can be compared with it.
-std::vector<int> PrefillOrder(const std::vector<int>& variants) {
-  std::vector<int> order = {kFallbackPrefillVariant};
-  for (int v = 0; v < kNumPrefillVariants; ++v) {
-    if (v == kFallbackPrefillVariant) continue;
-    if (variants.empty() || std::find(variants.begin(), variants.end(), v) != variants.end()) {
-      order.push_back(v);
-    }
-  }
+// Rows to time: the product's mma.sync first (every other row's output is compared with it), the
+// product's default, then the lab configurations in `configs`.
+std::vector<int> PrefillOrder(const std::vector<int>& configs) {
+  std::vector<int> order = {kProductMmaSync, kProductWgmma};
+  order.insert(order.end(), configs.begin(), configs.end());
   return order;
 }
 
-void BenchPrefill(bool quick, const std::vector<int>& variants) {
+void BenchPrefill(bool quick, const std::vector<int>& configs) {
   Emit("\n## Prefill (one call of L tokens from position 0; bf16 q/KV, bf16 out; page 16)\n");
   Emit("FLOPs = 4*Hq*D*L(L+1)/2 (causal-equivalent), Hq=28 Hkv=4 D=128\n");
   Emit(
-      "vs_%s: max / mean abs difference from that variant's output over the last <= 8192 "
+      "vs_%s: max / mean abs difference from that row's output over the last <= 8192 "
       "tokens (all q heads)\n",
-      VariantLabel(kFallbackPrefillVariant).c_str());
+      ConfigLabel(kProductMmaSync).c_str());
   Emit("%-8s %-10s %-7s %-16s %12s %10s %10s %10s\n", "L", "chunk_len", "chunks", "variant",
        "median_ms", "TFLOP/s", "max_diff", "mean_diff");
   std::vector<int64_t> lens = {8192, 32768, 131072};
@@ -174,14 +163,18 @@ void BenchPrefill(bool quick, const std::vector<int>& variants) {
     const size_t check_offset = out_bytes - check_elems * 2;
     for (int64_t cl : {len / 4, kRealChunkLen}) {
       std::vector<uint16_t> base(check_elems), got(check_elems);
-      for (int variant : PrefillOrder(variants)) {
+      const DcaGeometry g = Geometry(cl);
+      CudaKernelPlanOptions mma;
+      mma.prefill = PrefillKernel::kMmaSync;
+      const CudaKernelPlan plan = CHECK_OK_VALUE(CudaKernelPlan::Create(g, 0));
+      const CudaKernelPlan mma_plan = CHECK_OK_VALUE(CudaKernelPlan::Create(g, 0, mma));
+      for (int variant : PrefillOrder(configs)) {
         // The real chunk_len past 8K: the mma.sync fallback and the wgmma kernels only (time).
-        if (cl == kRealChunkLen && len > 8192 && !quick &&
-            kPrefillVariants[variant].kernel == kPrefillMmaSync &&
-            variant != kFallbackPrefillVariant) {
+        if (cl == kRealChunkLen && len > 8192 && !quick && variant >= 0 &&
+            lab::kPrefillConfigs[variant].family == lab::kMmaSync &&
+            variant != lab::kProductMmaSyncConfig) {
           continue;
         }
-        const DcaGeometry g = Geometry(cl);
         CudaPrefillParams p;
         p.kv.k = static_cast<Bf16*>(k);
         p.kv.v = static_cast<Bf16*>(v);
@@ -195,13 +188,16 @@ void BenchPrefill(bool quick, const std::vector<int>& variants) {
         p.start = 0;
         p.num_tokens = len;
         p.softmax_scale = g.softmax_scale * LengthScale(len, kOrig);
-        p.variant = variant;
+        auto launch = [&] {
+          if (variant == kProductWgmma) return LaunchDcaPrefill(plan, p, nullptr);
+          if (variant == kProductMmaSync) return LaunchDcaPrefill(mma_plan, p, nullptr);
+          return lab::LaunchLabPrefill(g, p, variant, nullptr);
+        };
         CHECK_CUDA(cudaMemset(out, 0xff, out_bytes));  // NaN: an unwritten output shows
         const int iters = len >= 131072 ? 3 : 7;
-        const double ms =
-            MedianMs(1, iters, [&](int) { CHECK_OK(LaunchDcaPrefill(g, p, nullptr)); });
+        const double ms = MedianMs(1, iters, [&](int) { CHECK_OK(launch()); });
         const double flops = 4.0 * kHq * kD * static_cast<double>(len) * (len + 1) / 2;
-        std::vector<uint16_t>& dst = variant == kFallbackPrefillVariant ? base : got;
+        std::vector<uint16_t>& dst = variant == kProductMmaSync ? base : got;
         CHECK_CUDA(cudaMemcpy(dst.data(), static_cast<char*>(out) + check_offset, check_elems * 2,
                               cudaMemcpyDeviceToHost));
         double max_diff = 0, sum_diff = 0;
@@ -213,7 +209,7 @@ void BenchPrefill(bool quick, const std::vector<int>& variants) {
         }
         Emit("%-8lld %-10lld %-7lld %-16s %12.3f %10.1f %10.3g %10.3g\n",
              static_cast<long long>(len), static_cast<long long>(cl),
-             static_cast<long long>((len + cl - 1) / cl), VariantLabel(variant).c_str(), ms,
+             static_cast<long long>((len + cl - 1) / cl), ConfigLabel(variant).c_str(), ms,
              flops / (ms * 1e-3) / 1e12, max_diff, sum_diff / check_elems);
       }
     }
@@ -225,126 +221,11 @@ void BenchPrefill(bool quick, const std::vector<int>& variants) {
   }
 }
 
-void BenchDecode(bool quick, double copy_gbs) {
-  Emit("\n## Decode (split-K, chunk_len 253952, page 16; all sequences of length ctx)\n");
-  Emit("bytes = B*ctx*Hkv*D*2(K,V)*2B; %% of the measured D2D copy bandwidth %.0f GB/s\n",
-       copy_gbs);
-  Emit("%-6s %-8s %-7s %-7s %-6s %12s %10s %7s %10s\n", "batch", "ctx", "stages", "splits", "sets",
-       "median_us", "GB/s", "%copy", "graph_us");
-  Emit(
-      "(graph_us: the step captured in a CUDA graph and replayed on one page set; -1 = capture "
-      "failed)\n");
-  struct Case {
-    int batch;
-    int64_t ctx;
-  };
-  std::vector<Case> cases;
-  for (int b : {1, 8, 32, 128})
-    for (int64_t ctx : {4096, 32768, 131072}) cases.push_back({b, ctx});
-  cases.push_back({1, 1 << 20});
-  if (quick) cases = {{1, 4096}, {8, 32768}};
-  int num_sms = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
-  const DcaGeometry g = Geometry(kRealChunkLen);
-  for (const Case& c : cases) {
-    const int64_t pages_per_seq = c.ctx / kPageSize;
-    const double step_bytes = 2.0 * c.batch * c.ctx * kHkv * kD * 2;
-    const int sets = static_cast<int>(std::max(1.0, std::ceil((1 << 30) / step_bytes)));
-    const int64_t pages = pages_per_seq * c.batch * sets;
-    const size_t kv_bytes = static_cast<size_t>(pages) * kPageSize * kHkv * kD * 2;
-    void *k, *v, *q, *out, *tables, *lengths, *ws;
-    CHECK_CUDA(cudaMalloc(&k, kv_bytes));
-    CHECK_CUDA(cudaMalloc(&v, kv_bytes));
-    FillRandomBf16(k, kv_bytes);
-    FillRandomBf16(v, kv_bytes);
-    const size_t q_bytes = static_cast<size_t>(c.batch) * kNumDecodeVariants * kHq * kD * 2;
-    CHECK_CUDA(cudaMalloc(&q, q_bytes));
-    FillRandomBf16(q, q_bytes);
-    CHECK_CUDA(cudaMalloc(&out, static_cast<size_t>(c.batch) * kHq * kD * 2));
-    std::vector<int32_t> perm(pages);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), std::mt19937(2));
-    CHECK_CUDA(cudaMalloc(&tables, pages * 4));
-    CHECK_CUDA(cudaMemcpy(tables, perm.data(), pages * 4, cudaMemcpyHostToDevice));
-    std::vector<int32_t> lens(c.batch, static_cast<int32_t>(c.ctx));
-    CHECK_CUDA(cudaMalloc(&lengths, c.batch * 4));
-    CHECK_CUDA(cudaMemcpy(lengths, lens.data(), c.batch * 4, cudaMemcpyHostToDevice));
-    size_t ws_floats = 0;
-    for (int st : {2, 4}) {
-      ws_floats = std::max(
-          ws_floats,
-          DecodeWorkspaceFloats(g, c.batch, PlanDecodeSplits(g, c.batch, c.ctx, num_sms, st)));
-    }
-    CHECK_CUDA(cudaMalloc(&ws, ws_floats * 4));
-    for (int stages : {2, 4}) {
-      const int32_t splits = PlanDecodeSplits(g, c.batch, c.ctx, num_sms, stages);
-      auto params = [&](int set) {
-        CudaDecodeParams p;
-        p.kv.k = static_cast<Bf16*>(k);
-        p.kv.v = static_cast<Bf16*>(v);
-        p.kv.page_tables =
-            static_cast<int32_t*>(tables) + static_cast<int64_t>(set) * c.batch * pages_per_seq;
-        p.kv.page_table_stride = pages_per_seq;
-        p.kv.page_size = kPageSize;
-        p.kv.num_kv_heads = kHkv;
-        p.kv.head_dim = kD;
-        p.lengths = static_cast<int32_t*>(lengths);
-        p.q = static_cast<Bf16*>(q);
-        p.out = out;
-        p.out_dtype = DType::kBf16;
-        p.batch = c.batch;
-        p.max_splits = splits;
-        p.kv_stages = stages;
-        p.partial_out = static_cast<float*>(ws);
-        p.partial_lse = p.partial_out + static_cast<size_t>(c.batch) * kHq * splits * kD;
-        return p;
-      };
-      const double ms =
-          MedianMs(3, 30, [&](int i) { CHECK_OK(LaunchDcaDecode(g, params(i % sets), nullptr)); });
-      const double gbs = step_bytes / (ms * 1e-3) / 1e9;
-      // The same step captured once in a CUDA graph (launch configuration is length-independent),
-      // replayed: median time per replay, or "-" when capture is not possible.
-      double graph_us = -1;
-      {
-        cudaStream_t st;
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t exec = nullptr;
-        CHECK_CUDA(cudaStreamCreate(&st));
-        bool ok = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
-        ok = LaunchDcaDecode(g, params(0), st).ok() && ok;
-        ok = cudaStreamEndCapture(st, &graph) == cudaSuccess && ok;
-        ok = ok && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
-        if (ok) {
-          graph_us = 1e3 * MedianMs(3, 30, [&](int) { CHECK_CUDA(cudaGraphLaunch(exec, st)); });
-        } else {
-          cudaGetLastError();
-        }
-        if (exec) cudaGraphExecDestroy(exec);
-        if (graph) cudaGraphDestroy(graph);
-        CHECK_CUDA(cudaStreamSynchronize(st));
-        CHECK_CUDA(cudaStreamDestroy(st));
-      }
-      char label[8];
-      std::snprintf(label, sizeof(label), "%d%s", stages,
-                    stages == kDefaultDecodeStages ? "*" : "");
-      Emit("%-6d %-8lld %-7s %-7d %-6d %12.1f %10.0f %6.0f%% %10.1f\n", c.batch,
-           static_cast<long long>(c.ctx), label, splits, sets, ms * 1e3, gbs,
-           100.0 * gbs / copy_gbs, graph_us);
-    }
-    for (void* p : {k, v, q, out, tables, lengths, ws}) CHECK_CUDA(cudaFree(p));
-  }
-}
-
-// "v3 w4s3 pipe": a decode variant's index, shape and kernel family (* = the default).
+// Decode rows: kProductDecode is the product's plan (ring depth by batch); indices >= 0 are lab
+// configurations.
+constexpr int kProductDecode = -1;
 std::string DecodeVariantLabel(int v) {
-  const DecodeVariant& dv = kDecodeVariants[v];
-  char label[40];
-  std::snprintf(label, sizeof(label), "v%d w%ds%d %s%s", v, dv.warps, dv.stages,
-                dv.kernel == kDecodeSplit       ? "split"
-                : dv.kernel == kDecodePipelined ? "pipe"
-                                                : "bulk",
-                v == kDefaultDecodeVariant ? "*" : "");
-  return label;
+  return v == kProductDecode ? "product*" : lab::DecodeConfigLabel(v);
 }
 
 // Every decode variant in `variants` on every case, over one shared KV pool (filled once, sized
@@ -361,8 +242,6 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
     for (int64_t ctx : {4096, 32768, 131072}) cases.push_back({b, ctx});
   cases.push_back({1, 1 << 20});
   if (quick) cases = {{1, 4096}, {8, 32768}, {32, 32768}};
-  int num_sms = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
   const DcaGeometry g = Geometry(kRealChunkLen);
   auto sets_of = [](const Case& c) {
     const double step_bytes = 2.0 * c.batch * c.ctx * kHkv * kD * 2;
@@ -385,12 +264,21 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
   Emit(
       "bytes = B*ctx*Hkv*D*2(K,V)*2B; %%copy = of the D2D copy bandwidth %.0f GB/s; median of 30\n",
       copy_gbs);
+  const CudaKernelPlan plan = CHECK_OK_VALUE(CudaKernelPlan::Create(g, 0));
+  Emit(
+      "product: ring depth 2 while batch x %d kv heads <= %d SMs x %d blocks, else 3 (%d "
+      "blocks/SM)\n",
+      kHkv, plan.num_sms(), plan.DecodeBlocksPerSm(2), plan.DecodeBlocksPerSm(3));
   for (int vi : variants) {
-    const DecodeVariant& dv = kDecodeVariants[vi];
-    Emit("%s: %d warps, %d keys/tile, %d stages, blocks/SM planned for %s\n",
-         DecodeVariantLabel(vi).c_str(), dv.warps, 16 * dv.warps, dv.stages,
-         dv.kernel == kDecodeSplit ? "padded tiles" : "the variant's shared memory");
+    if (vi < 0) continue;
+    const lab::DecodeKernelConfig& dv = lab::kDecodeConfigs[vi];
+    Emit("%s: %d warps, %d keys/tile, %d stages\n", DecodeVariantLabel(vi).c_str(), dv.warps,
+         16 * dv.warps, dv.stages);
   }
+  auto splits_of = [&](int vi, int batch, int64_t ctx) {
+    return vi == kProductDecode ? plan.DecodeSplits(batch, ctx)
+                                : lab::LabDecodeSplits(g, batch, ctx, vi);
+  };
   Emit("%-6s %-8s %-16s %-7s %-5s %11s %9s %7s %10s\n", "batch", "ctx", "variant", "splits", "sets",
        "median_us", "GB/s", "%copy", "max_diff");
   std::vector<std::vector<double>> table(cases.size(), std::vector<double>(variants.size(), 0));
@@ -417,15 +305,14 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
     CHECK_CUDA(cudaMemcpy(lengths, lens.data(), c.batch * 4, cudaMemcpyHostToDevice));
     size_t ws_floats = 0;
     for (int vi : variants) {
-      ws_floats = std::max(
-          ws_floats,
-          DecodeWorkspaceFloats(g, c.batch, PlanDecodeSplits(g, c.batch, c.ctx, num_sms, 0, vi)));
+      ws_floats =
+          std::max(ws_floats, plan.DecodeWorkspaceFloats(c.batch, splits_of(vi, c.batch, c.ctx)));
     }
     CHECK_CUDA(cudaMalloc(&ws, ws_floats * 4));
     std::vector<uint16_t> first(out_elems), got(out_elems);
     for (size_t vj = 0; vj < variants.size(); ++vj) {
       const int vi = variants[vj];
-      const int32_t splits = PlanDecodeSplits(g, c.batch, c.ctx, num_sms, 0, vi);
+      const int32_t splits = splits_of(vi, c.batch, c.ctx);
       auto params = [&](int set) {
         CudaDecodeParams p;
         p.kv.k = static_cast<Bf16*>(k);
@@ -442,16 +329,18 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
         p.out_dtype = DType::kBf16;
         p.batch = c.batch;
         p.max_splits = splits;
-        p.variant = vi;
         p.partial_out = static_cast<float*>(ws);
         p.partial_lse = p.partial_out + static_cast<size_t>(c.batch) * kHq * splits * kD;
         return p;
       };
       CHECK_CUDA(cudaMemset(out, 0xff, out_elems * 2));  // NaN: an unwritten output shows
-      const double ms =
-          MedianMs(3, 30, [&](int i) { CHECK_OK(LaunchDcaDecode(g, params(i % sets), nullptr)); });
+      auto launch = [&](const CudaDecodeParams& p) {
+        return vi == kProductDecode ? LaunchDcaDecode(plan, p, nullptr)
+                                    : lab::LaunchLabDecode(g, p, vi, nullptr);
+      };
+      const double ms = MedianMs(3, 30, [&](int i) { CHECK_OK(launch(params(i % sets))); });
       // One more run on set 0 for the output comparison.
-      CHECK_OK(LaunchDcaDecode(g, params(0), nullptr));
+      CHECK_OK(launch(params(0)));
       CHECK_CUDA(cudaDeviceSynchronize());
       std::vector<uint16_t>& dst = vj == 0 ? first : got;
       CHECK_CUDA(cudaMemcpy(dst.data(), out, out_elems * 2, cudaMemcpyDeviceToHost));
@@ -499,11 +388,13 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
 
 int main(int argc, char** argv) {
   bool quick = false, prefill_only = false, decode_only = false;
-  std::vector<int> variants;  // --variants 5,6,7: prefill variants to time (default all)
-  // --decode-variants 0,2,3: decode variants to time side by side (BenchDecodeVariants) instead of
-  // the kv_stages sweep; "all" = every kDecodeVariants entry.
-  std::vector<int> decode_variants;
+  // --configs 5,13: lab prefill configurations beside the product's rows (default all; none).
+  std::vector<int> configs, decode_configs;
+  for (int v = 0; v < attnd::lab::kNumPrefillConfigs; ++v) configs.push_back(v);
+  for (int v = 0; v < attnd::lab::kNumDecodeConfigs; ++v) decode_configs.push_back(v);
   auto parse_list = [](const std::string& list, std::vector<int>* out) {
+    out->clear();
+    if (list == "none") return;
     for (size_t pos = 0; pos < list.size();) {
       const size_t comma = std::min(list.find(',', pos), list.size());
       out->push_back(std::atoi(list.substr(pos, comma - pos).c_str()));
@@ -516,42 +407,39 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--decode-only") == 0) decode_only = true;
     if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc)
       attnd::g_out = std::fopen(argv[++i], "w");
-    if (std::strcmp(argv[i], "--variants") == 0 && i + 1 < argc) parse_list(argv[++i], &variants);
-    if (std::strcmp(argv[i], "--decode-variants") == 0 && i + 1 < argc) {
-      const std::string list = argv[++i];
-      if (list == "all") {
-        for (int v = 0; v < attnd::kNumDecodeKernelVariants; ++v) decode_variants.push_back(v);
-      } else {
-        parse_list(list, &decode_variants);
-      }
+    if (std::strcmp(argv[i], "--configs") == 0 && i + 1 < argc) parse_list(argv[++i], &configs);
+    if (std::strcmp(argv[i], "--decode-configs") == 0 && i + 1 < argc) {
+      parse_list(argv[++i], &decode_configs);
     }
   }
-  for (int v : decode_variants) {
-    if (v < 0 || v >= attnd::kNumDecodeKernelVariants) {
-      std::fprintf(stderr, "dca_bench: decode variant %d not in 0..%d\n", v,
-                   attnd::kNumDecodeKernelVariants - 1);
+  for (int v : configs) {
+    if (v < 0 || v >= attnd::lab::kNumPrefillConfigs) {
+      std::fprintf(stderr, "lab_bench: prefill configuration %d not in 0..%d\n", v,
+                   attnd::lab::kNumPrefillConfigs - 1);
       return 2;
     }
   }
+  for (int v : decode_configs) {
+    if (v < 0 || v >= attnd::lab::kNumDecodeConfigs) {
+      std::fprintf(stderr, "lab_bench: decode configuration %d not in 0..%d\n", v,
+                   attnd::lab::kNumDecodeConfigs - 1);
+      return 2;
+    }
+  }
+  decode_configs.insert(decode_configs.begin(), -1);  // the product's row first
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-    std::fprintf(stderr, "dca_bench: no CUDA device\n");
+    std::fprintf(stderr, "lab_bench: no CUDA device\n");
     return 1;
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  attnd::Emit("# dca_bench on %s (%d SMs, %.0f MB L2, compute capability %d.%d)\n", prop.name,
+  attnd::Emit("# lab_bench on %s (%d SMs, %.0f MB L2, compute capability %d.%d)\n", prop.name,
               prop.multiProcessorCount, prop.l2CacheSize / 1e6, prop.major, prop.minor);
   const double copy = attnd::CopyBandwidth();
   attnd::Emit("D2D copy bandwidth (4 GiB, read+write): %.0f GB/s\n", copy);
-  if (!decode_only) attnd::BenchPrefill(quick, variants);
-  if (!prefill_only) {
-    if (decode_variants.empty()) {
-      attnd::BenchDecode(quick, copy);
-    } else {
-      attnd::BenchDecodeVariants(quick, copy, decode_variants);
-    }
-  }
+  if (!decode_only) attnd::BenchPrefill(quick, configs);
+  if (!prefill_only) attnd::BenchDecodeVariants(quick, copy, decode_configs);
   if (attnd::g_out) std::fclose(attnd::g_out);
   return 0;
 }

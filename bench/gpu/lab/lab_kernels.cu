@@ -1,0 +1,229 @@
+// Launch side of lab_kernels.h: one template per configuration index, instantiated from the
+// constexpr tables (no positional dispatch to keep in step with them).
+#include <algorithm>
+#include <cstdio>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "bench/gpu/lab/decode_split_lab.cuh"
+#include "bench/gpu/lab/lab_kernels.h"
+#include "bench/gpu/lab/prefill_wgmma_lab.cuh"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/dca_cuda_kernels.cuh"
+#include "kernels/cuda/dca_cuda_launch.cuh"
+#include "kernels/status_macros.h"
+
+namespace attnd {
+namespace lab {
+namespace {
+
+namespace ck = cuda_kernels;
+namespace wg = cuda_kernels::wgmma;
+
+bool DeviceIsSm90() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major == 9 && minor == 0;
+}
+
+template <int D, int W, int S, int MT, int BN>
+absl::Status LaunchMma(const DcaGeometry& g, const CudaPrefillParams& p, cudaStream_t stream) {
+  ck::PrefillArgs a;
+  int64_t tiles = 0;
+  ATTND_RETURN_IF_ERROR(cuda_launch::PlanPrefill(g, p, 16 * MT * W, &a, &tiles));
+  constexpr size_t smem = (2 * S * BN + (MT > 1 ? 16 * MT * W : 0)) * (D + 8) * sizeof(Bf16);
+  const auto kernel = ck::DcaPrefillKernel<D, W, S, MT, BN>;
+  ATTND_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads), 32 * W, smem, stream>>>(a);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaPrefillKernel");
+  return absl::OkStatus();
+}
+
+template <int D, int BN, int S, bool Overlap, bool Ws, int Opt>
+absl::Status LaunchWgmma(const DcaGeometry& g, const CudaPrefillParams& p, cudaStream_t stream) {
+  if (!DeviceIsSm90()) {
+    return absl::FailedPreconditionError("lab: wgmma configurations need compute capability 9.0");
+  }
+  ck::PrefillArgs a;
+  int64_t tiles = 0;
+  ATTND_RETURN_IF_ERROR(cuda_launch::PlanPrefill(g, p, wg::kBlockM, &a, &tiles));
+  constexpr size_t smem = (2 * S * BN + wg::kBlockM) * D * sizeof(Bf16) + 1024;
+  static_assert(smem <= 227 * 1024, "wgmma prefill: shared memory");
+  const auto kernel = wg::lab::DcaPrefillWgmmaLabKernel<D, BN, S, Overlap, Ws, Opt>;
+  ATTND_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads), wg::lab::BlockThreads<Ws>(), smem,
+           stream>>>(a);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaPrefillWgmmaLabKernel");
+  return absl::OkStatus();
+}
+
+template <int D, int I>
+absl::Status LaunchPrefillConfig(const DcaGeometry& g, const CudaPrefillParams& p,
+                                 cudaStream_t stream) {
+  constexpr PrefillKernelConfig c = kPrefillConfigs[I];
+  if constexpr (c.family == kMmaSync) {
+    return LaunchMma<D, c.warps, c.stages, c.m_tiles, c.block_n>(g, p, stream);
+  } else {
+    static_assert(c.m_tiles == 1 && (c.warps == 8 || c.warps == 12), "wgmma configuration");
+    constexpr bool ws = c.warps == 12;
+    constexpr bool overlap = c.family != kWgmma && c.family != kWgmmaAsync;
+    constexpr int opt =
+        (c.family >= kWgmmaAsync ? wg::lab::kOptAsyncProducer : 0) |
+        (c.family == kWgmmaAsyncOverlap || c.family == kWgmmaAsyncLate ? wg::lab::kOptNoPingPong
+                                                                       : 0) |
+        (c.family == kWgmmaAsyncLate ? wg::lab::kOptLateRescale : 0);
+    return LaunchWgmma<D, c.block_n, c.stages, overlap, ws, opt>(g, p, stream);
+  }
+}
+
+template <int D, int... I>
+absl::Status DispatchPrefill(const DcaGeometry& g, const CudaPrefillParams& p, int config,
+                             cudaStream_t stream, std::integer_sequence<int, I...>) {
+  absl::Status status = absl::InvalidArgumentError(
+      absl::StrCat("lab: prefill configuration ", config, " not in [0, ", kNumPrefillConfigs, ")"));
+  (void)((config == I ? (status = LaunchPrefillConfig<D, I>(g, p, stream), true) : false) || ...);
+  return status;
+}
+
+// A decode configuration's kernel, block size, shared memory and the reduction's split tile.
+template <int D, int I>
+struct DecodeConfigKernel {
+  static constexpr DecodeKernelConfig c = kDecodeConfigs[I];
+  static constexpr int kThreads = c.family == kDecodeSplit ? ck::kThreads : 32 * c.warps;
+  static constexpr int kSplitTile = c.family == kDecodeSplit ? ck::kBlockN : 16 * c.warps;
+  static auto Kernel() {
+    if constexpr (c.family == kDecodeSplit) {
+      static_assert(c.warps == 4, "the split kernel has 4 warps");
+      return ck::lab::DcaDecodeSplitKernel<D, c.stages>;
+    } else {
+      return ck::DcaDecodePipeKernel<D, c.warps, c.stages>;
+    }
+  }
+  static size_t Smem(const DcaGeometry& g) {
+    if constexpr (c.family == kDecodeSplit) {
+      return ck::lab::DecodeSplitSmemBytes<D, c.stages>();
+    } else {
+      return ck::DecodePipeSmemBytes(D, c.warps, c.stages, g.group_size());
+    }
+  }
+};
+
+template <int D, int I>
+int32_t BlocksPerSm(const DcaGeometry& g) {
+  using K = DecodeConfigKernel<D, I>;
+  const size_t smem = K::Smem(g);
+  int n = 0;
+  if (cudaFuncSetAttribute(K::Kernel(), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem)) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, K::Kernel(), K::kThreads, smem) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return std::max(1, n);
+}
+
+template <int D, int I>
+absl::Status LaunchDecodeConfig(const DcaGeometry& g, const CudaDecodeParams& p,
+                                cudaStream_t stream) {
+  using K = DecodeConfigKernel<D, I>;
+  const ck::DecodeArgs a = cuda_launch::DecodeArgsFor(g, p);
+  const size_t smem = K::Smem(g);
+  const auto kernel = K::Kernel();
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<dim3(p.max_splits, g.num_kv_heads, p.batch), K::kThreads, smem, stream>>>(a);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("lab decode kernel");
+  ck::DcaDecodeReduceKernel<D><<<dim3(p.batch, g.num_q_heads), D, 0, stream>>>(
+      p.partial_out, p.partial_lse, p.lengths, p.max_splits, K::kSplitTile, p.out,
+      static_cast<int>(p.out_dtype));
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReduceKernel");
+  return absl::OkStatus();
+}
+
+template <int D, int... I>
+absl::Status DispatchDecode(const DcaGeometry& g, const CudaDecodeParams& p, int config,
+                            cudaStream_t stream, std::integer_sequence<int, I...>) {
+  absl::Status status = absl::InvalidArgumentError(
+      absl::StrCat("lab: decode configuration ", config, " not in [0, ", kNumDecodeConfigs, ")"));
+  (void)((config == I ? (status = LaunchDecodeConfig<D, I>(g, p, stream), true) : false) || ...);
+  return status;
+}
+
+template <int D, int... I>
+int32_t DispatchBlocksPerSm(const DcaGeometry& g, int config, std::integer_sequence<int, I...>) {
+  int32_t n = 0;
+  (void)((config == I ? (n = BlocksPerSm<D, I>(g), true) : false) || ...);
+  return n;
+}
+
+}  // namespace
+
+std::string PrefillConfigLabel(int config) {
+  if (config < 0 || config >= kNumPrefillConfigs) return "?";
+  static const char* const kFamily[] = {"mma",          "wg",          "wg-ovl",       "wg-async",
+                                        "wg-async-ovl", "wg-async-pp", "wg-async-late"};
+  const PrefillKernelConfig& c = kPrefillConfigs[config];
+  char label[64];
+  std::snprintf(label, sizeof(label), "w%ds%dm%dn%d %s", c.warps, c.stages, c.m_tiles, c.block_n,
+                kFamily[c.family]);
+  return label;
+}
+
+std::string DecodeConfigLabel(int config) {
+  if (config < 0 || config >= kNumDecodeConfigs) return "?";
+  const DecodeKernelConfig& c = kDecodeConfigs[config];
+  char label[40];
+  std::snprintf(label, sizeof(label), "c%d w%ds%d %s", config, c.warps, c.stages,
+                c.family == kDecodeSplit ? "split" : "pipe");
+  return label;
+}
+
+absl::Status LaunchLabPrefill(const DcaGeometry& g, const CudaPrefillParams& p, int config,
+                              cudaStream_t stream) {
+  ATTND_RETURN_IF_ERROR(cuda_launch::CheckPrefill(g, p));
+  constexpr auto kAll = std::make_integer_sequence<int, kNumPrefillConfigs>();
+  return g.head_dim == 128 ? DispatchPrefill<128>(g, p, config, stream, kAll)
+                           : DispatchPrefill<64>(g, p, config, stream, kAll);
+}
+
+int32_t LabDecodeSplits(const DcaGeometry& g, int32_t batch, int64_t max_length, int config) {
+  if (config < 0 || config >= kNumDecodeConfigs || CheckCudaGeometry(g).ok() == false) return 0;
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  constexpr auto kAll = std::make_integer_sequence<int, kNumDecodeConfigs>();
+  const int32_t per_sm = g.head_dim == 128 ? DispatchBlocksPerSm<128>(g, config, kAll)
+                                           : DispatchBlocksPerSm<64>(g, config, kAll);
+  if (per_sm < 1) return 0;
+  const int64_t resident = int64_t{sms} * per_sm;
+  const int64_t blocks = std::max<int64_t>(1, int64_t{batch} * std::max(1, g.num_kv_heads));
+  const int64_t cap = std::max<int64_t>(1, (max_length + 255) / 256);
+  return static_cast<int32_t>(
+      std::clamp<int64_t>(resident / blocks, 1, std::min<int64_t>(cap, 1024)));
+}
+
+absl::Status LaunchLabDecode(const DcaGeometry& g, const CudaDecodeParams& p, int config,
+                             cudaStream_t stream) {
+  ATTND_RETURN_IF_ERROR(cuda_launch::CheckDecode(g, p));
+  if (p.max_splits < 1 || p.max_splits > 65535 || p.partial_out == nullptr ||
+      p.partial_lse == nullptr) {
+    return absl::InvalidArgumentError("lab decode: bad max_splits or null workspace");
+  }
+  constexpr auto kAll = std::make_integer_sequence<int, kNumDecodeConfigs>();
+  return g.head_dim == 128 ? DispatchDecode<128>(g, p, config, stream, kAll)
+                           : DispatchDecode<64>(g, p, config, stream, kAll);
+}
+
+}  // namespace lab
+}  // namespace attnd

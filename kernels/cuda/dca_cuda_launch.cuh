@@ -1,0 +1,111 @@
+// Host side of the DCA kernel launches that the product (dca_cuda.cu) and the tuning lab
+// (bench/gpu/lab/) share: parameter checks and the kernels' argument structs. Included by .cu files
+// only, after dca_cuda_kernels.cuh.
+#ifndef ATTND_KERNELS_CUDA_DCA_CUDA_LAUNCH_CUH_
+#define ATTND_KERNELS_CUDA_DCA_CUDA_LAUNCH_CUH_
+
+#include <algorithm>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/dca_cuda.h"
+#include "kernels/cuda/dca_cuda_kernels.cuh"
+
+namespace attnd {
+namespace cuda_launch {
+
+inline constexpr int64_t kMaxPosition = (int64_t{1} << 31) - 1;
+
+inline bool ValidDType(DType t) {
+  return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32;
+}
+
+inline absl::Status CheckKv(const DcaGeometry& g, const PagedKv<Bf16>& kv) {
+  if (kv.k == nullptr || kv.v == nullptr || kv.page_table == nullptr || kv.page_size <= 0) {
+    return absl::InvalidArgumentError("PagedKv: null pointer or page_size <= 0");
+  }
+  if (kv.num_kv_heads != g.num_kv_heads || kv.head_dim != g.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("PagedKv: ", kv.num_kv_heads, " kv heads x ",
+                                                   kv.head_dim, " does not match the geometry"));
+  }
+  return absl::OkStatus();
+}
+
+// Kernel arguments and the number of query tiles (blocks along x) for blocks of block_m rows.
+inline absl::Status PlanPrefill(const DcaGeometry& g, const CudaPrefillParams& p, int block_m,
+                                cuda_kernels::PrefillArgs* a, int64_t* tiles) {
+  a->kv = p.kv;
+  a->q = p.q;
+  a->out = p.out;
+  a->out_dtype = static_cast<int>(p.out_dtype);
+  a->start = static_cast<int32_t>(p.start);
+  a->num_tokens = static_cast<int32_t>(p.num_tokens);
+  a->chunk_len = static_cast<int32_t>(g.chunk_len);
+  a->num_q_heads = g.num_q_heads;
+  a->group = g.group_size();
+  a->scale_log2 = p.softmax_scale * cuda_kernels::kLog2e;
+  // Pieces: the first runs from start to the end of its chunk; the rest are whole chunks.
+  const int64_t cl = g.chunk_len;
+  const int64_t lk = p.start + p.num_tokens;
+  const int64_t prev0 = (p.start / cl) * cl;
+  const int64_t end0 = std::min(prev0 + cl, lk);
+  const int64_t rows_first = (end0 - p.start) * a->group;
+  const int64_t tiles_first = (rows_first + block_m - 1) / block_m;
+  const int64_t tiles_full = (cl * a->group + block_m - 1) / block_m;
+  const int64_t more_pieces = (lk - end0 + cl - 1) / cl;
+  *tiles = tiles_first + more_pieces * tiles_full;
+  if (tiles_full > INT32_MAX || *tiles > INT32_MAX) {
+    return absl::InvalidArgumentError("prefill: too many query tiles");
+  }
+  a->tiles_first = static_cast<int32_t>(tiles_first);
+  a->tiles_full = static_cast<int32_t>(tiles_full);
+  return absl::OkStatus();
+}
+
+inline absl::Status CheckPrefill(const DcaGeometry& g, const CudaPrefillParams& p) {
+  if (absl::Status s = CheckCudaGeometry(g); !s.ok()) return s;
+  if (absl::Status s = CheckKv(g, p.kv); !s.ok()) return s;
+  if (p.q == nullptr || p.out == nullptr || !ValidDType(p.out_dtype)) {
+    return absl::InvalidArgumentError("prefill: null q/out or bad out_dtype");
+  }
+  if (p.start < 0 || p.num_tokens < 1 || p.start + p.num_tokens > kMaxPosition) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill: bad token range start=", p.start, " num_tokens=", p.num_tokens));
+  }
+  return absl::OkStatus();
+}
+
+// The split kernels' arguments (both decode kernel families take the same).
+inline cuda_kernels::DecodeArgs DecodeArgsFor(const DcaGeometry& g, const CudaDecodeParams& p) {
+  cuda_kernels::DecodeArgs a;
+  a.kv = p.kv;
+  a.lengths = p.lengths;
+  a.q = p.q;
+  a.chunk_len = static_cast<int32_t>(g.chunk_len);
+  a.num_q_heads = g.num_q_heads;
+  a.group = g.group_size();
+  a.max_splits = p.max_splits;
+  a.orig = g.original_max_position_embeddings;
+  a.scale_log2 = g.softmax_scale * cuda_kernels::kLog2e;
+  a.partial_out = p.partial_out;
+  a.partial_lse = p.partial_lse;
+  return a;
+}
+
+inline absl::Status CheckDecode(const DcaGeometry& g, const CudaDecodeParams& p) {
+  if (absl::Status s = CheckCudaGeometry(g); !s.ok()) return s;
+  if (absl::Status s = CheckKv(g, p.kv.Seq(0)); !s.ok()) return s;
+  if (p.lengths == nullptr || p.q == nullptr || p.out == nullptr || !ValidDType(p.out_dtype)) {
+    return absl::InvalidArgumentError("decode: null lengths/q/out or bad out_dtype");
+  }
+  if (p.batch < 1 || p.batch > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("decode: batch ", p.batch, " not in 1..65535"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace cuda_launch
+}  // namespace attnd
+
+#endif  // ATTND_KERNELS_CUDA_DCA_CUDA_LAUNCH_CUH_

@@ -1,0 +1,183 @@
+// Device code of the KV writes and conversions in dca_cuda.h (prefill append, decode append, the
+// decode staging kernel, bf16 conversion). Included by dca_cuda.cu only.
+#ifndef ATTND_KERNELS_CUDA_KV_WRITE_KERNELS_CUH_
+#define ATTND_KERNELS_CUDA_KV_WRITE_KERNELS_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/dca_cuda_kernels.cuh"
+
+namespace attnd {
+namespace cuda_kernels {
+
+// ---- append and conversion
+// -----------------------------------------------------------------------
+
+// grid-stride over num_tokens * Hkv * D elements of one sequence.
+__global__ void AppendKvKernel(PagedKv<Bf16> kv, const void* k, const void* v, int in_dtype,
+                               int32_t start, int64_t n, float key_scale) {
+  const int64_t per_token = static_cast<int64_t>(kv.num_kv_heads) * kv.head_dim;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t t = static_cast<int32_t>(i / per_token);
+    const int32_t h = static_cast<int32_t>((i % per_token) / kv.head_dim);
+    const int32_t d = static_cast<int32_t>(i % kv.head_dim);
+    const int64_t off = PagedOffset(kv, start + t, h) + d;
+    kv.k[off] = __float2bfloat16_rn(LoadAsFloat(k, in_dtype, i) * key_scale);
+    kv.v[off] = __float2bfloat16_rn(LoadAsFloat(v, in_dtype, i));
+  }
+}
+
+// grid (batch), block 128: sequence b's new token at lengths[b] - 1; rows with length 0 are
+// skipped.
+__global__ void DecodeAppendKvKernel(PagedKvBatch kvb, const int32_t* lengths, const void* k,
+                                     const void* v, int in_dtype, int64_t orig) {
+  const int32_t b = blockIdx.x;
+  const int32_t len = lengths[b];
+  if (len < 1) return;  // a padding row of a captured batch size: nothing to append
+  const float key_scale = LengthScale(len, orig);
+  const PagedKv<Bf16> kv = kvb.Seq(b);
+  const int per_token = kv.num_kv_heads * kv.head_dim;
+  for (int i = threadIdx.x; i < per_token; i += blockDim.x) {
+    const int64_t src = static_cast<int64_t>(b) * per_token + i;
+    const int64_t off = PagedOffset(kv, len - 1, i / kv.head_dim) + i % kv.head_dim;
+    kv.k[off] = __float2bfloat16_rn(LoadAsFloat(k, in_dtype, src) * key_scale);
+    kv.v[off] = __float2bfloat16_rn(LoadAsFloat(v, in_dtype, src));
+  }
+}
+
+// grid (kDecodeStageBlocks, batch), block kDecodeStageThreads: CudaDecodeStageParams. Host memory
+// is read over the bus, where every read is a round trip of microseconds, so the kernel makes two:
+// the row's header, then every 16-byte piece of the row (q, page table, k, v, and the page id of
+// the new token) loaded by its own thread before any of them is stored. A row's pieces, in order:
+// q (3 * Hq * D elements of its dtype), its page table (4 ids a piece; tables are 16-byte
+// aligned, so the last piece may carry up to 3 ids past num_pages, which nobody reads), k, v.
+constexpr int kDecodeStageBlocks = 16;
+constexpr int kDecodeStageThreads = 256;
+constexpr int kDecodeStageUnroll = 4;  // pieces in flight per thread: 16 * 256 * 4 * 16 B = 256 KB
+
+// The `n` (16 / element size) values of one 16-byte piece of `dtype` elements, as floats.
+__device__ __forceinline__ int PieceToFloats(const uint4& piece, int dtype, float (&x)[8]) {
+  const uint32_t w[4] = {piece.x, piece.y, piece.z, piece.w};
+  if (dtype == static_cast<int>(DType::kFp32)) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = __uint_as_float(w[i]);
+    return 4;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint16_t h = static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2)));
+    x[i] = dtype == static_cast<int>(DType::kBf16) ? __bfloat162float(__ushort_as_bfloat16(h))
+                                                   : __half2float(__ushort_as_half(h));
+  }
+  return 8;
+}
+
+// Stores n (4 or 8) floats as bf16 at dst (8- or 16-byte aligned).
+__device__ __forceinline__ void StoreBf16Piece(Bf16* dst, const float (&x)[8], int n, float scale) {
+  const uint32_t p0 = PackBf16(x[0] * scale, x[1] * scale);
+  const uint32_t p1 = PackBf16(x[2] * scale, x[3] * scale);
+  if (n == 4) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(p0, p1);
+  } else {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(p0, p1, PackBf16(x[4] * scale, x[5] * scale),
+                                                PackBf16(x[6] * scale, x[7] * scale));
+  }
+}
+
+__device__ __forceinline__ int32_t DTypeBytes(int dtype) {
+  return dtype == static_cast<int>(DType::kFp32) ? 4 : 2;
+}
+
+__global__ void __launch_bounds__(kDecodeStageThreads)
+    DecodeStageKernel(PagedKvBatch kvb, const DecodeStageRow* rows, const int32_t* host_tables,
+                      const char* host_q, const char* host_k, const char* host_v,
+                      int64_t q_row_bytes, int64_t kv_row_bytes, int32_t* lengths, Bf16* q,
+                      int32_t num_q_heads, int64_t orig) {
+  const int32_t r = blockIdx.y;
+  __shared__ DecodeStageRow row;
+  if (threadIdx.x == 0) row = rows[r];
+  __syncthreads();
+  if (blockIdx.x == 0 && threadIdx.x == 0) lengths[r] = max(row.length, 0);
+  if (row.length < 1) return;  // padding of a captured batch size: nothing else
+
+  const int64_t stride = kvb.page_table_stride;
+  const int32_t* host_table = host_tables + r * stride;
+  const int D = kvb.head_dim;
+  const int64_t q_elems = int64_t{3} * num_q_heads * D, kv_elems = int64_t{kvb.num_kv_heads} * D;
+  // A pre-rotary row's q is already in place and its k slot holds the rotated key as fp32.
+  const int k_dtype = row.rotary != 0 ? static_cast<int>(DType::kFp32) : row.k_dtype;
+  const int64_t n_q = row.rotary != 0 ? 0 : q_elems * DTypeBytes(row.q_dtype) / 16;
+  const int64_t n_t = (row.num_pages + 3) / 4;
+  const int64_t n_k = kv_elems * DTypeBytes(k_dtype) / 16;
+  const int64_t n_v = kv_elems * DTypeBytes(row.v_dtype) / 16;
+  const int64_t total = n_q + n_t + n_k + n_v;
+  const int64_t step = int64_t{gridDim.x} * blockDim.x;
+  const int32_t pos = row.length - 1;  // the new token
+  const uint32_t ps = static_cast<uint32_t>(kvb.page_size);
+  const float key_scale = LengthScale(row.length, orig);
+  for (int64_t base = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; base < total;
+       base += step * kDecodeStageUnroll) {
+    // Loads first: every piece (and the new token's page id) in flight at once.
+    uint4 piece[kDecodeStageUnroll];
+    int32_t page = 0;
+    bool appends = false;
+#pragma unroll
+    for (int u = 0; u < kDecodeStageUnroll; ++u) {
+      const int64_t i = base + u * step;
+      if (i >= total) continue;
+      const char* src;
+      if (i < n_q) {
+        src = host_q + r * q_row_bytes + i * 16;
+      } else if (i < n_q + n_t) {
+        src = reinterpret_cast<const char*>(host_table) + (i - n_q) * 16;
+      } else if (i < n_q + n_t + n_k) {
+        src = host_k + r * kv_row_bytes + (i - n_q - n_t) * 16;
+        appends = true;
+      } else {
+        src = host_v + r * kv_row_bytes + (i - n_q - n_t - n_k) * 16;
+        appends = true;
+      }
+      piece[u] = *reinterpret_cast<const uint4*>(src);
+    }
+    if (appends) page = host_table[static_cast<uint32_t>(pos) / ps];
+      // Then the stores.
+#pragma unroll
+    for (int u = 0; u < kDecodeStageUnroll; ++u) {
+      const int64_t i = base + u * step;
+      if (i >= total) continue;
+      float x[8];
+      if (i < n_q) {
+        const int n = PieceToFloats(piece[u], row.q_dtype, x);
+        StoreBf16Piece(q + r * q_elems + i * n, x, n, 1.f);
+      } else if (i < n_q + n_t) {
+        int32_t* table = const_cast<int32_t*>(kvb.page_tables) + r * stride;
+        *reinterpret_cast<uint4*>(table + (i - n_q) * 4) = piece[u];
+      } else {
+        const bool is_k = i < n_q + n_t + n_k;
+        const int n = PieceToFloats(piece[u], is_k ? k_dtype : row.v_dtype, x);
+        const int64_t e = (is_k ? i - n_q - n_t : i - n_q - n_t - n_k) * n;  // first element
+        const int64_t off =
+            ((int64_t{page} * ps + static_cast<uint32_t>(pos) % ps) * kvb.num_kv_heads + e / D) *
+                D +
+            e % D;
+        StoreBf16Piece((is_k ? kvb.k : kvb.v) + off, x, n, is_k ? key_scale : 1.f);
+      }
+    }
+  }
+}
+
+__global__ void ConvertToBf16Kernel(const void* src, int dtype, int64_t n, Bf16* dst) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = __float2bfloat16_rn(LoadAsFloat(src, dtype, i));
+  }
+}
+
+}  // namespace cuda_kernels
+}  // namespace attnd
+
+#endif  // ATTND_KERNELS_CUDA_KV_WRITE_KERNELS_CUH_
