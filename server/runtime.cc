@@ -18,8 +18,6 @@ std::string ShapeString(absl::Span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-bool IsKnownDType(DType t) { return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32; }
-
 // Names a dtype as it arrived, including values that are not a DType (wire values 0, 4, ...).
 std::string DTypeString(DType t) {
   if (IsKnownDType(t)) return std::string(DTypeName(t));
