@@ -393,9 +393,6 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
 absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   // (The analysis cannot follow a variable number of held locks: `locks` below holds them.)
-  if (call.admit) {
-    if (absl::Status s = call.admit(); !s.ok()) return s;
-  }
   const size_t n = call.entries.size();
   for (size_t i = 0; i < n; ++i) {
     if (absl::Status s = Misrouted(call.entries[i].sequence_id); !s.ok()) {
