@@ -368,7 +368,7 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
   void* out = OutputBuffer(call.output, out_bytes, &result.out);
   if (out == nullptr) return absl::InternalError("no buffer for the prefill output");
 
-  PrefillJob job;
+  PrefillJob job{EngineJobKey()};
   job.layer = call.layer;
   job.page_table = seq->pages.data();
   job.num_pages = static_cast<int64_t>(seq->pages.size());
@@ -452,7 +452,7 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
 
   DecodeResult result;
   result.outputs.resize(n);
-  DecodeJob job;
+  DecodeJob job{EngineJobKey()};
   job.layer = call.layer;
   job.entries.resize(n);
   for (size_t i = 0; i < n; ++i) {
