@@ -12,6 +12,12 @@ namespace attnd {
 
 enum class DType : int { kBf16 = 1, kFp16 = 2, kFp32 = 3 };
 
+// Whether `t` is one of the enumerators above (a wire value cast to DType may be 0 or unknown).
+// The one spelling of "known dtype": request validation, engines and tools all use it.
+constexpr bool IsKnownDType(DType t) {
+  return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32;
+}
+
 // Bytes per element.
 constexpr size_t ElementSize(DType t) { return t == DType::kFp32 ? 4 : 2; }
 

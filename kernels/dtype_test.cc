@@ -31,6 +31,16 @@ TEST(DTypeTest, NamesAndSizes) {
   EXPECT_EQ(ElementSize(DType::kFp32), 4u);
 }
 
+TEST(DTypeTest, IsKnownDType) {
+  EXPECT_TRUE(IsKnownDType(DType::kBf16));
+  EXPECT_TRUE(IsKnownDType(DType::kFp16));
+  EXPECT_TRUE(IsKnownDType(DType::kFp32));
+  EXPECT_FALSE(IsKnownDType(static_cast<DType>(0)));  // unspecified on the wire
+  EXPECT_FALSE(IsKnownDType(static_cast<DType>(4)));
+  EXPECT_FALSE(IsKnownDType(static_cast<DType>(-1)));
+  static_assert(IsKnownDType(DType::kFp32), "usable in constant expressions");
+}
+
 TEST(Bf16Test, EveryBf16RoundTripsExactly) {
   for (uint32_t h = 0; h <= 0xffff; ++h) {
     const float f = Bf16ToFloat(static_cast<uint16_t>(h));

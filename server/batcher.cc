@@ -94,7 +94,8 @@ BatchingDecodeQueue::~BatchingDecodeQueue() {
   mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return IdleLocked(); });
 }
 
-absl::Status BatchingDecodeQueue::Submit(DecodeCall call, const DecodeContext& context, Done done) {
+absl::Status BatchingDecodeQueue::Submit(DecodeCall call, const RequestContext& context,
+                                         Done done) {
   const absl::Time now = clock_->Now();
   std::vector<Answer> answers;
   std::vector<std::shared_ptr<Batch>> batches;
@@ -185,7 +186,7 @@ void BatchingDecodeQueue::DropExpiredLocked(KeyState* state, absl::Time now,
       status = absl::DeadlineExceededError(
           "the decode's deadline passed while it was queued; nothing was changed");
       ++stats_.calls_deadline_exceeded;
-    } else if (c.context.cancelled && c.context.cancelled()) {
+    } else if (c.context.IsCancelled()) {
       status = absl::CancelledError(
           "the client cancelled the decode while it was queued; nothing was changed");
       ++stats_.calls_cancelled;
@@ -321,18 +322,13 @@ std::vector<BatchingDecodeQueue::Result> BatchingDecodeQueue::Execute(Batch* bat
     return r;
   };
 
-  // A call alone keeps its admit hook for Runtime::Decode. A merged batch carries none, so each
-  // call's hook runs here, once, just before the launch (and not again if the call is re-run on
-  // its own below).
+  // Each call's context is checked once, here on the worker just before the launch (a call alone
+  // included; not again if the call is re-run on its own below).
   std::vector<Pending*> calls;
   for (const auto& c : batch->calls) {
-    if (batch->calls.size() > 1 && c->call.admit) {
-      std::function<absl::Status()> admit = std::move(c->call.admit);
-      c->call.admit = nullptr;
-      if (absl::Status s = admit(); !s.ok()) {
-        answer(c.get(), std::move(s));
-        continue;
-      }
+    if (absl::Status s = AdmitAt(c->context, start); !s.ok()) {
+      answer(c.get(), std::move(s));
+      continue;
     }
     calls.push_back(c.get());
   }

@@ -22,10 +22,10 @@
 //   * A queued call whose deadline passes, or whose client cancels, is answered DEADLINE_EXCEEDED /
 //     CANCELLED when the batcher next looks at its key (on any Submit, at the next timer wake-up,
 //     when a batch of the key finishes), without touching the KV pool.
-//   * DecodeCall::admit (the RPC's own check of its deadline and cancellation, run on the worker
-//     just before the call executes) runs once per call: for a call alone by Runtime::Decode, for
-//     a merged batch by the batcher just before the launch; a call it refuses is answered with its
-//     status and left out of the batch.
+//   * On the worker, just before a batch launches, each of its calls' contexts is checked once
+//     more (AdmitAt, server/request_context.h: the deadline may pass, or the client cancel, between
+//     the flush and the launch); the context's observer is told the call started. A call refused
+//     there is answered with that status and left out of the batch.
 //   * A merged batch that fails (validation, out of pages, engine error) changed nothing (the
 //     runtime is all-or-nothing), so its calls are re-run one by one: each call gets exactly the
 //     status it would have got on its own, and a bad call fails only its own RPC.
@@ -54,6 +54,7 @@
 #include "kernels/mutex.h"
 #include "server/clock.h"
 #include "server/decode_queue.h"
+#include "server/request_context.h"
 #include "server/runtime.h"
 
 namespace attnd {
@@ -104,8 +105,8 @@ absl::Status CheckDecodeBatcherOptions(const DecodeBatcherOptions& options);
 struct DecodeBatchingStats {
   int64_t calls_submitted = 0;
   int64_t calls_completed = 0;  // answered with the executor's result
-  // Answered DEADLINE_EXCEEDED / CANCELLED without running: while queued, or by the call's admit
-  // hook just before its batch ran.
+  // Answered DEADLINE_EXCEEDED / CANCELLED without running: while queued, or by the check of its
+  // context just before its batch ran.
   int64_t calls_deadline_exceeded = 0;
   int64_t calls_cancelled = 0;
   int64_t batches = 0;                         // merged batches formed
@@ -142,7 +143,7 @@ class BatchingDecodeQueue : public DecodeQueue {
   using DecodeQueue::Submit;
   // UNAVAILABLE after Shutdown; RESOURCE_EXHAUSTED when max_queued_calls are waiting. done is
   // called exactly once iff this returns OK.
-  absl::Status Submit(DecodeCall call, const DecodeContext& context, Done done) override;
+  absl::Status Submit(DecodeCall call, const RequestContext& context, Done done) override;
 
   // Drops expired and cancelled calls and launches every batch that is due now.
   void Poll();
@@ -161,7 +162,7 @@ class BatchingDecodeQueue : public DecodeQueue {
 
   struct Pending {
     DecodeCall call;
-    DecodeContext context;
+    RequestContext context;
     Done done;
     absl::Time arrival;
     int64_t num_entries = 0;

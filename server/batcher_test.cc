@@ -31,6 +31,7 @@
 #include "server/clock.h"
 #include "server/engine_factory.h"
 #include "server/model_config.h"
+#include "server/request_context.h"
 #include "server/runtime.h"
 #include "server/test_models.h"
 #include "server/work_queue.h"
@@ -65,10 +66,6 @@ class FakeExecutor : public DecodeExecutor {
       stats.padding_entries = *size - n;
     } else {
       stats.eager_launches = 1;
-    }
-    // Like Runtime::Decode: the call's admit hook first, nothing touched when it refuses.
-    if (call.admit) {
-      if (absl::Status s = call.admit(); !s.ok()) return s;
     }
     if (call.entries.empty())
       return absl::InvalidArgumentError("a decode needs at least one entry");
@@ -167,12 +164,11 @@ class BatcherTest : public testing::Test {
   }
 
   // Submits a call naming `ids` (string literals: they must outlive the call) in `layer`.
-  Reply* Submit(std::vector<const char*> ids, int32_t layer = 0, DecodeContext context = {},
-                absl::string_view tenant = "", std::function<absl::Status()> admit = nullptr) {
+  Reply* Submit(std::vector<const char*> ids, int32_t layer = 0, RequestContext context = {},
+                absl::string_view tenant = "") {
     DecodeCall call;
     call.layer = layer;
     call.tenant = tenant;
-    call.admit = std::move(admit);
     for (const char* id : ids) {
       DecodeCall::Entry e;
       e.sequence_id = id;
@@ -398,13 +394,13 @@ TEST_F(BatcherTest, DelayZeroNeverWaitsButStillMergesWhatQueuedBehindABusySlot) 
 TEST_F(BatcherTest, CancelledCallsAreDroppedWithoutReachingTheExecutor) {
   Make(DecodeBatcherOptions());
   Submit({"a"});  // in flight
-  bool cancel_b = false, cancel_d = false;
-  DecodeContext cb, cd;
-  cb.cancelled = [&cancel_b] { return cancel_b; };
-  cd.cancelled = [&cancel_d] { return cancel_d; };
+  std::shared_ptr<std::atomic<bool>> cancel_b = NewCancelFlag(), cancel_d = NewCancelFlag();
+  RequestContext cb, cd;
+  cb.cancelled = cancel_b;
+  cd.cancelled = cancel_d;
   Reply* b = Submit({"b"}, 0, cb);
   Reply* c = Submit({"c"});
-  cancel_b = true;
+  cancel_b->store(true);
   dispatcher_.RunAll();
   EXPECT_THAT(exec_.Batches(), ElementsAre("a", "c"));
   EXPECT_EQ(b->result.status().code(), absl::StatusCode::kCancelled);
@@ -414,7 +410,7 @@ TEST_F(BatcherTest, CancelledCallsAreDroppedWithoutReachingTheExecutor) {
   // Cancelled while waiting for its delay on an idle layer: dropped at the next look.
   Make(NoSizeFlush());
   Reply* d = Submit({"d"}, 0, cd);
-  cancel_d = true;
+  cancel_d->store(true);
   clock_.Advance(absl::Microseconds(100));
   queue_->Poll();
   EXPECT_TRUE(dispatcher_.held.empty());
@@ -425,7 +421,7 @@ TEST_F(BatcherTest, CancelledCallsAreDroppedWithoutReachingTheExecutor) {
 
 TEST_F(BatcherTest, ExpiredCallsAreDroppedAtTheirDeadline) {
   Make(NoSizeFlush(absl::Microseconds(100)));
-  DecodeContext soon;
+  RequestContext soon;
   soon.deadline = clock_.Now() + absl::Microseconds(30);
   Reply* a = Submit({"a"}, 0, soon);
   Reply* b = Submit({"b"});
@@ -442,7 +438,7 @@ TEST_F(BatcherTest, ExpiredCallsAreDroppedAtTheirDeadline) {
   EXPECT_THAT(exec_.Batches(), ElementsAre("b"));
   EXPECT_EQ(queue_->Stats().calls_deadline_exceeded, 1);
   // A call that arrives already expired is answered, never run.
-  DecodeContext past;
+  RequestContext past;
   past.deadline = clock_.Now();
   Reply* late = Submit({"c"}, 0, past);
   EXPECT_TRUE(last_submit_.ok());
@@ -520,43 +516,88 @@ TEST_F(BatcherTest, AFailingCallFailsOnlyItself) {
   EXPECT_EQ(queue_->Stats().eager_launches, 6);
 }
 
-// DecodeCall::admit (the service's deadline/cancel check) runs exactly once per call: by the
-// executor (the runtime) for a call alone, by the batcher before a merged launch; a refused call
-// is left out of the merged batch and answered with the hook's status.
-TEST_F(BatcherTest, AdmitHooksRunOnceAndARefusedCallIsLeftOut) {
+// Counts RequestObserver::OnStarted per call and keeps the last start time.
+struct StartCounter : RequestObserver {
+  void OnStarted(absl::Time t) override {
+    ++starts;
+    started = t;
+  }
+  int starts = 0;
+  absl::Time started = absl::InfinitePast();
+};
+
+// Each call's context is checked exactly once, by the batcher on the worker just before its batch
+// launches (a call alone included), and its observer told the start then: a deadline that passes,
+// or a cancel that comes, after the flush but before the launch keeps that call out of the merged
+// batch, answered with its own status; the rest run.
+TEST_F(BatcherTest, ContextsAreCheckedOnceAtLaunchAndARefusedCallIsLeftOut) {
   DecodeBatcherOptions o;
   std::vector<int64_t> executed;  // on_batch sees only launches that succeeded
   o.on_batch = [&executed](int64_t n, const DecodeStats&) { executed.push_back(n); };
   Make(o);
-  std::map<std::string, int> admits;
-  auto hook = [&admits](const char* id, absl::Status s) -> std::function<absl::Status()> {
-    return [&admits, id, s] {
-      ++admits[id];
-      return s;
-    };
+  std::map<std::string, StartCounter> observers;
+  auto context = [&](const char* id) {
+    RequestContext c;
+    c.enqueue_time = clock_.Now();
+    c.observer = &observers[id];
+    return c;
   };
-  Submit({"a"}, 0, {}, "", hook("a", absl::OkStatus()));  // alone, at once
-  Reply* b = Submit({"b"}, 0, {}, "", hook("b", absl::OkStatus()));
-  Reply* c = Submit({"c"}, 0, {}, "", hook("c", absl::DeadlineExceededError("late")));
-  Reply* d = Submit({"d", "bad-d"}, 0, {}, "", hook("d", absl::OkStatus()));
-  Reply* e = Submit({"e"}, 0, {}, "", hook("e", absl::OkStatus()));
+  Submit({"a"}, 0, context("a"));  // alone, at once
+  Reply* b = Submit({"b"}, 0, context("b"));
+  RequestContext late = context("c");
+  late.deadline = clock_.Now() + absl::Microseconds(150);  // after the flush, before the launch
+  Reply* c = Submit({"c"}, 0, late);
+  Reply* d = Submit({"d", "bad-d"}, 0, context("d"));
+  RequestContext cancelled = context("e");
+  std::shared_ptr<std::atomic<bool>> cancel_e = NewCancelFlag();
+  cancelled.cancelled = cancel_e;
+  Reply* e = Submit({"e"}, 0, cancelled);
   dispatcher_.RunAll();
+  EXPECT_EQ(observers["a"].starts, 1);
+  EXPECT_EQ(observers["b"].starts, 0);      // still queued: not started
   clock_.Advance(absl::Microseconds(100));  // 5 entries queued: not a captured size
-  queue_->Poll();
+  queue_->Poll();                           // the batch is flushed (held by the dispatcher)
+  EXPECT_FALSE(c->called);
+  EXPECT_FALSE(e->called);
+  clock_.Advance(absl::Microseconds(50));  // c's deadline
+  cancel_e->store(true);
   dispatcher_.RunAll();
-  // c never reaches the executor; the merged b,d,bad-d,e fails and is re-run call by call.
-  EXPECT_THAT(exec_.Batches(), ElementsAre("a", "b,d,bad-d,e", "b", "d,bad-d", "e"));
-  EXPECT_EQ(admits, (std::map<std::string, int>{{"a", 1}, {"b", 1}, {"c", 1}, {"d", 1}, {"e", 1}}));
+  // c and e never reach the executor; the merged b,d,bad-d fails and is re-run call by call.
+  EXPECT_THAT(exec_.Batches(), ElementsAre("a", "b,d,bad-d", "b", "d,bad-d"));
+  for (const char* id : {"a", "b", "c", "d", "e"}) EXPECT_EQ(observers[id].starts, 1) << id;
+  EXPECT_EQ(observers["b"].started, clock_.Now());  // the launch, for queue-wait metrics
   EXPECT_EQ(b->Summary(), "b@1");
   EXPECT_EQ(c->result.status().code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_EQ(c->result.status().message(), "late");
+  EXPECT_EQ(c->result.status().message(),
+            "the client's deadline passed while the request waited 0 in the queue; nothing was "
+            "done");
+  EXPECT_EQ(e->result.status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(e->result.status().message(),
+            "the call was cancelled before it started; nothing was done");
   EXPECT_EQ(d->result.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(e->Summary(), "e@1");
+  EXPECT_EQ(exec_.Length(0, "c"), 0);
+  EXPECT_EQ(exec_.Length(0, "e"), 0);
   const DecodeBatchingStats s = queue_->Stats();
   EXPECT_EQ(s.calls_deadline_exceeded, 1);
-  EXPECT_EQ(s.calls_completed, 4);
+  EXPECT_EQ(s.calls_cancelled, 1);
+  EXPECT_EQ(s.calls_completed, 3);
   EXPECT_EQ(s.batches_by_size, (std::map<int32_t, int64_t>{{1, 1}, {5, 1}}));
-  EXPECT_THAT(executed, ElementsAre(1, 1, 1));
+  EXPECT_THAT(executed, ElementsAre(1, 1));
+}
+
+// A call dropped while queued (never dequeued) is not reported as started: its RPC records no
+// queue wait, as before.
+TEST_F(BatcherTest, ACallDroppedWhileQueuedIsNotStarted) {
+  Make(NoSizeFlush());
+  StartCounter observer;
+  RequestContext soon;
+  soon.deadline = clock_.Now() + absl::Microseconds(10);
+  soon.observer = &observer;
+  Reply* a = Submit({"a"}, 0, soon);
+  clock_.Advance(absl::Microseconds(10));
+  queue_->Poll();
+  EXPECT_EQ(a->result.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(observer.starts, 0);
 }
 
 TEST_F(BatcherTest, CallsNamingTheSameSequenceGoInSeparateBatchesInArrivalOrder) {

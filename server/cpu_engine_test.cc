@@ -20,6 +20,7 @@
 #include "kernels/testing/naive_sparse.h"
 #include "kernels/vertical_slash.h"
 #include "kvcache/kv_layout.h"
+#include "server/engine_jobs_for_testing.h"
 #include "server/sparse_config.h"
 
 namespace attnd {
@@ -143,7 +144,7 @@ TEST_P(CpuEngineMatchesNaive, PrefillChunksThenBatchedDecode) {
     Tensor k = RandomTensor({t, kHkv, kD}, c.io_dtype, &rng);
     Tensor v = RandomTensor({t, kHkv, kD}, c.io_dtype, &rng);
     std::string out(t * kHq * kD * ElementSize(c.io_dtype), '\0');
-    PrefillJob job;
+    PrefillJob job = EngineJobsForTesting::Prefill();
     job.layer = 1;
     job.page_table = pages_a.data();
     job.num_pages = static_cast<int64_t>(pages_a.size());
@@ -168,7 +169,7 @@ TEST_P(CpuEngineMatchesNaive, PrefillChunksThenBatchedDecode) {
     Tensor k = RandomTensor({t, kHkv, kD}, c.io_dtype, &rng);
     Tensor v = RandomTensor({t, kHkv, kD}, c.io_dtype, &rng);
     std::string out(t * kHq * kD * ElementSize(c.io_dtype), '\0');
-    PrefillJob job;
+    PrefillJob job = EngineJobsForTesting::Prefill();
     job.layer = 1;
     job.page_table = pages_b.data();
     job.num_pages = static_cast<int64_t>(pages_b.size());
@@ -193,7 +194,7 @@ TEST_P(CpuEngineMatchesNaive, PrefillChunksThenBatchedDecode) {
     Tensor kb = RandomTensor({kHkv, kD}, c.io_dtype, &rng),
            vb = RandomTensor({kHkv, kD}, c.io_dtype, &rng);
     std::string out_a(kHq * kD * ElementSize(c.io_dtype), '\0'), out_b = out_a;
-    DecodeJob job;
+    DecodeJob job = EngineJobsForTesting::Decode();
     job.layer = 1;
     job.entries.resize(2);
     job.entries[0] = {pages_a.data(), static_cast<int64_t>(pages_a.size()),
@@ -252,7 +253,7 @@ TEST_P(CpuEnginePreRotary, MatchesTheNaiveRotaryAndMixesLayoutsInOneDecode) {
       Tensor k = RandomTensor({t, kHkv, kD}, c.io_dtype, &rng);
       Tensor v = RandomTensor({t, kHkv, kD}, c.io_dtype, &rng);
       std::string out(t * kHq * kD * ElementSize(c.io_dtype), '\0');
-      PrefillJob job;
+      PrefillJob job = EngineJobsForTesting::Prefill();
       job.layer = 0;
       job.page_table = pages_a.data();
       job.num_pages = static_cast<int64_t>(pages_a.size());
@@ -278,7 +279,7 @@ TEST_P(CpuEnginePreRotary, MatchesTheNaiveRotaryAndMixesLayoutsInOneDecode) {
       Tensor k = RandomTensor({t, kHkv, kD}, c.io_dtype, &rng);
       Tensor v = RandomTensor({t, kHkv, kD}, c.io_dtype, &rng);
       std::string out(t * kHq * kD * ElementSize(c.io_dtype), '\0');
-      PrefillJob job;
+      PrefillJob job = EngineJobsForTesting::Prefill();
       job.layer = 0;
       job.page_table = pages_b.data();
       job.num_pages = static_cast<int64_t>(pages_b.size());
@@ -300,7 +301,7 @@ TEST_P(CpuEnginePreRotary, MatchesTheNaiveRotaryAndMixesLayoutsInOneDecode) {
       Tensor kb = RandomTensor({kHkv, kD}, c.io_dtype, &rng);
       Tensor vb = RandomTensor({kHkv, kD}, c.io_dtype, &rng);
       std::string out_a(kHq * kD * ElementSize(c.io_dtype), '\0'), out_b = out_a;
-      DecodeJob job;
+      DecodeJob job = EngineJobsForTesting::Decode();
       job.layer = 0;
       job.entries.resize(2);
       job.entries[0] = {pages_a.data(),     static_cast<int64_t>(pages_a.size()),
@@ -336,7 +337,7 @@ TEST(CpuEngineTest, RefusesPreRotaryWithoutARotary) {
   Tensor k = RandomTensor({1, kHkv, kD}, DType::kFp32, &rng);
   std::vector<float> out(kHq * kD);
   std::vector<int32_t> pages = {0};
-  PrefillJob job;
+  PrefillJob job = EngineJobsForTesting::Prefill();
   job.page_table = pages.data();
   job.num_pages = 1;
   job.num_tokens = 1;
@@ -388,7 +389,7 @@ TEST(CpuEngineTest, RejectsBadLayerAndPagesBeforeTouchingThePool) {
   Tensor k = RandomTensor({1, kHkv, kD}, DType::kFp32, &rng);
   std::vector<float> out(kHq * kD);
   std::vector<int32_t> pages = {0};
-  PrefillJob job;
+  PrefillJob job = EngineJobsForTesting::Prefill();
   job.layer = 2;
   job.page_table = pages.data();
   job.num_pages = 1;
@@ -466,7 +467,7 @@ TEST(CpuEngineSparseTest, PromptsOverTheThresholdTakeTheSparsePath) {
     for (float x : k.values) keys.push_back(x * s);  // cached as fp32(s * k)
     for (float x : v.values) values.push_back(x);
     std::string out(t * kHq * kD * sizeof(float), '\0');
-    PrefillJob job;
+    PrefillJob job = EngineJobsForTesting::Prefill();
     job.layer = 1;
     job.page_table = pages.data();
     job.num_pages = 64;
@@ -493,7 +494,7 @@ TEST(CpuEngineSparseTest, PromptsOverTheThresholdTakeTheSparsePath) {
   Tensor k = RandomTensor({t, kHkv, kD}, DType::kFp32, &rng);
   Tensor v = RandomTensor({t, kHkv, kD}, DType::kFp32, &rng);
   std::string out(t * kHq * kD * sizeof(float), '\0');
-  PrefillJob job;
+  PrefillJob job = EngineJobsForTesting::Prefill();
   job.layer = 0;
   job.page_table = other.data();
   job.num_pages = 20;

@@ -38,8 +38,6 @@ constexpr int kCopyThreads = 4;
 
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-bool SupportedDType(DType t) { return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32; }
-
 struct DeviceFree {
   void operator()(void* p) const { cudaFree(p); }
 };
@@ -444,8 +442,9 @@ PagedKv<Bf16> CudaEngine::LayerView(int32_t layer, const int32_t* device_page_ta
 absl::Status CudaEngine::Prefill(const PrefillJob& job) {
   const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
   const int64_t t = job.num_tokens;
-  if (t < 1 || job.start < 0 || job.prompt_len < job.start + t || job.out == nullptr ||
-      !SupportedDType(job.out_dtype)) {
+  // Only what the kernels could not survive (engine.h, EngineJobKey): prompt_len >= start + t is
+  // the runtime's check; it only scales keys and picks the sparse path, never indexes memory.
+  if (t < 1 || job.start < 0 || job.out == nullptr || !IsKnownDType(job.out_dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("engine: bad prefill range (start ", job.start,
                                                    ", tokens ", t, ", prompt_len ", job.prompt_len,
                                                    ")"));
@@ -458,7 +457,7 @@ absl::Status CudaEngine::Prefill(const PrefillJob& job) {
   ATTND_RETURN_IF_ERROR(CheckElements("k", job.k, t * hkv * d));
   ATTND_RETURN_IF_ERROR(CheckElements("v", job.v, t * hkv * d));
   for (const TensorView* view : {&job.q, &job.k, &job.v}) {
-    if (!SupportedDType(view->dtype)) return absl::InvalidArgumentError("engine: bad dtype");
+    if (!IsKnownDType(view->dtype)) return absl::InvalidArgumentError("engine: bad dtype");
   }
   if (pre_rotary && (job.k.dtype != job.q.dtype || job.v.dtype != job.q.dtype)) {
     return absl::InvalidArgumentError("engine: a pre-rotary prefill needs one dtype for q, k, v");
@@ -624,7 +623,7 @@ absl::Status CudaEngine::CheckDecodeJob(const DecodeJob& job) const {
   const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
   const int64_t q_n = kNumDecodeVariants * hq * d, kv_n = hkv * d;
   for (const DecodeJob::Entry& e : job.entries) {
-    if (e.length < 1 || e.out == nullptr || !SupportedDType(e.out_dtype)) {
+    if (e.length < 1 || e.out == nullptr || !IsKnownDType(e.out_dtype)) {
       return absl::InvalidArgumentError(absl::StrCat("engine: bad decode length ", e.length));
     }
     ATTND_RETURN_IF_ERROR(CheckPages(job.layer, e.page_table, e.num_pages, e.length));
@@ -638,7 +637,7 @@ absl::Status CudaEngine::CheckDecodeJob(const DecodeJob& job) const {
     ATTND_RETURN_IF_ERROR(CheckElements("k", e.k, kv_n));
     ATTND_RETURN_IF_ERROR(CheckElements("v", e.v, kv_n));
     for (const TensorView* view : {&e.q, &e.k, &e.v}) {
-      if (!SupportedDType(view->dtype)) return absl::InvalidArgumentError("engine: bad dtype");
+      if (!IsKnownDType(view->dtype)) return absl::InvalidArgumentError("engine: bad dtype");
     }
   }
   return absl::OkStatus();

@@ -23,6 +23,7 @@
 #include "kernels/testing/naive_dca.h"
 #include "kvcache/kv_layout.h"
 #include "server/engine.h"
+#include "server/engine_jobs_for_testing.h"
 
 namespace attnd {
 namespace {
@@ -172,7 +173,7 @@ TEST(CudaEngine, PrefillAndDecodeMatchReference) {
         const Tensor k = RandomTensor({t, hkv, d}, s.in, &rng);
         const Tensor v = RandomTensor({t, hkv, d}, s.in, &rng);
         std::vector<uint8_t> out(t * hq * d * ElementSize(s.out), 0xff);  // poisoned
-        PrefillJob job;
+        PrefillJob job = EngineJobsForTesting::Prefill();
         job.layer = layer;
         job.page_table = s.pages.data();
         job.num_pages = static_cast<int64_t>(s.pages.size());
@@ -199,7 +200,7 @@ TEST(CudaEngine, PrefillAndDecodeMatchReference) {
 
   for (int step = 0; step < 3; ++step) {
     for (int layer = 0; layer < 2; ++layer) {
-      DecodeJob job;
+      DecodeJob job = EngineJobsForTesting::Decode();
       job.layer = layer;
       std::vector<Tensor> qs, ks, vs;
       std::vector<std::vector<uint8_t>> outs;
@@ -282,7 +283,7 @@ TEST(CudaEngine, GraphReplayIsBitIdenticalToEagerLaunch) {
       const Tensor k = RandomTensor({t, hkv, d}, DType::kBf16, &rng);
       const Tensor v = RandomTensor({t, hkv, d}, DType::kBf16, &rng);
       std::vector<uint8_t> out(t * hq * d * 4);
-      PrefillJob job;
+      PrefillJob job = EngineJobsForTesting::Prefill();
       job.layer = layer;
       job.page_table = pages[i].data();
       job.num_pages = static_cast<int64_t>(pages[i].size());
@@ -307,7 +308,7 @@ TEST(CudaEngine, GraphReplayIsBitIdenticalToEagerLaunch) {
     for (int layer = 0; layer < 2; ++layer) {
       std::vector<Tensor> qs, ks, vs;
       std::vector<std::vector<uint8_t>> out_a, out_b;
-      DecodeJob job_a, job_b;
+      DecodeJob job_a = EngineJobsForTesting::Decode(), job_b = EngineJobsForTesting::Decode();
       job_a.layer = job_b.layer = layer;
       std::vector<int> which;
       for (int j = 0; j < n; ++j) which.push_back((first + j) % n_seq);
@@ -370,7 +371,7 @@ TEST(CudaEngine, RejectsBadPagesAndShapes) {
   const Tensor k = RandomTensor({4, 4, 128}, DType::kBf16, &rng);
   std::vector<float> out(4 * 28 * 128);
   std::vector<int32_t> pages = {5, 1000};
-  PrefillJob job;
+  PrefillJob job = EngineJobsForTesting::Prefill();
   job.page_table = pages.data();
   job.num_pages = 2;
   job.num_tokens = 4;

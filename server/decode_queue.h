@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "server/request_context.h"
 #include "server/runtime.h"
 #include "server/work_queue.h"
 
@@ -19,23 +20,17 @@ namespace attnd {
 // Submit returned OK; the call's tensors must stay valid until then. When Submit fails, done is
 // never called.
 //
-// `context` is the RPC's deadline and cancellation while the call waits in the queue (a batcher
-// answers a call that expires or is cancelled there without running it); DecodeCall::admit is
-// still the check made when the call runs.
-struct DecodeContext {
-  absl::Time deadline = absl::InfiniteFuture();
-  // Unset: never cancelled. Thread-safe; called only before done (e.g. ServerContext::IsCancelled).
-  std::function<bool()> cancelled;
-};
-
+// `context` (server/request_context.h) is the RPC's deadline and cancellation: whoever dequeues
+// the call checks it (AdmitAt) just before the call runs, and a batcher also answers a call that
+// expires or is cancelled while it waits for its batch, without running it.
 class DecodeQueue {
  public:
   using Done = std::function<void(absl::StatusOr<DecodeResult>)>;
   virtual ~DecodeQueue() = default;
   absl::Status Submit(DecodeCall call, Done done) {
-    return Submit(std::move(call), DecodeContext(), std::move(done));
+    return Submit(std::move(call), RequestContext(), std::move(done));
   }
-  virtual absl::Status Submit(DecodeCall call, const DecodeContext& context, Done done) = 0;
+  virtual absl::Status Submit(DecodeCall call, const RequestContext& context, Done done) = 0;
 };
 
 // Runs each decode request on its own as one batch on the work queue (no cross-RPC batching).
@@ -44,9 +39,8 @@ class DirectDecodeQueue : public DecodeQueue {
   DirectDecodeQueue(Runtime* runtime, WorkQueue* work_queue)
       : runtime_(runtime), work_queue_(work_queue) {}
   using DecodeQueue::Submit;
-  // The context is not needed: the call waits only in the work queue, and its admit hook checks
-  // the deadline and cancellation when a worker picks it up.
-  absl::Status Submit(DecodeCall call, const DecodeContext& context, Done done) override;
+  // The call waits only in the work queue: the worker that picks it up checks the context.
+  absl::Status Submit(DecodeCall call, const RequestContext& context, Done done) override;
 
  private:
   Runtime* const runtime_;

@@ -2,6 +2,7 @@
 // (and never calls done) once the work queue stops accepting.
 #include "server/decode_queue.h"
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <thread>
@@ -12,6 +13,7 @@
 #include "kernels/mutex.h"
 #include "server/engine_factory.h"
 #include "server/model_config.h"
+#include "server/request_context.h"
 #include "server/runtime.h"
 #include "server/test_models.h"
 #include "server/work_queue.h"
@@ -102,6 +104,61 @@ TEST(DirectDecodeQueueTest, RefusesWhenTheWorkQueueStopped) {
   EXPECT_EQ(s.message(), "the server is shutting down");
   work.Shutdown();
   EXPECT_FALSE(called);
+}
+
+// The worker that dequeues a decode checks its context first: a call whose deadline passed, or
+// that was cancelled, while it waited is answered without reaching the runtime (the sequence is
+// left as it was).
+TEST(DirectDecodeQueueTest, AnExpiredOrCancelledCallIsAnsweredWithoutRunning) {
+  std::unique_ptr<Runtime> rt = MakeRuntime();
+  absl::StatusOr<std::string> id = rt->CreateSequence("");
+  ASSERT_TRUE(id.ok());
+  const std::vector<int64_t> pq = {1, 5, 4, 64}, pkv = {1, 2, 64};
+  const std::string q = Filled(5 * 4 * 64, 0.1f), kv = Filled(2 * 64, 0.5f);
+  PrefillCall prefill;
+  prefill.sequence_id = *id;
+  prefill.q = {DType::kFp32, pq, q};
+  prefill.k = prefill.v = {DType::kFp32, pkv, kv};
+  ASSERT_TRUE(rt->Prefill(prefill).ok());
+
+  WorkQueueOptions wo;
+  wo.num_workers = 1;
+  WorkQueue work(wo);
+  DirectDecodeQueue queue(rt.get(), &work);
+  const std::vector<int64_t> dq = {3, 4, 64}, dkv = {2, 64};
+  const std::string q3 = Filled(3 * 4 * 64, 0.2f);
+  DecodeCall call;
+  call.layer = 0;
+  call.entries.push_back(
+      {*id, {DType::kFp32, dq, q3}, {DType::kFp32, dkv, kv}, {DType::kFp32, dkv, kv}, nullptr});
+
+  RequestContext expired;
+  expired.deadline = absl::InfinitePast();
+  std::shared_ptr<std::atomic<bool>> cancel = NewCancelFlag();
+  cancel->store(true);
+  RequestContext cancelled;
+  cancelled.cancelled = cancel;
+  Mutex mu;
+  std::vector<absl::StatusCode> codes;
+  for (const RequestContext* c : {&expired, &cancelled}) {
+    Notification done;
+    ASSERT_TRUE(queue
+                    .Submit(call, *c,
+                            [&](absl::StatusOr<DecodeResult> r) {
+                              MutexLock lock(&mu);
+                              codes.push_back(r.status().code());
+                              done.Notify();
+                            })
+                    .ok());
+    done.WaitForNotification();
+  }
+  work.Shutdown();
+  MutexLock lock(&mu);
+  EXPECT_EQ(codes, (std::vector<absl::StatusCode>{absl::StatusCode::kDeadlineExceeded,
+                                                  absl::StatusCode::kCancelled}));
+  absl::StatusOr<std::vector<int64_t>> lengths = rt->LayerLengths(*id, "");
+  ASSERT_TRUE(lengths.ok());
+  EXPECT_EQ((*lengths)[0], 1);  // neither decode ran
 }
 
 }  // namespace

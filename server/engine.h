@@ -19,7 +19,23 @@
 
 namespace attnd {
 
-class DeviceMemoryOpener;  // server/regions.h
+class DeviceMemoryOpener;    // server/regions.h
+class Runtime;               // server/runtime.h
+class EngineJobsForTesting;  // server/engine_jobs_for_testing.h
+
+// The passkey of the job structs below: only the runtime makes jobs, from requests it validated
+// (Runtime::Prefill, Runtime::Decode: dtypes, shapes, layouts, lengths, prompt_len, pages). An
+// engine therefore checks only what its kernels could not survive if a job were wrong anyway
+// (null pointers, page ids and tables against its pool, element counts of the buffers it reads,
+// device memory it cannot reach), and an engine may copy a job it was given and adjust the copy
+// (a shard's slice of the heads). Tests and benchmarks make jobs through the testing-only
+// EngineJobsForTesting.
+class EngineJobKey {
+ private:
+  EngineJobKey() {}  // user-provided, so `EngineJobKey{}` cannot bypass it
+  friend class Runtime;
+  friend class EngineJobsForTesting;
+};
 
 // A validated request tensor: dtype and shape checked against the model, data holding exactly
 // product(shape) * ElementSize(dtype) bytes (any alignment).
@@ -54,6 +70,7 @@ absl::Status CheckElements(absl::string_view name, const TensorView& view, int64
 
 // Append num_tokens tokens to one layer of one sequence and compute their attention.
 struct PrefillJob {
+  explicit PrefillJob(EngineJobKey) {}
   int32_t layer = 0;
   const int32_t* page_table =
       nullptr;  // [num_pages] the sequence's pages, covering start+num_tokens
@@ -74,7 +91,8 @@ struct PrefillJob {
   int64_t out_row_pitch = 0;   // bytes from one token's [Hq, D] to the next; 0: dense
 };
 
-// One decode step in one layer for a batch of distinct sequences.
+// One decode step in one layer for a batch of distinct sequences. (Entries are plain values: they
+// mean something only inside a DecodeJob, which only the runtime makes.)
 struct DecodeJob {
   struct Entry {
     const int32_t* page_table = nullptr;  // the sequence's pages, covering `length`
@@ -90,6 +108,7 @@ struct DecodeJob {
     QLayout q_layout = QLayout::kVariants;
     bool out_on_device = false;  // out is device memory (as TensorView::on_device)
   };
+  explicit DecodeJob(EngineJobKey) {}
   int32_t layer = 0;
   std::vector<Entry> entries;
 };

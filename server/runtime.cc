@@ -18,8 +18,6 @@ std::string ShapeString(absl::Span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-bool IsKnownDType(DType t) { return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32; }
-
 // Names a dtype as it arrived, including values that are not a DType (wire values 0, 4, ...).
 std::string DTypeString(DType t) {
   if (IsKnownDType(t)) return std::string(DTypeName(t));
@@ -370,7 +368,7 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
   void* out = OutputBuffer(call.output, out_bytes, &result.out);
   if (out == nullptr) return absl::InternalError("no buffer for the prefill output");
 
-  PrefillJob job;
+  PrefillJob job{EngineJobKey()};
   job.layer = call.layer;
   job.page_table = seq->pages.data();
   job.num_pages = static_cast<int64_t>(seq->pages.size());
@@ -395,9 +393,6 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
 absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   // (The analysis cannot follow a variable number of held locks: `locks` below holds them.)
-  if (call.admit) {
-    if (absl::Status s = call.admit(); !s.ok()) return s;
-  }
   const size_t n = call.entries.size();
   for (size_t i = 0; i < n; ++i) {
     if (absl::Status s = Misrouted(call.entries[i].sequence_id); !s.ok()) {
@@ -457,7 +452,7 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
 
   DecodeResult result;
   result.outputs.resize(n);
-  DecodeJob job;
+  DecodeJob job{EngineJobKey()};
   job.layer = call.layer;
   job.entries.resize(n);
   for (size_t i = 0; i < n; ++i) {

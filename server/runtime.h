@@ -73,11 +73,8 @@ struct DecodeCall {
   absl::string_view tenant;
   int32_t layer = 0;
   std::vector<Entry> entries;  // at least one; distinct sequences
-  // Unset, or called once by Runtime::Decode before it looks anything up (so on the worker that
-  // runs the call): a non-OK status (the client's deadline passed, the call was cancelled) is
-  // returned as is and nothing is touched. Not carried into merged batches: the batcher checks
-  // deadlines of the calls it queues itself.
-  std::function<absl::Status()> admit;
+  // (The RPC's deadline and cancellation travel beside the call, in a RequestContext that the
+  // decode queue checks when it dequeues the call: server/request_context.h.)
 };
 
 struct DecodeResult {

@@ -13,12 +13,16 @@
 #include "kernels/status_macros.h"
 #include "server/auth.h"
 #include "server/region_tensors.h"
+#include "server/request_context.h"
 #include "server/status.h"
 
 namespace attnd {
 
 // When one request reached the handler, when a worker picked it up and when the worker was done.
-struct RequestClock {
+// As the request's RequestObserver, it is told the start by whoever dequeues the request.
+struct RequestClock : RequestObserver {
+  void OnStarted(absl::Time t) override { started = t; }
+
   absl::Time received = absl::Now();
   absl::Time started = absl::InfinitePast();   // InfinitePast: no worker ran it
   absl::Time finished = absl::InfinitePast();  // InfinitePast: not known (e.g. a merged batch)
@@ -65,15 +69,18 @@ void SetMeta(DType dtype, const std::vector<int64_t>& shape, v1::Tensor* tensor)
   tensor->mutable_shape()->Assign(shape.begin(), shape.end());
 }
 
-// The RPC's deadline and cancellation, for the decode queue (IsCancelled is thread-safe on the
-// callback API).
-DecodeContext ContextOf(const grpc::CallbackServerContext* context) {
-  DecodeContext c;
+// The RPC's deadline and cancellation (`cancelled`: the flag the reactor's OnCancel sets) for the
+// queues, and `clock` (which must outlive the answer) to be told when a worker picks it up.
+RequestContext ContextOf(const grpc::CallbackServerContext* context,
+                         std::shared_ptr<const std::atomic<bool>> cancelled, RequestClock* clock) {
+  RequestContext c;
   const std::chrono::system_clock::time_point deadline = context->deadline();
   if (deadline != std::chrono::system_clock::time_point::max()) {
     c.deadline = absl::FromChrono(deadline);
   }
-  c.cancelled = [context] { return context->IsCancelled(); };
+  c.cancelled = std::move(cancelled);
+  c.enqueue_time = clock->received;
+  c.observer = clock;
   return c;
 }
 
@@ -118,22 +125,6 @@ const absl::Status& ShuttingDown() {
   static const absl::Status* status =
       new absl::Status(absl::UnavailableError("the server is shutting down"));
   return *status;
-}
-
-// On the worker, before a request touches anything: a client that has stopped waiting (deadline
-// passed, call cancelled) gets that answer and the KV pool is left alone. Marks the start time.
-absl::Status Admit(grpc::CallbackServerContext* context, RequestClock* clock) {
-  clock->started = absl::Now();
-  if (context->deadline() <= std::chrono::system_clock::now()) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "the client's deadline passed while the request waited ",
-        absl::FormatDuration(absl::Trunc(clock->started - clock->received, absl::Milliseconds(1))),
-        " in the queue; nothing was done"));
-  }
-  if (context->IsCancelled()) {
-    return absl::CancelledError("the call was cancelled before it started; nothing was done");
-  }
-  return absl::OkStatus();
 }
 
 // Linux's boot id: two processes that read the same one run on one host (one kernel), which is
@@ -227,23 +218,22 @@ class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::By
     switch (request_.request_case()) {
       case v1::SessionRequest::kPrefill:
         rpc_ = "Session.Prefill";
-        submitted = service_->work_queue_->Submit([this] {
-          absl::Status s = Admit(context_, &clock_);
-          if (s.ok())
-            s = service_->RunPrefill(request_.prefill(), *tenant_, response_.mutable_prefill());
-          clock_.finished = absl::Now();
-          Complete(std::move(s));
-        });
-        break;
-      case v1::SessionRequest::kDecode:
-        rpc_ = "Session.Decode";
-        submitted = service_->SubmitDecode(
-            request_.decode(), *tenant_, [this] { return Admit(context_, &clock_); },
-            ContextOf(context_), response_.mutable_decode(),
-            [this](absl::Status s) {
+        submitted = service_->work_queue_->Submit(
+            ContextOf(context_, cancelled_, &clock_), [this](absl::Status s) {
+              if (s.ok())
+                s = service_->RunPrefill(request_.prefill(), *tenant_, response_.mutable_prefill());
               clock_.finished = absl::Now();
               Complete(std::move(s));
             });
+        break;
+      case v1::SessionRequest::kDecode:
+        rpc_ = "Session.Decode";
+        submitted = service_->SubmitDecode(request_.decode(), *tenant_,
+                                           ContextOf(context_, cancelled_, &clock_),
+                                           response_.mutable_decode(), [this](absl::Status s) {
+                                             clock_.finished = absl::Now();
+                                             Complete(std::move(s));
+                                           });
         break;
       default:
         rpc_ = "Session.Invalid";
@@ -277,8 +267,9 @@ class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::By
     StartRead(&frame_);
   }
 
-  // Nothing to undo: a pending read or write fails after a cancel, and that path finishes.
-  void OnCancel() override {}
+  // Nothing to undo: a pending read or write fails after a cancel, and that path finishes. A
+  // request waiting in a queue sees the flag (RequestContext::cancelled) and is not run.
+  void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
 
   void OnDone() override {
     if (registered_) service_->Unregister(this);
@@ -332,6 +323,7 @@ class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::By
   grpc::CallbackServerContext* const context_;
   const absl::StatusOr<std::string> tenant_;  // the stream's own metadata, read once
   const bool registered_;
+  const std::shared_ptr<std::atomic<bool>> cancelled_ = NewCancelFlag();  // set by OnCancel
   Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
   // Owned by the one request in flight: the work reads request_ and fills response_.
@@ -459,7 +451,9 @@ class WirePrefillCall final : public grpc::ServerUnaryReactor {
   WirePrefillCall(wire::BufferPool* buffers, grpc::ByteBuffer* reply)
       : writer(buffers), reply(reply) {}
   void OnDone() override { delete this; }
+  void OnCancel() override { cancelled->store(true, std::memory_order_release); }
 
+  const std::shared_ptr<std::atomic<bool>> cancelled = NewCancelFlag();  // set by OnCancel
   wire::WirePrefillRequest request;
   wire::PrefillReplyWriter writer;
   grpc::ByteBuffer* const reply;
@@ -664,8 +658,7 @@ absl::Status AttentionService::SubmitSessionRequest(const v1::SessionRequest& re
       return work_queue_->Submit(std::move(run));
     }
     case v1::SessionRequest::kDecode:
-      return SubmitDecode(request.decode(), tenant, nullptr, DecodeContext(),
-                          response->mutable_decode(),
+      return SubmitDecode(request.decode(), tenant, RequestContext(), response->mutable_decode(),
                           [this, clock, bytes, done = std::move(done)](absl::Status s) {
                             clock->finished = absl::Now();
                             Record("Ring.Decode", static_cast<int>(s.code()), *clock, bytes, 0);
@@ -785,13 +778,15 @@ void AttentionService::ServeOnWorker(absl::string_view rpc, grpc::CallbackServer
     reactor->Finish(ToGrpcStatus(s));
     return;
   }
-  absl::Status submitted =
-      work_queue_->Submit([this, rpc, context, reactor, request, response, clock, bytes,
-                           body = std::move(body), tenant = *std::move(tenant)]() mutable {
-        absl::Status s = Admit(context, &clock);
+  // Shared with the worker, which the work queue tells when it starts (RequestObserver).
+  auto started = std::make_shared<RequestClock>(clock);
+  absl::Status submitted = work_queue_->Submit(
+      ContextOf(context, reactor->cancelled(), started.get()),
+      [this, rpc, reactor, response, clock = started, bytes, body = std::move(body),
+       tenant = *std::move(tenant)](absl::Status s) {
         if (s.ok()) s = body(tenant);
-        clock.finished = absl::Now();
-        Record(rpc, static_cast<int>(s.code()), clock, bytes, SizeOf(*response));
+        clock->finished = absl::Now();
+        Record(rpc, static_cast<int>(s.code()), *clock, bytes, SizeOf(*response));
         GiveRequestBytes(bytes);
         reactor->Finish(ToGrpcStatus(s));
       });
@@ -886,12 +881,14 @@ void AttentionService::ServeWirePrefill(grpc::CallbackServerContext* context, in
     call->Finish(ToGrpcStatus(s));
     return;
   }
+  // Shared with the worker, which the work queue tells when it starts (RequestObserver).
+  auto started = std::make_shared<RequestClock>(clock);
   absl::Status submitted = work_queue_->Submit(
-      [this, context, call, clock, request_bytes, tenant = *std::move(tenant)]() mutable {
-        absl::Status s = Admit(context, &clock);
+      ContextOf(context, call->cancelled, started.get()),
+      [this, call, clock = started, request_bytes, tenant = *std::move(tenant)](absl::Status s) {
         if (s.ok()) s = RunWirePrefill(call, tenant);
-        clock.finished = absl::Now();
-        Record("Prefill", static_cast<int>(s.code()), clock, request_bytes,
+        clock->finished = absl::Now();
+        Record("Prefill", static_cast<int>(s.code()), *clock, request_bytes,
                s.ok() ? static_cast<int64_t>(call->reply->Length()) : 0);
         GiveRequestBytes(request_bytes);
         call->Finish(ToGrpcStatus(s));
@@ -946,14 +943,11 @@ void AttentionService::ServePrefill(grpc::CallbackServerContext* context,
 }
 
 absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
-                                            absl::string_view tenant,
-                                            std::function<absl::Status()> admit,
-                                            const DecodeContext& context,
+                                            absl::string_view tenant, const RequestContext& context,
                                             v1::DecodeResponse* response,
                                             std::function<void(absl::Status)> done) {
   DecodeCall call;
   call.tenant = tenant;
-  call.admit = std::move(admit);
   call.layer = request.layer();
   call.entries.resize(request.entries_size());
   response->Clear();
@@ -1032,7 +1026,8 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
 void AttentionService::ServeDecode(grpc::CallbackServerContext* context,
                                    const v1::DecodeRequest* request, v1::DecodeResponse* response,
                                    UnaryCall* reactor) {
-  // Shared by the admit check (on the worker) and the reply; the tenant outlives the call.
+  // Shared by the queue (which tells it when a worker starts the call) and the reply; the tenant
+  // outlives the call.
   auto clock = std::make_shared<RequestClock>();
   absl::StatusOr<std::string> resolved = TenantOf(tokens_.get(), *context);
   if (!resolved.ok()) {
@@ -1049,15 +1044,14 @@ void AttentionService::ServeDecode(grpc::CallbackServerContext* context,
     reactor->Finish(ToGrpcStatus(s));
     return;
   }
-  absl::Status submitted = SubmitDecode(
-      *request, *tenant, [context, clock] { return Admit(context, clock.get()); },
-      ContextOf(context), response,
-      [this, reactor, bytes, response, clock, tenant](absl::Status s) {
-        clock->finished = absl::Now();
-        Record("Decode", static_cast<int>(s.code()), *clock, bytes, SizeOf(*response));
-        GiveRequestBytes(bytes);
-        reactor->Finish(ToGrpcStatus(s));
-      });
+  absl::Status submitted =
+      SubmitDecode(*request, *tenant, ContextOf(context, reactor->cancelled(), clock.get()),
+                   response, [this, reactor, bytes, response, clock, tenant](absl::Status s) {
+                     clock->finished = absl::Now();
+                     Record("Decode", static_cast<int>(s.code()), *clock, bytes, SizeOf(*response));
+                     GiveRequestBytes(bytes);
+                     reactor->Finish(ToGrpcStatus(s));
+                   });
   if (!submitted.ok()) {
     GiveRequestBytes(bytes);
     Record("Decode", static_cast<int>(submitted.code()), *clock, bytes, 0);

@@ -18,6 +18,7 @@
 #include "server/decode_queue.h"
 #include "server/metrics.h"
 #include "server/regions.h"
+#include "server/request_context.h"
 #include "server/request_log.h"
 #include "server/ring.h"
 #include "server/runtime.h"
@@ -64,8 +65,12 @@ class UnaryCall : public grpc::ServerUnaryReactor {
       : response_(response), reply_(reply) {}
   void Finish(grpc::Status status);  // hides ServerUnaryReactor::Finish, on purpose
   void OnDone() override { delete this; }
+  // Sets the flag a queued request's RequestContext carries: a cancelled call is not run.
+  void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
+  const std::shared_ptr<std::atomic<bool>>& cancelled() const { return cancelled_; }
 
  private:
+  const std::shared_ptr<std::atomic<bool>> cancelled_ = NewCancelFlag();
   google::protobuf::Message* const response_;
   grpc::ByteBuffer* const reply_;
 };
@@ -139,13 +144,12 @@ class AttentionService : public AttentionServiceBase {
   absl::Status RunPrefill(const v1::PrefillRequest& request, absl::string_view tenant,
                           v1::PrefillResponse* response);
   // Queues one decode as `tenant` on the decode queue; `done` gets its status after `response` is
-  // filled. `admit` runs on the worker before anything is looked up (deadline/cancel check, start
-  // time). `request` and `tenant` must stay valid until done. When this returns an error, done is
-  // never called.
-  // `context` (the RPC's deadline and cancellation) goes to the queue with the call.
+  // filled. `context` (the RPC's deadline, cancellation and start observer) goes to the queue
+  // with the call, which checks it before anything is looked up. `request` and `tenant` must stay
+  // valid until done. When this returns an error, done is never called.
   absl::Status SubmitDecode(const v1::DecodeRequest& request, absl::string_view tenant,
-                            std::function<absl::Status()> admit, const DecodeContext& context,
-                            v1::DecodeResponse* response, std::function<void(absl::Status)> done);
+                            const RequestContext& context, v1::DecodeResponse* response,
+                            std::function<void(absl::Status)> done);
   // The unary RPCs that run on a worker (CreateSequence, ReleaseSequence, Prefill): queues `body`
   // (called with the caller's tenant) behind the deadline/cancellation check, records the call and
   // finishes it; a Submit the queue refuses is recorded and finished at once.

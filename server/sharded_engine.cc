@@ -224,10 +224,9 @@ class ShardedEngine : public Engine {
     }
     const int64_t q_heads = geometry_.num_q_heads / num_shards();
     const int64_t kv_heads = geometry_.num_kv_heads / num_shards();
-    std::vector<DecodeJob> parts(shards_.size());
+    // Copies of the runtime's job (only it makes jobs), each cut to one shard's heads.
+    std::vector<DecodeJob> parts(shards_.size(), job);
     for (int32_t i = 0; i < num_shards(); ++i) {
-      parts[i].layer = job.layer;
-      parts[i].entries = job.entries;
       for (DecodeJob::Entry& e : parts[i].entries) {
         e.q = SliceHeads(e.q, i * q_heads, q_heads);
         e.k = SliceHeads(e.k, i * kv_heads, kv_heads);

@@ -29,6 +29,7 @@
 #include "server/cuda_engine.h"
 #include "server/engine.h"
 #include "server/engine_factory.h"
+#include "server/engine_jobs_for_testing.h"
 #include "server/fault_engine.h"
 #include "server/runtime.h"
 #include "server/sparse_config.h"
@@ -136,7 +137,7 @@ class Sequences {
     const Tensor v = Random({t, kHkv, kD}, rng, DType::kBf16);  // CUDA: one dtype for pre-rotary
     std::vector<std::string> outs;
     for (Engine* e : engines_) {
-      PrefillJob job;
+      PrefillJob job = EngineJobsForTesting::Prefill();
       job.layer = layer;
       job.page_table = table_.data();
       job.num_pages = static_cast<int64_t>(table_.size());
@@ -283,7 +284,7 @@ TEST(ShardedEngineTest, DensePrefillAndDecodeMatchTheUnshardedEngine) {
     std::vector<std::string> outs;
     for (Engine* e : {one.get(), two.get(), four.get()}) {
       const std::vector<int32_t>* tables[3] = {&seq.table_, &b.table_, &c.table_};
-      DecodeJob job;
+      DecodeJob job = EngineJobsForTesting::Decode();
       job.layer = 0;
       std::string& out = outs.emplace_back(3 * kHq * kD * 4, '\0');
       for (int i = 0; i < 3; ++i) {

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace attnd {
 
@@ -33,6 +34,11 @@ absl::Status WorkQueue::Submit(std::function<void()> fn) {
   // every Submit used to wake them all, and each wake is a context switch).
   work_cv_.Signal();
   return absl::OkStatus();
+}
+
+absl::Status WorkQueue::Submit(const RequestContext& context,
+                               std::function<void(absl::Status)> fn) {
+  return Submit([context, fn = std::move(fn)] { fn(AdmitAt(context, absl::Now())); });
 }
 
 void WorkQueue::StopAccepting() {

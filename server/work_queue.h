@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/mutex.h"
+#include "server/request_context.h"
 
 namespace attnd {
 
@@ -36,6 +37,11 @@ class WorkQueue {
   // Queues fn. UNAVAILABLE once StopAccepting has been called; RESOURCE_EXHAUSTED when `capacity`
   // closures are already waiting. fn is not run (and is destroyed) when Submit fails.
   absl::Status Submit(std::function<void()> fn);
+  // Queues a request's work with its context: the worker that dequeues it calls
+  // fn(AdmitAt(context, now)) (server/request_context.h), and fn answers a non-OK status (the
+  // deadline passed or the call was cancelled while it waited) without running the request.
+  // Refusals as above; fn is not run when Submit fails.
+  absl::Status Submit(const RequestContext& context, std::function<void(absl::Status)> fn);
 
   // Later Submit calls fail with UNAVAILABLE; queued closures still run (their RPCs must finish).
   void StopAccepting();

@@ -4,8 +4,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/mutex.h"
+#include "server/request_context.h"
 
 namespace attnd {
 namespace {
@@ -109,6 +112,93 @@ TEST(WorkQueueTest, ShutdownIsIdempotentAndDestructorJoins) {
     queue.Shutdown();
   }
   EXPECT_EQ(ran.load(), 20);
+}
+
+// Records the start the worker reports (RequestObserver).
+struct StartRecorder : RequestObserver {
+  void OnStarted(absl::Time t) override {
+    MutexLock lock(&mu);
+    ++starts;
+    started = t;
+  }
+  Mutex mu;
+  int starts ABSL_GUARDED_BY(mu) = 0;
+  absl::Time started ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+};
+
+// A request's context is checked by the worker that dequeues it: one whose deadline passed while
+// it waited, or whose client cancelled, is handed DEADLINE_EXCEEDED / CANCELLED (and answers
+// without running); the others are admitted. Every one is told its start.
+TEST(WorkQueueTest, TheWorkerChecksTheRequestContextWhenItDequeues) {
+  WorkQueueOptions options;
+  options.num_workers = 1;
+  WorkQueue queue(options);
+  Notification started, release;
+  ASSERT_TRUE(queue
+                  .Submit([&] {
+                    started.Notify();
+                    release.WaitForNotification();
+                  })
+                  .ok());
+  started.WaitForNotification();  // the worker is busy: everything below waits in the queue
+
+  StartRecorder expired_observer, cancelled_observer, fine_observer;
+  RequestContext expired;
+  expired.enqueue_time = absl::Now();
+  expired.deadline = absl::Now() + absl::Milliseconds(20);
+  expired.observer = &expired_observer;
+  std::shared_ptr<std::atomic<bool>> cancel = NewCancelFlag();
+  RequestContext cancelled;
+  cancelled.cancelled = cancel;
+  cancelled.observer = &cancelled_observer;
+  RequestContext fine;  // a deadline far off, a flag never set
+  fine.deadline = absl::Now() + absl::Hours(1);
+  fine.cancelled = NewCancelFlag();
+  fine.observer = &fine_observer;
+
+  Mutex mu;
+  std::vector<absl::Status> got(3, absl::UnknownError("not run"));
+  const RequestContext* contexts[] = {&expired, &cancelled, &fine};
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(queue
+                    .Submit(*contexts[i],
+                            [&, i](absl::Status admitted) {
+                              MutexLock lock(&mu);
+                              got[i] = std::move(admitted);
+                            })
+                    .ok());
+  }
+  cancel->store(true);                     // cancelled before it is dequeued
+  absl::SleepFor(absl::Milliseconds(40));  // past `expired`'s deadline, still queued
+  const absl::Time before_release = absl::Now();
+  release.Notify();
+  queue.Shutdown();
+
+  MutexLock lock(&mu);
+  EXPECT_EQ(got[0].code(), absl::StatusCode::kDeadlineExceeded) << got[0];
+  EXPECT_TRUE(
+      absl::StartsWith(got[0].message(), "the client's deadline passed while the request waited "))
+      << got[0];
+  EXPECT_TRUE(absl::EndsWith(got[0].message(), " in the queue; nothing was done")) << got[0];
+  EXPECT_EQ(got[1].code(), absl::StatusCode::kCancelled) << got[1];
+  EXPECT_EQ(got[1].message(), "the call was cancelled before it started; nothing was done");
+  EXPECT_TRUE(got[2].ok()) << got[2];
+  for (StartRecorder* o : {&expired_observer, &cancelled_observer, &fine_observer}) {
+    MutexLock observer_lock(&o->mu);
+    EXPECT_EQ(o->starts, 1);
+    EXPECT_GE(o->started, before_release);  // when the worker dequeued it, not when queued
+  }
+}
+
+// The context-taking Submit refuses like the plain one, and its fn never runs then.
+TEST(WorkQueueTest, AContextSubmitThatIsRefusedNeverRuns) {
+  WorkQueue queue(WorkQueueOptions{});
+  queue.StopAccepting();
+  bool ran = false;
+  EXPECT_EQ(queue.Submit(RequestContext(), [&](absl::Status) { ran = true; }).code(),
+            absl::StatusCode::kUnavailable);
+  queue.Shutdown();
+  EXPECT_FALSE(ran);
 }
 
 }  // namespace

@@ -43,6 +43,7 @@
 #include "kernels/dual_chunk_rotary.h"
 #include "server/cuda_engine.h"
 #include "server/engine.h"
+#include "server/engine_jobs_for_testing.h"
 #endif
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "the daemon");
@@ -509,7 +510,7 @@ void EnginePrefill(const std::vector<int64_t>& contexts) {
     const auto begin = Clock::now();
     double last = 0;
     for (int64_t start = 0; start < context; start += t) {
-      PrefillJob job;
+      PrefillJob job = EngineJobsForTesting::Prefill();
       job.layer = 0;
       job.page_table = pages.data();
       job.num_pages = (start + t + 15) / 16;
@@ -592,7 +593,7 @@ void EngineDecode(const std::vector<int64_t>& batches) {
   std::vector<std::vector<int32_t>> tables(max_batch);
   for (int64_t s = 0; s < max_batch; ++s) {
     for (int64_t i = 0; i < pages_per_seq; ++i) tables[s].push_back(s * pages_per_seq + i);
-    PrefillJob job;
+    PrefillJob job = EngineJobsForTesting::Prefill();
     job.page_table = tables[s].data();
     job.num_pages = (context + 15) / 16;
     job.num_tokens = context;
@@ -614,7 +615,7 @@ void EngineDecode(const std::vector<int64_t>& batches) {
       std::vector<std::string> outs(b, std::string(28 * 128 * 2, '\0'));
       std::vector<double> lat;
       for (int it = 0; it < 220; ++it) {
-        DecodeJob job;
+        DecodeJob job = EngineJobsForTesting::Decode();
         job.layer = 0;
         for (int64_t s = 0; s < b; ++s) {
           DecodeJob::Entry e;

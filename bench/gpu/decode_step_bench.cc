@@ -34,6 +34,7 @@
 #include "kvcache/kv_layout.h"
 #include "server/cuda_engine.h"
 #include "server/engine.h"
+#include "server/engine_jobs_for_testing.h"
 
 ABSL_FLAG(int64_t, context, 4096, "tokens in each sequence at the timed decode step");
 ABSL_FLAG(std::string, batches, "1,8,32,128", "decode batch sizes to time");
@@ -125,7 +126,7 @@ int Main() {
     if (!engine.ok()) Die("create", engine.status());
     std::vector<uint8_t> pout(static_cast<size_t>(prompt) * kHq * kD * 2);
     for (int i = 0; i < max_b; ++i) {
-      PrefillJob job;
+      PrefillJob job = EngineJobsForTesting::Prefill();
       job.page_table = perm.data() + i * pages_per_seq;
       job.num_pages = pages_per_seq;
       job.num_tokens = prompt;
@@ -138,7 +139,7 @@ int Main() {
       if (absl::Status s = (*engine)->Prefill(job); !s.ok()) Die("prefill", s);
     }
     for (int32_t b : batches) {
-      DecodeJob job;
+      DecodeJob job = EngineJobsForTesting::Decode();
       for (int i = 0; i < b; ++i) {
         DecodeJob::Entry e;
         e.page_table = perm.data() + i * pages_per_seq;

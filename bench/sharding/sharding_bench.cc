@@ -27,6 +27,7 @@
 #include "kernels/dtype.h"
 #include "server/engine.h"
 #include "server/engine_factory.h"
+#include "server/engine_jobs_for_testing.h"
 #include "server/model_config.h"
 #include "server/sparse_config.h"
 
@@ -178,7 +179,7 @@ void Prefill(Bench& b, const std::vector<int64_t>& contexts, bool on_device) {
     for (int64_t start = 0; start < context; start += t) {
       Output outs[2] = {Output(t * hq * d * 2, on_device), Output(t * hq * d * 2, on_device)};
       for (int e = 0; e < 2; ++e) {
-        PrefillJob job;
+        PrefillJob job = EngineJobsForTesting::Prefill();
         job.layer = 0;
         job.page_table = pages.data();
         job.num_pages = (start + t + 15) / 16;
@@ -236,7 +237,7 @@ void Decode(Bench& b, const std::vector<int64_t>& batches) {
     for (int64_t start = 0; start < context; start += chunk) {
       const int64_t n = std::min(chunk, context - start);
       for (auto& engine : b.engines) {
-        PrefillJob job;
+        PrefillJob job = EngineJobsForTesting::Prefill();
         job.page_table = tables[s].data();
         job.num_pages = (start + n + 15) / 16;
         job.start = start;
@@ -264,7 +265,7 @@ void Decode(Bench& b, const std::vector<int64_t>& batches) {
     const int32_t steps = absl::GetFlag(FLAGS_decode_steps);
     for (int it = 0; it < steps + 20; ++it) {
       for (int e = 0; e < 2; ++e) {
-        DecodeJob job;
+        DecodeJob job = EngineJobsForTesting::Decode();
         job.layer = 0;
         for (int64_t s = 0; s < batch; ++s) {
           DecodeJob::Entry entry;
