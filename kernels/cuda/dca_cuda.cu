@@ -20,7 +20,6 @@ using cuda_launch::CheckPrefill;
 using cuda_launch::DecodeArgsFor;
 using cuda_launch::kMaxPosition;
 using cuda_launch::PlanPrefill;
-using cuda_launch::ValidDType;
 
 // The mma.sync fallback: 4 warps of two 16-row m-tiles (128 query rows), 64-key K/V tiles in a
 // 2-deep cp.async ring.
@@ -214,7 +213,7 @@ absl::Status CheckCudaGeometry(const DcaGeometry& g) {
 
 absl::Status LaunchAppendKv(const CudaAppendParams& p, cudaStream_t stream) {
   if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.page_table == nullptr || p.k == nullptr ||
-      p.v == nullptr || !ValidDType(p.in_dtype) || p.start < 0 || p.num_tokens < 0 ||
+      p.v == nullptr || !IsKnownDType(p.in_dtype) || p.start < 0 || p.num_tokens < 0 ||
       p.start + p.num_tokens > kMaxPosition) {
     return absl::InvalidArgumentError("append: bad params");
   }
@@ -229,7 +228,7 @@ absl::Status LaunchAppendKv(const CudaAppendParams& p, cudaStream_t stream) {
 
 absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParams& p, cudaStream_t stream) {
   if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.page_tables == nullptr ||
-      p.lengths == nullptr || p.k == nullptr || p.v == nullptr || !ValidDType(p.in_dtype) ||
+      p.lengths == nullptr || p.k == nullptr || p.v == nullptr || !IsKnownDType(p.in_dtype) ||
       p.batch < 0) {
     return absl::InvalidArgumentError("decode append: bad params");
   }
@@ -267,7 +266,7 @@ absl::Status LaunchDecodeStage(const CudaDecodeStageParams& p, cudaStream_t stre
 
 absl::Status LaunchConvertToBf16(const void* src, DType src_dtype, int64_t n, Bf16* dst,
                                  cudaStream_t stream) {
-  if (src == nullptr || dst == nullptr || !ValidDType(src_dtype) || n < 0) {
+  if (src == nullptr || dst == nullptr || !IsKnownDType(src_dtype) || n < 0) {
     return absl::InvalidArgumentError("convert: bad params");
   }
   if (n == 0) return absl::OkStatus();

@@ -17,10 +17,6 @@ namespace cuda_launch {
 
 inline constexpr int64_t kMaxPosition = (int64_t{1} << 31) - 1;
 
-inline bool ValidDType(DType t) {
-  return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32;
-}
-
 inline absl::Status CheckKv(const DcaGeometry& g, const PagedKv<Bf16>& kv) {
   if (kv.k == nullptr || kv.v == nullptr || kv.page_table == nullptr || kv.page_size <= 0) {
     return absl::InvalidArgumentError("PagedKv: null pointer or page_size <= 0");
@@ -66,7 +62,7 @@ inline absl::Status PlanPrefill(const DcaGeometry& g, const CudaPrefillParams& p
 inline absl::Status CheckPrefill(const DcaGeometry& g, const CudaPrefillParams& p) {
   if (absl::Status s = CheckCudaGeometry(g); !s.ok()) return s;
   if (absl::Status s = CheckKv(g, p.kv); !s.ok()) return s;
-  if (p.q == nullptr || p.out == nullptr || !ValidDType(p.out_dtype)) {
+  if (p.q == nullptr || p.out == nullptr || !IsKnownDType(p.out_dtype)) {
     return absl::InvalidArgumentError("prefill: null q/out or bad out_dtype");
   }
   if (p.start < 0 || p.num_tokens < 1 || p.start + p.num_tokens > kMaxPosition) {
@@ -96,7 +92,7 @@ inline cuda_kernels::DecodeArgs DecodeArgsFor(const DcaGeometry& g, const CudaDe
 inline absl::Status CheckDecode(const DcaGeometry& g, const CudaDecodeParams& p) {
   if (absl::Status s = CheckCudaGeometry(g); !s.ok()) return s;
   if (absl::Status s = CheckKv(g, p.kv.Seq(0)); !s.ok()) return s;
-  if (p.lengths == nullptr || p.q == nullptr || p.out == nullptr || !ValidDType(p.out_dtype)) {
+  if (p.lengths == nullptr || p.q == nullptr || p.out == nullptr || !IsKnownDType(p.out_dtype)) {
     return absl::InvalidArgumentError("decode: null lengths/q/out or bad out_dtype");
   }
   if (p.batch < 1 || p.batch > 65535) {

@@ -8,10 +8,8 @@ namespace attnd {
 absl::Status LaunchDualChunkRotary(const DcaGeometry& g, const CudaRotaryParams& p,
                                    cudaStream_t stream) {
   if (absl::Status s = CheckRotaryGeometry(g); !s.ok()) return s;
-  const bool dtype_ok =
-      p.dtype == DType::kBf16 || p.dtype == DType::kFp16 || p.dtype == DType::kFp32;
   if (p.q == nullptr || p.k == nullptr || p.q_variants == nullptr || p.inv_freq == nullptr ||
-      !dtype_ok || p.start < 0 || p.num_tokens < 0 || p.num_tokens > INT32_MAX) {
+      !IsKnownDType(p.dtype) || p.start < 0 || p.num_tokens < 0 || p.num_tokens > INT32_MAX) {
     return absl::InvalidArgumentError(
         absl::StrCat("rotary: bad params (", p.num_tokens, " tokens from ", p.start, ")"));
   }

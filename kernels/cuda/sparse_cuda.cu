@@ -148,7 +148,7 @@ absl::Status Check(const DcaGeometry& g, const SparsePrefillParams& sp) {
       p.kv.page_size <= 0) {
     return absl::InvalidArgumentError("sparse: null pointer or KV shape mismatch");
   }
-  if (p.out_dtype != DType::kBf16 && p.out_dtype != DType::kFp16 && p.out_dtype != DType::kFp32) {
+  if (!IsKnownDType(p.out_dtype)) {
     return absl::InvalidArgumentError("sparse: bad out_dtype");
   }
   if (p.start < 0 || p.num_tokens < 1 || p.start + p.num_tokens > INT32_MAX / 2) {
