@@ -15,23 +15,8 @@ namespace {
 
 namespace sk = sparse_kernels;
 
-struct Piece {
-  int64_t prev, begin, end;
-};
-
-std::vector<Piece> Pieces(int64_t start, int64_t num_tokens, int64_t cl) {
-  std::vector<Piece> out;
-  const int64_t length = start + num_tokens;
-  for (int64_t b = start; b < length;) {
-    Piece p;
-    p.prev = (b / cl) * cl;
-    p.begin = b;
-    p.end = std::min(p.prev + cl, length);
-    out.push_back(p);
-    b = p.end;
-  }
-  return out;
-}
+// The prefill loop's pieces are vertical_slash.h's (SplitIntoPieces).
+using Piece = VsPiece;
 
 constexpr size_t Align(size_t x) { return (x + 255) / 256 * 256; }
 
@@ -93,7 +78,7 @@ Layout MakeLayout(const DcaGeometry& g, absl::Span<const VsBudget> budgets, int6
     l.vstride = std::max(l.vstride, std::max<int64_t>(std::min(budgets[h].vertical, l.length), 5));
     l.sstride = std::max(l.sstride, std::max<int64_t>(std::min(budgets[h].slash, l.length), 5));
   }
-  for (const Piece& p : Pieces(start, num_tokens, g.chunk_len)) {
+  for (const Piece& p : SplitIntoPieces(start, num_tokens, g.chunk_len)) {
     const PiecePlan plan = PlanPiece(g, budgets, p, slice);
     l.max_segments = std::max(l.max_segments, (p.end + sk::kEstSegment - 1) / sk::kEstSegment);
     l.max_row_blocks = std::max(l.max_row_blocks, plan.slice_row_blocks);
@@ -332,7 +317,8 @@ absl::Status LaunchSparsePrefillTimed(const DcaGeometry& g, const SparsePrefillP
     return absl::InvalidArgumentError(
         absl::StrCat("sparse: workspace of ", sp.workspace_bytes, " bytes < ", l.total, " needed"));
   }
-  const std::vector<Piece> pieces = Pieces(sp.prefill.start, sp.prefill.num_tokens, g.chunk_len);
+  const std::vector<Piece> pieces =
+      SplitIntoPieces(sp.prefill.start, sp.prefill.num_tokens, g.chunk_len);
   int convert_index = 0;
   for (size_t i = 0; i < pieces.size(); ++i) {
     const int pi = static_cast<int>(i);
@@ -367,7 +353,8 @@ SparseDebugView SparseDebugViewOf(const DcaGeometry& g, const SparsePrefillParam
   v.block_counts = reinterpret_cast<const int32_t*>(ws + l.block_counts);
   v.blocks = reinterpret_cast<const int32_t*>(ws + l.blocks);
   v.column_masks = reinterpret_cast<const uint32_t*>(ws + l.col_masks);
-  const std::vector<Piece> pieces = Pieces(sp.prefill.start, sp.prefill.num_tokens, g.chunk_len);
+  const std::vector<Piece> pieces =
+      SplitIntoPieces(sp.prefill.start, sp.prefill.num_tokens, g.chunk_len);
   const PiecePlan plan = PlanPiece(g, sp.budgets, pieces.back(), sp.row_block_slice);
   v.block_base.assign(plan.base, plan.base + g.num_q_heads * 3);
   v.block_cap.assign(plan.cap, plan.cap + g.num_q_heads * 3);
