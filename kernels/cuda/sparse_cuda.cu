@@ -1,6 +1,7 @@
 // Launch side of sparse_cuda.h: the workspace layout, the per-piece plan (host arithmetic over the
 // host-side budgets) and the kernel sequence of each piece.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -9,6 +10,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/sparse_cuda.h"
 #include "kernels/cuda/sparse_cuda_kernels.cuh"
+#include "kernels/status_macros.h"
 
 namespace attnd {
 namespace {
@@ -142,6 +144,36 @@ absl::Status Check(const DcaGeometry& g, const SparsePrefillParams& sp) {
   return absl::OkStatus();
 }
 
+// The kernels' dynamic shared-memory limits, set once per device (function attributes are
+// per device): the first launch on a device sets them, later launches only enqueue.
+template <int D>
+constexpr size_t EstimateSmemBytes() {
+  return 2 * sk::kTileN * (D + 8) * sizeof(Bf16) +
+         (4 * sk::kTileN + sk::kEstSegment + sk::kTileN) * sizeof(float);
+}
+template <int D>
+constexpr size_t AttendSmemBytes() {
+  return 4 * sk::kTileN * (D + 8) * sizeof(Bf16) + 2 * sk::kTileN * sizeof(int32_t);
+}
+template <int D>
+absl::Status PrepareKernelsOnce() {
+  static std::atomic<uint64_t> prepared{0};  // bit d: device d is done (devices 0..63)
+  int device = 0;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (prepared.load(std::memory_order_acquire) & bit) != 0) return absl::OkStatus();
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(sk::EstimateKernel<D, false>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  EstimateSmemBytes<D>()));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(sk::EstimateKernel<D, true>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  EstimateSmemBytes<D>()));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      sk::AttendKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, AttendSmemBytes<D>()));
+  prepared.fetch_or(bit, std::memory_order_acq_rel);  // idempotent: a racing second set is harmless
+  return absl::OkStatus();
+}
+
 template <int D>
 absl::Status LaunchPiece(const DcaGeometry& g, const SparsePrefillParams& sp, const Layout& l,
                          const Piece& piece, const SparsePrefillTimers& timers, int piece_index,
@@ -200,12 +232,8 @@ absl::Status LaunchPiece(const DcaGeometry& g, const SparsePrefillParams& sp, co
   // 1. estimation
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
       a.sscore, 0, static_cast<size_t>(g.num_q_heads) * l.length * sizeof(float), stream));
-  constexpr size_t est_smem = 2 * sk::kTileN * (D + 8) * sizeof(Bf16) +
-                              (4 * sk::kTileN + sk::kEstSegment + sk::kTileN) * sizeof(float);
-  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      sk::EstimateKernel<D, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, est_smem));
-  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      sk::EstimateKernel<D, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, est_smem));
+  ATTND_RETURN_IF_ERROR(PrepareKernelsOnce<D>());
+  constexpr size_t est_smem = EstimateSmemBytes<D>();
   const dim3 est_grid(a.num_segments, g.num_q_heads);
   sk::EstimateKernel<D, false><<<est_grid, sk::kThreads, est_smem, stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("EstimateKernel<stats>");
@@ -226,10 +254,7 @@ absl::Status LaunchPiece(const DcaGeometry& g, const SparsePrefillParams& sp, co
     ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(timers.index_end[piece_index], stream));
   }
   // 4. converter and 5. attention, per slice of row blocks (the block lists are per slice).
-  constexpr size_t att_smem =
-      4 * sk::kTileN * (D + 8) * sizeof(Bf16) + 2 * sk::kTileN * sizeof(int32_t);
-  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      sk::AttendKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, att_smem));
+  constexpr size_t att_smem = AttendSmemBytes<D>();
   for (int64_t first = 0; first < plan.row_blocks; first += plan.slice_row_blocks) {
     a.rb_offset = static_cast<int32_t>(first);
     a.row_blocks = static_cast<int32_t>(std::min(plan.slice_row_blocks, plan.row_blocks - first));
