@@ -184,7 +184,9 @@ int32_t CudaKernelPlan::DecodeSplits(int32_t batch, int64_t max_length) const {
   const int64_t resident = int64_t{std::max(1, num_sms_)} * DecodeBlocksPerSm(DecodeStages(batch));
   const int64_t blocks = std::max<int64_t>(1, int64_t{batch} * std::max(1, geometry_.num_kv_heads));
   const int64_t want = resident / blocks;  // splits that still fit in one wave
-  const int64_t cap = std::max<int64_t>(1, (max_length + 255) / 256);
+  // At least the kernel's minimum keys per split (DecodeSplitLen) in every split.
+  constexpr int64_t kMinKeys = cuda_kernels::kMinSplitKeys;
+  const int64_t cap = std::max<int64_t>(1, (max_length + kMinKeys - 1) / kMinKeys);
   return static_cast<int32_t>(std::clamp<int64_t>(want, 1, std::min<int64_t>(cap, 1024)));
 }
 

@@ -208,7 +208,8 @@ int32_t LabDecodeSplits(const DcaGeometry& g, int32_t batch, int64_t max_length,
   if (per_sm < 1) return 0;
   const int64_t resident = int64_t{sms} * per_sm;
   const int64_t blocks = std::max<int64_t>(1, int64_t{batch} * std::max(1, g.num_kv_heads));
-  const int64_t cap = std::max<int64_t>(1, (max_length + 255) / 256);
+  constexpr int64_t kMinKeys = ck::kMinSplitKeys;
+  const int64_t cap = std::max<int64_t>(1, (max_length + kMinKeys - 1) / kMinKeys);
   return static_cast<int32_t>(
       std::clamp<int64_t>(resident / blocks, 1, std::min<int64_t>(cap, 1024)));
 }
