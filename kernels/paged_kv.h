@@ -10,6 +10,29 @@
 
 namespace attnd {
 
+// A position's page-table index and slot for one page size, with a shift and a mask when the page
+// size is a power of two (the deployed 16) and a division otherwise. 32-bit positions, as the
+// kernels use (positions < 2^31). The one place that splits a position into page and slot.
+struct PageIndexer {
+  uint32_t size = 1;
+  uint32_t shift = 0;
+  bool pow2 = true;
+
+  PageIndexer() = default;
+  ATTND_HOST_DEVICE explicit PageIndexer(int32_t page_size)
+      : size(static_cast<uint32_t>(page_size)), pow2((size & (size - 1)) == 0) {
+#if defined(__CUDA_ARCH__)
+    shift = static_cast<uint32_t>(__ffs(static_cast<int>(size)) - 1);
+#else
+    shift = static_cast<uint32_t>(__builtin_ctz(size == 0 ? 1 : size));
+#endif
+  }
+  ATTND_HOST_DEVICE uint32_t Page(uint32_t pos) const { return pow2 ? pos >> shift : pos / size; }
+  ATTND_HOST_DEVICE uint32_t Slot(uint32_t pos) const {
+    return pow2 ? pos & (size - 1) : pos % size;
+  }
+};
+
 // Layout of one layer in the pool: K and V each [num_pages, page_size, num_kv_heads, head_dim],
 // row-major; a sequence's token at position p lives in page page_table[p / page_size], slot
 // p % page_size. Trivially copyable: pass it by value to kernels.

@@ -523,11 +523,9 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   }
   const int32_t* page_table = a.kv.page_tables + b * a.kv.page_table_stride;
   const uint32_t ps = static_cast<uint32_t>(a.kv.page_size);
-  // Power-of-two page sizes (the usual 16) take a shift and a mask instead of a division.
-  const bool ps_pow2 = (ps & (ps - 1)) == 0;
-  const uint32_t ps_shift = static_cast<uint32_t>(__ffs(static_cast<int>(ps)) - 1);
-  auto page_of = [&](uint32_t pos) { return ps_pow2 ? pos >> ps_shift : pos / ps; };
-  auto in_page = [&](uint32_t pos) { return ps_pow2 ? pos & (ps - 1) : pos % ps; };
+  const PageIndexer pages(a.kv.page_size);  // power-of-two pages: a shift and a mask
+  auto page_of = [&](uint32_t pos) { return pages.Page(pos); };
+  auto in_page = [&](uint32_t pos) { return pages.Slot(pos); };
   const int64_t row_stride = static_cast<int64_t>(a.kv.num_kv_heads) * D;  // elements per token
   const Bf16* kbase = a.kv.k + static_cast<int64_t>(kv_head) * D;
   const Bf16* vbase = a.kv.v + static_cast<int64_t>(kv_head) * D;

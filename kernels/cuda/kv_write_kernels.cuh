@@ -118,6 +118,7 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
   const int64_t step = int64_t{gridDim.x} * blockDim.x;
   const int32_t pos = row.length - 1;  // the new token
   const uint32_t ps = static_cast<uint32_t>(kvb.page_size);
+  const PageIndexer pages(kvb.page_size);
   const float key_scale = LengthScale(row.length, orig);
   for (int64_t base = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; base < total;
        base += step * kDecodeStageUnroll) {
@@ -143,7 +144,7 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
       }
       piece[u] = *reinterpret_cast<const uint4*>(src);
     }
-    if (appends) page = host_table[static_cast<uint32_t>(pos) / ps];
+    if (appends) page = host_table[pages.Page(static_cast<uint32_t>(pos))];
       // Then the stores.
 #pragma unroll
     for (int u = 0; u < kDecodeStageUnroll; ++u) {
@@ -161,7 +162,8 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
         const int n = PieceToFloats(piece[u], is_k ? k_dtype : row.v_dtype, x);
         const int64_t e = (is_k ? i - n_q - n_t : i - n_q - n_t - n_k) * n;  // first element
         const int64_t off =
-            ((int64_t{page} * ps + static_cast<uint32_t>(pos) % ps) * kvb.num_kv_heads + e / D) *
+            ((int64_t{page} * ps + pages.Slot(static_cast<uint32_t>(pos))) * kvb.num_kv_heads +
+             e / D) *
                 D +
             e % D;
         StoreBf16Piece((is_k ? kvb.k : kvb.v) + off, x, n, is_k ? key_scale : 1.f);

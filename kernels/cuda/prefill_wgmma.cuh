@@ -132,8 +132,8 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) DcaPrefillWgmmaKernel(cons
 
   if (wg == 2) {  // the producer: tile t into slot t % Stages once tile t - Stages is done
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    const int32_t ps = a.kv.page_size;
-    const int page_shift = (ps & (ps - 1)) == 0 ? __ffs(ps) - 1 : -1;
+    const PageIndexer pages(a.kv.page_size);
+    const int page_shift = pages.pow2 ? static_cast<int>(pages.shift) : -1;
     for (int t = 0; t < n_tiles; ++t) {
       const int slot = t % Stages;
       if (t >= Stages) MbarWait(SmemAddr(&empty_bar[slot]), ((t / Stages) - 1) & 1);
