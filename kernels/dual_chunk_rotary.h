@@ -18,8 +18,8 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "base/thread_pool.h"
 #include "kernels/dca.h"
-#include "kernels/thread_pool.h"
 
 #ifndef ATTND_HOST_DEVICE
 #if defined(__CUDACC__)

@@ -13,9 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/mutex.h"
 #include "kvcache/page_allocator.h"
 
 namespace attnd {

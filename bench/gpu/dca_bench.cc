@@ -27,10 +27,10 @@
 #include <string>
 #include <vector>
 
+#include "base/dtype.h"
 #include "bench/gpu/bench_util.h"
 #include "kernels/cuda/dca_cuda.h"
 #include "kernels/dca.h"
-#include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
 
 namespace attnd {

@@ -24,8 +24,8 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "base/dtype.h"
 #include "kernels/dca.h"
-#include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
 
 namespace attnd {

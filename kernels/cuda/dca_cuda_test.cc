@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
+#include "base/dtype.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/testing/gpu_test.h"
 #include "kernels/dca.h"
-#include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
 
 namespace attnd {

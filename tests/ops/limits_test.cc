@@ -13,7 +13,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "server/fault_engine.h"
+#include "server/engine/fault_engine.h"
 #include "tests/ops/ops_util.h"
 
 namespace attnd {
