@@ -132,17 +132,19 @@ absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::Add(std::shared_pt
   TenantUsage& u = usage_[region->tenant];
   if (options_.max_regions_per_tenant > 0 && u.regions >= options_.max_regions_per_tenant) {
     if (u.regions == 0) usage_.erase(region->tenant);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "this tenant holds ", options_.max_regions_per_tenant,
-        " regions and rings already (--max-regions-per-tenant): unregister one first"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("this tenant holds ", options_.max_regions_per_tenant,
+                     " regions and rings already (RegionRegistryOptions::max_regions_per_tenant): "
+                     "unregister one first"));
   }
   if (options_.max_bytes_per_tenant > 0 &&
       u.bytes + static_cast<int64_t>(region->bytes) > options_.max_bytes_per_tenant) {
     const int64_t held = u.bytes;
     if (u.regions == 0) usage_.erase(region->tenant);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "this tenant has ", held, " bytes of regions and rings registered; ", region->bytes,
-        " more would pass --max-region-bytes-per-tenant ", options_.max_bytes_per_tenant));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("this tenant has ", held, " bytes of regions and rings registered; ",
+                     region->bytes, " more would pass RegionRegistryOptions::max_bytes_per_tenant ",
+                     options_.max_bytes_per_tenant));
   }
   absl::StatusOr<std::string> id = NewRandomId();
   if (!id.ok()) {

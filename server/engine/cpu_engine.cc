@@ -167,7 +167,7 @@ namespace {
 absl::Status NoDeviceMemory() {
   return absl::InvalidArgumentError(
       "the CPU backend reads and writes host memory only: device (CUDA IPC) tensors need "
-      "--device cuda");
+      "the cuda backend");
 }
 
 }  // namespace

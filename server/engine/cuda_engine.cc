@@ -265,7 +265,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CudaEngine::Create(const CudaEngineOptio
     return absl::FailedPreconditionError(
         absl::StrCat("cuda engine: no usable CUDA device (",
                      err != cudaSuccess ? cudaGetErrorString(err) : "cudaGetDeviceCount() == 0",
-                     "); use --device=cpu"));
+                     "); use the cpu backend"));
   }
   if (options.device < 0 || options.device >= count) {
     return absl::InvalidArgumentError(

@@ -8,7 +8,8 @@ namespace attnd {
 
 absl::Status CudaBuildStatus() {
   return absl::FailedPreconditionError(
-      "--device=cuda: attnd was built without CUDA (no toolkit found at build time); rebuild with "
+      "the cuda backend: attnd was built without CUDA (no toolkit found at build time); rebuild "
+      "with "
       "a "
       "CUDA toolkit >= 12 (see docs/BUILD.md)");
 }

@@ -36,13 +36,13 @@ absl::StatusOr<DType> ResolveKvDType(const std::string& kv_dtype, const std::str
   if (kv_dtype == "bf16") return DType::kBf16;
   if (kv_dtype == "auto") return backend == "cpu" ? DType::kFp32 : DType::kBf16;
   return absl::InvalidArgumentError(
-      absl::StrCat("--kv-dtype must be auto, bf16 or fp32, got \"", kv_dtype, "\""));
+      absl::StrCat("EngineOptions::kv_dtype must be auto, bf16 or fp32, got \"", kv_dtype, "\""));
 }
 
 namespace {
 
 // The pool layout of one shard of `geometry` (its kv heads) with as many pages as fit in
-// pool_bytes; the error names the flag.
+// pool_bytes; the error names the pool size.
 absl::StatusOr<KvLayout> LayoutFor(const EngineOptions& options, const DcaGeometry& geometry,
                                    DType kv_dtype, int64_t pool_bytes) {
   absl::StatusOr<KvLayout> layout =
@@ -50,7 +50,7 @@ absl::StatusOr<KvLayout> LayoutFor(const EngineOptions& options, const DcaGeomet
                              options.page_size, kv_dtype, pool_bytes);
   if (!layout.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--kv-cache-bytes ", pool_bytes, ": ", layout.status().message()));
+        absl::StrCat("a KV pool of ", pool_bytes, " bytes: ", layout.status().message()));
   }
   return layout;
 }
@@ -90,26 +90,26 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCuda(const EngineOptions& options)
   if (!kv_dtype.ok()) return kv_dtype.status();
   if (*kv_dtype != DType::kBf16) {
     return absl::InvalidArgumentError(
-        "--kv-dtype: the cuda backend stores K/V as bf16; use auto or bf16");
+        "EngineOptions::kv_dtype: the cuda backend stores K/V as bf16; use auto or bf16");
   }
   const int count = CudaDeviceCount();
   if (count == 0) {
     return absl::FailedPreconditionError(
-        "--device=cuda: no usable CUDA device (no GPU or no driver); use --device=cpu");
+        "EngineOptions::device cuda: no usable CUDA device (no GPU or no driver); use cpu");
   }
   const std::vector<int32_t> devices =
       options.devices.empty() ? std::vector<int32_t>{0} : options.devices;
   const int32_t n = static_cast<int32_t>(devices.size());
   if (options.shards > 1 && options.shards != n) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--shards ", options.shards,
-                     " with --device=cuda: the cuda backend has one shard per "
-                     "--devices entry (",
-                     n, "); name a device once per shard, e.g. --devices 0,0"));
+        absl::StrCat("EngineOptions::shards ", options.shards,
+                     " on the cuda backend, which has one shard per "
+                     "EngineOptions::devices entry (",
+                     n, "); name a device once per shard, e.g. devices {0, 0}"));
   }
   for (int32_t d : devices) {
     if (d < 0 || d >= count) {
-      return absl::FailedPreconditionError(absl::StrCat("--devices: CUDA device ", d,
+      return absl::FailedPreconditionError(absl::StrCat("EngineOptions::devices: CUDA device ", d,
                                                         " does not exist; this host has ", count,
                                                         " usable device(s), 0 to ", count - 1));
     }
@@ -122,8 +122,9 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCuda(const EngineOptions& options)
     num_pages = full.num_pages;
   } else {
     if (!(options.kv_cache_fraction > 0 && options.kv_cache_fraction <= 0.98)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--kv-cache-fraction must be in (0, 0.98], got ", options.kv_cache_fraction));
+      return absl::InvalidArgumentError(
+          absl::StrCat("EngineOptions::kv_cache_fraction must be in (0, 0.98], got ",
+                       options.kv_cache_fraction));
     }
     // Each device's fraction of free memory is split among its shards; every shard holds every
     // page, so the device with the least room per shard sets the page count. The engines' own
@@ -160,7 +161,8 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCuda(const EngineOptions& options)
 absl::StatusOr<std::unique_ptr<Engine>> CreateCpu(const EngineOptions& options) {
   if (!options.devices.empty()) {
     return absl::InvalidArgumentError(
-        "--devices names CUDA devices; the cpu backend shards with --shards N");
+        "EngineOptions::devices names CUDA devices; the cpu backend shards with "
+        "EngineOptions::shards");
   }
   absl::StatusOr<DType> kv_dtype = ResolveKvDType(options.kv_dtype, "cpu");
   if (!kv_dtype.ok()) return kv_dtype.status();
@@ -192,15 +194,16 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCpu(const EngineOptions& options) 
 
 absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineOptions& options) {
   if (options.device != "cpu" && options.device != "auto" && options.device != "cuda") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--device must be auto, cpu or cuda, got \"", options.device, "\""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "EngineOptions::device must be auto, cpu or cuda, got \"", options.device, "\""));
   }
   if (options.kv_cache_bytes < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--kv-cache-bytes must be >= 0, got ", options.kv_cache_bytes));
+        absl::StrCat("EngineOptions::kv_cache_bytes must be >= 0, got ", options.kv_cache_bytes));
   }
   if (options.shards < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--shards must be >= 1, got ", options.shards));
+    return absl::InvalidArgumentError(
+        absl::StrCat("EngineOptions::shards must be >= 1, got ", options.shards));
   }
   if (options.device == "cuda" || (options.device == "auto" && CudaDeviceCount() > 0)) {
     return CreateCuda(options);

@@ -59,7 +59,7 @@ TEST(EngineFactoryTest, CudaWithoutAGpuIsAClearStartupError) {
     ASSERT_FALSE(engine.ok());
     EXPECT_EQ(engine.status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_EQ(engine.status().message(),
-              "--device=cuda: attnd was built without CUDA (no toolkit found at build time); "
+              "the cuda backend: attnd was built without CUDA (no toolkit found at build time); "
               "rebuild with a CUDA toolkit >= 12 (see docs/BUILD.md)");
     return;
   }
@@ -72,7 +72,7 @@ TEST(EngineFactoryTest, CudaWithoutAGpuIsAClearStartupError) {
   ASSERT_FALSE(engine.ok());
   EXPECT_EQ(engine.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(engine.status().message(),
-            "--device=cuda: no usable CUDA device (no GPU or no driver); use --device=cpu");
+            "EngineOptions::device cuda: no usable CUDA device (no GPU or no driver); use cpu");
 }
 
 TEST(EngineFactoryTest, AutoPicksCudaOnlyWithAGpu) {
@@ -94,7 +94,7 @@ TEST(EngineFactoryTest, CudaKeepsKvInBf16) {
   }
   EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(engine.status().message(),
-            "--kv-dtype: the cuda backend stores K/V as bf16; use auto or bf16");
+            "EngineOptions::kv_dtype: the cuda backend stores K/V as bf16; use auto or bf16");
 }
 
 TEST(EngineFactoryTest, BadOptionsNameTheFlag) {
@@ -102,19 +102,21 @@ TEST(EngineFactoryTest, BadOptionsNameTheFlag) {
   o.device = "tpu";
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
   EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(engine.status().message(), "--device must be auto, cpu or cuda, got \"tpu\"");
+  EXPECT_EQ(engine.status().message(),
+            "EngineOptions::device must be auto, cpu or cuda, got \"tpu\"");
 
   o = Tiny();
   o.kv_dtype = "fp8";
   engine = CreateEngine(o);
   EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(engine.status().message(), "--kv-dtype must be auto, bf16 or fp32, got \"fp8\"");
+  EXPECT_EQ(engine.status().message(),
+            "EngineOptions::kv_dtype must be auto, bf16 or fp32, got \"fp8\"");
 
   o = Tiny();
   o.kv_cache_bytes = 1000;  // less than one page
   engine = CreateEngine(o);
   EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(engine.status().message().substr(0, 23), "--kv-cache-bytes 1000: ");
+  EXPECT_EQ(engine.status().message().substr(0, 25), "a KV pool of 1000 bytes: ");
 }
 
 }  // namespace

@@ -19,10 +19,10 @@ namespace attnd {
 
 absl::StatusOr<DcaGeometry> ShardGeometry(const DcaGeometry& geometry, int32_t num_shards) {
   if (num_shards < 1 || geometry.num_kv_heads % num_shards != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(num_shards, " shards cannot split the model's ", geometry.num_kv_heads,
-                     " kv heads evenly: use a number of devices (or --shards) that divides ",
-                     geometry.num_kv_heads));
+    return absl::InvalidArgumentError(absl::StrCat(
+        num_shards, " shards cannot split the model's ", geometry.num_kv_heads,
+        " kv heads evenly: use a number of devices (or EngineOptions::shards) that divides ",
+        geometry.num_kv_heads));
   }
   DcaGeometry shard = geometry;
   shard.num_kv_heads = geometry.num_kv_heads / num_shards;

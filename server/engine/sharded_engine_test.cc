@@ -206,7 +206,7 @@ TEST(ShardGeometryTest, SplitsHeadsEvenlyOrSaysWhy) {
   EXPECT_EQ(three.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(three.status().message(),
             "3 shards cannot split the model's 4 kv heads evenly: use a number of devices (or "
-            "--shards) that divides 4");
+            "EngineOptions::shards) that divides 4");
 }
 
 TEST(ShardSparseTest, TakesEachLayersHeadsOfTheShard) {
@@ -471,7 +471,8 @@ TEST(ShardedEngineTest, FactoryErrorsNameTheFlag) {
   e = CreateEngine(o);
   ASSERT_FALSE(e.ok());
   EXPECT_EQ(e.status().message(),
-            "--devices names CUDA devices; the cpu backend shards with --shards N");
+            "EngineOptions::devices names CUDA devices; the cpu backend shards with "
+            "EngineOptions::shards");
 }
 
 #endif  // !ATTND_SHARDED_ON_CUDA

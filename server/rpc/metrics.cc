@@ -382,9 +382,10 @@ absl::StatusOr<std::unique_ptr<AttndMetrics>> AttndMetrics::Create(const BuildIn
                          r.AddGauge("attnd_kv_pages_free", "KV cache pages free to allocate."));
   ATTND_ASSIGN_OR_RETURN(
       m->kv_shard_pool_bytes,
-      r.AddGauge("attnd_kv_shard_pool_bytes",
-                 "KV pool bytes of each engine shard on its device (--devices / --shards).",
-                 {"shard", "device"}));
+      r.AddGauge(
+          "attnd_kv_shard_pool_bytes",
+          "KV pool bytes of each engine shard on its device (EngineOptions::devices / shards).",
+          {"shard", "device"}));
   ATTND_ASSIGN_OR_RETURN(m->kv_shard_bytes_used,
                          r.AddGauge("attnd_kv_shard_bytes_used",
                                     "Of each shard's KV pool, bytes in pages held by sequences.",
@@ -402,10 +403,10 @@ absl::StatusOr<std::unique_ptr<AttndMetrics>> AttndMetrics::Create(const BuildIn
       r.AddGauge("attnd_api_accepting",
                  "1 while the API listener accepts connections; 0 once accept4 failed (gRPC 1.51 "
                  "does not resume: restart)."));
-  ATTND_ASSIGN_OR_RETURN(
-      m->inflight_request_bytes,
-      r.AddGauge("attnd_inflight_request_bytes",
-                 "Bytes of requests being served now (--max-inflight-request-bytes bounds it)."));
+  ATTND_ASSIGN_OR_RETURN(m->inflight_request_bytes,
+                         r.AddGauge("attnd_inflight_request_bytes",
+                                    "Bytes of requests being served now "
+                                    "(ServerOptions::max_inflight_request_bytes bounds it)."));
   ATTND_ASSIGN_OR_RETURN(m->bytes_received_total,
                          r.AddCounter("attnd_received_bytes_total",
                                       "Request message bytes received, by method.", {"rpc"}));

@@ -372,7 +372,7 @@ absl::Status AttentionService::TakeRequestBytes(int64_t bytes) {
     if (used > 0 && used + bytes > max_inflight_request_bytes_) {
       return absl::ResourceExhaustedError(
           absl::StrCat("attnd is serving ", used, " bytes of requests already; this one (", bytes,
-                       " bytes) would pass --max-inflight-request-bytes ",
+                       " bytes) would pass ServerOptions::max_inflight_request_bytes ",
                        max_inflight_request_bytes_, ": retry later"));
     }
   } while (!inflight_request_bytes_.compare_exchange_weak(used, used + bytes));
@@ -567,8 +567,8 @@ void AttentionService::ServeInline(absl::string_view rpc, grpc::CallbackServerCo
 namespace {
 
 absl::Status NoRegions(absl::string_view what) {
-  return absl::FailedPreconditionError(
-      absl::StrCat("this server serves no ", what, " (started with --max-regions-per-tenant 0?)"));
+  return absl::FailedPreconditionError(absl::StrCat(
+      "this server serves no ", what, " (RegionRegistryOptions::max_regions_per_tenant is 0?)"));
 }
 
 }  // namespace

@@ -555,7 +555,7 @@ TEST(FleetMemberServiceTest, ABadInstanceNameFailsStartUp) {
   absl::StatusOr<std::unique_ptr<AttndServer>> server = AttndServer::Start(options);
   EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(server.status().message(),
-            "--instance-name must be a DNS label: 1 to 63 characters of a-z, 0-9 and '-', not "
+            "the instance name must be a DNS label: 1 to 63 characters of a-z, 0-9 and '-', not "
             "starting or ending with '-' (e.g. a StatefulSet pod name), got \"attnd_0\" (7 "
             "characters)");
 }

@@ -191,7 +191,7 @@ TEST_F(RuntimeTest, BadInstanceNameIsRefusedAtCreate) {
   absl::StatusOr<std::unique_ptr<Runtime>> rt =
       Runtime::Create(TinyModel(), *std::move(engine), ro);
   EXPECT_EQ(rt.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(absl::StartsWith(rt.status().message(), "--instance-name must be a DNS label"))
+  EXPECT_TRUE(absl::StartsWith(rt.status().message(), "the instance name must be a DNS label"))
       << rt.status();
 }
 

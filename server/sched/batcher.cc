@@ -40,24 +40,25 @@ absl::StatusOr<std::vector<int32_t>> ParseBatchSizes(absl::string_view text) {
 
 absl::Status CheckDecodeBatcherOptions(const DecodeBatcherOptions& o) {
   if (o.max_decode_batch < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--max-decode-batch must be >= 1, got ", o.max_decode_batch));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DecodeBatcherOptions::max_decode_batch must be >= 1, got ", o.max_decode_batch));
   }
   if (o.max_queue_delay < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat("--max-queue-delay-us must be >= 0, got ",
-                                                   absl::FormatDuration(o.max_queue_delay)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeBatcherOptions::max_queue_delay must be >= 0, got ",
+                     absl::FormatDuration(o.max_queue_delay)));
   }
   for (size_t i = 0; i < o.flush_batch_sizes.size(); ++i) {
     const int32_t s = o.flush_batch_sizes[i];
     if (s <= 0 || (i > 0 && s <= o.flush_batch_sizes[i - 1])) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "--cuda-graph-batch-sizes must be positive and strictly increasing, got ", s,
-          i > 0 ? absl::StrCat(" after ", o.flush_batch_sizes[i - 1]) : std::string()));
+          "DecodeBatcherOptions::flush_batch_sizes must be positive and strictly increasing, got ",
+          s, i > 0 ? absl::StrCat(" after ", o.flush_batch_sizes[i - 1]) : std::string()));
     }
   }
   if (o.max_inflight_batches < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--decode-batches-in-flight must be >= 1, got ", o.max_inflight_batches));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DecodeBatcherOptions::max_inflight_batches must be >= 1, got ", o.max_inflight_batches));
   }
   if (o.max_queued_calls < 1) {
     return absl::InvalidArgumentError(

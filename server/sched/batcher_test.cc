@@ -221,14 +221,16 @@ TEST(BatcherOptionsTest, ParsesAndChecks) {
             (std::vector<int32_t>{1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256}));
   EXPECT_EQ(o.flush_batch_sizes, DefaultDecodeBatchSizes());
   o.max_decode_batch = 0;
-  EXPECT_EQ(CheckDecodeBatcherOptions(o).message(), "--max-decode-batch must be >= 1, got 0");
+  EXPECT_EQ(CheckDecodeBatcherOptions(o).message(),
+            "DecodeBatcherOptions::max_decode_batch must be >= 1, got 0");
   o.max_decode_batch = 8;
   o.max_queue_delay = absl::Microseconds(-1);
   EXPECT_EQ(CheckDecodeBatcherOptions(o).code(), absl::StatusCode::kInvalidArgument);
   o.max_queue_delay = absl::ZeroDuration();
   o.flush_batch_sizes = {2, 2};
   EXPECT_EQ(CheckDecodeBatcherOptions(o).message(),
-            "--cuda-graph-batch-sizes must be positive and strictly increasing, got 2 after 2");
+            "DecodeBatcherOptions::flush_batch_sizes must be positive and strictly increasing, got "
+            "2 after 2");
   FakeExecutor exec;
   HeldDispatcher d;
   EXPECT_EQ(BatchingDecodeQueue::Create(o, &exec, d.fn(), Clock::Real(), false).status().code(),
