@@ -102,7 +102,7 @@ absl::StatusOr<TokenStore> TokenStore::LoadFile(const std::string& path) {
   if (!in) {
     const int err = errno;
     const std::string message =
-        absl::StrCat("cannot read --auth-token-file ", path, ": ", std::strerror(err));
+        absl::StrCat("cannot read token file ", path, ": ", std::strerror(err));
     if (err == ENOENT) return absl::NotFoundError(message);
     if (err == EACCES) return absl::PermissionDeniedError(message);
     return absl::InvalidArgumentError(message);

@@ -94,7 +94,7 @@ TEST(TokenStoreTest, LoadsFilesAndNamesMissingOnes) {
   auto missing = TokenStore::LoadFile(path + ".nope");
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(missing.status().message(),
-            "cannot read --auth-token-file " + path + ".nope: No such file or directory");
+            "cannot read token file " + path + ".nope: No such file or directory");
 }
 
 // An AuthContext that records what the processor sets.
@@ -324,9 +324,11 @@ TEST(AuthEndToEndTest, TokensWithoutTlsOnlyOnLoopback) {
       std::make_shared<const TokenStore>(std::move(*store)), TokenAuthOptions());
   auto creds = MakeServerCredentials(TlsOptions(), processor, "0.0.0.0:50051");
   EXPECT_EQ(creds.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(creds.status().message(),
-            "--auth-token-file needs --tls-cert/--tls-key unless --listen is a loopback address "
-            "(bearer tokens would cross the network in clear text); --listen is 0.0.0.0:50051");
+  EXPECT_EQ(
+      creds.status().message(),
+      "token auth needs TlsOptions::cert_file/key_file unless the listen address is a loopback "
+      "address "
+      "(bearer tokens would cross the network in clear text); the listen address is 0.0.0.0:50051");
   EXPECT_TRUE(MakeServerCredentials(TlsOptions(), processor, "[::1]:50051").ok());
   EXPECT_TRUE(MakeServerCredentials(TlsOptions(), processor, "localhost:50051").ok());
   EXPECT_TRUE(MakeServerCredentials(TlsOptions(), nullptr, "0.0.0.0:50051").ok());

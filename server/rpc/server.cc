@@ -98,12 +98,12 @@ int64_t RaiseFdLimit() {
   return limit.rlim_cur == RLIM_INFINITY ? -1 : static_cast<int64_t>(limit.rlim_cur);
 }
 
-// The batcher's options from the flags' values; errors name the flag.
+// The batcher's options from the server's; errors name the ServerOptions field.
 absl::StatusOr<DecodeBatcherOptions> BatcherOptions(const ServerOptions& o) {
   absl::StatusOr<std::vector<int32_t>> sizes = ParseBatchSizes(o.cuda_graph_batch_sizes);
   if (!sizes.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--cuda-graph-batch-sizes: ", sizes.status().message()));
+        absl::StrCat("ServerOptions::cuda_graph_batch_sizes: ", sizes.status().message()));
   }
   DecodeBatcherOptions b;
   b.max_decode_batch = o.max_decode_batch;
@@ -122,7 +122,7 @@ absl::StatusOr<std::vector<std::pair<std::string, int>>> ParseChannelArgs(absl::
     int value = 0;
     if (kv.size() != 2 || !absl::StartsWith(kv[0], "grpc.") || !absl::SimpleAtoi(kv[1], &value)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--grpc-channel-args: '", entry,
+          absl::StrCat("ServerOptions::grpc_channel_args: '", entry,
                        "' is not grpc.NAME=INTEGER (e.g. grpc.http2.lookahead_bytes=8388608)"));
     }
     out.emplace_back(std::string(kv[0]), value);
@@ -134,62 +134,67 @@ absl::Status CheckOptions(const ServerOptions& o) {
   // First: it costs nothing, and a fleet's pods all get it from a template.
   if (absl::Status s = CheckInstanceName(o.instance_name); !s.ok()) return s;
   if (o.page_size <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--page-size must be > 0, got ", o.page_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ServerOptions::page_size must be > 0, got ", o.page_size));
   }
   if (o.max_message_bytes <= 0 || o.max_message_bytes > INT_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat("--max-message-bytes must be in [1, ", INT_MAX,
-                                                   "], got ", o.max_message_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ServerOptions::max_message_bytes must be in [1, ", INT_MAX, "], got ",
+                     o.max_message_bytes));
   }
   if (o.max_sequence_length < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--max-sequence-length must be >= 0, got ", o.max_sequence_length));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ServerOptions::max_sequence_length must be >= 0, got ", o.max_sequence_length));
   }
   if (o.max_sequences < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--max-sequences must be >= 0, got ", o.max_sequences));
+        absl::StrCat("ServerOptions::max_sequences must be >= 0, got ", o.max_sequences));
   }
   if (o.compute_threads < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--compute-threads must be >= 0, got ", o.compute_threads));
+        absl::StrCat("ServerOptions::compute_threads must be >= 0, got ", o.compute_threads));
   }
   if (o.request_workers < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--request-workers must be >= 0, got ", o.request_workers));
+        absl::StrCat("ServerOptions::request_workers must be >= 0, got ", o.request_workers));
   }
   if (o.request_log_sample < 0 || o.request_log_max_per_second < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--request-log-sample and --request-log-max-per-second must be >= 0, got ",
+        absl::StrCat("ServerOptions::request_log_sample and "
+                     "ServerOptions::request_log_max_per_second must be >= 0, got ",
                      o.request_log_sample, " and ", o.request_log_max_per_second));
   }
   if (o.sequence_idle_timeout < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat("--sequence-idle-timeout must be >= 0, got ",
-                                                   absl::FormatDuration(o.sequence_idle_timeout)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ServerOptions::sequence_idle_timeout must be >= 0, got ",
+                     absl::FormatDuration(o.sequence_idle_timeout)));
   }
   if (o.tenant_max_sequences < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tenant-max-sequences must be >= 0, got ", o.tenant_max_sequences));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ServerOptions::tenant_max_sequences must be >= 0, got ", o.tenant_max_sequences));
   }
   if (o.max_streams_per_connection <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--max-streams-per-connection must be > 0, got ",
-                                                   o.max_streams_per_connection));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ServerOptions::max_streams_per_connection must be > 0, got ",
+                     o.max_streams_per_connection));
   }
   if (o.max_inflight_request_bytes < o.max_message_bytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--max-inflight-request-bytes (", o.max_inflight_request_bytes,
-                     ") must be at least --max-message-bytes (", o.max_message_bytes,
+        absl::StrCat("ServerOptions::max_inflight_request_bytes (", o.max_inflight_request_bytes,
+                     ") must be at least ServerOptions::max_message_bytes (", o.max_message_bytes,
                      "), or the largest request could never run"));
   }
   if (o.wire_buffer_pool_bytes < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--wire-buffer-pool-bytes must be >= 0, got ", o.wire_buffer_pool_bytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ServerOptions::wire_buffer_pool_bytes must be >= 0, got ", o.wire_buffer_pool_bytes));
   }
   if (o.grpc_memory_bytes < (int64_t{64} << 20)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--grpc-memory-bytes must be at least 64 MiB, got ", o.grpc_memory_bytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ServerOptions::grpc_memory_bytes must be at least 64 MiB, got ", o.grpc_memory_bytes));
   }
   if (o.tenant_page_quota < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--tenant-page-quota must be >= 0, got ", o.tenant_page_quota));
+        absl::StrCat("ServerOptions::tenant_page_quota must be >= 0, got ", o.tenant_page_quota));
   }
   if (absl::StatusOr<std::vector<std::pair<std::string, int>>> args =
           ParseChannelArgs(o.grpc_channel_args);
@@ -279,18 +284,20 @@ absl::Status AttndServerImpl::StartAuth(const ServerOptions& options,
   if (options.auth_token_file.empty()) {
     if (options.admin_tenant.empty()) return absl::OkStatus();
     return absl::InvalidArgumentError(
-        "--admin-tenant needs --auth-token-file (tenants come from tokens); with tokens off, "
-        "attnd.v1.Admin serves loopback callers: leave --admin-tenant out");
+        "ServerOptions::admin_tenant needs ServerOptions::auth_token_file (tenants come from "
+        "tokens); with tokens off, "
+        "attnd.v1.Admin serves loopback callers: leave ServerOptions::admin_tenant out");
   }
   absl::StatusOr<TokenStore> store = TokenStore::LoadFile(options.auth_token_file);
-  if (!store.ok()) return WithFlag("--auth-token-file", store.status());
+  if (!store.ok()) return WithFlag("ServerOptions::auth_token_file", store.status());
   TokenAuthOptions auth_options;
   CounterFamily* failures = metrics_->auth_failures_total;
   auth_options.on_failure = [failures](absl::string_view reason) { failures->Increment({reason}); };
   if (!options.admin_tenant.empty() && !store->HasTenant(options.admin_tenant)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--admin-tenant \"", options.admin_tenant, "\" has no token in --auth-token-file ",
-        options.auth_token_file, ": add a line '", options.admin_tenant, " TOKEN' there"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ServerOptions::admin_tenant \"", options.admin_tenant,
+                     "\" has no token in ServerOptions::auth_token_file ", options.auth_token_file,
+                     ": add a line '", options.admin_tenant, " TOKEN' there"));
   }
   tokens_ = std::make_shared<const TokenStore>(*std::move(store));
   *processor = std::make_shared<TokenAuthProcessor>(tokens_, std::move(auth_options));
@@ -311,7 +318,7 @@ void AttndServerImpl::ReaperLoop(absl::Duration timeout) {
       metrics_->idle_reclaimed_total->Increment({});
       spdlog::info(
           "released idle sequence {} of tenant \"{}\" ({} pages): unused for {} "
-          "(--sequence-idle-timeout {})",
+          "(ServerOptions::sequence_idle_timeout {})",
           r.id, r.tenant, r.pages_freed,
           absl::FormatDuration(absl::Trunc(now - r.last_used, absl::Milliseconds(1))),
           absl::FormatDuration(timeout));
@@ -397,16 +404,16 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   if (!options.model_config.empty()) {
     model = LoadModelConfig(options.model_config);
     if (!model.ok()) {
-      return absl::Status(
-          model.status().code(),
-          absl::StrCat("--model-config ", options.model_config, ": ", model.status().message()));
+      return absl::Status(model.status().code(),
+                          absl::StrCat("ServerOptions::model_config ", options.model_config, ": ",
+                                       model.status().message()));
     }
   }
   const DcaGeometry geometry = model->geometry();
   if (geometry.chunk_len % options.page_size != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--page-size ", options.page_size, " must divide the DCA chunk length ",
-                     geometry.chunk_len, " (chunk_size - local_size) of model ", model->name));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ServerOptions::page_size ", options.page_size, " must divide the DCA chunk length ",
+        geometry.chunk_len, " (chunk_size - local_size) of model ", model->name));
   }
 
   EngineOptions engine_options;
@@ -502,8 +509,10 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   if (!credentials.ok()) return credentials.status();
   if (!tls.enabled() && auth == nullptr && !IsLoopbackAddress(options.listen)) {
     spdlog::warn(
-        "INSECURE: --listen {} is not a loopback address and neither TLS (--tls-cert/--tls-key) "
-        "nor tokens (--auth-token-file) are set: anyone who can reach it can read and write "
+        "INSECURE: ServerOptions::listen {} is not a loopback address and neither TLS "
+        "(ServerOptions::tls_cert/ServerOptions::tls_key) "
+        "nor tokens (ServerOptions::auth_token_file) are set: anyone who can reach it can read and "
+        "write "
         "every sequence",
         options.listen);
   }
@@ -514,13 +523,13 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     http_options.listen = options.metrics_listen;
     absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http = MetricsHttpServer::Start(
         http_options, &metrics_->registry(), [this] { return serving_.load(); });
-    if (!http.ok()) return WithFlag("--metrics-listen", http.status());
+    if (!http.ok()) return WithFlag("ServerOptions::metrics_listen", http.status());
     metrics_http_ = *std::move(http);
   }
   if (!options.health_listen.empty()) {
     absl::StatusOr<std::unique_ptr<HealthOnlyServer>> health =
         HealthOnlyServer::Start(options.health_listen);
-    if (!health.ok()) return WithFlag("--health-listen", health.status());
+    if (!health.ok()) return WithFlag("ServerOptions::health_listen", health.status());
     health_only_ = *std::move(health);
   }
 
@@ -613,7 +622,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   builder.RegisterService(admin_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("--listen ", options.listen,
+    return absl::UnavailableError(absl::StrCat("ServerOptions::listen ", options.listen,
                                                ": cannot listen there (malformed address, or the "
                                                "port is in use)"));
   }

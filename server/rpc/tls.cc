@@ -128,16 +128,17 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeSslServerCredential
     const TlsOptions& options) {
   if (options.cert_file.empty() || options.key_file.empty()) {
     return absl::InvalidArgumentError(
-        "--tls-cert and --tls-key must be given together (got only " +
-        std::string(options.cert_file.empty() ? "--tls-key" : "--tls-cert") + ")");
+        "TlsOptions::cert_file and TlsOptions::key_file must be given together (got only " +
+        std::string(options.cert_file.empty() ? "TlsOptions::key_file" : "TlsOptions::cert_file") +
+        ")");
   }
-  ATTND_ASSIGN_OR_RETURN(CertAndKey pair, LoadCertAndKey("--tls-cert", options.cert_file,
-                                                         "--tls-key", options.key_file));
+  ATTND_ASSIGN_OR_RETURN(CertAndKey pair, LoadCertAndKey("TlsOptions::cert_file", options.cert_file,
+                                                         "TlsOptions::key_file", options.key_file));
   grpc::SslServerCredentialsOptions ssl;
   ssl.pem_key_cert_pairs.push_back({pair.key_pem, pair.cert_pem});
   if (!options.client_ca_file.empty()) {
     ATTND_ASSIGN_OR_RETURN(ssl.pem_root_certs,
-                           LoadCaBundle("--tls-client-ca", options.client_ca_file));
+                           LoadCaBundle("TlsOptions::client_ca_file", options.client_ca_file));
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   } else {
     ssl.client_certificate_request = GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE;
@@ -161,7 +162,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const TlsOptions& tls, std::shared_ptr<grpc::AuthMetadataProcessor> auth,
     absl::string_view listen) {
   if (!tls.enabled() && !tls.client_ca_file.empty()) {
-    return absl::InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key");
+    return absl::InvalidArgumentError(
+        "TlsOptions::client_ca_file needs TlsOptions::cert_file and TlsOptions::key_file");
   }
   std::shared_ptr<grpc::ServerCredentials> creds;
   if (tls.enabled()) {
@@ -172,8 +174,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     creds = grpc::experimental::LocalServerCredentials(LOCAL_TCP);
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--auth-token-file needs --tls-cert/--tls-key unless --listen is a loopback address "
-        "(bearer tokens would cross the network in clear text); --listen is ",
+        "token auth needs TlsOptions::cert_file/key_file unless the listen address is a loopback "
+        "address "
+        "(bearer tokens would cross the network in clear text); the listen address is ",
         listen));
   }
   if (auth != nullptr) creds->SetAuthMetadataProcessor(std::move(auth));
@@ -184,14 +187,17 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     const TlsClientOptions& options) {
   grpc::SslCredentialsOptions ssl;
   if (!options.ca_file.empty()) {
-    ATTND_ASSIGN_OR_RETURN(ssl.pem_root_certs, LoadCaBundle("--tls-ca", options.ca_file));
+    ATTND_ASSIGN_OR_RETURN(ssl.pem_root_certs,
+                           LoadCaBundle("TlsClientOptions::ca_file", options.ca_file));
   }
   if (options.cert_file.empty() != options.key_file.empty()) {
-    return absl::InvalidArgumentError("--tls-cert and --tls-key must be given together");
+    return absl::InvalidArgumentError(
+        "TlsClientOptions::cert_file and TlsClientOptions::key_file must be given together");
   }
   if (!options.cert_file.empty()) {
-    ATTND_ASSIGN_OR_RETURN(CertAndKey pair, LoadCertAndKey("--tls-cert", options.cert_file,
-                                                           "--tls-key", options.key_file));
+    ATTND_ASSIGN_OR_RETURN(CertAndKey pair,
+                           LoadCertAndKey("TlsClientOptions::cert_file", options.cert_file,
+                                          "TlsClientOptions::key_file", options.key_file));
     ssl.pem_cert_chain = std::move(pair.cert_pem);
     ssl.pem_private_key = std::move(pair.key_pem);
   }

@@ -151,38 +151,41 @@ TEST_F(TlsTest, TokensOverTlsWithHealthLeftOpen) {
 TEST_F(TlsTest, BadFilesAreNamedAtStartup) {
   auto only_cert = MakeSslServerCredentials({P("server.pem"), "", ""});
   EXPECT_EQ(only_cert.status().message(),
-            "--tls-cert and --tls-key must be given together (got only --tls-cert)");
+            "TlsOptions::cert_file and TlsOptions::key_file must be given together (got only "
+            "TlsOptions::cert_file)");
 
   auto missing = MakeSslServerCredentials({P("nope.pem"), P("server.key"), ""});
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(missing.status().message(),
-            "cannot read --tls-cert " + P("nope.pem") + ": No such file or directory");
+            "cannot read TlsOptions::cert_file " + P("nope.pem") + ": No such file or directory");
 
   auto garbage = MakeSslServerCredentials({P("garbage.pem"), P("server.key"), ""});
   EXPECT_EQ(garbage.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(garbage.status().message(),
-            "--tls-cert " + P("garbage.pem") +
+            "TlsOptions::cert_file " + P("garbage.pem") +
                 ": no PEM certificate (-----BEGIN CERTIFICATE-----) found");
 
   auto key_not_pem = MakeSslServerCredentials({P("server.pem"), P("garbage.pem"), ""});
   EXPECT_EQ(key_not_pem.status().message(),
-            "--tls-key " + P("garbage.pem") + ": no unencrypted PEM private key found");
+            "TlsOptions::key_file " + P("garbage.pem") + ": no unencrypted PEM private key found");
 
   auto mismatch = MakeSslServerCredentials({P("server.pem"), P("client.key"), ""});
-  EXPECT_EQ(mismatch.status().message(), "--tls-key " + P("client.key") +
-                                             " does not match the certificate in --tls-cert " +
-                                             P("server.pem"));
+  EXPECT_EQ(mismatch.status().message(),
+            "TlsOptions::key_file " + P("client.key") +
+                " does not match the certificate in TlsOptions::cert_file " + P("server.pem"));
 
   auto bad_ca = MakeSslServerCredentials({P("server.pem"), P("server.key"), P("garbage.pem")});
   EXPECT_EQ(bad_ca.status().message(),
-            "--tls-client-ca " + P("garbage.pem") +
+            "TlsOptions::client_ca_file " + P("garbage.pem") +
                 ": no PEM certificate (-----BEGIN CERTIFICATE-----) found");
 
   auto ca_alone = MakeServerCredentials({"", "", P("ca.pem")}, nullptr, "127.0.0.1:1");
-  EXPECT_EQ(ca_alone.status().message(), "--tls-client-ca needs --tls-cert and --tls-key");
+  EXPECT_EQ(ca_alone.status().message(),
+            "TlsOptions::client_ca_file needs TlsOptions::cert_file and TlsOptions::key_file");
 
   auto client_half = MakeChannelCredentials({P("ca.pem"), P("client.pem"), ""});
-  EXPECT_EQ(client_half.status().message(), "--tls-cert and --tls-key must be given together");
+  EXPECT_EQ(client_half.status().message(),
+            "TlsClientOptions::cert_file and TlsClientOptions::key_file must be given together");
 }
 
 TEST(LoopbackTest, RecognisesLoopbackHosts) {
