@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "base/dtype.h"
 #include "client/attnd_client.h"
-#include "kernels/dtype.h"
 
 namespace attnd {
 namespace client {

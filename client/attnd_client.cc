@@ -18,8 +18,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "kernels/status_macros.h"
 
 namespace attnd {
 namespace client {

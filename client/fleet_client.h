@@ -28,8 +28,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "base/mutex.h"
 #include "client/attnd_client.h"
-#include "kernels/mutex.h"
 
 namespace attnd {
 namespace client {

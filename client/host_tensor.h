@@ -1,5 +1,5 @@
 // A dense row-major tensor held in host memory, as the client sends and receives it: a dtype, a
-// shape and the raw little-endian bytes. Conversions go through kernels/dtype.h so the client
+// shape and the raw little-endian bytes. Conversions go through base/dtype.h so the client
 // rounds exactly as the server does.
 #ifndef ATTND_CLIENT_HOST_TENSOR_H_
 #define ATTND_CLIENT_HOST_TENSOR_H_
@@ -12,7 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "attnd/v1/attention.pb.h"
-#include "kernels/dtype.h"
+#include "base/dtype.h"
 
 namespace attnd {
 namespace client {

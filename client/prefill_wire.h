@@ -11,9 +11,9 @@
 #include <string>
 
 #include "attnd/v1/attention.pb.h"
+#include "base/mutex.h"
 #include "client/host_tensor.h"
 #include "grpcpp/support/byte_buffer.h"
-#include "kernels/mutex.h"
 
 namespace attnd {
 namespace client {

@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace attnd {
 namespace client {

@@ -7,8 +7,8 @@
 #include <string>
 
 #include "fuzz/harness.h"
-#include "server/model_config.h"
-#include "server/sparse_config.h"
+#include "server/config/model_config.h"
+#include "server/config/sparse_config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 2) return 0;

@@ -26,13 +26,13 @@
 #include "absl/status/statusor.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "server/cpu_engine.h"
-#include "server/decode_queue.h"
-#include "server/model_config.h"
-#include "server/regions.h"
-#include "server/runtime.h"
-#include "server/service.h"
-#include "server/work_queue.h"
+#include "server/config/model_config.h"
+#include "server/dataplane/regions.h"
+#include "server/engine/cpu_engine.h"
+#include "server/rpc/service.h"
+#include "server/runtime/runtime.h"
+#include "server/sched/decode_queue.h"
+#include "server/sched/work_queue.h"
 
 namespace attnd {
 namespace fuzz {
@@ -199,7 +199,7 @@ class Harness {
     ATTND_FUZZ_CHECK(region.ok(), "%s", region.status().ToString().c_str());
     region_id_ = (*region)->id;
     shm_unlink(shm_name_.c_str());  // the mapping stays; nothing is left in /dev/shm
-    // With the Prefill fast path (server/wire.h), as attnd runs by default.
+    // With the Prefill fast path (server/rpc/wire.h), as attnd runs by default.
     service_ = std::make_unique<AttentionService>(
         runtime_.get(), work_queue_.get(), decode_queue_.get(), nullptr, nullptr, nullptr, 0,
         nullptr, regions_.get(), nullptr, std::make_shared<wire::BufferPool>(64 << 20));

@@ -1,7 +1,7 @@
-// libFuzzer target: server/wire.h's hand parser of PrefillRequest against protobuf's. Input: byte 0
-// seeds how the rest is cut into slices (as gRPC hands a message over), the rest is the message.
-// Whenever the hand parser accepts bytes, protobuf must parse them to the same fields; whatever
-// protobuf rejects, the hand parser must decline.
+// libFuzzer target: server/rpc/wire.h's hand parser of PrefillRequest against protobuf's. Input:
+// byte 0 seeds how the rest is cut into slices (as gRPC hands a message over), the rest is the
+// message. Whenever the hand parser accepts bytes, protobuf must parse them to the same fields;
+// whatever protobuf rejects, the hand parser must decline.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "attnd/v1/attention.pb.h"
-#include "server/wire.h"
+#include "server/rpc/wire.h"
 
 namespace {
 

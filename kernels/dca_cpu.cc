@@ -18,7 +18,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "kernels/dtype.h"
+#include "base/dtype.h"
 #include "kernels/simd_math.h"
 
 namespace attnd {

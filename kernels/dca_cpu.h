@@ -7,9 +7,9 @@
 #include <cstdint>
 
 #include "absl/types/span.h"
+#include "base/thread_pool.h"
 #include "kernels/dca.h"
 #include "kernels/paged_kv.h"
-#include "kernels/thread_pool.h"
 
 namespace attnd {
 

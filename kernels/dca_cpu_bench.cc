@@ -6,12 +6,12 @@
 #include <random>
 #include <vector>
 
+#include "base/dtype.h"
+#include "base/thread_pool.h"
 #include "benchmark/benchmark.h"
 #include "kernels/dca.h"
 #include "kernels/dca_cpu.h"
-#include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
-#include "kernels/thread_pool.h"
 
 namespace attnd {
 namespace {

@@ -14,12 +14,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/dtype.h"
+#include "base/thread_pool.h"
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
-#include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
 #include "kernels/testing/naive_dca.h"
-#include "kernels/thread_pool.h"
 
 namespace attnd {
 namespace {

@@ -18,9 +18,9 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "base/thread_pool.h"
 #include "kernels/dca.h"
 #include "kernels/host_device.h"
-#include "kernels/thread_pool.h"
 
 namespace attnd {
 

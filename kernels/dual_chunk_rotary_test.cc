@@ -6,10 +6,10 @@
 #include <random>
 #include <vector>
 
+#include "base/thread_pool.h"
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
 #include "kernels/testing/naive_dca.h"
-#include "kernels/thread_pool.h"
 
 namespace attnd {
 namespace {

@@ -6,7 +6,7 @@
 #include <limits>
 #include <vector>
 
-#include "kernels/dtype.h"
+#include "base/dtype.h"
 #include "kernels/simd_math.h"
 
 namespace attnd {

@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "absl/types/span.h"
+#include "base/thread_pool.h"
 #include "kernels/dca.h"
 #include "kernels/dca_cpu.h"
 #include "kernels/paged_kv.h"
-#include "kernels/thread_pool.h"
 #include "kernels/vertical_slash.h"
 
 namespace attnd {

@@ -11,12 +11,12 @@
 #include <random>
 #include <vector>
 
+#include "base/thread_pool.h"
 #include "benchmark/benchmark.h"
 #include "kernels/dca.h"
 #include "kernels/dca_cpu.h"
 #include "kernels/paged_kv.h"
 #include "kernels/sparse_prefill_cpu.h"
-#include "kernels/thread_pool.h"
 #include "kernels/vertical_slash.h"
 
 namespace attnd {

@@ -11,13 +11,13 @@
 #include <string>
 #include <vector>
 
+#include "base/dtype.h"
+#include "base/thread_pool.h"
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
 #include "kernels/dca_cpu.h"
-#include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
 #include "kernels/sparse_prefill_cpu.h"
-#include "kernels/thread_pool.h"
 #include "kernels/vertical_slash.h"
 #include "nlohmann/json.hpp"
 #include "tests/testdata/golden_dir.h"

@@ -15,13 +15,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/dtype.h"
+#include "base/thread_pool.h"
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
 #include "kernels/dca_cpu.h"
-#include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
 #include "kernels/testing/naive_sparse.h"
-#include "kernels/thread_pool.h"
 #include "kernels/vertical_slash.h"
 
 namespace attnd {

@@ -29,8 +29,8 @@ inline constexpr int64_t kVsForcedVerticals = 30;
 inline constexpr int64_t kVsForcedSlashes = 100;
 
 // One q head's budget in one layer, as the kernels use it: the sparse config's
-// (vertical_size, slash_size) with vertical_size 30 already read as 130 (server/sparse_config.h).
-// Both >= 1.
+// (vertical_size, slash_size) with vertical_size 30 already read as 130
+// (server/config/sparse_config.h). Both >= 1.
 struct VsBudget {
   int64_t vertical = 0;
   int64_t slash = 0;

@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
-#include "kernels/dtype.h"
+#include "base/dtype.h"
 
 namespace attnd {
 

@@ -4,8 +4,8 @@
 #include <limits>
 
 #include "absl/status/status.h"
+#include "base/dtype.h"
 #include "gtest/gtest.h"
-#include "kernels/dtype.h"
 
 namespace attnd {
 namespace {

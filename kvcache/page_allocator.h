@@ -8,7 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "kernels/mutex.h"
+#include "base/mutex.h"
 
 namespace attnd {
 

@@ -109,7 +109,7 @@ absl::StatusOr<std::string> NewRandomId() {
 absl::Status CheckInstanceName(absl::string_view name) {
   if (name.empty() || IsInstanceName(name)) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      "--instance-name must be a DNS label: 1 to 63 characters of a-z, 0-9 and '-', not starting "
+      "the instance name must be a DNS label: 1 to 63 characters of a-z, 0-9 and '-', not starting "
       "or ending with '-' (e.g. a StatefulSet pod name), got \"",
       absl::CHexEscape(name.substr(0, kMaxEchoedIdChars)),
       name.size() > kMaxEchoedIdChars ? "...\"" : "\"", " (", name.size(), " characters)"));
@@ -167,9 +167,10 @@ absl::StatusOr<std::shared_ptr<Sequence>> SequenceTable::Create(absl::string_vie
   int64_t& mine = tenant_sequences_[seq->tenant];
   if (options_.tenant_max_sequences > 0 && mine >= options_.tenant_max_sequences) {
     if (mine == 0) tenant_sequences_.erase(seq->tenant);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "tenant \"", seq->tenant, "\" holds ", mine, " live sequences; quota ",
-        options_.tenant_max_sequences, " (--tenant-max-sequences): release one first"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tenant \"", seq->tenant, "\" holds ", mine, " live sequences; quota ",
+                     options_.tenant_max_sequences,
+                     " (SequenceTableOptions::tenant_max_sequences): release one first"));
   }
   // A collision of 128 random bits does not happen; if the CSPRNG were broken it would, and
   // silently replacing a live sequence would hand one client another's K/V.

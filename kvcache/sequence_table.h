@@ -15,7 +15,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "kernels/mutex.h"
+#include "base/mutex.h"
 #include "kvcache/page_allocator.h"
 
 namespace attnd {

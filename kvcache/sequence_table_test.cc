@@ -13,9 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/mutex.h"
 #include "kvcache/page_allocator.h"
 
 namespace attnd {
@@ -123,16 +123,17 @@ TEST(SequenceTableTest, CheckInstanceName) {
   EXPECT_TRUE(CheckInstanceName(std::string(63, 'z')).ok());
   const absl::Status too_long = CheckInstanceName(std::string(64, 'z'));
   EXPECT_EQ(too_long.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(too_long.message(),
-            absl::StrCat("--instance-name must be a DNS label: 1 to 63 characters of a-z, 0-9 and "
-                         "'-', not starting or ending with '-' (e.g. a StatefulSet pod name), got "
-                         "\"",
-                         std::string(64, 'z'), "\" (64 characters)"));
+  EXPECT_EQ(
+      too_long.message(),
+      absl::StrCat("the instance name must be a DNS label: 1 to 63 characters of a-z, 0-9 and "
+                   "'-', not starting or ending with '-' (e.g. a StatefulSet pod name), got "
+                   "\"",
+                   std::string(64, 'z'), "\" (64 characters)"));
   for (const char* bad : {"-a", "a-", "Attnd-0", "attnd.0", "attnd_0", "a b", "\n"}) {
     const absl::Status s = CheckInstanceName(bad);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(std::string(s.message()),
-                ::testing::HasSubstr("--instance-name must be a DNS label"))
+                ::testing::HasSubstr("the instance name must be a DNS label"))
         << bad;
   }
   EXPECT_THAT(std::string(CheckInstanceName("a.b").message()),

@@ -12,9 +12,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "server/engine.h"
+#include "server/engine/engine.h"
 #include "server/flag_types.h"
-#include "server/server.h"
+#include "server/rpc/server.h"
 #include "spdlog/spdlog.h"
 #include "version/build_info.h"
 

@@ -14,11 +14,11 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/dtype.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/dtype.h"
 #include "kernels/testing/naive_dca.h"
 #include "tests/test_util.h"
 

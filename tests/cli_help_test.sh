@@ -52,7 +52,7 @@ expect_fail() {  # expect_fail NAME REGEX CMD...
 expect_fail "attnd --kv-cache-bytes=1X" "1X\": expected a byte count: .*Ki, Mi, Gi" "$attnd" --kv-cache-bytes=1X
 expect_fail "attnd --drain-timeout=thirty" "expected a duration: a number of seconds" \
   "$attnd" --drain-timeout=thirty
-expect_fail "attnd 2Mi/1Mi" "--max-inflight-request-bytes \(1048576\) must be at least --max-message-bytes \(2097152\)" \
+expect_fail "attnd 2Mi/1Mi" "ServerOptions::max_inflight_request_bytes \(1048576\) must be at least ServerOptions::max_message_bytes \(2097152\)" \
   "$attnd" --max-message-bytes=2Mi --max-inflight-request-bytes=1Mi --metrics-listen=
 expect_fail "attnd --drain-timeout=-5" "--drain-timeout must be >= 0, got -5s" "$attnd" --drain-timeout=-5
 expect_fail "attnctl --max-message-bytes=3Gi" "max_message_bytes must be in \[1, 2\^31\), got 3221225472" \

@@ -12,11 +12,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/dtype.h"
+#include "base/mutex.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
 #include "gtest/gtest.h"
-#include "kernels/dtype.h"
-#include "kernels/mutex.h"
 #include "kernels/testing/naive_dca.h"
 #include "tests/test_util.h"
 

@@ -11,13 +11,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/dtype.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
-#include "kernels/dtype.h"
 #include "kernels/testing/naive_dca.h"
-#include "server/server.h"
+#include "server/rpc/server.h"
 #include "tests/test_util.h"
 
 namespace attnd {

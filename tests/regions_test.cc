@@ -22,7 +22,7 @@
 #include "attnd/v1/shm_ring.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "server/server.h"
+#include "server/rpc/server.h"
 #include "tests/test_util.h"
 
 namespace attnd {

@@ -23,17 +23,17 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/dtype.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
 #include "gtest/gtest.h"
-#include "kernels/dtype.h"
 #include "nlohmann/json.hpp"
-#include "server/server.h"
+#include "server/rpc/server.h"
 #include "tests/test_util.h"
 #include "tests/testdata/golden_dir.h"
 
 #ifdef ATTND_GOLDEN_ON_CUDA
-#include "server/cuda_engine.h"
+#include "server/engine/cuda_engine.h"
 constexpr bool kOnCuda = true;
 #else
 constexpr bool kOnCuda = false;

@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "kernels/dtype.h"
+#include "base/dtype.h"
 #include "nlohmann/json.hpp"
 
 namespace attnd {

@@ -13,7 +13,7 @@
 #include "absl/types/span.h"
 #include "client/attnd_client.h"
 #include "kernels/dca.h"
-#include "server/server.h"
+#include "server/rpc/server.h"
 
 namespace attnd {
 namespace testing {

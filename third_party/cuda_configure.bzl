@@ -4,7 +4,7 @@ Looks for bin/nvcc under $CUDA_PATH (default /usr/local/cuda). When it is there,
 toolkit's include/, lib64/ and bin/ (symlinks) with the targets of third_party/cuda.BUILD, and
 @cuda//:defs.bzl says CUDA_AVAILABLE = True. When it is not, or when ATTND_CUDA=0 hides it, @cuda
 holds empty stand-ins and CUDA_AVAILABLE = False: the CUDA targets are then incompatible with the
-host (cuda_only()), so `bazel build //...` and `bazel test //...` skip them, and //server:cuda_engine
+host (cuda_only()), so `bazel build //...` and `bazel test //...` skip them, and //server/engine:cuda_engine
 builds a stub that fails --device=cuda with a clear message (docs/BUILD.md, "With or without CUDA").
 
 The rule runs again when ATTND_CUDA or CUDA_PATH change, and on `bazel sync --configure`; a toolkit

@@ -13,7 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
-#include "kernels/dtype.h"
+#include "base/dtype.h"
 
 namespace attnd::bench {
 

@@ -32,18 +32,18 @@
 #include "absl/strings/str_split.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "attnd/v1/shm_ring.h"
+#include "base/dtype.h"
 #include "bench/common/bench_common.h"
 #include "grpcpp/grpcpp.h"
-#include "kernels/dtype.h"
 
 #ifdef ATTND_BENCH_CUDA
 #include <cuda_runtime_api.h>
 
 #include "kernels/cuda/rotary_cuda.h"
 #include "kernels/dual_chunk_rotary.h"
-#include "server/cuda_engine.h"
-#include "server/engine.h"
-#include "server/engine_jobs_for_testing.h"
+#include "server/engine/cuda_engine.h"
+#include "server/engine/engine.h"
+#include "server/engine/engine_jobs_for_testing.h"
 #endif
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "the daemon");

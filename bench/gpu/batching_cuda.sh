@@ -9,9 +9,9 @@
 #      Decode RPCs and over Session streams (context 256 tokens; client p50/p99 latencies), with
 #      one and with two batches in flight per layer.
 # Build and bundle here:
-#   bazel build //server:attnd //server:cuda_engine_test //bench/gpu:decode_step_bench \
+#   bazel build //server:attnd //server/engine:cuda_engine_test //bench/gpu:decode_step_bench \
 #       //bench/batching:batching_bench
-#   script/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/server/cuda_engine_test \
+#   script/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/server/engine/cuda_engine_test \
 #       bazel-bin/bench/gpu/decode_step_bench bazel-bin/bench/batching/batching_bench
 # then on the GPU machine:  . .gpu/env.sh && bench/gpu/batching_cuda.sh "$OUT"
 # Options (environment): DTYPE=bf16 makes the clients send bf16 tensors (default fp32);

@@ -4,11 +4,11 @@
 # device-resident inputs and the rotary kernel alone, then the serving path per transport
 # (bench/data_plane/data_plane_bench.cc) against a daemon on the same host. Build and bundle here:
 #   bazel build //server:attnd //client:attnctl //bench/data_plane:data_plane_bench \
-#     //bench/gpu:decode_step_bench //kernels/cuda:rotary_cuda_test //server:cuda_engine_test \
+#     //bench/gpu:decode_step_bench //kernels/cuda:rotary_cuda_test //server/engine:cuda_engine_test \
 #     //tests:golden_cuda_test //tests:sparse_golden_cuda_test
 #   script/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl \
 #     bazel-bin/bench/data_plane/data_plane_bench bazel-bin/bench/gpu/decode_step_bench \
-#     bazel-bin/kernels/cuda/rotary_cuda_test bazel-bin/server/cuda_engine_test \
+#     bazel-bin/kernels/cuda/rotary_cuda_test bazel-bin/server/engine/cuda_engine_test \
 #     bazel-bin/tests/golden_cuda_test bazel-bin/tests/sparse_golden_cuda_test
 # then there:  . .gpu/env.sh && bench/gpu/data_plane.sh "$OUT"
 set -uo pipefail

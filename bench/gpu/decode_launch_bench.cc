@@ -1,8 +1,8 @@
 // Where a decode step's time goes, below the engine: the three kernels of one step
 // (LaunchDecodeStage + LaunchDcaDecode's split-K kernel and reduction, exactly as
-// server/cuda_engine.cc enqueues them) on one stream, launched eagerly and replayed as a CUDA
-// graph, Qwen2.5-7B-1M geometry, bf16 inputs in pinned host memory, sequences of --context tokens
-// on shuffled pages of a pool sized like decode_step_bench's.
+// server/engine/cuda_engine.cc enqueues them) on one stream, launched eagerly and replayed as a
+// CUDA graph, Qwen2.5-7B-1M geometry, bf16 inputs in pinned host memory, sequences of --context
+// tokens on shuffled pages of a pool sized like decode_step_bench's.
 //
 //   decode_launch_bench [--context 4096] [--batches 1,8] [--iters 2000]
 //

@@ -1,6 +1,6 @@
-// One decode step of one layer through the CUDA engine (server/cuda_engine.h), CUDA graph replay
-// against eager launches, Qwen2.5-7B-1M geometry (28 q heads, 4 kv heads, head_dim 128), bf16
-// KV, page_size 16, shuffled pages.
+// One decode step of one layer through the CUDA engine (server/engine/cuda_engine.h), CUDA graph
+// replay against eager launches, Qwen2.5-7B-1M geometry (28 q heads, 4 kv heads, head_dim 128),
+// bf16 KV, page_size 16, shuffled pages.
 //
 //   decode_step_bench [--context 4096] [--batches 1,8,32,128] [--iters 300] [--capture-layers 28]
 //
@@ -28,13 +28,13 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "base/dtype.h"
 #include "bench/gpu/decode_bench_common.h"
 #include "kernels/dca.h"
-#include "kernels/dtype.h"
 #include "kvcache/kv_layout.h"
-#include "server/cuda_engine.h"
-#include "server/engine.h"
-#include "server/engine_jobs_for_testing.h"
+#include "server/engine/cuda_engine.h"
+#include "server/engine/engine.h"
+#include "server/engine/engine_jobs_for_testing.h"
 
 ABSL_FLAG(int64_t, context, 4096, "tokens in each sequence at the timed decode step");
 ABSL_FLAG(std::string, batches, "1,8,32,128", "decode batch sizes to time");

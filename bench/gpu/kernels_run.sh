@@ -4,10 +4,10 @@
 # 128K-1M with the current dense default), and the CUDA engine tests with the sparse golden case over
 # gRPC. Build and bundle here:
 #   bazel build //bench/gpu/lab:lab_test //bench/gpu/lab:lab_bench //kernels/cuda:sparse_cuda_test \
-#     //bench/gpu:sparse_bench //server:cuda_engine_test //tests:sparse_golden_cuda_test
+#     //bench/gpu:sparse_bench //server/engine:cuda_engine_test //tests:sparse_golden_cuda_test
 #   script/gpu-bundle .gpu bazel-bin/kernels/cuda/dca_cuda_test \
 #     bazel-bin/bench/gpu/lab/lab_bench bazel-bin/kernels/cuda/sparse_cuda_test \
-#     bazel-bin/bench/gpu/sparse_bench bazel-bin/server/cuda_engine_test \
+#     bazel-bin/bench/gpu/sparse_bench bazel-bin/server/engine/cuda_engine_test \
 #     bazel-bin/tests/sparse_golden_cuda_test
 #   strip .gpu/bin/*   (the bundle carries the golden cases; env.sh points the tests at them)
 # then there:  . .gpu/env.sh && bench/gpu/kernels_run.sh "$OUT"

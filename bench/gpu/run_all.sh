@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything the CUDA backend needs from one GPU-machine call: correctness tests, then benchmarks
 # (ours and the torch SDPA peer, in the same run). From the repo root, after building here:
-#   bazel build //kernels/cuda:dca_cuda_test //server:cuda_engine_test //bench/gpu/lab:lab_bench
+#   bazel build //kernels/cuda:dca_cuda_test //server/engine:cuda_engine_test //bench/gpu/lab:lab_bench
 #   script/gpu-bundle .gpu bazel-bin/kernels/cuda/dca_cuda_test \
-#       bazel-bin/server/cuda_engine_test bazel-bin/bench/gpu/lab/lab_bench
+#       bazel-bin/server/engine/cuda_engine_test bazel-bin/bench/gpu/lab/lab_bench
 # then on the GPU machine:  . .gpu/env.sh && bench/gpu/run_all.sh "$OUT" [--quick|--no-peer|--prefill]
 # --prefill: tests, then lab_bench --prefill-only, then the whole SDPA peer, in one call.
 set -uo pipefail

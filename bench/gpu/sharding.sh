@@ -6,11 +6,11 @@
 # 1-64 at 4K and 32 x 128K), then the daemon with --devices 0,0 against one without: attnctl
 # smoke and the serving path per transport. Build and bundle here:
 #   bazel build //server:attnd //client:attnctl //bench/data_plane:data_plane_bench \
-#     //bench/sharding:sharding_bench //server:cuda_engine_test //server:sharded_engine_cuda_test \
+#     //bench/sharding:sharding_bench //server/engine:cuda_engine_test //server/engine:sharded_engine_cuda_test \
 #     //tests:golden_cuda_test //tests:sparse_golden_cuda_test
 #   script/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl \
 #     bazel-bin/bench/data_plane/data_plane_bench bazel-bin/bench/sharding/sharding_bench \
-#     bazel-bin/server/cuda_engine_test bazel-bin/server/sharded_engine_cuda_test \
+#     bazel-bin/server/engine/cuda_engine_test bazel-bin/server/engine/sharded_engine_cuda_test \
 #     bazel-bin/tests/golden_cuda_test bazel-bin/tests/sparse_golden_cuda_test
 # then there:  . .gpu/env.sh && bench/gpu/sharding.sh "$OUT" [tests|engine|serving ...]
 set -uo pipefail

@@ -2,11 +2,11 @@
 # Every gpu-tagged test plus the end-to-end run (e2e_cuda.sh), from one GPU-machine call; logs in
 # OUT_DIR/logs.tgz, a summary on stdout. Build and bundle here:
 #   bazel build //server:attnd //client:attnctl //kernels/cuda:dca_cuda_test \
-#     //kernels/cuda:sparse_cuda_test //server:cuda_engine_test //tests:golden_cuda_test \
+#     //kernels/cuda:sparse_cuda_test //server/engine:cuda_engine_test //tests:golden_cuda_test \
 #     //tests:sparse_golden_cuda_test
 #   script/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl \
 #     bazel-bin/kernels/cuda/dca_cuda_test bazel-bin/kernels/cuda/sparse_cuda_test \
-#     bazel-bin/server/cuda_engine_test bazel-bin/tests/golden_cuda_test \
+#     bazel-bin/server/engine/cuda_engine_test bazel-bin/tests/golden_cuda_test \
 #     bazel-bin/tests/sparse_golden_cuda_test
 #   strip .gpu/bin/*   (the bundle carries the golden cases; env.sh points the tests at them)
 # then there:  . .gpu/env.sh && bench/gpu/verify_cuda.sh "$OUT"

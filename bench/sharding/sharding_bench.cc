@@ -22,14 +22,14 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/dtype.h"
 #include "bench/common/bench_common.h"
 #include "kernels/dca.h"
-#include "kernels/dtype.h"
-#include "server/engine.h"
-#include "server/engine_factory.h"
-#include "server/engine_jobs_for_testing.h"
-#include "server/model_config.h"
-#include "server/sparse_config.h"
+#include "server/config/model_config.h"
+#include "server/config/sparse_config.h"
+#include "server/engine/engine.h"
+#include "server/engine/engine_factory.h"
+#include "server/engine/engine_jobs_for_testing.h"
 
 #ifdef ATTND_BENCH_CUDA
 #include <cuda_runtime_api.h>

@@ -4,13 +4,13 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/dca_cuda.h"
 #include "kernels/cuda/dca_cuda_kernels.cuh"
 #include "kernels/cuda/dca_cuda_launch.cuh"
 #include "kernels/cuda/kv_write_kernels.cuh"
 #include "kernels/cuda/prefill_wgmma.cuh"
-#include "kernels/status_macros.h"
 
 namespace attnd {
 namespace {

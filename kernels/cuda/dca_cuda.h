@@ -27,8 +27,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/dtype.h"
 #include "kernels/dca.h"
-#include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
 
 namespace attnd {

@@ -16,11 +16,11 @@
 #include <string>
 #include <vector>
 
+#include "base/dtype.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/testing/gpu_test.h"
 #include "kernels/cuda/testing/kernels_under_test.h"
 #include "kernels/dca.h"
-#include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
 
 namespace attnd {

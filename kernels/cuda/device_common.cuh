@@ -10,8 +10,8 @@
 
 #include <cstdint>
 
+#include "base/dtype.h"
 #include "kernels/cuda/dca_cuda.h"
-#include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
 
 namespace attnd {

@@ -10,9 +10,9 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "base/dtype.h"
 #include "kernels/cuda/dca_cuda.h"
 #include "kernels/dca.h"
-#include "kernels/dtype.h"
 
 namespace attnd {
 

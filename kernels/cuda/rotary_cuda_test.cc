@@ -9,10 +9,10 @@
 #include <random>
 #include <vector>
 
+#include "base/dtype.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/testing/gpu_test.h"
 #include "kernels/dca.h"
-#include "kernels/dtype.h"
 #include "kernels/dual_chunk_rotary.h"
 
 namespace attnd {

@@ -7,10 +7,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/sparse_cuda.h"
 #include "kernels/cuda/sparse_cuda_kernels.cuh"
-#include "kernels/status_macros.h"
 
 namespace attnd {
 namespace {

@@ -28,15 +28,15 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/dtype.h"
+#include "base/thread_pool.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/dca_cuda.h"
 #include "kernels/cuda/testing/gpu_test.h"
 #include "kernels/dca.h"
 #include "kernels/dca_cpu.h"
-#include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
 #include "kernels/sparse_prefill_cpu.h"
-#include "kernels/thread_pool.h"
 #include "kernels/vertical_slash.h"
 #include "nlohmann/json.hpp"
 #include "tests/testdata/golden_dir.h"

@@ -20,7 +20,7 @@ FLEET = os.path.join(ROOT, "deploy", "k8s-fleet")  # the StatefulSet overlay of 
 CONTAINERFILE = os.path.join(ROOT, "deploy", "Containerfile")
 
 # Flags the manifests use that server/main.cc does not define yet: the operations building blocks
-# (server/metrics_http.h, server/auth.h, server/tls.h) are ready but not wired. Remove each name
+# (server/rpc/metrics_http.h, server/rpc/auth.h, server/rpc/tls.h) are ready but not wired. Remove each name
 # once main.cc defines it; the test then holds main.cc to it.
 PENDING_DAEMON_FLAGS = set()
 

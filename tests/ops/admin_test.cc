@@ -181,14 +181,15 @@ TEST(AdminTest, StartupRefusesAnAdminTenantWithoutToken) {
   o.admin_tenant = "nobody";
   absl::StatusOr<std::unique_ptr<AttndServer>> s = AttndServer::Start(o);
   ASSERT_FALSE(s.ok());
-  EXPECT_THAT(std::string(s.status().message()), HasSubstr("--admin-tenant \"nobody\""));
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("ServerOptions::admin_tenant \"nobody\""));
 
   o = TinyOptions(64);
   o.admin_tenant = "team-a";
   s = AttndServer::Start(o);
   ASSERT_FALSE(s.ok());
   EXPECT_THAT(std::string(s.status().message()),
-              HasSubstr("--admin-tenant needs --auth-token-file"));
+              HasSubstr("ServerOptions::admin_tenant needs ServerOptions::auth_token_file"));
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // Client deadlines and graceful drain against the real daemon. "Slow" work is a prefill held inside
-// the engine (server/fault_engine.h's gate) until the test releases it, on a server with one
+// the engine (server/engine/fault_engine.h's gate) until the test releases it, on a server with one
 // request worker, so later requests queue behind it however fast the machine is.
 #include <future>
 #include <random>
@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "server/fault_engine.h"
+#include "server/engine/fault_engine.h"
 #include "tests/ops/ops_util.h"
 
 namespace attnd {
@@ -85,7 +85,8 @@ TEST(OpsDeadlineTest, ExpiredRequestsQueuedBehindSlowWorkChangeNothing) {
   FaultEngine* gate = nullptr;
   GateEngine(&o, &gate);
   // This test is about the work queue: with cross-RPC batching on, decodes queue in the batcher
-  // instead (its own deadline tests are in server/batcher_test.cc) and never wait behind a prefill.
+  // instead (its own deadline tests are in server/sched/batcher_test.cc) and never wait behind a
+  // prefill.
   o.decode_batching = false;
   Daemon daemon(o);
   ASSERT_TRUE(daemon.ok());

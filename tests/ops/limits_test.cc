@@ -13,7 +13,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "server/fault_engine.h"
+#include "server/engine/fault_engine.h"
 #include "tests/ops/ops_util.h"
 
 namespace attnd {
@@ -44,7 +44,8 @@ TEST(LimitsTest, TenantSequenceQuotaCountsEmptySequences) {
   grpc::Status s = Create(stub.get(), kTokenA, &id);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ(s.error_message(),
-            "tenant \"team-a\" holds 3 live sequences; quota 3 (--tenant-max-sequences): release "
+            "tenant \"team-a\" holds 3 live sequences; quota 3 "
+            "(SequenceTableOptions::tenant_max_sequences): release "
             "one first");
   // The other tenant is not locked out.
   MustCreate(stub.get(), kTokenB);
@@ -150,7 +151,8 @@ TEST(LimitsTest, RequestsPastTheInflightByteBudgetFailAtOnce) {
     v1::PrefillResponse resp;
     grpc::Status s = stub->Prefill(ctx.get(), big_b, &resp);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-    EXPECT_TRUE(absl::StrContains(s.error_message(), "--max-inflight-request-bytes 1048576"))
+    EXPECT_TRUE(
+        absl::StrContains(s.error_message(), "ServerOptions::max_inflight_request_bytes 1048576"))
         << s.error_message();
   }
   fault->ReleasePrefills();

@@ -173,7 +173,7 @@ TEST(OpsMetricsTest, MetricsListenerIsOffWhenEmptyAndBadAddressesFailStartup) {
   absl::StatusOr<std::unique_ptr<AttndServer>> server = AttndServer::Start(bad);
   ASSERT_FALSE(server.ok());
   EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(absl::StartsWith(server.status().message(), "--metrics-listen: "))
+  EXPECT_TRUE(absl::StartsWith(server.status().message(), "ServerOptions::metrics_listen: "))
       << server.status().message();
   EXPECT_NE(server.status().message().find("127.0.0.1:notaport"), absl::string_view::npos)
       << server.status().message();

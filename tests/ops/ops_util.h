@@ -15,8 +15,8 @@
 #include "absl/status/statusor.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "server/server.h"
-#include "server/test_certs.h"
+#include "server/rpc/server.h"
+#include "server/rpc/test_certs.h"
 
 namespace attnd {
 namespace ops_testing {
@@ -79,7 +79,7 @@ double SampleOr0(const std::string& exposition, const std::string& series);
 int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
                  grpc::Status* error = nullptr);
 
-// The test certificates (server/test_certs.h).
+// The test certificates (server/rpc/test_certs.h).
 using Certs = ::attnd::TestCerts;
 
 }  // namespace ops_testing

@@ -124,12 +124,13 @@ TEST(OpsIdleTest, NegativeTimeoutAndQuotaAreRejected) {
   o.sequence_idle_timeout = absl::Seconds(-1);
   absl::StatusOr<std::unique_ptr<AttndServer>> server = AttndServer::Start(o);
   EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(server.status().message(), "--sequence-idle-timeout must be >= 0, got -1s");
+  EXPECT_EQ(server.status().message(),
+            "ServerOptions::sequence_idle_timeout must be >= 0, got -1s");
   o = TinyOptions(8);
   o.tenant_page_quota = -2;
   server = AttndServer::Start(o);
   EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(server.status().message(), "--tenant-page-quota must be >= 0, got -2");
+  EXPECT_EQ(server.status().message(), "ServerOptions::tenant_page_quota must be >= 0, got -2");
 }
 
 }  // namespace

@@ -154,16 +154,18 @@ TEST(OpsStartupTest, TokensWithoutTlsOffLoopbackAndBadTokenFilesFailStartup) {
   absl::StatusOr<std::unique_ptr<AttndServer>> server = AttndServer::Start(o);
   ASSERT_FALSE(server.ok());
   EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(server.status().message(),
-            "--auth-token-file needs --tls-cert/--tls-key unless --listen is a loopback address "
-            "(bearer tokens would cross the network in clear text); --listen is 0.0.0.0:0");
+  EXPECT_EQ(
+      server.status().message(),
+      "token auth needs TlsOptions::cert_file/key_file unless the listen address is a loopback "
+      "address "
+      "(bearer tokens would cross the network in clear text); the listen address is 0.0.0.0:0");
 
   o = TinyOptions(8);
   o.auth_token_file = "/nonexistent/tokens.txt";
   server = AttndServer::Start(o);
   ASSERT_FALSE(server.ok());
   EXPECT_EQ(server.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_TRUE(absl::StartsWith(server.status().message(), "--auth-token-file: "))
+  EXPECT_TRUE(absl::StartsWith(server.status().message(), "ServerOptions::auth_token_file: "))
       << server.status().message();
   EXPECT_NE(server.status().message().find("/nonexistent/tokens.txt"), absl::string_view::npos)
       << server.status().message();
@@ -200,8 +202,10 @@ TEST(OpsStartupTest, WarnsOnceWhenListeningOffLoopbackWithoutTlsOrTokens) {
   spdlog::default_logger()->sinks().pop_back();
   EXPECT_EQ(Count(insecure, "INSECURE"), 1) << insecure;
   EXPECT_EQ(Count(insecure,
-                  "[warning] INSECURE: --listen 0.0.0.0:0 is not a loopback address and neither "
-                  "TLS (--tls-cert/--tls-key) nor tokens (--auth-token-file) are set: anyone who "
+                  "[warning] INSECURE: ServerOptions::listen 0.0.0.0:0 is not a loopback address "
+                  "and neither "
+                  "TLS (ServerOptions::tls_cert/ServerOptions::tls_key) nor tokens "
+                  "(ServerOptions::auth_token_file) are set: anyone who "
                   "can reach it can read and write every sequence\n"),
             1)
       << insecure;

@@ -1,8 +1,8 @@
 // Fault injection against an in-process attnd (AttndServer::Start on 127.0.0.1:0, CPU engine
-// wrapped in server/fault_engine.h's FaultEngine): engine failures, a lost device, clients that
-// cancel, disconnect mid-stream or run out of deadline, garbage and truncated frames, a full pool.
-// After each fault the daemon must still serve, a witness sequence created before the fault must
-// read back exactly as the naive fp64 reference says (its KV unchanged), and no page may leak.
+// wrapped in server/engine/fault_engine.h's FaultEngine): engine failures, a lost device, clients
+// that cancel, disconnect mid-stream or run out of deadline, garbage and truncated frames, a full
+// pool. After each fault the daemon must still serve, a witness sequence created before the fault
+// must read back exactly as the naive fp64 reference says (its KV unchanged), and no page may leak.
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -19,7 +19,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/testing/naive_dca.h"
-#include "server/fault_engine.h"
+#include "server/engine/fault_engine.h"
 #include "tests/test_util.h"
 
 namespace attnd {

@@ -31,11 +31,11 @@
 #include <string>
 #include <vector>
 
+#include "base/dtype.h"
 #include "bench/gpu/bench_util.h"
 #include "bench/gpu/lab/lab_kernels.h"
 #include "kernels/cuda/dca_cuda.h"
 #include "kernels/dca.h"
-#include "kernels/dtype.h"
 #include "kernels/paged_kv.h"
 
 namespace attnd {

@@ -5,13 +5,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "bench/gpu/lab/decode_split_lab.cuh"
 #include "bench/gpu/lab/lab_kernels.h"
 #include "bench/gpu/lab/prefill_wgmma_lab.cuh"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/dca_cuda_kernels.cuh"
 #include "kernels/cuda/dca_cuda_launch.cuh"
-#include "kernels/status_macros.h"
 
 namespace attnd {
 namespace lab {

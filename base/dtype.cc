@@ -1,0 +1,116 @@
+#include "base/dtype.h"
+
+#include <cstring>
+
+namespace attnd {
+
+// Request tensors are little-endian on the wire; we reinterpret them in place.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "attnd assumes a little-endian host");
+
+absl::string_view DTypeName(DType t) {
+  switch (t) {
+    case DType::kBf16:
+      return "bf16";
+    case DType::kFp16:
+      return "fp16";
+    case DType::kFp32:
+      return "fp32";
+  }
+  return "unknown";
+}
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu;
+  const uint32_t mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0) {
+    // Zero or subnormal: mantissa * 2^-24, exact in fp32 (2^-24 is a power of two).
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-08f;
+    std::memcpy(&bits, &magnitude, sizeof(bits));
+    bits |= sign;
+  } else if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // Inf, or NaN with its payload.
+  } else {
+    bits = sign | ((exponent + (127 - 15)) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+uint16_t FloatToHalf(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof(x));
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x > 0x7f800000u) {
+    // NaN: keep the top payload bits and force the quiet bit so it never becomes Inf.
+    return static_cast<uint16_t>(sign | 0x7e00u | ((x >> 13) & 0x3ffu));
+  }
+  // 65520 = 0x477ff000 is the midpoint between the largest half (65504) and 2^16: ties round to
+  // the even neighbour, which is infinity.
+  if (x >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (x >= 0x38800000u) {
+    // Normal half. Round to nearest even on the 13 dropped bits; a carry into the exponent is
+    // the correct result (mantissa overflow rounds up to the next binade).
+    const uint32_t rounded = x + 0xfffu + ((x >> 13) & 1u);
+    return static_cast<uint16_t>(sign | ((rounded - ((127u - 15u) << 23)) >> 13));
+  }
+  if (x < 0x33000000u) return sign;  // Below 2^-25 (or exactly it: a tie to even zero).
+  // Subnormal half: m = round(|f| * 2^24), |f| = mant * 2^(e - 150).
+  const uint32_t e = x >> 23;
+  const uint32_t mant = (x & 0x7fffffu) | 0x800000u;
+  const uint32_t shift = 126u - e;  // in [14, 24]
+  uint32_t m = mant >> shift;
+  const uint32_t rem = mant & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (m & 1u))) ++m;  // m == 0x400 is the smallest normal: fine.
+  return static_cast<uint16_t>(sign | m);
+}
+
+void ConvertToFloat(const void* src, DType src_type, size_t n, float* dst) {
+  const unsigned char* bytes = static_cast<const unsigned char*>(src);
+  switch (src_type) {
+    case DType::kFp32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::kBf16:
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, bytes + 2 * i, sizeof(h));
+        dst[i] = Bf16ToFloat(h);
+      }
+      return;
+    case DType::kFp16:
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, bytes + 2 * i, sizeof(h));
+        dst[i] = HalfToFloat(h);
+      }
+      return;
+  }
+}
+
+void ConvertFromFloat(const float* src, size_t n, DType dst_type, void* dst) {
+  unsigned char* bytes = static_cast<unsigned char*>(dst);
+  switch (dst_type) {
+    case DType::kFp32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::kBf16:
+      for (size_t i = 0; i < n; ++i) {
+        const uint16_t h = FloatToBf16(src[i]);
+        std::memcpy(bytes + 2 * i, &h, sizeof(h));
+      }
+      return;
+    case DType::kFp16:
+      for (size_t i = 0; i < n; ++i) {
+        const uint16_t h = FloatToHalf(src[i]);
+        std::memcpy(bytes + 2 * i, &h, sizeof(h));
+      }
+      return;
+  }
+}
+
+}  // namespace attnd

@@ -1,0 +1,54 @@
+// Element types of request tensors and of the KV cache, and exact conversions to and from fp32.
+#ifndef ATTND_BASE_DTYPE_H_
+#define ATTND_BASE_DTYPE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "absl/strings/string_view.h"
+
+namespace attnd {
+
+enum class DType : int { kBf16 = 1, kFp16 = 2, kFp32 = 3 };
+
+// Whether `t` is one of the enumerators above (a wire value cast to DType may be 0 or unknown).
+// The one spelling of "known dtype": request validation, engines and tools all use it.
+constexpr bool IsKnownDType(DType t) {
+  return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32;
+}
+
+// Bytes per element.
+constexpr size_t ElementSize(DType t) { return t == DType::kFp32 ? 4 : 2; }
+
+// "bf16", "fp16", "fp32".
+absl::string_view DTypeName(DType t);
+
+// bfloat16 <-> fp32. FloatToBf16 rounds to nearest even and keeps NaN a NaN.
+inline float Bf16ToFloat(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline uint16_t FloatToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// IEEE half <-> fp32. FloatToHalf rounds to nearest even, saturating to infinity.
+float HalfToFloat(uint16_t h);
+uint16_t FloatToHalf(float f);
+
+// Converts n little-endian elements of `src` (any alignment) to fp32.
+void ConvertToFloat(const void* src, DType src_type, size_t n, float* dst);
+// Converts n fp32 values to `dst_type`, writing raw little-endian elements to `dst` (any
+// alignment).
+void ConvertFromFloat(const float* src, size_t n, DType dst_type, void* dst);
+
+}  // namespace attnd
+
+#endif  // ATTND_BASE_DTYPE_H_

@@ -1,0 +1,405 @@
+#include "server/dataplane/ring.h"
+
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "attnd/v1/shm_ring.h"
+#include "base/status_macros.h"
+#include "server/dataplane/shm_guard.h"
+#include "spdlog/spdlog.h"
+
+namespace attnd {
+namespace {
+
+// How long one futex wait lasts before the thread looks at its stop flag again.
+constexpr int64_t kSleepSliceUs = 100000;
+
+struct WaitArgs {
+  ring::Header* header;
+  uint32_t last;
+  int64_t spin_ns;
+  const std::atomic<bool>* stop;
+  uint32_t seq;  // out
+  bool got;      // out
+};
+
+// Spins, then sleeps on the futex, until request_seq moves past `last` or stop is set.
+// Guarded: touches only the client's header and plain values.
+void WaitForRequest(void* p) {
+  auto* a = static_cast<WaitArgs*>(p);
+  ring::Header* h = a->header;
+  const int64_t spin_until = absl::GetCurrentTimeNanos() + a->spin_ns;
+  a->got = false;
+  while (!a->stop->load(std::memory_order_relaxed)) {
+    const uint32_t seq = h->request_seq.load(std::memory_order_acquire);
+    if (seq != a->last) {
+      a->seq = seq;
+      a->got = true;
+      return;
+    }
+    if (absl::GetCurrentTimeNanos() < spin_until) continue;
+    h->server_sleeping.store(1, std::memory_order_seq_cst);
+    if (h->request_seq.load(std::memory_order_seq_cst) == a->last &&
+        !a->stop->load(std::memory_order_relaxed)) {
+      ring::FutexWait(&h->request_seq, a->last, kSleepSliceUs);
+    }
+    h->server_sleeping.store(0, std::memory_order_relaxed);
+  }
+}
+
+void ReadLength(void* p) {
+  auto* a = static_cast<std::pair<const char*, uint64_t>*>(p);
+  std::memcpy(&a->second, a->first, sizeof(a->second));
+}
+
+struct ReadArgs {
+  const char* from;
+  char* to;
+  uint64_t n;
+};
+
+void ReadBytes(void* p) {
+  auto* a = static_cast<ReadArgs*>(p);
+  std::memcpy(a->to, a->from, a->n);
+}
+
+struct WriteArgs {
+  ring::Header* header;
+  char* half;
+  const std::string* message;
+  uint32_t seq;
+};
+
+void WriteResponse(void* p) {
+  auto* a = static_cast<WriteArgs*>(p);
+  const uint64_t n = a->message->size();
+  std::memcpy(a->half, &n, sizeof(n));
+  std::memcpy(a->half + ring::kLengthBytes, a->message->data(), n);
+  a->header->response_seq.store(a->seq, std::memory_order_seq_cst);
+  if (a->header->client_sleeping.load(std::memory_order_seq_cst) != 0) {
+    ring::FutexWake(&a->header->response_seq);
+  }
+}
+
+void MarkClosed(void* p) {
+  auto* h = static_cast<ring::Header*>(p);
+  h->closed.store(1, std::memory_order_seq_cst);
+  ring::FutexWake(&h->response_seq);
+  ring::FutexWake(&h->request_seq);
+}
+
+struct HeaderArgs {
+  const ring::Header* header;
+  uint64_t magic = 0;
+  uint32_t version = 0;
+  uint64_t half_bytes = 0;
+  uint32_t request_seq = 0, response_seq = 0;
+};
+
+void ReadHeader(void* p) {
+  auto* a = static_cast<HeaderArgs*>(p);
+  a->magic = a->header->magic;
+  a->version = a->header->version;
+  a->half_bytes = a->header->half_bytes;
+  a->request_seq = a->header->request_seq.load();
+  a->response_seq = a->header->response_seq.load();
+}
+
+void WakeServer(void* p) { ring::FutexWake(&static_cast<ring::Header*>(p)->request_seq); }
+
+// 1: this thread is a ring's, handing a request over; 2: it is running inline work.
+thread_local int t_ring_state = 0;
+
+}  // namespace
+
+bool MayRunInlineOnRingThread() { return t_ring_state == 1; }
+
+void RunInlineOnRingThread(const std::function<void()>& fn) {
+  const int was = t_ring_state;
+  t_ring_state = 2;
+  fn();
+  t_ring_state = was;
+}
+
+// One open ring and its thread. The request and response objects belong to the request in
+// flight (at most one: the thread takes the next only after the answer is written).
+class RingServer::Ring {
+ public:
+  Ring(RingServer* server, std::string tenant, RegionLease lease, uint64_t half)
+      : server_(server),
+        tenant_(std::move(tenant)),
+        lease_(std::move(lease)),
+        header_(reinterpret_cast<ring::Header*>(lease_->base)),
+        request_half_(lease_->base + ring::RequestOffset()),
+        response_half_(lease_->base + ring::ResponseOffset(half)),
+        capacity_(ring::Capacity(half)),
+        last_active_us_(absl::ToUnixMicros(absl::Now())) {}
+
+  ~Ring() { Stop(); }
+
+  const std::string& id() const { return lease_->id; }
+  const std::string& tenant() const { return tenant_; }
+  uint64_t capacity() const { return capacity_; }
+  bool idle_since(int64_t cutoff_us) const {
+    return broken_.load() || (!inflight_.load() && last_active_us_.load() < cutoff_us);
+  }
+
+  void Start(uint32_t first_seq) {
+    last_seq_ = first_seq;
+    thread_ = std::thread([this] { Run(); });
+  }
+
+  // Waits for the request in flight, stops the thread, tells the client.
+  void Stop() {
+    if (!thread_.joinable()) return;
+    stop_.store(true);
+    RunGuarded(WakeServer, header_);
+    thread_.join();
+    RunGuarded(MarkClosed, header_);
+  }
+
+ private:
+  void Run() {
+    const int64_t spin_ns = absl::ToInt64Nanoseconds(server_->options_.spin);
+    while (!stop_.load()) {
+      WaitArgs wait{header_, last_seq_, spin_ns, &stop_, 0, false};
+      if (!RunGuarded(WaitForRequest, &wait)) return Broken("reading its header");
+      if (!wait.got) return;  // stopping
+      last_seq_ = wait.seq;
+      last_active_us_.store(absl::ToUnixMicros(absl::Now()));
+      std::pair<const char*, uint64_t> length{request_half_, 0};
+      if (!RunGuarded(ReadLength, &length)) return Broken("reading a request");
+      const uint64_t n = length.second;
+      const bool fits = n <= capacity_;
+      if (fits && n > in_capacity_) {       // grown before the guard (nothing inside it allocates),
+        in_ = std::make_unique<char[]>(n);  // and never zero-filled: a ring's half may be large
+        in_capacity_ = n;
+      }
+      ReadArgs read{request_half_ + ring::kLengthBytes, in_.get(), fits ? n : 0};
+      if (!RunGuarded(ReadBytes, &read)) return Broken("reading a request");
+      request_.Clear();
+      response_.Clear();
+      inflight_.store(true);
+      if (!fits) {
+        Answer(absl::InvalidArgumentError(absl::StrCat("the request's length field says ", n,
+                                                       " bytes, more than the ring's request half "
+                                                       "holds (",
+                                                       capacity_, ")")));
+      } else if (!request_.ParseFromArray(in_.get(), static_cast<int>(n))) {
+        Answer(absl::InvalidArgumentError(
+            "cannot parse attnd.v1.SessionRequest from the ring's request half"));
+      } else {
+        response_.set_tag(request_.tag());
+        t_ring_state = 1;
+        absl::Status s = server_->handler_(request_, tenant_, &response_,
+                                           [this](absl::Status st) { Answer(std::move(st)); });
+        t_ring_state = 0;
+        if (!s.ok()) Answer(std::move(s));
+      }
+      WaitAnswered();
+      last_active_us_.store(absl::ToUnixMicros(absl::Now()));
+    }
+  }
+
+  // On the thread that completed the request: the response into the ring, the client's doorbell.
+  void Answer(absl::Status status) {
+    if (!status.ok()) {
+      response_.clear_response();
+      response_.set_code(static_cast<int32_t>(status.code()));
+      response_.set_message(std::string(status.message()));
+    }
+    out_.clear();
+    response_.SerializeToString(&out_);
+    if (out_.size() > capacity_) {
+      const size_t bytes = out_.size();
+      response_.clear_response();
+      response_.set_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
+      response_.set_message(absl::StrCat(
+          "the response (", bytes, " bytes) does not fit the ring's response half (", capacity_,
+          " bytes): open a larger ring, or name an "
+          "output region"));
+      out_.clear();
+      response_.SerializeToString(&out_);
+    }
+    WriteArgs write{header_, response_half_, &out_, last_seq_};
+    if (!RunGuarded(WriteResponse, &write)) broken_.store(true);
+    // Under the lock, the signal too: once the ring's thread sees the answer, it may destroy the
+    // ring (Close), and this thread must not touch it after unlocking.
+    MutexLock lock(&mu_);
+    inflight_.store(false);
+    answered_.SignalAll();
+  }
+
+  void WaitAnswered() {
+    const int64_t spin_until =
+        absl::GetCurrentTimeNanos() + absl::ToInt64Nanoseconds(server_->options_.answer_spin);
+    while (inflight_.load() && absl::GetCurrentTimeNanos() < spin_until) {
+    }
+    MutexLock lock(&mu_);
+    while (inflight_.load()) answered_.Wait(&mu_);
+  }
+
+  void Broken(absl::string_view doing) {
+    broken_.store(true);
+    spdlog::warn(
+        "ring {} (tenant \"{}\"): its shm object shrank while attnd was {}; the ring "
+        "is closed",
+        id(), tenant_, std::string(doing));
+  }
+
+  RingServer* const server_;
+  const std::string tenant_;
+  RegionLease lease_;
+  ring::Header* const header_;
+  char* const request_half_;
+  char* const response_half_;
+  const uint64_t capacity_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> broken_{false};
+  std::atomic<bool> inflight_{false};
+  std::atomic<int64_t> last_active_us_;
+  Mutex mu_;
+  CondVar answered_;
+  uint32_t last_seq_ = 0;
+  std::unique_ptr<char[]> in_;  // the request copied out of the ring
+  uint64_t in_capacity_ = 0;
+  std::string out_;
+  v1::SessionRequest request_;
+  v1::SessionResponse response_;
+  std::thread thread_;
+};
+
+RingServer::RingServer(RegionRegistry* registry, const RingOptions& options)
+    : registry_(registry), options_(options) {}
+
+RingServer::~RingServer() { Shutdown(); }
+
+void RingServer::SetHandler(Handler handler) { handler_ = std::move(handler); }
+
+absl::StatusOr<RingServer::Opened> RingServer::Open(absl::string_view tenant,
+                                                    absl::string_view name, uint64_t bytes) {
+  {
+    MutexLock lock(&mu_);
+    if (shut_down_) return absl::UnavailableError("the server is shutting down");
+  }
+  if (bytes < ring::kHeaderBytes + 2 * 4096 || bytes > options_.max_ring_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("a ring's byte_size must be between ",
+                                                   ring::kHeaderBytes + 2 * 4096, " and ",
+                                                   options_.max_ring_bytes, " bytes, got ", bytes));
+  }
+  if ((bytes - ring::kHeaderBytes) % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("a ring is its ", ring::kHeaderBytes,
+                                                   "-byte header and two equal halves: byte_size ",
+                                                   bytes, " leaves an odd remainder"));
+  }
+  const uint64_t half = (bytes - ring::kHeaderBytes) / 2;
+  ATTND_ASSIGN_OR_RETURN(std::shared_ptr<const Region> region,
+                         registry_->RegisterShm(tenant, name, 0, bytes, RegionKind::kRing));
+  absl::StatusOr<RegionLease> lease = registry_->AcquireRing(tenant, region->id);
+  if (!lease.ok()) return lease.status();
+  // The header's fixed fields, read once (guarded).
+  HeaderArgs header{reinterpret_cast<const ring::Header*>(region->base)};
+  const bool readable = RunGuarded(ReadHeader, &header);
+  absl::Status bad;
+  if (!readable) {
+    bad = absl::InvalidArgumentError("the ring's shm object shrank during OpenRing");
+  } else if (header.magic != ring::kMagic || header.version != ring::kVersion) {
+    bad = absl::InvalidArgumentError(
+        absl::StrCat("shm object \"", name, "\" is not a version ", ring::kVersion,
+                     " attnd ring: its header needs magic 0x", absl::Hex(ring::kMagic),
+                     " and version ", ring::kVersion, " (proto/attnd/v1/shm_ring.h)"));
+  } else if (header.half_bytes != half) {
+    bad = absl::InvalidArgumentError(absl::StrCat("the ring's header says half_bytes ",
+                                                  header.half_bytes, ", but byte_size ", bytes,
+                                                  " gives halves of ", half, " bytes"));
+  } else if (header.request_seq != header.response_seq) {
+    bad = absl::InvalidArgumentError(
+        "the ring's request_seq and response_seq differ: open a ring with no request in it");
+  }
+  if (!bad.ok()) {
+    *lease = RegionLease();
+    registry_->Unregister(tenant, region->id, /*ring=*/true).IgnoreError();
+    return bad;
+  }
+  auto ring = std::make_unique<Ring>(this, std::string(tenant), *std::move(lease), half);
+  Opened opened;
+  opened.ring_id = ring->id();
+  opened.request_capacity = ring->capacity();
+  opened.response_capacity = ring->capacity();
+  Ring* started = ring.get();
+  {
+    MutexLock lock(&mu_);
+    if (shut_down_) {
+      ring.reset();
+      registry_->Unregister(tenant, opened.ring_id, /*ring=*/true).IgnoreError();
+      return absl::UnavailableError("the server is shutting down");
+    }
+    rings_[opened.ring_id] = std::move(ring);
+    started->Start(header.request_seq);
+  }
+  return opened;
+}
+
+absl::Status RingServer::CloseRing(std::unique_ptr<Ring> ring) {
+  const std::string id = ring->id(), tenant = ring->tenant();
+  ring.reset();  // stops the thread, drops the lease
+  return registry_->Unregister(tenant, id, /*ring=*/true);
+}
+
+absl::Status RingServer::Close(absl::string_view tenant, absl::string_view id) {
+  std::unique_ptr<Ring> ring;
+  {
+    MutexLock lock(&mu_);
+    auto it = rings_.find(id);
+    if (it == rings_.end() || it->second->tenant() != tenant) {
+      return absl::NotFoundError(absl::StrCat("ring \"", id.substr(0, 64), "\" not found"));
+    }
+    ring = std::move(it->second);
+    rings_.erase(it);
+  }
+  return CloseRing(std::move(ring));
+}
+
+int RingServer::ReclaimIdle() {
+  std::vector<std::unique_ptr<Ring>> idle;
+  {
+    const int64_t cutoff = options_.idle_timeout > absl::ZeroDuration()
+                               ? absl::ToUnixMicros(absl::Now() - options_.idle_timeout)
+                               : std::numeric_limits<int64_t>::min();
+    MutexLock lock(&mu_);
+    for (auto it = rings_.begin(); it != rings_.end();) {
+      if (it->second->idle_since(cutoff)) {
+        idle.push_back(std::move(it->second));
+        rings_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& ring : idle) {
+    spdlog::info("ring {} of tenant \"{}\" closed: idle or broken", ring->id(), ring->tenant());
+    CloseRing(std::move(ring)).IgnoreError();
+  }
+  return static_cast<int>(idle.size());
+}
+
+void RingServer::Shutdown() {
+  absl::flat_hash_map<std::string, std::unique_ptr<Ring>> rings;
+  {
+    MutexLock lock(&mu_);
+    shut_down_ = true;
+    rings.swap(rings_);
+  }
+  for (auto& [id, ring] : rings) CloseRing(std::move(ring)).IgnoreError();
+}
+
+int64_t RingServer::open_rings() const {
+  MutexLock lock(&mu_);
+  return static_cast<int64_t>(rings_.size());
+}
+
+}  // namespace attnd

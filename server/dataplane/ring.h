@@ -1,0 +1,97 @@
+// Shared-memory request/response rings (docs/regions.md, "Rings"; layout in
+// proto/attnd/v1/shm_ring.h): one server thread per open ring waits for the client's doorbell
+// (spinning a while after each request, then on the futex), copies the SessionRequest out of the
+// ring, hands it to the handler (the service: prefills to the work queue, decodes to the
+// cross-client batcher) and the handler's completion writes the SessionResponse back into the
+// ring and rings the client's doorbell, on whichever thread completed it.
+#ifndef ATTND_SERVER_DATAPLANE_RING_H_
+#define ATTND_SERVER_DATAPLANE_RING_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "attnd/v1/attention.pb.h"
+#include "base/mutex.h"
+#include "server/dataplane/regions.h"
+
+namespace attnd {
+
+struct RingOptions {
+  // After each request the ring's thread spins this long for the next one before it sleeps on
+  // the futex (the client's next layer usually comes within tens of microseconds).
+  absl::Duration spin = absl::Microseconds(50);
+  // While its request runs elsewhere (a batch another thread launched), the ring's thread spins
+  // this long for the answer before it sleeps: a sleeping thread wakes tens of microseconds late.
+  absl::Duration answer_spin = absl::Milliseconds(2);
+  absl::Duration idle_timeout = absl::Seconds(300);  // no request this long: closed (0 = never)
+  uint64_t max_ring_bytes = uint64_t{1} << 30;       // one ring's object at most
+};
+
+// True on a ring's server thread while it hands a request to the handler (and not inside work
+// that this already runs inline): the thread would only wait for the answer, so the handler may
+// run the work right here instead of waking a worker (a thread hop costs tens of microseconds on
+// a VM). Nested work (a batch launched from inside one) is not inline.
+bool MayRunInlineOnRingThread();
+
+// Runs fn as inline work of a ring thread (MayRunInlineOnRingThread is false inside it).
+void RunInlineOnRingThread(const std::function<void()>& fn);
+
+class RingServer {
+ public:
+  // Runs one request as `tenant`; calls done exactly once (after filling response) unless it
+  // returns an error.
+  using Handler = std::function<absl::Status(
+      const v1::SessionRequest& request, absl::string_view tenant, v1::SessionResponse* response,
+      std::function<void(absl::Status)> done)>;
+
+  // registry must outlive the server; the handler is set once, before the first Open.
+  RingServer(RegionRegistry* registry, const RingOptions& options);
+  ~RingServer();  // Shutdown()
+  RingServer(const RingServer&) = delete;
+  RingServer& operator=(const RingServer&) = delete;
+
+  void SetHandler(Handler handler);
+  const RingOptions& options() const { return options_; }
+
+  struct Opened {
+    std::string ring_id;
+    uint64_t request_capacity = 0;
+    uint64_t response_capacity = 0;
+  };
+  // Maps the client's object, checks its header, starts its thread. INVALID_ARGUMENT for a bad
+  // object or header, RESOURCE_EXHAUSTED for the tenant's limits, UNAVAILABLE after Shutdown.
+  absl::StatusOr<Opened> Open(absl::string_view tenant, absl::string_view name, uint64_t bytes);
+  // Stops the ring's thread once its request in flight (if any) is answered, marks it closed and
+  // unmaps it. NOT_FOUND for an unknown id or another tenant's ring.
+  absl::Status Close(absl::string_view tenant, absl::string_view id);
+  // Closes every ring with no request for idle_timeout. Returns how many.
+  int ReclaimIdle();
+  // Closes every ring; Open answers UNAVAILABLE from now on. Idempotent.
+  void Shutdown();
+
+  int64_t open_rings() const;
+
+ private:
+  class Ring;
+  absl::Status CloseRing(std::unique_ptr<Ring> ring);
+
+  RegionRegistry* const registry_;
+  const RingOptions options_;
+  Handler handler_;
+  mutable Mutex mu_;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_map<std::string, std::unique_ptr<Ring>> rings_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace attnd
+
+#endif  // ATTND_SERVER_DATAPLANE_RING_H_

@@ -1,0 +1,939 @@
+#include "server/engine/cuda_engine.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "base/dtype.h"
+#include "base/mutex.h"
+#include "base/status_macros.h"
+#include "base/thread_pool.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/dca_cuda.h"
+#include "kernels/cuda/rotary_cuda.h"
+#include "kernels/cuda/sparse_cuda.h"
+#include "kernels/dual_chunk_rotary.h"
+#include "server/dataplane/regions.h"
+#include "spdlog/spdlog.h"
+
+namespace attnd {
+namespace {
+
+constexpr size_t kAlign = 256;
+// Decode batches of at least this many rows copy their rows into and out of pinned memory on
+// kCopyThreads threads: from there on the copies, not the kernels, are most of a step (measured
+// in docs/batching.md), and a hand-off to the pool costs less than the copies it splits.
+constexpr int32_t kParallelCopyRows = 16;
+constexpr int kCopyThreads = 4;
+
+size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+struct DeviceFree {
+  void operator()(void* p) const { cudaFree(p); }
+};
+struct HostFree {
+  void operator()(void* p) const { cudaFreeHost(p); }
+};
+using DevicePtr = std::unique_ptr<void, DeviceFree>;
+using PinnedPtr = std::unique_ptr<void, HostFree>;
+
+absl::StatusOr<DevicePtr> DeviceAlloc(size_t bytes, absl::string_view what) {
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, kAlign));
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear the (non-sticky) allocation error
+    return absl::ResourceExhaustedError(absl::StrCat("cuda engine: cannot allocate ", bytes,
+                                                     " device bytes for ", what, ": ",
+                                                     cudaGetErrorString(err)));
+  }
+  return DevicePtr(p);
+}
+
+absl::StatusOr<PinnedPtr> PinnedAlloc(size_t bytes, absl::string_view what) {
+  void* p = nullptr;
+  const cudaError_t err = cudaMallocHost(&p, std::max<size_t>(bytes, kAlign));
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat("cuda engine: cannot allocate ", bytes,
+                                                     " pinned host bytes for ", what, ": ",
+                                                     cudaGetErrorString(err)));
+  }
+  return PinnedPtr(p);
+}
+
+char* At(const DevicePtr& p, size_t off) { return static_cast<char*>(p.get()) + off; }
+char* At(const PinnedPtr& p, size_t off) { return static_cast<char*>(p.get()) + off; }
+
+std::string FormatUuid(const cudaUUID_t& uuid) {
+  const auto* b = reinterpret_cast<const unsigned char*>(uuid.bytes);
+  std::string hex;
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) hex += '-';
+    absl::StrAppend(&hex, absl::Hex(b[i], absl::kZeroPad2));
+  }
+  return "GPU-" + hex;
+}
+
+// cuMemGetAddressRange through the runtime's driver entry point (attnd links no libcuda): the
+// allocation an IPC mapping belongs to, so a region's byte size can be checked against it.
+using GetAddressRangeFn = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
+
+GetAddressRangeFn AddressRangeFn() {
+  static const GetAddressRangeFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return GetAddressRangeFn{nullptr};
+    }
+    return reinterpret_cast<GetAddressRangeFn>(f);
+  }();
+  return fn;
+}
+
+class CudaEngine : public Engine, public DeviceMemoryOpener {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const CudaEngineOptions& options);
+  ~CudaEngine() override;
+
+  std::string backend() const override { return "cuda"; }
+  std::string device_name() const override { return device_name_; }
+  const KvLayout& layout() const override { return layout_; }
+  const DcaGeometry& geometry() const override { return geometry_; }
+
+  absl::Status Prefill(const PrefillJob& job) override;
+  absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) override;
+  absl::StatusOr<std::unique_ptr<PendingDecode>> StartDecode(const DecodeJob& job) override;
+  std::vector<int32_t> decode_batch_sizes() const override { return sizes_; }
+  bool decode_graphs() const override { return !graphs_.empty(); }
+  std::string device_uuid() const override { return device_uuid_; }
+  std::string device() const override { return absl::StrCat("cuda:", device_); }
+  DeviceMemoryOpener* device_memory_opener() override { return this; }
+
+  // CUDA IPC regions (docs/regions.md): the handle's allocation, opened on this engine's device.
+  absl::StatusOr<Mapping> OpenIpcHandle(absl::string_view handle) override;
+  void CloseIpcHandle(void* device_ptr) override;
+
+ private:
+  explicit CudaEngine(const CudaEngineOptions& options)
+      : geometry_(options.geometry),
+        layout_(options.layout),
+        device_(options.device),
+        max_decode_batch_(std::max(1, options.max_decode_batch)),
+        use_graphs_(options.cuda_graphs),
+        sparse_(options.sparse) {
+    for (int32_t size : options.graph_batch_sizes) {
+      if (size >= 1 && size <= max_decode_batch_ && (sizes_.empty() || size > sizes_.back())) {
+        sizes_.push_back(size);
+      }
+    }
+  }
+
+  // Enqueues one decode step on stream_ for `rows` rows of a batch planned as `plan` rows: the
+  // stage kernel (inputs and page tables from pinned host memory, KV append), the split-K
+  // attention and its reduction, which writes the outputs into pinned host memory. Three kernels,
+  // no copies; the same calls are captured into the graphs (rows == plan) and launched eagerly.
+  absl::Status EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t plan)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CaptureDecodeGraphs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::Status Init(int64_t staging_bytes);
+  absl::Status CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
+                          int64_t length) const;
+  // OK for kVariants, and for kPreRotary when the geometry has a rotary.
+  absl::Status CheckLayout(QLayout layout) const;
+  PagedKv<Bf16> LayerView(int32_t layer, const int32_t* device_page_table) const;
+  absl::Status PrefillChunk(const PrefillJob& job, int64_t first, int64_t count, float s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Entries [first, first + count) as one launch, counted in *stats: DecodeLaunch packs the rows
+  // and queues the step, DecodeFinish waits for it and unpacks the outputs.
+  absl::Status DecodeBatch(const DecodeJob& job, size_t first, size_t count, DecodeStats* stats)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status DecodeLaunch(const DecodeJob& job, size_t first, size_t count, DecodeStats* stats)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status DecodeFinish(const DecodeJob& job, size_t first, size_t count)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The engine's checks of a decode job (what the kernels cannot survive).
+  absl::Status CheckDecodeJob(const DecodeJob& job) const;
+  class Pending;
+  // Decode with some tensors in device memory: through host copies, then Decode.
+  absl::StatusOr<DecodeStats> DecodeFromDevice(const DecodeJob& job);
+
+  const DcaGeometry geometry_;
+  const KvLayout layout_;
+  const int32_t device_;
+  const int32_t max_decode_batch_;
+  const bool use_graphs_;
+  const std::shared_ptr<const SparseAttentionConfig> sparse_;
+  std::vector<int32_t> sizes_;  // captured sizes, ascending, <= max_decode_batch_
+  std::string device_name_;
+  std::string device_uuid_;  // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi
+  // Kernel choices, occupancy and attributes for this device and geometry (set in Init).
+  std::optional<CudaKernelPlan> kernel_plan_;
+  DevicePtr pool_;
+
+  Mutex mu_;  // one job at a time: one stream, one set of staging buffers
+  cudaStream_t stream_ ABSL_GUARDED_BY(mu_) = nullptr;
+
+  // Prefill: one chunk of at most max_chunk_ tokens. Host and device buffers mirror each other:
+  // q raw [chunk, 5, Hq, D] (<= fp32), k/v raw [chunk, Hkv, D], out [chunk, Hq, D] (<= fp32).
+  int64_t max_chunk_ = 0;
+  size_t q_off_ = 0, k_off_ = 0, v_off_ = 0, out_off_ = 0, prefill_bytes_ = 0;
+  PinnedPtr h_prefill_ ABSL_GUARDED_BY(mu_);
+  DevicePtr d_prefill_ ABSL_GUARDED_BY(mu_);
+  DevicePtr d_q_bf16_ ABSL_GUARDED_BY(mu_);  // [chunk, 5, Hq, D]
+  PinnedPtr h_table_ ABSL_GUARDED_BY(mu_);   // [num_pages]
+  DevicePtr d_table_ ABSL_GUARDED_BY(mu_);   // [num_pages]
+  size_t sparse_workspace_bytes_ = 0;
+  DevicePtr d_sparse_workspace_ ABSL_GUARDED_BY(mu_);  // when sparse_ is set
+  // Pre-rotary requests (docs/rotary.md): RotaryInvFreq of the geometry on the host (decode rows
+  // are rotated there, into their fp32 slots) and on the device (the prefill rotary kernel);
+  // empty / null when the geometry has no usable rotary, and pre-rotary jobs are refused.
+  std::vector<float> inv_freq_;
+  DevicePtr d_inv_freq_ ABSL_GUARDED_BY(mu_);
+
+  // Decode: the host writes each row's inputs in their own dtype into fixed slots of pinned
+  // memory (h_decode_: DecodeStageRow [B] | q [B, q slot] | k [B, kv slot] | v [B, kv slot]) and
+  // its page table into h_tables_ at a fixed stride (the pool's page count, rounded up to a
+  // multiple of 4); the stage kernel reads them through their mapped addresses. The device keeps
+  // lengths [B] and bf16 q [B, 3, Hq, D] (d_decode_) and the tables (d_tables_); the reduction
+  // writes h_decode_out_. Every address and stride is fixed, so captured kernels never change.
+  int64_t table_stride_ = 0;
+  int64_t max_length_ = 0;  // the most tokens one sequence can hold: split-K plans for this
+  size_t q_slot_ = 0, kv_slot_ = 0;  // bytes per row: 3 query variants / one K or V, as fp32
+  size_t h_q_off_ = 0, h_k_off_ = 0, h_v_off_ = 0, d_q_off_ = 0;
+  PinnedPtr h_decode_ ABSL_GUARDED_BY(mu_);
+  DevicePtr d_decode_ ABSL_GUARDED_BY(mu_);
+  PinnedPtr h_tables_ ABSL_GUARDED_BY(mu_);      // [B, table_stride_]
+  DevicePtr d_tables_ ABSL_GUARDED_BY(mu_);      // [B, table_stride_]
+  PinnedPtr h_decode_out_ ABSL_GUARDED_BY(mu_);  // [B, Hq, D] fp32, written by the device
+  size_t workspace_floats_ = 0;
+  DevicePtr d_workspace_ ABSL_GUARDED_BY(mu_);
+  std::vector<float> scratch_ ABSL_GUARDED_BY(mu_);
+  ThreadPool copy_pool_{kCopyThreads};  // DecodeBatch's row copies for large batches
+  // graphs_[size index * num_layers + layer]; empty when graphs are off.
+  std::vector<cudaGraphExec_t> graphs_ ABSL_GUARDED_BY(mu_);
+};
+
+absl::StatusOr<std::unique_ptr<Engine>> CudaEngine::Create(const CudaEngineOptions& options) {
+  const DcaGeometry& g = options.geometry;
+  const KvLayout& layout = options.layout;
+  if (absl::Status s = CheckCudaGeometry(g); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda engine: ", s.message()));
+  }
+  if (layout.num_kv_heads != g.num_kv_heads || layout.head_dim != g.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda engine: KV layout [", layout.num_kv_heads, " kv heads, head_dim ", layout.head_dim,
+        "] does not match the model [", g.num_kv_heads, ", ", g.head_dim, "]"));
+  }
+  if (layout.kv_dtype != DType::kBf16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda engine: KV dtype ", DTypeName(layout.kv_dtype), " is not supported; use bf16"));
+  }
+  if (layout.num_layers <= 0 || layout.page_size <= 0 || layout.num_pages <= 0) {
+    return absl::InvalidArgumentError("cuda engine: the KV layout has no layers, pages or slots");
+  }
+  if (const SparseAttentionConfig* sp = options.sparse.get();
+      sp != nullptr && (sp->num_layers != layout.num_layers || sp->num_q_heads != g.num_q_heads ||
+                        sp->budgets.size() != static_cast<size_t>(sp->num_layers) *
+                                                  static_cast<size_t>(sp->num_q_heads) ||
+                        sp->last_q < 1 || sp->last_q > 64 || g.num_q_heads > kMaxSparseHeads)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda engine: the sparse attention config (", sp->num_layers, " layers x ", sp->num_q_heads,
+        " heads, last_q ", sp->last_q, ") does not match the model (", layout.num_layers,
+        " layers x ", g.num_q_heads, " q heads) or the CUDA kernels (at most ", kMaxSparseHeads,
+        " q heads, sparse_attention_last_q in [1, 64])"));
+  }
+  if (layout.num_pages > INT32_MAX || layout.num_pages * int64_t{layout.page_size} > INT32_MAX) {
+    return absl::InvalidArgumentError("cuda engine: more than 2^31 token slots in the pool");
+  }
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    if (err != cudaSuccess) cudaGetLastError();
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda engine: no usable CUDA device (",
+                     err != cudaSuccess ? cudaGetErrorString(err) : "cudaGetDeviceCount() == 0",
+                     "); use the cpu backend"));
+  }
+  if (options.device < 0 || options.device >= count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda engine: device ", options.device, " not in [0, ", count, ")"));
+  }
+  std::unique_ptr<CudaEngine> engine(new CudaEngine(options));
+  ATTND_RETURN_IF_ERROR(engine->Init(options.staging_bytes));
+  return std::unique_ptr<Engine>(std::move(engine));
+}
+
+absl::Status CudaEngine::Init(int64_t staging_bytes) {
+  MutexLock lock(&mu_);
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  cudaDeviceProp prop;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
+  device_name_ = prop.name;
+  device_uuid_ = FormatUuid(prop.uuid);
+  ATTND_ASSIGN_OR_RETURN(kernel_plan_, CudaKernelPlan::Create(geometry_, device_));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+
+  ATTND_ASSIGN_OR_RETURN(pool_, DeviceAlloc(layout_.pool_bytes(), "the KV pool"));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(pool_.get(), 0, layout_.pool_bytes(), stream_));
+
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  const int64_t per_token = (kNumQueryVariants * hq * d + 2 * hkv * d + hq * d) * 4;
+  max_chunk_ = std::max<int64_t>(1, staging_bytes / per_token);
+  q_off_ = 0;
+  k_off_ = AlignUp(q_off_ + max_chunk_ * kNumQueryVariants * hq * d * 4);
+  v_off_ = AlignUp(k_off_ + max_chunk_ * hkv * d * 4);
+  out_off_ = AlignUp(v_off_ + max_chunk_ * hkv * d * 4);
+  prefill_bytes_ = AlignUp(out_off_ + max_chunk_ * hq * d * 4);
+  ATTND_ASSIGN_OR_RETURN(h_prefill_, PinnedAlloc(prefill_bytes_, "prefill staging"));
+  ATTND_ASSIGN_OR_RETURN(d_prefill_, DeviceAlloc(prefill_bytes_, "prefill staging"));
+  ATTND_ASSIGN_OR_RETURN(d_q_bf16_,
+                         DeviceAlloc(max_chunk_ * kNumQueryVariants * hq * d * 2, "prefill q"));
+  if (CheckRotaryGeometry(geometry_).ok()) {
+    inv_freq_ = RotaryInvFreq(geometry_.rope_theta, geometry_.rotary_dim);
+    ATTND_ASSIGN_OR_RETURN(d_inv_freq_, DeviceAlloc(inv_freq_.size() * 4, "rotary frequencies"));
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_inv_freq_.get(), inv_freq_.data(), inv_freq_.size() * 4,
+                                          cudaMemcpyHostToDevice));
+  }
+  ATTND_ASSIGN_OR_RETURN(h_table_, PinnedAlloc(layout_.num_pages * 4, "page table"));
+  ATTND_ASSIGN_OR_RETURN(d_table_, DeviceAlloc(layout_.num_pages * 4, "page table"));
+  if (sparse_ != nullptr) {
+    // One size for every call: up to one staging chunk, anywhere in the longest sequence the pool
+    // holds.
+    const int64_t longest = layout_.num_pages * layout_.page_size;
+    const int64_t tokens = std::min(max_chunk_, longest);
+    for (int32_t layer = 0; layer < layout_.num_layers; ++layer) {
+      const size_t bytes = SparsePrefillWorkspaceBound(geometry_, sparse_->layer(layer), longest,
+                                                       tokens, sparse_->last_q);
+      if (bytes == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "cuda engine: the sparse attention config of layer ", layer, " is not supported"));
+      }
+      sparse_workspace_bytes_ = std::max(sparse_workspace_bytes_, bytes);
+    }
+    ATTND_ASSIGN_OR_RETURN(d_sparse_workspace_,
+                           DeviceAlloc(sparse_workspace_bytes_, "the sparse prefill workspace"));
+  }
+
+  const int64_t b = max_decode_batch_;
+  table_stride_ = (layout_.num_pages + 3) / 4 * 4;  // the stage kernel copies 4 ids at a time
+  max_length_ = layout_.num_pages * layout_.page_size;
+  q_slot_ = AlignUp(kNumDecodeVariants * hq * d * 4);
+  kv_slot_ = AlignUp(hkv * d * 4);
+  h_q_off_ = AlignUp(b * sizeof(DecodeStageRow));
+  h_k_off_ = h_q_off_ + b * q_slot_;
+  h_v_off_ = h_k_off_ + b * kv_slot_;
+  d_q_off_ = AlignUp(b * 4);
+  ATTND_ASSIGN_OR_RETURN(h_decode_, PinnedAlloc(h_v_off_ + b * kv_slot_, "decode staging"));
+  ATTND_ASSIGN_OR_RETURN(
+      d_decode_, DeviceAlloc(d_q_off_ + b * kNumDecodeVariants * hq * d * 2, "decode inputs"));
+  ATTND_ASSIGN_OR_RETURN(h_tables_, PinnedAlloc(b * table_stride_ * 4, "decode page tables"));
+  ATTND_ASSIGN_OR_RETURN(d_tables_, DeviceAlloc(b * table_stride_ * 4, "decode page tables"));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_tables_.get(), 0, b * table_stride_ * 4, stream_));
+  ATTND_ASSIGN_OR_RETURN(h_decode_out_, PinnedAlloc(b * hq * d * 4, "decode output"));
+  for (int32_t batch = 1; batch <= max_decode_batch_; ++batch) {
+    const int32_t splits = kernel_plan_->DecodeSplits(batch, max_length_);
+    workspace_floats_ =
+        std::max(workspace_floats_, kernel_plan_->DecodeWorkspaceFloats(batch, splits));
+  }
+  ATTND_ASSIGN_OR_RETURN(d_workspace_, DeviceAlloc(workspace_floats_ * 4, "decode workspace"));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  if (use_graphs_ && !sizes_.empty()) ATTND_RETURN_IF_ERROR(CaptureDecodeGraphs());
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::CaptureDecodeGraphs() {
+  size_t free_before = 0, free_after = 0, total = 0;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_before, &total));
+  const auto t0 = std::chrono::steady_clock::now();
+  graphs_.reserve(sizes_.size() * layout_.num_layers);
+  for (int32_t size : sizes_) {
+    for (int32_t layer = 0; layer < layout_.num_layers; ++layer) {
+      ATTND_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      const absl::Status enqueued = EnqueueDecodeStep(layer, size, size);
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+      if (!enqueued.ok()) {
+        if (graph != nullptr) cudaGraphDestroy(graph);
+        return enqueued;
+      }
+      ATTND_CUDA_RETURN_IF_ERROR(ended);
+      cudaGraphExec_t exec = nullptr;
+      const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      ATTND_CUDA_RETURN_IF_ERROR(instantiated);
+      graphs_.push_back(exec);
+      ATTND_CUDA_RETURN_IF_ERROR(cudaGraphUpload(exec, stream_));
+    }
+  }
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_after, &total));
+  spdlog::info(
+      "cuda engine: captured {} decode graphs ({} sizes x {} layers, sizes {}..{}) in "
+      "{:.1f} ms, {:.1f} MiB of device memory",
+      graphs_.size(), sizes_.size(), layout_.num_layers, sizes_.front(), sizes_.back(), ms,
+      (static_cast<double>(free_before) - static_cast<double>(free_after)) / 1048576.0);
+  return absl::OkStatus();
+}
+
+CudaEngine::~CudaEngine() {
+  MutexLock lock(&mu_);
+  if (stream_ != nullptr) {
+    cudaStreamSynchronize(stream_);
+    for (cudaGraphExec_t exec : graphs_) cudaGraphExecDestroy(exec);
+    cudaStreamDestroy(stream_);
+  }
+}
+
+absl::Status CudaEngine::CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
+                                    int64_t length) const {
+  // The kernels index the pool without bounds checks, so a bad table must never reach them.
+  if (layer < 0 || layer >= layout_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine: layer ", layer, " is not in [0, ", layout_.num_layers, ")"));
+  }
+  if (num_pages * layout_.page_size < length || (num_pages > 0 && page_table == nullptr) ||
+      num_pages > layout_.num_pages) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine: ", num_pages, " pages do not cover ", length, " tokens"));
+  }
+  for (int64_t i = 0; i < num_pages; ++i) {
+    if (page_table[i] < 0 || page_table[i] >= layout_.num_pages) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("engine: page id ", page_table[i], " is not in the pool"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::CheckLayout(QLayout layout) const {
+  if (layout == QLayout::kVariants) return absl::OkStatus();
+  if (layout == QLayout::kPreRotary && !inv_freq_.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("engine: q layout ", static_cast<int32_t>(layout),
+                   layout == QLayout::kPreRotary ? " needs a model with a rotary" : " is unknown"));
+}
+
+PagedKv<Bf16> CudaEngine::LayerView(int32_t layer, const int32_t* device_page_table) const {
+  PagedKv<Bf16> kv;
+  kv.k = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.k_offset(layer));
+  kv.v = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.v_offset(layer));
+  kv.page_table = device_page_table;
+  kv.page_size = layout_.page_size;
+  kv.num_kv_heads = layout_.num_kv_heads;
+  kv.head_dim = layout_.head_dim;
+  return kv;
+}
+
+absl::Status CudaEngine::Prefill(const PrefillJob& job) {
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  const int64_t t = job.num_tokens;
+  // Only what the kernels could not survive (engine.h, EngineJobKey): prompt_len >= start + t is
+  // the runtime's check; it only scales keys and picks the sparse path, never indexes memory.
+  if (t < 1 || job.start < 0 || job.out == nullptr || !IsKnownDType(job.out_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("engine: bad prefill range (start ", job.start,
+                                                   ", tokens ", t, ", prompt_len ", job.prompt_len,
+                                                   ")"));
+  }
+  ATTND_RETURN_IF_ERROR(CheckPages(job.layer, job.page_table, job.num_pages, job.start + t));
+  ATTND_RETURN_IF_ERROR(CheckLayout(job.q_layout));
+  const bool pre_rotary = job.q_layout == QLayout::kPreRotary;
+  ATTND_RETURN_IF_ERROR(
+      CheckElements("q", job.q, t * (pre_rotary ? 1 : kNumQueryVariants) * hq * d));
+  ATTND_RETURN_IF_ERROR(CheckElements("k", job.k, t * hkv * d));
+  ATTND_RETURN_IF_ERROR(CheckElements("v", job.v, t * hkv * d));
+  for (const TensorView* view : {&job.q, &job.k, &job.v}) {
+    if (!IsKnownDType(view->dtype)) return absl::InvalidArgumentError("engine: bad dtype");
+  }
+  if (pre_rotary && (job.k.dtype != job.q.dtype || job.v.dtype != job.q.dtype)) {
+    return absl::InvalidArgumentError("engine: a pre-rotary prefill needs one dtype for q, k, v");
+  }
+  if ((job.k.on_device || job.v.on_device) && job.k.dtype != job.v.dtype) {
+    return absl::InvalidArgumentError(
+        "engine: k and v in device memory need one dtype (they are appended as they are)");
+  }
+  const float s = LengthScale(job.prompt_len, geometry_.original_max_position_embeddings);
+  const bool sparse = sparse_ != nullptr && sparse_->UseSparse(job.prompt_len);
+  if (sparse && t > max_chunk_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine: a sparse prefill (prompt_len ", job.prompt_len, " > threshold ",
+                     sparse_->threshold, ") takes at most ", max_chunk_,
+                     " tokens per call on the CUDA backend, "
+                     "got ",
+                     t, "; send the prompt in smaller Prefill calls"));
+  }
+
+  MutexLock lock(&mu_);
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  std::memcpy(h_table_.get(), job.page_table, job.num_pages * 4);
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_table_.get(), h_table_.get(), job.num_pages * 4,
+                                             cudaMemcpyHostToDevice, stream_));
+  for (int64_t first = 0; first < t; first += max_chunk_) {
+    ATTND_RETURN_IF_ERROR(PrefillChunk(job, first, std::min(max_chunk_, t - first), s));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int64_t count,
+                                      float s) {
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  const bool pre_rotary = job.q_layout == QLayout::kPreRotary;
+  // q as it arrives: the five variants, or [count, Hq, D] before the rotary.
+  const int64_t q_row = (pre_rotary ? 1 : kNumQueryVariants) * hq * d;
+  const int64_t q_n = count * q_row, kv_n = count * hkv * d;
+  const size_t out_bytes = count * hq * d * ElementSize(job.out_dtype);
+  // Host tensors: staged in pinned memory, then H2D. Device tensors (CUDA IPC regions): one
+  // device-to-device copy. Then one stream: convert, append, attend, and the output back. A
+  // shard's views have a row pitch (its heads of each row): packed densely on the way.
+  const auto stage = [this](const TensorView& view, int64_t first_row, int64_t rows, size_t h_off,
+                            void* device_dst) -> absl::Status {
+    const int64_t row = RowBytes(view), pitch = RowPitch(view);
+    const char* src = static_cast<const char*>(view.data) + first_row * pitch;
+    if (view.on_device) {
+      ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(device_dst, row, src, pitch, row, rows,
+                                                   cudaMemcpyDeviceToDevice, stream_));
+      return absl::OkStatus();
+    }
+    CopyRowsToDense(view, first_row, rows, At(h_prefill_, h_off));
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_dst, At(h_prefill_, h_off), rows * row,
+                                               cudaMemcpyHostToDevice, stream_));
+    return absl::OkStatus();
+  };
+  Bf16* q_bf16 = static_cast<Bf16*>(d_q_bf16_.get());
+  const int64_t q_rows = pre_rotary ? 1 : kNumQueryVariants;  // rows per token
+  const int64_t q_first = first * q_rows, q_count = count * q_rows;
+  if (pre_rotary) {  // staged as is; the rotary kernel below writes the bf16 variants
+    ATTND_RETURN_IF_ERROR(stage(job.q, q_first, q_count, q_off_, At(d_prefill_, q_off_)));
+  } else if (job.q.dtype == DType::kBf16) {  // straight into the kernel's buffer
+    ATTND_RETURN_IF_ERROR(stage(job.q, q_first, q_count, q_off_, q_bf16));
+  } else {
+    ATTND_RETURN_IF_ERROR(stage(job.q, q_first, q_count, q_off_, At(d_prefill_, q_off_)));
+    ATTND_RETURN_IF_ERROR(
+        LaunchConvertToBf16(At(d_prefill_, q_off_), job.q.dtype, q_n, q_bf16, stream_));
+  }
+  // k and v regions are adjacent in both mirrors only per tensor; copy each.
+  ATTND_RETURN_IF_ERROR(stage(job.k, first, count, k_off_, At(d_prefill_, k_off_)));
+  ATTND_RETURN_IF_ERROR(stage(job.v, first, count, v_off_, At(d_prefill_, v_off_)));
+
+  if (pre_rotary) {
+    // The five bf16 variants into the kernels' buffer, and k rotated in place (its own dtype),
+    // before the append scales it: DCA.md rotates the raw key, then length-scales it.
+    CudaRotaryParams rp;
+    rp.q = At(d_prefill_, q_off_);
+    rp.k = At(d_prefill_, k_off_);
+    rp.dtype = job.q.dtype;
+    rp.q_variants = q_bf16;
+    rp.inv_freq = static_cast<const float*>(d_inv_freq_.get());
+    rp.start = job.start + first;
+    rp.num_tokens = count;
+    ATTND_RETURN_IF_ERROR(LaunchDualChunkRotary(geometry_, rp, stream_));
+  }
+
+  const PagedKv<Bf16> kv = LayerView(job.layer, static_cast<const int32_t*>(d_table_.get()));
+  if (job.k.dtype == job.v.dtype) {
+    CudaAppendParams ap;
+    ap.kv = kv;
+    ap.k = At(d_prefill_, k_off_);
+    ap.v = At(d_prefill_, v_off_);
+    ap.in_dtype = job.k.dtype;
+    ap.start = job.start + first;
+    ap.num_tokens = count;
+    ap.key_scale = s;
+    ATTND_RETURN_IF_ERROR(LaunchAppendKv(ap, stream_));
+  } else {  // rare: different k and v dtypes; normalise both to fp32 on the host
+    scratch_.resize(2 * kv_n);
+    ConvertToFloat(At(h_prefill_, k_off_), job.k.dtype, kv_n, scratch_.data());
+    ConvertToFloat(At(h_prefill_, v_off_), job.v.dtype, kv_n, scratch_.data() + kv_n);
+    ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));  // staging reuse below
+    std::memcpy(At(h_prefill_, k_off_), scratch_.data(), kv_n * 4);
+    std::memcpy(At(h_prefill_, v_off_), scratch_.data() + kv_n, kv_n * 4);
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, k_off_), At(h_prefill_, k_off_),
+                                               kv_n * 4, cudaMemcpyHostToDevice, stream_));
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, v_off_), At(h_prefill_, v_off_),
+                                               kv_n * 4, cudaMemcpyHostToDevice, stream_));
+    CudaAppendParams ap;
+    ap.kv = kv;
+    ap.k = At(d_prefill_, k_off_);
+    ap.v = At(d_prefill_, v_off_);
+    ap.in_dtype = DType::kFp32;
+    ap.start = job.start + first;
+    ap.num_tokens = count;
+    ap.key_scale = s;
+    ATTND_RETURN_IF_ERROR(LaunchAppendKv(ap, stream_));
+  }
+
+  CudaPrefillParams pp;
+  pp.kv = kv;
+  pp.q = q_bf16;
+  pp.out = At(d_prefill_, out_off_);
+  pp.out_dtype = job.out_dtype;
+  pp.start = job.start + first;
+  pp.num_tokens = count;
+  pp.softmax_scale = geometry_.softmax_scale * s;
+  if (sparse_ != nullptr &&
+      sparse_->UseSparse(job.prompt_len)) {  // the whole call: Prefill checked
+    SparsePrefillParams sp;
+    sp.prefill = pp;
+    sp.budgets = sparse_->layer(job.layer);
+    sp.last_q = sparse_->last_q;
+    sp.workspace = d_sparse_workspace_.get();
+    sp.workspace_bytes = sparse_workspace_bytes_;
+    ATTND_RETURN_IF_ERROR(LaunchSparsePrefill(geometry_, sp, stream_));
+  } else {
+    ATTND_RETURN_IF_ERROR(LaunchDcaPrefill(*kernel_plan_, pp, stream_));
+  }
+  const size_t out_row = hq * d * ElementSize(job.out_dtype);
+  const size_t out_pitch = job.out_row_pitch != 0 ? job.out_row_pitch : out_row;
+  char* out = static_cast<char*>(job.out) + first * out_pitch;
+  if (job.out_on_device) {  // straight into the client's buffer
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(out, out_pitch, At(d_prefill_, out_off_), out_row,
+                                                 out_row, count, cudaMemcpyDeviceToDevice,
+                                                 stream_));
+    ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return absl::OkStatus();
+  }
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(h_prefill_, out_off_), At(d_prefill_, out_off_),
+                                             out_bytes, cudaMemcpyDeviceToHost, stream_));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  const char* staged = static_cast<const char*>(At(h_prefill_, out_off_));  // dense
+  if (out_pitch == out_row) {
+    std::memcpy(out, staged, out_bytes);
+  } else {
+    for (int64_t i = 0; i < count; ++i)
+      std::memcpy(out + i * out_pitch, staged + i * out_row, out_row);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::CheckDecodeJob(const DecodeJob& job) const {
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  const int64_t q_n = kNumDecodeVariants * hq * d, kv_n = hkv * d;
+  for (const DecodeJob::Entry& e : job.entries) {
+    if (e.length < 1 || e.out == nullptr || !IsKnownDType(e.out_dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat("engine: bad decode length ", e.length));
+    }
+    ATTND_RETURN_IF_ERROR(CheckPages(job.layer, e.page_table, e.num_pages, e.length));
+    ATTND_RETURN_IF_ERROR(CheckLayout(e.q_layout));
+    if (e.q_layout == QLayout::kPreRotary) {
+      ATTND_RETURN_IF_ERROR(CheckElements("q", e.q, hq * d));
+    } else if (e.q.data == nullptr || NumElements(e.q) < q_n) {
+      // q may carry 3 or 5 variants; the first three are contiguous at the front.
+      return absl::InvalidArgumentError("engine: decode q has fewer than 3 variants");
+    }
+    ATTND_RETURN_IF_ERROR(CheckElements("k", e.k, kv_n));
+    ATTND_RETURN_IF_ERROR(CheckElements("v", e.v, kv_n));
+    for (const TensorView* view : {&e.q, &e.k, &e.v}) {
+      if (!IsKnownDType(view->dtype)) return absl::InvalidArgumentError("engine: bad dtype");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A started decode: holds the engine's lock from DecodeLaunch until DecodeFinish.
+class CudaEngine::Pending : public PendingDecode {
+ public:
+  Pending(CudaEngine* engine, const DecodeJob* job, DecodeStats stats)
+      : engine_(engine), job_(job), stats_(stats) {}
+  ~Pending() override {
+    if (engine_ != nullptr) Finish().IgnoreError();
+  }
+  absl::StatusOr<DecodeStats> Finish() override ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (engine_ == nullptr) return absl::FailedPreconditionError("decode already finished");
+    CudaEngine* engine = std::exchange(engine_, nullptr);
+    const absl::Status s = engine->DecodeFinish(*job_, 0, job_->entries.size());
+    engine->mu_.Unlock();  // taken by StartDecode
+    if (!s.ok()) return s;
+    return stats_;
+  }
+
+ private:
+  CudaEngine* engine_;  // null once finished
+  const DecodeJob* const job_;
+  const DecodeStats stats_;
+};
+
+absl::StatusOr<std::unique_ptr<PendingDecode>> CudaEngine::StartDecode(const DecodeJob& job)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  ATTND_RETURN_IF_ERROR(CheckDecodeJob(job));
+  if (job.entries.empty() || job.entries.size() > static_cast<size_t>(max_decode_batch_)) {
+    return std::unique_ptr<PendingDecode>();
+  }
+  for (const DecodeJob::Entry& e : job.entries) {
+    if (e.q.on_device || e.k.on_device || e.v.on_device || e.out_on_device) {
+      return std::unique_ptr<PendingDecode>();
+    }
+  }
+  mu_.Lock();  // until Pending::Finish
+  DecodeStats stats;
+  absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice");
+  if (s.ok()) s = DecodeLaunch(job, 0, job.entries.size(), &stats);
+  if (!s.ok()) {
+    // A launch that failed half-way may still have queued work: let it drain before the buffers
+    // are reused.
+    cudaStreamSynchronize(stream_);
+    mu_.Unlock();
+    return s;
+  }
+  return std::unique_ptr<PendingDecode>(new Pending(this, &job, stats));
+}
+
+absl::StatusOr<DecodeStats> CudaEngine::Decode(const DecodeJob& job) {
+  ATTND_RETURN_IF_ERROR(CheckDecodeJob(job));
+  DecodeStats stats;
+  if (job.entries.empty()) return stats;
+  for (const DecodeJob::Entry& e : job.entries) {
+    if (e.q.on_device || e.k.on_device || e.v.on_device || e.out_on_device) {
+      return DecodeFromDevice(job);
+    }
+  }
+  MutexLock lock(&mu_);
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  for (size_t first = 0; first < job.entries.size(); first += max_decode_batch_) {
+    ATTND_RETURN_IF_ERROR(DecodeBatch(
+        job, first, std::min<size_t>(max_decode_batch_, job.entries.size() - first), &stats));
+  }
+  return stats;
+}
+
+absl::StatusOr<DecodeStats> CudaEngine::DecodeFromDevice(const DecodeJob& job) {
+  // A decode row is a few tens of KB and the step reads its rows from pinned host slots (the
+  // captured graphs' fixed addresses), so device rows are brought to the host first and outputs
+  // taken back: not the fast path for decode (rings are, docs/regions.md), but exact.
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  DecodeJob host = job;
+  std::deque<std::string> copies;
+  const auto to_host = [&copies](TensorView* view) -> absl::Status {
+    if (!view->on_device) return absl::OkStatus();
+    const int64_t row = RowBytes(*view), rows = NumRows(*view);
+    std::string& c = copies.emplace_back(rows * row, '\0');
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2D(c.data(), row, view->data, RowPitch(*view), row, rows,
+                                            cudaMemcpyDeviceToHost));
+    view->data = c.data();
+    view->on_device = false;
+    view->row_pitch = 0;
+    return absl::OkStatus();
+  };
+  const int64_t out_row = int64_t{geometry_.num_q_heads} * geometry_.head_dim;
+  for (DecodeJob::Entry& e : host.entries) {
+    ATTND_RETURN_IF_ERROR(to_host(&e.q));
+    ATTND_RETURN_IF_ERROR(to_host(&e.k));
+    ATTND_RETURN_IF_ERROR(to_host(&e.v));
+    if (e.out_on_device) {
+      e.out = copies.emplace_back(out_row * ElementSize(e.out_dtype), '\0').data();
+      e.out_on_device = false;
+    }
+  }
+  ATTND_ASSIGN_OR_RETURN(const DecodeStats stats, Decode(host));
+  for (size_t i = 0; i < job.entries.size(); ++i) {
+    if (!job.entries[i].out_on_device) continue;
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy(job.entries[i].out, host.entries[i].out,
+                                          out_row * ElementSize(job.entries[i].out_dtype),
+                                          cudaMemcpyHostToDevice));
+  }
+  return stats;
+}
+
+absl::StatusOr<DeviceMemoryOpener::Mapping> CudaEngine::OpenIpcHandle(absl::string_view handle) {
+  cudaIpcMemHandle_t h;
+  if (handle.size() != sizeof(h)) {
+    return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC handle is ", sizeof(h), " bytes"));
+  }
+  std::memcpy(&h, handle.data(), sizeof(h));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  void* ptr = nullptr;
+  const cudaError_t err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot open the CUDA IPC handle on ", device_name_, " (", device_uuid_,
+        "): ", cudaGetErrorString(err),
+        " (the exporting process must run on this host, on this GPU, and keep the memory)"));
+  }
+  Mapping m;
+  m.device_ptr = ptr;
+  unsigned long long base = 0;  // NOLINT(runtime/int)
+  size_t size = 0;
+  const GetAddressRangeFn range = AddressRangeFn();
+  if (range == nullptr || range(&base, &size, reinterpret_cast<unsigned long long>(ptr)) != 0) {
+    cudaIpcCloseMemHandle(ptr);
+    return absl::InternalError("cannot query the size of the CUDA IPC allocation");
+  }
+  m.bytes = base + size - reinterpret_cast<unsigned long long>(ptr);
+  return m;
+}
+
+void CudaEngine::CloseIpcHandle(void* device_ptr) {
+  cudaSetDevice(device_);
+  cudaIpcCloseMemHandle(device_ptr);
+}
+
+absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t plan) {
+  const int64_t hq = geometry_.num_q_heads, d = geometry_.head_dim;
+  PagedKvBatch kvb;
+  kvb.k = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.k_offset(layer));
+  kvb.v = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.v_offset(layer));
+  kvb.page_tables = static_cast<const int32_t*>(d_tables_.get());
+  kvb.page_table_stride = table_stride_;
+  kvb.page_size = layout_.page_size;
+  kvb.num_kv_heads = layout_.num_kv_heads;
+  kvb.head_dim = layout_.head_dim;
+  int32_t* d_len = static_cast<int32_t*>(d_decode_.get());
+  Bf16* d_q = reinterpret_cast<Bf16*>(At(d_decode_, d_q_off_));
+
+  CudaDecodeStageParams sp;
+  sp.kv = kvb;
+  sp.rows = static_cast<const DecodeStageRow*>(h_decode_.get());
+  sp.host_tables = static_cast<const int32_t*>(h_tables_.get());
+  sp.host_q = At(h_decode_, h_q_off_);
+  sp.host_k = At(h_decode_, h_k_off_);
+  sp.host_v = At(h_decode_, h_v_off_);
+  sp.q_row_bytes = static_cast<int64_t>(q_slot_);
+  sp.kv_row_bytes = static_cast<int64_t>(kv_slot_);
+  sp.lengths = d_len;
+  sp.q = d_q;
+  sp.num_q_heads = geometry_.num_q_heads;
+  sp.batch = rows;
+  sp.original_max_position_embeddings = geometry_.original_max_position_embeddings;
+  if (d_inv_freq_ != nullptr) {  // the model has a rotary: pre-rotary rows may come
+    CudaDecodeRotaryParams rp;
+    rp.rows = sp.rows;
+    rp.host_q = sp.host_q;
+    rp.host_k = At(h_decode_, h_k_off_);
+    rp.q_row_bytes = sp.q_row_bytes;
+    rp.kv_row_bytes = sp.kv_row_bytes;
+    rp.q = d_q;
+    rp.inv_freq = static_cast<const float*>(d_inv_freq_.get());
+    rp.batch = rows;
+    ATTND_RETURN_IF_ERROR(LaunchDecodeRotary(geometry_, rp, stream_));
+  }
+  ATTND_RETURN_IF_ERROR(LaunchDecodeStage(sp, stream_));
+
+  CudaDecodeParams dp;
+  dp.kv = kvb;
+  dp.lengths = d_len;
+  dp.q = d_q;
+  dp.out = h_decode_out_.get();  // pinned: the reduction writes the host's buffer directly
+  dp.out_dtype = DType::kFp32;
+  dp.batch = rows;
+  // Planned for the batch's captured size and the longest sequence the pool holds: the same
+  // split layout whether this step is replayed or launched, whatever the lengths are.
+  dp.planned_batch = plan;
+  dp.max_splits = kernel_plan_->DecodeSplits(plan, max_length_);
+  if (kernel_plan_->DecodeWorkspaceFloats(rows, dp.max_splits) > workspace_floats_) {
+    return absl::InternalError("cuda engine: decode workspace too small");
+  }
+  dp.partial_out = static_cast<float*>(d_workspace_.get());
+  dp.partial_lse = dp.partial_out + static_cast<size_t>(rows) * hq * dp.max_splits * d;
+  return LaunchDcaDecode(*kernel_plan_, dp, stream_);
+}
+
+absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t count,
+                                     DecodeStats* stats) {
+  ATTND_RETURN_IF_ERROR(DecodeLaunch(job, first, count, stats));
+  return DecodeFinish(job, first, count);
+}
+
+absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t count,
+                                      DecodeStats* stats) {
+  const int64_t hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  const int64_t kv_n = hkv * d;
+  const int32_t b = static_cast<int32_t>(count);
+  const auto size = std::lower_bound(sizes_.begin(), sizes_.end(), b);
+  const int32_t plan = size == sizes_.end() ? b : *size;
+  const bool replay = !graphs_.empty() && size != sizes_.end();
+  // Only copies on the host: each row's tensors in their own dtype (the stage kernel converts).
+  DecodeStageRow* rows = static_cast<DecodeStageRow*>(h_decode_.get());
+  int32_t* tables = static_cast<int32_t*>(h_tables_.get());
+  auto pack = [&](int64_t i) {
+    const DecodeJob::Entry& e = job.entries[first + i];
+    rows[i].length = static_cast<int32_t>(e.length);
+    rows[i].num_pages = static_cast<int32_t>(e.num_pages);
+    rows[i].v_dtype = static_cast<int32_t>(e.v.dtype);
+    // Each row's tensors in their own dtype. A pre-rotary row's q is [Hq, D] (one variant's
+    // worth): the decode rotary kernel, first in the step, turns it into the three bf16 variants
+    // and rotates k in its slot (DecodeStageRow::rotary).
+    const bool rotary = e.q_layout == QLayout::kPreRotary;
+    rows[i].rotary = rotary ? 1 : 0;
+    rows[i].q_dtype = static_cast<int32_t>(e.q.dtype);
+    rows[i].k_dtype = static_cast<int32_t>(e.k.dtype);
+    CopyRowsToDense(e.q, 0, rotary ? 1 : kNumDecodeVariants, At(h_decode_, h_q_off_ + i * q_slot_));
+    std::memcpy(At(h_decode_, h_k_off_ + i * kv_slot_), e.k.data, kv_n * ElementSize(e.k.dtype));
+    std::memcpy(At(h_decode_, h_v_off_ + i * kv_slot_), e.v.data, kv_n * ElementSize(e.v.dtype));
+    std::memcpy(tables + i * table_stride_, e.page_table, e.num_pages * 4);
+  };
+  const bool parallel = b >= kParallelCopyRows;
+  if (parallel) {
+    copy_pool_.ParallelFor(b, pack);
+  } else {
+    for (int32_t i = 0; i < b; ++i) pack(i);
+  }
+  for (int32_t i = b; i < plan; ++i) rows[i] = DecodeStageRow();  // padding: length 0, skipped
+  if (replay) {
+    const size_t index = static_cast<size_t>(size - sizes_.begin());
+    ATTND_CUDA_RETURN_IF_ERROR(
+        cudaGraphLaunch(graphs_[index * layout_.num_layers + job.layer], stream_));
+  } else {
+    ATTND_RETURN_IF_ERROR(EnqueueDecodeStep(job.layer, b, plan));
+  }
+  ++(replay ? stats->graph_replays : stats->eager_launches);
+  stats->padding_entries += plan - b;
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::DecodeFinish(const DecodeJob& job, size_t first, size_t count) {
+  const int64_t out_n = int64_t{geometry_.num_q_heads} * geometry_.head_dim;
+  const int32_t b = static_cast<int32_t>(count);
+  const bool parallel = b >= kParallelCopyRows;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  const float* out = static_cast<const float*>(h_decode_out_.get());
+  auto unpack = [&](int64_t i) {
+    const DecodeJob::Entry& e = job.entries[first + i];
+    ConvertFromFloat(out + i * out_n, out_n, e.out_dtype, e.out);
+  };
+  if (parallel) {
+    copy_pool_.ParallelFor(b, unpack);
+  } else {
+    for (int32_t i = 0; i < b; ++i) unpack(i);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(const CudaEngineOptions& options) {
+  return CudaEngine::Create(options);
+}
+
+absl::Status CudaBuildStatus() { return absl::OkStatus(); }
+
+int CudaDeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+absl::StatusOr<int64_t> CudaFreeMemoryBytes(int32_t device) {
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  size_t free_bytes = 0, total_bytes = 0;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return static_cast<int64_t>(free_bytes);
+}
+
+}  // namespace attnd

@@ -1,0 +1,78 @@
+// The CUDA backend: the KV pool is one cudaMalloc laid out as kvcache/kv_layout.h says (bf16 K/V),
+// and attention runs on the kernels of kernels/cuda/dca_cuda.h on one CUDA stream.
+//
+// Prefill: request tensors are packed into pinned host staging buffers, copied to preallocated
+// device buffers with one stream, converted to bf16 on the device, appended to the pool, attended,
+// and copied back; the only host synchronisation is the final copy-out (a prefill longer than the
+// staging buffers runs as consecutive chunks, one sync each, which is exactly chunked prefill).
+//
+// Decode: the host only copies each row's tensors (in their own dtype) and page table into fixed
+// slots of pinned memory; one step is three kernels and no copies: a stage kernel that reads those
+// slots through their mapped addresses (page tables, q converted to bf16, the new K/V appended to
+// the pool), the split-K attention, and its reduction, which writes the fp32 outputs straight into
+// pinned host memory. Then one synchronisation. Decode steps replay CUDA graphs: at creation (so
+// before the server reports SERVING) the engine captures that step for every captured batch size P
+// and every layer. A batch of n < P entries pads with length-0 rows, which the kernels skip. One
+// graph per (size, layer) rather than one per size: the layer's K/V base pointers are kernel
+// arguments, and the graphs are small (docs/batching.md has the measured memory and capture
+// time). No CUDA types in this header.
+#ifndef ATTND_SERVER_ENGINE_CUDA_ENGINE_H_
+#define ATTND_SERVER_ENGINE_CUDA_ENGINE_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/dca.h"
+#include "kvcache/kv_layout.h"
+#include "server/config/sparse_config.h"
+#include "server/engine/engine.h"
+
+namespace attnd {
+
+struct CudaEngineOptions {
+  DcaGeometry geometry;
+  KvLayout layout;                 // kv_dtype must be kBf16; pool_bytes() are cudaMalloc'ed at once
+  int32_t device = 0;              // CUDA device ordinal
+  int32_t max_decode_batch = 256;  // larger decode jobs run in batches of this many
+  // Decode batch sizes with a captured CUDA graph (ascending; sizes above max_decode_batch are
+  // dropped). A batch of n entries is planned as the smallest size >= n (its split-K layout is
+  // that size's), so an eager launch and a graph replay compute bit-identical outputs. Empty: plan
+  // each batch by its own size, never capture.
+  std::vector<int32_t> graph_batch_sizes = DefaultDecodeBatchSizes();
+  // Capture one graph per (size, layer) at creation and replay them (--disable-cuda-graphs: false).
+  bool cuda_graphs = true;
+  // Vertical-slash sparse prefill budgets (kernels/cuda/sparse_cuda.h), or null: a prefill whose
+  // prompt_len passes sparse->UseSparse runs the sparse kernels. Its device workspace is allocated
+  // at creation for the longest sequence the pool holds. A sparse call must fit one staging chunk
+  // (the pieces, and so the estimation, are those of the whole call): longer calls are
+  // INVALID_ARGUMENT, naming the limit.
+  std::shared_ptr<const SparseAttentionConfig> sparse;
+  // Pinned host staging for one prefill chunk (q, k, v in, output out, worst case fp32). Sets the
+  // largest prefill chunk: 7B geometry needs ~90 KiB per token, so 512 MiB is ~5.8K tokens.
+  int64_t staging_bytes = int64_t{512} << 20;
+};
+
+// INVALID_ARGUMENT for a geometry/layout the CUDA kernels do not support (kernels/cuda/dca_cuda.h:
+// head_dim 64/128, group size 1..16, bf16 KV); FAILED_PRECONDITION when no CUDA device is usable
+// (cudaGetDeviceCount() == 0 or no driver); RESOURCE_EXHAUSTED when the pool or staging buffers
+// cannot be allocated.
+//
+// The engine serialises its jobs internally (one stream, one set of staging buffers): it is
+// thread-safe, and concurrent jobs on disjoint sequences simply queue.
+absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(const CudaEngineOptions& options);
+
+// OK when this binary contains the CUDA backend; FAILED_PRECONDITION, saying how to get it, when it
+// was built without a CUDA toolkit (cuda_engine_stub.cc, chosen by server/engine/BUILD).
+absl::Status CudaBuildStatus();
+
+// Usable CUDA devices: 0 without a driver or a GPU (never fails; clears the CUDA error it caused).
+int CudaDeviceCount();
+
+// Free device memory of `device` in bytes, before the pool is allocated (for --kv-cache-fraction).
+absl::StatusOr<int64_t> CudaFreeMemoryBytes(int32_t device);
+
+}  // namespace attnd
+
+#endif  // ATTND_SERVER_ENGINE_CUDA_ENGINE_H_

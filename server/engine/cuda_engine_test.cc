@@ -1,0 +1,401 @@
+// CudaEngine against the fp64 reference (//kernels/testing:naive_dca): chunked prefill in two
+// layers for several sequences, then decode steps over a mixed batch, with bf16/fp16/fp32 requests
+// and outputs, a pool with shuffled pages, tiny staging (forces chunking) and a small decode batch
+// cap (forces batching). Error paths are checked by code and message. GPU parts skip loudly without
+// a CUDA device; the option checks run everywhere.
+#include "server/engine/cuda_engine.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "base/dtype.h"
+#include "gtest/gtest.h"
+#include "kernels/cuda/testing/gpu_test.h"
+#include "kernels/dca.h"
+#include "kernels/testing/naive_dca.h"
+#include "kvcache/kv_layout.h"
+#include "server/engine/engine.h"
+#include "server/engine/engine_jobs_for_testing.h"
+
+namespace attnd {
+namespace {
+
+DcaGeometry TestGeometry() {
+  DcaGeometry g;
+  g.num_q_heads = 28;
+  g.num_kv_heads = 4;
+  g.head_dim = 128;
+  g.chunk_len = 64;
+  g.original_max_position_embeddings = 100;  // scaling on past 100 tokens
+  g.softmax_scale = 1.f / std::sqrt(128.f);
+  return g;
+}
+
+CudaEngineOptions TestOptions() {
+  CudaEngineOptions o;
+  o.geometry = TestGeometry();
+  o.layout.num_layers = 2;
+  o.layout.num_kv_heads = 4;
+  o.layout.head_dim = 128;
+  o.layout.page_size = 16;
+  o.layout.kv_dtype = DType::kBf16;
+  o.layout.num_pages = 96;
+  o.max_decode_batch = 2;                 // a 3-entry decode runs as 2 + 1
+  o.staging_bytes = int64_t{90112} * 48;  // 48 tokens of 7B-like geometry per prefill chunk
+  return o;
+}
+
+TEST(CudaEngineOptions, RejectsUnsupportedConfigurations) {
+  CudaEngineOptions o = TestOptions();
+  o.layout.kv_dtype = DType::kFp32;
+  auto e = CreateCudaEngine(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(e.status().message()).find("KV dtype fp32"), std::string::npos)
+      << e.status();
+
+  o = TestOptions();
+  o.geometry.head_dim = o.layout.head_dim = 96;
+  e = CreateCudaEngine(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(e.status().message()).find("head_dim 96"), std::string::npos) << e.status();
+}
+
+TEST(CudaEngineOptions, NoDeviceIsFailedPrecondition) {
+  std::string why, detail;
+  if (gpu_test::GpuPresent(&why, &detail)) {
+    std::fprintf(stderr, "*** a CUDA device is present: checking creation succeeds instead ***\n");
+    auto e = CreateCudaEngine(TestOptions());
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_EQ((*e)->backend(), "cuda");
+    EXPECT_FALSE((*e)->device_name().empty());
+    return;
+  }
+  auto e = CreateCudaEngine(TestOptions());
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(std::string(e.status().message()).find("no usable CUDA device"), std::string::npos)
+      << e.status();
+}
+
+// A request tensor in `dtype` plus the fp32 values it holds exactly.
+struct Tensor {
+  DType dtype;
+  std::vector<uint8_t> bytes;
+  std::vector<float> values;
+  std::vector<int64_t> shape;
+  TensorView view() const { return TensorView{dtype, bytes.data(), shape}; }
+};
+
+Tensor RandomTensor(std::vector<int64_t> shape, DType dtype, std::mt19937* rng) {
+  const int64_t n = std::accumulate(shape.begin(), shape.end(), int64_t{1},
+                                    [](int64_t a, int64_t b) { return a * b; });
+  std::normal_distribution<float> dist(0.f, 1.f);
+  std::vector<float> raw(n);
+  for (float& x : raw) x = dist(*rng);
+  Tensor t{dtype, std::vector<uint8_t>(n * ElementSize(dtype)), std::vector<float>(n), shape};
+  ConvertFromFloat(raw.data(), n, dtype, t.bytes.data());
+  ConvertToFloat(t.bytes.data(), dtype, n, t.values.data());
+  return t;
+}
+
+void ExpectClose(const std::vector<uint8_t>& got_bytes, DType dtype, const std::vector<float>& want,
+                 const std::string& what) {
+  std::vector<float> got(want.size());
+  ConvertToFloat(got_bytes.data(), dtype, want.size(), got.data());
+  double max_abs = 0, sum_abs = 0;
+  size_t bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) {
+      ++bad;
+      continue;
+    }
+    const double e = std::fabs(static_cast<double>(got[i]) - want[i]);
+    max_abs = std::max(max_abs, e);
+    sum_abs += e;
+  }
+  EXPECT_EQ(bad, 0u) << what << ": non-finite outputs";
+  EXPECT_LE(max_abs, 2e-2) << what;
+  EXPECT_LE(sum_abs / want.size(), 2e-3) << what;
+  std::printf("  %-40s n=%zu max_abs=%.3g mean_abs=%.3g\n", what.c_str(), want.size(), max_abs,
+              sum_abs / want.size());
+}
+
+TEST(CudaEngine, PrefillAndDecodeMatchReference) {
+  REQUIRE_GPU();
+  const CudaEngineOptions opts = TestOptions();
+  auto created = CreateCudaEngine(opts);
+  ASSERT_TRUE(created.ok()) << created.status();
+  Engine& engine = **created;
+  const DcaGeometry g = opts.geometry;
+  const int64_t hq = g.num_q_heads, hkv = g.num_kv_heads, d = g.head_dim;
+  std::mt19937 rng(7);
+
+  // Three sequences: prompt chunks, dtypes; pages dealt from a shuffled pool.
+  struct Seq {
+    std::vector<int64_t> chunks;
+    DType in, out;
+    std::vector<int32_t> pages;
+    int64_t length = 0;
+  };
+  std::vector<Seq> seqs = {{{300}, DType::kBf16, DType::kFp32},          // > 4 chunks of 64
+                           {{1}, DType::kFp32, DType::kBf16},            // one token
+                           {{100, 29, 3}, DType::kFp16, DType::kFp16}};  // chunked, page edges
+  std::vector<int32_t> perm(opts.layout.num_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  size_t next = 0;
+  for (Seq& s : seqs) {
+    const int64_t prompt = std::accumulate(s.chunks.begin(), s.chunks.end(), int64_t{0});
+    const int64_t pages = (prompt + 3 + opts.layout.page_size - 1) / opts.layout.page_size;
+    s.pages.assign(perm.begin() + next, perm.begin() + next + pages);
+    next += pages;
+  }
+  std::vector<naive::NaiveSequence> refs;
+  for (size_t i = 0; i < seqs.size(); ++i) refs.emplace_back(g, opts.layout.num_layers);
+
+  for (int layer = 0; layer < 2; ++layer) {
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Seq& s = seqs[i];
+      const int64_t prompt = std::accumulate(s.chunks.begin(), s.chunks.end(), int64_t{0});
+      int64_t start = 0;
+      for (int64_t t : s.chunks) {
+        const Tensor q = RandomTensor({t, kNumQueryVariants, hq, d}, s.in, &rng);
+        const Tensor k = RandomTensor({t, hkv, d}, s.in, &rng);
+        const Tensor v = RandomTensor({t, hkv, d}, s.in, &rng);
+        std::vector<uint8_t> out(t * hq * d * ElementSize(s.out), 0xff);  // poisoned
+        PrefillJob job = EngineJobsForTesting::Prefill();
+        job.layer = layer;
+        job.page_table = s.pages.data();
+        job.num_pages = static_cast<int64_t>(s.pages.size());
+        job.start = start;
+        job.num_tokens = t;
+        job.prompt_len = prompt;
+        job.q = q.view();
+        job.k = k.view();
+        job.v = v.view();
+        job.out = out.data();
+        job.out_dtype = s.out;
+        const absl::Status st = engine.Prefill(job);
+        ASSERT_TRUE(st.ok()) << st;
+        auto want = refs[i].Prefill(layer, q.values, k.values, v.values, prompt);
+        ASSERT_TRUE(want.ok()) << want.status();
+        ExpectClose(out, s.out, *want,
+                    "prefill seq" + std::to_string(i) + " layer" + std::to_string(layer) + " [" +
+                        std::to_string(start) + "," + std::to_string(start + t) + ")");
+        start += t;
+      }
+      s.length = start;
+    }
+  }
+
+  for (int step = 0; step < 3; ++step) {
+    for (int layer = 0; layer < 2; ++layer) {
+      DecodeJob job = EngineJobsForTesting::Decode();
+      job.layer = layer;
+      std::vector<Tensor> qs, ks, vs;
+      std::vector<std::vector<uint8_t>> outs;
+      for (Seq& s : seqs) {
+        // q carries all 5 variants on even steps, only 3 on odd ones.
+        qs.push_back(RandomTensor({step % 2 ? 3 : 5, hq, d}, s.in, &rng));
+        ks.push_back(RandomTensor({hkv, d}, s.in, &rng));
+        vs.push_back(RandomTensor({hkv, d}, s.in, &rng));
+        outs.emplace_back(hq * d * ElementSize(s.out), 0xff);
+      }
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        DecodeJob::Entry e;
+        e.page_table = seqs[i].pages.data();
+        e.num_pages = static_cast<int64_t>(seqs[i].pages.size());
+        e.length = seqs[i].length + step + 1;
+        e.q = qs[i].view();
+        e.k = ks[i].view();
+        e.v = vs[i].view();
+        e.out = outs[i].data();
+        e.out_dtype = seqs[i].out;
+        job.entries.push_back(e);
+      }
+      const absl::Status st = engine.Decode(job).status();
+      ASSERT_TRUE(st.ok()) << st;
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        auto want = refs[i].Decode(layer, qs[i].values, ks[i].values, vs[i].values);
+        ASSERT_TRUE(want.ok()) << want.status();
+        ExpectClose(outs[i], seqs[i].out, *want,
+                    "decode seq" + std::to_string(i) + " layer" + std::to_string(layer) +
+                        " L=" + std::to_string(job.entries[i].length));
+      }
+    }
+  }
+}
+
+// The serving path's CUDA graphs: an engine that replays a captured graph per batch size (padding
+// to the next captured size with length-0 rows) and one that launches the same step eagerly
+// (--disable-cuda-graphs) must produce bit-identical outputs for the same inputs, both close to the
+// fp64 reference. Padded batches (3 -> 4, 13 -> 16) must leave every other sequence's KV intact:
+// later steps over all sequences are checked against the reference too.
+TEST(CudaEngine, GraphReplayIsBitIdenticalToEagerLaunch) {
+  REQUIRE_GPU();
+  CudaEngineOptions with_graphs = TestOptions();
+  with_graphs.layout.num_pages = 640;
+  with_graphs.max_decode_batch = 16;
+  with_graphs.graph_batch_sizes = {1, 2, 4, 8, 16, 32};  // 32 > max: dropped
+  CudaEngineOptions eager = with_graphs;
+  eager.cuda_graphs = false;
+  auto a = CreateCudaEngine(with_graphs);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = CreateCudaEngine(eager);
+  ASSERT_TRUE(b.ok()) << b.status();
+  const DcaGeometry g = with_graphs.geometry;
+  const int64_t hq = g.num_q_heads, hkv = g.num_kv_heads, d = g.head_dim;
+  const int32_t page = with_graphs.layout.page_size;
+  std::mt19937 rng(11);
+
+  // 16 sequences, prompts from 1 token to > 4 DCA chunks, several on page edges.
+  const std::vector<int64_t> prompts = {1,  15,  16,  17,  31,  32,  63,  64,
+                                        65, 100, 128, 129, 200, 255, 256, 301};
+  const int n_seq = static_cast<int>(prompts.size());
+  std::vector<int32_t> perm(with_graphs.layout.num_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<std::vector<int32_t>> pages(n_seq);
+  std::vector<int64_t> lengths(n_seq);
+  std::vector<naive::NaiveSequence> refs;
+  size_t next = 0;
+  for (int i = 0; i < n_seq; ++i) {
+    const int64_t n_pages = (prompts[i] + 8 + page - 1) / page;  // room for the decode steps
+    pages[i].assign(perm.begin() + next, perm.begin() + next + n_pages);
+    next += n_pages;
+    refs.emplace_back(g, with_graphs.layout.num_layers);
+  }
+  ASSERT_LE(next, perm.size());
+  for (int layer = 0; layer < 2; ++layer) {
+    for (int i = 0; i < n_seq; ++i) {
+      const int64_t t = prompts[i];
+      const Tensor q = RandomTensor({t, kNumQueryVariants, hq, d}, DType::kBf16, &rng);
+      const Tensor k = RandomTensor({t, hkv, d}, DType::kBf16, &rng);
+      const Tensor v = RandomTensor({t, hkv, d}, DType::kBf16, &rng);
+      std::vector<uint8_t> out(t * hq * d * 4);
+      PrefillJob job = EngineJobsForTesting::Prefill();
+      job.layer = layer;
+      job.page_table = pages[i].data();
+      job.num_pages = static_cast<int64_t>(pages[i].size());
+      job.num_tokens = t;
+      job.prompt_len = t;
+      job.q = q.view();
+      job.k = k.view();
+      job.v = v.view();
+      job.out = out.data();
+      ASSERT_TRUE((*a)->Prefill(job).ok());
+      ASSERT_TRUE((*b)->Prefill(job).ok());
+      ASSERT_TRUE(refs[i].Prefill(layer, q.values, k.values, v.values, t).ok());
+      lengths[i] = t;
+    }
+  }
+
+  // Batch sizes: captured (1, 8, 16) and padded (3 -> 4, 13 -> 16); then all 16 again.
+  const std::vector<int> batches = {1, 3, 8, 13, 16, 16};
+  int first = 0;
+  for (size_t step = 0; step < batches.size(); ++step) {
+    const int n = batches[step];
+    for (int layer = 0; layer < 2; ++layer) {
+      std::vector<Tensor> qs, ks, vs;
+      std::vector<std::vector<uint8_t>> out_a, out_b;
+      DecodeJob job_a = EngineJobsForTesting::Decode(), job_b = EngineJobsForTesting::Decode();
+      job_a.layer = job_b.layer = layer;
+      std::vector<int> which;
+      for (int j = 0; j < n; ++j) which.push_back((first + j) % n_seq);
+      // Rows in different dtypes within one batch: a replayed graph reads each row's from memory.
+      const DType kInputs[] = {DType::kBf16, DType::kFp32, DType::kFp16};
+      for (size_t j = 0; j < which.size(); ++j) {
+        const DType in = kInputs[(first + j) % 3];
+        qs.push_back(RandomTensor({3, hq, d}, in, &rng));
+        ks.push_back(RandomTensor({hkv, d}, in, &rng));
+        vs.push_back(RandomTensor({hkv, d}, kInputs[(first + j + 1) % 3], &rng));
+        out_a.emplace_back(hq * d * 4, 0xff);  // poisoned, differently in the two
+        out_b.emplace_back(hq * d * 4, 0x7f);
+      }
+      for (int j = 0; j < n; ++j) {
+        const int i = which[j];
+        DecodeJob::Entry e;
+        e.page_table = pages[i].data();
+        e.num_pages = static_cast<int64_t>(pages[i].size());
+        e.length = lengths[i] + 1;
+        e.q = qs[j].view();
+        e.k = ks[j].view();
+        e.v = vs[j].view();
+        e.out = out_a[j].data();
+        job_a.entries.push_back(e);
+        e.out = out_b[j].data();
+        job_b.entries.push_back(e);
+      }
+      absl::StatusOr<DecodeStats> ran_a = (*a)->Decode(job_a);
+      absl::StatusOr<DecodeStats> ran_b = (*b)->Decode(job_b);
+      ASSERT_TRUE(ran_a.ok()) << ran_a.status();
+      ASSERT_TRUE(ran_b.ok()) << ran_b.status();
+      EXPECT_EQ(ran_a->graph_replays, 1) << "batch " << n << ": the graph engine did not replay";
+      EXPECT_EQ(ran_b->graph_replays, 0) << "batch " << n << ": the eager engine replayed";
+      EXPECT_EQ(ran_b->eager_launches, 1);
+      // Both plan the batch as the next captured size: the same padding rows.
+      EXPECT_EQ(ran_a->padding_entries, ran_b->padding_entries);
+      for (int j = 0; j < n; ++j) {
+        EXPECT_EQ(std::memcmp(out_a[j].data(), out_b[j].data(), out_a[j].size()), 0)
+            << "batch " << n << " layer " << layer << " entry " << j
+            << ": graph replay differs from the eager launch";
+        auto want = refs[which[j]].Decode(layer, qs[j].values, ks[j].values, vs[j].values);
+        ASSERT_TRUE(want.ok()) << want.status();
+        ExpectClose(out_a[j], DType::kFp32, *want,
+                    "graph batch " + std::to_string(n) + " layer " + std::to_string(layer) +
+                        " seq " + std::to_string(which[j]));
+      }
+    }
+    for (int j = 0; j < n; ++j) ++lengths[(first + j) % n_seq];
+    first = (first + n) % n_seq;
+  }
+}
+
+TEST(CudaEngine, RejectsBadPagesAndShapes) {
+  REQUIRE_GPU();
+  auto created = CreateCudaEngine(TestOptions());
+  ASSERT_TRUE(created.ok()) << created.status();
+  Engine& engine = **created;
+  std::mt19937 rng(3);
+  const Tensor q = RandomTensor({4, kNumQueryVariants, 28, 128}, DType::kBf16, &rng);
+  const Tensor k = RandomTensor({4, 4, 128}, DType::kBf16, &rng);
+  std::vector<float> out(4 * 28 * 128);
+  std::vector<int32_t> pages = {5, 1000};
+  PrefillJob job = EngineJobsForTesting::Prefill();
+  job.page_table = pages.data();
+  job.num_pages = 2;
+  job.num_tokens = 4;
+  job.prompt_len = 4;
+  job.q = q.view();
+  job.k = k.view();
+  job.v = k.view();
+  job.out = out.data();
+  absl::Status st = engine.Prefill(job);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("page id 1000"), std::string::npos) << st;
+  pages[1] = 6;
+  job.layer = 2;
+  st = engine.Prefill(job);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("layer 2"), std::string::npos) << st;
+  job.layer = 0;
+  job.k.shape = {3, 4, 128};
+  st = engine.Prefill(job);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("k has"), std::string::npos) << st;
+  job.k.shape = {4, 4, 128};
+  EXPECT_TRUE(engine.Prefill(job).ok());
+}
+
+}  // namespace
+}  // namespace attnd

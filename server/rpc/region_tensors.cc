@@ -1,0 +1,210 @@
+#include "server/rpc/region_tensors.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/dtype.h"
+#include "base/status_macros.h"
+#include "server/dataplane/shm_guard.h"
+
+namespace attnd {
+namespace {
+
+absl::Status Shrank(absl::string_view name, const Region& r) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      name, ": the shm object of region ", r.id,
+      " shrank while attnd was copying it (it was truncated after registration): nothing was "
+      "changed; register it again"));
+}
+
+// product(shape) * element size, or -1 when it overflows, a dimension is negative or the dtype
+// is unknown (the runtime then names the problem).
+int64_t ShapeBytes(const v1::Tensor& t) {
+  const int64_t element = static_cast<int64_t>(ElementSize(static_cast<DType>(t.dtype())));
+  if (element <= 0) return -1;
+  int64_t n = element;
+  for (int64_t d : t.shape()) {
+    if (d < 0 || (d > 0 && n > std::numeric_limits<int64_t>::max() / d)) return -1;
+    n *= d;
+  }
+  return n;
+}
+
+}  // namespace
+
+CopyBufferPool& CopyBufferPool::Get() {
+  static CopyBufferPool* pool = new CopyBufferPool();
+  return *pool;
+}
+
+CopyBufferPool::Buffer CopyBufferPool::Take(size_t bytes) {
+  {
+    MutexLock lock(&mu_);
+    // The smallest idle buffer that fits.
+    size_t best = idle_.size();
+    for (size_t i = 0; i < idle_.size(); ++i) {
+      if (idle_[i].capacity >= bytes &&
+          (best == idle_.size() || idle_[i].capacity < idle_[best].capacity)) {
+        best = i;
+      }
+    }
+    if (best != idle_.size()) {
+      Buffer b = std::move(idle_[best]);
+      idle_.erase(idle_.begin() + static_cast<std::ptrdiff_t>(best));
+      idle_bytes_ -= b.capacity;
+      return b;
+    }
+  }
+  Buffer b;
+  b.data.reset(new char[bytes]);  // default-initialised: no zero fill
+  b.capacity = bytes;
+  return b;
+}
+
+void CopyBufferPool::Give(Buffer buffer) {
+  if (buffer.data == nullptr) return;
+  MutexLock lock(&mu_);
+  if (idle_bytes_ + buffer.capacity > kMaxPooledBytes) return;  // freed
+  idle_bytes_ += buffer.capacity;
+  idle_.push_back(std::move(buffer));
+}
+
+RegionTensors::~RegionTensors() {
+  for (CopyBufferPool::Buffer& b : copies_) CopyBufferPool::Get().Give(std::move(b));
+}
+
+char* RegionTensors::Copy(size_t bytes) {
+  copies_.push_back(CopyBufferPool::Get().Take(std::max<size_t>(bytes, 1)));
+  return copies_.back().data.get();
+}
+
+RegionTensors::Span RegionTensors::SpanOf(const Region& r, uint64_t offset, uint64_t bytes) {
+  Span s;
+  if (r.kind == RegionKind::kCudaIpc) {
+    s.object_a = 1;  // one device address space: the absolute address is the identity
+    s.begin = reinterpret_cast<uint64_t>(r.base) + offset;
+  } else {
+    s.object_a = r.dev + 2;
+    s.object_b = r.ino;
+    s.begin = r.object_offset + offset;
+  }
+  s.end = s.begin + bytes;
+  return s;
+}
+
+absl::StatusOr<const Region*> RegionTensors::Lease(absl::string_view name,
+                                                   const v1::RegionRef& ref) {
+  if (registry_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(name, ": this server takes no tensor regions; send the bytes inline"));
+  }
+  for (const RegionLease& lease : leases_) {
+    if (lease->id == ref.region_id()) return lease.get();
+  }
+  absl::StatusOr<RegionLease> lease = registry_->Acquire(tenant_, ref.region_id());
+  if (!lease.ok()) {
+    return absl::Status(lease.status().code(), absl::StrCat(name, ": ", lease.status().message()));
+  }
+  leases_.push_back(*std::move(lease));
+  return leases_.back().get();
+}
+
+absl::StatusOr<RequestTensor> RegionTensors::Input(absl::string_view name, const v1::Tensor& t) {
+  RequestTensor r;
+  r.dtype = static_cast<DType>(t.dtype());
+  r.shape = absl::MakeConstSpan(t.shape().data(), t.shape().size());
+  if (!t.has_region()) {
+    r.bytes = t.data();
+    return r;
+  }
+  if (!t.data().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " carries both data (", t.data().size(),
+                     " bytes) and a region reference: send one or the other"));
+  }
+  const v1::RegionRef& ref = t.region();
+  const int64_t need = ShapeBytes(t);
+  if (need >= 0 && ref.byte_size() != static_cast<uint64_t>(need)) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": region byte_size ", ref.byte_size(),
+                                                   " but its shape and dtype need ", need,
+                                                   " bytes"));
+  }
+  ATTND_ASSIGN_OR_RETURN(const Region* region, Lease(name, ref));
+  const uint64_t element = ElementSize(r.dtype);
+  if (absl::Status s = CheckRange(*region, ref.offset(), ref.byte_size(), element, ref.byte_size());
+      !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", s.message()));
+  }
+  inputs_.push_back(SpanOf(*region, ref.offset(), ref.byte_size()));
+  const char* at = region->base + ref.offset();
+  if (region->kind == RegionKind::kCudaIpc) {
+    r.bytes = absl::string_view(at, ref.byte_size());
+    r.on_device = true;
+    return r;
+  }
+  if (absl::Status s = CheckStillMapped(*region); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(name, ": ", s.message()));
+  }
+  char* copy = Copy(ref.byte_size());
+  if (!GuardedCopy(copy, at, ref.byte_size())) return Shrank(name, *region);
+  r.bytes = absl::string_view(copy, ref.byte_size());
+  return r;
+}
+
+absl::Status RegionTensors::Output(absl::string_view name, const v1::RegionRef& ref,
+                                   uint64_t element_size, uint64_t bytes, OutputBufferFn* fn,
+                                   bool* on_device) {
+  ATTND_ASSIGN_OR_RETURN(const Region* region, Lease(name, ref));
+  if (absl::Status s = CheckRange(*region, ref.offset(), ref.byte_size(), element_size, bytes);
+      !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", s.message()));
+  }
+  const Span out = SpanOf(*region, ref.offset(), ref.byte_size());
+  for (const Span& in : inputs_) {
+    if (in.object_a == out.object_a && in.object_b == out.object_b && in.begin < out.end &&
+        out.begin < in.end) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": the output range [", ref.offset(), ", ", ref.offset() + ref.byte_size(),
+          ") of region ", region->id, " overlaps an input of this request"));
+    }
+  }
+  inputs_.push_back(out);  // two outputs must not overlap either
+  char* at = region->base + ref.offset();
+  if (region->kind == RegionKind::kCudaIpc) {
+    *on_device = true;
+    *fn = [at](int64_t) -> void* { return at; };
+    return absl::OkStatus();
+  }
+  if (absl::Status s = CheckStillMapped(*region); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(name, ": ", s.message()));
+  }
+  *on_device = false;
+  char* buffer = Copy(bytes);
+  staged_.push_back(Staged{region, ref.offset(), buffer, bytes});
+  // The runtime asks for exactly `bytes` (checked above against the model's output shape).
+  *fn = [buffer, bytes](int64_t n) -> void* {
+    return static_cast<uint64_t>(n) == bytes ? buffer : nullptr;
+  };
+  return absl::OkStatus();
+}
+
+absl::Status RegionTensors::CopyOutputs() {
+  for (const Staged& s : staged_) {
+    // Only a client that truncates its own object while its request runs gets here; the layer
+    // has advanced by then (docs/regions.md says so).
+    if (CheckStillMapped(*s.region).ok() &&
+        GuardedCopy(s.region->base + s.offset, s.buffer, s.bytes)) {
+      continue;
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the shm object of output region ", s.region->id,
+        " shrank while the request ran, so the output could not be written; the tokens were "
+        "appended to the sequence"));
+  }
+  staged_.clear();
+  return absl::OkStatus();
+}
+
+}  // namespace attnd

@@ -1,0 +1,1067 @@
+#include "server/rpc/service.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "base/status_macros.h"
+#include "server/rpc/auth.h"
+#include "server/rpc/region_tensors.h"
+#include "server/rpc/status.h"
+#include "server/sched/request_context.h"
+
+namespace attnd {
+
+// When one request reached the handler, when a worker picked it up and when the worker was done.
+// As the request's RequestObserver, it is told the start by whoever dequeues the request.
+struct RequestClock : RequestObserver {
+  void OnStarted(absl::Time t) override { started = t; }
+
+  absl::Time received = absl::Now();
+  absl::Time started = absl::InfinitePast();   // InfinitePast: no worker ran it
+  absl::Time finished = absl::InfinitePast();  // InfinitePast: not known (e.g. a merged batch)
+  // For the request log (Describe): who asked, about which sequence, for how many tokens.
+  std::string tenant;
+  std::string sequence_id;
+  int64_t tokens = -1;
+};
+
+// The request log's view of each request (RequestLogEntry): its sequence and token count.
+void Describe(const v1::GetServerInfoRequest&, RequestClock*) {}
+void Describe(const v1::CreateSequenceRequest&, RequestClock*) {}
+void Describe(const v1::ReleaseSequenceRequest& r, RequestClock* c) {
+  c->sequence_id = r.sequence_id();
+}
+void Describe(const v1::PrefillRequest& r, RequestClock* c) {
+  c->sequence_id = r.sequence_id();
+  if (r.q().shape_size() > 0) c->tokens = r.q().shape(0);
+}
+void Describe(const v1::DecodeRequest& r, RequestClock* c) {
+  if (r.entries_size() > 0) c->sequence_id = r.entries(0).sequence_id();
+  c->tokens = r.entries_size();
+}
+void Describe(const v1::SessionRequest& r, RequestClock* c) {
+  if (r.has_prefill()) Describe(r.prefill(), c);
+  if (r.has_decode()) Describe(r.decode(), c);
+}
+
+namespace {
+
+v1::DType ToProto(DType t) { return static_cast<v1::DType>(static_cast<int>(t)); }
+
+// Where the engine writes an output tensor: straight into `tensor`'s bytes field.
+OutputBufferFn IntoTensor(v1::Tensor* tensor) {
+  return [tensor](int64_t bytes) -> void* {
+    std::string* data = tensor->mutable_data();
+    data->resize(static_cast<size_t>(bytes));
+    return data->data();
+  };
+}
+
+void SetMeta(DType dtype, const std::vector<int64_t>& shape, v1::Tensor* tensor) {
+  tensor->set_dtype(ToProto(dtype));
+  tensor->mutable_shape()->Assign(shape.begin(), shape.end());
+}
+
+// The RPC's deadline and cancellation (`cancelled`: the flag the reactor's OnCancel sets) for the
+// queues, and `clock` (which must outlive the answer) to be told when a worker picks it up.
+RequestContext ContextOf(const grpc::CallbackServerContext* context,
+                         std::shared_ptr<const std::atomic<bool>> cancelled, RequestClock* clock) {
+  RequestContext c;
+  const std::chrono::system_clock::time_point deadline = context->deadline();
+  if (deadline != std::chrono::system_clock::time_point::max()) {
+    c.deadline = absl::FromChrono(deadline);
+  }
+  c.cancelled = std::move(cancelled);
+  c.enqueue_time = clock->received;
+  c.observer = clock;
+  return c;
+}
+
+// `settings_only`: the counters are server-wide, so a tenant-scoped answer leaves them out.
+// `graphs`: whether the engine replays captured CUDA graphs (Engine::decode_graphs).
+void FillBatchingStats(const BatchingDecodeQueue& batcher, bool settings_only, bool graphs,
+                       v1::DecodeBatchingStats* out) {
+  const DecodeBatcherOptions& o = batcher.options();
+  out->set_enabled(true);
+  out->set_max_decode_batch(o.max_decode_batch);
+  out->set_max_queue_delay_us(absl::ToInt64Microseconds(o.max_queue_delay));
+  out->mutable_cuda_graph_batch_sizes()->Assign(o.flush_batch_sizes.begin(),
+                                                o.flush_batch_sizes.end());
+  out->set_cuda_graphs_enabled(graphs);
+  if (settings_only) return;
+  const DecodeBatchingStats s = batcher.Stats();
+  out->set_calls_submitted(s.calls_submitted);
+  out->set_calls_completed(s.calls_completed);
+  out->set_calls_deadline_exceeded(s.calls_deadline_exceeded);
+  out->set_calls_cancelled(s.calls_cancelled);
+  out->set_batches(s.batches);
+  out->set_entries(s.entries);
+  for (const auto& [size, batches] : s.batches_by_size) {
+    v1::DecodeBatchingStats::SizeCount* c = out->add_batches_by_size();
+    c->set_size(size);
+    c->set_batches(batches);
+  }
+  out->set_padding_entries(s.padding_entries);
+  out->set_eager_launches(s.eager_launches);
+  out->set_graph_replays(s.graph_replays);
+  out->set_split_retries(s.split_retries);
+  for (int i = 0; i < DecodeBatchingStats::kNumDelayBuckets; ++i) {
+    out->add_queue_delay_bucket_upper_us(DecodeBatchingStats::kDelayBucketUpperUs[i]);
+    out->add_queue_delay_count(s.queue_delay_count[i]);
+  }
+  out->set_queue_delay_total_us(s.queue_delay_total_us);
+  out->set_queued_calls(s.queued_calls);
+  out->set_inflight_batches(s.inflight_batches);
+}
+
+const absl::Status& ShuttingDown() {
+  static const absl::Status* status =
+      new absl::Status(absl::UnavailableError("the server is shutting down"));
+  return *status;
+}
+
+// Linux's boot id: two processes that read the same one run on one host (one kernel), which is
+// what sharing memory needs. Read once.
+const std::string& HostBootId() {
+  static const std::string* id = [] {
+    std::string s;
+    if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+      char buf[64] = {};
+      if (std::fgets(buf, sizeof(buf), f) != nullptr) s = buf;
+      std::fclose(f);
+    }
+    while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+    return new std::string(s);
+  }();
+  return *id;
+}
+
+int64_t SizeOf(const google::protobuf::Message& m) {
+  return static_cast<int64_t>(m.ByteSizeLong());
+}
+
+}  // namespace
+
+// One Session stream: read a request, run it, write its response, read the next. Exactly one
+// request is in flight per stream, which is what keeps responses in request order. Every path ends
+// in exactly one Finish; the reactor deletes itself in OnDone.
+class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  // Registers before taking mu_: BeginShutdown takes the service's lock, then each session's.
+  SessionReactor(AttentionService* service, grpc::CallbackServerContext* context)
+      : service_(service),
+        context_(context),
+        tenant_(TenantOf(service->tokens_.get(), *context)),
+        registered_(service->Register(this)) {
+    MutexLock lock(&mu_);
+    // A shutdown that began after Register saw this session still starting and skipped it.
+    if (!registered_ || service_->shutting_down()) {
+      FinishLocked(ToGrpcStatus(ShuttingDown()));
+      return;
+    }
+    if (!tenant_.ok()) {
+      FinishLocked(ToGrpcStatus(tenant_.status()));
+      return;
+    }
+    state_ = State::kReading;
+    StartRead(&frame_);
+  }
+
+  void OnReadDone(bool ok) override {
+    {
+      MutexLock lock(&mu_);
+      if (state_ == State::kFinished) return;  // ended by BeginShutdown while reading
+      if (!ok) {  // the client closed its side (or the call was cancelled)
+        FinishLocked(grpc::Status::OK);
+        return;
+      }
+      ++frames_;
+      request_.Clear();
+      const grpc::Status parsed =
+          grpc::SerializationTraits<v1::SessionRequest>::Deserialize(&frame_, &request_);
+      if (!parsed.ok()) {
+        // Every earlier request has been answered (one at a time); nothing after this is read.
+        FinishLocked(
+            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                         absl::StrCat("cannot parse attnd.v1.SessionRequest (message ", frames_,
+                                      " on this stream): the stream ends here; the ", frames_ - 1,
+                                      " requests before it were answered")));
+        return;
+      }
+      if (service_->shutting_down()) {
+        FinishLocked(ToGrpcStatus(ShuttingDown()));
+        return;
+      }
+      state_ = State::kWorking;
+    }
+    // Not under mu_: the work may complete (and call Complete) before Submit returns.
+    response_.Clear();
+    response_.set_tag(request_.tag());
+    clock_ = RequestClock();
+    if (tenant_.ok()) clock_.tenant = *tenant_;
+    Describe(request_, &clock_);
+    request_bytes_ = SizeOf(request_);
+    absl::Status submitted = service_->TakeRequestBytes(request_bytes_);
+    if (!submitted.ok()) {
+      request_bytes_ = 0;
+      rpc_ = request_.has_prefill() ? "Session.Prefill" : "Session.Decode";
+      Complete(submitted);  // this request fails at once; the stream goes on
+      return;
+    }
+    switch (request_.request_case()) {
+      case v1::SessionRequest::kPrefill:
+        rpc_ = "Session.Prefill";
+        submitted = service_->work_queue_->Submit(
+            ContextOf(context_, cancelled_, &clock_), [this](absl::Status s) {
+              if (s.ok())
+                s = service_->RunPrefill(request_.prefill(), *tenant_, response_.mutable_prefill());
+              clock_.finished = absl::Now();
+              Complete(std::move(s));
+            });
+        break;
+      case v1::SessionRequest::kDecode:
+        rpc_ = "Session.Decode";
+        submitted = service_->SubmitDecode(request_.decode(), *tenant_,
+                                           ContextOf(context_, cancelled_, &clock_),
+                                           response_.mutable_decode(), [this](absl::Status s) {
+                                             clock_.finished = absl::Now();
+                                             Complete(std::move(s));
+                                           });
+        break;
+      default:
+        rpc_ = "Session.Invalid";
+        submitted = absl::OkStatus();
+        Complete(absl::InvalidArgumentError(
+            "a session request must hold a prefill or a decode request"));
+        break;
+    }
+    if (submitted.ok()) return;
+    if (submitted.code() == absl::StatusCode::kUnavailable) {
+      service_->GiveRequestBytes(request_bytes_);
+      request_bytes_ = 0;
+      MutexLock lock(&mu_);
+      FinishLocked(ToGrpcStatus(submitted));
+      return;
+    }
+    Complete(submitted);  // e.g. a full queue: this request fails, the stream goes on
+  }
+
+  void OnWriteDone(bool ok) override {
+    MutexLock lock(&mu_);
+    if (!ok) {
+      FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the session stream broke"));
+      return;
+    }
+    if (service_->shutting_down()) {
+      FinishLocked(ToGrpcStatus(ShuttingDown()));
+      return;
+    }
+    state_ = State::kReading;
+    StartRead(&frame_);
+  }
+
+  // Nothing to undo: a pending read or write fails after a cancel, and that path finishes. A
+  // request waiting in a queue sees the flag (RequestContext::cancelled) and is not run.
+  void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
+
+  void OnDone() override {
+    if (registered_) service_->Unregister(this);
+    delete this;
+  }
+
+  // From AttentionService::BeginShutdown: an idle stream ends now; a busy one after its response.
+  void OnServerShutdown() {
+    MutexLock lock(&mu_);
+    if (state_ == State::kReading) FinishLocked(ToGrpcStatus(ShuttingDown()));
+  }
+
+ private:
+  enum class State { kStarting, kReading, kWorking, kWriting, kFinished };
+
+  void Complete(absl::Status status) {
+    if (!status.ok()) {
+      response_.clear_response();
+      response_.set_code(static_cast<int32_t>(status.code()));
+      response_.set_message(std::string(status.message()));
+    }
+    service_->Record(rpc_, static_cast<int>(status.code()), clock_, SizeOf(request_),
+                     SizeOf(response_));
+    service_->GiveRequestBytes(request_bytes_);
+    request_bytes_ = 0;
+    out_.Clear();
+    bool own_buffer = false;
+    grpc::Status serialized =
+        grpc::SerializationTraits<v1::SessionResponse>::Serialize(response_, &out_, &own_buffer);
+    MutexLock lock(&mu_);
+    if (!serialized.ok()) {
+      FinishLocked(grpc::Status(
+          grpc::StatusCode::INTERNAL,
+          absl::StrCat("cannot serialize a session response: ", serialized.error_message())));
+      return;
+    }
+    state_ = State::kWriting;
+    StartWrite(&out_);
+  }
+
+  void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    state_ = State::kFinished;
+    // The stream itself: counted by its final code; its lifetime is not a request latency.
+    RequestClock no_latency;
+    no_latency.received = absl::InfinitePast();
+    service_->Record("Session", static_cast<int>(status.error_code()), no_latency, 0, 0);
+    Finish(std::move(status));
+  }
+
+  AttentionService* const service_;
+  grpc::CallbackServerContext* const context_;
+  const absl::StatusOr<std::string> tenant_;  // the stream's own metadata, read once
+  const bool registered_;
+  const std::shared_ptr<std::atomic<bool>> cancelled_ = NewCancelFlag();  // set by OnCancel
+  Mutex mu_;
+  State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
+  // Owned by the one request in flight: the work reads request_ and fills response_.
+  grpc::ByteBuffer frame_;  // the request as read, parsed into request_
+  grpc::ByteBuffer out_;    // response_ serialized, being written
+  int64_t frames_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::SessionRequest request_;
+  v1::SessionResponse response_;
+  RequestClock clock_;
+  int64_t request_bytes_ = 0;  // taken from the service's request-bytes budget
+  absl::string_view rpc_ = "Session.Invalid";
+};
+
+AttentionService::AttentionService(Runtime* runtime, WorkQueue* work_queue,
+                                   DecodeQueue* decode_queue, AttndMetrics* metrics,
+                                   const BatchingDecodeQueue* batcher,
+                                   std::shared_ptr<const TokenStore> tokens,
+                                   int64_t max_inflight_request_bytes, RequestLog* request_log,
+                                   RegionRegistry* regions, RingServer* rings,
+                                   std::shared_ptr<wire::BufferPool> buffers)
+    : runtime_(runtime),
+      work_queue_(work_queue),
+      decode_queue_(decode_queue),
+      metrics_(metrics),
+      batcher_(batcher),
+      tokens_(std::move(tokens)),
+      max_inflight_request_bytes_(max_inflight_request_bytes),
+      request_log_(request_log),
+      regions_(regions),
+      rings_(rings),
+      buffers_(std::move(buffers)) {}
+
+absl::Status AttentionService::TakeRequestBytes(int64_t bytes) {
+  if (max_inflight_request_bytes_ <= 0) return absl::OkStatus();
+  int64_t used = inflight_request_bytes_.load(std::memory_order_relaxed);
+  do {
+    // One request alone always fits (the flags guarantee the budget holds the largest message).
+    if (used > 0 && used + bytes > max_inflight_request_bytes_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("attnd is serving ", used, " bytes of requests already; this one (", bytes,
+                       " bytes) would pass ServerOptions::max_inflight_request_bytes ",
+                       max_inflight_request_bytes_, ": retry later"));
+    }
+  } while (!inflight_request_bytes_.compare_exchange_weak(used, used + bytes));
+  return absl::OkStatus();
+}
+
+void AttentionService::GiveRequestBytes(int64_t bytes) {
+  if (max_inflight_request_bytes_ > 0) inflight_request_bytes_.fetch_sub(bytes);
+}
+
+void AttentionService::Record(absl::string_view rpc, int code, const RequestClock& clock,
+                              int64_t bytes_received, int64_t bytes_sent) {
+  if (request_log_ != nullptr) {
+    const int64_t latency_us = clock.received != absl::InfinitePast()
+                                   ? absl::ToInt64Microseconds(absl::Now() - clock.received)
+                                   : -1;
+    request_log_->Log({rpc, clock.tenant, clock.sequence_id, clock.tokens, code, latency_us});
+  }
+  if (metrics_ == nullptr) return;
+  const absl::Time now = absl::Now();
+  const absl::Time past = absl::InfinitePast();
+  const bool started = clock.started != past;
+  const double queue_s = started && clock.received != past
+                             ? absl::ToDoubleSeconds(clock.started - clock.received)
+                             : -1;
+  const double compute_s = started && clock.finished != past
+                               ? absl::ToDoubleSeconds(clock.finished - clock.started)
+                               : -1;
+  const double total_s = clock.received != past ? absl::ToDoubleSeconds(now - clock.received) : -1;
+  metrics_->RecordRequest(rpc, StatusCodeName(code), queue_s, compute_s, total_s, bytes_received,
+                          bytes_sent);
+}
+
+void AttentionService::BeginShutdown() {
+  shutting_down_.store(true);
+  MutexLock lock(&mu_);
+  // OnDone (which unregisters) never runs inline here: it waits for the read that Finish ends.
+  for (SessionReactor* session : sessions_) session->OnServerShutdown();
+}
+
+bool AttentionService::shutting_down() const { return shutting_down_.load(); }
+
+bool AttentionService::Register(SessionReactor* session) {
+  MutexLock lock(&mu_);
+  if (shutting_down_.load()) return false;
+  sessions_.insert(session);
+  return true;
+}
+
+void AttentionService::Unregister(SessionReactor* session) {
+  MutexLock lock(&mu_);
+  sessions_.erase(session);
+}
+
+void UnaryCall::Finish(grpc::Status status) {
+  if (status.ok()) {
+    bool own_buffer = false;
+    grpc::Status serialized = grpc::SerializationTraits<google::protobuf::Message>::Serialize(
+        *response_, reply_, &own_buffer);
+    if (!serialized.ok()) {
+      status = grpc::Status(grpc::StatusCode::INTERNAL,
+                            "cannot serialize the response: " + serialized.error_message());
+    }
+  }
+  grpc::ServerUnaryReactor::Finish(std::move(status));
+}
+
+namespace {
+
+template <typename Request, typename Response>
+class TypedUnaryCall final : public UnaryCall {
+ public:
+  explicit TypedUnaryCall(grpc::ByteBuffer* reply) : UnaryCall(&response, reply) {}
+  Request request;
+  Response response;
+};
+
+}  // namespace
+
+// The reactor of a unary Prefill read by server/rpc/wire.h: owns the parsed request (views into its
+// slices or pooled buffers) and the reply writer; the worker fills the reply before Finish.
+class WirePrefillCall final : public grpc::ServerUnaryReactor {
+ public:
+  WirePrefillCall(wire::BufferPool* buffers, grpc::ByteBuffer* reply)
+      : writer(buffers), reply(reply) {}
+  void OnDone() override { delete this; }
+  void OnCancel() override { cancelled->store(true, std::memory_order_release); }
+
+  const std::shared_ptr<std::atomic<bool>> cancelled = NewCancelFlag();  // set by OnCancel
+  wire::WirePrefillRequest request;
+  wire::PrefillReplyWriter writer;
+  grpc::ByteBuffer* const reply;
+};
+
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* AttentionService::Raw(
+    absl::string_view rpc, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* reply,
+    void (AttentionService::*serve)(grpc::CallbackServerContext*, const Request*, Response*,
+                                    UnaryCall*)) {
+  auto* call = new TypedUnaryCall<Request, Response>(reply);
+  grpc::ByteBuffer bytes(*request);  // shares the slices; Deserialize consumes its buffer
+  const grpc::Status parsed =
+      grpc::SerializationTraits<Request>::Deserialize(&bytes, &call->request);
+  if (!parsed.ok()) {
+    RequestClock clock;
+    const absl::Status s = absl::InvalidArgumentError(absl::StrCat(
+        "cannot parse ", Request::descriptor()->full_name(), ": the message's bytes are not a ",
+        Request::descriptor()->full_name(), " (", parsed.error_message(), ")"));
+    Record(rpc, static_cast<int>(s.code()), clock, static_cast<int64_t>(request->Length()), 0);
+    call->Finish(ToGrpcStatus(s));
+    return call;
+  }
+  (this->*serve)(context, &call->request, &call->response, call);
+  return call;
+}
+
+grpc::ServerUnaryReactor* AttentionService::GetServerInfo(grpc::CallbackServerContext* context,
+                                                          const grpc::ByteBuffer* request,
+                                                          grpc::ByteBuffer* reply) {
+  return Raw("GetServerInfo", context, request, reply, &AttentionService::ServeGetServerInfo);
+}
+
+grpc::ServerUnaryReactor* AttentionService::CreateSequence(grpc::CallbackServerContext* context,
+                                                           const grpc::ByteBuffer* request,
+                                                           grpc::ByteBuffer* reply) {
+  return Raw("CreateSequence", context, request, reply, &AttentionService::ServeCreateSequence);
+}
+
+grpc::ServerUnaryReactor* AttentionService::ReleaseSequence(grpc::CallbackServerContext* context,
+                                                            const grpc::ByteBuffer* request,
+                                                            grpc::ByteBuffer* reply) {
+  return Raw("ReleaseSequence", context, request, reply, &AttentionService::ServeReleaseSequence);
+}
+
+grpc::ServerUnaryReactor* AttentionService::Prefill(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* request,
+                                                    grpc::ByteBuffer* reply) {
+  if (buffers_ != nullptr) {
+    auto* call = new WirePrefillCall(buffers_.get(), reply);
+    if (wire::ParsePrefillRequest(*request, buffers_.get(), &call->request)) {
+      ServeWirePrefill(context, static_cast<int64_t>(request->Length()), call);
+      return call;
+    }
+    delete call;  // not the simple shape (or malformed): protobuf's parse, and its error
+  }
+  return Raw("Prefill", context, request, reply, &AttentionService::ServePrefill);
+}
+
+grpc::ServerUnaryReactor* AttentionService::Decode(grpc::CallbackServerContext* context,
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* reply) {
+  return Raw("Decode", context, request, reply, &AttentionService::ServeDecode);
+}
+
+grpc::ServerUnaryReactor* AttentionService::RegisterRegion(grpc::CallbackServerContext* context,
+                                                           const grpc::ByteBuffer* request,
+                                                           grpc::ByteBuffer* reply) {
+  return Raw("RegisterRegion", context, request, reply, &AttentionService::ServeRegisterRegion);
+}
+
+grpc::ServerUnaryReactor* AttentionService::UnregisterRegion(grpc::CallbackServerContext* context,
+                                                             const grpc::ByteBuffer* request,
+                                                             grpc::ByteBuffer* reply) {
+  return Raw("UnregisterRegion", context, request, reply, &AttentionService::ServeUnregisterRegion);
+}
+
+grpc::ServerUnaryReactor* AttentionService::OpenRing(grpc::CallbackServerContext* context,
+                                                     const grpc::ByteBuffer* request,
+                                                     grpc::ByteBuffer* reply) {
+  return Raw("OpenRing", context, request, reply, &AttentionService::ServeOpenRing);
+}
+
+grpc::ServerUnaryReactor* AttentionService::CloseRing(grpc::CallbackServerContext* context,
+                                                      const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* reply) {
+  return Raw("CloseRing", context, request, reply, &AttentionService::ServeCloseRing);
+}
+
+template <typename Request, typename Response>
+void AttentionService::ServeInline(absl::string_view rpc, grpc::CallbackServerContext* context,
+                                   const Request* request, Response* response, UnaryCall* reactor,
+                                   const std::function<absl::Status(const std::string&)>& body) {
+  RequestClock clock;
+  absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
+  absl::Status s = tenant.status();
+  if (s.ok() && shutting_down()) s = ShuttingDown();
+  if (s.ok()) s = body(*tenant);
+  if (!s.ok()) response->Clear();
+  Record(rpc, static_cast<int>(s.code()), clock, SizeOf(*request), SizeOf(*response));
+  reactor->Finish(ToGrpcStatus(s));
+}
+
+namespace {
+
+absl::Status NoRegions(absl::string_view what) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "this server serves no ", what, " (RegionRegistryOptions::max_regions_per_tenant is 0?)"));
+}
+
+}  // namespace
+
+void AttentionService::ServeRegisterRegion(grpc::CallbackServerContext* context,
+                                           const v1::RegisterRegionRequest* request,
+                                           v1::RegisterRegionResponse* response,
+                                           UnaryCall* reactor) {
+  // On the gRPC thread: mapping a shm object or opening a handle is quick and computes nothing.
+  ServeInline(
+      "RegisterRegion", context, request, response, reactor,
+      [this, request, response](const std::string& tenant) -> absl::Status {
+        if (regions_ == nullptr) return NoRegions("tensor regions");
+        absl::StatusOr<std::shared_ptr<const Region>> region;
+        switch (request->kind_case()) {
+          case v1::RegisterRegionRequest::kSystemShm:
+            region = regions_->RegisterShm(
+                tenant, request->system_shm().name(), request->system_shm().offset(),
+                request->system_shm().byte_size(), RegionKind::kSystemShm);
+            break;
+          case v1::RegisterRegionRequest::kCudaIpc:
+            region = regions_->RegisterCudaIpc(tenant, request->cuda_ipc().handle(),
+                                               request->cuda_ipc().byte_size());
+            break;
+          default:
+            return absl::InvalidArgumentError("RegisterRegionRequest needs system_shm or cuda_ipc");
+        }
+        if (!region.ok()) return region.status();
+        response->set_region_id((*region)->id);
+        response->set_byte_size((*region)->bytes);
+        return absl::OkStatus();
+      });
+}
+
+void AttentionService::ServeUnregisterRegion(grpc::CallbackServerContext* context,
+                                             const v1::UnregisterRegionRequest* request,
+                                             v1::UnregisterRegionResponse* response,
+                                             UnaryCall* reactor) {
+  ServeInline("UnregisterRegion", context, request, response, reactor,
+              [this, request](const std::string& tenant) -> absl::Status {
+                if (regions_ == nullptr) return NoRegions("tensor regions");
+                return regions_->Unregister(tenant, request->region_id(), /*ring=*/false);
+              });
+}
+
+void AttentionService::ServeOpenRing(grpc::CallbackServerContext* context,
+                                     const v1::OpenRingRequest* request,
+                                     v1::OpenRingResponse* response, UnaryCall* reactor) {
+  ServeInline("OpenRing", context, request, response, reactor,
+              [this, request, response](const std::string& tenant) -> absl::Status {
+                if (rings_ == nullptr) return NoRegions("rings");
+                absl::StatusOr<RingServer::Opened> opened =
+                    rings_->Open(tenant, request->name(), request->byte_size());
+                if (!opened.ok()) return opened.status();
+                response->set_ring_id(opened->ring_id);
+                response->set_request_capacity(opened->request_capacity);
+                response->set_response_capacity(opened->response_capacity);
+                return absl::OkStatus();
+              });
+}
+
+void AttentionService::ServeCloseRing(grpc::CallbackServerContext* context,
+                                      const v1::CloseRingRequest* request,
+                                      v1::CloseRingResponse* response, UnaryCall* reactor) {
+  ServeInline("CloseRing", context, request, response, reactor,
+              [this, request](const std::string& tenant) -> absl::Status {
+                if (rings_ == nullptr) return NoRegions("rings");
+                return rings_->Close(tenant, request->ring_id());
+              });
+}
+
+absl::Status AttentionService::SubmitSessionRequest(const v1::SessionRequest& request,
+                                                    absl::string_view tenant,
+                                                    v1::SessionResponse* response,
+                                                    std::function<void(absl::Status)> done) {
+  if (shutting_down()) return ShuttingDown();
+  auto clock = std::make_shared<RequestClock>();
+  const int64_t bytes = SizeOf(request);
+  switch (request.request_case()) {
+    case v1::SessionRequest::kPrefill: {
+      auto run = [this, &request, tenant, response, clock, bytes, done = std::move(done)] {
+        clock->started = absl::Now();
+        absl::Status s = RunPrefill(request.prefill(), tenant, response->mutable_prefill());
+        clock->finished = absl::Now();
+        Record("Ring.Prefill", static_cast<int>(s.code()), *clock, bytes, 0);
+        done(std::move(s));
+      };
+      // A ring's thread would only wait for it: run it there (server/dataplane/ring.h).
+      if (MayRunInlineOnRingThread()) {
+        RunInlineOnRingThread(run);
+        return absl::OkStatus();
+      }
+      return work_queue_->Submit(std::move(run));
+    }
+    case v1::SessionRequest::kDecode:
+      return SubmitDecode(request.decode(), tenant, RequestContext(), response->mutable_decode(),
+                          [this, clock, bytes, done = std::move(done)](absl::Status s) {
+                            clock->finished = absl::Now();
+                            Record("Ring.Decode", static_cast<int>(s.code()), *clock, bytes, 0);
+                            done(std::move(s));
+                          });
+    default:
+      return absl::InvalidArgumentError(
+          "a session request must hold a prefill or a decode request");
+  }
+}
+
+void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::GetServerInfoResponse* response, UnaryCall* reactor) {
+  // Cheap and lock-light: answered on the gRPC thread.
+  RequestClock clock;
+  const absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
+  if (!tenant.ok()) {
+    Record("GetServerInfo", static_cast<int>(tenant.status().code()), clock, SizeOf(*request), 0);
+    reactor->Finish(ToGrpcStatus(tenant.status()));
+    return;
+  }
+  // With tokens, a tenant sees its own sequences and pages and the pool's capacity, never how
+  // much the others use.
+  const bool scoped = tokens_ != nullptr;
+  const ServerInfo info = runtime_->Info();
+  const TenantUsage usage = runtime_->Usage(*tenant);
+  response->set_version(info.version);
+  response->set_backend(info.backend);
+  response->set_device(info.device);
+  v1::ModelInfo* model = response->mutable_model();
+  model->set_name(info.model.name);
+  model->set_num_layers(info.model.num_layers);
+  model->set_num_q_heads(info.model.num_q_heads);
+  model->set_num_kv_heads(info.model.num_kv_heads);
+  model->set_head_dim(info.model.head_dim);
+  model->set_kv_dtype(ToProto(info.model.kv_dtype));
+  model->set_max_position_embeddings(info.model.max_position_embeddings);
+  model->set_softmax_scale(info.model.softmax_scale);
+  model->set_rope_theta(info.model.rope_theta);
+  model->set_partial_rotary_factor(info.model.partial_rotary_factor);
+  model->set_rotary_dim(info.model.rotary_dim);
+  v1::DcaConfig* dca = response->mutable_dca();
+  dca->set_chunk_size(info.dca.chunk_size);
+  dca->set_local_size(info.dca.local_size);
+  dca->set_chunk_len(info.dca.chunk_len);
+  dca->set_original_max_position_embeddings(info.dca.original_max_position_embeddings);
+  dca->set_sparse_attention_enabled(info.dca.sparse_attention_enabled);
+  dca->set_sparse_attention_threshold(info.dca.sparse_attention_threshold);
+  dca->set_sparse_attention_last_q(info.dca.sparse_attention_last_q);
+  v1::KvCacheInfo* kv = response->mutable_kv_cache();
+  kv->set_page_size(info.kv_cache.page_size);
+  kv->set_pages_total(info.kv_cache.pages_total);
+  if (!scoped) kv->set_pages_free(info.kv_cache.pages_free);
+  kv->set_tenant_pages(usage.pages);
+  kv->set_bytes_per_page(info.kv_cache.bytes_per_page);
+  kv->set_pool_bytes(info.kv_cache.pool_bytes);
+  for (const EngineShard& shard : info.devices) {
+    v1::DeviceShard* d = response->add_devices();
+    d->set_device(shard.device);
+    d->set_device_name(shard.device_name);
+    d->set_device_uuid(shard.device_uuid);
+    d->set_first_kv_head(shard.first_kv_head);
+    d->set_num_kv_heads(shard.num_kv_heads);
+    d->set_first_q_head(shard.first_q_head);
+    d->set_num_q_heads(shard.num_q_heads);
+    d->set_pool_bytes(shard.pool_bytes);
+    if (!scoped) d->set_bytes_used(shard.bytes_used);
+  }
+  response->set_live_sequences(scoped ? usage.sequences : info.live_sequences);
+  response->set_tenant_scoped(scoped);
+  v1::Limits* limits = response->mutable_limits();
+  limits->set_max_message_bytes(info.limits.max_message_bytes);
+  limits->set_max_sequence_length(info.limits.max_sequence_length);
+  limits->set_max_sequences(info.limits.max_sequences);
+  limits->set_tenant_max_sequences(info.limits.tenant_max_sequences);
+  limits->set_tenant_page_quota(info.limits.tenant_page_quota);
+  response->mutable_instance()->set_name(info.instance.name);
+  response->mutable_instance()->set_advertise_address(info.instance.advertise_address);
+  if (regions_ != nullptr) {
+    v1::RegionSupport* r = response->mutable_regions();
+    r->add_kinds(v1::REGION_KIND_SYSTEM_SHM);
+    if (regions_->cuda_ipc()) r->add_kinds(v1::REGION_KIND_CUDA_IPC);
+    r->set_host_boot_id(HostBootId());
+    r->set_device_uuid(runtime_->engine().device_uuid());
+    r->set_max_regions_per_tenant(regions_->options().max_regions_per_tenant);
+    r->set_max_region_bytes_per_tenant(regions_->options().max_bytes_per_tenant);
+    r->set_idle_timeout_seconds(absl::ToInt64Seconds(regions_->options().idle_timeout));
+    r->set_rings(rings_ != nullptr);
+  }
+  if (batcher_ != nullptr) {
+    FillBatchingStats(*batcher_, scoped, runtime_->engine().decode_graphs(),
+                      response->mutable_decode_batching());
+  } else {
+    response->mutable_decode_batching()->set_enabled(false);
+  }
+  Record("GetServerInfo", 0, clock, SizeOf(*request), SizeOf(*response));
+  reactor->Finish(grpc::Status::OK);
+}
+
+template <typename Request, typename Response>
+void AttentionService::ServeOnWorker(absl::string_view rpc, grpc::CallbackServerContext* context,
+                                     const Request* request, Response* response, UnaryCall* reactor,
+                                     std::function<absl::Status(const std::string&)> body) {
+  RequestClock clock;
+  Describe(*request, &clock);
+  absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
+  if (!tenant.ok()) {
+    Record(rpc, static_cast<int>(tenant.status().code()), clock, SizeOf(*request), 0);
+    reactor->Finish(ToGrpcStatus(tenant.status()));
+    return;
+  }
+  clock.tenant = *tenant;
+  const int64_t bytes = SizeOf(*request);
+  if (absl::Status s = TakeRequestBytes(bytes); !s.ok()) {
+    Record(rpc, static_cast<int>(s.code()), clock, bytes, 0);
+    reactor->Finish(ToGrpcStatus(s));
+    return;
+  }
+  // Shared with the worker, which the work queue tells when it starts (RequestObserver).
+  auto started = std::make_shared<RequestClock>(clock);
+  absl::Status submitted = work_queue_->Submit(
+      ContextOf(context, reactor->cancelled(), started.get()),
+      [this, rpc, reactor, response, clock = started, bytes, body = std::move(body),
+       tenant = *std::move(tenant)](absl::Status s) {
+        if (s.ok()) s = body(tenant);
+        clock->finished = absl::Now();
+        Record(rpc, static_cast<int>(s.code()), *clock, bytes, SizeOf(*response));
+        GiveRequestBytes(bytes);
+        reactor->Finish(ToGrpcStatus(s));
+      });
+  if (!submitted.ok()) {
+    GiveRequestBytes(bytes);
+    Record(rpc, static_cast<int>(submitted.code()), clock, bytes, 0);
+    reactor->Finish(ToGrpcStatus(submitted));
+  }
+}
+
+void AttentionService::ServeCreateSequence(grpc::CallbackServerContext* context,
+                                           const v1::CreateSequenceRequest* request,
+                                           v1::CreateSequenceResponse* response,
+                                           UnaryCall* reactor) {
+  ServeOnWorker("CreateSequence", context, request, response, reactor,
+                [this, response](const std::string& tenant) {
+                  absl::StatusOr<std::string> id = runtime_->CreateSequence(tenant);
+                  if (id.ok()) response->set_sequence_id(*id);
+                  return id.status();
+                });
+}
+
+void AttentionService::ServeReleaseSequence(grpc::CallbackServerContext* context,
+                                            const v1::ReleaseSequenceRequest* request,
+                                            v1::ReleaseSequenceResponse* response,
+                                            UnaryCall* reactor) {
+  // On a worker: Release waits for a request in flight on the sequence.
+  ServeOnWorker("ReleaseSequence", context, request, response, reactor,
+                [this, request, response](const std::string& tenant) {
+                  absl::StatusOr<int64_t> freed =
+                      runtime_->ReleaseSequence(request->sequence_id(), tenant);
+                  if (freed.ok()) response->set_pages_freed(*freed);
+                  return freed.status();
+                });
+}
+
+absl::Status AttentionService::RunPrefill(const v1::PrefillRequest& request,
+                                          absl::string_view tenant, v1::PrefillResponse* response) {
+  PrefillCall call;
+  call.sequence_id = request.sequence_id();
+  call.tenant = tenant;
+  call.layer = request.layer();
+  call.q_layout = static_cast<QLayout>(request.q_layout());
+  RegionTensors regions(regions_, tenant);
+  ATTND_ASSIGN_OR_RETURN(call.q, regions.Input("q", request.q()));
+  ATTND_ASSIGN_OR_RETURN(call.k, regions.Input("k", request.k()));
+  ATTND_ASSIGN_OR_RETURN(call.v, regions.Input("v", request.v()));
+  if (request.has_prompt_len()) call.prompt_len = request.prompt_len();
+  if (request.has_output_region()) {
+    // o is [T, Hq, D] of q's dtype; a q the runtime rejects is rejected before o is written.
+    const ModelConfig& m = runtime_->model();
+    const uint64_t element = ElementSize(call.q.dtype);
+    const uint64_t tokens = request.q().shape_size() > 0 && request.q().shape(0) > 0
+                                ? static_cast<uint64_t>(request.q().shape(0))
+                                : 0;
+    ATTND_RETURN_IF_ERROR(regions.Output(
+        "output_region", request.output_region(), element,
+        tokens * static_cast<uint64_t>(m.num_q_heads) * static_cast<uint64_t>(m.head_dim) * element,
+        &call.output, &call.output_on_device));
+  } else {
+    call.output = IntoTensor(response->mutable_o());
+  }
+  absl::StatusOr<PrefillResult> result = runtime_->Prefill(call);
+  if (result.ok()) {
+    if (absl::Status s = regions.CopyOutputs(); !s.ok()) result = s;
+  }
+  if (!result.ok()) {
+    response->Clear();
+    return result.status();
+  }
+  SetMeta(result->out_dtype, result->out_shape, response->mutable_o());
+  if (request.has_output_region())
+    *response->mutable_o()->mutable_region() = request.output_region();
+  response->set_length(result->length);
+  return absl::OkStatus();
+}
+
+void AttentionService::ServeWirePrefill(grpc::CallbackServerContext* context, int64_t request_bytes,
+                                        WirePrefillCall* call) {
+  RequestClock clock;
+  clock.sequence_id = call->request.sequence_id;  // for the request log, as Describe does
+  if (!call->request.q.shape.empty()) clock.tokens = call->request.q.shape[0];
+  absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
+  if (tenant.ok()) clock.tenant = *tenant;
+  if (!tenant.ok()) {
+    Record("Prefill", static_cast<int>(tenant.status().code()), clock, request_bytes, 0);
+    call->Finish(ToGrpcStatus(tenant.status()));
+    return;
+  }
+  if (absl::Status s = TakeRequestBytes(request_bytes); !s.ok()) {
+    Record("Prefill", static_cast<int>(s.code()), clock, request_bytes, 0);
+    call->Finish(ToGrpcStatus(s));
+    return;
+  }
+  // Shared with the worker, which the work queue tells when it starts (RequestObserver).
+  auto started = std::make_shared<RequestClock>(clock);
+  absl::Status submitted = work_queue_->Submit(
+      ContextOf(context, call->cancelled, started.get()),
+      [this, call, clock = started, request_bytes, tenant = *std::move(tenant)](absl::Status s) {
+        if (s.ok()) s = RunWirePrefill(call, tenant);
+        clock->finished = absl::Now();
+        Record("Prefill", static_cast<int>(s.code()), *clock, request_bytes,
+               s.ok() ? static_cast<int64_t>(call->reply->Length()) : 0);
+        GiveRequestBytes(request_bytes);
+        call->Finish(ToGrpcStatus(s));
+      });
+  if (!submitted.ok()) {
+    GiveRequestBytes(request_bytes);
+    Record("Prefill", static_cast<int>(submitted.code()), clock, request_bytes, 0);
+    call->Finish(ToGrpcStatus(submitted));
+  }
+}
+
+namespace {
+
+RequestTensor FromWire(const wire::WireTensor& t) {
+  RequestTensor r;
+  r.dtype = static_cast<DType>(t.dtype);
+  r.shape = absl::MakeConstSpan(t.shape);
+  r.bytes = t.bytes;
+  return r;
+}
+
+}  // namespace
+
+absl::Status AttentionService::RunWirePrefill(WirePrefillCall* call, absl::string_view tenant) {
+  const wire::WirePrefillRequest& request = call->request;
+  PrefillCall c;
+  c.sequence_id = request.sequence_id;
+  c.tenant = tenant;
+  c.layer = request.layer;
+  c.q_layout = static_cast<QLayout>(request.q_layout);
+  c.q = FromWire(request.q);
+  c.k = FromWire(request.k);
+  c.v = FromWire(request.v);
+  c.prompt_len = request.prompt_len;
+  // The engine writes o once, into a pooled buffer that the reply then references (no zero fill,
+  // no serialize copy).
+  wire::PrefillReplyWriter* writer = &call->writer;
+  c.output = [writer](int64_t bytes) { return writer->Output(bytes); };
+  absl::StatusOr<PrefillResult> result = runtime_->Prefill(c);
+  if (!result.ok()) return result.status();
+  *call->reply = writer->Finish(result->out_dtype, result->out_shape, result->length);
+  return absl::OkStatus();
+}
+
+void AttentionService::ServePrefill(grpc::CallbackServerContext* context,
+                                    const v1::PrefillRequest* request,
+                                    v1::PrefillResponse* response, UnaryCall* reactor) {
+  ServeOnWorker("Prefill", context, request, response, reactor,
+                [this, request, response](const std::string& tenant) {
+                  return RunPrefill(*request, tenant, response);
+                });
+}
+
+absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
+                                            absl::string_view tenant, const RequestContext& context,
+                                            v1::DecodeResponse* response,
+                                            std::function<void(absl::Status)> done) {
+  DecodeCall call;
+  call.tenant = tenant;
+  call.layer = request.layer();
+  call.entries.resize(request.entries_size());
+  response->Clear();
+  // The regions' leases and copies live until the call is answered.
+  auto regions = std::make_shared<RegionTensors>(regions_, tenant);
+  const ModelConfig& m = runtime_->model();
+  // Outputs exist before the engine runs so it can write into them; their addresses are stable.
+  for (int i = 0; i < request.entries_size(); ++i) response->add_outputs();
+  for (int i = 0; i < request.entries_size(); ++i) {
+    const v1::DecodeEntry& in = request.entries(i);
+    DecodeCall::Entry& e = call.entries[i];
+    e.sequence_id = in.sequence_id();
+    e.q_layout = static_cast<QLayout>(in.q_layout());
+    const std::string at = absl::StrCat("entries[", i, "].");
+    absl::StatusOr<RequestTensor> q = regions->Input(absl::StrCat(at, "q"), in.q());
+    absl::StatusOr<RequestTensor> k = q.ok() ? regions->Input(absl::StrCat(at, "k"), in.k()) : q;
+    absl::StatusOr<RequestTensor> v = k.ok() ? regions->Input(absl::StrCat(at, "v"), in.v()) : k;
+    if (!v.ok()) {
+      response->Clear();
+      return v.status();
+    }
+    e.q = *q;
+    e.k = *k;
+    e.v = *v;
+    if (in.has_output_region()) {
+      const uint64_t element = ElementSize(e.q.dtype);
+      if (absl::Status s = regions->Output(
+              absl::StrCat(at, "output_region"), in.output_region(), element,
+              static_cast<uint64_t>(m.num_q_heads) * static_cast<uint64_t>(m.head_dim) * element,
+              &e.output, &e.output_on_device);
+          !s.ok()) {
+        response->Clear();
+        return s;
+      }
+    } else {
+      e.output = IntoTensor(response->mutable_outputs(i)->mutable_o());
+    }
+  }
+  const int64_t entries = request.entries_size();
+  return decode_queue_->Submit(std::move(call), context,
+                               [this, entries, response, regions, &request,
+                                done = std::move(done)](absl::StatusOr<DecodeResult> result) {
+                                 if (result.ok()) {
+                                   if (absl::Status s = regions->CopyOutputs(); !s.ok()) result = s;
+                                 }
+                                 // The reply (done) may reach the client before this callback, and
+                                 // with it the last reference to `regions`, is destroyed: end the
+                                 // leases first, or an UnregisterRegion right after the reply can
+                                 // still see the region in use.
+                                 regions->ReleaseLeases();
+                                 // Without the batcher one decode request is one executed batch;
+                                 // the batcher observes its merged batches itself
+                                 // (DecodeBatcherOptions::on_batch).
+                                 if (result.ok() && metrics_ != nullptr && batcher_ == nullptr) {
+                                   metrics_->ObserveDecodeBatch(entries, result->stats);
+                                 }
+                                 if (!result.ok()) {
+                                   response->Clear();
+                                   done(result.status());
+                                   return;
+                                 }
+                                 for (size_t i = 0; i < result->outputs.size(); ++i) {
+                                   const DecodeResult::Output& out = result->outputs[i];
+                                   v1::DecodeOutput* o =
+                                       response->mutable_outputs(static_cast<int>(i));
+                                   SetMeta(out.out_dtype, out.out_shape, o->mutable_o());
+                                   const v1::DecodeEntry& in = request.entries(static_cast<int>(i));
+                                   if (in.has_output_region())
+                                     *o->mutable_o()->mutable_region() = in.output_region();
+                                   o->set_length(out.length);
+                                 }
+                                 done(absl::OkStatus());
+                               });
+}
+
+void AttentionService::ServeDecode(grpc::CallbackServerContext* context,
+                                   const v1::DecodeRequest* request, v1::DecodeResponse* response,
+                                   UnaryCall* reactor) {
+  // Shared by the queue (which tells it when a worker starts the call) and the reply; the tenant
+  // outlives the call.
+  auto clock = std::make_shared<RequestClock>();
+  absl::StatusOr<std::string> resolved = TenantOf(tokens_.get(), *context);
+  if (!resolved.ok()) {
+    Record("Decode", static_cast<int>(resolved.status().code()), *clock, SizeOf(*request), 0);
+    reactor->Finish(ToGrpcStatus(resolved.status()));
+    return;
+  }
+  auto tenant = std::make_shared<const std::string>(*std::move(resolved));
+  clock->tenant = *tenant;
+  Describe(*request, clock.get());
+  const int64_t bytes = SizeOf(*request);
+  if (absl::Status s = TakeRequestBytes(bytes); !s.ok()) {
+    Record("Decode", static_cast<int>(s.code()), *clock, bytes, 0);
+    reactor->Finish(ToGrpcStatus(s));
+    return;
+  }
+  absl::Status submitted =
+      SubmitDecode(*request, *tenant, ContextOf(context, reactor->cancelled(), clock.get()),
+                   response, [this, reactor, bytes, response, clock, tenant](absl::Status s) {
+                     clock->finished = absl::Now();
+                     Record("Decode", static_cast<int>(s.code()), *clock, bytes, SizeOf(*response));
+                     GiveRequestBytes(bytes);
+                     reactor->Finish(ToGrpcStatus(s));
+                   });
+  if (!submitted.ok()) {
+    GiveRequestBytes(bytes);
+    Record("Decode", static_cast<int>(submitted.code()), *clock, bytes, 0);
+    reactor->Finish(ToGrpcStatus(submitted));
+  }
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionService::Session(
+    grpc::CallbackServerContext* context) {
+  return new SessionReactor(this, context);
+}
+
+}  // namespace attnd
