@@ -48,5 +48,19 @@ _cuda_object = rule(
     },
 )
 
+# nvcc flags of every CUDA object of the project: Hopper (H100/H200) machine code, the
+# wgmma-capable target, plus PTX that newer GPUs JIT-compile.
+NVCC_FLAGS = [
+    "-c",
+    "-O3",
+    "-Xcompiler",
+    "-fPIC",
+    "-std=c++17",
+    "-gencode",
+    "arch=compute_90a,code=sm_90a",  # Hopper (H100/H200) machine code, wgmma-capable target
+    "-gencode",
+    "arch=compute_90,code=compute_90",  # PTX, JIT-compiled on newer GPUs
+]
+
 def cuda_object(name, **kwargs):
     _cuda_object(name = name, target_compatible_with = cuda_only(), **kwargs)
