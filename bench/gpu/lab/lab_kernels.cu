@@ -83,12 +83,22 @@ absl::Status LaunchPrefillConfig(const DcaGeometry& g, const CudaPrefillParams& 
   }
 }
 
+// Runs configuration I when it is `config` (the fold in DispatchPrefill tries each in turn).
+template <int D, int I>
+bool TryPrefill(int config, const DcaGeometry& g, const CudaPrefillParams& p, cudaStream_t stream,
+                absl::Status* status) {
+  if (config != I) return false;
+  absl::Status launched = LaunchPrefillConfig<D, I>(g, p, stream);
+  swap(*status, launched);  // not operator=: nvcc warns on its discarded [[nodiscard]] result
+  return true;
+}
+
 template <int D, int... I>
 absl::Status DispatchPrefill(const DcaGeometry& g, const CudaPrefillParams& p, int config,
                              cudaStream_t stream, std::integer_sequence<int, I...>) {
   absl::Status status = absl::InvalidArgumentError(
       absl::StrCat("lab: prefill configuration ", config, " not in [0, ", kNumPrefillConfigs, ")"));
-  (void)((config == I ? (status = LaunchPrefillConfig<D, I>(g, p, stream), true) : false) || ...);
+  (void)(TryPrefill<D, I>(config, g, p, stream, &status) || ...);
   return status;
 }
 
@@ -148,12 +158,21 @@ absl::Status LaunchDecodeConfig(const DcaGeometry& g, const CudaDecodeParams& p,
   return absl::OkStatus();
 }
 
+template <int D, int I>
+bool TryDecode(int config, const DcaGeometry& g, const CudaDecodeParams& p, cudaStream_t stream,
+               absl::Status* status) {
+  if (config != I) return false;
+  absl::Status launched = LaunchDecodeConfig<D, I>(g, p, stream);
+  swap(*status, launched);  // not operator=: nvcc warns on its discarded [[nodiscard]] result
+  return true;
+}
+
 template <int D, int... I>
 absl::Status DispatchDecode(const DcaGeometry& g, const CudaDecodeParams& p, int config,
                             cudaStream_t stream, std::integer_sequence<int, I...>) {
   absl::Status status = absl::InvalidArgumentError(
       absl::StrCat("lab: decode configuration ", config, " not in [0, ", kNumDecodeConfigs, ")"));
-  (void)((config == I ? (status = LaunchDecodeConfig<D, I>(g, p, stream), true) : false) || ...);
+  (void)(TryDecode<D, I>(config, g, p, stream, &status) || ...);
   return status;
 }
 
