@@ -49,6 +49,15 @@ struct PagedKv {
     const int64_t page = page_table[pos / page_size];
     return ((page * page_size + pos % page_size) * num_kv_heads + kv_head) * head_dim;
   }
+  // Offset with 32-bit index math (positions < 2^31, as in the kernels) and a 64-bit final product
+  // (pools can exceed 2^31 elements): the kernels' form of Offset.
+  ATTND_HOST_DEVICE int64_t Offset32(int32_t pos, int32_t kv_head) const {
+    const uint32_t ps = static_cast<uint32_t>(page_size);
+    const uint32_t upos = static_cast<uint32_t>(pos);
+    const int64_t page = page_table[upos / ps];
+    return ((page * page_size + static_cast<int64_t>(upos % ps)) * num_kv_heads + kv_head) *
+           head_dim;
+  }
   // Pointer to head_dim elements: the key of token `pos`, kv head `kv_head`.
   ATTND_HOST_DEVICE T* Key(int64_t pos, int32_t kv_head) const { return k + Offset(pos, kv_head); }
   ATTND_HOST_DEVICE T* Value(int64_t pos, int32_t kv_head) const {

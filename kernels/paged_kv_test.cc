@@ -31,6 +31,9 @@ TEST(PagedKvTest, OffsetFollowsThePageTable) {
   EXPECT_EQ(kv.Offset(6, 1), ((2 * 4 + 2) * 3 + 1) * 8);
   EXPECT_EQ(kv.Offset(0, 0), (5 * 4 * 3) * 8);
   EXPECT_EQ(kv.Offset(11, 2), ((9 * 4 + 3) * 3 + 2) * 8);
+  for (int32_t pos = 0; pos < 12; ++pos) {
+    for (int32_t h = 0; h < 3; ++h) EXPECT_EQ(kv.Offset32(pos, h), kv.Offset(pos, h)) << pos;
+  }
 }
 
 }  // namespace

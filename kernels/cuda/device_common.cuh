@@ -97,15 +97,10 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Element offset of (pos, kv_head) in one layer's K or V region: PagedKv::Offset with 32-bit index
-// math (positions < 2^31) and a 64-bit final product (pools can exceed 2^31 elements).
+// Element offset of (pos, kv_head) in one layer's K or V region: PagedKv::Offset32 (paged_kv.h).
 __device__ __forceinline__ int64_t PagedOffset(const PagedKv<Bf16>& kv, int32_t pos,
                                                int32_t kv_head) {
-  const uint32_t ps = static_cast<uint32_t>(kv.page_size);
-  const uint32_t upos = static_cast<uint32_t>(pos);
-  const int64_t page = kv.page_table[upos / ps];
-  return ((page * kv.page_size + static_cast<int64_t>(upos % ps)) * kv.num_kv_heads + kv_head) *
-         kv.head_dim;
+  return kv.Offset32(pos, kv_head);
 }
 
 // mbarriers in shared memory, by their shared-space address (SmemAddr): init with the arrival
