@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Peer numbers for bench/gpu/dca_bench.cc: torch SDPA on the same shapes, same machine, same run.
+"""Peer numbers for bench/gpu/lab/lab_bench.cc: torch SDPA on the same shapes, same machine, same run.
 
 Prefill: q [1, 28, L, 128], k/v [1, 4, L, 128] bf16, is_causal=True, enable_gqa=True, for the cuDNN,
 flash and memory-efficient backends (a backend that refuses GQA is retried with k/v expanded to 28
-heads, and labelled so). FLOPs = 4*Hq*D*L(L+1)/2, as in dca_bench (causal-equivalent).
+heads, and labelled so). FLOPs = 4*Hq*D*L(L+1)/2, as in lab_bench (causal-equivalent).
 Decode: q [B, 28, 1, 128], k/v [B, 4, ctx, 128] (dense, not paged), is_causal=False. Bytes = K + V.
 Small decode cases rotate over several k/v copies (>= 1 GiB) so repeated runs do not measure L2.
 Also a device-to-device copy (bytes = read + write).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Decode variants (issue #3) from one GPU-machine call: the decode tests of lab_test (every
-# kDecodeVariants entry against the fp64 CPU reference and the simple kernel), then lab_bench's
+# kDecodeConfigs entry against the fp64 CPU reference and the simple kernel), then lab_bench's
 # decode-variant sweep (batch {1,8,32,128} x ctx {4K,32K,128K} + 1 x 1M, and the copy ceiling).
 # Logs under OUT_DIR; test summary, per-variant worst errors and the bench table on stdout.
 # About 30-40 s of GPU time (the bench fills a 34 GB KV pool once). Build and bundle here:
