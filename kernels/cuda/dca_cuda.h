@@ -10,9 +10,9 @@
 // Supported set (one dispatch per kernel family): head_dim 64 or 128; group size (Hq / Hkv) 1..16;
 // bf16 KV. Query tensors are bf16; outputs are bf16, fp16 or fp32.
 //
-// Each family keeps three kernels here: the Hopper default, the portable fallback and a simple
-// reference for tests; every other configuration measured on the way is in the tuning lab
-// (bench/gpu/lab/). A CudaKernelPlan, built once per device and geometry, picks among them. How
+// Only the kernels production runs live here: prefill's Hopper default and portable fallback, the
+// decode kernel (any GPU, ring depth 2 or 3), and a simple reference per family for tests; every
+// other configuration measured on the way is in the tuning lab (bench/gpu/lab/). A CudaKernelPlan, built once per device and geometry, picks among them. How
 // fast each is, against which peer, is in docs/BENCHMARKS.md ("CUDA backend"); the tuning history
 // is in bench/gpu/NOTES.md. Numbers are kept there, not here, so that they have one home and a
 // date.
