@@ -12,10 +12,10 @@
 //
 // Only the kernels production runs live here: prefill's Hopper default and portable fallback, the
 // decode kernel (any GPU, ring depth 2 or 3), and a simple reference per family for tests; every
-// other configuration measured on the way is in the tuning lab (bench/gpu/lab/). A CudaKernelPlan, built once per device and geometry, picks among them. How
-// fast each is, against which peer, is in docs/BENCHMARKS.md ("CUDA backend"); the tuning history
-// is in bench/gpu/NOTES.md. Numbers are kept there, not here, so that they have one home and a
-// date.
+// other configuration measured on the way is in the tuning lab (bench/gpu/lab/). A CudaKernelPlan,
+// built once per device and geometry, picks among them. How fast each is, against which peer, is in
+// docs/BENCHMARKS.md ("CUDA backend"); the tuning history is in bench/gpu/NOTES.md. Numbers are
+// kept there, not here, so that they have one home and a date.
 #ifndef ATTND_KERNELS_CUDA_DCA_CUDA_H_
 #define ATTND_KERNELS_CUDA_DCA_CUDA_H_
 
