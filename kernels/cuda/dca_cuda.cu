@@ -180,14 +180,20 @@ int32_t CudaKernelPlan::DecodeStages(int32_t batch) const {
   return blocks > int64_t{std::max(1, num_sms_)} * blocks_s2_ ? 3 : 2;
 }
 
-int32_t CudaKernelPlan::DecodeSplits(int32_t batch, int64_t max_length) const {
-  const int64_t resident = int64_t{std::max(1, num_sms_)} * DecodeBlocksPerSm(DecodeStages(batch));
-  const int64_t blocks = std::max<int64_t>(1, int64_t{batch} * std::max(1, geometry_.num_kv_heads));
+int32_t DecodeSplitsFor(const DcaGeometry& g, int32_t num_sms, int32_t blocks_per_sm, int32_t batch,
+                        int64_t max_length) {
+  const int64_t resident = int64_t{std::max(1, num_sms)} * std::max(1, blocks_per_sm);
+  const int64_t blocks = std::max<int64_t>(1, int64_t{batch} * std::max(1, g.num_kv_heads));
   const int64_t want = resident / blocks;  // splits that still fit in one wave
   // At least the kernel's minimum keys per split (DecodeSplitLen) in every split.
   constexpr int64_t kMinKeys = cuda_kernels::kMinSplitKeys;
   const int64_t cap = std::max<int64_t>(1, (max_length + kMinKeys - 1) / kMinKeys);
   return static_cast<int32_t>(std::clamp<int64_t>(want, 1, std::min<int64_t>(cap, 1024)));
+}
+
+int32_t CudaKernelPlan::DecodeSplits(int32_t batch, int64_t max_length) const {
+  return DecodeSplitsFor(geometry_, num_sms_, DecodeBlocksPerSm(DecodeStages(batch)), batch,
+                         max_length);
 }
 
 size_t CudaKernelPlan::DecodeWorkspaceFloats(int32_t batch, int32_t max_splits) const {

@@ -157,6 +157,14 @@ struct CudaKernelPlanOptions {
   int32_t decode_stages = 0;
 };
 
+// The split-K rule for `batch` sequences of up to max_length keys when `blocks_per_sm` decode
+// blocks fit on each of `num_sms` multiprocessors: as many splits as keep every (batch x kv head x
+// split) block resident in one wave, at least 1, at most 1024, with at least the kernels' minimum
+// keys per split (256) at max_length. CudaKernelPlan::DecodeSplits applies it; so does the tuning
+// lab.
+int32_t DecodeSplitsFor(const DcaGeometry& geometry, int32_t num_sms, int32_t blocks_per_sm,
+                        int32_t batch, int64_t max_length);
+
 // Everything about the launches that depends on the device and the geometry, decided once: the
 // prefill kernel, the decode ring depth per batch size and its split-K plan (from the occupancy the
 // CUDA runtime reports for the kernels at this geometry), and the kernels' shared-memory

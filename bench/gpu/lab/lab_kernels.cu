@@ -225,12 +225,7 @@ int32_t LabDecodeSplits(const DcaGeometry& g, int32_t batch, int64_t max_length,
   const int32_t per_sm = g.head_dim == 128 ? DispatchBlocksPerSm<128>(g, config, kAll)
                                            : DispatchBlocksPerSm<64>(g, config, kAll);
   if (per_sm < 1) return 0;
-  const int64_t resident = int64_t{sms} * per_sm;
-  const int64_t blocks = std::max<int64_t>(1, int64_t{batch} * std::max(1, g.num_kv_heads));
-  constexpr int64_t kMinKeys = ck::kMinSplitKeys;
-  const int64_t cap = std::max<int64_t>(1, (max_length + kMinKeys - 1) / kMinKeys);
-  return static_cast<int32_t>(
-      std::clamp<int64_t>(resident / blocks, 1, std::min<int64_t>(cap, 1024)));
+  return DecodeSplitsFor(g, sms, per_sm, batch, max_length);
 }
 
 absl::Status LaunchLabDecode(const DcaGeometry& g, const CudaDecodeParams& p, int config,
