@@ -15,13 +15,13 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/attention_tile.cuh"
 #include "kernels/cuda/dca_cuda.h"
 #include "kernels/cuda/device_common.cuh"
 
 namespace attnd {
 namespace cuda_kernels {
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kThreads = 128;  // 4 warps: decode blocks (prefill blocks are 32 * Warps)
 constexpr int kBlockN = 64;    // keys per K/V tile
 
@@ -31,13 +31,17 @@ constexpr int kBlockN = 64;    // keys per K/V tile
 using cuda_common::CpAsync16;
 using cuda_common::CpAsyncCommit;
 using cuda_common::CpAsyncWait;
+using cuda_common::kLog2e;
 using cuda_common::LdMatrixX4;
 using cuda_common::LdMatrixX4Trans;
 using cuda_common::LoadAsFloat;
 using cuda_common::Mma16816;
 using cuda_common::PackBf16;
 using cuda_common::PagedOffset;
+using cuda_common::RangeMask;
 using cuda_common::SmemAddr;
+using cuda_common::SoftmaxState;
+using cuda_common::SoftmaxTile;
 using cuda_common::StoreOne;
 using cuda_common::StorePair;
 
@@ -112,6 +116,11 @@ __device__ __forceinline__ PrefillTile PrefillTileOfBlock(const PrefillArgs& a) 
 // the normalised rows. Each warp owns MT 16-row m-tiles, so every K/V fragment read from shared
 // memory feeds MT mma's. K/V tiles go through a Stages-deep cp.async ring. With MT == 1 the query
 // fragments live in registers; with MT > 1 the stage's queries are staged in shared memory.
+// NOTE: this kernel keeps its own online softmax rather than SoftmaxState (attention_tile.cuh).
+// The product's configuration (D 128, 4 warps, MT 2, BN 64) runs at the 255-register limit: every
+// shared form tried (SoftmaxState inline, or the sparse kernel's WarpAttendTile) raised ptxas'
+// spills from 76 to 112-152 bytes, and the one run on the H200 (WarpAttendTile) was 5-9% slower
+// (docs/BENCHMARKS.md, issue 17).
 template <int D, int Warps, int Stages, int MT, int BN>
 __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs a) {
   constexpr int kBlockM = 16 * MT * Warps;
@@ -379,56 +388,6 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
   }
 }
 
-// One 16-key tile of a decode block's online softmax, for the mma fragment rows gid and gid + 8 of
-// this thread: keys at or past k_end are masked, scores scaled to the log2 domain, the running
-// max m, sum l and output o rescaled, and the probabilities packed as P's A fragment for P.V.
-template <int kDimBlocks>
-__device__ __forceinline__ void DecodeTileSoftmax(int32_t kw, int tig, int32_t k_end,
-                                                  float scale_log2, float (&s)[2][4], float (&m)[2],
-                                                  float (&l)[2], float (&o)[kDimBlocks][4],
-                                                  uint32_t (&pa)[4]) {
-  float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-  for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int32_t key = kw + nb * 8 + tig * 2 + (e & 1);
-      const float x = key < k_end ? s[nb][e] * scale_log2 : -CUDART_INF_F;
-      s[nb][e] = x;
-      tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
-    }
-  float alpha[2], m_use[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
-    tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
-    const float m_new = fmaxf(m[i], tile_max[i]);
-    m_use[i] = m_new == -CUDART_INF_F ? 0.f : m_new;
-    alpha[i] = exp2f(m[i] - m_use[i]);
-    m[i] = m_new;
-    l[i] *= alpha[i];
-  }
-#pragma unroll
-  for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float p = exp2f(s[nb][e] - m_use[e / 2]);
-      s[nb][e] = p;
-      l[e / 2] += p;
-    }
-#pragma unroll
-  for (int d = 0; d < kDimBlocks; ++d) {
-    o[d][0] *= alpha[0];
-    o[d][1] *= alpha[0];
-    o[d][2] *= alpha[1];
-    o[d][3] *= alpha[1];
-  }
-  pa[0] = PackBf16(s[0][0], s[0][1]);
-  pa[1] = PackBf16(s[0][2], s[0][3]);
-  pa[2] = PackBf16(s[1][0], s[1][1]);
-  pa[3] = PackBf16(s[1][2], s[1][3]);
-}
-
 // ---- split-K decode
 // ------------------------------------------------------------------------------
 
@@ -598,8 +557,8 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   float o[kDimBlocks][4];
 #pragma unroll
   for (int d = 0; d < kDimBlocks; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-  float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
-  float l[2] = {0.f, 0.f};
+  SoftmaxState softmax;
+  softmax.Init();
 
   for (int j = 0; j < n_tiles; ++j) {
     const int slot = j % Stages;
@@ -641,16 +600,16 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
             if (VariantOfKey(key, prev, cl) == v) s[nb][e] = acc[nb][e];
           }
       }
-      uint32_t pa[4];
-      DecodeTileSoftmax(kw, tig, k_end, scale_log2, s, m, l, o, pa);
+      uint32_t pa[1][4];
+      SoftmaxTile(s, tig, RangeMask(kw, k_end, false, 0, 0), scale_log2, softmax, o, pa);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t vb[4];
         const int vr = (lane & 7) + (((lane >> 3) & 1) << 3);
         const int vc = dp * 2 + (lane >> 4);
         LdMatrixX4Trans(vb, vt + vr * kPitch + ((vc ^ (vr & 7)) << 3));
-        Mma16816(o[2 * dp], pa, vb[0], vb[1]);
-        Mma16816(o[2 * dp + 1], pa, vb[2], vb[3]);
+        Mma16816(o[2 * dp], pa[0], vb[0], vb[1]);
+        Mma16816(o[2 * dp + 1], pa[0], vb[2], vb[3]);
       }
     }
   }
@@ -658,11 +617,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
 
   // Merge the warps: per-warp (m, l, O) of the group's rows through shared memory (reusing the K/V
   // ring: every warp has passed its last tile once all have reached the barrier below).
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-  }
+  softmax.ReduceQuad();
   float* so = reinterpret_cast<float*>(smem_raw);  // [Warps][16][D]
   float* sm = so + Warps * 16 * D;                 // [Warps][16]
   float* sl = sm + Warps * 16;                     // [Warps][16]
@@ -677,11 +632,11 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
     *reinterpret_cast<float2*>(&so[(warp * 16 + gid + 8) * D + col]) =
         make_float2(o[d][2], o[d][3]);
   }
-  if (tig == 0) {
-    sm[warp * 16 + gid] = m[0];
-    sm[warp * 16 + gid + 8] = m[1];
-    sl[warp * 16 + gid] = l[0];
-    sl[warp * 16 + gid + 8] = l[1];
+  if (tig == 0) {  // maxima to the log2 domain of the partials' log-sum-exp
+    sm[warp * 16 + gid] = softmax.m[0] * scale_log2;
+    sm[warp * 16 + gid + 8] = softmax.m[1] * scale_log2;
+    sl[warp * 16 + gid] = softmax.l[0];
+    sl[warp * 16 + gid + 8] = softmax.l[1];
   }
   __syncthreads();
   // Thread -> (row r, 4 consecutive dims): 16-byte partial writes.

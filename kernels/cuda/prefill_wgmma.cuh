@@ -31,9 +31,14 @@ namespace attnd {
 namespace cuda_kernels {
 namespace wgmma {
 
+using cuda_common::ApplyMask;
 using cuda_common::MbarArrive;
 using cuda_common::MbarInit;
 using cuda_common::MbarWait;
+using cuda_common::PackProbs;
+using cuda_common::RangeMask;
+using cuda_common::RescaleRows;
+using cuda_common::SoftmaxState;
 
 constexpr int kPrefillBlockN = 128;  // keys per K/V tile
 constexpr int kPrefillStages = 3;    // K/V ring depth (the overlap frees a slot one tile late)
@@ -174,8 +179,8 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) DcaPrefillWgmmaKernel(cons
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   float s[BN / 2];
   uint32_t pa[kPSteps][4];
-  float m[2] = {-CUDART_INF_F, -CUDART_INF_F};  // running max of raw scores
-  float l[2] = {0.f, 0.f};                      // this thread's partial row sums
+  SoftmaxState state;  // over raw scores
+  state.Init();
   int q_stage = -1;
 
   const uint32_t q_wg = qs + 64 * wg * 128;
@@ -196,54 +201,18 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) DcaPrefillWgmmaKernel(cons
       WgmmaRS<D>(o, pa[kk], Desc(vt + kk * 16 * 128, BN * 128, 1024));
     }
   };
-  // Mask, new running max, p = 2^(x * scale_log2 - m * scale_log2) in place; returns the rescale
-  // factors of the old O and l.
+  // Mask (only tiles that cross the range's end or the causal diagonal need it), then the online
+  // softmax: p in place of s, alpha the rescale factors of the old O.
   auto softmax = [&](int stage, int32_t k0, int32_t khi, float(&alpha)[2]) {
-    const bool need_mask = k0 + BN > khi || (stage == kIntra && k0 + BN - 1 > min_q_pos);
-    if (need_mask) {
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) {
-        const int32_t key = k0 + 8 * (i / 4) + 2 * tig + (i & 1);
-        const int r = (i >> 1) & 1;
-        const bool visible = key < khi && (stage != kIntra || key <= q_pos[r]);
-        if (!visible) s[i] = -CUDART_INF_F;
-      }
+    if (k0 + BN > khi || (stage == kIntra && k0 + BN - 1 > min_q_pos)) {
+      ApplyMask(s, tig, RangeMask(k0, khi, stage == kIntra, q_pos[0], q_pos[1]));
     }
-    float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) tile_max[(i >> 1) & 1] = fmaxf(tile_max[(i >> 1) & 1], s[i]);
-    float neg_m[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      const float m_new = fmaxf(m[r], tile_max[r]);
-      const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
-      alpha[r] = Ex2((m[r] - m_use) * a.scale_log2);
-      m[r] = m_new;
-      neg_m[r] = -m_use * a.scale_log2;
-    }
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      const int r = (i >> 1) & 1;
-      s[i] = Ex2(fmaf(s[i], a.scale_log2, neg_m[r]));
-      sum[r] += s[i];
-    }
-    l[0] = l[0] * alpha[0] + sum[0];
-    l[1] = l[1] * alpha[1] + sum[1];
+    state.Update(s, a.scale_log2, alpha);
   };
-  // O and l of the tiles so far rescaled, and P packed as the A operand of the next P V.
+  // O of the tiles so far rescaled, and P packed as the A operand of the next P V.
   auto rescale_and_pack = [&](const float(&alpha)[2]) {
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
-#pragma unroll
-    for (int kk = 0; kk < kPSteps; ++kk) {
-      pa[kk][0] = PackBf16(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = PackBf16(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = PackBf16(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = PackBf16(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    RescaleRows(o, alpha);
+    PackProbs(s, pa);
   };
   // Waits for tile j and publishes this stage's queries. Returns tile j's stage and key range.
   auto begin_tile = [&](int j, int& stage, int32_t& k0, int32_t& khi) {
@@ -321,12 +290,11 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) DcaPrefillWgmmaKernel(cons
   Wait<0>();
   FenceRegs(o);
 
+  state.ReduceQuad();
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     if (!row_valid[r]) continue;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const float inv = state.InvSum(r);
     const int64_t base = q_row[r] * D;
 #pragma unroll
     for (int nb = 0; nb < D / 8; ++nb) {

@@ -11,13 +11,13 @@
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
+#include "kernels/cuda/attention_tile.cuh"
 #include "kernels/cuda/device_common.cuh"
 #include "kernels/cuda/sparse_cuda.h"
 
 namespace attnd {
 namespace sparse_kernels {
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kRows = 64;          // estimation rows (last_q <= 64 used) and converter row block
 constexpr int kTileN = 64;         // keys per K/V tile
 constexpr int kThreads = 128;      // 4 warps x 16 rows
@@ -67,21 +67,27 @@ static_assert(sizeof(PieceArgs) <= 4096, "PieceArgs must fit the kernel paramete
 
 // ---- helpers ---------------------------------------------------------------------------------
 
+using cuda_common::ApplyMask;
 using cuda_common::CpAsync16;
 using cuda_common::CpAsyncCommit;
 using cuda_common::CpAsyncWait;
+using cuda_common::Flat;
+using cuda_common::FragCol;
+using cuda_common::FragRow;
+using cuda_common::GatherMask;
+using cuda_common::kLog2e;
 using cuda_common::LdMatrixX4;
 using cuda_common::LdMatrixX4Trans;
+using cuda_common::MergeStats;
 using cuda_common::Mma16816;
 using cuda_common::PackBf16;
+using cuda_common::PackProbs;
 using cuda_common::PagedOffset;
+using cuda_common::RangeMask;
+using cuda_common::RescaleRows;
 using cuda_common::SmemAddr;
+using cuda_common::SoftmaxState;
 using cuda_common::StorePair;
-
-// Stage id of a key for a query chunk starting at prev: 0 intra, 1 succ, 2 inter.
-__device__ __forceinline__ int StageOfKey(int32_t key, int32_t prev, int32_t cl) {
-  return key >= prev ? 0 : (key >= prev - cl ? 1 : 2);
-}
 
 // Loads the 16 A fragments (8 k-steps x 2 rows) of query rows r0 / r0+8 (this thread's gid rows),
 // variant `variant`, q head h; invalid rows read as zeros.
@@ -130,7 +136,9 @@ __global__ void __launch_bounds__(kThreads) EstimateKernel(const PieceArgs a) {
   const int32_t pos0 = a.end - n + (v0 ? r0 : 0), pos1 = a.end - n + (v1 ? r1 : 0);
   const int32_t tok0 = pos0 - a.start, tok1 = pos1 - a.start;
 
-  float m_row[2], l_row[2];
+  float m_row[2], l_row[2];  // kScores: the rows' (max, 1 / sum) from rowstat
+  SoftmaxState stats;        // !kScores: the rows' running (max, sum) over this segment
+  stats.Init();
   if (kScores) {
     const float* rs = a.rowstat + static_cast<int64_t>(h) * kRows * 2;
     m_row[0] = v0 ? rs[r0 * 2] : 0.f;
@@ -138,9 +146,6 @@ __global__ void __launch_bounds__(kThreads) EstimateKernel(const PieceArgs a) {
     m_row[1] = v1 ? rs[r1 * 2] : 0.f;
     l_row[1] = v1 ? rs[r1 * 2 + 1] : 0.f;
     for (int i = threadIdx.x; i < kEstSegment + kTileN; i += kThreads) diag[i] = 0.f;
-  } else {
-    m_row[0] = m_row[1] = -CUDART_INF_F;
-    l_row[0] = l_row[1] = 0.f;
   }
 
   const int n_tiles = (k_hi - k_lo + kTileN - 1) / kTileN;
@@ -166,8 +171,8 @@ __global__ void __launch_bounds__(kThreads) EstimateKernel(const PieceArgs a) {
     __syncthreads();
     const Bf16* kt = ks + (t & 1) * kTile;
     const int32_t k0 = k_lo + t * kTileN;
-    const int st_hi = StageOfKey(k0, a.prev, a.cl);
-    const int st_lo = StageOfKey(min(k0 + kTileN - 1, k_hi - 1), a.prev, a.cl);
+    const int st_hi = VariantOfKey(k0, a.prev, a.cl);
+    const int st_lo = VariantOfKey(min(k0 + kTileN - 1, k_hi - 1), a.prev, a.cl);
     float s[kTileN / 8][4];
 #pragma unroll
     for (int nb = 0; nb < kTileN / 8; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
@@ -198,39 +203,20 @@ __global__ void __launch_bounds__(kThreads) EstimateKernel(const PieceArgs a) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int32_t key = k0 + nb * 8 + tig * 2 + (e & 1);
-          if (st_lo == st_hi || StageOfKey(key, a.prev, a.cl) == st) s[nb][e] = acc[nb][e];
+          if (st_lo == st_hi || VariantOfKey(key, a.prev, a.cl) == st) s[nb][e] = acc[nb][e];
         }
     }
-    // Mask (past the segment, causal corner) and scale.
+    // Mask (past the segment, causal corner; rows past n see nothing) and scale to the log2
+    // domain, where rowstat lives.
+    const RangeMask mask(k0, k_hi, true, v0 ? pos0 : -1, v1 ? pos1 : -1);
 #pragma unroll
-    for (int nb = 0; nb < kTileN / 8; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e / 2;
-        const int32_t key = k0 + nb * 8 + tig * 2 + (e & 1);
-        const bool vis = key < k_hi && (i == 0 ? (v0 && key <= pos0) : (v1 && key <= pos1));
-        s[nb][e] = vis ? s[nb][e] * a.scale_log2 : -CUDART_INF_F;
-      }
+    for (int i = 0; i < kTileN / 2; ++i) {
+      float& x = Flat(s)[i];
+      x = mask.Visible(FragCol(i, tig), FragRow(i)) ? x * a.scale_log2 : -CUDART_INF_F;
+    }
     if (!kScores) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float mx = -CUDART_INF_F;
-#pragma unroll
-        for (int nb = 0; nb < kTileN / 8; ++nb)
-          mx = fmaxf(mx, fmaxf(s[nb][2 * i], s[nb][2 * i + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_row[i], mx);
-        const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;  // no visible key yet
-        float sum = 0.f;
-#pragma unroll
-        for (int nb = 0; nb < kTileN / 8; ++nb)
-          sum += exp2f(s[nb][2 * i] - m_use) + exp2f(s[nb][2 * i + 1] - m_use);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        l_row[i] = l_row[i] * exp2f(m_row[i] - m_use) + sum;
-        m_row[i] = m_new;
-      }
+      float alpha[2];                     // no output to rescale: only the statistics move on
+      stats.Update(Flat(s), 1.f, alpha);  // scores already in the log2 domain
     } else {
 #pragma unroll
       for (int nb = 0; nb < kTileN / 8; ++nb) {
@@ -264,12 +250,13 @@ __global__ void __launch_bounds__(kThreads) EstimateKernel(const PieceArgs a) {
   }
   CpAsyncWait<0>();
   if (!kScores) {
+    stats.ReduceQuad();
     if (tig == 0) {
       float* p = a.partial + (static_cast<int64_t>(h) * a.num_segments + seg) * kRows * 2;
-      p[r0 * 2] = m_row[0];
-      p[r0 * 2 + 1] = l_row[0];
-      p[r1 * 2] = m_row[1];
-      p[r1 * 2 + 1] = l_row[1];
+      p[r0 * 2] = stats.m[0];
+      p[r0 * 2 + 1] = stats.l[0];
+      p[r1 * 2] = stats.m[1];
+      p[r1 * 2 + 1] = stats.l[1];
     }
   } else {
     __syncthreads();
@@ -286,11 +273,7 @@ __global__ void EstimateCombineKernel(const PieceArgs a) {
   float m = -CUDART_INF_F, l = 0.f;
   for (int s = 0; s < a.num_segments; ++s) {
     const float* p = a.partial + ((static_cast<int64_t>(h) * a.num_segments + s) * kRows + r) * 2;
-    const float pm = p[0], pl = p[1];
-    if (pm == -CUDART_INF_F) continue;
-    const float m_new = fmaxf(m, pm);
-    l = l * exp2f(m - m_new) + pl * exp2f(pm - m_new);
-    m = m_new;
+    MergeStats(m, l, p[0], p[1]);
   }
   a.rowstat[(static_cast<int64_t>(h) * kRows + r) * 2] = m;
   a.rowstat[(static_cast<int64_t>(h) * kRows + r) * 2 + 1] = l > 0.f ? 1.f / l : 0.f;
@@ -602,6 +585,66 @@ struct StageTiles {
   const uint32_t* mask;
 };
 
+// One key tile for a warp's MT 16-row m-tiles (AttendKernel runs MT = 1): S = Q K^T over BN keys,
+// mask[mt], the online softmax, O += P V. K and V are [BN][kStride] bf16 tiles in shared memory
+// (padded rows, so ldmatrix is conflict-free); q_frag(mt, kk, qa) supplies the A fragment of m-tile
+// mt for head dims [16 kk, 16 kk + 16). Scores are raw: `scale` is softmax_scale * log2(e).
+template <int D, int BN, int MT, int kStride, class QFrag, class Mask>
+__device__ __forceinline__ void WarpAttendTile(const QFrag& q_frag, const Bf16* kt, const Bf16* vt,
+                                               const Mask (&mask)[MT], float scale,
+                                               SoftmaxState (&state)[MT],
+                                               float (&o)[MT][D / 8][4]) {
+  const int lane = threadIdx.x % 32, tig = lane % 4;
+  float s[MT][BN / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+      s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t qa[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) q_frag(mt, kk, qa[mt]);
+#pragma unroll
+    for (int np = 0; np < BN / 16; ++np) {
+      uint32_t b[4];
+      const int row = np * 16 + (lane & 7) + ((lane >> 4) << 3);
+      const int col = kk * 16 + ((lane >> 3) & 1) * 8;
+      LdMatrixX4(b, kt + row * kStride + col);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        Mma16816(s[mt][2 * np], qa[mt], b[0], b[1]);
+        Mma16816(s[mt][2 * np + 1], qa[mt], b[2], b[3]);
+      }
+    }
+  }
+  uint32_t pa[MT][BN / 16][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    float alpha[2];
+    ApplyMask(Flat(s[mt]), tig, mask[mt]);
+    state[mt].Update(Flat(s[mt]), scale, alpha);
+    RescaleRows(Flat(o[mt]), alpha);
+    PackProbs(Flat(s[mt]), pa[mt]);
+  }
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t b[4];
+      const int row = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+      const int col = dp * 16 + ((lane >> 4) << 3);
+      LdMatrixX4Trans(b, vt + row * kStride + col);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        Mma16816(o[mt][2 * dp], pa[mt][kk], b[0], b[1]);
+        Mma16816(o[mt][2 * dp + 1], pa[mt][kk], b[2], b[3]);
+      }
+    }
+  }
+}
+
 // grid (row blocks of the slice, Hq), kThreads. Block (m, h): rows [64m, 64m + 64) of the
 // piece, q head h.
 template <int D>
@@ -718,10 +761,11 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
     }
   };
 
-  float o[kDimBlocks][4];
+  float o[1][kDimBlocks][4];
 #pragma unroll
-  for (int d = 0; d < kDimBlocks; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-  float mrow[2] = {-CUDART_INF_F, -CUDART_INF_F}, lrow[2] = {0.f, 0.f};
+  for (int d = 0; d < kDimBlocks; ++d) o[0][d][0] = o[0][d][1] = o[0][d][2] = o[0][d][3] = 0.f;
+  SoftmaxState softmax[1];
+  softmax[0].Init();
   uint32_t qf[D / 16][4];
   int q_stage = -1;
 
@@ -747,92 +791,27 @@ __global__ void __launch_bounds__(kThreads, 3) AttendKernel(const PieceArgs a) {
     __syncthreads();
     const Bf16* kt = ks + (j & 1) * kTile;
     const Bf16* vt = vs + (j & 1) * kTile;
-    const int32_t* kp = kpos + (j & 1) * kTileN;
-    float sc[kTileN / 8][4];
-#pragma unroll
-    for (int nb = 0; nb < kTileN / 8; ++nb) sc[nb][0] = sc[nb][1] = sc[nb][2] = sc[nb][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-      for (int np = 0; np < kTileN / 16; ++np) {
-        uint32_t b[4];
-        const int row = np * 16 + (lane & 7) + ((lane >> 4) << 3);
-        const int col = kk * 16 + ((lane >> 3) & 1) * 8;
-        LdMatrixX4(b, kt + row * kStride + col);
-        Mma16816(sc[2 * np], qf[kk], b[0], b[1]);
-        Mma16816(sc[2 * np + 1], qf[kk], b[2], b[3]);
-      }
-    }
-    float tmax[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-    for (int nb = 0; nb < kTileN / 8; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int ri = e / 2;
-        const int32_t key = kp[nb * 8 + tig * 2 + (e & 1)];
-        const int32_t qpos = ri == 0 ? pos0 : pos1;
-        const bool vis = key >= 0 && (s != 0 || key <= qpos);
-        const float x = vis ? sc[nb][e] * a.scale_log2 : -CUDART_INF_F;
-        sc[nb][e] = x;
-        tmax[ri] = fmaxf(tmax[ri], x);
-      }
-    float alpha[2], muse[2];
-#pragma unroll
-    for (int ri = 0; ri < 2; ++ri) {
-      tmax[ri] = fmaxf(tmax[ri], __shfl_xor_sync(0xffffffffu, tmax[ri], 1));
-      tmax[ri] = fmaxf(tmax[ri], __shfl_xor_sync(0xffffffffu, tmax[ri], 2));
-      const float mn = fmaxf(mrow[ri], tmax[ri]);
-      muse[ri] = mn == -CUDART_INF_F ? 0.f : mn;
-      alpha[ri] = exp2f(mrow[ri] - muse[ri]);
-      mrow[ri] = mn;
-      lrow[ri] *= alpha[ri];
-    }
-#pragma unroll
-    for (int nb = 0; nb < kTileN / 8; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pv = exp2f(sc[nb][e] - muse[e / 2]);
-        sc[nb][e] = pv;
-        lrow[e / 2] += pv;
-      }
-#pragma unroll
-    for (int d = 0; d < kDimBlocks; ++d) {
-      o[d][0] *= alpha[0];
-      o[d][1] *= alpha[0];
-      o[d][2] *= alpha[1];
-      o[d][3] *= alpha[1];
-    }
-#pragma unroll
-    for (int kk = 0; kk < kTileN / 16; ++kk) {
-      uint32_t pa[4];
-      pa[0] = PackBf16(sc[2 * kk][0], sc[2 * kk][1]);
-      pa[1] = PackBf16(sc[2 * kk][2], sc[2 * kk][3]);
-      pa[2] = PackBf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-      pa[3] = PackBf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t b[4];
-        const int row = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-        const int col = dp * 16 + ((lane >> 4) << 3);
-        LdMatrixX4Trans(b, vt + row * kStride + col);
-        Mma16816(o[2 * dp], pa, b[0], b[1]);
-        Mma16816(o[2 * dp + 1], pa, b[2], b[3]);
-      }
-    }
+    auto q_frag = [&](int, int kk, uint32_t(&qa)[4]) {
+      qa[0] = qf[kk][0];
+      qa[1] = qf[kk][1];
+      qa[2] = qf[kk][2];
+      qa[3] = qf[kk][3];
+    };
+    const GatherMask mask[1] = {GatherMask(kpos + (j & 1) * kTileN, s == 0, pos0, pos1)};
+    WarpAttendTile<D, kTileN, 1, kStride>(q_frag, kt, vt, mask, a.scale_log2, softmax, o);
     __syncthreads();
   }
   CpAsyncWait<0>();
+  softmax[0].ReduceQuad();
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
-    lrow[ri] += __shfl_xor_sync(0xffffffffu, lrow[ri], 1);
-    lrow[ri] += __shfl_xor_sync(0xffffffffu, lrow[ri], 2);
     if (!(ri == 0 ? v0 : v1)) continue;
-    const float inv = lrow[ri] > 0.f ? 1.f / lrow[ri] : 0.f;  // no key: zeros, never NaN
+    const float inv = softmax[0].InvSum(ri);  // no key: zeros, never NaN
     const int64_t base = (static_cast<int64_t>(ri == 0 ? tok0 : tok1) * a.hq + h) * D;
 #pragma unroll
     for (int d = 0; d < kDimBlocks; ++d) {
-      StorePair(a.out, a.out_dtype, base + d * 8 + tig * 2, o[d][2 * ri] * inv,
-                o[d][2 * ri + 1] * inv);
+      StorePair(a.out, a.out_dtype, base + d * 8 + tig * 2, o[0][d][2 * ri] * inv,
+                o[0][d][2 * ri + 1] * inv);
     }
   }
 }

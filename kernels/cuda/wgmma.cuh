@@ -76,12 +76,6 @@ __device__ __forceinline__ void FenceRegs(uint32_t (&r)[N][4]) {
     for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
 
-__device__ __forceinline__ float Ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // d (64 x N fp32, this thread's N/2) = (scale_d ? d : 0) + A (smem, 64 x 16) * B (smem, 16 x N).
 template <int N>
 __device__ __forceinline__ void WgmmaSS(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d);

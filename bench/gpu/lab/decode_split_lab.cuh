@@ -85,8 +85,8 @@ __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArg
   const int gid = lane / 4, tig = lane % 4;
   float o[kDimBlocks][4];
   for (int d = 0; d < kDimBlocks; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-  float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
-  float l[2] = {0.f, 0.f};
+  SoftmaxState softmax;
+  softmax.Init();
 
   for (int j = 0; j < n_tiles; ++j) {
     if (j + Stages - 1 < n_tiles) {
@@ -125,15 +125,15 @@ __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArg
             if (VariantOfKey(key, prev, cl) == v) s[nb][e] = acc[nb][e];
           }
       }
-      uint32_t pa[4];
-      DecodeTileSoftmax(kw, tig, k_end, scale_log2, s, m, l, o, pa);
+      uint32_t pa[1][4];
+      SoftmaxTile(s, tig, RangeMask(kw, k_end, false, 0, 0), scale_log2, softmax, o, pa);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t vb[4];
         LdMatrixX4Trans(vb, vt + ((lane & 7) + (((lane >> 3) & 1) << 3)) * (D + 8) + dp * 16 +
                                 ((lane >> 4) << 3));
-        Mma16816(o[2 * dp], pa, vb[0], vb[1]);
-        Mma16816(o[2 * dp + 1], pa, vb[2], vb[3]);
+        Mma16816(o[2 * dp], pa[0], vb[0], vb[1]);
+        Mma16816(o[2 * dp + 1], pa[0], vb[2], vb[3]);
       }
     }
     __syncthreads();
@@ -141,11 +141,7 @@ __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArg
   CpAsyncWait<0>();
 
   // Merge the four warps: per-warp (m, l, O) through shared memory (reusing the K/V tiles).
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-  }
+  softmax.ReduceQuad();
   float* so = reinterpret_cast<float*>(smem_raw);  // [4][16][D]
   float* sm = so + 4 * 16 * D;                     // [4][16]
   float* sl = sm + 4 * 16;                         // [4][16]
@@ -158,11 +154,11 @@ __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArg
     so[(warp * 16 + gid + 8) * D + col] = o[d][2];
     so[(warp * 16 + gid + 8) * D + col + 1] = o[d][3];
   }
-  if (tig == 0) {
-    sm[warp * 16 + gid] = m[0];
-    sm[warp * 16 + gid + 8] = m[1];
-    sl[warp * 16 + gid] = l[0];
-    sl[warp * 16 + gid + 8] = l[1];
+  if (tig == 0) {  // maxima to the log2 domain of the partials' log-sum-exp
+    sm[warp * 16 + gid] = softmax.m[0] * scale_log2;
+    sm[warp * 16 + gid + 8] = softmax.m[1] * scale_log2;
+    sl[warp * 16 + gid] = softmax.l[0];
+    sl[warp * 16 + gid + 8] = softmax.l[1];
   }
   __syncthreads();
   for (int idx = threadIdx.x; idx < a.group * D; idx += kThreads) {

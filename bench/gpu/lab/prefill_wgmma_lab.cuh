@@ -25,9 +25,14 @@ namespace cuda_kernels {
 namespace wgmma {
 namespace lab {
 
+using cuda_common::ApplyMask;
 using cuda_common::MbarArrive;
 using cuda_common::MbarInit;
 using cuda_common::MbarWait;
+using cuda_common::PackProbs;
+using cuda_common::RangeMask;
+using cuda_common::RescaleRows;
+using cuda_common::SoftmaxState;
 
 // cp.async.wait_group with a run-time count (0..3).
 __device__ __forceinline__ void CpAsyncWaitN(int n) {
@@ -249,8 +254,8 @@ __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   float s[BN / 2];
   uint32_t pa[kPSteps][4];
-  float m[2] = {-CUDART_INF_F, -CUDART_INF_F};  // running max of raw scores
-  float l[2] = {0.f, 0.f};                      // this thread's partial row sums
+  SoftmaxState state;  // over raw scores
+  state.Init();
   int q_stage = -1;
 
   const uint32_t q_wg = qs + 64 * wg * 128;
@@ -271,58 +276,15 @@ __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
       WgmmaRS<D>(o, pa[kk], Desc(vt + kk * 16 * 128, BN * 128, 1024));
     }
   };
-  // Mask, new running max, p = 2^(x * scale_log2 - m * scale_log2) in place; returns the rescale
-  // factors of the old O and l.
+  // The product's step (attention_tile.cuh): mask the tiles that need it, online softmax.
   auto softmax = [&](int stage, int32_t k0, int32_t khi, float(&alpha)[2]) {
-    const bool need_mask = k0 + BN > khi || (stage == kIntra && k0 + BN - 1 > min_q_pos);
-    if (need_mask) {
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) {
-        const int32_t key = k0 + 8 * (i / 4) + 2 * tig + (i & 1);
-        const int r = (i >> 1) & 1;
-        const bool visible = key < khi && (stage != kIntra || key <= q_pos[r]);
-        if (!visible) s[i] = -CUDART_INF_F;
-      }
+    if (k0 + BN > khi || (stage == kIntra && k0 + BN - 1 > min_q_pos)) {
+      ApplyMask(s, tig, RangeMask(k0, khi, stage == kIntra, q_pos[0], q_pos[1]));
     }
-    // NOTE: four independent partial maxima/sums per row (shorter dependency chains) measured
-    // the same as these running values (NOTES.md), so the simple form stays.
-    float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) tile_max[(i >> 1) & 1] = fmaxf(tile_max[(i >> 1) & 1], s[i]);
-    float neg_m[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      const float m_new = fmaxf(m[r], tile_max[r]);
-      const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
-      alpha[r] = Ex2((m[r] - m_use) * a.scale_log2);
-      m[r] = m_new;
-      neg_m[r] = -m_use * a.scale_log2;
-    }
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      const int r = (i >> 1) & 1;
-      s[i] = Ex2(fmaf(s[i], a.scale_log2, neg_m[r]));
-      sum[r] += s[i];
-    }
-    l[0] = l[0] * alpha[0] + sum[0];
-    l[1] = l[1] * alpha[1] + sum[1];
+    state.Update(s, a.scale_log2, alpha);
   };
-  auto rescale = [&](const float(&alpha)[2]) {
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
-  };
-  auto pack = [&]() {
-#pragma unroll
-    for (int kk = 0; kk < kPSteps; ++kk) {
-      pa[kk][0] = PackBf16(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = PackBf16(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = PackBf16(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = PackBf16(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-  };
+  auto rescale = [&](const float(&alpha)[2]) { RescaleRows(o, alpha); };
+  auto pack = [&]() { PackProbs(s, pa); };
   auto rescale_and_pack = [&](const float(&alpha)[2]) {
     rescale(alpha);
     pack();
@@ -517,12 +479,11 @@ __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
   }
   if constexpr (!Ws) CpAsyncWait<0>();
 
+  state.ReduceQuad();
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     if (!row_valid[r]) continue;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const float inv = state.InvSum(r);
     const int64_t base = q_row[r] * D;
 #pragma unroll
     for (int nb = 0; nb < D / 8; ++nb) {
