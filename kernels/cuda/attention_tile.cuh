@@ -102,9 +102,14 @@ struct SoftmaxState {
 
   // One tile of scores s (hidden keys at -inf, fragment layout): the max and sum move on, s
   // becomes the probabilities, and alpha the factor the rows' output so far must be scaled by.
-  // NOTE: four independent partial maxima and sums per row (shorter dependency chains) measured
-  // the same as these running values in the wgmma prefill (bench/gpu/NOTES.md).
-  template <int N>
+  // kSumTile: sum the tile's probabilities first, then l = l * alpha + sum (the wgmma prefill);
+  // otherwise l *= alpha and each probability is added to it.
+  // NOTE: the two orders schedule differently at a register limit. On the H200 the sparse
+  // attention (168 registers) with the running order is 4% faster at 1M than its code before this
+  // helper, and 8% slower than that with the tile sum; the wgmma prefill keeps the tile sum it was
+  // tuned with (docs/BENCHMARKS.md, issue 17). Four independent partial maxima and sums per row
+  // measured the same as these running values in the wgmma prefill (bench/gpu/NOTES.md).
+  template <bool kSumTile = false, int N>
   __device__ __forceinline__ void Update(float (&s)[N], float scale, float (&alpha)[2]) {
     float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
@@ -120,12 +125,23 @@ struct SoftmaxState {
       m[r] = m_new;
       neg_m[r] = -m_use * scale;
     }
-    l[0] *= alpha[0];
-    l[1] *= alpha[1];
+    if constexpr (kSumTile) {
+      float sum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      s[i] = Ex2(fmaf(s[i], scale, neg_m[FragRow(i)]));
-      l[FragRow(i)] += s[i];
+      for (int i = 0; i < N; ++i) {
+        s[i] = Ex2(fmaf(s[i], scale, neg_m[FragRow(i)]));
+        sum[FragRow(i)] += s[i];
+      }
+      l[0] = l[0] * alpha[0] + sum[0];
+      l[1] = l[1] * alpha[1] + sum[1];
+    } else {
+      l[0] *= alpha[0];
+      l[1] *= alpha[1];
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        s[i] = Ex2(fmaf(s[i], scale, neg_m[FragRow(i)]));
+        l[FragRow(i)] += s[i];
+      }
     }
   }
 

@@ -25,12 +25,10 @@ namespace cuda_kernels {
 namespace wgmma {
 namespace lab {
 
-using cuda_common::ApplyMask;
 using cuda_common::MbarArrive;
 using cuda_common::MbarInit;
 using cuda_common::MbarWait;
 using cuda_common::PackProbs;
-using cuda_common::RangeMask;
 using cuda_common::RescaleRows;
 using cuda_common::SoftmaxState;
 
@@ -276,12 +274,19 @@ __global__ void __launch_bounds__(BlockThreads<Ws>(), 1)
       WgmmaRS<D>(o, pa[kk], Desc(vt + kk * 16 * 128, BN * 128, 1024));
     }
   };
-  // The product's step (attention_tile.cuh): mask the tiles that need it, online softmax.
+  // The product's step (prefill_wgmma.cuh): mask the tiles that need it, online softmax.
   auto softmax = [&](int stage, int32_t k0, int32_t khi, float(&alpha)[2]) {
-    if (k0 + BN > khi || (stage == kIntra && k0 + BN - 1 > min_q_pos)) {
-      ApplyMask(s, tig, RangeMask(k0, khi, stage == kIntra, q_pos[0], q_pos[1]));
+    const bool need_mask = k0 + BN > khi || (stage == kIntra && k0 + BN - 1 > min_q_pos);
+    if (need_mask) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) {
+        const int32_t key = k0 + 8 * (i / 4) + 2 * tig + (i & 1);
+        const int r = (i >> 1) & 1;
+        const bool visible = key < khi && (stage != kIntra || key <= q_pos[r]);
+        if (!visible) s[i] = -CUDART_INF_F;
+      }
     }
-    state.Update(s, a.scale_log2, alpha);
+    state.Update<true>(s, a.scale_log2, alpha);
   };
   auto rescale = [&](const float(&alpha)[2]) { RescaleRows(o, alpha); };
   auto pack = [&]() { PackProbs(s, pa); };
