@@ -61,7 +61,7 @@ struct RangeMask {
 };
 
 // Keys gathered into the tile: key[col] absolute, or -1 for an empty slot (sparse attention);
-// with `causal`, only keys at or before the row's position.
+// with `causal`, only keys at or before the row's position (positions are >= 0).
 struct GatherMask {
   const int32_t* key;  // [tile columns], in shared memory
   uint32_t last[2];    // the rows' last visible key; -1 (as unsigned) is above every one of them
