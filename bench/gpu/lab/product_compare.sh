@@ -38,7 +38,7 @@ for ((round = 1; round <= rounds; ++round)); do
     --out "$out/sparse_after_$round.txt" >/dev/null 2>&1 || status=1
 done
 echo "[+${SECONDS}s] sparse"
-tests=${TESTS:-dca_cuda_test lab_test rotary_cuda_test sparse_cuda_test cuda_engine_test \
+tests=${TESTS:-attention_tile_test dca_cuda_test lab_test rotary_cuda_test sparse_cuda_test cuda_engine_test \
 golden_cuda_test sparse_golden_cuda_test sharded_engine_cuda_test}
 [[ $tests == none ]] && tests=
 for t in $tests; do
