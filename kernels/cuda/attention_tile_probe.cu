@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "kernels/cuda/attention_tile.cuh"
 #include "kernels/cuda/attention_tile_probe.h"
 #include "kernels/cuda/cuda_status.h"
@@ -114,8 +115,9 @@ absl::Status Upload(const std::vector<T>& host, size_t expect, T** dev) {
         absl::StrCat("probe input has ", host.size(), " elements, expected ", expect));
   }
   ATTND_CUDA_RETURN_IF_ERROR(cudaMalloc(dev, sizeof(T) * (expect > 0 ? expect : 1)));
-  return CudaStatus(cudaMemcpy(*dev, host.data(), sizeof(T) * expect, cudaMemcpyHostToDevice),
-                    "cudaMemcpy");
+  ATTND_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(*dev, host.data(), sizeof(T) * expect, cudaMemcpyHostToDevice));
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -123,37 +125,38 @@ absl::Status Upload(const std::vector<T>& host, size_t expect, T** dev) {
 absl::Status RunSoftmaxProbe(const SoftmaxProbeInput& in, SoftmaxProbeOutput* out) {
   if (in.tiles < 1) return absl::InvalidArgumentError("probe needs at least one tile");
   const size_t t = in.tiles;
-  float *scores = nullptr, *values = nullptr, *res = nullptr;
-  int32_t *pos = nullptr, *keys = nullptr;
+  struct Buffers {  // freed on every return
+    float *scores = nullptr, *values = nullptr, *res = nullptr;
+    int32_t *pos = nullptr, *keys = nullptr;
+    ~Buffers() {
+      (void)cudaFree(scores);
+      (void)cudaFree(values);
+      (void)cudaFree(res);
+      (void)cudaFree(pos);
+      (void)cudaFree(keys);
+    }
+  } b;
   const std::vector<int32_t> no_keys(t * kProbeCols, -1);
-  absl::Status s = Upload(in.scores, t * kProbeRows * kProbeCols, &scores);
-  if (s.ok()) s = Upload(in.values, t * kProbeCols, &values);
-  if (s.ok()) s = Upload(in.pos, static_cast<size_t>(kProbeRows), &pos);
-  if (s.ok()) s = Upload(in.gather ? in.keys : no_keys, t * kProbeCols, &keys);
+  ATTND_RETURN_IF_ERROR(Upload(in.scores, t * kProbeRows * kProbeCols, &b.scores));
+  ATTND_RETURN_IF_ERROR(Upload(in.values, t * kProbeCols, &b.values));
+  ATTND_RETURN_IF_ERROR(Upload(in.pos, static_cast<size_t>(kProbeRows), &b.pos));
+  ATTND_RETURN_IF_ERROR(Upload(in.gather ? in.keys : no_keys, t * kProbeCols, &b.keys));
   constexpr size_t kTile = kProbeRows * kProbeCols;
   const size_t res_floats = 4 * kProbeRows + 2 * kTile;
-  if (s.ok()) s = CudaStatus(cudaMalloc(&res, res_floats * sizeof(float)), "cudaMalloc");
-  if (s.ok()) {
-    ProbeArgs a{in.tiles, scores, values,   in.scale, in.gather, in.k_hi,  in.causal,       pos,
-                keys,     res,    res + 16, res + 32, res + 48,  res + 64, res + 64 + kTile};
-    if (in.sum_tile) {
-      SoftmaxProbeKernel<true><<<1, 32>>>(a);
-    } else {
-      SoftmaxProbeKernel<false><<<1, 32>>>(a);
-    }
-    s = CudaStatus(cudaGetLastError(), "SoftmaxProbeKernel launch");
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.res, res_floats * sizeof(float)));
+  float* res = b.res;
+  const ProbeArgs a{in.tiles, b.scores,  b.values, in.scale, in.gather,
+                    in.k_hi,  in.causal, b.pos,    b.keys,   res,
+                    res + 16, res + 32,  res + 48, res + 64, res + 64 + kTile};
+  if (in.sum_tile) {
+    SoftmaxProbeKernel<true><<<1, 32>>>(a);
+  } else {
+    SoftmaxProbeKernel<false><<<1, 32>>>(a);
   }
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("SoftmaxProbeKernel");
   std::vector<float> host(res_floats);
-  if (s.ok()) {
-    s = CudaStatus(cudaMemcpy(host.data(), res, res_floats * sizeof(float), cudaMemcpyDeviceToHost),
-                   "cudaMemcpy");
-  }
-  cudaFree(scores);
-  cudaFree(values);
-  cudaFree(pos);
-  cudaFree(keys);
-  cudaFree(res);
-  if (!s.ok()) return s;
+  ATTND_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(host.data(), res, res_floats * sizeof(float), cudaMemcpyDeviceToHost));
   out->out.assign(host.begin(), host.begin() + 16);
   out->max.assign(host.begin() + 16, host.begin() + 32);
   out->sum.assign(host.begin() + 32, host.begin() + 48);
