@@ -47,12 +47,11 @@ __device__ __forceinline__ float Ex2(float x) {
 // ---- mask policies: Visible(col, row) for the tile's column col and the thread's row 0 or 1 --
 
 // Keys k0 + col of a contiguous range [.., k_hi); with `causal`, only keys at or before the
-// row's position (the DCA intra stage). Each row's visible keys end at one bound, so the test is a
-// single compare per score.
+// row's position (a sparse estimate's causal corner; pos -1 hides every key). Each row's visible
+// keys end at one bound, so the test is a single compare per score.
 struct RangeMask {
   int32_t k0;      // the tile's first key
   int32_t end[2];  // the rows' bounds: key < end[row] is visible
-  RangeMask() = default;
   __device__ __forceinline__ RangeMask(int32_t first_key, int32_t k_hi, bool causal, int32_t pos0,
                                        int32_t pos1)
       : k0(first_key),
