@@ -20,6 +20,7 @@ struct ProbeArgs {
   const float* values;  // [tiles][64]
   float scale;
   bool gather;
+  bool two_bound;
   int32_t k_hi;
   bool causal;
   const int32_t* pos;   // [16]
@@ -68,6 +69,10 @@ __global__ void SoftmaxProbeKernel(const ProbeArgs a) {
     cuda_common::SoftmaxState& half = t < a.tiles / 2 ? half_a : half_b;
     if (a.gather) {
       const cuda_common::GatherMask mask(a.keys + t * kProbeCols, a.causal, pos0, pos1);
+      Step<kSumTile>(a, t, mask, half, unused, p, false);
+      Step<kSumTile>(a, t, mask, state, o, p, true);
+    } else if (a.two_bound) {
+      const cuda_common::TwoBoundMask mask{t * kProbeCols, a.k_hi, a.causal, pos0, pos1};
       Step<kSumTile>(a, t, mask, half, unused, p, false);
       Step<kSumTile>(a, t, mask, state, o, p, true);
     } else {
@@ -145,9 +150,9 @@ absl::Status RunSoftmaxProbe(const SoftmaxProbeInput& in, SoftmaxProbeOutput* ou
   const size_t res_floats = 4 * kProbeRows + 2 * kTile;
   ATTND_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.res, res_floats * sizeof(float)));
   float* res = b.res;
-  const ProbeArgs a{in.tiles, b.scores,  b.values, in.scale, in.gather,
-                    in.k_hi,  in.causal, b.pos,    b.keys,   res,
-                    res + 16, res + 32,  res + 48, res + 64, res + 64 + kTile};
+  const ProbeArgs a{in.tiles, b.scores,  b.values, in.scale,        in.gather, in.two_bound,
+                    in.k_hi,  in.causal, b.pos,    b.keys,          res,       res + 16,
+                    res + 32, res + 48,  res + 64, res + 64 + kTile};
   if (in.sum_tile) {
     SoftmaxProbeKernel<true><<<1, 32>>>(a);
   } else {

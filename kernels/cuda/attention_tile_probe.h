@@ -1,7 +1,7 @@
 // A test probe of attention_tile.cuh (the shared online softmax and mask policies): one warp runs
-// SoftmaxState, RangeMask / GatherMask, RescaleRows, PackProbs and MergeStats over tiles of
-// given scores, so attention_tile_test can check them against a double-precision softmax without
-// a whole attention kernel around them. Test-only; not linked by the daemon.
+// SoftmaxState, RangeMask / TwoBoundMask / GatherMask, RescaleRows, PackProbs and MergeStats over
+// tiles of given scores, so attention_tile_test can check them against a double-precision softmax
+// without a whole attention kernel around them. Test-only; not linked by the daemon.
 #ifndef ATTND_KERNELS_CUDA_ATTENTION_TILE_PROBE_H_
 #define ATTND_KERNELS_CUDA_ATTENTION_TILE_PROBE_H_
 
@@ -21,9 +21,11 @@ struct SoftmaxProbeInput {
   std::vector<float> values;  // [tiles][kProbeCols]: a scalar "V" per key
   float scale = 1.f;          // multiplies the scores in the exponent (base 2)
   bool sum_tile = false;      // SoftmaxState::Update<true>
-  // Mask per tile: gather == false: RangeMask(k0 = 64 t, k_hi, causal, pos[row]);
-  // gather == true: GatherMask over keys[t][col] (-1 = empty), causal, pos[row].
+  // Mask per tile: gather == false: RangeMask(k0 = 64 t, k_hi, causal, pos[row]), or with
+  // two_bound the same keys through TwoBoundMask; gather == true: GatherMask over keys[t][col]
+  // (-1 = empty), causal, pos[row].
   bool gather = false;
+  bool two_bound = false;
   int32_t k_hi = 0;
   bool causal = false;
   std::vector<int32_t> pos;   // [kProbeRows]

@@ -101,22 +101,31 @@ class AttentionTile : public testing::TestWithParam<bool> {
   void SetUp() override { REQUIRE_GPU(); }
 };
 
+// The range cases run through both range policies (RangeMask, TwoBoundMask): the same keys.
 TEST_P(AttentionTile, RangeMaskAcrossTilesWithARisingMax) {
-  SoftmaxProbeInput in = RandomInput(4, 1, 8.f, 12.f);
-  in.sum_tile = GetParam();
-  in.k_hi = 3 * kProbeCols + 21;  // the last tile is partly past the range, its columns hidden
-  CheckAgainstReference(in);
+  for (const bool two_bound : {false, true}) {
+    SCOPED_TRACE(two_bound ? "TwoBoundMask" : "RangeMask");
+    SoftmaxProbeInput in = RandomInput(4, 1, 8.f, 12.f);
+    in.sum_tile = GetParam();
+    in.two_bound = two_bound;
+    in.k_hi = 3 * kProbeCols + 21;  // the last tile is partly past the range, its columns hidden
+    CheckAgainstReference(in);
+  }
 }
 
 TEST_P(AttentionTile, CausalRangeMaskWithRowsThatSeeNothing) {
-  SoftmaxProbeInput in = RandomInput(3, 2, 4.f, -3.f);
-  in.sum_tile = GetParam();
-  in.k_hi = 3 * kProbeCols;
-  in.causal = true;
-  for (int r = 0; r < kProbeRows; ++r) in.pos[r] = r * 13 - 1;  // row 0 at -1: no key at all
-  in.pos[5] = 1000;                                             // past k_hi: the range bounds it
-  in.pos[6] = 63;                                               // only the first tile
-  CheckAgainstReference(in);
+  for (const bool two_bound : {false, true}) {
+    SCOPED_TRACE(two_bound ? "TwoBoundMask" : "RangeMask");
+    SoftmaxProbeInput in = RandomInput(3, 2, 4.f, -3.f);
+    in.sum_tile = GetParam();
+    in.two_bound = two_bound;
+    in.k_hi = 3 * kProbeCols;
+    in.causal = true;
+    for (int r = 0; r < kProbeRows; ++r) in.pos[r] = r * 13 - 1;  // row 0 at -1: no key at all
+    in.pos[5] = 1000;                                             // past k_hi: the range bounds it
+    in.pos[6] = 63;                                               // only the first tile
+    CheckAgainstReference(in);
+  }
 }
 
 TEST_P(AttentionTile, GatherMaskWithEmptySlotsAndCausalRows) {

@@ -120,7 +120,8 @@ __device__ __forceinline__ PrefillTile PrefillTileOfBlock(const PrefillArgs& a) 
 // The product's configuration (D 128, 4 warps, MT 2, BN 64) runs at the 255-register limit: every
 // shared form tried (SoftmaxState inline, or the sparse kernel's WarpAttendTile) raised ptxas'
 // spills from 76 to 112-152 bytes, and the one run on the H200 (WarpAttendTile) was 5-9% slower
-// (docs/BENCHMARKS.md, issue 17).
+// (docs/BENCHMARKS.md, issue 17). Its visibility test stays inline too: through TwoBoundMask
+// (attention_tile.cuh) ptxas' spills went from 76 to 128 bytes.
 template <int D, int Warps, int Stages, int MT, int BN>
 __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs a) {
   constexpr int kBlockM = 16 * MT * Warps;

@@ -31,12 +31,14 @@ namespace attnd {
 namespace cuda_kernels {
 namespace wgmma {
 
+using cuda_common::ApplyMask;
 using cuda_common::MbarArrive;
 using cuda_common::MbarInit;
 using cuda_common::MbarWait;
 using cuda_common::PackProbs;
 using cuda_common::RescaleRows;
 using cuda_common::SoftmaxState;
+using cuda_common::TwoBoundMask;
 
 constexpr int kPrefillBlockN = 128;  // keys per K/V tile
 constexpr int kPrefillStages = 3;    // K/V ring depth (the overlap frees a slot one tile late)
@@ -201,20 +203,9 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) DcaPrefillWgmmaKernel(cons
   };
   // Mask (only tiles that cross the range's end or the causal diagonal need it), then the online
   // softmax: p in place of s, alpha the rescale factors of the old O.
-  // NOTE: the visibility test is written out here rather than taken from RangeMask: with
-  // RangeMask's single compare ptxas schedules this loop differently, and on the H200 the kernel
-  // was 0.3-0.7% slower at 128K over four runs and 2.7-4.5% at 32K with 4 chunks (issue 17).
   auto softmax = [&](int stage, int32_t k0, int32_t khi, float(&alpha)[2]) {
     const bool need_mask = k0 + BN > khi || (stage == kIntra && k0 + BN - 1 > min_q_pos);
-    if (need_mask) {
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) {
-        const int32_t key = k0 + 8 * (i / 4) + 2 * tig + (i & 1);
-        const int r = (i >> 1) & 1;
-        const bool visible = key < khi && (stage != kIntra || key <= q_pos[r]);
-        if (!visible) s[i] = -CUDART_INF_F;
-      }
-    }
+    if (need_mask) ApplyMask(s, tig, TwoBoundMask{k0, khi, stage == kIntra, q_pos[0], q_pos[1]});
     state.Update<true>(s, a.scale_log2, alpha);
   };
   // O of the tiles so far rescaled, and P packed as the A operand of the next P V.
