@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -136,9 +137,10 @@ class ChildDaemon {
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    if (posix_spawn(&pid_, binary.c_str(), nullptr, nullptr, argv.data(), environ) != 0) {
+    const int err = posix_spawn(&pid_, binary.c_str(), nullptr, nullptr, argv.data(), environ);
+    if (err != 0) {
       pid_ = -1;
-      return absl::InternalError(absl::StrCat("cannot start ", binary));
+      return absl::InternalError(absl::StrCat("cannot start ", binary, ": ", std::strerror(err)));
     }
     client::ClientOptions options;
     options.connect_timeout = absl::Seconds(1);

@@ -221,9 +221,12 @@ class ChildDaemon {
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    if (posix_spawnp(&pid_, binary.c_str(), nullptr, nullptr, argv.data(), environ) != 0) {
+    const int err = posix_spawnp(&pid_, binary.c_str(), nullptr, nullptr, argv.data(), environ);
+    if (err != 0) {
       pid_ = -1;
-      return absl::InternalError(absl::StrCat("cannot start ", binary));
+      return absl::InternalError(absl::StrCat(
+          "cannot start ", binary, ": ", std::strerror(err),
+          " (looked in $TEST_SRCDIR/attnd/server/attnd, then PATH: bundle server/attnd with it)"));
     }
     return absl::OkStatus();
   }
