@@ -2,7 +2,8 @@
 // sequence fed through a shm region (inputs and output) gives bit-identical outputs to a twin fed
 // inline bytes; every bad reference is refused with its code and changes nothing; a ring carries
 // Session requests (and a garbage one) through shared memory with the futex doorbell, written here
-// by hand from proto/attnd/v1/shm_ring.h, independent of the client library.
+// by hand from proto/attnd/v1/shm_ring.h, independent of the client library; length fields past a
+// ring's half are refused, and a ring whose object shrinks or that nobody uses is closed.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -337,12 +339,14 @@ class HandRing {
   const std::string& name() const { return shm_.name(); }
   uint64_t bytes() const { return ring::kHeaderBytes + 2 * half_; }
 
-  // Writes raw request bytes, rings, waits (spin then futex) for the answer.
-  bool RoundTrip(const std::string& request, std::string* response, bool sleep_first) {
+  // Writes raw request bytes, rings, waits (spin then futex) for the answer. `claimed`: the
+  // length field to write instead of the request's size (a hostile client's).
+  bool RoundTrip(const std::string& request, std::string* response, bool sleep_first,
+                 std::optional<uint64_t> claimed = std::nullopt) {
     ring::Header* h = header();
     const uint32_t seq = h->request_seq.load() + 1;
-    const uint64_t n = request.size();
-    std::memcpy(shm_.base() + ring::RequestOffset(), &n, 8);
+    const uint64_t n = request.size(), field = claimed.value_or(n);
+    std::memcpy(shm_.base() + ring::RequestOffset(), &field, 8);
     std::memcpy(shm_.base() + ring::RequestOffset() + 8, request.data(), n);
     if (sleep_first) absl::SleepFor(absl::Milliseconds(5));  // let the server fall asleep
     h->request_seq.store(seq, std::memory_order_seq_cst);
@@ -361,6 +365,23 @@ class HandRing {
     response->assign(shm_.base() + ring::ResponseOffset(half_) + 8, len);
     return true;
   }
+
+  // Rings the doorbell without writing a request (after Truncate the halves are gone).
+  void Ring() {
+    ring::Header* h = header();
+    h->request_seq.store(h->request_seq.load() + 1, std::memory_order_seq_cst);
+    ring::FutexWake(&h->request_seq);
+  }
+  // Waits up to `timeout` for attnd to mark the ring closed.
+  bool WaitClosed(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (header()->closed.load() == 0) {
+      if (absl::Now() > deadline) return false;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return true;
+  }
+  void Truncate(size_t bytes) { shm_.Truncate(bytes); }
 
  private:
   uint64_t half_;
@@ -545,6 +566,108 @@ TEST_F(RegionsTest, BadRingsAreRefused) {
   EXPECT_EQ(open(hand.bytes()).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   hand.header()->request_seq.store(0);
   EXPECT_TRUE(open(hand.bytes()).ok());
+}
+
+// Opens `hand` as a ring; the ring id, or "" (with a test failure).
+std::string OpenRing(v1::Attention::Stub* stub, HandRing* hand) {
+  v1::OpenRingRequest open;
+  open.set_name(hand->name());
+  open.set_byte_size(hand->bytes());
+  v1::OpenRingResponse opened;
+  grpc::ClientContext context;
+  grpc::Status s = stub->OpenRing(&context, open, &opened);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return opened.ring_id();
+}
+
+grpc::StatusCode CloseRing(v1::Attention::Stub* stub, const std::string& id) {
+  v1::CloseRingRequest close;
+  close.set_ring_id(id);
+  v1::CloseRingResponse closed;
+  grpc::ClientContext context;
+  return stub->CloseRing(&context, close, &closed).error_code();
+}
+
+// A length field past the request half (up to 2^64 - 1) is answered INVALID_ARGUMENT with the
+// half's capacity, nothing is read past the half, and the ring serves the next request.
+TEST_F(RegionsTest, RingLengthFieldsPastTheHalfAreRefused) {
+  HandRing hand(64 * 1024);
+  const std::string id = OpenRing(stub_.get(), &hand);
+  const uint64_t capacity = 64 * 1024 - 8;
+  v1::SessionRequest unknown;
+  unknown.set_tag(7);
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  v1::DecodeEntry* e = unknown.mutable_decode()->add_entries();
+  e->set_sequence_id(std::string(32, 'e'));
+  *e->mutable_q() = Tensor({3, hq, d}, std::vector<float>(3 * hq * d));
+  *e->mutable_k() = Tensor({hkv, d}, std::vector<float>(hkv * d));
+  *e->mutable_v() = Tensor({hkv, d}, std::vector<float>(hkv * d));
+  const std::string request = unknown.SerializeAsString();
+  for (const uint64_t claimed : {capacity + 1, uint64_t{1} << 40, ~uint64_t{0}}) {
+    SCOPED_TRACE(claimed);
+    std::string bytes;
+    ASSERT_TRUE(hand.RoundTrip(request, &bytes, false, claimed));
+    v1::SessionResponse response;
+    ASSERT_TRUE(response.ParseFromString(bytes));
+    EXPECT_EQ(response.code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+    EXPECT_NE(response.message().find(absl::StrCat("says ", claimed, " bytes")), std::string::npos)
+        << response.message();
+    EXPECT_NE(response.message().find(absl::StrCat("(", capacity, ")")), std::string::npos)
+        << response.message();
+  }
+  // A length of exactly the capacity is read (and here does not parse); then a real request.
+  std::string bytes;
+  ASSERT_TRUE(hand.RoundTrip(request, &bytes, false, capacity));
+  v1::SessionResponse response;
+  ASSERT_TRUE(response.ParseFromString(bytes));
+  EXPECT_EQ(response.code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_NE(response.message().find("cannot parse"), std::string::npos) << response.message();
+  ASSERT_TRUE(hand.RoundTrip(request, &bytes, false));
+  ASSERT_TRUE(response.ParseFromString(bytes));
+  EXPECT_EQ(response.tag(), 7u);
+  EXPECT_EQ(response.code(), static_cast<int>(grpc::StatusCode::NOT_FOUND)) << response.message();
+  EXPECT_EQ(CloseRing(stub_.get(), id), grpc::StatusCode::OK);
+}
+
+// A client that shrinks its ring's shm object under attnd: the ring's thread hits SIGBUS reading
+// the request half, the guard turns it into a broken ring, and the housekeeping closes it at its
+// next pass (within about a second, not after the idle timeout). The daemon goes on serving.
+TEST_F(RegionsTest, ARingWhoseObjectShrinksIsClosedAndTheDaemonServesOn) {
+  ServerOptions options = testing::SmallCpuOptions();
+  options.region_idle_timeout = absl::Seconds(60);  // so only the broken path can close it
+  options.ring_spin = absl::Microseconds(20);
+  Start(options);
+  HandRing hand(64 * 1024);
+  const std::string id = OpenRing(stub_.get(), &hand);
+  std::string bytes;
+  ASSERT_TRUE(hand.RoundTrip("\xff garbage", &bytes, false));  // the ring works
+  hand.Truncate(ring::kHeaderBytes);                           // the halves are gone
+  hand.Ring();
+  EXPECT_TRUE(hand.WaitClosed(absl::Seconds(10))) << "the broken ring was not closed";
+  EXPECT_EQ(CloseRing(stub_.get(), id), grpc::StatusCode::NOT_FOUND);
+  // Another ring, and the unary API, still work.
+  HandRing next(64 * 1024);
+  const std::string next_id = OpenRing(stub_.get(), &next);
+  ASSERT_TRUE(next.RoundTrip("\xff garbage", &bytes, false));
+  v1::SessionResponse response;
+  ASSERT_TRUE(response.ParseFromString(bytes));
+  EXPECT_EQ(response.code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_FALSE(NewSequence().empty());
+  EXPECT_EQ(CloseRing(stub_.get(), next_id), grpc::StatusCode::OK);
+}
+
+// A ring no request used for the idle timeout (2 s here; a client that died holding it) is
+// closed, and not before that.
+TEST_F(RegionsTest, IdleRingsAreClosed) {
+  HandRing hand(64 * 1024);
+  const std::string id = OpenRing(stub_.get(), &hand);
+  std::string bytes;
+  ASSERT_TRUE(hand.RoundTrip("\xff garbage", &bytes, false));
+  const absl::Time last_used = absl::Now();
+  EXPECT_FALSE(hand.WaitClosed(absl::Milliseconds(1500))) << "closed before its idle timeout";
+  EXPECT_TRUE(hand.WaitClosed(absl::Seconds(10))) << "the idle ring was not closed";
+  EXPECT_GE(absl::Now() - last_used, absl::Seconds(2));
+  EXPECT_EQ(CloseRing(stub_.get(), id), grpc::StatusCode::NOT_FOUND);
 }
 
 }  // namespace
