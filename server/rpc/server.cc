@@ -337,13 +337,11 @@ void AttndServerImpl::StopReaper() {
 void AttndServerImpl::HealthWatchLoop() {
   int64_t ticks = 0;
   while (true) {
-    ++ticks;
+    ++ticks;  // once per 100 ms wait below
 #ifdef __GLIBC__
     // Every 5 s: give freed heap back to the OS. Large requests are freed in pieces that glibc
     // keeps in its arenas; without this, RSS stayed hundreds of MB up after a burst (issue #13).
-    if (++ticks % 50 == 0) malloc_trim(0);
-#else
-    ++ticks;
+    if (ticks % 50 == 0) malloc_trim(0);
 #endif
     // Likewise the Prefill fast path's idle buffers: kept while calls keep coming, freed ~10 s
     // after a burst.
