@@ -114,7 +114,7 @@ class Staging {
 class ShmStaging : public Staging {
  public:
   static absl::StatusOr<std::unique_ptr<Staging>> Create(AttndClient& client, uint64_t bytes) {
-    absl::StatusOr<std::unique_ptr<ShmBuffer>> buf = ShmBuffer::Create(bytes);
+    absl::StatusOr<std::unique_ptr<ShmBuffer>> buf = ShmBuffer::CreateFor(client, bytes);
     if (!buf.ok()) return buf.status();
     absl::StatusOr<RegisteredRegion> region = RegisteredRegion::Shm(client, **buf);
     if (!region.ok()) return region.status();

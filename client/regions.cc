@@ -10,6 +10,8 @@
 #include <random>
 #include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -19,9 +21,9 @@ namespace attnd {
 namespace client {
 namespace {
 
-std::string RandomShmName() {
+std::string RandomShmName(absl::string_view prefix) {
   std::random_device rd;
-  std::string name = "/attnd-";
+  std::string name(prefix);
   for (int i = 0; i < 4; ++i) absl::StrAppend(&name, absl::StrFormat("%08x", rd()));
   return name;
 }
@@ -34,12 +36,23 @@ absl::Status Errno(absl::string_view what, int err) {
 
 // ---- ShmBuffer ----
 
-absl::StatusOr<std::unique_ptr<ShmBuffer>> ShmBuffer::Create(size_t bytes) {
+absl::StatusOr<std::unique_ptr<ShmBuffer>> ShmBuffer::Create(size_t bytes,
+                                                             absl::string_view prefix) {
   if (bytes == 0) return absl::InvalidArgumentError("a shm buffer needs at least one byte");
+  bool name_ok = !prefix.empty() && prefix[0] == '/' && prefix.size() <= 200;
+  for (size_t i = 1; name_ok && i < prefix.size(); ++i) {
+    const char c = prefix[i];
+    name_ok = absl::ascii_isalnum(c) || c == '.' || c == '_' || c == '-';
+  }
+  if (!name_ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm name prefix \"", absl::CHexEscape(prefix.substr(0, 64)),
+                     "\" is not \"/\" followed by at most 199 of [A-Za-z0-9._-]"));
+  }
   std::string name;
   int fd = -1;
   for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
-    name = RandomShmName();
+    name = RandomShmName(prefix);
     fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
     if (fd < 0 && errno != EEXIST) return Errno(absl::StrCat("shm_open ", name), errno);
   }
@@ -122,15 +135,26 @@ std::string RegisteredRegion::Release() {
   return std::exchange(id_, std::string());
 }
 
+absl::StatusOr<std::unique_ptr<ShmBuffer>> ShmBuffer::CreateFor(AttndClient& client, size_t bytes) {
+  ATTND_ASSIGN_OR_RETURN(v1::GetServerInfoResponse info, client.Info());
+  if (!info.has_regions()) {
+    return absl::FailedPreconditionError("the server takes no tensor regions or rings");
+  }
+  // An older server says nothing: its names are the unauthenticated ones.
+  const std::string& prefix = info.regions().shm_name_prefix();
+  return Create(bytes, prefix.empty() ? absl::string_view("/attnd-") : absl::string_view(prefix));
+}
+
 // ---- RingClient ----
 
-absl::StatusOr<std::unique_ptr<RingClient>> RingClient::Layout(const RingOptions& options) {
+absl::StatusOr<std::unique_ptr<RingClient>> RingClient::Layout(const RingOptions& options,
+                                                               absl::string_view prefix) {
   if (options.half_bytes <= ring::kLengthBytes || options.half_bytes % 4096 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "ring half_bytes must be a positive multiple of 4096, got ", options.half_bytes));
   }
   ATTND_ASSIGN_OR_RETURN(std::unique_ptr<ShmBuffer> buffer,
-                         ShmBuffer::Create(ring::kHeaderBytes + 2 * options.half_bytes));
+                         ShmBuffer::Create(ring::kHeaderBytes + 2 * options.half_bytes, prefix));
   // The mapping is zero-filled: every sequence word starts at 0 and nothing is in flight.
   ring::Header* h = reinterpret_cast<ring::Header*>(buffer->data());
   h->magic = ring::kMagic;
@@ -142,12 +166,16 @@ absl::StatusOr<std::unique_ptr<RingClient>> RingClient::Layout(const RingOptions
 }
 
 absl::StatusOr<std::unique_ptr<RingClient>> RingClient::CreateUnopened(const RingOptions& options) {
-  return Layout(options);
+  return Layout(options, "/attnd-");
 }
 
 absl::StatusOr<std::unique_ptr<RingClient>> RingClient::Open(AttndClient& client,
                                                              const RingOptions& options) {
-  ATTND_ASSIGN_OR_RETURN(std::unique_ptr<RingClient> ring, Layout(options));
+  ATTND_ASSIGN_OR_RETURN(v1::GetServerInfoResponse info, client.Info());
+  const std::string& prefix = info.regions().shm_name_prefix();
+  ATTND_ASSIGN_OR_RETURN(
+      std::unique_ptr<RingClient> ring,
+      Layout(options, prefix.empty() ? absl::string_view("/attnd-") : absl::string_view(prefix)));
   ATTND_ASSIGN_OR_RETURN(v1::OpenRingResponse opened,
                          client.OpenRing(ring->buffer_->name(), ring->buffer_->size()));
   ring->client_ = &client;

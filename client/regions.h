@@ -1,7 +1,7 @@
 // Zero-copy data plane, the client side (docs/regions.md): POSIX shm buffers, registered regions
 // and the shared-memory ring (proto/attnd/v1/shm_ring.h).
 //
-//   auto buf = ShmBuffer::Create(bytes);                       // a fresh shm object, mapped
+//   auto buf = ShmBuffer::CreateFor(client, bytes);            // a fresh shm object, mapped
 //   auto region = RegisteredRegion::Shm(client, **buf);        // RegisterRegion; unregisters on
 //   exit in.q = TensorRef::In(region->id(), offset, DType::kBf16, {T, 5, Hq, D});
 //
@@ -31,12 +31,18 @@ namespace attnd {
 namespace client {
 
 // A POSIX shared-memory object this process created (shm_open O_CREAT|O_EXCL under a random name
-// "/attnd-<32 hex>"), sized and mapped read-write. The destructor unlinks the name and unmaps it
+// "<prefix><32 hex>"), sized and mapped read-write. The destructor unlinks the name and unmaps it
 // (attnd keeps its own mapping of a registered object until the region is unregistered).
+// attnd registers only names under the caller's prefix (GetServerInfo's
+// regions.shm_name_prefix: "/attnd-", or "/attnd-<tenant>." with authentication).
 class ShmBuffer {
  public:
-  // `bytes` > 0; the mapping is zero-filled.
-  static absl::StatusOr<std::unique_ptr<ShmBuffer>> Create(size_t bytes);
+  // `bytes` > 0; the mapping is zero-filled. `prefix`: "/" then [A-Za-z0-9._-], as the server
+  // gives it; the default is the one of a server without authentication.
+  static absl::StatusOr<std::unique_ptr<ShmBuffer>> Create(size_t bytes,
+                                                           absl::string_view prefix = "/attnd-");
+  // Named for the caller of `client` (one GetServerInfo for the prefix).
+  static absl::StatusOr<std::unique_ptr<ShmBuffer>> CreateFor(AttndClient& client, size_t bytes);
   ~ShmBuffer();
   ShmBuffer(const ShmBuffer&) = delete;
   ShmBuffer& operator=(const ShmBuffer&) = delete;
@@ -154,7 +160,8 @@ class RingClient {
  private:
   RingClient(std::unique_ptr<ShmBuffer> buffer, const RingOptions& options)
       : buffer_(std::move(buffer)), options_(options) {}
-  static absl::StatusOr<std::unique_ptr<RingClient>> Layout(const RingOptions& options);
+  static absl::StatusOr<std::unique_ptr<RingClient>> Layout(const RingOptions& options,
+                                                            absl::string_view prefix);
   // Waits until response_seq == `want`; the status says why not.
   absl::Status WaitResponse(uint32_t want, absl::Time deadline, bool count);
 

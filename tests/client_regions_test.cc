@@ -4,6 +4,7 @@
 // reference) with the same results; a ring the server closes answers UNAVAILABLE; RAII objects
 // unregister and close what they own; attnctl bench runs the shm and ring transports.
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <sstream>
 #include <string>
@@ -260,6 +261,68 @@ TEST_F(ClientRegionsTest, BenchRunsTheShmAndRingTransports) {
     EXPECT_EQ(info->live_sequences(), 0);
     EXPECT_EQ(info->kv_cache().pages_free(), info->kv_cache().pages_total());
   }
+}
+
+// With authentication each tenant names its objects under its own prefix, which the server gives
+// in GetServerInfo: ShmBuffer::CreateFor and RingClient::Open use it, and attnd refuses to map
+// another tenant's object (or one outside "/attnd-"), so no tenant can make it read or write
+// memory that is not its own.
+TEST(ClientRegionsAuthTest, EachTenantRegistersOnlyObjectsNamedForIt) {
+  const std::string tokens = absl::StrCat(::testing::TempDir(), "/regions-tokens.", getpid());
+  std::ofstream(tokens) << "alice token-of-alice-0123456789abcdef\n"
+                        << "bob token-of-bob-fedcba9876543210abc\n";
+  ServerOptions options = testing::SmallCpuOptions();
+  options.auth_token_file = tokens;
+  testing::ModelGeometry geometry;
+  auto daemon = testing::TestDaemon::Start(geometry, options);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  auto connect = [&](const std::string& token) {
+    client::ClientOptions o;
+    o.token = token;
+    auto c = client::AttndClient::Connect((*daemon)->target(), o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  };
+  std::unique_ptr<client::AttndClient> alice = connect("token-of-alice-0123456789abcdef");
+  std::unique_ptr<client::AttndClient> bob = connect("token-of-bob-fedcba9876543210abc");
+  ASSERT_TRUE(alice != nullptr && bob != nullptr);
+  absl::StatusOr<v1::GetServerInfoResponse> info = alice->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->regions().shm_name_prefix(), "/attnd-alice.");
+
+  auto alices = ShmBuffer::CreateFor(*alice, 1 << 16);
+  ASSERT_TRUE(alices.ok()) << alices.status();
+  EXPECT_THAT((*alices)->name(), ::testing::MatchesRegex("/attnd-alice\\.[0-9a-f]{32}"));
+  auto region = RegisteredRegion::Shm(*alice, **alices);
+  EXPECT_TRUE(region.ok()) << region.status();
+  // Bob knows the name (anyone on the host can list /dev/shm) but cannot map it.
+  absl::StatusOr<RegisteredRegion> stolen = RegisteredRegion::Shm(*bob, **alices);
+  EXPECT_EQ(stolen.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(stolen.status().message(), HasSubstr("\"/attnd-bob.\""));
+  absl::StatusOr<v1::OpenRingResponse> ring_of_alices =
+      bob->OpenRing((*alices)->name(), (*alices)->size());
+  EXPECT_EQ(ring_of_alices.status().code(), absl::StatusCode::kInvalidArgument);
+  // A name outside the tenant's prefix, as an unauthenticated client would make it.
+  auto plain = ShmBuffer::Create(1 << 16);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(RegisteredRegion::Shm(*alice, **plain).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Rings: named for the caller by RingClient::Open, and they carry requests.
+  auto ring = RingClient::Open(*bob);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  EXPECT_THAT((*ring)->buffer().name(), ::testing::MatchesRegex("/attnd-bob\\.[0-9a-f]{32}"));
+  absl::StatusOr<std::string> seq = bob->CreateSequence();
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  std::mt19937 rng(3);
+  const int64_t t = 4, hq = geometry.num_q_heads, hkv = geometry.num_kv_heads,
+                d = geometry.head_dim;
+  auto random = [&](std::vector<int64_t> shape, int64_t n) {
+    return HostTensor::FromFloats(DType::kFp32, shape, testing::RandomInputs(&rng, n));
+  };
+  auto done = (*ring)->Prefill(*seq, 0, random({t, 5, hq, d}, t * 5 * hq * d),
+                               random({t, hkv, d}, t * hkv * d), random({t, hkv, d}, t * hkv * d));
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->length, t);
 }
 
 }  // namespace

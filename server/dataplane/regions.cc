@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kvcache/sequence_table.h"
@@ -44,6 +45,22 @@ absl::Status CheckShmName(absl::string_view name) {
       kMaxShmNameChars - 1, " of [A-Za-z0-9._-]"));
 }
 
+// A caller maps only objects in its own part of the "/attnd-" namespace (ShmNamePrefix).
+absl::Status CheckShmOwner(absl::string_view tenant, absl::string_view name) {
+  const std::string prefix = ShmNamePrefix(tenant);
+  const absl::string_view rest =
+      absl::StartsWith(name, prefix) ? name.substr(prefix.size()) : absl::string_view();
+  if (!rest.empty() && (tenant.empty() || rest.find('.') == absl::string_view::npos)) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "shm name ", Echo(name), " is not one of this caller's: attnd maps only objects named \"",
+      prefix, "\" followed by one or more characters", tenant.empty() ? "" : ", none of them '.'",
+      " (GetServerInfo's regions.shm_name_prefix; the client libraries name their objects so), so "
+      "that no caller can make it read or write another tenant's or another program's shared "
+      "memory"));
+}
+
 absl::Status NotFound(absl::string_view what, absl::string_view id) {
   // One message for unknown, unregistered, reclaimed and another tenant's: no probing.
   return absl::NotFoundError(absl::StrCat(what, " ", Echo(id), " not found"));
@@ -57,6 +74,10 @@ absl::Status CheckId(absl::string_view what, absl::string_view id) {
 }
 
 }  // namespace
+
+std::string ShmNamePrefix(absl::string_view tenant) {
+  return tenant.empty() ? std::string(kShmNamePrefix) : absl::StrCat(kShmNamePrefix, tenant, ".");
+}
 
 const char* RegionKindName(RegionKind kind) {
   switch (kind) {
@@ -169,6 +190,7 @@ absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::RegisterShm(absl::
     return absl::InvalidArgumentError("RegisterShm takes a system shm region or a ring");
   }
   ATTND_RETURN_IF_ERROR(CheckShmName(name));
+  ATTND_RETURN_IF_ERROR(CheckShmOwner(tenant, name));
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   if (bytes == 0) {
     return absl::InvalidArgumentError(

@@ -25,6 +25,14 @@ namespace attnd {
 enum class RegionKind { kSystemShm, kCudaIpc, kRing };
 const char* RegionKindName(RegionKind kind);  // "system shm", "CUDA IPC", "ring"
 
+// The names of the shm objects (regions and rings) a tenant may register: "/attnd-" and then at
+// least one character; with authentication, "/attnd-<tenant>." and then at least one character
+// but no '.'. So attnd, which can open whatever its user can, never maps another program's shared
+// memory, and no tenant can name another tenant's object (a tenant's names are nobody else's:
+// what follows the prefix has no '.', so "/attnd-a.b.x" is tenant "a.b"'s and not "a"'s).
+inline constexpr absl::string_view kShmNamePrefix = "/attnd-";
+std::string ShmNamePrefix(absl::string_view tenant);
+
 // Opens and closes CUDA IPC handles on the engine's device (CudaEngine implements it). Open
 // returns the device address of the handle's allocation and the bytes it spans from there.
 class DeviceMemoryOpener {
@@ -98,8 +106,9 @@ class RegionRegistry {
   bool cuda_ipc() const { return opener_ != nullptr; }
 
   // shm_open(name) read-write, check offset (a multiple of the page size) + bytes <= its size, map
-  // that range. INVALID_ARGUMENT: a bad name, a missing object, one smaller than claimed, a zero
-  // size; RESOURCE_EXHAUSTED: the tenant's count or bytes. kind is kSystemShm or kRing.
+  // that range. INVALID_ARGUMENT: a bad name or one outside the tenant's names (ShmNamePrefix), a
+  // missing object, one smaller than claimed, a zero size; RESOURCE_EXHAUSTED: the tenant's count
+  // or bytes. kind is kSystemShm or kRing.
   absl::StatusOr<std::shared_ptr<const Region>> RegisterShm(absl::string_view tenant,
                                                             absl::string_view name, uint64_t offset,
                                                             uint64_t bytes, RegionKind kind);

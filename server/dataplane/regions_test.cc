@@ -16,11 +16,12 @@
 namespace attnd {
 namespace {
 
-// A shm object of `bytes` bytes with a unique name, unlinked at the end of the test.
+// A shm object of `bytes` bytes with a unique name among `tenant`'s, unlinked at the end of the
+// test.
 class ShmObject {
  public:
-  explicit ShmObject(size_t bytes) {
-    name_ = absl::StrCat("/attnd-regions-test-", getpid(), "-", counter_++);
+  explicit ShmObject(size_t bytes, absl::string_view tenant = "t") {
+    name_ = absl::StrCat(ShmNamePrefix(tenant), "regions-test-", getpid(), "-", counter_++);
     fd_ = shm_open(name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
     EXPECT_GE(fd_, 0) << std::strerror(errno);
     EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0);
@@ -67,7 +68,7 @@ constexpr uint64_t kPage = 4096;
 TEST(RegionRegistryTest, RegisterAcquireAndUnregister) {
   ManualClock clock;
   RegionRegistry registry({}, nullptr, &clock);
-  ShmObject obj(3 * kPage);
+  ShmObject obj(3 * kPage, "alice");
   char* client = obj.Map(3 * kPage);
   std::strcpy(client + kPage + 8, "hello");
   auto region = registry.RegisterShm("alice", obj.name(), kPage, 2 * kPage, RegionKind::kSystemShm);
@@ -123,6 +124,44 @@ TEST(RegionRegistryTest, RejectsBadShmRegistrations) {
   EXPECT_EQ(registry.total_regions(), 0);
 }
 
+// A tenant maps only its own names: never another tenant's object, nor another program's.
+TEST(RegionRegistryTest, ATenantRegistersOnlyItsOwnShmNames) {
+  ManualClock clock;
+  RegionRegistry registry({}, nullptr, &clock);
+  EXPECT_EQ(ShmNamePrefix(""), "/attnd-");
+  EXPECT_EQ(ShmNamePrefix("a.b"), "/attnd-a.b.");
+  ShmObject alices(kPage, "alice"), dotted(kPage, "alice.x"), open(kPage, "");
+  auto status = [&](absl::string_view tenant, const std::string& name) {
+    return registry.RegisterShm(tenant, name, 0, kPage, RegionKind::kSystemShm).status();
+  };
+  EXPECT_TRUE(status("alice", alices.name()).ok());
+  EXPECT_TRUE(status("alice.x", dotted.name()).ok());
+  // Another tenant's object, whether the names share a prefix or not; rings alike.
+  absl::Status s = status("bob", alices.name());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("\"/attnd-bob.\""), std::string::npos) << s;
+  EXPECT_EQ(status("alice", dotted.name()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(status("alice.x", alices.name()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.RegisterShm("bob", alices.name(), 0, kPage, RegionKind::kRing).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Without authentication (tenant ""), any name under "/attnd-", but nothing else.
+  EXPECT_TRUE(status("", open.name()).ok());
+  EXPECT_TRUE(status("", alices.name()).ok());
+  EXPECT_EQ(status("alice", open.name()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(status("", "/attnd-").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(status("alice", "/attnd-alice.").code(), absl::StatusCode::kInvalidArgument);
+  const std::string foreign = absl::StrCat("/regions-test-foreign-", getpid());
+  const int fd = shm_open(foreign.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  ASSERT_EQ(ftruncate(fd, kPage), 0);
+  s = status("", foreign);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("another program's"), std::string::npos) << s;
+  close(fd);
+  shm_unlink(foreign.c_str());
+  EXPECT_EQ(registry.total_regions(), 4);
+}
+
 TEST(RegionRegistryTest, TenantLimits) {
   ManualClock clock;
   RegionRegistryOptions options;
@@ -139,8 +178,9 @@ TEST(RegionRegistryTest, TenantLimits) {
   // Count: rings count too.
   EXPECT_EQ(registry.RegisterShm("t", obj.name(), 0, kPage, RegionKind::kSystemShm).status().code(),
             absl::StatusCode::kResourceExhausted);
-  // Another tenant has its own budget.
-  EXPECT_TRUE(registry.RegisterShm("u", obj.name(), 0, kPage, RegionKind::kSystemShm).ok());
+  // Another tenant has its own budget (and its own objects).
+  ShmObject theirs(kPage, "u");
+  EXPECT_TRUE(registry.RegisterShm("u", theirs.name(), 0, kPage, RegionKind::kSystemShm).ok());
   EXPECT_EQ(registry.Usage("t").regions, 2);
   EXPECT_EQ(registry.Usage("t").bytes, static_cast<int64_t>(2 * kPage));
 }

@@ -748,6 +748,7 @@ void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
     r->set_max_region_bytes_per_tenant(regions_->options().max_bytes_per_tenant);
     r->set_idle_timeout_seconds(absl::ToInt64Seconds(regions_->options().idle_timeout));
     r->set_rings(rings_ != nullptr);
+    r->set_shm_name_prefix(ShmNamePrefix(*tenant));
   }
   if (batcher_ != nullptr) {
     FillBatchingStats(*batcher_, scoped, runtime_->engine().decode_graphs(),

@@ -393,6 +393,25 @@ class RegionsTwoTenants(unittest.TestCase):
         finally:
             self.b.release(seq_b)
 
+    def test_a_tenant_maps_only_objects_named_for_it(self):
+        """Anyone on the host can list /dev/shm: knowing a name must not let another tenant map it."""
+        self.assertEqual(self.a.info().regions.shm_name_prefix, "/attnd-team-a.")
+        self.assertEqual(self.b.info().regions.shm_name_prefix, "/attnd-team-b.")
+        with self.a.register_shm(8192) as region:
+            self.assertRegex(region.name, r"^/attnd-team-a\.[0-9a-f]{32}$")
+            with self.assertRaises(attnd.AttndError) as e:
+                self.b.register_shm_name(region.name, 0, 4096)
+            self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn('"/attnd-team-b."', e.exception.message)
+            rid = self.a.register_shm_name(region.name, 4096, 4096)  # its owner may, again
+            self.a.unregister_region(rid)
+        name, fd = attnd._regions.shm_create(4096)  # an unauthenticated client's name
+        try:
+            _code(self, grpc.StatusCode.INVALID_ARGUMENT, self.a.register_shm_name, name, 0, 4096)
+        finally:
+            os.close(fd)
+            attnd._regions.shm_unlink(name)
+
 
 def _cuda_ok():
     return torch is not None and torch.cuda.is_available()

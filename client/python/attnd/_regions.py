@@ -1,6 +1,7 @@
 """Tensor regions (docs/regions.md): memory shared with attnd so tensors travel as references, not bytes.
 
-ShmRegion owns a POSIX shared-memory object (shm_open under a random name "/attnd-<32 hex>") and hands out
+ShmRegion owns a POSIX shared-memory object (shm_open under a random name: the server's prefix for this caller,
+GetServerInfo().regions.shm_name_prefix, "/attnd-" or "/attnd-<tenant>.", then 32 hex) and hands out
 numpy views into it; CudaRegion shares a torch CUDA tensor's allocation through CUDA IPC. Client.prefill and
 Client.decode send a RegionRef for every q/k/v that lies inside a registered region of this client (numpy views
 into a ShmRegion, CUDA tensors inside a CudaRegion), and `out=` names where the output goes.
@@ -35,7 +36,7 @@ def local_boot_id():
 def check_can_share(client, kind, device_uuid=None, timeout=None):
     """Raises FAILED_PRECONDITION unless the server accepts `kind` regions and runs on this host (and, for
     CUDA IPC, on the GPU whose UUID is `device_uuid`): shared memory cannot cross hosts, and the server's
-    own error would only say that the object or handle does not open."""
+    own error would only say that the object or handle does not open. Returns the server's RegionSupport."""
     info = client.info(timeout=timeout).regions
     kinds = set(info.kinds)
     if kind not in kinds:
@@ -53,6 +54,7 @@ def check_can_share(client, kind, device_uuid=None, timeout=None):
         raise AttndError(grpc.StatusCode.FAILED_PRECONDITION,
                          "this tensor is on GPU %s but attnd serves GPU %s: CUDA IPC needs the same GPU"
                          % (device_uuid, info.device_uuid))
+    return info
 
 _libc = None
 
@@ -72,10 +74,12 @@ def _c():
     return _libc
 
 
-def shm_create(size):
-    """-> (name, fd) of a fresh shm object of `size` bytes (O_CREAT | O_EXCL, mode 0600)."""
+def shm_create(size, prefix="/attnd-"):
+    """-> (name, fd) of a fresh shm object of `size` bytes (O_CREAT | O_EXCL, mode 0600), named `prefix` and
+    32 random hex characters. attnd maps only names under the caller's prefix (the default is that of a
+    server without authentication; with tokens it is "/attnd-<tenant>.")."""
     for _ in range(8):
-        name = "/attnd-" + secrets.token_hex(16)
+        name = prefix + secrets.token_hex(16)
         fd = _c().shm_open(name.encode(), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         if fd >= 0:
             try:
@@ -127,10 +131,10 @@ class ShmRegion:
         size = int(size)
         if size <= 0:
             raise invalid_argument("register_shm: size must be positive, got %d" % size)
-        check_can_share(client, pb.REGION_KIND_SYSTEM_SHM, None, timeout)
+        info = check_can_share(client, pb.REGION_KIND_SYSTEM_SHM, None, timeout)
         self._client = client
         self.size = size
-        self.name, self.fd = shm_create(size)
+        self.name, self.fd = shm_create(size, info.shm_name_prefix or "/attnd-")
         # A region never closed still loses its name at exit (the server keeps its own mapping).
         self._unlink_at_exit = weakref.finalize(self, shm_unlink, self.name)
         self.id = None
