@@ -219,6 +219,15 @@ absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::RegisterShm(absl::
     return absl::InvalidArgumentError(
         absl::StrCat("shm object ", Echo(name), " is not a regular shared-memory object"));
   }
+  // A second name for an object (a hard link in /dev/shm) could bring someone else's object under
+  // this caller's prefix.
+  if (st.st_nlink != 1) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shm object ", Echo(name), " has ", st.st_nlink,
+        " names (hard links): attnd maps only an object under one name, the one it was created "
+        "with"));
+  }
   if (static_cast<uint64_t>(st.st_size) < offset + bytes) {
     close(fd);
     return absl::InvalidArgumentError(absl::StrCat("shm object ", Echo(name), " is ", st.st_size,

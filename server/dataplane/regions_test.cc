@@ -160,6 +160,18 @@ TEST(RegionRegistryTest, ATenantRegistersOnlyItsOwnShmNames) {
   close(fd);
   shm_unlink(foreign.c_str());
   EXPECT_EQ(registry.total_regions(), 4);
+  // A hard link in /dev/shm gives an object a second name, under any prefix: refused under both.
+  ShmObject linked(kPage, "bob");
+  const std::string second = ShmNamePrefix("bob") + "second-name";
+  ASSERT_EQ(link(("/dev/shm" + alices.name()).c_str(), ("/dev/shm" + second).c_str()), 0)
+      << std::strerror(errno);
+  s = status("bob", second);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("hard links"), std::string::npos) << s;
+  EXPECT_EQ(status("alice", alices.name()).code(), absl::StatusCode::kInvalidArgument);
+  shm_unlink(second.c_str());
+  EXPECT_TRUE(status("alice", alices.name()).ok());  // one name again
+  EXPECT_TRUE(status("bob", linked.name()).ok());
 }
 
 TEST(RegionRegistryTest, TenantLimits) {
