@@ -179,8 +179,10 @@ class RingServer::Ring {
         in_ = std::make_unique<char[]>(n);  // and never zero-filled: a ring's half may be large
         in_capacity_ = n;
       }
+      // Nothing to copy for a length that does not fit (in_ may not exist yet: memcpy's pointers
+      // must not be null, even for 0 bytes).
       ReadArgs read{request_half_ + ring::kLengthBytes, in_.get(), fits ? n : 0};
-      if (!RunGuarded(ReadBytes, &read)) return Broken("reading a request");
+      if (read.n > 0 && !RunGuarded(ReadBytes, &read)) return Broken("reading a request");
       request_.Clear();
       response_.Clear();
       inflight_.store(true);
