@@ -2,6 +2,10 @@
 
 #include <cstring>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace attnd {
 
 // Request tensors are little-endian on the wire; we reinterpret them in place.
@@ -98,12 +102,37 @@ void ConvertFromFloat(const float* src, size_t n, DType dst_type, void* dst) {
     case DType::kFp32:
       std::memcpy(dst, src, n * sizeof(float));
       return;
-    case DType::kBf16:
-      for (size_t i = 0; i < n; ++i) {
+    case DType::kBf16: {
+      size_t i = 0;
+#if defined(__SSE2__)
+      // FloatToBf16 on 8 values at a time (the scalar loop took ~1 ns a value: 3.4 us for one
+      // decode row of the 7B, on the path of every decode step).
+      const __m128i round_bias = _mm_set1_epi32(0x7fff), one = _mm_set1_epi32(1);
+      const __m128i abs_mask = _mm_set1_epi32(0x7fffffff), inf = _mm_set1_epi32(0x7f800000);
+      const __m128i quiet = _mm_set1_epi32(0x40);
+      auto eight_to_four = [&](const float* at) {
+        const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+        const __m128i high = _mm_srli_epi32(bits, 16);
+        const __m128i rounded = _mm_srli_epi32(
+            _mm_add_epi32(_mm_add_epi32(bits, round_bias), _mm_and_si128(high, one)), 16);
+        // |bits| <= 0x7fffffff, so the signed compare is exact.
+        const __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(bits, abs_mask), inf);
+        const __m128i h = _mm_or_si128(_mm_and_si128(nan, _mm_or_si128(high, quiet)),
+                                       _mm_andnot_si128(nan, rounded));
+        // Sign-extend the 16-bit values so the signed pack keeps them as they are.
+        return _mm_srai_epi32(_mm_slli_epi32(h, 16), 16);
+      };
+      for (; i + 8 <= n; i += 8) {
+        const __m128i packed = _mm_packs_epi32(eight_to_four(src + i), eight_to_four(src + i + 4));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + 2 * i), packed);
+      }
+#endif
+      for (; i < n; ++i) {
         const uint16_t h = FloatToBf16(src[i]);
         std::memcpy(bytes + 2 * i, &h, sizeof(h));
       }
       return;
+    }
     case DType::kFp16:
       for (size_t i = 0; i < n; ++i) {
         const uint16_t h = FloatToHalf(src[i]);
