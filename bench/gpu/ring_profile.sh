@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Where a ring decode round trip goes, on the GPU machine: attnd (7B, CUDA) serving ring decodes at
 # batch 1 from data_plane_bench on the same host, with every request logged (its server-side
-# latency) and `perf record -g` on attnd for part of the run. Bundle attnd, attnctl and
-# data_plane_bench (bench/gpu/data_plane.sh says how), then there:
+# latency) and `perf record -g` on attnd for part of the run. Bundle attnd, attnctl,
+# data_plane_bench (bench/gpu/data_plane.sh says how) and this machine's /usr/bin/perf (the GPU
+# machine has none; script/gpu-bundle brings its libraries), then there:
 #   . .gpu/env.sh && bench/gpu/ring_profile.sh "$OUT" [variants|pre_rotary]
 # Writes OUT/dp.txt (client p50/p99), OUT/server_latency.txt (the request log's Ring.Decode
-# latencies, percentiles), OUT/perf_*.txt (perf report by symbol, by thread, and call graphs).
+# latencies, percentiles), OUT/perf_*.txt (perf report: self and inclusive by symbol, by thread).
 set -uo pipefail
 out=${1:?usage: ring_profile.sh OUT_DIR [variants|pre_rotary]}
 layout=${2:-variants}
@@ -33,12 +34,13 @@ if command -v perf >/dev/null; then
   sleep 2
   perf record -F 2999 -g -p $pid -o "$out/perf.data" -- sleep 6 >"$out/perf_record.txt" 2>&1
   wait $bpid
-  perf report -i "$out/perf.data" --no-children --sort sym --stdio 2>/dev/null | head -150 \
-    >"$out/perf_symbols.txt"
-  perf report -i "$out/perf.data" --no-children --sort comm,dso --stdio 2>/dev/null | head -60 \
-    >"$out/perf_threads.txt"
-  perf report -i "$out/perf.data" --children --sort sym --stdio -G 2>/dev/null | head -600 \
-    >"$out/perf_callers.txt"
+  # Flat lists (a call graph per line would push everything past the first few symbols).
+  perf report -i "$out/perf.data" --no-children --sort sym --stdio -g none 2>/dev/null |
+    head -150 >"$out/perf_self.txt"
+  perf report -i "$out/perf.data" --children --sort sym --stdio -g none 2>/dev/null |
+    head -250 >"$out/perf_inclusive.txt"
+  perf report -i "$out/perf.data" --no-children --sort comm,dso --stdio -g none 2>/dev/null |
+    head -60 >"$out/perf_threads.txt"
   rm -f "$out/perf.data"
 else
   echo "no perf on this machine" >"$out/perf_symbols.txt"
