@@ -129,6 +129,10 @@ TEST(OpsDeadlineTest, ExpiredRequestsQueuedBehindSlowWorkChangeNothing) {
   absl::SleepFor(absl::Milliseconds(200));
   cctx->TryCancel();
   EXPECT_EQ(cancelled.get().error_code(), grpc::StatusCode::CANCELLED);
+  // The client's status is local; the server learns of the cancel when the stream's reset
+  // arrives. Released at once, the worker could reach the request first and run it (seen once
+  // in CI on the loaded 2-core VM): give the reset time to land.
+  absl::SleepFor(absl::Milliseconds(500));
 
   gate->ReleasePrefills();
   Reply r = slow_reply.get();
