@@ -28,6 +28,13 @@ std::string RandomShmName(absl::string_view prefix) {
   return name;
 }
 
+// The server's shm name prefix for the caller; an older server says nothing: its names are the
+// unauthenticated ones.
+absl::string_view ShmPrefixOf(const v1::GetServerInfoResponse& info) {
+  const std::string& prefix = info.regions().shm_name_prefix();
+  return prefix.empty() ? kDefaultShmPrefix : absl::string_view(prefix);
+}
+
 absl::Status Errno(absl::string_view what, int err) {
   return absl::InternalError(absl::StrCat(what, ": ", std::strerror(err)));
 }
@@ -140,9 +147,7 @@ absl::StatusOr<std::unique_ptr<ShmBuffer>> ShmBuffer::CreateFor(AttndClient& cli
   if (!info.has_regions()) {
     return absl::FailedPreconditionError("the server takes no tensor regions or rings");
   }
-  // An older server says nothing: its names are the unauthenticated ones.
-  const std::string& prefix = info.regions().shm_name_prefix();
-  return Create(bytes, prefix.empty() ? absl::string_view("/attnd-") : absl::string_view(prefix));
+  return Create(bytes, ShmPrefixOf(info));
 }
 
 // ---- RingClient ----
@@ -166,16 +171,13 @@ absl::StatusOr<std::unique_ptr<RingClient>> RingClient::Layout(const RingOptions
 }
 
 absl::StatusOr<std::unique_ptr<RingClient>> RingClient::CreateUnopened(const RingOptions& options) {
-  return Layout(options, "/attnd-");
+  return Layout(options, kDefaultShmPrefix);
 }
 
 absl::StatusOr<std::unique_ptr<RingClient>> RingClient::Open(AttndClient& client,
                                                              const RingOptions& options) {
   ATTND_ASSIGN_OR_RETURN(v1::GetServerInfoResponse info, client.Info());
-  const std::string& prefix = info.regions().shm_name_prefix();
-  ATTND_ASSIGN_OR_RETURN(
-      std::unique_ptr<RingClient> ring,
-      Layout(options, prefix.empty() ? absl::string_view("/attnd-") : absl::string_view(prefix)));
+  ATTND_ASSIGN_OR_RETURN(std::unique_ptr<RingClient> ring, Layout(options, ShmPrefixOf(info)));
   ATTND_ASSIGN_OR_RETURN(v1::OpenRingResponse opened,
                          client.OpenRing(ring->buffer_->name(), ring->buffer_->size()));
   ring->client_ = &client;

@@ -35,12 +35,15 @@ namespace client {
 // (attnd keeps its own mapping of a registered object until the region is unregistered).
 // attnd registers only names under the caller's prefix (GetServerInfo's
 // regions.shm_name_prefix: "/attnd-", or "/attnd-<tenant>." with authentication).
+// The prefix of a server without authentication (and of one too old to give its own).
+inline constexpr absl::string_view kDefaultShmPrefix = "/attnd-";
+
 class ShmBuffer {
  public:
   // `bytes` > 0; the mapping is zero-filled. `prefix`: "/" then [A-Za-z0-9._-], as the server
   // gives it; the default is the one of a server without authentication.
-  static absl::StatusOr<std::unique_ptr<ShmBuffer>> Create(size_t bytes,
-                                                           absl::string_view prefix = "/attnd-");
+  static absl::StatusOr<std::unique_ptr<ShmBuffer>> Create(
+      size_t bytes, absl::string_view prefix = kDefaultShmPrefix);
   // Named for the caller of `client` (one GetServerInfo for the prefix).
   static absl::StatusOr<std::unique_ptr<ShmBuffer>> CreateFor(AttndClient& client, size_t bytes);
   ~ShmBuffer();

@@ -58,6 +58,9 @@ def check_can_share(client, kind, device_uuid=None, timeout=None):
 
 _libc = None
 
+# The shm name prefix of a server without authentication (and of one too old to give its own).
+DEFAULT_SHM_PREFIX = "/attnd-"
+
 
 def _c():
     global _libc
@@ -74,7 +77,7 @@ def _c():
     return _libc
 
 
-def shm_create(size, prefix="/attnd-"):
+def shm_create(size, prefix=DEFAULT_SHM_PREFIX):
     """-> (name, fd) of a fresh shm object of `size` bytes (O_CREAT | O_EXCL, mode 0600), named `prefix` and
     32 random hex characters. attnd maps only names under the caller's prefix (the default is that of a
     server without authentication; with tokens it is "/attnd-<tenant>.")."""
@@ -134,7 +137,7 @@ class ShmRegion:
         info = check_can_share(client, pb.REGION_KIND_SYSTEM_SHM, None, timeout)
         self._client = client
         self.size = size
-        self.name, self.fd = shm_create(size, info.shm_name_prefix or "/attnd-")
+        self.name, self.fd = shm_create(size, info.shm_name_prefix or DEFAULT_SHM_PREFIX)
         # A region never closed still loses its name at exit (the server keeps its own mapping).
         self._unlink_at_exit = weakref.finalize(self, shm_unlink, self.name)
         self.id = None
