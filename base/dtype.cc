@@ -1,5 +1,6 @@
 #include "base/dtype.h"
 
+#include <algorithm>
 #include <cstring>
 
 #if defined(__SSE2__)
@@ -140,6 +141,50 @@ void ConvertFromFloat(const float* src, size_t n, DType dst_type, void* dst) {
       }
       return;
   }
+}
+
+namespace {
+
+// Loads through memcpy: a tensor's bytes may sit at any address (a gRPC slice, a region offset).
+template <typename Bits>
+Bits Load(const char* p) {
+  Bits b;
+  std::memcpy(&b, p, sizeof(b));
+  return b;
+}
+
+// An element is not finite when its exponent bits are all ones. Blocks of 256 OR their verdicts
+// without branches (the compiler vectorises the inner loop); only a bad block is searched again.
+template <typename Bits>
+int64_t FirstWithExponent(const void* data, size_t n, Bits exponent) {
+  const char* x = static_cast<const char*>(data);
+  constexpr size_t kBlock = 256;
+  for (size_t first = 0; first < n; first += kBlock) {
+    const size_t last = std::min(n, first + kBlock);
+    Bits any = 0;
+    for (size_t i = first; i < last; ++i) {
+      any |= static_cast<Bits>((Load<Bits>(x + i * sizeof(Bits)) & exponent) == exponent);
+    }
+    if (any == 0) continue;
+    for (size_t i = first; i < last; ++i) {
+      if ((Load<Bits>(x + i * sizeof(Bits)) & exponent) == exponent) return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+int64_t FirstNonFinite(DType t, const void* data, size_t n) {
+  switch (t) {
+    case DType::kBf16:
+      return FirstWithExponent(data, n, uint16_t{0x7f80});
+    case DType::kFp16:
+      return FirstWithExponent(data, n, uint16_t{0x7c00});
+    case DType::kFp32:
+      return FirstWithExponent(data, n, uint32_t{0x7f800000});
+  }
+  return -1;
 }
 
 }  // namespace attnd

@@ -44,6 +44,11 @@ float HalfToFloat(uint16_t h);
 uint16_t FloatToHalf(float f);
 
 // Converts n little-endian elements of `src` (any alignment) to fp32.
+// The index of the first NaN or infinity among n elements of type t, or -1 when all are finite
+// (also for an unknown dtype). Reads all n elements in blocks, so a clean tensor costs one pass at
+// memory speed.
+int64_t FirstNonFinite(DType t, const void* data, size_t n);
+
 void ConvertToFloat(const void* src, DType src_type, size_t n, float* dst);
 // Converts n fp32 values to `dst_type`, writing raw little-endian elements to `dst` (any
 // alignment).

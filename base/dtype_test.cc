@@ -220,5 +220,29 @@ TEST(ConvertTest, RoundTripsThroughUnalignedBuffers) {
   }
 }
 
+// Every bf16 and fp16 bit pattern is judged by its value: not finite exactly when the decoded
+// float is NaN or infinite; the index found is the first bad one, at any alignment.
+TEST(FirstNonFiniteTest, AgreesWithTheDecodedValues) {
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const uint16_t h = static_cast<uint16_t>(bits);
+    EXPECT_EQ(FirstNonFinite(DType::kBf16, &h, 1) == 0, !std::isfinite(Bf16ToFloat(h))) << bits;
+    EXPECT_EQ(FirstNonFinite(DType::kFp16, &h, 1) == 0, !std::isfinite(HalfToFloat(h))) << bits;
+  }
+  for (float f : {0.f, -0.f, 1e-45f, 3.4e38f, -3.4e38f}) {
+    EXPECT_EQ(FirstNonFinite(DType::kFp32, &f, 1), -1) << f;
+  }
+  std::vector<char> buffer(4 * 1000 + 1);
+  for (size_t bad : {size_t{0}, size_t{255}, size_t{256}, size_t{999}}) {
+    std::vector<float> x(1000, 1.5f);
+    x[bad] = std::numeric_limits<float>::infinity();
+    std::memcpy(buffer.data() + 1, x.data(), 4 * x.size());  // unaligned on purpose
+    EXPECT_EQ(FirstNonFinite(DType::kFp32, buffer.data() + 1, x.size()), static_cast<int64_t>(bad));
+    x[bad] = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_EQ(FirstNonFinite(DType::kFp32, x.data(), x.size()), static_cast<int64_t>(bad));
+  }
+  std::vector<float> clean(1000, -2.f);
+  EXPECT_EQ(FirstNonFinite(DType::kFp32, clean.data(), clean.size()), -1);
+}
+
 }  // namespace
 }  // namespace attnd

@@ -33,7 +33,10 @@ absl::Status CheckInstanceName(absl::string_view name);
 // sequence's pages (one request at a time per sequence, so compute never races an append).
 struct Sequence {
   Sequence(std::string id_in, std::string tenant_in, int32_t num_layers)
-      : id(std::move(id_in)), tenant(std::move(tenant_in)), layer_lengths(num_layers, 0) {}
+      : id(std::move(id_in)),
+        tenant(std::move(tenant_in)),
+        layer_lengths(num_layers, 0),
+        layer_prompt_lens(num_layers, 0) {}
 
   const std::string id;      // [<instance>.]<32 lowercase hex characters (128 random bits)>
   const std::string tenant;  // who created it; "" when auth is off
@@ -41,7 +44,10 @@ struct Sequence {
   Mutex mu;
   std::vector<int32_t> pages ABSL_GUARDED_BY(mu);          // page i holds positions [i*P, (i+1)*P)
   std::vector<int64_t> layer_lengths ABSL_GUARDED_BY(mu);  // tokens cached per layer
-  bool released ABSL_GUARDED_BY(mu) = false;               // set once; a released sequence is dead
+  // Per layer, the prompt_len of a prompt still being prefilled in chunks (its length is below
+  // it); 0 when none is. Every chunk of one prompt must carry the same prompt_len.
+  std::vector<int64_t> layer_prompt_lens ABSL_GUARDED_BY(mu);
+  bool released ABSL_GUARDED_BY(mu) = false;  // set once; a released sequence is dead
   absl::Time last_used ABSL_GUARDED_BY(mu) = absl::InfinitePast();
 };
 

@@ -86,13 +86,15 @@ ABSL_FLAG(std::string, admin_tenant, "",
           "the tenant of --auth-token-file that may call attnd.v1.Admin (attnctl sequences / "
           "release: every tenant's sequences); empty = nobody; with tokens off, loopback callers "
           "may");
-ABSL_FLAG(attnd::FlexDuration, sequence_idle_timeout, attnd::FlexDuration{absl::ZeroDuration()},
+ABSL_FLAG(attnd::FlexDuration, sequence_idle_timeout, attnd::FlexDuration{absl::Minutes(10)},
           "release sequences unused for this long (10m, 90s; a bare number is seconds), freeing "
-          "their pages; 0 = never");
+          "their pages (a killed client's sequences); 0 = never");
 ABSL_FLAG(int64_t, tenant_page_quota, 0,
           "most KV pages one tenant's sequences may hold; 0 = no limit");
-ABSL_FLAG(int64_t, tenant_max_sequences, 0,
-          "most live sequences of one tenant, empty ones included; 0 = no limit");
+ABSL_FLAG(int64_t, tenant_max_sequences, -1,
+          "most live sequences of one tenant, empty ones included; 0 = no limit; -1 = "
+          "--max-sequences divided by the number of tenants in --auth-token-file (no limit with "
+          "tokens off, where every caller is one tenant)");
 ABSL_FLAG(int32_t, max_streams_per_connection, 64,
           "most concurrent calls (HTTP/2 streams) on one client connection");
 ABSL_FLAG(attnd::ByteSize, max_inflight_request_bytes, attnd::ByteSize{2ll << 30},
@@ -109,6 +111,11 @@ ABSL_FLAG(absl::Duration, region_idle_timeout, absl::Seconds(300),
           "a region or ring no request used for this long is unregistered (e.g. 300s; 0 = never)");
 ABSL_FLAG(int64_t, ring_spin_us, 50,
           "microseconds a ring's server thread spins for the next request before it sleeps");
+ABSL_FLAG(int32_t, ring_max_spinning_per_tenant, 1,
+          "ring threads of one tenant that may spin at once (the others sleep on the futex)");
+ABSL_FLAG(int32_t, ring_max_spinning, 2, "ring threads of all tenants that may spin at once");
+ABSL_FLAG(bool, check_finite, true,
+          "refuse q/k/v in host memory that hold a NaN or an infinity (INVALID_ARGUMENT)");
 ABSL_FLAG(bool, wire_fast_path, true,
           "read unary Prefill requests straight from gRPC's buffers and write replies around the "
           "engine's output (false: protobuf parses and serializes every message)");
@@ -223,6 +230,9 @@ int main(int argc, char** argv) {
   options.max_region_bytes_per_tenant = absl::GetFlag(FLAGS_max_region_bytes_per_tenant).bytes;
   options.region_idle_timeout = absl::GetFlag(FLAGS_region_idle_timeout);
   options.ring_spin = absl::Microseconds(absl::GetFlag(FLAGS_ring_spin_us));
+  options.ring_max_spinning_per_tenant = absl::GetFlag(FLAGS_ring_max_spinning_per_tenant);
+  options.ring_max_spinning = absl::GetFlag(FLAGS_ring_max_spinning);
+  options.check_finite = absl::GetFlag(FLAGS_check_finite);
   options.grpc_channel_args = absl::GetFlag(FLAGS_grpc_channel_args);
   options.wire_fast_path = absl::GetFlag(FLAGS_wire_fast_path);
   options.wire_buffer_pool_bytes = absl::GetFlag(FLAGS_wire_buffer_pool_bytes).bytes;

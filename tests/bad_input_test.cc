@@ -5,6 +5,7 @@
 // only the good requests (a stray append or overwritten K/V would show up there).
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <random>
@@ -397,8 +398,19 @@ TEST_F(BadInputTest, BadDecodeBatchesChangeNothing) {
 
 TEST_F(BadInputTest, MaximumSequenceLength) {
   std::unique_ptr<Mirrored> m = NewSequence();
-  for (int i = 0; i < 10; ++i) GoodPrefill(m.get(), 0, 20, 250);  // 200 tokens
+  for (int i = 0; i < 10; ++i) GoodPrefill(m.get(), 0, 20, 256);  // 200 tokens
   const int64_t free_before = PagesFree();
+  // Every chunk of one prompt carries one prompt_len (it picks the length scale and the sparse
+  // path of all of them).
+  for (std::optional<int64_t> other : {std::optional<int64_t>(250), std::optional<int64_t>()}) {
+    const PrefillInputs in = RandomPrefill(4);
+    EXPECT_STATUS(client().Prefill(m->id, 0, Q(4, in.q), KV(4, in.k), KV(4, in.v), other).status(),
+                  kInvalidArgument,
+                  absl::StrCat("holds 200 tokens of a prompt sent with prompt_len 256; every chunk "
+                               "of that prompt must carry prompt_len 256, got ",
+                               other ? "250" : "none"));
+    EXPECT_EQ(PagesFree(), free_before);
+  }
   v1::PrefillRequest request = GoodPrefillProto(m->id, 0, 57);
   request.set_prompt_len(256);
   // 57 fp32 tokens would be over the message limit; the length check must not depend on that.
@@ -424,6 +436,44 @@ TEST_F(BadInputTest, MaximumSequenceLength) {
   // The other layer is unaffected and still usable.
   GoodPrefill(m.get(), 1, 3);
   GoodDecode(m.get(), 1);
+}
+
+// A NaN or an infinity in q, k or v would poison every later output of the sequence (the cached
+// K/V, or a softmax): refused, in every dtype and q layout, changing nothing.
+TEST_F(BadInputTest, NonFiniteInputsAreRefused) {
+  std::unique_ptr<Mirrored> m = NewSequence();
+  GoodPrefill(m.get(), 0, 6);
+  const int64_t free_before = PagesFree();
+  const float bad_values[] = {std::numeric_limits<float>::quiet_NaN(),
+                              std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity()};
+  for (DType dtype : {DType::kFp32, DType::kBf16, DType::kFp16}) {
+    for (float bad : bad_values) {
+      for (int which = 0; which < 3; ++which) {
+        PrefillInputs in = RandomPrefill(3);
+        std::vector<float>* target = which == 0 ? &in.q : which == 1 ? &in.k : &in.v;
+        (*target)[target->size() / 2] = bad;
+        const std::string name = which == 0 ? "q" : which == 1 ? "k" : "v";
+        EXPECT_STATUS(
+            client()
+                .Prefill(m->id, 0, Q(3, in.q, dtype), KV(3, in.k, dtype), KV(3, in.v, dtype))
+                .status(),
+            kInvalidArgument, absl::StrCat(name, " holds a NaN or an infinity"));
+        std::vector<float> q, k, v;
+        DecodeInput d = RandomDecode(m->id, &q, &k, &v);
+        std::vector<float>* dt = which == 0 ? &q : which == 1 ? &k : &v;
+        (*dt)[dt->size() / 3] = bad;
+        d.q = HostTensor::FromFloats(dtype, d.q.shape, q);
+        d.k = HostTensor::FromFloats(dtype, d.k.shape, k);
+        d.v = HostTensor::FromFloats(dtype, d.v.shape, v);
+        EXPECT_STATUS(client().Decode(0, {d}).status(), kInvalidArgument,
+                      absl::StrCat("entries[0]: ", name, " holds a NaN or an infinity"));
+      }
+    }
+  }
+  EXPECT_EQ(PagesFree(), free_before);
+  GoodPrefill(m.get(), 0, 2);  // the mirror agrees: nothing was appended
+  GoodDecode(m.get(), 0);
 }
 
 TEST_F(BadInputTest, OversizedMessage) {

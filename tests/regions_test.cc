@@ -4,11 +4,14 @@
 // Session requests (and a garbage one) through shared memory with the futex doorbell, written here
 // by hand from proto/attnd/v1/shm_ring.h, independent of the client library; length fields past a
 // ring's half are refused, and a ring whose object shrinks or that nobody uses is closed.
+#include "server/dataplane/regions.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -22,8 +25,11 @@
 #include "absl/time/clock.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "attnd/v1/shm_ring.h"
+#include "base/clock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "server/dataplane/ring.h"
+#include "server/engine/fault_engine.h"
 #include "server/rpc/server.h"
 #include "tests/test_util.h"
 
@@ -35,9 +41,10 @@ constexpr size_t kShmBytes = 1 << 20;
 // A client-side shm object, mapped; unlinked and unmapped at the end.
 class Shm {
  public:
-  explicit Shm(size_t bytes) : bytes_(bytes) {
+  // `prefix`: the tenant's (ShmNamePrefix): "/attnd-" with tokens off.
+  explicit Shm(size_t bytes, const std::string& prefix = "/attnd-") : bytes_(bytes) {
     static std::atomic<int> counter{0};
-    name_ = absl::StrCat("/attnd-regions-e2e-", getpid(), "-", counter++);
+    name_ = absl::StrCat(prefix, "regions-e2e-", getpid(), "-", counter++);
     fd_ = shm_open(name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
     EXPECT_GE(fd_, 0);
     EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0);
@@ -329,7 +336,8 @@ TEST_F(RegionsTest, IdleRegionsAreReclaimed) {
 // The client's half of the ring protocol, written from shm_ring.h alone.
 class HandRing {
  public:
-  explicit HandRing(uint64_t half) : half_(half), shm_(ring::kHeaderBytes + 2 * half) {
+  explicit HandRing(uint64_t half, const std::string& prefix = "/attnd-")
+      : half_(half), shm_(ring::kHeaderBytes + 2 * half, prefix) {
     auto* h = header();
     h->magic = ring::kMagic;
     h->version = ring::kVersion;
@@ -668,6 +676,283 @@ TEST_F(RegionsTest, IdleRingsAreClosed) {
   EXPECT_TRUE(hand.WaitClosed(absl::Seconds(10))) << "the idle ring was not closed";
   EXPECT_GE(absl::Now() - last_used, absl::Seconds(2));
   EXPECT_EQ(CloseRing(stub_.get(), id), grpc::StatusCode::NOT_FOUND);
+}
+
+namespace hardening {
+
+// Resident set size of this process (the daemon runs in it), in bytes.
+int64_t Rss() {
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  long pages = 0, resident = 0;
+  if (f != nullptr) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return static_cast<int64_t>(resident) * sysconf(_SC_PAGESIZE);
+}
+
+}  // namespace hardening
+
+// A reference costs the client a few bytes; the copy it names costs attnd its size. So every
+// reference is judged by what it claims (dtype, shape against the model, byte_size, the message
+// limit) and its copies are counted in --max-inflight-request-bytes before a byte is copied: a
+// client naming 48 GiB of a sparse object gets an error, never a crash or gigabytes of RSS.
+TEST_F(RegionsTest, ReferencesAreJudgedBeforeAnyRegionMemoryIsCopied) {
+  ServerOptions options = testing::SmallCpuOptions();
+  options.max_message_bytes = 4 << 20;
+  options.max_inflight_request_bytes = 4 << 20;
+  options.grpc_memory_bytes = 64 << 20;
+  Start(options);
+  const uint64_t kBig = uint64_t{48} << 30;  // sparse: costs nothing until read
+  Shm big(kBig);
+  std::string region;
+  ASSERT_TRUE(Register(big.name(), 0, kBig, &region).ok());
+  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+  const std::string seq = NewSequence();
+  auto ref = [&](v1::Tensor* t, std::vector<int64_t> shape, uint64_t offset, uint64_t bytes) {
+    t->set_dtype(v1::DTYPE_FP32);
+    t->clear_shape();
+    for (int64_t x : shape) t->add_shape(x);
+    t->mutable_region()->set_region_id(region);
+    t->mutable_region()->set_offset(offset);
+    t->mutable_region()->set_byte_size(bytes);
+  };
+  const int64_t rss_before = hardening::Rss();
+  struct Case {
+    std::string what;
+    std::function<void(v1::PrefillRequest*)> edit;
+    grpc::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Case> prefills = {
+      {"a negative dimension naming 48 GiB",
+       [&](v1::PrefillRequest* r) {
+         ref(r->mutable_q(), {-1, 5, hq, d}, 0, kBig);
+         ref(r->mutable_k(), {-1, hkv, d}, 0, kBig);
+         ref(r->mutable_v(), {-1, hkv, d}, 0, kBig);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "q must have shape"},
+      {"a tensor past the message limit",
+       [&](v1::PrefillRequest* r) {
+         const int64_t t = 4000;  // 20 MB of q, within the model's 4096 tokens
+         ref(r->mutable_q(), {t, 5, hq, d}, 0, t * 5 * hq * d * 4);
+         ref(r->mutable_k(), {t, hkv, d}, uint64_t{1} << 30, t * hkv * d * 4);
+         ref(r->mutable_v(), {t, hkv, d}, uint64_t{2} << 30, t * hkv * d * 4);
+       },
+       grpc::StatusCode::RESOURCE_EXHAUSTED, "--max-message-bytes"},
+      {"an output region sized by an unchecked T",
+       [&](v1::PrefillRequest* r) {
+         const int64_t t = int64_t{1} << 24;
+         r->mutable_q()->set_dtype(v1::DTYPE_FP32);
+         for (int64_t x : {t, int64_t{5}, hq, d}) r->mutable_q()->add_shape(x);
+         for (v1::Tensor* kv : {r->mutable_k(), r->mutable_v()}) {
+           kv->set_dtype(v1::DTYPE_FP32);
+           for (int64_t x : {t, hkv, d}) kv->add_shape(x);
+         }
+         r->mutable_output_region()->set_region_id(region);
+         r->mutable_output_region()->set_offset(0);
+         r->mutable_output_region()->set_byte_size(t * hq * d * 4);
+       },
+       grpc::StatusCode::OUT_OF_RANGE, "maximum sequence length"},
+  };
+  for (const Case& c : prefills) {
+    v1::PrefillRequest r;
+    r.set_sequence_id(seq);
+    c.edit(&r);
+    v1::PrefillResponse response;
+    grpc::Status s = Prefill(r, &response);
+    EXPECT_EQ(s.error_code(), c.code) << c.what << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(c.message), std::string::npos)
+        << c.what << ": " << s.error_message();
+  }
+  // Decode: four entries that each claim 256 MiB, then 2,000 well-formed entries that together
+  // name 8 MB of copies, twice the budget.
+  {
+    v1::DecodeRequest decode;
+    for (int i = 0; i < 4; ++i) {
+      v1::DecodeEntry* e = decode.add_entries();
+      e->set_sequence_id(seq);
+      ref(e->mutable_q(), {3, hq, d * 1024 * 8}, 0, uint64_t{256} << 20);
+      ref(e->mutable_k(), {hkv, d}, uint64_t{1} << 30, hkv * d * 4);
+      ref(e->mutable_v(), {hkv, d}, uint64_t{2} << 30, hkv * d * 4);
+    }
+    v1::DecodeResponse response;
+    grpc::ClientContext context;
+    grpc::Status s = stub_->Decode(&context, decode, &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find("entries[0]: q must have shape"), std::string::npos)
+        << s.error_message();
+  }
+  {
+    v1::DecodeRequest decode;
+    for (int i = 0; i < 2000; ++i) {
+      v1::DecodeEntry* e = decode.add_entries();
+      e->set_sequence_id(absl::StrCat(std::string(24, 'a'), absl::Hex(i, absl::kZeroPad8)));
+      ref(e->mutable_q(), {3, hq, d}, 0, 3 * hq * d * 4);
+      ref(e->mutable_k(), {hkv, d}, uint64_t{1} << 30, hkv * d * 4);
+      ref(e->mutable_v(), {hkv, d}, uint64_t{2} << 30, hkv * d * 4);
+    }
+    v1::DecodeResponse response;
+    grpc::ClientContext context;
+    grpc::Status s = stub_->Decode(&context, decode, &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+    EXPECT_NE(s.error_message().find("--max-inflight-request-bytes"), std::string::npos)
+        << s.error_message();
+  }
+  EXPECT_LT(hardening::Rss() - rss_before, int64_t{256} << 20);
+  // Nothing was changed and no budget was kept: a good request of the budget's size still runs.
+  const int64_t t = 100;  // 512 KB of q
+  std::mt19937 rng(11);
+  const std::vector<float> q = testing::RandomInputs(&rng, t * 5 * hq * d);
+  const std::vector<float> k = testing::RandomInputs(&rng, t * hkv * d);
+  v1::PrefillRequest good;
+  good.set_sequence_id(seq);
+  *good.mutable_q() = Tensor({t, 5, hq, d}, q, region, big.base(), 0);
+  *good.mutable_k() = Tensor({t, hkv, d}, k, region, big.base(), uint64_t{1} << 30);
+  *good.mutable_v() = Tensor({t, hkv, d}, k, region, big.base(), uint64_t{2} << 30);
+  v1::PrefillResponse response;
+  grpc::Status s = Prefill(good, &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(response.length(), t);
+}
+
+// A ring's request is a message: no longer than --max-message-bytes, and its copy is request
+// bytes. A garbage length of most of the half used to make attnd keep a private copy of that size
+// for the ring's life.
+TEST_F(RegionsTest, RingRequestsAreBoundByTheMessageLimit) {
+  ServerOptions options = testing::SmallCpuOptions();
+  options.max_message_bytes = 1 << 20;
+  options.max_inflight_request_bytes = 1 << 20;
+  Start(options);
+  HandRing hand(16 << 20);
+  v1::OpenRingRequest open;
+  open.set_name(hand.name());
+  open.set_byte_size(hand.bytes());
+  v1::OpenRingResponse opened;
+  {
+    grpc::ClientContext context;
+    grpc::Status s = stub_->OpenRing(&context, open, &opened);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  const int64_t rss_before = hardening::Rss();
+  std::string bytes;
+  ASSERT_TRUE(hand.RoundTrip("garbage", &bytes, false, uint64_t{12} << 20));
+  v1::SessionResponse response;
+  ASSERT_TRUE(response.ParseFromString(bytes));
+  EXPECT_EQ(response.code(), static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED))
+      << response.message();
+  EXPECT_NE(response.message().find("--max-message-bytes"), std::string::npos)
+      << response.message();
+  EXPECT_LT(hardening::Rss() - rss_before, int64_t{8} << 20);
+  // The ring goes on.
+  ASSERT_TRUE(hand.RoundTrip("\xff garbage", &bytes, false));
+  ASSERT_TRUE(response.ParseFromString(bytes));
+  EXPECT_EQ(response.code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+}
+
+// Spinning costs a core while it lasts: many rings of one tenant, all busy, never have more than
+// RingOptions::max_spinning_per_tenant threads spinning at once, nor all tenants more than
+// max_spinning (the others sleep on the futex and still answer).
+TEST(RingSpinTest, SpinningIsRationedPerTenantAndInTotal) {
+  RegionRegistry registry(RegionRegistryOptions{}, nullptr, Clock::Real());
+  RingOptions options;
+  options.spin = absl::Milliseconds(2);
+  options.answer_spin = absl::Milliseconds(2);
+  options.max_spinning_per_tenant = 1;
+  options.max_spinning = 2;
+  RingServer rings(&registry, options);
+  rings.SetHandler([](const v1::SessionRequest& request, absl::string_view,
+                      v1::SessionResponse* response, std::function<void(absl::Status)> done) {
+    // Answered from another thread a little later, as a batch elsewhere would be.
+    std::thread([done = std::move(done)] {
+      absl::SleepFor(absl::Microseconds(200));
+      done(absl::OkStatus());
+    }).detach();
+    return absl::OkStatus();
+  });
+  constexpr int kRingsPerTenant = 4, kRequests = 100;
+  std::vector<std::unique_ptr<HandRing>> hands;
+  std::vector<std::thread> clients;
+  std::atomic<int> answered{0};
+  for (const std::string tenant : {"a", "b", "c"}) {
+    for (int r = 0; r < kRingsPerTenant; ++r) {
+      hands.push_back(std::make_unique<HandRing>(64 * 1024, ShmNamePrefix(tenant)));
+      absl::StatusOr<RingServer::Opened> opened =
+          rings.Open(tenant, hands.back()->name(), hands.back()->bytes());
+      ASSERT_TRUE(opened.ok()) << opened.status();
+    }
+  }
+  for (auto& hand : hands) {
+    clients.emplace_back([&answered, h = hand.get()] {
+      v1::SessionRequest request;
+      for (int i = 0; i < kRequests; ++i) {
+        request.set_tag(i);
+        std::string bytes;
+        if (h->RoundTrip(request.SerializeAsString(), &bytes, false)) answered.fetch_add(1);
+      }
+    });
+  }
+  for (std::thread& c : clients) c.join();
+  EXPECT_EQ(answered.load(), static_cast<int>(hands.size()) * kRequests);
+  const RingSpinStats stats = rings.spin_stats();
+  EXPECT_LE(stats.max_spinning_one_tenant_seen, 1);
+  EXPECT_LE(stats.max_spinning_seen, 2);
+  EXPECT_GT(stats.spins, 0);
+  EXPECT_GT(stats.spins_refused, 0);
+  rings.Shutdown();
+}
+
+// A request whose output region shrinks while the engine runs fails FAILED_PRECONDITION and
+// changes nothing: the staged output is copied before the runtime commits, so the tokens are not
+// appended (prefill and decode).
+TEST_F(RegionsTest, AnOutputRegionThatShrinksFailsTheCallAndChangesNothing) {
+  FaultEngine* fault = nullptr;
+  ServerOptions options = testing::SmallCpuOptions();
+  options.wrap_engine = [&fault](std::unique_ptr<Engine> inner) -> std::unique_ptr<Engine> {
+    auto engine = std::make_unique<FaultEngine>(std::move(inner));
+    fault = engine.get();
+    return engine;
+  };
+  Start(options);
+  ASSERT_NE(fault, nullptr);
+  const int64_t t = 8, hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads,
+                d = geometry_.head_dim;
+  std::mt19937 rng(12);
+  const std::vector<float> q = testing::RandomInputs(&rng, t * 5 * hq * d);
+  const std::vector<float> k = testing::RandomInputs(&rng, t * hkv * d);
+  const std::string seq = NewSequence();
+  Shm out(kShmBytes);
+  std::string region;
+  ASSERT_TRUE(Register(out.name(), 0, kShmBytes, &region).ok());
+  v1::PrefillRequest request;
+  request.set_sequence_id(seq);
+  *request.mutable_q() = Tensor({t, 5, hq, d}, q);
+  *request.mutable_k() = Tensor({t, hkv, d}, k);
+  *request.mutable_v() = Tensor({t, hkv, d}, k);
+  request.mutable_output_region()->set_region_id(region);
+  request.mutable_output_region()->set_offset(kShmBytes / 2);
+  request.mutable_output_region()->set_byte_size(t * hq * d * 4);
+  fault->HoldPrefills();
+  grpc::Status status;
+  std::thread call([&] {
+    v1::PrefillResponse response;
+    status = Prefill(request, &response);
+  });
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (fault->held_prefills() == 0 && absl::Now() < deadline)
+    absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(fault->held_prefills(), 1);
+  out.Truncate(4096);  // the output range is gone
+  fault->ReleasePrefills();
+  call.join();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
+  EXPECT_NE(status.error_message().find("nothing was changed"), std::string::npos)
+      << status.error_message();
+  // The layer did not advance: the same prompt sent inline appends at 0.
+  request.clear_output_region();
+  v1::PrefillResponse ok;
+  ASSERT_TRUE(Prefill(request, &ok).ok());
+  EXPECT_EQ(ok.length(), t);
 }
 
 }  // namespace

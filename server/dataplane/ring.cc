@@ -1,13 +1,16 @@
 #include "server/dataplane/ring.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "attnd/v1/shm_ring.h"
+#include "base/catch_all.h"
 #include "base/status_macros.h"
 #include "server/dataplane/shm_guard.h"
 #include "spdlog/spdlog.h"
@@ -18,23 +21,31 @@ namespace {
 // How long one futex wait lasts before the thread looks at its stop flag again.
 constexpr int64_t kSleepSliceUs = 100000;
 
+// How long a ring waits with no request before it frees its copy buffer (the next request then
+// allocates one again): an active client keeps it, an idle one holds no request bytes.
+constexpr int64_t kKeepBufferNs = int64_t{1000} * 1000 * 1000;
+
 struct WaitArgs {
   ring::Header* header;
   uint32_t last;
   int64_t spin_ns;
+  int64_t give_up_ns;  // > 0: return (got false) after this long without a request
   const std::atomic<bool>* stop;
   uint32_t seq;  // out
   bool got;      // out
 };
 
-// Spins, then sleeps on the futex, until request_seq moves past `last` or stop is set.
-// Guarded: touches only the client's header and plain values.
+// Spins, then sleeps on the futex, until request_seq moves past `last`, stop is set or give_up_ns
+// passed. Guarded: touches only the client's header and plain values.
 void WaitForRequest(void* p) {
   auto* a = static_cast<WaitArgs*>(p);
   ring::Header* h = a->header;
-  const int64_t spin_until = absl::GetCurrentTimeNanos() + a->spin_ns;
+  const int64_t now = absl::GetCurrentTimeNanos();
+  const int64_t spin_until = now + a->spin_ns;
+  const int64_t give_up = a->give_up_ns > 0 ? now + a->give_up_ns : 0;
   a->got = false;
   while (!a->stop->load(std::memory_order_relaxed)) {
+    if (give_up != 0 && absl::GetCurrentTimeNanos() >= give_up) return;
     const uint32_t seq = h->request_seq.load(std::memory_order_acquire);
     if (seq != a->last) {
       a->seq = seq;
@@ -165,46 +176,130 @@ class RingServer::Ring {
  private:
   void Run() {
     const int64_t spin_ns = absl::ToInt64Nanoseconds(server_->options_.spin);
-    while (!stop_.load()) {
-      WaitArgs wait{header_, last_seq_, spin_ns, &stop_, 0, false};
-      if (!RunGuarded(WaitForRequest, &wait)) return Broken("reading its header");
-      if (!wait.got) return;  // stopping
+    while (true) {
+      // Spinning is rationed (RingOptions::max_spinning*): without a turn, sleep at once.
+      const bool spin = spin_ns > 0 && server_->BeginSpin(tenant_);
+      WaitArgs wait{
+          header_, last_seq_, spin ? spin_ns : 0, in_ != nullptr ? kKeepBufferNs : 0, &stop_,
+          0,       false};
+      const bool readable = RunGuarded(WaitForRequest, &wait);
+      if (spin) server_->EndSpin(tenant_);
+      if (!readable) return Broken("reading its header");
+      if (stop_.load()) return AnswerLastAtStop();
+      if (!wait.got) {  // idle: hold no copy buffer
+        FreeBuffer();
+        continue;
+      }
       last_seq_ = wait.seq;
       last_active_us_.store(absl::ToUnixMicros(absl::Now()));
-      std::pair<const char*, uint64_t> length{request_half_, 0};
-      if (!RunGuarded(ReadLength, &length)) return Broken("reading a request");
-      const uint64_t n = length.second;
-      const bool fits = n <= capacity_;
-      if (fits && n > in_capacity_) {       // grown before the guard (nothing inside it allocates),
-        in_ = std::make_unique<char[]>(n);  // and never zero-filled: a ring's half may be large
-        in_capacity_ = n;
-      }
-      // Nothing to copy for a length that does not fit (in_ may not exist yet: memcpy's pointers
-      // must not be null, even for 0 bytes).
-      ReadArgs read{request_half_ + ring::kLengthBytes, in_.get(), fits ? n : 0};
-      if (read.n > 0 && !RunGuarded(ReadBytes, &read)) return Broken("reading a request");
-      request_.Clear();
-      response_.Clear();
-      inflight_.store(true);
-      if (!fits) {
-        Answer(absl::InvalidArgumentError(absl::StrCat("the request's length field says ", n,
-                                                       " bytes, more than the ring's request half "
-                                                       "holds (",
-                                                       capacity_, ")")));
-      } else if (!request_.ParseFromArray(in_.get(), static_cast<int>(n))) {
-        Answer(absl::InvalidArgumentError(
-            "cannot parse attnd.v1.SessionRequest from the ring's request half"));
-      } else {
-        response_.set_tag(request_.tag());
-        t_ring_state = 1;
-        absl::Status s = server_->handler_(request_, tenant_, &response_,
-                                           [this](absl::Status st) { Answer(std::move(st)); });
-        t_ring_state = 0;
-        if (!s.ok()) Answer(std::move(s));
-      }
+      Serve();
       WaitAnswered();
+      if (broken_.load()) return;
       last_active_us_.store(absl::ToUnixMicros(absl::Now()));
     }
+  }
+
+  // Reads the request at last_seq_ and runs it; Answer (here or on the thread that completes it)
+  // writes its response.
+  void Serve() {
+    std::pair<const char*, uint64_t> length{request_half_, 0};
+    if (!RunGuarded(ReadLength, &length)) {
+      Broken("reading a request");
+      return AnswerBroken();
+    }
+    const uint64_t n = length.second;
+    request_.Clear();
+    response_.Clear();
+    inflight_.store(true);
+    if (n > capacity_) {
+      return Answer(absl::InvalidArgumentError(
+          absl::StrCat("the request's length field says ", n,
+                       " bytes, more than the ring's request half holds (", capacity_, ")")));
+    }
+    const int64_t max = server_->max_request_bytes_;
+    if (max > 0 && n > static_cast<uint64_t>(max)) {
+      return Answer(absl::ResourceExhaustedError(
+          absl::StrCat("the request is ", n, " bytes, more than --max-message-bytes (", max,
+                       ") allows one request")));
+    }
+    if (absl::Status s = GrowBuffer(n); !s.ok()) return Answer(std::move(s));
+    // Nothing to copy for 0 bytes (in_ may not exist: memcpy's pointers must not be null).
+    ReadArgs read{request_half_ + ring::kLengthBytes, in_.get(), n};
+    if (n > 0 && !RunGuarded(ReadBytes, &read)) {
+      Broken("reading a request");
+      return AnswerBroken();
+    }
+    if (!request_.ParseFromArray(in_.get(), static_cast<int>(n))) {
+      return Answer(absl::InvalidArgumentError(
+          "cannot parse attnd.v1.SessionRequest from the ring's request half"));
+    }
+    response_.set_tag(request_.tag());
+    t_ring_state = 1;
+    absl::Status s = CatchAll("the ring's request", [&] {
+      return server_->handler_(request_, tenant_, &response_,
+                               [this](absl::Status st) { Answer(std::move(st)); });
+    });
+    t_ring_state = 0;
+    if (!s.ok()) Answer(std::move(s));
+  }
+
+  // The copy buffer holds at least n bytes, taken from the request budget while it is held.
+  absl::Status GrowBuffer(uint64_t n) {
+    if (n <= in_capacity_) return absl::OkStatus();
+    FreeBuffer();
+    ByteBudget* budget = server_->budget_;
+    // A ring's request is a message: alone, it may pass the budget (as a gRPC message may).
+    if (budget != nullptr && !budget->TryTake(static_cast<int64_t>(n), /*alone_may_exceed=*/true)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "attnd is serving ", budget->used(), " bytes of requests already; this one (", n,
+          " bytes) would pass --max-inflight-request-bytes ", budget->limit(), ": retry later"));
+    }
+    ByteLease lease(budget, budget != nullptr ? static_cast<int64_t>(n) : 0);
+    // Never zero-filled: a ring's half may be large.
+    in_.reset(new (std::nothrow) char[n]);
+    if (in_ == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "attnd cannot allocate ", n, " bytes to copy the ring's request: retry later"));
+    }
+    in_capacity_ = n;
+    in_bytes_ = std::move(lease);
+    return absl::OkStatus();
+  }
+
+  void FreeBuffer() {
+    in_.reset();
+    in_capacity_ = 0;
+    in_bytes_.Reset();
+  }
+
+  // The ring's memory shrank under a request: it cannot be answered; the client is told the ring
+  // is closed (MarkClosed, by the reclaim that closes a broken ring).
+  void AnswerBroken() {
+    MutexLock lock(&mu_);
+    inflight_.store(false);
+    answered_.SignalAll();
+  }
+
+  // Stopping (CloseRing, shutdown, idle reclaim): a request the client posted that this thread has
+  // not taken yet is answered UNAVAILABLE rather than left to the client's timeout.
+  void AnswerLastAtStop() {
+    HeaderArgs header{header_};
+    if (!RunGuarded(ReadHeader, &header) || header.request_seq == last_seq_) return FreeBuffer();
+    last_seq_ = header.request_seq;
+    request_.Clear();
+    response_.Clear();
+    inflight_.store(true);
+    std::pair<const char*, uint64_t> length{request_half_, 0};
+    if (RunGuarded(ReadLength, &length) && length.second <= capacity_ &&
+        GrowBuffer(length.second).ok()) {
+      ReadArgs read{request_half_ + ring::kLengthBytes, in_.get(), length.second};
+      if (read.n > 0 && RunGuarded(ReadBytes, &read) &&
+          request_.ParseFromArray(in_.get(), static_cast<int>(read.n))) {
+        response_.set_tag(request_.tag());
+      }
+    }
+    Answer(absl::UnavailableError("the server is shutting down or closed this ring"));
+    FreeBuffer();
   }
 
   // On the thread that completed the request: the response into the ring, the client's doorbell.
@@ -237,9 +332,13 @@ class RingServer::Ring {
   }
 
   void WaitAnswered() {
-    const int64_t spin_until =
-        absl::GetCurrentTimeNanos() + absl::ToInt64Nanoseconds(server_->options_.answer_spin);
-    while (inflight_.load() && absl::GetCurrentTimeNanos() < spin_until) {
+    if (inflight_.load() && server_->options_.answer_spin > absl::ZeroDuration() &&
+        server_->BeginSpin(tenant_)) {
+      const int64_t spin_until =
+          absl::GetCurrentTimeNanos() + absl::ToInt64Nanoseconds(server_->options_.answer_spin);
+      while (inflight_.load() && absl::GetCurrentTimeNanos() < spin_until) {
+      }
+      server_->EndSpin(tenant_);
     }
     MutexLock lock(&mu_);
     while (inflight_.load()) answered_.Wait(&mu_);
@@ -269,6 +368,7 @@ class RingServer::Ring {
   uint32_t last_seq_ = 0;
   std::unique_ptr<char[]> in_;  // the request copied out of the ring
   uint64_t in_capacity_ = 0;
+  ByteLease in_bytes_;  // in_'s bytes in the request budget
   std::string out_;
   v1::SessionRequest request_;
   v1::SessionResponse response_;
@@ -281,6 +381,41 @@ RingServer::RingServer(RegionRegistry* registry, const RingOptions& options)
 RingServer::~RingServer() { Shutdown(); }
 
 void RingServer::SetHandler(Handler handler) { handler_ = std::move(handler); }
+
+void RingServer::SetRequestBudget(ByteBudget* budget, int64_t max_request_bytes) {
+  budget_ = budget;
+  max_request_bytes_ = max_request_bytes;
+}
+
+bool RingServer::BeginSpin(const std::string& tenant) {
+  MutexLock lock(&spin_mu_);
+  int& mine = spinning_[tenant];
+  if (mine >= options_.max_spinning_per_tenant || spinning_total_ >= options_.max_spinning) {
+    if (mine == 0) spinning_.erase(tenant);
+    ++spin_stats_.spins_refused;
+    return false;
+  }
+  ++mine;
+  ++spinning_total_;
+  ++spin_stats_.spins;
+  spin_stats_.max_spinning_seen = std::max<int64_t>(spin_stats_.max_spinning_seen, spinning_total_);
+  spin_stats_.max_spinning_one_tenant_seen =
+      std::max<int64_t>(spin_stats_.max_spinning_one_tenant_seen, mine);
+  return true;
+}
+
+void RingServer::EndSpin(const std::string& tenant) {
+  MutexLock lock(&spin_mu_);
+  auto it = spinning_.find(tenant);
+  if (it == spinning_.end()) return;
+  --spinning_total_;
+  if (--it->second == 0) spinning_.erase(it);
+}
+
+RingSpinStats RingServer::spin_stats() const {
+  MutexLock lock(&spin_mu_);
+  return spin_stats_;
+}
 
 absl::StatusOr<RingServer::Opened> RingServer::Open(absl::string_view tenant,
                                                     absl::string_view name, uint64_t bytes) {

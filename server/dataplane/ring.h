@@ -20,6 +20,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "attnd/v1/attention.pb.h"
+#include "base/byte_budget.h"
 #include "base/mutex.h"
 #include "server/dataplane/regions.h"
 
@@ -34,6 +35,19 @@ struct RingOptions {
   absl::Duration answer_spin = absl::Milliseconds(2);
   absl::Duration idle_timeout = absl::Seconds(300);  // no request this long: closed (0 = never)
   uint64_t max_ring_bytes = uint64_t{1} << 30;       // one ring's object at most
+  // Spinning costs a core while it lasts, so it is rationed: at most this many ring threads of
+  // one tenant, and of all tenants together, spin at once (after a request, or for an answer);
+  // the others sleep on the futex at once. 0 = none may spin.
+  int max_spinning_per_tenant = 1;
+  int max_spinning = 2;
+};
+
+// How much the rings spun (RingServer::spin_stats), for tests and metrics.
+struct RingSpinStats {
+  int64_t max_spinning_seen = 0;             // most ring threads spinning at once, all tenants
+  int64_t max_spinning_one_tenant_seen = 0;  // most of one tenant's at once
+  int64_t spins = 0;                         // spins granted
+  int64_t spins_refused = 0;                 // spins refused by the limits (the thread slept)
 };
 
 // True on a ring's server thread while it hands a request to the handler (and not inside work
@@ -60,7 +74,12 @@ class RingServer {
   RingServer& operator=(const RingServer&) = delete;
 
   void SetHandler(Handler handler);
+  // Each request copied out of a ring is request bytes: taken from `budget` (may be null) while
+  // attnd holds the copy, and no request may be longer than max_request_bytes (0: no cap), the
+  // message limit. Set once, before the first Open.
+  void SetRequestBudget(ByteBudget* budget, int64_t max_request_bytes);
   const RingOptions& options() const { return options_; }
+  RingSpinStats spin_stats() const;
 
   struct Opened {
     std::string ring_id;
@@ -83,10 +102,20 @@ class RingServer {
  private:
   class Ring;
   absl::Status CloseRing(std::unique_ptr<Ring> ring);
+  // The spin ration (RingOptions::max_spinning*): whether `tenant`'s ring thread may spin now; if
+  // so, EndSpin once it stops.
+  bool BeginSpin(const std::string& tenant);
+  void EndSpin(const std::string& tenant);
 
   RegionRegistry* const registry_;
   const RingOptions options_;
   Handler handler_;
+  ByteBudget* budget_ = nullptr;
+  int64_t max_request_bytes_ = 0;
+  mutable Mutex spin_mu_;
+  absl::flat_hash_map<std::string, int> spinning_ ABSL_GUARDED_BY(spin_mu_);  // by tenant
+  int spinning_total_ ABSL_GUARDED_BY(spin_mu_) = 0;
+  RingSpinStats spin_stats_ ABSL_GUARDED_BY(spin_mu_);
   mutable Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_map<std::string, std::unique_ptr<Ring>> rings_ ABSL_GUARDED_BY(mu_);

@@ -119,6 +119,12 @@ bool TokenStore::HasTenant(absl::string_view tenant) const {
   return false;
 }
 
+int64_t TokenStore::num_tenants() const {
+  absl::flat_hash_set<absl::string_view> tenants;
+  for (const Entry& e : entries_) tenants.insert(e.tenant);
+  return static_cast<int64_t>(tenants.size());
+}
+
 std::optional<std::string> TokenStore::Authenticate(absl::string_view token) const {
   const Digest digest = Sha256(token);
   size_t match = entries_.size();

@@ -56,6 +56,8 @@ class TokenStore {
   size_t size() const { return entries_.size(); }
   // Whether some token belongs to `tenant` (e.g. to check --admin-tenant at start-up).
   bool HasTenant(absl::string_view tenant) const;
+  // How many distinct tenants the tokens name.
+  int64_t num_tenants() const;
 
  private:
   using Digest = std::array<uint8_t, 32>;

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <limits>
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/dtype.h"
 #include "base/status_macros.h"
 #include "server/dataplane/shm_guard.h"
@@ -20,7 +22,7 @@ absl::Status Shrank(absl::string_view name, const Region& r) {
 }
 
 // product(shape) * element size, or -1 when it overflows, a dimension is negative or the dtype
-// is unknown (the runtime then names the problem).
+// is unknown.
 int64_t ShapeBytes(const v1::Tensor& t) {
   const int64_t element = static_cast<int64_t>(ElementSize(static_cast<DType>(t.dtype())));
   if (element <= 0) return -1;
@@ -58,25 +60,80 @@ CopyBufferPool::Buffer CopyBufferPool::Take(size_t bytes) {
     }
   }
   Buffer b;
-  b.data.reset(new char[bytes]);  // default-initialised: no zero fill
-  b.capacity = bytes;
+  b.data.reset(new (std::nothrow) char[bytes]);  // default-initialised: no zero fill
+  b.capacity = b.data != nullptr ? bytes : 0;
   return b;
 }
 
 void CopyBufferPool::Give(Buffer buffer) {
   if (buffer.data == nullptr) return;
   MutexLock lock(&mu_);
-  if (idle_bytes_ + buffer.capacity > kMaxPooledBytes) return;  // freed
+  if (idle_bytes_ + buffer.capacity > max_idle_bytes_) return;  // freed
   idle_bytes_ += buffer.capacity;
+  buffer.idle_since = absl::Now();
   idle_.push_back(std::move(buffer));
+}
+
+void CopyBufferPool::SetMaxIdleBytes(size_t bytes) {
+  MutexLock lock(&mu_);
+  max_idle_bytes_ = bytes;
+  while (idle_bytes_ > max_idle_bytes_ && !idle_.empty()) {
+    idle_bytes_ -= idle_.front().capacity;
+    idle_.erase(idle_.begin());
+  }
+}
+
+void CopyBufferPool::TrimIdle(absl::Duration age) {
+  std::vector<Buffer> freed;  // freed outside the lock
+  const absl::Time cutoff = absl::Now() - age;
+  MutexLock lock(&mu_);
+  for (auto it = idle_.begin(); it != idle_.end();) {
+    if (it->idle_since < cutoff) {
+      idle_bytes_ -= it->capacity;
+      freed.push_back(std::move(*it));
+      it = idle_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+size_t CopyBufferPool::idle_bytes() const {
+  MutexLock lock(&mu_);
+  return idle_bytes_;
 }
 
 RegionTensors::~RegionTensors() {
   for (CopyBufferPool::Buffer& b : copies_) CopyBufferPool::Get().Give(std::move(b));
 }
 
-char* RegionTensors::Copy(size_t bytes) {
-  copies_.push_back(CopyBufferPool::Get().Take(std::max<size_t>(bytes, 1)));
+absl::Status RegionTensors::CheckSize(absl::string_view name, uint64_t bytes) const {
+  if (max_tensor_bytes_ <= 0 || bytes <= static_cast<uint64_t>(max_tensor_bytes_)) {
+    return absl::OkStatus();
+  }
+  return absl::ResourceExhaustedError(
+      absl::StrCat(name, ": ", bytes, " bytes is larger than one tensor may be (",
+                   max_tensor_bytes_, " bytes, --max-message-bytes): send a smaller request"));
+}
+
+absl::StatusOr<char*> RegionTensors::Copy(absl::string_view name, uint64_t bytes) {
+  const int64_t n = static_cast<int64_t>(std::max<uint64_t>(bytes, 1));
+  if (budget_ != nullptr && !budget_->TryTake(n, /*alone_may_exceed=*/false)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        name, ": attnd would copy ", n,
+        " bytes of shared memory for this request, but its requests "
+        "already hold ",
+        budget_->used(), " of the ", budget_->limit(),
+        " bytes --max-inflight-request-bytes allows: retry later, or send smaller requests"));
+  }
+  ByteLease lease(budget_, budget_ != nullptr ? n : 0);
+  CopyBufferPool::Buffer buffer = CopyBufferPool::Get().Take(static_cast<size_t>(n));
+  if (buffer.data == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        name, ": attnd cannot allocate ", n, " bytes to copy the region's tensor: retry later"));
+  }
+  copies_.push_back(std::move(buffer));
+  copy_bytes_.push_back(std::move(lease));
   return copies_.back().data.get();
 }
 
@@ -125,12 +182,22 @@ absl::StatusOr<RequestTensor> RegionTensors::Input(absl::string_view name, const
                      " bytes) and a region reference: send one or the other"));
   }
   const v1::RegionRef& ref = t.region();
+  if (!IsKnownDType(r.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": dtype must be bf16, fp16 or fp32, got wire value ", static_cast<int>(t.dtype())));
+  }
   const int64_t need = ShapeBytes(t);
-  if (need >= 0 && ref.byte_size() != static_cast<uint64_t>(need)) {
+  if (need < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": shape [", absl::StrJoin(t.shape(), ", "),
+        "] has a negative dimension or more bytes than 2^63; every dimension must be >= 0"));
+  }
+  if (ref.byte_size() != static_cast<uint64_t>(need)) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": region byte_size ", ref.byte_size(),
                                                    " but its shape and dtype need ", need,
                                                    " bytes"));
   }
+  ATTND_RETURN_IF_ERROR(CheckSize(name, ref.byte_size()));
   ATTND_ASSIGN_OR_RETURN(const Region* region, Lease(name, ref));
   const uint64_t element = ElementSize(r.dtype);
   if (absl::Status s = CheckRange(*region, ref.offset(), ref.byte_size(), element, ref.byte_size());
@@ -147,7 +214,7 @@ absl::StatusOr<RequestTensor> RegionTensors::Input(absl::string_view name, const
   if (absl::Status s = CheckStillMapped(*region); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat(name, ": ", s.message()));
   }
-  char* copy = Copy(ref.byte_size());
+  ATTND_ASSIGN_OR_RETURN(char* copy, Copy(name, ref.byte_size()));
   if (!GuardedCopy(copy, at, ref.byte_size())) return Shrank(name, *region);
   r.bytes = absl::string_view(copy, ref.byte_size());
   return r;
@@ -156,6 +223,7 @@ absl::StatusOr<RequestTensor> RegionTensors::Input(absl::string_view name, const
 absl::Status RegionTensors::Output(absl::string_view name, const v1::RegionRef& ref,
                                    uint64_t element_size, uint64_t bytes, OutputBufferFn* fn,
                                    bool* on_device) {
+  ATTND_RETURN_IF_ERROR(CheckSize(name, bytes));
   ATTND_ASSIGN_OR_RETURN(const Region* region, Lease(name, ref));
   if (absl::Status s = CheckRange(*region, ref.offset(), ref.byte_size(), element_size, bytes);
       !s.ok()) {
@@ -181,7 +249,7 @@ absl::Status RegionTensors::Output(absl::string_view name, const v1::RegionRef& 
     return absl::Status(s.code(), absl::StrCat(name, ": ", s.message()));
   }
   *on_device = false;
-  char* buffer = Copy(bytes);
+  ATTND_ASSIGN_OR_RETURN(char* buffer, Copy(name, bytes));
   staged_.push_back(Staged{region, ref.offset(), buffer, bytes});
   // The runtime asks for exactly `bytes` (checked above against the model's output shape).
   *fn = [buffer, bytes](int64_t n) -> void* {
@@ -192,16 +260,15 @@ absl::Status RegionTensors::Output(absl::string_view name, const v1::RegionRef& 
 
 absl::Status RegionTensors::CopyOutputs() {
   for (const Staged& s : staged_) {
-    // Only a client that truncates its own object while its request runs gets here; the layer
-    // has advanced by then (docs/regions.md says so).
+    // Only a client that truncates its own object while its request runs gets here; this runs
+    // before the runtime commits (PrefillCall::before_commit), so the call changes nothing.
     if (CheckStillMapped(*s.region).ok() &&
         GuardedCopy(s.region->base + s.offset, s.buffer, s.bytes)) {
       continue;
     }
     return absl::FailedPreconditionError(absl::StrCat(
         "the shm object of output region ", s.region->id,
-        " shrank while the request ran, so the output could not be written; the tokens were "
-        "appended to the sequence"));
+        " shrank while the request ran, so the output could not be written; nothing was changed"));
   }
   staged_.clear();
   return absl::OkStatus();

@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "server/rpc/metrics.h"
 
@@ -16,9 +17,11 @@ std::string RequestLog::Format(const RequestLogEntry& e) {
   // "<instance>." (at most a DNS label's 63 characters) so the line says which daemon's it is.
   const size_t dot = e.sequence_id.find('.');
   const size_t keep = dot != std::string::npos && dot >= 1 && dot <= 63 ? dot + 1 + 8 : 8;
-  std::string line =
-      absl::StrCat("request method=", e.method, " tenant=", e.tenant.empty() ? "-" : e.tenant,
-                   " seq=", e.sequence_id.empty() ? "-" : e.sequence_id.substr(0, keep));
+  // Both are the client's words (an id is logged before it is checked): escaped, so that no
+  // newline, ESC or NUL of theirs reaches the log and a line cannot be forged.
+  std::string line = absl::StrCat(
+      "request method=", e.method, " tenant=", e.tenant.empty() ? "-" : absl::CHexEscape(e.tenant),
+      " seq=", e.sequence_id.empty() ? "-" : absl::CHexEscape(e.sequence_id.substr(0, keep)));
   if (e.tokens >= 0) absl::StrAppend(&line, " tokens=", e.tokens);
   absl::StrAppend(&line, " code=", StatusCodeName(e.code));
   if (e.latency_us >= 0) absl::StrAppend(&line, " latency_us=", e.latency_us);

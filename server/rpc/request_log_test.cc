@@ -71,6 +71,23 @@ TEST_F(RequestLogTest, AFleetMembersIdKeepsItsInstance) {
                                   HasSubstr(" seq=xxxxxxxx tokens=")));
 }
 
+// A client's id is logged before it is checked: its bytes must not make a line of their own.
+TEST_F(RequestLogTest, ClientStringsCannotForgeLines) {
+  RequestLog log = Make(1, 0);
+  RequestLogEntry e = Error(3);
+  const std::string id = std::string("a\nrequest method=Admin tenant=root code=OK\x1b[2J\0x.", 49) +
+                         "0123456789abcdef0123456789abcdef";
+  e.sequence_id = id;
+  e.tenant = "t\r\nx";
+  log.Log(e);
+  ASSERT_EQ(lines_.size(), 1u);
+  for (char c : lines_[0]) {
+    EXPECT_TRUE(c >= 0x20 && c < 0x7f) << "byte " << static_cast<int>(c) << " in " << lines_[0];
+  }
+  EXPECT_THAT(lines_[0], HasSubstr("tenant=t\\r\\nx "));
+  EXPECT_THAT(lines_[0], HasSubstr("seq=a\\nrequest"));
+}
+
 TEST_F(RequestLogTest, OneInNOkRequestsAndEveryError) {
   RequestLog log = Make(10, 0);
   for (int i = 0; i < 95; ++i) log.Log(Ok(i));

@@ -40,6 +40,7 @@
 #include "server/rpc/health_service.h"
 #include "server/rpc/metrics.h"
 #include "server/rpc/metrics_http.h"
+#include "server/rpc/region_tensors.h"
 #include "server/rpc/request_log.h"
 #include "server/rpc/service.h"
 #include "server/rpc/tls.h"
@@ -169,9 +170,10 @@ absl::Status CheckOptions(const ServerOptions& o) {
         absl::StrCat("ServerOptions::sequence_idle_timeout must be >= 0, got ",
                      absl::FormatDuration(o.sequence_idle_timeout)));
   }
-  if (o.tenant_max_sequences < 0) {
+  if (o.tenant_max_sequences < -1) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "ServerOptions::tenant_max_sequences must be >= 0, got ", o.tenant_max_sequences));
+        "ServerOptions::tenant_max_sequences must be >= 0 (or -1: a share per tenant), got ",
+        o.tenant_max_sequences));
   }
   if (o.max_streams_per_connection <= 0) {
     return absl::InvalidArgumentError(
@@ -346,6 +348,7 @@ void AttndServerImpl::HealthWatchLoop() {
     // Likewise the Prefill fast path's idle buffers: kept while calls keep coming, freed ~10 s
     // after a burst.
     if (ticks % 50 == 0 && buffers_ != nullptr) buffers_->TrimIdle(absl::Seconds(10));
+    if (ticks % 50 == 0) CopyBufferPool::Get().TrimIdle(absl::Seconds(10));
     // Every second: regions and rings no request used for --region-idle-timeout (a client that
     // died holding them) are unregistered.
     if (ticks % 10 == 0 && regions_ != nullptr) {
@@ -455,7 +458,22 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   runtime_options.max_sequence_length = options.max_sequence_length;
   runtime_options.max_sequences = options.max_sequences;
   runtime_options.tenant_page_quota = options.tenant_page_quota;
+  runtime_options.check_finite = options.check_finite;
   runtime_options.tenant_max_sequences = options.tenant_max_sequences;
+  if (options.tenant_max_sequences < 0) {
+    // A share of the sequence slots per tenant, so no tenant can lock the others out with empty
+    // sequences. Without tokens every caller is one tenant: no cap beyond max_sequences.
+    // (A token file that does not load is reported by StartAuth below.)
+    runtime_options.tenant_max_sequences = 0;
+    absl::StatusOr<TokenStore> store = options.auth_token_file.empty()
+                                           ? absl::NotFoundError("no tokens")
+                                           : TokenStore::LoadFile(options.auth_token_file);
+    if (store.ok() && store->num_tenants() > 1) {
+      const int64_t slots =
+          options.max_sequences > 0 ? options.max_sequences : (*engine)->layout().num_pages;
+      runtime_options.tenant_max_sequences = std::max<int64_t>(1, slots / store->num_tenants());
+    }
+  }
   runtime_options.instance_name = options.instance_name;
   runtime_options.advertise_address = options.advertise_address;
   absl::StatusOr<std::unique_ptr<Runtime>> runtime =
@@ -572,6 +590,8 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     regions_ = std::make_unique<RegionRegistry>(region_options, ipc_opener, Clock::Real());
     RingOptions ring_options;
     ring_options.spin = options.ring_spin;
+    ring_options.max_spinning_per_tenant = options.ring_max_spinning_per_tenant;
+    ring_options.max_spinning = options.ring_max_spinning;
     ring_options.idle_timeout = options.region_idle_timeout;
     rings_ = std::make_unique<RingServer>(regions_.get(), ring_options);
   }
@@ -582,7 +602,12 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
       runtime_.get(), work_queue_.get(), decode_queue_.get(), metrics_.get(), batcher_, tokens_,
       options.max_inflight_request_bytes, request_log_.get(), regions_.get(), rings_.get(),
       buffers_);
+  // Idle shm copy buffers stay within the request budget too (and are freed ~10 s after a burst).
+  CopyBufferPool::Get().SetMaxIdleBytes(static_cast<size_t>(
+      std::min<int64_t>(options.max_inflight_request_bytes,
+                        static_cast<int64_t>(CopyBufferPool::kDefaultMaxIdleBytes))));
   if (rings_ != nullptr) {
+    rings_->SetRequestBudget(service_->request_budget(), options.max_message_bytes);
     rings_->SetHandler([service = service_.get()](
                            const v1::SessionRequest& request, absl::string_view tenant,
                            v1::SessionResponse* response, std::function<void(absl::Status)> done) {
@@ -685,6 +710,14 @@ void AttndServerImpl::Shutdown(absl::Time deadline) {
   // Each ring answers its request in flight (the flushed batch runs on the work queue), then
   // tells its client it is closed.
   if (rings_ != nullptr) rings_->Shutdown();
+  // The calls in flight finish while gRPC still hands new ones to the handlers, which answer them
+  // UNAVAILABLE with a message; gRPC's own Shutdown would cancel the calls it has received but not
+  // handed over yet, with no message. A short floor lets calls already on the wire arrive.
+  if (service_ != nullptr && server_ != nullptr) {
+    absl::SleepFor(
+        std::min(absl::Milliseconds(200), std::max(absl::ZeroDuration(), deadline - absl::Now())));
+    service_->WaitForCallsToEnd(deadline);
+  }
   if (work_queue_ != nullptr) work_queue_->StopAccepting();
   if (server_ != nullptr) {
     server_->Shutdown(absl::ToChronoTime(deadline));

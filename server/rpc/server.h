@@ -30,6 +30,7 @@ struct ServerOptions {
   int64_t max_message_bytes = 512ll << 20;  // fits a 4096-token fp32 prefill of the 14B model
   int64_t max_sequence_length = 0;          // 0 = the model's max_position_embeddings
   int64_t max_sequences = 0;                // 0 = unlimited
+  bool check_finite = true;                 // refuse NaN/Inf in host q/k/v (RuntimeOptions)
   int32_t compute_threads = 0;              // CPU kernel threads; 0 = all cores
   int32_t request_workers = 0;              // threads running requests; 0 = a default
 
@@ -58,15 +59,22 @@ struct ServerOptions {
   // cap; the rest are counted as suppressed).
   int64_t request_log_sample = 1000;
   int64_t request_log_max_per_second = 50;
-  absl::Duration sequence_idle_timeout = absl::ZeroDuration();  // 0 = never reclaim
-  int64_t tenant_page_quota = 0;     // KV pages per tenant; 0 = unlimited
-  int64_t tenant_max_sequences = 0;  // live sequences per tenant; 0 = unlimited
+  // Defaults safe with several tenants (docs/operations.md, "Limits"): a killed client's sequences
+  // are freed after 10 minutes, and with tokens no tenant takes more than its share of
+  // max_sequences.
+  absl::Duration sequence_idle_timeout = absl::Minutes(10);  // 0 = never reclaim
+  int64_t tenant_page_quota = 0;                             // KV pages per tenant; 0 = unlimited
+  // Live sequences per tenant; 0 = unlimited; -1 = max_sequences / the number of tenants of
+  // auth_token_file (unlimited with auth off: every caller is then one tenant).
+  int64_t tenant_max_sequences = -1;
 
   // Memory and connection bounds (docs/operations.md, "Limits"). A client that sends and never
   // reads is held to them: HTTP/2 flow control stops it once they are reached.
-  int32_t max_streams_per_connection = 64;         // concurrent calls (streams) on one connection
-  int64_t max_inflight_request_bytes = 2ll << 30;  // requests being served, all together
-  int64_t grpc_memory_bytes = 4ll << 30;           // gRPC's resource quota (transport buffers)
+  int32_t max_streams_per_connection = 64;  // concurrent calls (streams) on one connection
+  // Requests being served, all together: messages, shm copies, ring requests. Idle shm copy
+  // buffers kept for reuse stay below it too.
+  int64_t max_inflight_request_bytes = 2ll << 30;
+  int64_t grpc_memory_bytes = 4ll << 30;  // gRPC's resource quota (transport buffers)
   // Extra integer channel arguments for the API listener, "name=value,..." (e.g.
   // "grpc.http2.lookahead_bytes=8388608"), after attnd's own; "" = none (docs/operations.md).
   std::string grpc_channel_args;
@@ -82,6 +90,9 @@ struct ServerOptions {
   int64_t max_region_bytes_per_tenant = 64ll << 30;         // their mapped bytes
   absl::Duration region_idle_timeout = absl::Seconds(300);  // unused this long: unregistered
   absl::Duration ring_spin = absl::Microseconds(50);  // a ring's thread spins this long per request
+  // Ring threads that may spin at once, of one tenant and of all (RingOptions).
+  int32_t ring_max_spinning_per_tenant = 1;
+  int32_t ring_max_spinning = 2;
 
   // A fleet member (docs/fleet.md): sequence ids become "<instance_name>.<32 hex>", and calls for
   // another instance's ids fail FAILED_PRECONDITION naming it. "" = unnamed, ids as ever.

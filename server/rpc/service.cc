@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/catch_all.h"
 #include "base/status_macros.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/region_tensors.h"
@@ -228,12 +229,12 @@ class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::By
         break;
       case v1::SessionRequest::kDecode:
         rpc_ = "Session.Decode";
-        submitted = service_->SubmitDecode(request_.decode(), *tenant_,
-                                           ContextOf(context_, cancelled_, &clock_),
-                                           response_.mutable_decode(), [this](absl::Status s) {
-                                             clock_.finished = absl::Now();
-                                             Complete(std::move(s));
-                                           });
+        submitted = service_->SubmitDecodeFromGrpcThread(
+            request_.decode(), *tenant_, ContextOf(context_, cancelled_, &clock_),
+            response_.mutable_decode(), [this](absl::Status s) {
+              clock_.finished = absl::Now();
+              Complete(std::move(s));
+            });
         break;
       default:
         rpc_ = "Session.Invalid";
@@ -350,29 +351,23 @@ AttentionService::AttentionService(Runtime* runtime, WorkQueue* work_queue,
       metrics_(metrics),
       batcher_(batcher),
       tokens_(std::move(tokens)),
-      max_inflight_request_bytes_(max_inflight_request_bytes),
+      budget_(max_inflight_request_bytes),
+      max_tensor_bytes_(runtime->Info().limits.max_message_bytes),
       request_log_(request_log),
       regions_(regions),
       rings_(rings),
       buffers_(std::move(buffers)) {}
 
 absl::Status AttentionService::TakeRequestBytes(int64_t bytes) {
-  if (max_inflight_request_bytes_ <= 0) return absl::OkStatus();
-  int64_t used = inflight_request_bytes_.load(std::memory_order_relaxed);
-  do {
-    // One request alone always fits (the flags guarantee the budget holds the largest message).
-    if (used > 0 && used + bytes > max_inflight_request_bytes_) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("attnd is serving ", used, " bytes of requests already; this one (", bytes,
-                       " bytes) would pass ServerOptions::max_inflight_request_bytes ",
-                       max_inflight_request_bytes_, ": retry later"));
-    }
-  } while (!inflight_request_bytes_.compare_exchange_weak(used, used + bytes));
-  return absl::OkStatus();
+  // One message alone always fits: the flags guarantee the budget holds the largest message.
+  if (budget_.TryTake(bytes, /*alone_may_exceed=*/true)) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "attnd is serving ", budget_.used(), " bytes of requests already; this one (", bytes,
+      " bytes) would pass --max-inflight-request-bytes ", budget_.limit(), ": retry later"));
 }
 
 void AttentionService::GiveRequestBytes(int64_t bytes) {
-  if (max_inflight_request_bytes_ > 0) inflight_request_bytes_.fetch_sub(bytes);
+  if (bytes > 0) budget_.Give(bytes);
 }
 
 void AttentionService::Record(absl::string_view rpc, int code, const RequestClock& clock,
@@ -406,6 +401,19 @@ void AttentionService::BeginShutdown() {
 }
 
 bool AttentionService::shutting_down() const { return shutting_down_.load(); }
+
+bool AttentionService::WaitForCallsToEnd(absl::Time deadline) {
+  while (true) {
+    bool idle = live_calls_.load() == 0;
+    if (idle) {
+      MutexLock lock(&mu_);
+      idle = sessions_.empty();
+    }
+    if (idle) return true;
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+}
 
 bool AttentionService::Register(SessionReactor* session) {
   MutexLock lock(&mu_);
@@ -448,15 +456,23 @@ class TypedUnaryCall final : public UnaryCall {
 // slices or pooled buffers) and the reply writer; the worker fills the reply before Finish.
 class WirePrefillCall final : public grpc::ServerUnaryReactor {
  public:
-  WirePrefillCall(wire::BufferPool* buffers, grpc::ByteBuffer* reply)
-      : writer(buffers), reply(reply) {}
-  void OnDone() override { delete this; }
+  WirePrefillCall(wire::BufferPool* buffers, grpc::ByteBuffer* reply, std::atomic<int64_t>* live)
+      : writer(buffers), reply(reply), live_(live) {
+    live_->fetch_add(1);
+  }
+  void OnDone() override {
+    live_->fetch_sub(1);
+    delete this;
+  }
   void OnCancel() override { cancelled->store(true, std::memory_order_release); }
 
   const std::shared_ptr<std::atomic<bool>> cancelled = NewCancelFlag();  // set by OnCancel
   wire::WirePrefillRequest request;
   wire::PrefillReplyWriter writer;
   grpc::ByteBuffer* const reply;
+
+ private:
+  std::atomic<int64_t>* const live_;
 };
 
 template <typename Request, typename Response>
@@ -466,6 +482,7 @@ grpc::ServerUnaryReactor* AttentionService::Raw(
     void (AttentionService::*serve)(grpc::CallbackServerContext*, const Request*, Response*,
                                     UnaryCall*)) {
   auto* call = new TypedUnaryCall<Request, Response>(reply);
+  call->CountIn(&live_calls_);
   grpc::ByteBuffer bytes(*request);  // shares the slices; Deserialize consumes its buffer
   const grpc::Status parsed =
       grpc::SerializationTraits<Request>::Deserialize(&bytes, &call->request);
@@ -504,7 +521,7 @@ grpc::ServerUnaryReactor* AttentionService::Prefill(grpc::CallbackServerContext*
                                                     const grpc::ByteBuffer* request,
                                                     grpc::ByteBuffer* reply) {
   if (buffers_ != nullptr) {
-    auto* call = new WirePrefillCall(buffers_.get(), reply);
+    auto* call = new WirePrefillCall(buffers_.get(), reply, &live_calls_);
     if (wire::ParsePrefillRequest(*request, buffers_.get(), &call->request)) {
       ServeWirePrefill(context, static_cast<int64_t>(request->Length()), call);
       return call;
@@ -550,6 +567,7 @@ void AttentionService::ServeInline(absl::string_view rpc, grpc::CallbackServerCo
                                    const std::function<absl::Status(const std::string&)>& body) {
   RequestClock clock;
   absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
+  if (tenant.ok()) clock.tenant = *tenant;
   absl::Status s = tenant.status();
   if (s.ok() && shutting_down()) s = ShuttingDown();
   if (s.ok()) s = body(*tenant);
@@ -561,8 +579,8 @@ void AttentionService::ServeInline(absl::string_view rpc, grpc::CallbackServerCo
 namespace {
 
 absl::Status NoRegions(absl::string_view what) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "this server serves no ", what, " (RegionRegistryOptions::max_regions_per_tenant is 0?)"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("this server serves no ", what, " (it runs with --max-regions-per-tenant 0)"));
 }
 
 }  // namespace
@@ -675,7 +693,10 @@ void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
                                           v1::GetServerInfoResponse* response, UnaryCall* reactor) {
   // Cheap and lock-light: answered on the gRPC thread.
   RequestClock clock;
-  const absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
+  absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
+  // While draining every new call hears it, so a client that polls goes elsewhere before gRPC
+  // shuts down (then it would see a bare CANCELLED).
+  if (tenant.ok() && shutting_down()) tenant = ShuttingDown();
   if (!tenant.ok()) {
     Record("GetServerInfo", static_cast<int>(tenant.status().code()), clock, SizeOf(*request), 0);
     reactor->Finish(ToGrpcStatus(tenant.status()));
@@ -774,7 +795,8 @@ void AttentionService::ServeOnWorker(absl::string_view rpc, grpc::CallbackServer
   }
   clock.tenant = *tenant;
   const int64_t bytes = SizeOf(*request);
-  if (absl::Status s = TakeRequestBytes(bytes); !s.ok()) {
+  absl::Status s = shutting_down() ? ShuttingDown() : TakeRequestBytes(bytes);
+  if (!s.ok()) {
     Record(rpc, static_cast<int>(s.code()), clock, bytes, 0);
     reactor->Finish(ToGrpcStatus(s));
     return;
@@ -824,36 +846,64 @@ void AttentionService::ServeReleaseSequence(grpc::CallbackServerContext* context
                 });
 }
 
+namespace {
+
+// A tensor's claims (dtype, shape) and its inline bytes, for checks made before any region
+// memory is read.
+RequestTensor Claimed(const v1::Tensor& t) {
+  RequestTensor r;
+  r.dtype = static_cast<DType>(t.dtype());
+  r.shape = absl::MakeConstSpan(t.shape().data(), t.shape().size());
+  r.bytes = t.data();
+  return r;
+}
+
+}  // namespace
+
 absl::Status AttentionService::RunPrefill(const v1::PrefillRequest& request,
                                           absl::string_view tenant, v1::PrefillResponse* response) {
+  absl::Status s =
+      CatchAll("the prefill", [&] { return RunPrefillUnsafe(request, tenant, response); });
+  if (!s.ok()) response->Clear();
+  return s;
+}
+
+absl::Status AttentionService::RunPrefillUnsafe(const v1::PrefillRequest& request,
+                                                absl::string_view tenant,
+                                                v1::PrefillResponse* response) {
   PrefillCall call;
   call.sequence_id = request.sequence_id();
   call.tenant = tenant;
   call.layer = request.layer();
   call.q_layout = static_cast<QLayout>(request.q_layout());
-  RegionTensors regions(regions_, tenant);
+  call.q = Claimed(request.q());
+  call.k = Claimed(request.k());
+  call.v = Claimed(request.v());
+  if (request.has_prompt_len()) call.prompt_len = request.prompt_len();
+  const bool names_regions = request.q().has_region() || request.k().has_region() ||
+                             request.v().has_region() || request.has_output_region();
+  int64_t tokens = 0;
+  // Region references are judged by what they claim before a byte of region memory is copied
+  // (a reference costs the client nothing; the copy costs attnd its size).
+  if (names_regions) ATTND_RETURN_IF_ERROR(runtime_->CheckPrefillShapes(call, &tokens));
+  RegionTensors regions(regions_, tenant, &budget_, max_tensor_bytes_);
   ATTND_ASSIGN_OR_RETURN(call.q, regions.Input("q", request.q()));
   ATTND_ASSIGN_OR_RETURN(call.k, regions.Input("k", request.k()));
   ATTND_ASSIGN_OR_RETURN(call.v, regions.Input("v", request.v()));
-  if (request.has_prompt_len()) call.prompt_len = request.prompt_len();
   if (request.has_output_region()) {
-    // o is [T, Hq, D] of q's dtype; a q the runtime rejects is rejected before o is written.
+    // o is [T, Hq, D] of q's dtype, T checked above.
     const ModelConfig& m = runtime_->model();
     const uint64_t element = ElementSize(call.q.dtype);
-    const uint64_t tokens = request.q().shape_size() > 0 && request.q().shape(0) > 0
-                                ? static_cast<uint64_t>(request.q().shape(0))
-                                : 0;
-    ATTND_RETURN_IF_ERROR(regions.Output(
-        "output_region", request.output_region(), element,
-        tokens * static_cast<uint64_t>(m.num_q_heads) * static_cast<uint64_t>(m.head_dim) * element,
-        &call.output, &call.output_on_device));
+    ATTND_RETURN_IF_ERROR(
+        regions.Output("output_region", request.output_region(), element,
+                       static_cast<uint64_t>(tokens) * static_cast<uint64_t>(m.num_q_heads) *
+                           static_cast<uint64_t>(m.head_dim) * element,
+                       &call.output, &call.output_on_device));
+    call.before_commit = [&regions] { return regions.CopyOutputs(); };
   } else {
     call.output = IntoTensor(response->mutable_o());
   }
   absl::StatusOr<PrefillResult> result = runtime_->Prefill(call);
-  if (result.ok()) {
-    if (absl::Status s = regions.CopyOutputs(); !s.ok()) result = s;
-  }
   if (!result.ok()) {
     response->Clear();
     return result.status();
@@ -877,7 +927,8 @@ void AttentionService::ServeWirePrefill(grpc::CallbackServerContext* context, in
     call->Finish(ToGrpcStatus(tenant.status()));
     return;
   }
-  if (absl::Status s = TakeRequestBytes(request_bytes); !s.ok()) {
+  if (absl::Status s = shutting_down() ? ShuttingDown() : TakeRequestBytes(request_bytes);
+      !s.ok()) {
     Record("Prefill", static_cast<int>(s.code()), clock, request_bytes, 0);
     call->Finish(ToGrpcStatus(s));
     return;
@@ -887,7 +938,7 @@ void AttentionService::ServeWirePrefill(grpc::CallbackServerContext* context, in
   absl::Status submitted = work_queue_->Submit(
       ContextOf(context, call->cancelled, started.get()),
       [this, call, clock = started, request_bytes, tenant = *std::move(tenant)](absl::Status s) {
-        if (s.ok()) s = RunWirePrefill(call, tenant);
+        if (s.ok()) s = CatchAll("the prefill", [&] { return RunWirePrefill(call, tenant); });
         clock->finished = absl::Now();
         Record("Prefill", static_cast<int>(s.code()), *clock, request_bytes,
                s.ok() ? static_cast<int64_t>(call->reply->Length()) : 0);
@@ -947,22 +998,46 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
                                             absl::string_view tenant, const RequestContext& context,
                                             v1::DecodeResponse* response,
                                             std::function<void(absl::Status)> done) {
+  absl::Status s = CatchAll("the decode", [&] {
+    return SubmitDecodeUnsafe(request, tenant, context, response, std::move(done));
+  });
+  if (!s.ok()) response->Clear();
+  return s;
+}
+
+absl::Status AttentionService::SubmitDecodeUnsafe(const v1::DecodeRequest& request,
+                                                  absl::string_view tenant,
+                                                  const RequestContext& context,
+                                                  v1::DecodeResponse* response,
+                                                  std::function<void(absl::Status)> done) {
   DecodeCall call;
   call.tenant = tenant;
   call.layer = request.layer();
   call.entries.resize(request.entries_size());
   response->Clear();
   // The regions' leases and copies live until the call is answered.
-  auto regions = std::make_shared<RegionTensors>(regions_, tenant);
+  auto regions = std::make_shared<RegionTensors>(regions_, tenant, &budget_, max_tensor_bytes_);
   const ModelConfig& m = runtime_->model();
   // Outputs exist before the engine runs so it can write into them; their addresses are stable.
   for (int i = 0; i < request.entries_size(); ++i) response->add_outputs();
+  bool staged_outputs = false;
   for (int i = 0; i < request.entries_size(); ++i) {
     const v1::DecodeEntry& in = request.entries(i);
     DecodeCall::Entry& e = call.entries[i];
     e.sequence_id = in.sequence_id();
     e.q_layout = static_cast<QLayout>(in.q_layout());
     const std::string at = absl::StrCat("entries[", i, "].");
+    if (in.q().has_region() || in.k().has_region() || in.v().has_region() ||
+        in.has_output_region()) {
+      // Judged by its claims before any region memory is copied (see RunPrefillUnsafe).
+      e.q = Claimed(in.q());
+      e.k = Claimed(in.k());
+      e.v = Claimed(in.v());
+      if (absl::Status s = runtime_->CheckDecodeShapes(e); !s.ok()) {
+        response->Clear();
+        return absl::Status(s.code(), absl::StrCat("entries[", i, "]: ", s.message()));
+      }
+    }
     absl::StatusOr<RequestTensor> q = regions->Input(absl::StrCat(at, "q"), in.q());
     absl::StatusOr<RequestTensor> k = q.ok() ? regions->Input(absl::StrCat(at, "k"), in.k()) : q;
     absl::StatusOr<RequestTensor> v = k.ok() ? regions->Input(absl::StrCat(at, "v"), in.v()) : k;
@@ -983,17 +1058,21 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
         response->Clear();
         return s;
       }
+      staged_outputs = true;
     } else {
       e.output = IntoTensor(response->mutable_outputs(i)->mutable_o());
     }
+  }
+  // Staged shm outputs reach their regions before the runtime commits: a region that shrank
+  // fails the call, which then changes nothing.
+  if (staged_outputs) {
+    RegionTensors* r = regions.get();
+    call.before_commit = [r] { return r->CopyOutputs(); };
   }
   const int64_t entries = request.entries_size();
   return decode_queue_->Submit(std::move(call), context,
                                [this, entries, response, regions, &request,
                                 done = std::move(done)](absl::StatusOr<DecodeResult> result) {
-                                 if (result.ok()) {
-                                   if (absl::Status s = regions->CopyOutputs(); !s.ok()) result = s;
-                                 }
                                  // The reply (done) may reach the client before this callback, and
                                  // with it the last reference to `regions`, is destroyed: end the
                                  // leases first, or an UnregisterRegion right after the reply can
@@ -1024,6 +1103,44 @@ absl::Status AttentionService::SubmitDecode(const v1::DecodeRequest& request,
                                });
 }
 
+namespace {
+
+// Copies of shm tensors are made where a decode is submitted. One that claims more region bytes
+// than this is submitted from a worker instead, so that no gRPC thread copies for long.
+constexpr uint64_t kMaxRegionBytesOnGrpcThread = uint64_t{1} << 20;
+
+uint64_t ClaimedRegionBytes(const v1::DecodeRequest& request) {
+  uint64_t bytes = 0;
+  for (const v1::DecodeEntry& e : request.entries()) {
+    for (const v1::Tensor* t : {&e.q(), &e.k(), &e.v()}) {
+      if (t->has_region()) bytes += std::min<uint64_t>(t->region().byte_size(), uint64_t{1} << 40);
+    }
+    if (e.has_output_region()) {
+      bytes += std::min<uint64_t>(e.output_region().byte_size(), uint64_t{1} << 40);
+    }
+  }
+  return bytes;
+}
+
+}  // namespace
+
+absl::Status AttentionService::SubmitDecodeFromGrpcThread(const v1::DecodeRequest& request,
+                                                          absl::string_view tenant,
+                                                          const RequestContext& context,
+                                                          v1::DecodeResponse* response,
+                                                          std::function<void(absl::Status)> done) {
+  if (ClaimedRegionBytes(request) <= kMaxRegionBytesOnGrpcThread) {
+    return SubmitDecode(request, tenant, context, response, std::move(done));
+  }
+  auto shared_done = std::make_shared<std::function<void(absl::Status)>>(std::move(done));
+  return work_queue_->Submit([this, &request, tenant, context, response, shared_done] {
+    absl::Status s =
+        SubmitDecode(request, tenant, context, response,
+                     [shared_done](absl::Status st) { (*shared_done)(std::move(st)); });
+    if (!s.ok()) (*shared_done)(std::move(s));
+  });
+}
+
 void AttentionService::ServeDecode(grpc::CallbackServerContext* context,
                                    const v1::DecodeRequest* request, v1::DecodeResponse* response,
                                    UnaryCall* reactor) {
@@ -1040,19 +1157,19 @@ void AttentionService::ServeDecode(grpc::CallbackServerContext* context,
   clock->tenant = *tenant;
   Describe(*request, clock.get());
   const int64_t bytes = SizeOf(*request);
-  if (absl::Status s = TakeRequestBytes(bytes); !s.ok()) {
+  if (absl::Status s = shutting_down() ? ShuttingDown() : TakeRequestBytes(bytes); !s.ok()) {
     Record("Decode", static_cast<int>(s.code()), *clock, bytes, 0);
     reactor->Finish(ToGrpcStatus(s));
     return;
   }
-  absl::Status submitted =
-      SubmitDecode(*request, *tenant, ContextOf(context, reactor->cancelled(), clock.get()),
-                   response, [this, reactor, bytes, response, clock, tenant](absl::Status s) {
-                     clock->finished = absl::Now();
-                     Record("Decode", static_cast<int>(s.code()), *clock, bytes, SizeOf(*response));
-                     GiveRequestBytes(bytes);
-                     reactor->Finish(ToGrpcStatus(s));
-                   });
+  absl::Status submitted = SubmitDecodeFromGrpcThread(
+      *request, *tenant, ContextOf(context, reactor->cancelled(), clock.get()), response,
+      [this, reactor, bytes, response, clock, tenant](absl::Status s) {
+        clock->finished = absl::Now();
+        Record("Decode", static_cast<int>(s.code()), *clock, bytes, SizeOf(*response));
+        GiveRequestBytes(bytes);
+        reactor->Finish(ToGrpcStatus(s));
+      });
   if (!submitted.ok()) {
     GiveRequestBytes(bytes);
     Record("Decode", static_cast<int>(submitted.code()), *clock, bytes, 0);

@@ -11,7 +11,9 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "attnd/v1/attention.grpc.pb.h"
+#include "base/byte_budget.h"
 #include "base/mutex.h"
 #include "server/dataplane/regions.h"
 #include "server/dataplane/ring.h"
@@ -64,13 +66,22 @@ class UnaryCall : public grpc::ServerUnaryReactor {
   UnaryCall(google::protobuf::Message* response, grpc::ByteBuffer* reply)
       : response_(response), reply_(reply) {}
   void Finish(grpc::Status status);  // hides ServerUnaryReactor::Finish, on purpose
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (live_ != nullptr) live_->fetch_sub(1);
+    delete this;
+  }
+  // Counts this call in `live` until it is done (AttentionService::WaitForCallsToEnd).
+  void CountIn(std::atomic<int64_t>* live) {
+    live_ = live;
+    live_->fetch_add(1);
+  }
   // Sets the flag a queued request's RequestContext carries: a cancelled call is not run.
   void OnCancel() override { cancelled_->store(true, std::memory_order_release); }
   const std::shared_ptr<std::atomic<bool>>& cancelled() const { return cancelled_; }
 
  private:
   const std::shared_ptr<std::atomic<bool>> cancelled_ = NewCancelFlag();
+  std::atomic<int64_t>* live_ = nullptr;
   google::protobuf::Message* const response_;
   grpc::ByteBuffer* const reply_;
 };
@@ -102,9 +113,17 @@ class AttentionService : public AttentionServiceBase {
   // response they are computing. Call before grpc::Server::Shutdown so idle streams do not hold
   // the drain until its deadline.
   void BeginShutdown();
+  // After BeginShutdown: waits until no call of this service is in flight (unary calls and
+  // sessions), or until `deadline`; true if none is. Until gRPC's own Shutdown, new calls still
+  // reach the handlers, which answer UNAVAILABLE with a message, whereas gRPC's Shutdown cancels
+  // the calls it has received but not yet handed over (CANCELLED, no message): so the server
+  // waits here first.
+  bool WaitForCallsToEnd(absl::Time deadline);
 
   // Bytes of requests being served now (the --max-inflight-request-bytes budget's use).
-  int64_t inflight_request_bytes() const { return inflight_request_bytes_.load(); }
+  int64_t inflight_request_bytes() const { return budget_.used(); }
+  // That budget, for whatever else holds request bytes (the rings' request copies).
+  ByteBudget* request_budget() { return &budget_; }
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const grpc::ByteBuffer* request,
@@ -143,6 +162,11 @@ class AttentionService : public AttentionServiceBase {
   // success.
   absl::Status RunPrefill(const v1::PrefillRequest& request, absl::string_view tenant,
                           v1::PrefillResponse* response);
+  absl::Status RunPrefillUnsafe(const v1::PrefillRequest& request, absl::string_view tenant,
+                                v1::PrefillResponse* response);  // RunPrefill without CatchAll
+  absl::Status SubmitDecodeUnsafe(const v1::DecodeRequest& request, absl::string_view tenant,
+                                  const RequestContext& context, v1::DecodeResponse* response,
+                                  std::function<void(absl::Status)> done);  // without CatchAll
   // Queues one decode as `tenant` on the decode queue; `done` gets its status after `response` is
   // filled. `context` (the RPC's deadline, cancellation and start observer) goes to the queue
   // with the call, which checks it before anything is looked up. `request` and `tenant` must stay
@@ -150,6 +174,12 @@ class AttentionService : public AttentionServiceBase {
   absl::Status SubmitDecode(const v1::DecodeRequest& request, absl::string_view tenant,
                             const RequestContext& context, v1::DecodeResponse* response,
                             std::function<void(absl::Status)> done);
+  // SubmitDecode for a gRPC thread: a decode that would copy much region memory is submitted from
+  // a worker instead (same contract: an error returned means done is never called).
+  absl::Status SubmitDecodeFromGrpcThread(const v1::DecodeRequest& request,
+                                          absl::string_view tenant, const RequestContext& context,
+                                          v1::DecodeResponse* response,
+                                          std::function<void(absl::Status)> done);
   // The unary RPCs that run on a worker (CreateSequence, ReleaseSequence, Prefill): queues `body`
   // (called with the caller's tenant) behind the deadline/cancellation check, records the call and
   // finishes it; a Submit the queue refuses is recorded and finished at once.
@@ -204,8 +234,9 @@ class AttentionService : public AttentionServiceBase {
   void Record(absl::string_view rpc, int code, const RequestClock& clock, int64_t bytes_received,
               int64_t bytes_sent);
 
-  // The request-bytes budget (max_inflight_request_bytes; 0 = none): takes `bytes` or answers
-  // RESOURCE_EXHAUSTED with nothing taken. Every successful take is given back once.
+  // The request-bytes budget (max_inflight_request_bytes; 0 = none): takes a received message's
+  // `bytes` or answers RESOURCE_EXHAUSTED with nothing taken. Every successful take is given back
+  // once. (Region copies take theirs through RegionTensors.)
   absl::Status TakeRequestBytes(int64_t bytes);
   void GiveRequestBytes(int64_t bytes);
 
@@ -220,16 +251,17 @@ class AttentionService : public AttentionServiceBase {
   AttndMetrics* const metrics_;                      // may be null
   const BatchingDecodeQueue* const batcher_;         // may be null
   const std::shared_ptr<const TokenStore> tokens_;   // null: auth is off
-  const int64_t max_inflight_request_bytes_;         // 0: no budget
+  ByteBudget budget_;                                // max_inflight_request_bytes; 0: none
+  const int64_t max_tensor_bytes_;                   // the message limit: no tensor is larger
   RequestLog* const request_log_;                    // may be null
   RegionRegistry* const regions_;                    // null: no tensor regions
   RingServer* const rings_;                          // null: no rings
   const std::shared_ptr<wire::BufferPool> buffers_;  // null: no wire fast path
-  std::atomic<int64_t> inflight_request_bytes_{0};
 
   // Atomic, not under mu_: sessions read it under their own lock, and BeginShutdown takes mu_
   // before the sessions' locks.
   std::atomic<bool> shutting_down_{false};
+  std::atomic<int64_t> live_calls_{0};  // unary calls not yet done (UnaryCall::CountIn)
   mutable Mutex mu_;
   absl::flat_hash_set<SessionReactor*> sessions_ ABSL_GUARDED_BY(mu_);
 };

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 #include "kernels/dca.h"
 #include "kernels/dual_chunk_rotary.h"
 
@@ -219,13 +220,25 @@ absl::StatusOr<std::vector<int64_t>> Runtime::LayerLengths(absl::string_view id,
   return (*seq)->layer_lengths;
 }
 
+absl::Status Runtime::CheckFinite(absl::string_view prefix, absl::string_view name,
+                                  const RequestTensor& t) const {
+  // Device memory (CUDA IPC regions) is never read on the host.
+  if (!options_.check_finite || t.on_device) return absl::OkStatus();
+  const int64_t bad =
+      FirstNonFinite(t.dtype, t.bytes.data(), t.bytes.size() / ElementSize(t.dtype));
+  if (bad < 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      prefix, name, " holds a NaN or an infinity (element ", bad,
+      "); attnd refuses it, as it would poison the sequence's cache for every later token"));
+}
+
 absl::Status Runtime::CheckLayer(int32_t layer) const {
   if (layer >= 0 && layer < model_.num_layers) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("layer ", layer, " is not in [0, ", model_.num_layers, ")"));
 }
 
-absl::Status Runtime::CheckPrefillTensors(const PrefillCall& call, int64_t* num_tokens) const {
+absl::Status Runtime::CheckPrefillLayout(const PrefillCall& call, int64_t* num_tokens) const {
   const DcaGeometry& g = engine_->geometry();
   for (const auto& [name, t] :
        {std::make_pair("q", &call.q), std::make_pair("k", &call.k), std::make_pair("v", &call.v)}) {
@@ -258,15 +271,31 @@ absl::Status Runtime::CheckPrefillTensors(const PrefillCall& call, int64_t* num_
                                                      " from q), got ", ShapeString(tensor->shape)));
     }
   }
-  for (const auto& [name, tensor] :
-       {std::make_pair("q", &call.q), std::make_pair("k", &call.k), std::make_pair("v", &call.v)}) {
-    if (absl::Status s = CheckBytes("", name, *tensor); !s.ok()) return s;
-  }
   *num_tokens = t;
   return absl::OkStatus();
 }
 
-absl::Status Runtime::CheckDecodeEntry(const DecodeCall::Entry& e) const {
+absl::Status Runtime::CheckPrefillShapes(const PrefillCall& call, int64_t* num_tokens) const {
+  ATTND_RETURN_IF_ERROR(CheckPrefillLayout(call, num_tokens));
+  if (*num_tokens > max_sequence_length_) {
+    return absl::OutOfRangeError(absl::StrCat("a prefill of ", *num_tokens,
+                                              " tokens is longer than the maximum sequence length ",
+                                              max_sequence_length_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::CheckPrefillTensors(const PrefillCall& call, int64_t* num_tokens) const {
+  if (absl::Status s = CheckPrefillLayout(call, num_tokens); !s.ok()) return s;
+  for (const auto& [name, tensor] :
+       {std::make_pair("q", &call.q), std::make_pair("k", &call.k), std::make_pair("v", &call.v)}) {
+    if (absl::Status s = CheckBytes("", name, *tensor); !s.ok()) return s;
+    if (absl::Status s = CheckFinite("", name, *tensor); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::CheckDecodeShapes(const DecodeCall::Entry& e) const {
   const DcaGeometry& g = engine_->geometry();
   for (const auto& [name, t] :
        {std::make_pair("q", &e.q), std::make_pair("k", &e.k), std::make_pair("v", &e.v)}) {
@@ -294,9 +323,15 @@ absl::Status Runtime::CheckDecodeEntry(const DecodeCall::Entry& e) const {
           name, " must have shape ", ShapeString(kv_shape), ", got ", ShapeString(tensor->shape)));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::CheckDecodeEntry(const DecodeCall::Entry& e) const {
+  if (absl::Status s = CheckDecodeShapes(e); !s.ok()) return s;
   for (const auto& [name, tensor] :
        {std::make_pair("q", &e.q), std::make_pair("k", &e.k), std::make_pair("v", &e.v)}) {
     if (absl::Status s = CheckBytes("", name, *tensor); !s.ok()) return s;
+    if (absl::Status s = CheckFinite("", name, *tensor); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
@@ -356,6 +391,14 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
     return absl::OutOfRangeError(absl::StrCat(
         "prompt_len ", prompt_len, " is past the maximum sequence length ", max_sequence_length_));
   }
+  const int64_t open_prompt = seq->layer_prompt_lens[call.layer];
+  if (open_prompt > start && prompt_len != open_prompt) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer ", call.layer, " of sequence ", seq->id, " holds ", start,
+        " tokens of a prompt sent with prompt_len ", open_prompt,
+        "; every chunk of that prompt must carry prompt_len ", open_prompt, ", got ",
+        call.prompt_len.has_value() ? absl::StrCat(*call.prompt_len) : std::string("none")));
+  }
   // Given back on every return below but the last (PageReservation).
   absl::StatusOr<PageReservation> reserved = table_.Reserve(seq, length);
   if (!reserved.ok()) return reserved.status();
@@ -383,8 +426,10 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
   job.out_dtype = call.q.dtype;
   job.out_on_device = call.output_on_device && call.output;
   if (absl::Status s = engine_->Prefill(job); !s.ok()) return EngineError(*engine_, s);
+  if (call.before_commit) ATTND_RETURN_IF_ERROR(call.before_commit());
   reserved->Commit();
   seq->layer_lengths[call.layer] = length;
+  seq->layer_prompt_lens[call.layer] = prompt_len > length ? prompt_len : 0;
   seq->last_used = absl::Now();
   result.length = length;
   return result;
@@ -482,6 +527,7 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
   absl::StatusOr<DecodeStats> stats = engine_->Decode(job);
   if (!stats.ok()) return EngineError(*engine_, stats.status());
   result.stats = *stats;
+  if (call.before_commit) ATTND_RETURN_IF_ERROR(call.before_commit());
   const absl::Time now = absl::Now();
   for (size_t i = 0; i < n; ++i) {
     reserved[i].Commit();

@@ -51,6 +51,9 @@ struct PrefillCall {
   std::optional<int64_t> prompt_len;  // absent: the layer's length after this call
   OutputBufferFn output;              // unset: the result owns the output in `out`
   bool output_on_device = false;      // output returns device memory (PrefillJob::out_on_device)
+  // Runs after the engine succeeded and before the call is committed (e.g. copies a staged output
+  // into the client's shm region): an error fails the call, which then changes nothing.
+  std::function<absl::Status()> before_commit;
 };
 
 struct PrefillResult {
@@ -73,6 +76,8 @@ struct DecodeCall {
   absl::string_view tenant;
   int32_t layer = 0;
   std::vector<Entry> entries;  // at least one; distinct sequences
+  // As PrefillCall::before_commit, for the whole call.
+  std::function<absl::Status()> before_commit;
   // (The RPC's deadline and cancellation travel beside the call, in a RequestContext that the
   // decode queue checks when it dequeues the call: server/sched/request_context.h.)
 };
@@ -151,6 +156,8 @@ struct RuntimeOptions {
   int64_t max_sequences = 0;         // 0 = one per KV page (each non-empty sequence holds a page)
   int64_t tenant_page_quota = 0;     // KV pages per tenant; 0 = unlimited
   int64_t tenant_max_sequences = 0;  // live sequences per tenant; 0 = unlimited
+  // Refuse q/k/v holding a NaN or an infinity (host tensors; device tensors are not read here).
+  bool check_finite = true;
   // A fleet member's name (SequenceTableOptions::instance_name: ids become "<name>.<32 hex>") and
   // the address clients should reach it at; both reported by Info(). "" = unnamed, ids as ever.
   std::string instance_name;
@@ -188,6 +195,12 @@ class Runtime {
   absl::StatusOr<std::vector<int64_t>> LayerLengths(absl::string_view id,
                                                     absl::string_view tenant) const;
 
+  // What a prefill's or a decode entry's tensors claim (dtypes, layout, shapes; a prefill's length
+  // against the maximum sequence length), without reading their bytes: a request whose tensors
+  // live in registered regions is judged by these before any region memory is copied.
+  absl::Status CheckPrefillShapes(const PrefillCall& call, int64_t* num_tokens) const;
+  absl::Status CheckDecodeShapes(const DecodeCall::Entry& entry) const;
+
   // Codes as attention.proto says; a failed call changes nothing.
   absl::StatusOr<PrefillResult> Prefill(const PrefillCall& call);
   absl::StatusOr<DecodeResult> Decode(const DecodeCall& call);
@@ -204,8 +217,11 @@ class Runtime {
   // told where to go before anything else about it is judged); OK otherwise.
   absl::Status Misrouted(absl::string_view id) const;
   absl::Status CheckLayer(int32_t layer) const;
+  absl::Status CheckPrefillLayout(const PrefillCall& call, int64_t* num_tokens) const;
   absl::Status CheckPrefillTensors(const PrefillCall& call, int64_t* num_tokens) const;
   absl::Status CheckDecodeEntry(const DecodeCall::Entry& entry) const;
+  absl::Status CheckFinite(absl::string_view prefix, absl::string_view name,
+                           const RequestTensor& t) const;
 
   const ModelConfig model_;
   const std::unique_ptr<Engine> engine_;

@@ -342,9 +342,20 @@ std::vector<BatchingDecodeQueue::Result> BatchingDecodeQueue::Execute(Batch* bat
     merged.layer = batch->key.first;
     merged.tenant = batch->key.second;
     int64_t n = 0;
+    std::vector<const std::function<absl::Status()>*> commits;
     for (const Pending* c : calls) {
       merged.entries.insert(merged.entries.end(), c->call.entries.begin(), c->call.entries.end());
       n += c->num_entries;
+      if (c->call.before_commit) commits.push_back(&c->call.before_commit);
+    }
+    // A call whose hook fails fails the merged batch; the split below then fails only that call.
+    if (!commits.empty()) {
+      merged.before_commit = [&commits]() -> absl::Status {
+        for (const auto* commit : commits) {
+          if (absl::Status s = (*commit)(); !s.ok()) return s;
+        }
+        return absl::OkStatus();
+      };
     }
     absl::StatusOr<DecodeResult> result = run(merged, n);
     if (result.ok()) {

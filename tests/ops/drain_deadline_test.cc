@@ -1,13 +1,16 @@
 // Client deadlines and graceful drain against the real daemon. "Slow" work is a prefill held inside
 // the engine (server/engine/fault_engine.h's gate) until the test releases it, on a server with one
 // request worker, so later requests queue behind it however fast the machine is.
+#include <atomic>
 #include <future>
 #include <random>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/mutex.h"
 #include "gtest/gtest.h"
 #include "server/engine/fault_engine.h"
 #include "tests/ops/ops_util.h"
@@ -212,6 +215,66 @@ TEST(OpsDrainTest, ShutdownFinishesInFlightWorkRefusesNewWorkAndReportsNotServin
   // Everything is down afterwards: no metrics, no health.
   EXPECT_EQ(HttpGet(metrics_port, "/healthz"), std::nullopt);
   EXPECT_EQ(HealthStatus(health_channel, ""), -1);
+}
+
+// Under load, every call a drain touches ends OK or UNAVAILABLE with a message saying why: the
+// calls in flight when SIGTERM comes and those sent just after it, until each client hears
+// UNAVAILABLE (and, as a client of a fleet would, goes elsewhere). gRPC's own Shutdown cancels
+// the calls it has received but not handed over (CANCELLED, no message), so attnd answers new
+// calls itself until nothing is in flight, and only then shuts gRPC down.
+TEST(OpsDrainTest, CallsDuringTheDrainEndOkOrUnavailableWithAMessage) {
+  ServerOptions o = TinyOptions(4096);
+  o.request_workers = 4;
+  Daemon daemon(o);
+  ASSERT_TRUE(daemon.ok());
+  constexpr int kClients = 48;
+  std::atomic<bool> stop{false};
+  std::atomic<int> shut{0};
+  Mutex mu;
+  std::vector<std::string> bad;
+  int64_t calls = 0, after = 0;
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.emplace_back([&, c] {
+      // A channel per client, as separate processes would have.
+      auto stub = daemon.Stub();
+      std::mt19937 rng(100 + c);
+      std::string id;
+      Create(stub.get(), "", &id);
+      while (!stop.load()) {
+        const bool late = shut.load() != 0;
+        grpc::Status s;
+        if (c % 2 == 0 && !id.empty()) {
+          v1::PrefillResponse response;
+          auto ctx = Context("", std::chrono::seconds(30));
+          s = stub->Prefill(ctx.get(), MakePrefill(id, 0, 4, &rng), &response);
+        } else {
+          v1::GetServerInfoResponse info;
+          auto ctx = Context();
+          s = stub->GetServerInfo(ctx.get(), v1::GetServerInfoRequest(), &info);
+        }
+        MutexLock lock(&mu);
+        ++calls;
+        if (late) ++after;
+        if (s.ok()) continue;
+        if (s.error_code() != grpc::StatusCode::UNAVAILABLE || s.error_message().empty()) {
+          bad.push_back(absl::StrCat(c % 2 == 0 ? "Prefill: " : "GetServerInfo: ", s.error_code(),
+                                     " \"", s.error_message(), "\""));
+        }
+        return;  // a client told the server is going away goes elsewhere
+      }
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(500));
+  shut.store(1);
+  daemon.server().Shutdown(absl::Now() + absl::Seconds(20));
+  daemon.server().Wait();
+  stop.store(true);
+  for (std::thread& t : clients) t.join();
+  MutexLock lock(&mu);
+  EXPECT_GT(calls, kClients);
+  EXPECT_GT(after, 0);
+  EXPECT_TRUE(bad.empty()) << bad.size() << " of " << calls << " calls, e.g. " << bad.front();
 }
 
 }  // namespace

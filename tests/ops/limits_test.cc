@@ -151,8 +151,7 @@ TEST(LimitsTest, RequestsPastTheInflightByteBudgetFailAtOnce) {
     v1::PrefillResponse resp;
     grpc::Status s = stub->Prefill(ctx.get(), big_b, &resp);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-    EXPECT_TRUE(
-        absl::StrContains(s.error_message(), "ServerOptions::max_inflight_request_bytes 1048576"))
+    EXPECT_TRUE(absl::StrContains(s.error_message(), "--max-inflight-request-bytes 1048576"))
         << s.error_message();
   }
   fault->ReleasePrefills();
