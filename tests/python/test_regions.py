@@ -528,7 +528,7 @@ class CudaRegionTorch(unittest.TestCase):
             client.release(seq)
 
     def test_the_server_takes_torch_handle_as_torch_gives_it(self):
-        """RegisterRegion with _share_cuda_'s own bytes (66 on torch >= 2.5), not the client's 64."""
+        """RegisterRegion with _share_cuda_'s own bytes (66 on newer torch), not the client's 64."""
         buf = torch.arange(4096, dtype=torch.float32, device="cuda")
         shared = buf.untyped_storage()._share_cuda_()
         size = int(shared[3]) + int(shared[2])
