@@ -12,7 +12,7 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$(mktemp -d)}
 mkdir -p "$out"
 py=${PYTHON:-python3}
-: "${ATTND_PYTHON_STUBS:?source the bundle's env.sh first (. .gpu/env.sh): it names the Python stubs}"
+: "${ATTND_PYTHON_STUBS:?source the bundle env.sh first (. .gpu/env.sh), which names the Python stubs}"
 ATTND_BIN=$(command -v attnd) || { echo "python_cuda: no attnd on PATH (. .gpu/env.sh)" >&2; exit 1; }
 export ATTND_BIN
 cd "$here"
@@ -35,7 +35,9 @@ run() {  # NAME UNITTEST-ARGS...
   "$py" -m unittest "$@" >"$out/$name.log" 2>&1
   local rc=$?
   ((rc == 0)) || status=1
-  echo "$name: exit $rc; $(grep -E '^(Ran |OK|FAILED)' "$out/$name.log" | tr '\n' ' ')"
+  local summary
+  summary=$(grep -E '^Ran |^OK|^FAILED' "$out/$name.log" | tr '\n' ' ')
+  echo "$name: exit $rc; $summary"
   grep -E '^\[CudaRegionTorch\]|^(FAIL|ERROR):|skipped ' "$out/$name.log" | head -20
 }
 # -v lists each test with its result; a skipped CUDA test is a failure of this lane.
