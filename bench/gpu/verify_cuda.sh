@@ -14,6 +14,7 @@
 #     bazel-bin/tests/golden_cuda_test bazel-bin/tests/sparse_golden_cuda_test
 #   strip .gpu/bin/*   (the bundle carries the golden cases; env.sh points the tests at them)
 # then there:  . .gpu/env.sh && bench/gpu/verify_cuda.sh "$OUT"
+# (python_cuda.sh, run last, needs python3 with torch, grpcio and numpy there.)
 set -uo pipefail
 out=${1:?usage: verify_cuda.sh OUT_DIR}
 here=$(cd "$(dirname "$0")/../.." && pwd)
@@ -29,5 +30,6 @@ for t in attention_tile_test dca_cuda_test lab_test rotary_cuda_test sparse_cuda
   grep -E '^\[  FAILED  \]|SKIPPING|worst max abs' "$logs/$t.log" | head -10
 done
 "$here/bench/gpu/e2e_cuda.sh" "$logs/e2e" || status=1
+"$here/bench/gpu/python_cuda.sh" "$logs/python" || status=1
 tar czf "$out/logs.tgz" -C "$logs" .
 exit $status

@@ -21,6 +21,13 @@ namespace {
 constexpr size_t kMaxShmNameChars = 255;
 constexpr size_t kIpcHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
 constexpr size_t kMaxEchoedChars = 64;
+// torch's shareable handle (untyped_storage()._share_cuda_()[1] of newer torch, 2.11 for one): a
+// version byte, a type byte, then the type's payload. Type 'c' (memory from cudaMalloc) carries a
+// cudaIpcMemHandle_t; type 'e' (an expandable segment) carries a header and one exported allocation
+// handle per segment, which cudaIpcOpenMemHandle cannot open.
+constexpr char kTorchHandleVersion = 2;
+constexpr char kTorchCudaMalloc = 'c';
+constexpr char kTorchExpandableSegment = 'e';
 
 int64_t NowUs(const Clock* clock) { return absl::ToUnixMicros(clock->Now()); }
 
@@ -259,18 +266,38 @@ absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::RegisterShm(absl::
   return added;
 }
 
+absl::StatusOr<absl::string_view> CudaIpcMemHandle(absl::string_view handle) {
+  if (handle.size() == kIpcHandleBytes) return handle;
+  if (handle.size() >= 2 && handle[0] == kTorchHandleVersion) {
+    if (handle[1] == kTorchCudaMalloc && handle.size() == 2 + kIpcHandleBytes) {
+      return handle.substr(2);
+    }
+    if (handle[1] == kTorchExpandableSegment) {
+      return absl::InvalidArgumentError(
+          "this CUDA IPC handle is torch's for memory in an expandable segment "
+          "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), which CUDA IPC cannot open: "
+          "allocate "
+          "the region's buffer with expandable segments off (e.g. "
+          "torch.cuda.memory._set_allocator_settings(\"expandable_segments:False\") before "
+          "allocating it) or with cudaMalloc");
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "a CUDA IPC handle is a cudaIpcMemHandle_t (", kIpcHandleBytes,
+      " bytes) or torch's shareable handle for cudaMalloc memory (", 2 + kIpcHandleBytes,
+      " bytes: version 2, type 'c', then the cudaIpcMemHandle_t); got ", handle.size(), " bytes",
+      handle.size() >= 2 ? absl::StrCat(" starting ", Echo(handle.substr(0, 2))) : ""));
+}
+
 absl::StatusOr<std::shared_ptr<const Region>> RegionRegistry::RegisterCudaIpc(
-    absl::string_view tenant, absl::string_view handle, uint64_t bytes) {
+    absl::string_view tenant, absl::string_view shared_handle, uint64_t bytes) {
   if (opener_ == nullptr) {
     return absl::FailedPreconditionError(
         "this server does not accept CUDA IPC regions (it runs the CPU backend, or was built "
         "without CUDA): use system shm regions or inline bytes");
   }
-  if (handle.size() != kIpcHandleBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC handle is ", kIpcHandleBytes,
-                                                   " bytes (cudaIpcMemHandle_t), got ",
-                                                   handle.size()));
-  }
+  // Keyed by the cudaIpcMemHandle_t itself, so both forms of one allocation share one open.
+  ATTND_ASSIGN_OR_RETURN(const absl::string_view handle, CudaIpcMemHandle(shared_handle));
   if (bytes == 0) return absl::InvalidArgumentError("byte_size must be at least 1");
   DeviceMemoryOpener::Mapping mapping;
   {

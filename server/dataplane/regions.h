@@ -92,6 +92,11 @@ struct RegionRegistryOptions {
   absl::Duration idle_timeout = absl::Seconds(300);  // 0 = never reclaim
 };
 
+// The cudaIpcMemHandle_t in `handle`: the 64 bytes themselves, or the payload of torch's versioned
+// shareable handle (version 2, type 'c': 66 bytes). INVALID_ARGUMENT for any other length and for
+// torch's expandable-segment form (type 'e'), which CUDA IPC cannot open, with what to do instead.
+absl::StatusOr<absl::string_view> CudaIpcMemHandle(absl::string_view handle);
+
 // Thread-safe.
 class RegionRegistry {
  public:
@@ -112,7 +117,8 @@ class RegionRegistry {
   absl::StatusOr<std::shared_ptr<const Region>> RegisterShm(absl::string_view tenant,
                                                             absl::string_view name, uint64_t offset,
                                                             uint64_t bytes, RegionKind kind);
-  // handle: 64 bytes. bytes must fit in the handle's allocation.
+  // handle: a cudaIpcMemHandle_t (64 bytes), or torch's shareable handle of cudaMalloc memory
+  // (CudaIpcMemHandle). bytes must fit in the handle's allocation.
   absl::StatusOr<std::shared_ptr<const Region>> RegisterCudaIpc(absl::string_view tenant,
                                                                 absl::string_view handle,
                                                                 uint64_t bytes);

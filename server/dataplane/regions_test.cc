@@ -10,11 +10,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/clock.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/dataplane/shm_guard.h"
 
 namespace attnd {
 namespace {
+
+using ::testing::HasSubstr;
 
 // A shm object of `bytes` bytes with a unique name among `tenant`'s, unlinked at the end of the
 // test.
@@ -50,6 +53,7 @@ class FakeOpener : public DeviceMemoryOpener {
   absl::StatusOr<Mapping> OpenIpcHandle(absl::string_view handle) override {
     if (handle[0] == 'x') return absl::InvalidArgumentError("cudaIpcOpenMemHandle: invalid");
     ++opens;
+    opened = std::string(handle);
     Mapping m;
     m.device_ptr = &memory[0];
     m.bytes = sizeof(memory);
@@ -61,6 +65,7 @@ class FakeOpener : public DeviceMemoryOpener {
   }
   char memory[4096];
   int opens = 0, closes = 0;
+  std::string opened;  // the last handle opened
 };
 
 constexpr uint64_t kPage = 4096;
@@ -295,6 +300,67 @@ TEST(RegionRegistryTest, CudaIpcHandlesAreOpenedOncePerHandle) {
     ASSERT_TRUE(registry.RegisterCudaIpc("t", handle, 64).ok());
   }
   EXPECT_EQ(opener.closes, 3);  // the registry's destructor closes what is left
+}
+
+// torch's untyped_storage()._share_cuda_()[1] of newer torch (2.11 for one): version 2, type,
+// payload.
+std::string TorchHandle(char type, absl::string_view payload) {
+  return absl::StrCat(std::string(1, '\x02'), std::string(1, type), payload);
+}
+
+TEST(RegionRegistryTest, TorchVersionedCudaMallocHandleOpensItsIpcHandle) {
+  ManualClock clock;
+  FakeOpener opener;
+  RegionRegistry registry({}, &opener, &clock);
+  std::string ipc(64, 'h');
+  ipc[0] = '\x02';  // a raw handle may start with the version byte: 64 bytes is always raw
+  ipc[1] = 'c';
+  ipc[63] = 'z';
+  auto raw = registry.RegisterCudaIpc("t", ipc, 128);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  EXPECT_EQ(opener.opened, ipc);
+  // The 66-byte form of the same allocation is the same handle: no second open.
+  auto torch = registry.RegisterCudaIpc("t", TorchHandle('c', ipc), 256);
+  ASSERT_TRUE(torch.ok()) << torch.status();
+  EXPECT_EQ(opener.opens, 1);
+  EXPECT_EQ((*torch)->base, &opener.memory[0]);
+  EXPECT_EQ((*torch)->bytes, 256u);
+  ASSERT_TRUE(registry.Unregister("t", (*raw)->id, false).ok());
+  ASSERT_TRUE(registry.Unregister("t", (*torch)->id, false).ok());
+  EXPECT_EQ(opener.closes, 1);
+  const std::string other(64, 'k');
+  ASSERT_TRUE(registry.RegisterCudaIpc("t", TorchHandle('c', other), 64).ok());
+  EXPECT_EQ(opener.opened, other);
+  EXPECT_EQ(opener.opens, 2);
+}
+
+TEST(RegionRegistryTest, TorchHandlesCudaIpcCannotOpenAreRefused) {
+  ManualClock clock;
+  FakeOpener opener;
+  RegionRegistry registry({}, &opener, &clock);
+  // Expandable segment: a 24-byte header (pid, segment size, handle count), one POSIX fd.
+  std::string header(24, '\0');
+  header[8] = 0x20;  // segment size 2 MiB (little-endian 0x200000)
+  header[16] = 1;    // one handle
+  const std::string expandable = TorchHandle('e', header + std::string(4, '\x07'));
+  absl::Status s = registry.RegisterCudaIpc("t", expandable, 64).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("expandable segment"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("expandable_segments:False"));
+  // The same with a fabric handle (64 bytes after the header).
+  s = registry.RegisterCudaIpc("t", TorchHandle('e', header + std::string(64, 'f')), 64).status();
+  EXPECT_THAT(std::string(s.message()), HasSubstr("expandable segment"));
+  // 66 bytes of another version or type, and a truncated versioned handle.
+  for (const std::string& bad :
+       {std::string(1, '\x03') + "c" + std::string(64, 'h'), TorchHandle('q', std::string(64, 'h')),
+        TorchHandle('c', std::string(63, 'h')), std::string(65, 'h'), std::string(1, '\x02')}) {
+    s = registry.RegisterCudaIpc("t", bad, 64).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad.size();
+    EXPECT_THAT(std::string(s.message()), HasSubstr("cudaIpcMemHandle_t (64 bytes) or torch's"));
+    EXPECT_THAT(std::string(s.message()), HasSubstr(absl::StrCat("got ", bad.size(), " bytes")));
+  }
+  EXPECT_EQ(opener.opens, 0);  // nothing was opened for any of them
+  EXPECT_EQ(registry.total_regions(), 0);
 }
 
 }  // namespace

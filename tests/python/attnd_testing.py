@@ -5,6 +5,8 @@ and puts client/python and that directory at the front of sys.path, so the tests
 an installed copy).
 
 Environment:
+  ATTND_PYTHON_STUBS  a directory holding attnd/v1/attention_pb2*.py already generated (the GPU bundle's
+                  python/, for machines without protoc): used instead of generating them
   ATTND_BIN       the daemon binary (default: bazel-bin/server/attnd under the repository root). If it is
                   missing the daemon tests FAIL: script/test builds it first.
 The golden cases are read from tests/testdata/dca in this checkout.
@@ -30,10 +32,12 @@ def _setup_package():
     if "attnd" in sys.modules:
         return sys.modules["attnd"]
     sys.path.insert(0, CLIENT_DIR)
-    import generate  # client/python/generate.py
-    out = tempfile.mkdtemp(prefix="attnd-pystubs-")
-    atexit.register(shutil.rmtree, out, True)
-    generate.generate(out)
+    out = os.environ.get("ATTND_PYTHON_STUBS")
+    if not out:
+        import generate  # client/python/generate.py
+        out = tempfile.mkdtemp(prefix="attnd-pystubs-")
+        atexit.register(shutil.rmtree, out, True)
+        generate.generate(out)
     sys.path.insert(1, out)
     import attnd as pkg
     if not os.path.abspath(pkg.__file__).startswith(CLIENT_DIR):

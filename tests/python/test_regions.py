@@ -116,6 +116,53 @@ class SameHostCheck(unittest.TestCase):
         _regions.check_can_share(self._Fake(info), cuda, "GPU-aaaa")
 
 
+def _torch_shareable(type_char, payload):
+    """torch's untyped_storage()._share_cuda_()[1] of newer torch (2.11 for one): version 2, a type byte, the payload (the
+    layout of c10/cuda/CUDACachingAllocator.cpp's shareIpcHandle, built here byte by byte)."""
+    return bytes([2, ord(type_char)]) + payload
+
+
+class TorchCudaHandles(unittest.TestCase):
+    """Every form of handle torch's _share_cuda_ gives: the cudaIpcMemHandle_t sent to attnd, or a clear refusal.
+    No GPU needed: the handles are built with torch's byte layouts."""
+
+    def setUp(self):
+        self.ipc = bytes(range(100, 164))  # a 64-byte cudaIpcMemHandle_t
+
+    def test_raw_64_bytes_of_older_torch(self):
+        self.assertEqual(_regions.cuda_ipc_mem_handle(self.ipc), self.ipc)
+        # A raw handle may begin with the bytes of a version and type: 64 bytes is always raw.
+        raw = b"\x02c" + self.ipc[2:]
+        self.assertEqual(_regions.cuda_ipc_mem_handle(raw), raw)
+
+    def test_versioned_66_bytes_of_cuda_malloc_memory(self):
+        got = _regions.cuda_ipc_mem_handle(_torch_shareable("c", self.ipc))
+        self.assertEqual(got, self.ipc)
+        self.assertEqual(len(got), 64)
+        self.assertEqual(_regions.cuda_ipc_mem_handle(bytearray(_torch_shareable("c", self.ipc))), self.ipc)
+
+    def test_expandable_segments_are_refused_with_what_to_do(self):
+        # ShareHeader {pid_t pid (padded to 8), size_t segment_size, size_t num_handles}, then per segment a
+        # POSIX fd (int) or a 64-byte CUmemFabricHandle.
+        header = (4242).to_bytes(8, "little") + (2 << 20).to_bytes(8, "little") + (3).to_bytes(8, "little")
+        for payload in (header + b"\x07\x00\x00\x00" * 3, header + b"f" * 64 * 3, header[:16]):
+            with self.assertRaises(attnd.AttndError) as e:
+                _regions.cuda_ipc_mem_handle(_torch_shareable("e", payload))
+            self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("expandable segment", e.exception.message)
+            self.assertIn("expandable_segments:False", e.exception.message)
+
+    def test_other_forms_are_refused(self):
+        for bad in (b"", b"\x02", self.ipc[:63], self.ipc + b"\x00", _torch_shareable("c", self.ipc[:63]),
+                    _torch_shareable("c", self.ipc + b"\x00"), _torch_shareable("q", self.ipc),
+                    b"\x03c" + self.ipc):
+            with self.assertRaises(attnd.AttndError) as e:
+                _regions.cuda_ipc_mem_handle(bad)
+            self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("a %d-byte CUDA IPC handle" % len(bad), e.exception.message)
+            self.assertIn("66 bytes: version 2, type 'c'", e.exception.message)
+
+
 class ShmObjects(unittest.TestCase):
     def test_create_and_unlink(self):
         name, fd = attnd._regions.shm_create(8192)
@@ -419,27 +466,48 @@ def _cuda_ok():
 
 @unittest.skipUnless(_cuda_ok(), "torch with a CUDA device is not available (CUDA IPC regions need both)")
 class CudaRegionTorch(unittest.TestCase):
-    """A torch CUDA tensor registered by CUDA IPC with a daemon this test starts with --device cuda."""
+    """Torch CUDA tensors registered by CUDA IPC with a daemon this class starts with --device cuda: the handle
+    this torch gives (printed), the golden case through CUDA regions, and the refusals."""
 
-    def test_prefill_and_decode_through_a_cuda_region(self):
-        tmp = tempfile.mkdtemp(prefix="attnd-pytest-")
-        config = at.GoldenCase("dense_gqa_chunked").write_model_config(os.path.join(tmp, "config.json"))
-        daemon = at.Daemon(config)
-        daemon.args[daemon.args.index("cpu")] = "cuda"
+    @classmethod
+    def setUpClass(cls):
+        cls._tmp = tempfile.mkdtemp(prefix="attnd-pytest-")
+        config = at.GoldenCase("dense_gqa_chunked").write_model_config(os.path.join(cls._tmp, "config.json"))
+        cls.daemon = at.Daemon(config)
+        cls.daemon.args[cls.daemon.args.index("cpu")] = "cuda"
         try:
-            daemon.start()
-            client = attnd.Client(daemon.target, timeout=60)
-            info = client.info()
-            if pb.REGION_KIND_CUDA_IPC not in list(info.regions.kinds):
-                self.skipTest("the daemon accepts no CUDA IPC regions")
-            m = info.model
-            h, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
-            t = 7
-            gen = torch.Generator().manual_seed(3)
-            q = torch.rand((t, 5, h, d), generator=gen) - 0.5
-            k = torch.rand((t, hkv, d), generator=gen) - 0.5
-            v = torch.rand((t, hkv, d), generator=gen) - 0.5
-            want_seq, seq = client.create_sequence(), client.create_sequence()
+            cls.daemon.start()
+            cls.client = attnd.Client(cls.daemon.target, timeout=60)
+            cls.info = cls.client.info()
+        except BaseException:
+            cls.daemon.stop()
+            shutil.rmtree(cls._tmp, True)
+            raise
+        sys.stderr.write("\n[CudaRegionTorch] torch %s (CUDA %s), grpcio %s, %s; _share_cuda_ handle: %d bytes\n" % (
+            torch.__version__, torch.version.cuda, grpc.__version__, torch.cuda.get_device_name(),
+            len(torch.zeros(1, device="cuda").untyped_storage()._share_cuda_()[1])))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.daemon.stop()
+        shutil.rmtree(cls._tmp, True)
+
+    def setUp(self):
+        if pb.REGION_KIND_CUDA_IPC not in list(self.info.regions.kinds):
+            self.fail("attnd --device cuda accepts no CUDA IPC regions: %s" % list(self.info.regions.kinds))
+        m = self.info.model
+        self.h, self.hkv, self.d = m.num_q_heads, m.num_kv_heads, m.head_dim
+
+    def test_prefill_through_a_cuda_region(self):
+        client, h, hkv, d = self.client, self.h, self.hkv, self.d
+        t = 7
+        gen = torch.Generator().manual_seed(3)
+        q = torch.rand((t, 5, h, d), generator=gen) - 0.5
+        k = torch.rand((t, hkv, d), generator=gen) - 0.5
+        v = torch.rand((t, hkv, d), generator=gen) - 0.5
+        want_seq, seq = client.create_sequence(), client.create_sequence()
+        try:
             want = client.prefill(want_seq, 0, q, k, v)
             n = q.numel() + 2 * k.numel() + t * h * d
             buf = torch.zeros(n + 1024, dtype=torch.float32, device="cuda")
@@ -455,12 +523,91 @@ class CudaRegionTorch(unittest.TestCase):
                 self.assertIs(got, out)
                 torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-5)
                 self.assertEqual(region.offset_of(views[0]), 256 * 4)
+        finally:
             client.release(want_seq)
             client.release(seq)
-            client.close()
+
+    def test_the_server_takes_torch_handle_as_torch_gives_it(self):
+        """RegisterRegion with _share_cuda_'s own bytes (66 on newer torch), not the client's 64."""
+        buf = torch.arange(4096, dtype=torch.float32, device="cuda")
+        shared = buf.untyped_storage()._share_cuda_()
+        size = int(shared[3]) + int(shared[2])
+        rid = self.client._register(pb.RegisterRegionRequest(
+            cuda_ipc=pb.CudaIpcRegion(handle=bytes(shared[1]), byte_size=size)), None)
+        self.client.unregister_region(rid)
+        bad = bytes([2, ord("e")]) + bytes(28)  # an expandable segment's form
+        e = _code(self, grpc.StatusCode.INVALID_ARGUMENT, self.client._register, pb.RegisterRegionRequest(
+            cuda_ipc=pb.CudaIpcRegion(handle=bad, byte_size=size)), None)
+        self.assertIn("expandable segment", e.message)
+
+    def test_expandable_segments_are_refused(self):
+        settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        if settings is None:
+            self.skipTest("this torch cannot switch expandable segments at run time")
+        settings("expandable_segments:True")
+        try:
+            buf = torch.zeros(8 << 20, dtype=torch.uint8, device="cuda")  # > 2 MiB: a new segment
+            with self.assertRaises(attnd.AttndError) as e:
+                self.client.register_cuda(buf)
+            self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("expandable segment", e.exception.message)
+            del buf
         finally:
-            daemon.stop()
-            shutil.rmtree(tmp, True)
+            settings("expandable_segments:False")
+        self.assertEqual(self.client.stub.GetServerInfo(pb.GetServerInfoRequest()).regions.max_regions_per_tenant,
+                         self.info.regions.max_regions_per_tenant)
+
+    def replay_golden(self, layer, tdtype, use_session=False):
+        """dense_gqa_chunked with q/k/v and every output in one registered CUDA buffer (prefill and decode)."""
+        case = at.GoldenCase("dense_gqa_chunked")
+        biggest = max(case.f32(s["q"]).size + 2 * case.f32(s["k"]).size + case.f32(s["out"]).size
+                      for s in case.steps)
+        buf = torch.zeros(biggest + 4 * 64, dtype=tdtype, device="cuda")
+        ids, stats, prefills, decodes = {}, [], 0, 0
+        with self.client.register_cuda(buf) as region:
+            session = self.client.session() if use_session else None
+            api = session if use_session else self.client
+            try:
+                for step in case.steps:
+                    at_, views = 0, []
+                    for name in ("q", "k", "v"):
+                        x = torch.from_numpy(case.f32(step[name]).copy()).to(tdtype)
+                        view = buf[at_:at_ + x.numel()].view(x.shape)
+                        view.copy_(x.cuda())
+                        views.append(view)
+                        at_ += (x.numel() + 63) // 64 * 64
+                    out_shape = case.f32(step["out"]).shape
+                    n = int(np.prod(out_shape))
+                    out = buf[at_:at_ + n].view(out_shape)
+                    self.assertIsNotNone(region.ref(out))
+                    if step["op"] == "prefill":
+                        if step["seq"] not in ids:
+                            ids[step["seq"]] = self.client.create_sequence()
+                        got = api.prefill(ids[step["seq"]], layer, *views, prompt_len=step["prompt_len"], out=out)
+                        prefills += 1
+                    else:
+                        got = api.decode(layer, [ids[s] for s in step["seqs"]], *views, out=out)
+                        decodes += 1
+                    self.assertIs(got, out)
+                    stats.append(at.error_stats(out.float().cpu().numpy(), case.f32(step["out"])))
+            finally:
+                if session is not None:
+                    session.close()
+                for seq in ids.values():
+                    self.client.release(seq)
+        self.assertEqual(len(stats), len(case.steps))
+        self.assertGreater(prefills, 0)
+        self.assertGreater(decodes, 0)
+        return stats
+
+    def test_golden_fp32_through_cuda_regions(self):
+        stats = self.replay_golden(0, torch.float32)
+        self.assertLessEqual(max(s[0] for s in stats), FP32_MAX_ABS)
+
+    def test_golden_bf16_through_cuda_regions_on_a_session(self):
+        stats = self.replay_golden(1, torch.bfloat16, use_session=True)
+        self.assertLessEqual(max(s[0] for s in stats), BF16_MAX_ABS)
+        self.assertLessEqual(max(s[1] for s in stats), BF16_MEAN_ABS)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,10 @@ def _decode_request(layer, seqs, q, k, v, q_layout="variants", regions=(), out=N
         if len(layouts) != len(seqs):
             raise invalid_argument("q_layout: %d layouts for %d sequences" % (len(layouts), len(seqs)))
     used = []
+    if len(set(layouts)) == 1 and out is None:
+        batch = _decode_request_batch(int(layer), seqs, q, k, v, layouts[0], regions)
+        if batch is not None:
+            return batch
     ks, _ = _batch_arg(k, "k", regions, used, len(seqs))
     vs, _ = _batch_arg(v, "v", regions, used, len(seqs))
     if len(set(layouts)) == 1:
@@ -129,6 +133,24 @@ def _decode_request(layer, seqs, q, k, v, q_layout="variants", regions=(), out=N
         outs = _regions.row_refs(output, len(seqs))
     _sync(used)
     return _wire.decode_request(int(layer), list(zip(seqs, qs, ks, vs, layouts, outs))), like
+
+
+def _decode_request_batch(layer, seqs, q, k, v, q_layout, regions):
+    """(message, Like) from _wire.decode_request_batch when q/k/v travel as bytes and the batch is regular,
+    else None (the caller builds the entries one by one)."""
+    arrays = []
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        if regions and _regions.find_ref(regions, x)[0] is not None:
+            return None
+        a, dt, like = _tensors.to_numpy(x, name)
+        if a.ndim < 1 or a.shape[0] != len(seqs):
+            raise invalid_argument("%s: expected a leading batch dimension of %d (one per sequence), got shape %s"
+                                   % (name, len(seqs), list(a.shape)))
+        arrays.append((a, dt))
+        if name == "q":
+            q_like = like
+    msg = _wire.decode_request_batch(layer, seqs, *arrays, q_layout)
+    return None if msg is None else (msg, q_like)
 
 
 def _bad_output(message):

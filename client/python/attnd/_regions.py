@@ -262,17 +262,24 @@ class CudaRegion:
         except (AttributeError, RuntimeError):
             pass
         check_can_share(client, pb.REGION_KIND_CUDA_IPC, uuid, timeout)
+        self.id = None
+        storage = tensor.untyped_storage()
+        try:
+            shared = storage._share_cuda_()
+        except RuntimeError as err:  # torch itself refuses some memory (older torch: expandable segments)
+            if "expandable" in str(err):
+                raise _expandable_segment_error() from None
+            raise invalid_argument("register_cuda: torch cannot share this tensor's memory: %s" % err) from None
+        handle = cuda_ipc_mem_handle(shared[1])
+        storage_size, storage_offset = int(shared[2]), int(shared[3])
         self._client = client
         self._tensor = tensor  # keeps the allocation alive while registered
         self.device = tensor.device
-        storage = tensor.untyped_storage()
-        shared = storage._share_cuda_()
-        handle, storage_size, storage_offset = shared[1], int(shared[2]), int(shared[3])
         # The handle names the allocation; the storage starts storage_offset bytes into it.
         self.address = storage.data_ptr() - storage_offset
         self.size = storage_offset + storage_size
         self.id = client._register(pb.RegisterRegionRequest(
-            cuda_ipc=pb.CudaIpcRegion(handle=bytes(handle), byte_size=self.size)), timeout)
+            cuda_ipc=pb.CudaIpcRegion(handle=handle, byte_size=self.size)), timeout)
         client._regions.append(self)
 
     def __enter__(self):
@@ -321,6 +328,45 @@ class CudaRegion:
         except AttndError:
             pass
         self._tensor = None
+
+
+_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+# torch's shareable handle (newer torch, 2.11 for one): a version byte, a type byte, then the type's payload; type 'c' is
+# memory from cudaMalloc (the payload is its cudaIpcMemHandle_t), 'e' an expandable segment (a header and
+# exported allocation handles, which CUDA IPC cannot open).
+_TORCH_HANDLE_VERSION = 2
+_TORCH_CUDA_MALLOC = ord("c")
+_TORCH_EXPANDABLE_SEGMENT = ord("e")
+
+
+def _expandable_segment_error():
+    return invalid_argument(
+        "register_cuda: this tensor's memory is in a torch expandable segment "
+        "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), which CUDA IPC cannot share: allocate the region's "
+        "buffer with expandable segments off, e.g. torch.cuda.memory._set_allocator_settings("
+        "'expandable_segments:False') before allocating it (and back on after), or in a process started "
+        "without expandable_segments:True")
+
+
+def cuda_ipc_mem_handle(handle):
+    """The 64-byte cudaIpcMemHandle_t in the handle torch's `untyped_storage()._share_cuda_()` returns.
+
+    Older torch returns the 64 bytes themselves; newer torch (2.11 for one) returns 66: version 2, type 'c', then those 64
+    bytes. Memory torch allocated in an expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+    has no cudaIpcMemHandle_t: INVALID_ARGUMENT says how to allocate the region's buffer instead, as does
+    any other form."""
+    handle = bytes(handle)
+    if len(handle) == _IPC_HANDLE_BYTES:
+        return handle
+    if len(handle) >= 2 and handle[0] == _TORCH_HANDLE_VERSION:
+        if handle[1] == _TORCH_CUDA_MALLOC and len(handle) == 2 + _IPC_HANDLE_BYTES:
+            return handle[2:]
+        if handle[1] == _TORCH_EXPANDABLE_SEGMENT:
+            raise _expandable_segment_error()
+    raise invalid_argument(
+        "register_cuda: torch gave a %d-byte CUDA IPC handle%s; expected a cudaIpcMemHandle_t (64 bytes) or "
+        "torch's shareable handle for cudaMalloc memory (66 bytes: version 2, type 'c', then the "
+        "cudaIpcMemHandle_t)" % (len(handle), " starting %r" % handle[:2] if len(handle) >= 2 else ""))
 
 
 def find_ref(regions, x):

@@ -11,6 +11,7 @@ Field numbers and DType values come from the generated descriptors, so they foll
 every encoder against the protobuf library's parser and every decoder against its serializer.
 """
 import grpc
+import numpy as np
 
 from ._errors import AttndError
 from ._proto import pb
@@ -159,6 +160,97 @@ def decode_request(layer, entries):
         if output is not None:
             e.message_field(E_OUTPUT, region_ref(output.region_id, output.offset, output.nbytes))
         m.message_field(D_ENTRIES, e)
+    return m
+
+
+def _tensor_header(dtype, row_shape, nbytes):
+    """The bytes of a Tensor message before its data, as tensor() writes them, and the message's size."""
+    m = Msg()
+    m.varint_field(T_DTYPE, dtype)
+    if row_shape:
+        packed = b"".join(varint(d) for d in row_shape)
+        m.raw(_key(T_SHAPE, _LEN) + varint(len(packed)) + packed)
+    if nbytes:
+        m.raw(_key(T_DATA, _LEN) + varint(nbytes))
+    return m.tobytes(), m.size + nbytes
+
+
+_BATCH_PLANS = {}  # (B, id length, q/k/v row shapes and dtypes, q_layout) -> _batch_plan(...)
+
+
+def _batch_plan(n, id_len, tensors, q_layout):
+    """Where everything goes in the [B, entry bytes] array of decode_request_batch: (width, [(column, constant
+    uint8 array)], [column of the id, of q's data, of k's, of v's] (None when empty))."""
+    blocks = []  # constant bytes, or an int: the width of a variable block (id, q, k, v in that order)
+    if id_len:
+        blocks += [_key(E_SEQ, _LEN) + varint(id_len), id_len]
+    for field, (row_shape, dt, row) in zip((E_Q, E_K, E_V), tensors):
+        header, size = _tensor_header(dt, row_shape, row)
+        blocks += [_key(field, _LEN) + varint(size) + header, row]
+    if q_layout:
+        blocks.append(_key(E_Q_LAYOUT, _VARINT) + varint(q_layout))
+    entry = sum(len(b) if isinstance(b, bytes) else b for b in blocks)
+    blocks.insert(0, _key(D_ENTRIES, _LEN) + varint(entry))
+    consts, variables, col, pending = [], [], 0, b""
+    for b in blocks + [b""]:
+        if isinstance(b, bytes):
+            pending += b
+            continue
+        if pending:
+            consts.append((col, np.frombuffer(pending, np.uint8)))
+            col += len(pending)
+            pending = b""
+        variables.append(col if b else None)
+        col += b
+    if pending:
+        consts.append((col, np.frombuffer(pending, np.uint8)))
+        col += len(pending)
+    if not id_len:
+        variables.insert(0, None)
+    return col, consts, variables
+
+
+def decode_request_batch(layer, seqs, q, k, v, q_layout):
+    """decode_request for a regular batch, or None when the batch is not regular.
+
+    seqs: B str ids; q/k/v: (numpy [B, ...] C-contiguous array, DType); q_layout: one value for all. Regular:
+    every id has the same length and no entry has an output region, so every DecodeEntry has the same bytes
+    but for the id and the tensors' data. The entries are then one [B, entry bytes] uint8 array filled a
+    column block at a time (the constant tags and sizes broadcast, the ids and each tensor's [B, row bytes]
+    view copied), with no per-sequence Python work: the loop in decode_request costs ~30 us a sequence."""
+    n = len(seqs)
+    id_len = len(seqs[0])
+    ids = "".join(seqs).encode()
+    # Equal lengths in characters and n * id_len bytes in all: every id is ASCII and id_len bytes long.
+    if len(ids) != n * id_len or any(len(s) != id_len for s in seqs):
+        return None
+    arrays = (q[0], k[0], v[0])
+    for a in arrays:
+        if not isinstance(a, np.ndarray) or a.ndim < 1 or a.shape[0] != n or not a.flags.c_contiguous:
+            return None
+    key = (n, id_len, q_layout) + tuple((a.shape[1:], a.dtype.itemsize, dt) for a, (_, dt) in
+                                        zip(arrays, (q, k, v)))
+    plan = _BATCH_PLANS.get(key)
+    if plan is None:
+        if len(_BATCH_PLANS) >= 256:  # a few shapes recur in serving; bound the cache anyway
+            _BATCH_PLANS.clear()
+        plan = _batch_plan(n, id_len, [(a.shape[1:], dt, a.nbytes // n) for a, (_, dt) in zip(arrays, (q, k, v))],
+                           q_layout)
+        _BATCH_PLANS[key] = plan
+    width, consts, (id_col, *data_cols) = plan
+    out = np.empty((n, width), np.uint8)
+    for col, c in consts:
+        out[:, col:col + len(c)] = c
+    if id_col is not None:
+        out[:, id_col:id_col + id_len] = np.frombuffer(ids, np.uint8).reshape(n, id_len)
+    for col, a in zip(data_cols, arrays):
+        if col is not None:
+            row = a.reshape(n, -1).view(np.uint8)
+            out[:, col:col + row.shape[1]] = row
+    m = Msg()
+    m.varint_field(D_LAYER, layer)
+    m.parts.append(memoryview(out).cast("B"))
+    m.size += out.nbytes
     return m
 
 

@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Python client cost of a decode request: encoding per call (the per-entry loop against the vectorised
+batch encoding) at batch 1, 16, 32, 128, 7B geometry (28 q / 4 kv heads, head_dim 128, bf16, 5 variants);
+with --target, unary Client.decode timed end to end against a running attnd at --batch (its geometry).
+
+    python3 bench/python/encode_bench.py [--target HOST:PORT] [--batch 32] [--context 256] [--calls 200]
+
+Runs from a source checkout (stubs generated as the tests do, or ATTND_PYTHON_STUBS from a GPU bundle).
+Compare the end-to-end figure with the C++ client's on the same daemon:
+    attnctl bench --target HOST:PORT --context 256 --batch 32 --decode-steps 200 --layers 1 --dtype bf16
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "python"))
+import attnd_testing as at  # noqa: E402
+
+attnd = at.attnd
+pb = attnd.proto
+w = attnd._wire
+
+
+def per_call_us(fn, min_seconds=0.5):
+    fn()
+    n, start = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds and n >= 5:
+            return elapsed / n * 1e6
+
+
+def encode_table(hq=28, hkv=4, d=128):
+    rng = np.random.default_rng(1)
+    bf = pb.DTYPE_BF16
+    print("encode one Decode request, 7B geometry bf16 (q [B, 5, %d, %d], k/v [B, %d, %d]), us per call" %
+          (hq, d, hkv, d))
+    print("%6s %12s %12s %12s %8s" % ("batch", "loop", "vectorised", "+tobytes", "speedup"))
+    for n in (1, 16, 32, 128):
+        q = rng.integers(0, 1 << 16, (n, 5, hq, d)).astype(np.uint16)
+        k = rng.integers(0, 1 << 16, (n, hkv, d)).astype(np.uint16)
+        v = rng.integers(0, 1 << 16, (n, hkv, d)).astype(np.uint16)
+        ids = ["%032x" % i for i in range(n)]
+
+        def loop():
+            return w.decode_request(0, [(ids[i], (q[i], bf), (k[i], bf), (v[i], bf), 0) for i in range(n)])
+
+        def vectorised():
+            return w.decode_request_batch(0, ids, (q, bf), (k, bf), (v, bf), 0)
+
+        assert loop().tobytes() == vectorised().tobytes()
+        t_loop = per_call_us(loop)
+        t_vec = per_call_us(vectorised)
+        t_vec_bytes = per_call_us(lambda: vectorised().tobytes())
+        print("%6d %12.1f %12.1f %12.1f %7.1fx" % (n, t_loop, t_vec, t_vec_bytes, t_loop / t_vec))
+
+
+def end_to_end(target, batch, context, calls):
+    client = attnd.Client(target, timeout=120)
+    info = client.info()
+    m = info.model
+    h, hkv, d = m.num_q_heads, m.num_kv_heads, m.head_dim
+    rng = np.random.default_rng(2)
+    bits = lambda s: at.f32_to_bf16_bits_exact(at.random_bf16_exact(rng, s))  # noqa: E731
+    seqs = [client.create_sequence() for _ in range(batch)]
+    try:
+        for s in seqs:
+            for start in range(0, context, 4096):
+                t = min(4096, context - start)
+                client.prefill(s, 0, bits((t, 5, h, d)), bits((t, hkv, d)), bits((t, hkv, d)), prompt_len=context)
+        q, k, v = bits((batch, 5, h, d)), bits((batch, hkv, d)), bits((batch, hkv, d))
+        from attnd._client import _decode_request
+        encode_us = per_call_us(lambda: _decode_request(0, seqs, q, k, v)[0].tobytes(), 0.2)
+        client.decode(0, seqs, q, k, v)
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            client.decode(0, seqs, q, k, v)
+            times.append(time.perf_counter() - t0)
+        times = np.array(times) * 1e3
+        print("end to end (%s, %s, %s): unary Client.decode, batch %d, context %d, %d calls, layer 0, bf16" %
+              (target, info.backend, "%d/%d/%d heads/kv/dim" % (h, hkv, d), batch, context, calls))
+        print("  per call ms: median %.3f  p10 %.3f  p90 %.3f; client encode %.1f us of it" %
+              (np.median(times), np.percentile(times, 10), np.percentile(times, 90), encode_us))
+    finally:
+        for s in seqs:
+            client.release(s)
+        client.close()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", help="a running attnd for the end-to-end timing")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--calls", type=int, default=200)
+    args = p.parse_args()
+    encode_table()
+    if args.target:
+        end_to_end(args.target, args.batch, args.context, args.calls)
+
+
+if __name__ == "__main__":
+    main()
