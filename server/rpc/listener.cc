@@ -122,8 +122,8 @@ bool Listener::Supports(absl::string_view listen) { return SplitHostPort(listen)
 
 absl::StatusOr<std::unique_ptr<Listener>> Listener::Bind(const ListenerOptions& options) {
   if (options.max_connections <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ListenerOptions::max_connections must be > 0, got ", options.max_connections));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ListenerOptions::max_connections must be > 0, got ", options.max_connections));
   }
   if (options.preface_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
@@ -177,15 +177,15 @@ absl::StatusOr<std::unique_ptr<Listener>> Listener::Bind(const ListenerOptions& 
       const int v6only = has_v4 ? 1 : 0;
       setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &v6only, sizeof(v6only));
     }
-    if (bind(fd, reinterpret_cast<sockaddr*>(&addr), a->ai_addrlen) != 0 ||
-        listen(fd, 4096) != 0) {
+    if (bind(fd, reinterpret_cast<sockaddr*>(&addr), a->ai_addrlen) != 0 || listen(fd, 4096) != 0) {
       const int err = errno;
       close(fd);
       if (err == EADDRINUSE) {
         freeaddrinfo(found);
-        return absl::UnavailableError(absl::StrCat(
-            options.listen, ": the address is in use (another attnd, or another program, listens "
-                            "there)"));
+        return absl::UnavailableError(
+            absl::StrCat(options.listen,
+                         ": the address is in use (another attnd, or another program, listens "
+                         "there)"));
       }
       last_error = std::strerror(err);
       continue;
@@ -195,9 +195,9 @@ absl::StatusOr<std::unique_ptr<Listener>> Listener::Bind(const ListenerOptions& 
       sockaddr_storage bound{};
       socklen_t len = sizeof(bound);
       getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
-      listener->port_ = ntohs(bound.ss_family == AF_INET
-                                  ? reinterpret_cast<sockaddr_in*>(&bound)->sin_port
-                                  : reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port);
+      listener->port_ =
+          ntohs(bound.ss_family == AF_INET ? reinterpret_cast<sockaddr_in*>(&bound)->sin_port
+                                           : reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port);
     }
   }
   freeaddrinfo(found);
@@ -267,9 +267,8 @@ void Listener::Loop() {
     int timeout_ms = -1;
     if (!pending_.empty()) {
       const absl::Duration left = pending_.front().deadline - absl::Now();
-      timeout_ms = static_cast<int>(
-          std::clamp<int64_t>(absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))),
-                              0, 3600 * 1000));
+      timeout_ms = static_cast<int>(std::clamp<int64_t>(
+          absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))), 0, 3600 * 1000));
     }
     const int n = epoll_wait(epoll_fd_, events, 64, timeout_ms);
     if (n < 0 && errno != EINTR) {

@@ -263,9 +263,9 @@ TEST(ListenerTest, KeepsAcceptingAfterTheFdsRanOut) {
     closed += outcome == 'C';
     clients.push_back(c);
   }
-  EXPECT_GT(served, 30);   // about 64 less the listener's own fds
+  EXPECT_GT(served, 30);  // about 64 less the listener's own fds
   EXPECT_LT(served, 64);
-  EXPECT_GT(closed, 30);   // refused once the fds ran out, not left hanging
+  EXPECT_GT(closed, 30);  // refused once the fds ran out, not left hanging
   EXPECT_EQ(served + closed, 100);
   for (int c : clients) close(c);
   absl::SleepFor(absl::Milliseconds(300));  // the child's "gRPC" notices and closes them

@@ -1,10 +1,10 @@
-// Connection floods against attnd's plaintext listeners (server/rpc/listener.h): the daemon runs out
-// of file descriptors under idle connections and must keep serving once they close; a connection
-// that never sends the HTTP/2 preface is closed; a second daemon on a busy port fails clearly; the
-// loopback check of attnd.v1.Admin still sees the caller's address.
+// Connection floods against attnd's plaintext listeners (server/rpc/listener.h): the daemon runs
+// out of file descriptors under idle connections and must keep serving once they close; a
+// connection that never sends the HTTP/2 preface is closed; a second daemon on a busy port fails
+// clearly; the loopback check of attnd.v1.Admin still sees the caller's address.
 //
-// The fd test runs the attnd binary ($ATTND_BINARY) in a child process with RLIMIT_NOFILE 256 (soft and
-// hard, so attnd cannot raise it), as the tester did at 20,000.
+// The fd test runs the attnd binary ($ATTND_BINARY) in a child process with RLIMIT_NOFILE 256 (soft
+// and hard, so attnd cannot raise it), as the tester did at 20,000.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -58,7 +58,8 @@ bool ClosedByServer(int fd, absl::Duration timeout) {
 }
 
 grpc::Status ServerInfo(const std::string& target, absl::Duration timeout) {
-  auto stub = v1::Attention::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  auto stub =
+      v1::Attention::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   v1::GetServerInfoResponse info;
@@ -78,8 +79,8 @@ class ChildDaemon {
       (void)out;
       dup2(fileno(stdout), STDERR_FILENO);
       execl(AttndBinary(), AttndBinary(), "--model_config=configs/tiny/config.json", "--device=cpu",
-            "--listen=127.0.0.1:0", "--health_listen=127.0.0.1:0", "--metrics_listen=",
-            "--kv_cache_bytes=2097152", "--compute_threads=1",
+            "--listen=127.0.0.1:0", "--health_listen=127.0.0.1:0",
+            "--metrics_listen=", "--kv_cache_bytes=2097152", "--compute_threads=1",
             static_cast<char*>(nullptr));
       _exit(127);
     }
@@ -196,8 +197,9 @@ TEST(ConnectionsTest, AConnectionWithoutAPrefaceIsClosed) {
   MustCreate(stub.get());
   std::optional<std::string> m = HttpGet(daemon.server().metrics_port(), "/metrics");
   ASSERT_TRUE(m.has_value());
-  EXPECT_EQ(SampleOr0(*m, R"(attnd_connections_closed_total{listener="api",reason="preface_timeout"})"),
-            1);
+  EXPECT_EQ(
+      SampleOr0(*m, R"(attnd_connections_closed_total{listener="api",reason="preface_timeout"})"),
+      1);
   EXPECT_EQ(SampleOr0(*m, R"(attnd_connections_closed_total{listener="api",reason="bad_preface"})"),
             1);
   EXPECT_GE(Sample(*m, R"(attnd_connections_open{listener="api"})").value_or(0), 1);
