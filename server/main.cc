@@ -97,6 +97,13 @@ ABSL_FLAG(int64_t, tenant_max_sequences, -1,
           "tokens off, where every caller is one tenant)");
 ABSL_FLAG(int32_t, max_streams_per_connection, 64,
           "most concurrent calls (HTTP/2 streams) on one client connection");
+ABSL_FLAG(int64_t, max_connections, 0,
+          "most client connections open at once on a plaintext --listen; at the cap the oldest "
+          "one that has not sent its HTTP/2 preface is closed, else the new one is refused; 0 = "
+          "the fd limit less min(512, a quarter of it)");
+ABSL_FLAG(attnd::FlexDuration, connection_preface_timeout, attnd::FlexDuration{absl::Seconds(10)},
+          "a client connection that has not sent its HTTP/2 preface (with TLS: finished its "
+          "handshake) this long after accept is closed (10s, 500ms; a bare number is seconds)");
 ABSL_FLAG(attnd::ByteSize, max_inflight_request_bytes, attnd::ByteSize{2ll << 30},
           "requests being served, in bytes (or 2Gi, ...), all together; beyond it a request gets "
           "RESOURCE_EXHAUSTED at once; at least --max-message-bytes");
@@ -224,6 +231,8 @@ int main(int argc, char** argv) {
   options.tenant_page_quota = absl::GetFlag(FLAGS_tenant_page_quota);
   options.tenant_max_sequences = absl::GetFlag(FLAGS_tenant_max_sequences);
   options.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
+  options.max_connections = absl::GetFlag(FLAGS_max_connections);
+  options.connection_preface_timeout = absl::GetFlag(FLAGS_connection_preface_timeout).value;
   options.max_inflight_request_bytes = absl::GetFlag(FLAGS_max_inflight_request_bytes).bytes;
   options.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes).bytes;
   options.max_regions_per_tenant = absl::GetFlag(FLAGS_max_regions_per_tenant);

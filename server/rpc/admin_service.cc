@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "server/rpc/listener.h"
 #include "server/rpc/status.h"
 
 namespace attnd {
@@ -52,7 +53,9 @@ AdminService::AdminService(Runtime* runtime, WorkQueue* work_queue,
 absl::Status AdminService::Check(grpc::CallbackServerContext* context) const {
   absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
   if (!tenant.ok()) return tenant.status();
-  return AdminAccess(tokens_.get(), admin_tenant_, *tenant, context->peer());
+  // Connections attnd accepted itself show as "fd:N" in peer(): the loopback check needs the
+  // address.
+  return AdminAccess(tokens_.get(), admin_tenant_, *tenant, PeerAddress(context->peer()));
 }
 
 grpc::ServerUnaryReactor* AdminService::ListSequences(grpc::CallbackServerContext* context,

@@ -403,6 +403,19 @@ absl::StatusOr<std::unique_ptr<AttndMetrics>> AttndMetrics::Create(const BuildIn
       r.AddGauge("attnd_api_accepting",
                  "1 while the API listener accepts connections; 0 once accept4 failed (gRPC 1.51 "
                  "does not resume: restart)."));
+  ATTND_ASSIGN_OR_RETURN(
+      m->connections_open,
+      r.AddGauge("attnd_connections_open",
+                 "Connections open on a plaintext listener (waiting for the HTTP/2 preface, or "
+                 "served); ServerOptions::max_connections caps the API's.",
+                 {"listener"}));
+  ATTND_ASSIGN_OR_RETURN(
+      m->connections_closed_total,
+      r.AddCounter("attnd_connections_closed_total",
+                   "Connections a plaintext listener closed before serving them: preface_timeout, "
+                   "bad_preface, shed_pending (the oldest silent one, at the cap), refused_at_cap, "
+                   "refused_no_fds (out of file descriptors).",
+                   {"listener", "reason"}));
   ATTND_ASSIGN_OR_RETURN(m->inflight_request_bytes,
                          r.AddGauge("attnd_inflight_request_bytes",
                                     "Bytes of requests being served now "

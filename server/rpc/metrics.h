@@ -178,27 +178,29 @@ class AttndMetrics {
   void RecordRequest(absl::string_view rpc, absl::string_view code, double queue_s,
                      double compute_s, double total_s, int64_t bytes_received, int64_t bytes_sent);
 
-  CounterFamily* requests_total;          // {rpc, code}
-  CounterFamily* request_failures_total;  // {rpc, code}; code != OK
-  HistogramFamily* queue_seconds;         // {rpc}
-  HistogramFamily* compute_seconds;       // {rpc}
-  HistogramFamily* request_seconds;       // {rpc}
-  HistogramFamily* decode_batch_size;     // {}; sequences per executed decode batch
-  CounterFamily* graph_replays_total;     // {}; CUDA graph launches (decode)
-  GaugeFamily* kv_pages_used;             // {}
-  GaugeFamily* kv_pages_free;             // {}
-  GaugeFamily* kv_shard_pool_bytes;       // {shard, device}; each shard's K/V memory
-  GaugeFamily* kv_shard_bytes_used;       // {shard, device}; of it, held by sequences' pages
-  GaugeFamily* live_sequences;            // {}
-  GaugeFamily* open_fds;                  // {}; file descriptors open now
-  GaugeFamily* fd_limit;                  // {}; the soft RLIMIT_NOFILE (-1: unlimited)
-  GaugeFamily* accepting;                 // {}; 1 while the API listener accepts connections
-  GaugeFamily* inflight_request_bytes;    // {}; request bytes being served
-  CounterFamily* bytes_received_total;    // {rpc}; request message bytes
-  CounterFamily* bytes_sent_total;        // {rpc}; response message bytes
-  GaugeFamily* build_info;                // {version, revision, backend, model}; always 1
-  CounterFamily* idle_reclaimed_total;    // {}; sequences released by the idle timeout
-  CounterFamily* auth_failures_total;     // {reason}
+  CounterFamily* requests_total;            // {rpc, code}
+  CounterFamily* request_failures_total;    // {rpc, code}; code != OK
+  HistogramFamily* queue_seconds;           // {rpc}
+  HistogramFamily* compute_seconds;         // {rpc}
+  HistogramFamily* request_seconds;         // {rpc}
+  HistogramFamily* decode_batch_size;       // {}; sequences per executed decode batch
+  CounterFamily* graph_replays_total;       // {}; CUDA graph launches (decode)
+  GaugeFamily* kv_pages_used;               // {}
+  GaugeFamily* kv_pages_free;               // {}
+  GaugeFamily* kv_shard_pool_bytes;         // {shard, device}; each shard's K/V memory
+  GaugeFamily* kv_shard_bytes_used;         // {shard, device}; of it, held by sequences' pages
+  GaugeFamily* live_sequences;              // {}
+  GaugeFamily* open_fds;                    // {}; file descriptors open now
+  GaugeFamily* fd_limit;                    // {}; the soft RLIMIT_NOFILE (-1: unlimited)
+  GaugeFamily* accepting;                   // {}; 1 while the API listener accepts connections
+  GaugeFamily* connections_open;            // {listener}; attnd's own listeners (listener.h)
+  CounterFamily* connections_closed_total;  // {listener, reason}; closed by attnd's listeners
+  GaugeFamily* inflight_request_bytes;      // {}; request bytes being served
+  CounterFamily* bytes_received_total;      // {rpc}; request message bytes
+  CounterFamily* bytes_sent_total;          // {rpc}; response message bytes
+  GaugeFamily* build_info;                  // {version, revision, backend, model}; always 1
+  CounterFamily* idle_reclaimed_total;      // {}; sequences released by the idle timeout
+  CounterFamily* auth_failures_total;       // {reason}
 
  private:
   AttndMetrics() = default;

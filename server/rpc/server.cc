@@ -30,6 +30,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "grpcpp/server_posix.h"
 #include "kvcache/sequence_table.h"
 #include "server/config/model_config.h"
 #include "server/dataplane/regions.h"
@@ -38,6 +39,7 @@
 #include "server/rpc/admin_service.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/health_service.h"
+#include "server/rpc/listener.h"
 #include "server/rpc/metrics.h"
 #include "server/rpc/metrics_http.h"
 #include "server/rpc/region_tensors.h"
@@ -60,7 +62,9 @@ constexpr char kServiceName[] = "attnd.v1.Attention";
 // Set when gRPC reports that accept4 failed (e.g. EMFILE: out of file descriptors). NOTE: gRPC
 // 1.51's listener stops for good after such a failure (tcp_server_posix.cc leaves its accept loop)
 // and serves nothing new even once fds are free again; the health watch turns the daemon
-// NOT_SERVING so probes see it and the orchestrator restarts it. Process-wide, as gRPC's log is.
+// NOT_SERVING so probes see it and the orchestrator restarts it. Only listeners left to gRPC (TLS,
+// tokens on loopback) can set it: plaintext ones are attnd's own (server/rpc/listener.h), which
+// never stop accepting. Process-wide, as gRPC's log is.
 std::atomic<bool> g_accept_failed{false};
 
 // gRPC's own log lines go through spdlog (one format, one level); accept failures are noted.
@@ -194,6 +198,16 @@ absl::Status CheckOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "ServerOptions::grpc_memory_bytes must be at least 64 MiB, got ", o.grpc_memory_bytes));
   }
+  if (o.max_connections < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ServerOptions::max_connections must be >= 0 (0 = from the fd limit), got ",
+                     o.max_connections));
+  }
+  if (o.connection_preface_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ServerOptions::connection_preface_timeout must be > 0, got ",
+                     absl::FormatDuration(o.connection_preface_timeout)));
+  }
   if (o.tenant_page_quota < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("ServerOptions::tenant_page_quota must be >= 0, got ", o.tenant_page_quota));
@@ -277,6 +291,7 @@ class AttndServerImpl : public AttndServer {
   std::atomic<const AttentionService*> service_for_metrics_{nullptr};  // service_, once it exists
   std::unique_ptr<HealthService> health_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<Listener> listener_;  // null: gRPC accepts itself (TLS, tokens on loopback)
   std::unique_ptr<HealthOnlyServer> health_only_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
 };
@@ -366,8 +381,9 @@ void AttndServerImpl::HealthWatchLoop() {
     }
     if (g_accept_failed.load()) {
       spdlog::error(
-          "the API listener stopped accepting connections: accept4 failed (out of file "
-          "descriptors? the soft RLIMIT_NOFILE is {}); gRPC 1.51 does not resume accepting: "
+          "the API listener (gRPC's own, as TLS or tokens on loopback need) stopped accepting "
+          "connections: accept4 failed (out of file descriptors? the soft RLIMIT_NOFILE is {}); "
+          "gRPC 1.51 does not resume accepting: "
           "health is NOT_SERVING from now on; restart attnd, and raise its fd limit or lower "
           "the number of client connections",
           fd_limit_);
@@ -510,6 +526,13 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     metrics_->open_fds->Set({}, static_cast<double>(OpenFds()));
     metrics_->fd_limit->Set({}, static_cast<double>(fd_limit_));
     metrics_->accepting->Set({}, g_accept_failed.load() ? 0.0 : 1.0);
+    if (listener_ != nullptr) {
+      metrics_->connections_open->Set({"api"}, static_cast<double>(listener_->stats().open));
+    }
+    if (health_only_ != nullptr && health_only_->listener() != nullptr) {
+      metrics_->connections_open->Set({"health"},
+                                      static_cast<double>(health_only_->listener()->stats().open));
+    }
     // The metrics listener starts before the service exists: read it through the atomic.
     if (const AttentionService* service = service_for_metrics_.load()) {
       metrics_->inflight_request_bytes->Set({},
@@ -543,8 +566,12 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     metrics_http_ = *std::move(http);
   }
   if (!options.health_listen.empty()) {
+    CounterFamily* closed = metrics_->connections_closed_total;
     absl::StatusOr<std::unique_ptr<HealthOnlyServer>> health =
-        HealthOnlyServer::Start(options.health_listen);
+        HealthOnlyServer::Start(options.health_listen, options.connection_preface_timeout,
+                                [closed](absl::string_view reason) {
+                                  closed->Increment({"health", reason});
+                                });
     if (!health.ok()) return WithFlag("ServerOptions::health_listen", health.status());
     health_only_ = *std::move(health);
   }
@@ -624,7 +651,31 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.RegisterService(health_.get());
-  builder.AddListeningPort(options.listen, *credentials, &port_);
+  // Plaintext without tokens: attnd accepts, caps and hands connections over itself (listener.h).
+  // gRPC 1.51 takes connections from fds only with insecure credentials, so TLS and local
+  // credentials (tokens on loopback) keep gRPC's own listener.
+  if (!tls.enabled() && auth == nullptr && Listener::Supports(options.listen)) {
+    ListenerOptions listener_options;
+    listener_options.listen = options.listen;
+    listener_options.max_connections =
+        options.max_connections > 0 ? options.max_connections : DefaultMaxConnections(fd_limit_);
+    listener_options.preface_timeout = options.connection_preface_timeout;
+    listener_options.name = "API";
+    CounterFamily* closed = metrics_->connections_closed_total;
+    listener_options.on_close = [closed](absl::string_view reason) {
+      closed->Increment({"api", reason});
+    };
+    absl::StatusOr<std::unique_ptr<Listener>> listener = Listener::Bind(listener_options);
+    if (!listener.ok()) return WithFlag("ServerOptions::listen", listener.status());
+    listener_ = *std::move(listener);
+    port_ = listener_->port();
+  } else {
+    builder.AddListeningPort(options.listen, *credentials, &port_);
+    builder.AddChannelArgument(
+        GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+        static_cast<int>(std::min<int64_t>(
+            INT_MAX, absl::ToInt64Milliseconds(options.connection_preface_timeout))));
+  }
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   // Bounds for clients that open many streams or never read (issue #13): at most this many calls
@@ -648,6 +699,10 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     return absl::UnavailableError(absl::StrCat("ServerOptions::listen ", options.listen,
                                                ": cannot listen there (malformed address, or the "
                                                "port is in use)"));
+  }
+  if (listener_ != nullptr) {
+    listener_->Start(
+        [server = server_.get()](int fd) { grpc::AddInsecureChannelFromFd(server, fd); });
   }
   health_->SetServing(true);
   if (health_only_ != nullptr) health_only_->SetServing(true);
@@ -685,6 +740,12 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   absl::StrAppend(&summary_, "; fd limit ",
                   fd_limit_ < 0 ? std::string("unlimited") : absl::StrCat(fd_limit_), ", at most ",
                   options.max_streams_per_connection, " calls per connection");
+  if (listener_ != nullptr) {
+    absl::StrAppend(
+        &summary_, ", at most ",
+        options.max_connections > 0 ? options.max_connections : DefaultMaxConnections(fd_limit_),
+        " connections");
+  }
   return absl::OkStatus();
 }
 
@@ -719,6 +780,8 @@ void AttndServerImpl::Shutdown(absl::Time deadline) {
     service_->WaitForCallsToEnd(deadline);
   }
   if (work_queue_ != nullptr) work_queue_->StopAccepting();
+  // No new connections from here on, as gRPC's own listener stops at Shutdown.
+  if (listener_ != nullptr) listener_->Stop();
   if (server_ != nullptr) {
     server_->Shutdown(absl::ToChronoTime(deadline));
     server_->Wait();

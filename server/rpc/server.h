@@ -71,6 +71,14 @@ struct ServerOptions {
   // Memory and connection bounds (docs/operations.md, "Limits"). A client that sends and never
   // reads is held to them: HTTP/2 flow control stops it once they are reached.
   int32_t max_streams_per_connection = 64;  // concurrent calls (streams) on one connection
+  // Client connections open at once on a plaintext API listener (server/rpc/listener.h): at the
+  // cap the oldest one that has not sent its HTTP/2 preface is closed, else the new one is
+  // refused. 0 = the soft fd limit less a reserve (DefaultMaxConnections). TLS listeners keep
+  // gRPC's own accept loop, which this does not bound.
+  int64_t max_connections = 0;
+  // A connection that has not sent the HTTP/2 client preface this long after accept is closed
+  // (with TLS: the handshake must finish in this time).
+  absl::Duration connection_preface_timeout = absl::Seconds(10);
   // Requests being served, all together: messages, shm copies, ring requests. Idle shm copy
   // buffers kept for reuse stay below it too.
   int64_t max_inflight_request_bytes = 2ll << 30;

@@ -22,6 +22,7 @@
 #include "base/status_macros.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/server_builder.h"
+#include "grpcpp/server_posix.h"
 
 namespace attnd {
 namespace {
@@ -207,21 +208,36 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 // ---- HealthOnlyServer ----
 
 absl::StatusOr<std::unique_ptr<HealthOnlyServer>> HealthOnlyServer::Start(
-    const std::string& listen) {
+    const std::string& listen, absl::Duration preface_timeout,
+    std::function<void(absl::string_view reason)> on_close) {
   std::unique_ptr<HealthOnlyServer> health(new HealthOnlyServer());
+  ListenerOptions listener_options;
+  listener_options.listen = listen;
+  listener_options.max_connections = kMaxConnections;
+  listener_options.preface_timeout = preface_timeout;
+  listener_options.name = "health-only";
+  listener_options.on_close = std::move(on_close);
+  absl::StatusOr<std::unique_ptr<Listener>> listener = Listener::Bind(listener_options);
+  if (!listener.ok()) {
+    return absl::Status(listener.status().code(),
+                        absl::StrCat("cannot listen on health address ", listen, ": ",
+                                     listener.status().message()));
+  }
+  health->listener_ = *std::move(listener);
+  health->port_ = health->listener_->port();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &health->port_);
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a busy port is an error
   builder.RegisterCallbackGenericService(&health->unimplemented_);
   health->server_ = builder.BuildAndStart();
-  if (health->server_ == nullptr || health->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on health address ", listen));
+  if (health->server_ == nullptr) {
+    return absl::InternalError(absl::StrCat("cannot start the health-only server on ", listen));
   }
   if (health->server_->GetHealthCheckService() == nullptr) {
     return absl::InternalError("the default gRPC health service is missing");
   }
   health->server_->GetHealthCheckService()->SetServingStatus(false);
+  health->listener_->Start(
+      [server = health->server_.get()](int fd) { grpc::AddInsecureChannelFromFd(server, fd); });
   return health;
 }
 
@@ -232,8 +248,11 @@ void HealthOnlyServer::SetServing(bool serving) {
 }
 
 void HealthOnlyServer::Shutdown() {
+  if (listener_ != nullptr) listener_->Stop();
   // grpc::Server::Shutdown is idempotent; the deadline bounds a probe in flight.
-  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  if (server_ != nullptr) {
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  }
 }
 
 }  // namespace attnd

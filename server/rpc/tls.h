@@ -9,6 +9,7 @@
 #ifndef ATTND_SERVER_RPC_TLS_H_
 #define ATTND_SERVER_RPC_TLS_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -19,6 +20,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
+#include "server/rpc/listener.h"
 
 namespace attnd {
 
@@ -63,14 +65,22 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 // A second, plaintext gRPC listener serving only grpc.health.v1.Health, for probes that cannot do
 // TLS (Kubernetes' native `grpc:` probe, until KEP-4939). It exposes nothing else: no attention
 // RPC, no tenant data. The owner mirrors the main server's health into it with SetServing.
-// Thread-safe.
+// Connections come through attnd's own Listener (server/rpc/listener.h), capped at
+// kMaxConnections: probes are few, and a flood of them must not take the API's fds, nor stop the
+// port for good when fds run out. Thread-safe.
 class HealthOnlyServer {
  public:
-  // `listen` as host:port; port 0 picks a free one. Starts NOT_SERVING.
-  static absl::StatusOr<std::unique_ptr<HealthOnlyServer>> Start(const std::string& listen);
+  static constexpr int64_t kMaxConnections = 64;
+
+  // `listen` as host:port; port 0 picks a free one. Starts NOT_SERVING. A connection that has not
+  // sent its HTTP/2 preface within `preface_timeout` is closed; `on_close` as in ListenerOptions.
+  static absl::StatusOr<std::unique_ptr<HealthOnlyServer>> Start(
+      const std::string& listen, absl::Duration preface_timeout = absl::Seconds(10),
+      std::function<void(absl::string_view reason)> on_close = nullptr);
   ~HealthOnlyServer();
 
   int port() const { return port_; }
+  const Listener* listener() const { return listener_.get(); }
   // Sets the overall ("") status and every service's status to SERVING / NOT_SERVING.
   void SetServing(bool serving);
   void Shutdown();  // idempotent
@@ -82,6 +92,7 @@ class HealthOnlyServer {
   // method and keeps the callback queue polled.
   grpc::CallbackGenericService unimplemented_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<Listener> listener_;
   int port_ = 0;
 };
 
