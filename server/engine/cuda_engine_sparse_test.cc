@@ -54,8 +54,8 @@ std::shared_ptr<const SparseAttentionConfig> Sparse(int64_t threshold) {
   sp->enabled = true;
   sp->threshold = threshold;
   sp->last_q = 64;
-  const VsBudget mix[] = {{1000, 6096}, {3500, 100}, {1000, 6096}, {15436, 20432},
-                          {500, 700},   {1000, 6096}, {130, 800},  {5096, 10192}};
+  const VsBudget mix[] = {{1000, 6096}, {3500, 100},  {1000, 6096}, {15436, 20432},
+                          {500, 700},   {1000, 6096}, {130, 800},   {5096, 10192}};
   for (int h = 0; h < 28; ++h) sp->budgets.push_back(mix[h % 8]);
   return sp;
 }
@@ -123,7 +123,7 @@ Call MakeCall(const Inputs& in, int64_t start, int64_t tokens) {
 
 // Runs the call on `engine` over `pages`; fp32 outputs [tokens, 28, 128]; *seconds its wall time.
 std::vector<float> RunCall(Engine& engine, const Call& c, const std::vector<int32_t>& pages,
-                       int64_t prompt_len, double* seconds = nullptr) {
+                           int64_t prompt_len, double* seconds = nullptr) {
   std::vector<float> out(c.tokens * 28 * 128, std::nanf(""));
   PrefillJob job = EngineJobsForTesting::Prefill();
   job.layer = 0;
@@ -244,10 +244,10 @@ TEST(CudaEngineSparse, LargeCallsAt128K) {
     const std::vector<float> a = RunCall(**dflt, c, tables[i], context, &s_dflt);
     const std::vector<float> b = RunCall(**big, c, tables[i], context, &s_big);
     ExpectNear(a, b, absl::StrCat(t, "-token call ending at 128K"));
-    std::printf("sparse call of %5lld tokens ending at 128K: %8.2f ms, %6.2f us/token "
-                "(staging 5957 tokens); %8.2f ms, %6.2f us/token (staging 16384)\n",
-                static_cast<long long>(t), s_dflt * 1e3, s_dflt * 1e6 / t, s_big * 1e3,
-                s_big * 1e6 / t);
+    std::printf(
+        "sparse call of %5lld tokens ending at 128K: %8.2f ms, %6.2f us/token "
+        "(staging 5957 tokens); %8.2f ms, %6.2f us/token (staging 16384)\n",
+        static_cast<long long>(t), s_dflt * 1e3, s_dflt * 1e6 / t, s_big * 1e3, s_big * 1e6 / t);
   }
 }
 
