@@ -150,9 +150,11 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   absl::Status CaptureDecodeGraphs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Status Init(int64_t staging_bytes);
-  // The sparse kernels' row_block_slice: block lists stored for one attention chunk at a time.
+  // The sparse kernels' row_block_slice: block lists stored for one attention chunk (at most
+  // max_chunk_ rows) at a time, so that one chunk is one converter and one attention launch.
   int32_t SparseRowBlockSlice() const {
-    return static_cast<int32_t>(std::min<int64_t>(sparse_rows_ / kVsBlock, kDefaultRowBlockSlice));
+    return static_cast<int32_t>(
+        std::min<int64_t>((max_chunk_ + kVsBlock - 1) / kVsBlock, kDefaultRowBlockSlice));
   }
   absl::Status CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
                           int64_t length) const;
@@ -216,8 +218,9 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   // Prefill: one chunk of at most max_chunk_ tokens. Host and device buffers mirror each other:
   // q raw [chunk, 5, Hq, D] (<= fp32), k/v raw [chunk, Hkv, D], out [chunk, Hq, D] (<= fp32).
   // With a sparse config at least 64 tokens, so that a sparse staging chunk holds a whole query
-  // block and the estimate's last queries; sparse_rows_ = max_chunk_ rounded down to 64-row blocks
-  // is the sparse path's attention chunk (its row blocks are the piece's 64-row blocks).
+  // block and the estimate's last queries. The sparse path attends a piece of at most max_chunk_
+  // rows in one chunk, a longer one in chunks of whole 64-row blocks (the piece's row blocks), at
+  // most sparse_rows_ = max_chunk_ rounded down to 64 rows each.
   int64_t max_chunk_ = 0;
   int64_t sparse_rows_ = 0;
   size_t q_off_ = 0, k_off_ = 0, v_off_ = 0, out_off_ = 0, prefill_bytes_ = 0;
@@ -343,11 +346,11 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   ATTND_ASSIGN_OR_RETURN(d_table_, DeviceAlloc(layout_.num_pages * 4, "page table"));
   if (sparse_ != nullptr) {
     // One size for every step of every call: a piece anywhere in the longest sequence the pool
-    // holds, its block lists stored per sparse_rows_ rows (the attention chunk).
+    // holds, its block lists stored for one attention chunk of at most max_chunk_ rows.
     const int64_t longest = layout_.num_pages * layout_.page_size;
     for (int32_t layer = 0; layer < layout_.num_layers; ++layer) {
       const size_t bytes =
-          SparsePrefillWorkspaceBound(geometry_, sparse_->layer(layer), longest, sparse_rows_,
+          SparsePrefillWorkspaceBound(geometry_, sparse_->layer(layer), longest, max_chunk_,
                                       sparse_->last_q, SparseRowBlockSlice());
       if (bytes == 0) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -673,19 +676,23 @@ absl::Status CudaEngine::PrefillSparse(const PrefillJob& job, float s) {
       ATTND_RETURN_IF_ERROR(wait());
       ATTND_RETURN_IF_ERROR(AppendKeys(job, begin + first, std::min(max_chunk_, rows - first), s));
     }
-    // Attention chunks of sparse_rows_ rows from the piece's first row; the last one first, so
-    // that the estimate reads its queries there when it holds all of them (a piece of at most
-    // sparse_rows_ rows is staged once), else from their own staging.
+    // Attention chunks: the whole piece when the buffers hold it, else the fewest chunks of whole
+    // row blocks, of even size (no small tail launch). The last one first, so that the estimate
+    // reads its queries there when it holds all of them (always for a piece staged once), else
+    // from their own staging.
+    const int64_t chunks = rows <= max_chunk_ ? 1 : (rows + sparse_rows_ - 1) / sparse_rows_;
+    const int64_t per_chunk =
+        chunks == 1 ? rows : ((rows + chunks - 1) / chunks + kVsBlock - 1) / kVsBlock * kVsBlock;
+    const int64_t last = (chunks - 1) * per_chunk;
     const int64_t n_est = std::min(rows, sparse_->last_q);
-    const int64_t last = (rows - 1) / sparse_rows_ * sparse_rows_;
     const bool est_in_last = rows - last >= n_est;
     if (!est_in_last) {
       ATTND_RETURN_IF_ERROR(stage(begin + rows - n_est, n_est));
       ATTND_RETURN_IF_ERROR(LaunchSparseEstimate(geometry_, sp, piece, stream_));
     }
-    for (int64_t i = 0; i * sparse_rows_ <= last; ++i) {
-      const int64_t first = i == 0 ? last : (i - 1) * sparse_rows_;
-      const int64_t count = std::min(sparse_rows_, rows - first);
+    for (int64_t i = 0; i < chunks; ++i) {
+      const int64_t first = i == 0 ? last : (i - 1) * per_chunk;
+      const int64_t count = std::min(per_chunk, rows - first);
       ATTND_RETURN_IF_ERROR(stage(begin + first, count));
       if (i == 0 && est_in_last) {
         ATTND_RETURN_IF_ERROR(LaunchSparseEstimate(geometry_, sp, piece, stream_));
