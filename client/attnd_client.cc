@@ -268,6 +268,36 @@ absl::Status DiagnoseUnreachable(const std::string& target, bool tls, absl::Dura
           : " (is the server TLS? then pass --tls-ca)"));
 }
 
+int64_t MaxPrefillTokens(const v1::GetServerInfoResponse& info, DType dtype, v1::QLayout q_layout) {
+  constexpr int64_t kFraming = 1024;  // as the server's rule (attention.proto, Limits)
+  const v1::ModelInfo& m = info.model();
+  const int64_t row = int64_t{m.num_q_heads()} * m.head_dim();
+  const int64_t q_rows = q_layout == v1::Q_LAYOUT_PRE_ROTARY ? 1 : 5;
+  const int64_t per_token =
+      (q_rows * row + 2 * int64_t{m.num_kv_heads()} * m.head_dim()) * ElementSize(dtype);
+  const int64_t limit = info.limits().max_message_bytes();
+  if (per_token <= 0 || limit <= kFraming) return 0;
+  return (limit - kFraming) / per_token;
+}
+
+namespace {
+
+// gRPC's own refusal of a large message names no attnd limit: say where the client reads them.
+absl::Status WithPrefillLimitHint(absl::Status s) {
+  if (s.code() != absl::StatusCode::kResourceExhausted ||
+      !absl::StrContains(s.message(), "larger than max")) {
+    return s;
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      s.message(),
+      "; a Prefill message must fit the server's GetServerInfo().limits.max_message_bytes (and "
+      "this client's ClientOptions::max_message_bytes): send the prompt in calls of at most "
+      "limits.max_prefill_tokens_per_call tokens (any encoding), or client::MaxPrefillTokens for "
+      "yours"));
+}
+
+}  // namespace
+
 absl::Status AttndClient::Checked(const grpc::Status& status, absl::string_view method) const {
   absl::Status s = FromGrpc(status);
   if (s.code() == absl::StatusCode::kUnimplemented && s.message().empty()) {
@@ -414,7 +444,8 @@ absl::StatusOr<v1::PrefillResponse> AttndClient::PrefillRaw(const v1::PrefillReq
   grpc::ClientContext context;
   SetDeadline(&context);
   v1::PrefillResponse response;
-  ATTND_RETURN_IF_ERROR(Checked(stub_->Prefill(&context, request, &response), "Prefill"));
+  ATTND_RETURN_IF_ERROR(
+      WithPrefillLimitHint(Checked(stub_->Prefill(&context, request, &response), "Prefill")));
   return response;
 }
 
@@ -455,7 +486,7 @@ absl::StatusOr<PrefillResult> AttndClient::Prefill(const PrefillInput& input) {
   // dev VM (docs/BENCHMARKS.md, "gRPC bytes path").
   const grpc::Status status = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
       channel_.get(), prefill_method_, &context, request, &reply);
-  ATTND_RETURN_IF_ERROR(FromGrpc(status));
+  ATTND_RETURN_IF_ERROR(WithPrefillLimitHint(FromGrpc(status)));
   v1::PrefillResponse response;
   const grpc::Status parsed =
       grpc::SerializationTraits<v1::PrefillResponse>::Deserialize(&reply, &response);

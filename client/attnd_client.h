@@ -107,6 +107,13 @@ struct DecodeResult {
   std::optional<v1::RegionRef> o_region;  // where o was written, with an output region
 };
 
+// The most tokens one Prefill call may carry with q, k and v inline in `dtype` and `q_layout`,
+// under the server's limits (GetServerInfo: limits.max_message_bytes and the model's geometry, by
+// the rule of Limits.max_prefill_tokens_per_call; limits.max_prefill_tokens_per_call itself holds
+// for every encoding). Send a longer prompt in calls of at most this many tokens; tensors in
+// registered regions travel outside the message. The engines take any call size.
+int64_t MaxPrefillTokens(const v1::GetServerInfoResponse& info, DType dtype, v1::QLayout q_layout);
+
 // The request builders and reply parsers the unary calls, Session and RingClient share.
 namespace internal {
 void ToProto(const TensorArg& tensor, v1::Tensor* proto);

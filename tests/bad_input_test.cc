@@ -495,6 +495,32 @@ TEST_F(BadInputTest, OversizedMessage) {
   GoodDecode(m.get(), 0);
 }
 
+// The limit GetServerInfo reports is what the message really allows: a call of that many fp32
+// tokens goes through, and a client that asks MaxPrefillTokens for bf16 may send that many.
+TEST_F(BadInputTest, PrefillTokenLimitIsWhatTheMessageAllows) {
+  absl::StatusOr<v1::GetServerInfoResponse> info = client().Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  const int64_t n = info->limits().max_prefill_tokens_per_call();
+  // fp32 five variants: (5 x Hq x D + 2 x Hkv x D) x 4 bytes a token, 1 KiB of framing.
+  const int64_t per_token = (g().q_elems_per_token() + 2 * g().kv_elems_per_token()) * 4;
+  EXPECT_EQ(n, ((256 << 10) - 1024) / per_token);
+  EXPECT_EQ(client::MaxPrefillTokens(*info, DType::kFp32, v1::Q_LAYOUT_VARIANTS), n);
+  const int64_t n_bf16 = client::MaxPrefillTokens(*info, DType::kBf16, v1::Q_LAYOUT_VARIANTS);
+  EXPECT_EQ(n_bf16, ((256 << 10) - 1024) / (per_token / 2));
+  std::unique_ptr<Mirrored> m = NewSequence();
+  GoodPrefill(m.get(), 0, n);
+  const PrefillInputs in = RandomPrefill(n_bf16);
+  absl::StatusOr<client::PrefillResult> r =
+      client().Prefill(m->id, 1, Q(n_bf16, in.q, DType::kBf16), KV(n_bf16, in.k, DType::kBf16),
+                       KV(n_bf16, in.v, DType::kBf16));
+  EXPECT_TRUE(r.ok()) << r.status();
+  // One call past it is refused, saying where the limits are.
+  const PrefillInputs over = RandomPrefill(n + 2);
+  EXPECT_STATUS(
+      client().Prefill(m->id, 0, Q(n + 2, over.q), KV(n + 2, over.k), KV(n + 2, over.v)).status(),
+      kResourceExhausted, "limits.max_prefill_tokens_per_call");
+}
+
 // A Session answers a bad request in-stream and keeps going.
 TEST_F(BadInputTest, SessionSurvivesBadRequests) {
   std::unique_ptr<Mirrored> m = NewSequence();

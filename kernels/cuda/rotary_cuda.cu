@@ -8,8 +8,9 @@ namespace attnd {
 absl::Status LaunchDualChunkRotary(const DcaGeometry& g, const CudaRotaryParams& p,
                                    cudaStream_t stream) {
   if (absl::Status s = CheckRotaryGeometry(g); !s.ok()) return s;
-  if (p.q == nullptr || p.k == nullptr || p.q_variants == nullptr || p.inv_freq == nullptr ||
-      !IsKnownDType(p.dtype) || p.start < 0 || p.num_tokens < 0 || p.num_tokens > INT32_MAX) {
+  if ((p.q == nullptr) != (p.q_variants == nullptr) || (p.q == nullptr && p.k == nullptr) ||
+      p.inv_freq == nullptr || !IsKnownDType(p.dtype) || p.start < 0 || p.num_tokens < 0 ||
+      p.num_tokens > INT32_MAX) {
     return absl::InvalidArgumentError(
         absl::StrCat("rotary: bad params (", p.num_tokens, " tokens from ", p.start, ")"));
   }

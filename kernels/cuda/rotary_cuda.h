@@ -19,6 +19,8 @@ namespace attnd {
 // num_tokens consecutive tokens of one sequence, the first at absolute position `start`. Every
 // pointer is device memory.
 struct CudaRotaryParams {
+  // Either may be null (with q, q_variants): a caller that stages queries and keys at different
+  // times rotates each when it has it.
   const void* q = nullptr;     // [num_tokens, num_q_heads, head_dim] of dtype, pre-rotary
   void* k = nullptr;           // [num_tokens, num_kv_heads, head_dim] of dtype: rotated in place
   DType dtype = DType::kBf16;  // of q and k: bf16, fp16 or fp32

@@ -73,7 +73,8 @@ __global__ void DualChunkRotaryKernel(RotaryArgs a) {
   const int64_t q_base = n * a.num_q_heads * d;
   const int row_elems = a.num_q_heads * d;
   Bf16* out = a.p.q_variants + n * kNumQueryVariants * row_elems;
-  for (int e = threadIdx.x; e < a.num_q_heads * half; e += blockDim.x) {
+  const int q_pairs = a.p.q != nullptr ? a.num_q_heads * half : 0;  // null: key only
+  for (int e = threadIdx.x; e < q_pairs; e += blockDim.x) {
     const int h = e / half, i = e - h * half;
     const int64_t row = q_base + static_cast<int64_t>(h) * d;
     StoreRotatedPair<kNumQueryVariants>(cuda_common::LoadAsFloat(a.p.q, dtype, row + i),
@@ -82,7 +83,7 @@ __global__ void DualChunkRotaryKernel(RotaryArgs a) {
   }
   // Dims past rotary_dim (partial rotary): copied into every variant.
   const int rest = d - rd;
-  for (int e = threadIdx.x; rest > 0 && e < a.num_q_heads * rest; e += blockDim.x) {
+  for (int e = threadIdx.x; rest > 0 && q_pairs > 0 && e < a.num_q_heads * rest; e += blockDim.x) {
     const int h = e / rest, i = rd + (e - h * rest);
     const float x =
         cuda_common::LoadAsFloat(a.p.q, dtype, q_base + static_cast<int64_t>(h) * d + i);
@@ -92,7 +93,8 @@ __global__ void DualChunkRotaryKernel(RotaryArgs a) {
   // The key, in place, by the intra position: one thread per dim pair, so no element is read
   // after another thread wrote it. Dims past rotary_dim stay as they are.
   const int64_t k_base = n * a.num_kv_heads * d;
-  for (int e = threadIdx.x; e < a.num_kv_heads * half; e += blockDim.x) {
+  const int k_pairs = a.p.k != nullptr ? a.num_kv_heads * half : 0;  // null: queries only
+  for (int e = threadIdx.x; e < k_pairs; e += blockDim.x) {
     const int h = e / half, i = e % half;
     const int64_t row = k_base + static_cast<int64_t>(h) * d;
     const float x1 = cuda_common::LoadAsFloat(a.p.k, dtype, row + i);

@@ -174,14 +174,13 @@ absl::Status PrepareKernelsOnce() {
   return absl::OkStatus();
 }
 
-template <int D>
-absl::Status LaunchPiece(const DcaGeometry& g, const SparsePrefillParams& sp, const Layout& l,
-                         const Piece& piece, const SparsePrefillTimers& timers, int piece_index,
-                         int* convert_index, cudaStream_t stream) {
+// The kernel arguments of one piece (the host plan over the host-side budgets), ~4 KB passed by
+// value to every launch of the piece.
+sk::PieceArgs MakePieceArgs(const DcaGeometry& g, const SparsePrefillParams& sp, const Layout& l,
+                            const PiecePlan& plan, const Piece& piece,
+                            const SparsePrefillTimers& timers) {
   const CudaPrefillParams& p = sp.prefill;
   char* ws = static_cast<char*>(sp.workspace);
-  const PiecePlan plan = PlanPiece(g, sp.budgets, piece, sp.row_block_slice);
-  // ~4 KB of kernel arguments, passed by value to every launch of the piece.
   sk::PieceArgs a;
   std::memset(&a, 0, sizeof(a));
   a.kv = p.kv;
@@ -224,7 +223,14 @@ absl::Status LaunchPiece(const DcaGeometry& g, const SparsePrefillParams& sp, co
     a.vbudget[h] = static_cast<int32_t>(sp.budgets[h].vertical);
     a.sbudget[h] = static_cast<int32_t>(sp.budgets[h].slash);
   }
+  return a;
+}
 
+// Steps 1-3 of a piece: estimation, top-k and stage mapping, into the workspace.
+template <int D>
+absl::Status LaunchEstimate(const DcaGeometry& g, const Layout& l, const sk::PieceArgs& a,
+                            const SparsePrefillTimers& timers, int piece_index,
+                            cudaStream_t stream) {
   const bool timed = piece_index < timers.max_pieces;
   if (timed && timers.estimate_begin != nullptr) {
     ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(timers.estimate_begin[piece_index], stream));
@@ -247,17 +253,27 @@ absl::Status LaunchPiece(const DcaGeometry& g, const SparsePrefillParams& sp, co
   if (timed && timers.estimate_end != nullptr) {
     ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(timers.estimate_end[piece_index], stream));
   }
-  // 3. stages, 4. converter
+  // 3. stages
   sk::MapStagesKernel<<<g.num_q_heads, 256, 0, stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("MapStagesKernel");
   if (timed && timers.index_end != nullptr) {
     ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(timers.index_end[piece_index], stream));
   }
-  // 4. converter and 5. attention, per slice of row blocks (the block lists are per slice).
+  return absl::OkStatus();
+}
+
+// Steps 4-5 for the piece's row blocks [rb_begin, rb_end): the converter and the attention, per
+// slice of row blocks (the block lists are stored per slice). Each row block's result depends on
+// the piece's pattern only, never on which launch covers it.
+template <int D>
+absl::Status LaunchAttend(const DcaGeometry& g, const PiecePlan& plan, sk::PieceArgs a,
+                          int64_t rb_begin, int64_t rb_end, const SparsePrefillTimers& timers,
+                          int* convert_index, cudaStream_t stream) {
+  ATTND_RETURN_IF_ERROR(PrepareKernelsOnce<D>());
   constexpr size_t att_smem = AttendSmemBytes<D>();
-  for (int64_t first = 0; first < plan.row_blocks; first += plan.slice_row_blocks) {
+  for (int64_t first = rb_begin; first < rb_end; first += plan.slice_row_blocks) {
     a.rb_offset = static_cast<int32_t>(first);
-    a.row_blocks = static_cast<int32_t>(std::min(plan.slice_row_blocks, plan.row_blocks - first));
+    a.row_blocks = static_cast<int32_t>(std::min(plan.slice_row_blocks, rb_end - first));
     const bool timed_convert = *convert_index < timers.max_converts;
     if (timed_convert && timers.convert_begin != nullptr) {
       ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(timers.convert_begin[*convert_index], stream));
@@ -272,6 +288,42 @@ absl::Status LaunchPiece(const DcaGeometry& g, const SparsePrefillParams& sp, co
     sk::AttendKernel<D><<<dim3(static_cast<unsigned>(a.row_blocks), g.num_q_heads), sk::kThreads,
                           att_smem, stream>>>(a);
     ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("AttendKernel");
+  }
+  return absl::OkStatus();
+}
+
+template <int D>
+absl::Status LaunchPiece(const DcaGeometry& g, const SparsePrefillParams& sp, const Layout& l,
+                         const Piece& piece, const SparsePrefillTimers& timers, int piece_index,
+                         int* convert_index, cudaStream_t stream) {
+  const PiecePlan plan = PlanPiece(g, sp.budgets, piece, sp.row_block_slice);
+  const sk::PieceArgs a = MakePieceArgs(g, sp, l, plan, piece, timers);
+  ATTND_RETURN_IF_ERROR(LaunchEstimate<D>(g, l, a, timers, piece_index, stream));
+  return LaunchAttend<D>(g, plan, a, 0, plan.row_blocks, timers, convert_index, stream);
+}
+
+// The checks of a step launch: `piece` is one piece (inside one chunk), the workspace holds its
+// layout, and q / out hold positions [first, first + count) of it.
+absl::Status CheckStep(const DcaGeometry& g, const SparsePrefillParams& sp, const Piece& piece,
+                       int64_t first, int64_t count, Layout* layout) {
+  if (absl::Status s = Check(g, sp); !s.ok()) return s;
+  if (piece.prev < 0 || piece.prev % g.chunk_len != 0 || piece.begin < piece.prev ||
+      piece.end <= piece.begin || piece.end > piece.prev + g.chunk_len ||
+      piece.end > INT32_MAX / 2) {
+    return absl::InvalidArgumentError(absl::StrCat("sparse: [", piece.begin, ", ", piece.end,
+                                                   ") is not a piece of the chunk at ",
+                                                   piece.prev));
+  }
+  const int64_t start = sp.prefill.start, rows = sp.prefill.num_tokens;
+  if (first < start || first + count > start + rows) {
+    return absl::InvalidArgumentError(absl::StrCat("sparse: positions [", first, ", ",
+                                                   first + count, ") are not among q's [", start,
+                                                   ", ", start + rows, ")"));
+  }
+  *layout = MakeLayout(g, sp.budgets, piece.begin, piece.end - piece.begin, sp.row_block_slice);
+  if (sp.workspace == nullptr || sp.workspace_bytes < layout->total) {
+    return absl::InvalidArgumentError(absl::StrCat("sparse: workspace of ", sp.workspace_bytes,
+                                                   " bytes < ", layout->total, " needed"));
   }
   return absl::OkStatus();
 }
@@ -358,6 +410,40 @@ absl::Status LaunchSparsePrefillTimed(const DcaGeometry& g, const SparsePrefillP
 absl::Status LaunchSparsePrefill(const DcaGeometry& g, const SparsePrefillParams& sp,
                                  cudaStream_t stream) {
   return LaunchSparsePrefillTimed(g, sp, SparsePrefillTimers{}, stream);
+}
+
+absl::Status LaunchSparseEstimate(const DcaGeometry& g, const SparsePrefillParams& sp,
+                                  const VsPiece& piece, cudaStream_t stream) {
+  const int64_t n_est = std::min<int64_t>(piece.end - piece.begin, sp.last_q);
+  Layout l;
+  ATTND_RETURN_IF_ERROR(CheckStep(g, sp, piece, piece.end - n_est, n_est, &l));
+  const PiecePlan plan = PlanPiece(g, sp.budgets, piece, sp.row_block_slice);
+  const sk::PieceArgs a = MakePieceArgs(g, sp, l, plan, piece, SparsePrefillTimers{});
+  return g.head_dim == 128 ? LaunchEstimate<128>(g, l, a, SparsePrefillTimers{}, 0, stream)
+                           : LaunchEstimate<64>(g, l, a, SparsePrefillTimers{}, 0, stream);
+}
+
+absl::Status LaunchSparseAttendRows(const DcaGeometry& g, const SparsePrefillParams& sp,
+                                    const VsPiece& piece, int64_t first_row, int64_t num_rows,
+                                    cudaStream_t stream) {
+  const int64_t rows = piece.end - piece.begin;
+  if (first_row < 0 || num_rows < 1 || first_row % sk::kRows != 0 || first_row + num_rows > rows ||
+      (first_row + num_rows < rows && num_rows % sk::kRows != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sparse: rows [", first_row, ", ", first_row + num_rows, ") of a ", rows,
+        "-row piece are not whole 64-row blocks (only the piece's last block may be partial)"));
+  }
+  Layout l;
+  ATTND_RETURN_IF_ERROR(CheckStep(g, sp, piece, piece.begin + first_row, num_rows, &l));
+  const PiecePlan plan = PlanPiece(g, sp.budgets, piece, sp.row_block_slice);
+  const sk::PieceArgs a = MakePieceArgs(g, sp, l, plan, piece, SparsePrefillTimers{});
+  const int64_t rb_begin = first_row / sk::kRows;
+  const int64_t rb_end = (first_row + num_rows + sk::kRows - 1) / sk::kRows;
+  int convert_index = 0;
+  return g.head_dim == 128 ? LaunchAttend<128>(g, plan, a, rb_begin, rb_end, SparsePrefillTimers{},
+                                               &convert_index, stream)
+                           : LaunchAttend<64>(g, plan, a, rb_begin, rb_end, SparsePrefillTimers{},
+                                              &convert_index, stream);
 }
 
 SparseDebugView SparseDebugViewOf(const DcaGeometry& g, const SparsePrefillParams& sp) {

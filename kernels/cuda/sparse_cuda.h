@@ -85,6 +85,26 @@ size_t SparsePrefillWorkspaceBound(const DcaGeometry& geometry, absl::Span<const
 absl::Status LaunchSparsePrefill(const DcaGeometry& geometry, const SparsePrefillParams& params,
                                  cudaStream_t stream);
 
+// One piece in steps, for a caller whose q and out buffers hold only some of the call's rows (the
+// CUDA engine stages a large call through fixed buffers): LaunchSparseEstimate once per piece
+// (steps 1-3; the pattern stays in the workspace), then LaunchSparseAttendRows over the piece's
+// rows in any order and any split into whole 64-row blocks (steps 4-5). Every row gets what
+// LaunchSparsePrefill gives it for a call that contains the whole piece, bit for bit: the same
+// kernels on the same inputs per row block. K/V of the whole piece, [0, piece.end), must be
+// appended before the estimate. Here params.prefill.q / out hold rows for positions
+// [prefill.start, prefill.start + prefill.num_tokens) (not necessarily the call's start), and the
+// workspace must hold SparsePrefillWorkspaceBytes(geometry, budgets, piece.begin, piece.end -
+// piece.begin, last_q, row_block_slice) bytes, which SparsePrefillWorkspaceBound(max_length,
+// max_tokens = row_block_slice * 64) covers for every piece up to max_length.
+// The estimate reads q rows [piece.end - min(piece rows, last_q), piece.end).
+absl::Status LaunchSparseEstimate(const DcaGeometry& geometry, const SparsePrefillParams& params,
+                                  const VsPiece& piece, cudaStream_t stream);
+// Rows [first_row, first_row + num_rows) of the piece (0 = piece.begin): first_row a multiple of
+// 64, num_rows too unless the range ends the piece. Reads their q, writes their out.
+absl::Status LaunchSparseAttendRows(const DcaGeometry& geometry, const SparsePrefillParams& params,
+                                    const VsPiece& piece, int64_t first_row, int64_t num_rows,
+                                    cudaStream_t stream);
+
 // For benchmarks: the same launch, recording events on the stream at piece i's stage boundaries
 // (i < max_pieces; null arrays record nothing). Attention runs from index_end[i] to the end of
 // the piece.

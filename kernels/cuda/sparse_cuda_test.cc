@@ -511,6 +511,91 @@ TEST(SparseCudaTest, WholeCallMatchesCpu) {
   }
 }
 
+// The step launches of a caller that stages a call through small buffers: per piece, the estimate
+// from a q buffer holding only its last queries, then the rows in 128-row chunks (last chunk
+// first), each from buffers holding only that chunk, with block lists stored two row blocks at a
+// time. The same kernels on the same inputs per row block as one launch over the call: the same
+// bits.
+TEST(SparseCudaTest, StepsMatchOneLaunch) {
+  REQUIRE_GPU();
+  const int hq = 28, hkv = 4, d = 128;
+  const int64_t cl = 384, length = 1500, start = 700, rows_per_step = 128;
+  const int32_t slice = 2;
+  Case c = MakeCase(hq, hkv, cl, length, TestBudgets(hq), 29);
+  Pools pools(c);
+  GpuRun one;
+  RunGpu(c, pools, start, length - start, &one);
+  if (HasFatalFailure()) return;
+
+  const int64_t q_row = kNumQueryVariants * hq * d, out_row = hq * d;
+  DevBuf q_buf(rows_per_step * q_row * 2), out_buf(rows_per_step * out_row * sizeof(float));
+  const size_t bytes =
+      SparsePrefillWorkspaceBound(c.g, c.budgets, length, rows_per_step, c.last_q, slice);
+  ASSERT_GT(bytes, 0u);
+  DevBuf ws(bytes);
+  CUDA_ASSERT(cudaMemset(ws.get(), 0xff, bytes));
+  SparsePrefillParams sp;
+  sp.prefill.kv = pools.dev;
+  sp.prefill.q = q_buf.get<Bf16>();
+  sp.prefill.out = out_buf.get();
+  sp.prefill.out_dtype = DType::kFp32;
+  sp.prefill.softmax_scale = c.softmax_scale;
+  sp.budgets = c.budgets;
+  sp.last_q = c.last_q;
+  sp.row_block_slice = slice;
+  sp.workspace = ws.get();
+  sp.workspace_bytes = bytes;
+  // Only rows [first, first + n) of the call's queries are in the buffer, the rest poisoned.
+  const auto stage = [&](int64_t first, int64_t n) {
+    CUDA_ASSERT(cudaMemset(q_buf.get(), 0xff, q_buf.bytes()));
+    CUDA_ASSERT(cudaMemcpy(q_buf.get(), pools.dq->get<Bf16>() + first * q_row, n * q_row * 2,
+                           cudaMemcpyDeviceToDevice));
+    sp.prefill.start = first;
+    sp.prefill.num_tokens = n;
+  };
+  std::vector<float> stepped((length - start) * out_row, NAN);
+  const std::vector<VsPiece> pieces = SplitIntoPieces(start, length - start, cl);
+  ASSERT_GE(pieces.size(), 3u);
+  for (const VsPiece& piece : pieces) {
+    const int64_t rows = piece.end - piece.begin, n_est = std::min<int64_t>(rows, c.last_q);
+    stage(piece.end - n_est, n_est);
+    if (HasFatalFailure()) return;
+    ASSERT_TRUE(LaunchSparseEstimate(c.g, sp, piece, nullptr).ok());
+    const int64_t last = (rows - 1) / rows_per_step * rows_per_step;
+    for (int64_t first = last; first >= 0; first -= rows_per_step) {
+      const int64_t n = std::min(rows_per_step, rows - first);
+      stage(piece.begin + first, n);
+      if (HasFatalFailure()) return;
+      CUDA_ASSERT(cudaMemset(out_buf.get(), 0xff, out_buf.bytes()));
+      const absl::Status st = LaunchSparseAttendRows(c.g, sp, piece, first, n, nullptr);
+      ASSERT_TRUE(st.ok()) << st;
+      CUDA_ASSERT(cudaMemcpy(stepped.data() + (piece.begin + first - start) * out_row,
+                             out_buf.get(), n * out_row * sizeof(float), cudaMemcpyDeviceToHost));
+    }
+  }
+  size_t differ = 0;
+  for (size_t i = 0; i < stepped.size(); ++i) {
+    differ += std::memcmp(&stepped[i], &one.out[i], sizeof(float)) != 0;
+  }
+  EXPECT_EQ(differ, 0u) << "of " << stepped.size() << " outputs differ from one launch";
+}
+
+TEST(SparseCudaTest, StepLaunchesRefuseRowsThatAreNotWholeBlocks) {
+  const Case c = MakeCase(8, 2, 256, 16, TestBudgets(8), 1);
+  SparsePrefillParams sp;
+  sp.budgets = c.budgets;
+  const VsPiece piece{0, 0, 200};
+  const std::pair<int64_t, int64_t> bad[] = {{10, 64}, {0, 100}, {192, 9}, {-64, 64}};
+  for (const auto& [first, n] : bad) {
+    const absl::Status st = LaunchSparseAttendRows(c.g, sp, piece, first, n, nullptr);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << first << " " << n;
+    EXPECT_NE(std::string(st.message()).find("64-row blocks"), std::string::npos) << st;
+  }
+  // A range that ends the piece may end mid-block; it then fails later, on the null buffers.
+  const absl::Status st = LaunchSparseAttendRows(c.g, sp, piece, 192, 8, nullptr);
+  EXPECT_EQ(st.message().find("64-row blocks"), absl::string_view::npos) << st;
+}
+
 TEST(SparseCudaTest, GoldenSparseVs) {
   REQUIRE_GPU();
   const std::string dir = testing::GoldenCaseDir("sparse_vs");

@@ -7,12 +7,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "base/dtype.h"
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
@@ -508,6 +511,91 @@ TEST(CpuEngineSparseTest, PromptsOverTheThresholdTakeTheSparsePath) {
   absl::StatusOr<std::vector<float>> want = ref.Prefill(0, q.values, k.values, v.values, t);
   ASSERT_TRUE(want.ok()) << want.status();
   ExpectClose(ToFloats(out, DType::kFp32), *want, 1e-4, "dense at the threshold");
+}
+
+// Sparse calls of the sizes serving stacks send (8,192 and 16,384 tokens) over several DCA pieces:
+// one big call gives what the same tokens give sent piece by piece (DCA.md: the pattern is
+// estimated per piece of a call, so a call split at piece boundaries is the same computation, bit
+// for bit on this deterministic fp32 path), and each piece checked matches the naive reference.
+TEST(CpuEngineSparseTest, LargeCallsEqualTheirPiecesAndTheReference) {
+  DcaGeometry g = TinyGeometry();
+  g.chunk_len = 2048;  // a few pieces per call, each small enough for the naive reference
+  auto sp = std::make_shared<SparseAttentionConfig>(*TinySparse(/*threshold=*/200));
+  // Small slash budgets keep the attention (and the reference) cheap at 24K tokens.
+  sp->budgets = {{130, 20}, {40, 30}, {130, 10}, {200, 25},
+                 {130, 20}, {40, 30}, {130, 10}, {200, 25}};
+  const auto make = [&]() {
+    CpuEngineOptions options;
+    options.geometry = g;
+    options.layout = TinyLayout(DType::kFp32, 1536);  // 24,576 tokens
+    options.compute_threads = 2;
+    options.sparse = sp;
+    absl::StatusOr<std::unique_ptr<CpuEngine>> engine = CpuEngine::Create(options);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return engine.ok() ? *std::move(engine) : nullptr;
+  };
+  std::unique_ptr<CpuEngine> whole = make(), pieces = make();
+  ASSERT_NE(whole, nullptr);
+  ASSERT_NE(pieces, nullptr);
+  std::vector<int32_t> pages(1536);
+  std::iota(pages.rbegin(), pages.rend(), 0);
+  const int64_t prompt = 8192 + 16384;
+  const float s = LengthScale(prompt, g.original_max_position_embeddings);
+  std::vector<naive::SparseBudget> budgets;
+  for (const VsBudget& b : sp->layer(0)) budgets.push_back({b.vertical, b.slash});
+  std::vector<double> keys, values;
+  std::mt19937 rng(23);
+  const int64_t q_row = kNumQueryVariants * kHq * kD, kv_row = kHkv * kD, out_row = kHq * kD;
+  const auto prefill = [&](CpuEngine& engine, const Tensor& q, const Tensor& k, const Tensor& v,
+                           int64_t first, int64_t start, int64_t t, float* out) {
+    PrefillJob job = EngineJobsForTesting::Prefill();
+    job.layer = 0;
+    job.page_table = pages.data();
+    job.num_pages = static_cast<int64_t>(pages.size());
+    job.start = start;
+    job.num_tokens = t;
+    job.prompt_len = prompt;
+    job.q = {DType::kFp32, q.values.data() + first * q_row, {t, kNumQueryVariants, kHq, kD}};
+    job.k = {DType::kFp32, k.values.data() + first * kv_row, {t, kHkv, kD}};
+    job.v = {DType::kFp32, v.values.data() + first * kv_row, {t, kHkv, kD}};
+    job.out = out;
+    job.out_dtype = DType::kFp32;
+    return engine.Prefill(job);
+  };
+  int64_t start = 0;
+  for (const int64_t t : {8192, 16384}) {
+    const Tensor q = RandomTensor({t, kNumQueryVariants, kHq, kD}, DType::kFp32, &rng);
+    const Tensor k = RandomTensor({t, kHkv, kD}, DType::kFp32, &rng);
+    const Tensor v = RandomTensor({t, kHkv, kD}, DType::kFp32, &rng);
+    for (float x : k.values) keys.push_back(x * s);  // cached as fp32(s * k)
+    for (float x : v.values) values.push_back(x);
+    std::vector<float> big(t * out_row), split(t * out_row);
+    ASSERT_TRUE(prefill(*whole, q, k, v, 0, start, t, big.data()).ok());
+    const std::vector<VsPiece> split_at = SplitIntoPieces(start, t, g.chunk_len);
+    ASSERT_GE(split_at.size(), 4u);
+    for (const VsPiece& piece : split_at) {
+      const int64_t first = piece.begin - start, n = piece.end - piece.begin;
+      ASSERT_TRUE(
+          prefill(*pieces, q, k, v, first, piece.begin, n, split.data() + first * out_row).ok());
+    }
+    EXPECT_EQ(std::memcmp(big.data(), split.data(), big.size() * sizeof(float)), 0)
+        << "a " << t << "-token call differs from its pieces sent one by one";
+    // The reference, for the call's first and last pieces (its own queries, keys [0, end)).
+    for (const VsPiece& piece : {split_at.front(), split_at.back()}) {
+      const int64_t first = piece.begin - start, n = piece.end - piece.begin;
+      const std::vector<float> piece_q(q.values.begin() + first * q_row,
+                                       q.values.begin() + (first + n) * q_row);
+      const std::vector<double> want = naive::SparsePrefill(
+          g, piece_q, piece.begin, absl::MakeConstSpan(keys).first(piece.end * kv_row),
+          absl::MakeConstSpan(values).first(piece.end * kv_row),
+          static_cast<double>(g.softmax_scale * s), budgets, sp->last_q);
+      ExpectClose(
+          std::vector<float>(big.begin() + first * out_row, big.begin() + (first + n) * out_row),
+          std::vector<float>(want.begin(), want.end()), 1e-4,
+          absl::StrCat(t, "-token call, piece [", piece.begin, ", ", piece.end, ")"));
+    }
+    start += t;
+  }
 }
 
 TEST(CpuEngineSparseTest, ConfigMustMatchTheModel) {

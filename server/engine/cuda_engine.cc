@@ -23,6 +23,7 @@
 #include "kernels/cuda/rotary_cuda.h"
 #include "kernels/cuda/sparse_cuda.h"
 #include "kernels/dual_chunk_rotary.h"
+#include "kernels/vertical_slash.h"
 #include "server/dataplane/regions.h"
 #include "spdlog/spdlog.h"
 
@@ -149,13 +150,41 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   absl::Status CaptureDecodeGraphs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Status Init(int64_t staging_bytes);
+  // The sparse kernels' row_block_slice: block lists stored for one attention chunk (at most
+  // max_chunk_ rows) at a time, so that one chunk is one converter and one attention launch.
+  int32_t SparseRowBlockSlice() const {
+    return static_cast<int32_t>(
+        std::min<int64_t>((max_chunk_ + kVsBlock - 1) / kVsBlock, kDefaultRowBlockSlice));
+  }
   absl::Status CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
                           int64_t length) const;
   // OK for kVariants, and for kPreRotary when the geometry has a rotary.
   absl::Status CheckLayout(QLayout layout) const;
   PagedKv<Bf16> LayerView(int32_t layer, const int32_t* device_page_table) const;
+  // A dense prefill of the call's tokens [first, first + count) (count <= max_chunk_): stage,
+  // append, attend, copy out.
   absl::Status PrefillChunk(const PrefillJob& job, int64_t first, int64_t count, float s)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A sparse prefill of the whole call, DCA piece by piece (docs/DCA.md "Vertical-slash sparse
+  // prefill"): each piece's K/V appended in staging chunks, its estimate from its last queries,
+  // then its rows attended in staging chunks of whole 64-row blocks. Any size of call.
+  absl::Status PrefillSparse(const PrefillJob& job, float s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The steps of both, on the call's tokens [first, first + count) (count <= max_chunk_):
+  // StageQueries leaves their bf16 query variants in d_q_bf16_ rows [0, count); AppendKeys stages
+  // their k and v and appends them, length-scaled by s, to the layer's pages; CopyOut copies the
+  // staged outputs rows [0, count) to the job's out rows [first, first + count) and waits for the
+  // stream. The staging steps write h_prefill_ on the host: the caller makes sure no queued copy
+  // still reads the region they overwrite (CopyOut's wait, or its own).
+  absl::Status StageQueries(const PrefillJob& job, int64_t first, int64_t count)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AppendKeys(const PrefillJob& job, int64_t first, int64_t count, float s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CopyOut(const PrefillJob& job, int64_t first, int64_t count)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copies the tensor's rows [first_row, first_row + rows) to device_dst (dense rows): host
+  // tensors through h_prefill_ at h_off, device tensors (CUDA IPC regions) directly.
+  absl::Status StageRows(const TensorView& view, int64_t first_row, int64_t rows, size_t h_off,
+                         void* device_dst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Entries [first, first + count) as one launch, counted in *stats: DecodeLaunch packs the rows
   // and queues the step, DecodeFinish waits for it and unpacks the outputs.
   absl::Status DecodeBatch(const DecodeJob& job, size_t first, size_t count, DecodeStats* stats)
@@ -188,7 +217,12 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
 
   // Prefill: one chunk of at most max_chunk_ tokens. Host and device buffers mirror each other:
   // q raw [chunk, 5, Hq, D] (<= fp32), k/v raw [chunk, Hkv, D], out [chunk, Hq, D] (<= fp32).
+  // With a sparse config at least 64 tokens, so that a sparse staging chunk holds a whole query
+  // block and the estimate's last queries. The sparse path attends a piece of at most max_chunk_
+  // rows in one chunk, a longer one in chunks of whole 64-row blocks (the piece's row blocks), at
+  // most sparse_rows_ = max_chunk_ rounded down to 64 rows each.
   int64_t max_chunk_ = 0;
+  int64_t sparse_rows_ = 0;
   size_t q_off_ = 0, k_off_ = 0, v_off_ = 0, out_off_ = 0, prefill_bytes_ = 0;
   PinnedPtr h_prefill_ ABSL_GUARDED_BY(mu_);
   DevicePtr d_prefill_ ABSL_GUARDED_BY(mu_);
@@ -291,7 +325,8 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
 
   const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
   const int64_t per_token = (kNumQueryVariants * hq * d + 2 * hkv * d + hq * d) * 4;
-  max_chunk_ = std::max<int64_t>(1, staging_bytes / per_token);
+  max_chunk_ = std::max<int64_t>(sparse_ != nullptr ? kVsBlock : 1, staging_bytes / per_token);
+  sparse_rows_ = max_chunk_ / kVsBlock * kVsBlock;
   q_off_ = 0;
   k_off_ = AlignUp(q_off_ + max_chunk_ * kNumQueryVariants * hq * d * 4);
   v_off_ = AlignUp(k_off_ + max_chunk_ * hkv * d * 4);
@@ -310,13 +345,13 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   ATTND_ASSIGN_OR_RETURN(h_table_, PinnedAlloc(layout_.num_pages * 4, "page table"));
   ATTND_ASSIGN_OR_RETURN(d_table_, DeviceAlloc(layout_.num_pages * 4, "page table"));
   if (sparse_ != nullptr) {
-    // One size for every call: up to one staging chunk, anywhere in the longest sequence the pool
-    // holds.
+    // One size for every step of every call: a piece anywhere in the longest sequence the pool
+    // holds, its block lists stored for one attention chunk of at most max_chunk_ rows.
     const int64_t longest = layout_.num_pages * layout_.page_size;
-    const int64_t tokens = std::min(max_chunk_, longest);
     for (int32_t layer = 0; layer < layout_.num_layers; ++layer) {
-      const size_t bytes = SparsePrefillWorkspaceBound(geometry_, sparse_->layer(layer), longest,
-                                                       tokens, sparse_->last_q);
+      const size_t bytes =
+          SparsePrefillWorkspaceBound(geometry_, sparse_->layer(layer), longest, max_chunk_,
+                                      sparse_->last_q, SparseRowBlockSlice());
       if (bytes == 0) {
         return absl::InvalidArgumentError(absl::StrCat(
             "cuda engine: the sparse attention config of layer ", layer, " is not supported"));
@@ -467,94 +502,95 @@ absl::Status CudaEngine::Prefill(const PrefillJob& job) {
         "engine: k and v in device memory need one dtype (they are appended as they are)");
   }
   const float s = LengthScale(job.prompt_len, geometry_.original_max_position_embeddings);
-  const bool sparse = sparse_ != nullptr && sparse_->UseSparse(job.prompt_len);
-  if (sparse && t > max_chunk_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("engine: a sparse prefill (prompt_len ", job.prompt_len, " > threshold ",
-                     sparse_->threshold, ") takes at most ", max_chunk_,
-                     " tokens per call on the CUDA backend, "
-                     "got ",
-                     t, "; send the prompt in smaller Prefill calls"));
-  }
 
   MutexLock lock(&mu_);
   ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   std::memcpy(h_table_.get(), job.page_table, job.num_pages * 4);
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_table_.get(), h_table_.get(), job.num_pages * 4,
                                              cudaMemcpyHostToDevice, stream_));
-  for (int64_t first = 0; first < t; first += max_chunk_) {
-    ATTND_RETURN_IF_ERROR(PrefillChunk(job, first, std::min(max_chunk_, t - first), s));
+  // DCA.md: sparse when the config exists and the prompt (as for scaling) exceeds the threshold.
+  absl::Status status;
+  if (sparse_ != nullptr && sparse_->UseSparse(job.prompt_len)) {
+    status = PrefillSparse(job, s);
+  } else {
+    for (int64_t first = 0; first < t && status.ok(); first += max_chunk_) {
+      status = PrefillChunk(job, first, std::min(max_chunk_, t - first), s);
+    }
   }
+  // A step that failed half-way may have queued work on the staging buffers: let it drain before
+  // the next job reuses them. (The pages it wrote past the sequence's length stay uncommitted.)
+  if (!status.ok()) cudaStreamSynchronize(stream_);
+  return status;
+}
+
+absl::Status CudaEngine::StageRows(const TensorView& view, int64_t first_row, int64_t rows,
+                                   size_t h_off, void* device_dst) {
+  // A shard's views have a row pitch (its heads of each row): packed densely on the way.
+  const int64_t row = RowBytes(view), pitch = RowPitch(view);
+  const char* src = static_cast<const char*>(view.data) + first_row * pitch;
+  if (view.on_device) {
+    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(device_dst, row, src, pitch, row, rows,
+                                                 cudaMemcpyDeviceToDevice, stream_));
+    return absl::OkStatus();
+  }
+  CopyRowsToDense(view, first_row, rows, At(h_prefill_, h_off));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_dst, At(h_prefill_, h_off), rows * row,
+                                             cudaMemcpyHostToDevice, stream_));
   return absl::OkStatus();
 }
 
-absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int64_t count,
-                                      float s) {
-  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
+absl::Status CudaEngine::StageQueries(const PrefillJob& job, int64_t first, int64_t count) {
+  const int64_t hq = geometry_.num_q_heads, d = geometry_.head_dim;
   const bool pre_rotary = job.q_layout == QLayout::kPreRotary;
   // q as it arrives: the five variants, or [count, Hq, D] before the rotary.
-  const int64_t q_row = (pre_rotary ? 1 : kNumQueryVariants) * hq * d;
-  const int64_t q_n = count * q_row, kv_n = count * hkv * d;
-  const size_t out_bytes = count * hq * d * ElementSize(job.out_dtype);
-  // Host tensors: staged in pinned memory, then H2D. Device tensors (CUDA IPC regions): one
-  // device-to-device copy. Then one stream: convert, append, attend, and the output back. A
-  // shard's views have a row pitch (its heads of each row): packed densely on the way.
-  const auto stage = [this](const TensorView& view, int64_t first_row, int64_t rows, size_t h_off,
-                            void* device_dst) -> absl::Status {
-    const int64_t row = RowBytes(view), pitch = RowPitch(view);
-    const char* src = static_cast<const char*>(view.data) + first_row * pitch;
-    if (view.on_device) {
-      ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(device_dst, row, src, pitch, row, rows,
-                                                   cudaMemcpyDeviceToDevice, stream_));
-      return absl::OkStatus();
-    }
-    CopyRowsToDense(view, first_row, rows, At(h_prefill_, h_off));
-    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_dst, At(h_prefill_, h_off), rows * row,
-                                               cudaMemcpyHostToDevice, stream_));
-    return absl::OkStatus();
-  };
-  Bf16* q_bf16 = static_cast<Bf16*>(d_q_bf16_.get());
   const int64_t q_rows = pre_rotary ? 1 : kNumQueryVariants;  // rows per token
-  const int64_t q_first = first * q_rows, q_count = count * q_rows;
-  if (pre_rotary) {  // staged as is; the rotary kernel below writes the bf16 variants
-    ATTND_RETURN_IF_ERROR(stage(job.q, q_first, q_count, q_off_, At(d_prefill_, q_off_)));
-  } else if (job.q.dtype == DType::kBf16) {  // straight into the kernel's buffer
-    ATTND_RETURN_IF_ERROR(stage(job.q, q_first, q_count, q_off_, q_bf16));
-  } else {
-    ATTND_RETURN_IF_ERROR(stage(job.q, q_first, q_count, q_off_, At(d_prefill_, q_off_)));
+  Bf16* q_bf16 = static_cast<Bf16*>(d_q_bf16_.get());
+  if (pre_rotary) {  // staged as is; the rotary kernel writes the bf16 variants
     ATTND_RETURN_IF_ERROR(
-        LaunchConvertToBf16(At(d_prefill_, q_off_), job.q.dtype, q_n, q_bf16, stream_));
-  }
-  // k and v regions are adjacent in both mirrors only per tensor; copy each.
-  ATTND_RETURN_IF_ERROR(stage(job.k, first, count, k_off_, At(d_prefill_, k_off_)));
-  ATTND_RETURN_IF_ERROR(stage(job.v, first, count, v_off_, At(d_prefill_, v_off_)));
-
-  if (pre_rotary) {
-    // The five bf16 variants into the kernels' buffer, and k rotated in place (its own dtype),
-    // before the append scales it: DCA.md rotates the raw key, then length-scales it.
+        StageRows(job.q, first * q_rows, count * q_rows, q_off_, At(d_prefill_, q_off_)));
     CudaRotaryParams rp;
     rp.q = At(d_prefill_, q_off_);
-    rp.k = At(d_prefill_, k_off_);
     rp.dtype = job.q.dtype;
     rp.q_variants = q_bf16;
     rp.inv_freq = static_cast<const float*>(d_inv_freq_.get());
     rp.start = job.start + first;
     rp.num_tokens = count;
+    return LaunchDualChunkRotary(geometry_, rp, stream_);
+  }
+  if (job.q.dtype == DType::kBf16) {  // straight into the kernels' buffer
+    return StageRows(job.q, first * q_rows, count * q_rows, q_off_, q_bf16);
+  }
+  ATTND_RETURN_IF_ERROR(
+      StageRows(job.q, first * q_rows, count * q_rows, q_off_, At(d_prefill_, q_off_)));
+  return LaunchConvertToBf16(At(d_prefill_, q_off_), job.q.dtype, count * q_rows * hq * d, q_bf16,
+                             stream_);
+}
+
+absl::Status CudaEngine::AppendKeys(const PrefillJob& job, int64_t first, int64_t count, float s) {
+  const int64_t kv_n = count * geometry_.num_kv_heads * geometry_.head_dim;
+  // k and v regions are adjacent in both mirrors only per tensor; copy each.
+  ATTND_RETURN_IF_ERROR(StageRows(job.k, first, count, k_off_, At(d_prefill_, k_off_)));
+  ATTND_RETURN_IF_ERROR(StageRows(job.v, first, count, v_off_, At(d_prefill_, v_off_)));
+  if (job.q_layout == QLayout::kPreRotary) {
+    // k rotated in place (its own dtype) before the append scales it: DCA.md rotates the raw
+    // key, then length-scales it.
+    CudaRotaryParams rp;
+    rp.k = At(d_prefill_, k_off_);
+    rp.dtype = job.k.dtype;
+    rp.inv_freq = static_cast<const float*>(d_inv_freq_.get());
+    rp.start = job.start + first;
+    rp.num_tokens = count;
     ATTND_RETURN_IF_ERROR(LaunchDualChunkRotary(geometry_, rp, stream_));
   }
-
-  const PagedKv<Bf16> kv = LayerView(job.layer, static_cast<const int32_t*>(d_table_.get()));
-  if (job.k.dtype == job.v.dtype) {
-    CudaAppendParams ap;
-    ap.kv = kv;
-    ap.k = At(d_prefill_, k_off_);
-    ap.v = At(d_prefill_, v_off_);
-    ap.in_dtype = job.k.dtype;
-    ap.start = job.start + first;
-    ap.num_tokens = count;
-    ap.key_scale = s;
-    ATTND_RETURN_IF_ERROR(LaunchAppendKv(ap, stream_));
-  } else {  // rare: different k and v dtypes; normalise both to fp32 on the host
+  CudaAppendParams ap;
+  ap.kv = LayerView(job.layer, static_cast<const int32_t*>(d_table_.get()));
+  ap.k = At(d_prefill_, k_off_);
+  ap.v = At(d_prefill_, v_off_);
+  ap.in_dtype = job.k.dtype;
+  ap.start = job.start + first;
+  ap.num_tokens = count;
+  ap.key_scale = s;
+  if (job.k.dtype != job.v.dtype) {  // rare: different k and v dtypes; both to fp32 on the host
     scratch_.resize(2 * kv_n);
     ConvertToFloat(At(h_prefill_, k_off_), job.k.dtype, kv_n, scratch_.data());
     ConvertToFloat(At(h_prefill_, v_off_), job.v.dtype, kv_n, scratch_.data() + kv_n);
@@ -565,38 +601,14 @@ absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int6
                                                kv_n * 4, cudaMemcpyHostToDevice, stream_));
     ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, v_off_), At(h_prefill_, v_off_),
                                                kv_n * 4, cudaMemcpyHostToDevice, stream_));
-    CudaAppendParams ap;
-    ap.kv = kv;
-    ap.k = At(d_prefill_, k_off_);
-    ap.v = At(d_prefill_, v_off_);
     ap.in_dtype = DType::kFp32;
-    ap.start = job.start + first;
-    ap.num_tokens = count;
-    ap.key_scale = s;
-    ATTND_RETURN_IF_ERROR(LaunchAppendKv(ap, stream_));
   }
+  return LaunchAppendKv(ap, stream_);
+}
 
-  CudaPrefillParams pp;
-  pp.kv = kv;
-  pp.q = q_bf16;
-  pp.out = At(d_prefill_, out_off_);
-  pp.out_dtype = job.out_dtype;
-  pp.start = job.start + first;
-  pp.num_tokens = count;
-  pp.softmax_scale = geometry_.softmax_scale * s;
-  if (sparse_ != nullptr &&
-      sparse_->UseSparse(job.prompt_len)) {  // the whole call: Prefill checked
-    SparsePrefillParams sp;
-    sp.prefill = pp;
-    sp.budgets = sparse_->layer(job.layer);
-    sp.last_q = sparse_->last_q;
-    sp.workspace = d_sparse_workspace_.get();
-    sp.workspace_bytes = sparse_workspace_bytes_;
-    ATTND_RETURN_IF_ERROR(LaunchSparsePrefill(geometry_, sp, stream_));
-  } else {
-    ATTND_RETURN_IF_ERROR(LaunchDcaPrefill(*kernel_plan_, pp, stream_));
-  }
-  const size_t out_row = hq * d * ElementSize(job.out_dtype);
+absl::Status CudaEngine::CopyOut(const PrefillJob& job, int64_t first, int64_t count) {
+  const size_t out_row = geometry_.num_q_heads * geometry_.head_dim * ElementSize(job.out_dtype);
+  const size_t out_bytes = count * out_row;
   const size_t out_pitch = job.out_row_pitch != 0 ? job.out_row_pitch : out_row;
   char* out = static_cast<char*>(job.out) + first * out_pitch;
   if (job.out_on_device) {  // straight into the client's buffer
@@ -615,6 +627,79 @@ absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int6
   } else {
     for (int64_t i = 0; i < count; ++i)
       std::memcpy(out + i * out_pitch, staged + i * out_row, out_row);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int64_t count,
+                                      float s) {
+  ATTND_RETURN_IF_ERROR(StageQueries(job, first, count));
+  ATTND_RETURN_IF_ERROR(AppendKeys(job, first, count, s));
+  CudaPrefillParams pp;
+  pp.kv = LayerView(job.layer, static_cast<const int32_t*>(d_table_.get()));
+  pp.q = static_cast<const Bf16*>(d_q_bf16_.get());
+  pp.out = At(d_prefill_, out_off_);
+  pp.out_dtype = job.out_dtype;
+  pp.start = job.start + first;
+  pp.num_tokens = count;
+  pp.softmax_scale = geometry_.softmax_scale * s;
+  ATTND_RETURN_IF_ERROR(LaunchDcaPrefill(*kernel_plan_, pp, stream_));
+  return CopyOut(job, first, count);
+}
+
+absl::Status CudaEngine::PrefillSparse(const PrefillJob& job, float s) {
+  SparsePrefillParams sp;
+  sp.prefill.kv = LayerView(job.layer, static_cast<const int32_t*>(d_table_.get()));
+  sp.prefill.q = static_cast<const Bf16*>(d_q_bf16_.get());
+  sp.prefill.out = At(d_prefill_, out_off_);
+  sp.prefill.out_dtype = job.out_dtype;
+  sp.prefill.softmax_scale = geometry_.softmax_scale * s;
+  sp.budgets = sparse_->layer(job.layer);
+  sp.last_q = sparse_->last_q;
+  sp.workspace = d_sparse_workspace_.get();
+  sp.workspace_bytes = sparse_workspace_bytes_;
+  sp.row_block_slice = SparseRowBlockSlice();
+  // Each staging step reuses h_prefill_, which the previous step's queued copy may still read.
+  const auto wait = [this]() { return CudaStatus(cudaStreamSynchronize(stream_), "stream sync"); };
+  // The staged queries hold the call's tokens [first, first + count): positions from job.start.
+  const auto stage = [&](int64_t first, int64_t count) -> absl::Status {
+    ATTND_RETURN_IF_ERROR(wait());
+    ATTND_RETURN_IF_ERROR(StageQueries(job, first, count));
+    sp.prefill.start = job.start + first;
+    sp.prefill.num_tokens = count;
+    return absl::OkStatus();
+  };
+  for (const VsPiece& piece : SplitIntoPieces(job.start, job.num_tokens, geometry_.chunk_len)) {
+    const int64_t begin = piece.begin - job.start, rows = piece.end - piece.begin;
+    // The estimate scores the piece's last queries against all its keys [0, end).
+    for (int64_t first = 0; first < rows; first += max_chunk_) {
+      ATTND_RETURN_IF_ERROR(wait());
+      ATTND_RETURN_IF_ERROR(AppendKeys(job, begin + first, std::min(max_chunk_, rows - first), s));
+    }
+    // Attention chunks: the whole piece when the buffers hold it, else the fewest chunks of whole
+    // row blocks, of even size (no small tail launch). The last one first, so that the estimate
+    // reads its queries there when it holds all of them (always for a piece staged once), else
+    // from their own staging.
+    const int64_t chunks = rows <= max_chunk_ ? 1 : (rows + sparse_rows_ - 1) / sparse_rows_;
+    const int64_t per_chunk =
+        chunks == 1 ? rows : ((rows + chunks - 1) / chunks + kVsBlock - 1) / kVsBlock * kVsBlock;
+    const int64_t last = (chunks - 1) * per_chunk;
+    const int64_t n_est = std::min(rows, sparse_->last_q);
+    const bool est_in_last = rows - last >= n_est;
+    if (!est_in_last) {
+      ATTND_RETURN_IF_ERROR(stage(begin + rows - n_est, n_est));
+      ATTND_RETURN_IF_ERROR(LaunchSparseEstimate(geometry_, sp, piece, stream_));
+    }
+    for (int64_t i = 0; i < chunks; ++i) {
+      const int64_t first = i == 0 ? last : (i - 1) * per_chunk;
+      const int64_t count = std::min(per_chunk, rows - first);
+      ATTND_RETURN_IF_ERROR(stage(begin + first, count));
+      if (i == 0 && est_in_last) {
+        ATTND_RETURN_IF_ERROR(LaunchSparseEstimate(geometry_, sp, piece, stream_));
+      }
+      ATTND_RETURN_IF_ERROR(LaunchSparseAttendRows(geometry_, sp, piece, first, count, stream_));
+      ATTND_RETURN_IF_ERROR(CopyOut(job, begin + first, count));
+    }
   }
   return absl::OkStatus();
 }

@@ -757,6 +757,7 @@ void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
   limits->set_max_sequences(info.limits.max_sequences);
   limits->set_tenant_max_sequences(info.limits.tenant_max_sequences);
   limits->set_tenant_page_quota(info.limits.tenant_page_quota);
+  limits->set_max_prefill_tokens_per_call(info.limits.max_prefill_tokens_per_call);
   response->mutable_instance()->set_name(info.instance.name);
   response->mutable_instance()->set_advertise_address(info.instance.advertise_address);
   if (regions_ != nullptr) {

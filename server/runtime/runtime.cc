@@ -145,6 +145,17 @@ TenantUsage Runtime::Usage(absl::string_view tenant) const {
   return TenantUsage{table_.TenantSequences(tenant), table_.TenantPages(tenant)};
 }
 
+int64_t PrefillTokensPerMessage(const DcaGeometry& g, int64_t max_message_bytes, int64_t q_rows,
+                                int64_t element_bytes) {
+  constexpr int64_t kFraming = 1024;  // ids, shapes, tags: a few hundred bytes in practice
+  const int64_t row = int64_t{g.num_q_heads} * g.head_dim;
+  const int64_t request = (q_rows * row + 2 * int64_t{g.num_kv_heads} * g.head_dim) * element_bytes;
+  const int64_t response = row * element_bytes;
+  const int64_t per_token = std::max(request, response);
+  if (per_token <= 0 || max_message_bytes <= kFraming) return 0;
+  return (max_message_bytes - kFraming) / per_token;
+}
+
 ServerInfo Runtime::Info() const {
   const DcaGeometry g = model_.geometry();
   const KvLayout& layout = engine_->layout();
@@ -186,6 +197,8 @@ ServerInfo Runtime::Info() const {
   info.limits.max_sequences = max_sequences_;
   info.limits.tenant_max_sequences = options_.tenant_max_sequences;
   info.limits.tenant_page_quota = options_.tenant_page_quota;
+  info.limits.max_prefill_tokens_per_call = PrefillTokensPerMessage(
+      g, options_.max_message_bytes, kNumQueryVariants, /*element_bytes=*/4);
   info.instance.name = options_.instance_name;
   info.instance.advertise_address = options_.advertise_address;
   return info;

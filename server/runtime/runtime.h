@@ -94,6 +94,12 @@ struct DecodeResult {
 };
 
 // Everything GetServerInfo reports, as plain values.
+// Most tokens of a Prefill call whose inline tensors fit max_message_bytes (request and response,
+// each with 1 KiB of framing): q_rows query rows of num_q_heads x head_dim per token (5 variants,
+// or 1 pre-rotary), k and v, and the output, all element_bytes per element. 0 if none fits.
+int64_t PrefillTokensPerMessage(const DcaGeometry& geometry, int64_t max_message_bytes,
+                                int64_t q_rows, int64_t element_bytes);
+
 struct ServerInfo {
   std::string version;
   std::string backend;
@@ -136,6 +142,9 @@ struct ServerInfo {
     int64_t max_sequences = 0;
     int64_t tenant_max_sequences = 0;  // 0 = unlimited
     int64_t tenant_page_quota = 0;     // 0 = unlimited
+    // What max_message_bytes allows a Prefill call with inline fp32 five-variant tensors
+    // (Limits.max_prefill_tokens_per_call in attention.proto; PrefillTokensPerMessage).
+    int64_t max_prefill_tokens_per_call = 0;
   } limits;
   struct Instance {
     std::string name;               // "" = not part of a named fleet

@@ -173,8 +173,26 @@ TEST_F(RuntimeTest, InfoReportsModelPoolAndLimits) {
   EXPECT_EQ(info.limits.max_message_bytes, 1 << 20);
   EXPECT_EQ(info.limits.max_sequence_length, kMaxLen);
   EXPECT_EQ(info.limits.max_sequences, 7);
+  // fp32 five variants: (5 x 4 x 64 + 2 x 2 x 64) x 4 = 6144 bytes a token; (1 MiB - 1 KiB) / 6144.
+  EXPECT_EQ(info.limits.max_prefill_tokens_per_call, 170);
   EXPECT_EQ(info.instance.name, "");
   EXPECT_EQ(info.instance.advertise_address, "");
+}
+
+TEST(PrefillTokensPerMessageTest, SevenBGeometryAtTheDefaultMessageLimit) {
+  DcaGeometry g;
+  g.num_q_heads = 28;
+  g.num_kv_heads = 4;
+  g.head_dim = 128;
+  const int64_t limit = int64_t{512} << 20;
+  // (5 x 3584 + 1024) x 4 = 75776 bytes a token in fp32; (3584 + 1024) x 2 = 9216 pre-rotary bf16.
+  EXPECT_EQ(PrefillTokensPerMessage(g, limit, 5, 4), (limit - 1024) / 75776);
+  EXPECT_EQ(PrefillTokensPerMessage(g, limit, 5, 4), 7084);
+  EXPECT_EQ(PrefillTokensPerMessage(g, limit, 1, 2), 58254);
+  // Exactly three pre-rotary fp32 tokens of (3584 + 1024) x 4 bytes, and not a byte for a fourth.
+  EXPECT_EQ(PrefillTokensPerMessage(g, 3 * 18432 + 1024, 1, 4), 3);
+  EXPECT_EQ(PrefillTokensPerMessage(g, 4 * 18432 + 1023, 1, 4), 3);
+  EXPECT_EQ(PrefillTokensPerMessage(g, 1024, 5, 4), 0);
 }
 
 TEST_F(RuntimeTest, BadInstanceNameIsRefusedAtCreate) {

@@ -134,6 +134,31 @@ class Errors(at.DaemonTestCase, unittest.TestCase):
             self.client.decode(0, ["0" * 32, "1" * 32, "2" * 32], q, k, v)
         self.assertCode(ctx, SC.INVALID_ARGUMENT, "batch")
 
+    def test_prefill_token_limit_follows_the_message_limit(self):
+        lim = self.info.limits
+        fp32_variants = (5 * self.h + 2 * self.hkv) * self.d * 4
+        self.assertEqual(lim.max_prefill_tokens_per_call, (lim.max_message_bytes - 1024) // fp32_variants)
+        self.assertEqual(self.client.max_prefill_tokens("float32", info=self.info), lim.max_prefill_tokens_per_call)
+        bf16_pre_rotary = (self.h + 2 * self.hkv) * self.d * 2
+        self.assertEqual(self.client.max_prefill_tokens("bfloat16", "pre_rotary"),
+                         (lim.max_message_bytes - 1024) // bf16_pre_rotary)
+
+    def test_oversized_prefill_says_where_the_limits_are(self):
+        d = at.Daemon(self.model_config(self._tmp), extra_args=["--max-message-bytes", "65536"])
+        d.start()
+        c = attnd.Client(d.target, timeout=30)
+        try:
+            n = c.max_prefill_tokens(self.tokens(1)[0].dtype)
+            seq = c.create_sequence()
+            c.prefill(seq, 0, *self.tokens(n))
+            with self.assertRaises(attnd.AttndError) as ctx:
+                c.prefill(seq, 1, *self.tokens(n + 2))
+            self.assertCode(ctx, SC.RESOURCE_EXHAUSTED, "larger than max", "limits.max_message_bytes",
+                            "limits.max_prefill_tokens_per_call")
+        finally:
+            c.close()
+            d.stop()
+
     def test_unreachable_server_is_unavailable(self):
         c = attnd.Client("127.0.0.1:%d" % at.free_port(), timeout=5)
         try:

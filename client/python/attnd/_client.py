@@ -5,6 +5,7 @@ import queue
 import time
 
 import grpc
+import numpy as np
 
 from ._errors import AttndError, invalid_argument, status_code_from_int
 from ._proto import pb, pb_grpc
@@ -179,6 +180,28 @@ def _decode_output(mv, start, end, like, out=None):
     return _tensors.from_protos([t for t, _ in outputs], like), [n for _, n in outputs]
 
 
+# Bytes a Prefill message adds to its tensors (ids, shapes, tags), as the server's rule counts them.
+_FRAMING = 1024
+
+
+def _with_prefill_limit_hint(err):
+    """gRPC's own refusal of a large message names no attnd limit: say where the client reads them."""
+    if err.code is not grpc.StatusCode.RESOURCE_EXHAUSTED or "larger than max" not in err.message:
+        return err
+    return AttndError(err.code, err.message + "; a Prefill message must fit the server's "
+                      "GetServerInfo().limits.max_message_bytes: send the prompt in calls of at most "
+                      "limits.max_prefill_tokens_per_call tokens (any encoding), or Client.max_prefill_tokens() "
+                      "for yours")
+
+
+def _element_size(dtype):
+    """Bytes per element on the wire: 2 for bf16 (a "bfloat16" name, torch or ml_dtypes, or uint16 bits)."""
+    name = str(dtype).replace("torch.", "")
+    if name in ("bfloat16", "bf16"):
+        return 2
+    return np.dtype(name).itemsize
+
+
 class Client:
     """A connection to one attnd server.
 
@@ -263,6 +286,20 @@ class Client:
         kv_cache accounting, live_sequences, limits)."""
         return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
 
+    def max_prefill_tokens(self, dtype="bfloat16", q_layout="variants", info=None, timeout=None):
+        """The most tokens one prefill may carry with q, k and v inline in `dtype` ("bfloat16", "float16",
+        "float32", or a numpy / torch dtype; uint16 is bf16 bits) and `q_layout`: what the
+        server's limits.max_message_bytes allows for the model's geometry (the rule of
+        Limits.max_prefill_tokens_per_call, which itself holds for every encoding). Send a longer prompt in
+        calls of at most this many tokens (the same prompt_len in each); tensors in registered regions travel
+        outside the message. info: a GetServerInfo response to use instead of asking the server."""
+        info = self.info(timeout) if info is None else info
+        m = info.model
+        q_rows = 1 if _q_layout(q_layout) == pb.Q_LAYOUT_PRE_ROTARY else 5
+        per_token = (q_rows * m.num_q_heads + 2 * m.num_kv_heads) * m.head_dim * _element_size(dtype)
+        limit = info.limits.max_message_bytes
+        return 0 if per_token <= 0 or limit <= _FRAMING else (limit - _FRAMING) // per_token
+
     def create_sequence(self, timeout=None):
         """A new empty sequence; returns its id (32 hex characters, after "<instance>." on a daemon started with
         --instance-name; treat it as a secret capability)."""
@@ -287,7 +324,10 @@ class Client:
         region, [T, Hq, D] in q's dtype: attnd writes the output there and `out` itself is returned.
         """
         req, like = _prefill_request(seq, layer, q, k, v, prompt_len, q_layout, self._regions, out)
-        resp = self._call(self._prefill, req.tobytes(), timeout)
+        try:
+            resp = self._call(self._prefill, req.tobytes(), timeout)
+        except AttndError as err:
+            raise _with_prefill_limit_hint(err) from None
         mv = memoryview(resp)
         result, length = _prefill_output(mv, 0, len(mv), like, out)
         return (result, length) if return_length else result
