@@ -23,8 +23,8 @@ absl::Status CatchAll(absl::string_view what, Fn&& fn) {
   try {
     return std::forward<Fn>(fn)();
   } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("attnd ran out of memory serving ", what, "; nothing was changed: retry later"));
+    return absl::ResourceExhaustedError(absl::StrCat("attnd ran out of memory serving ", what,
+                                                     "; nothing was changed: retry later"));
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(what, " failed: ", e.what()));
   } catch (...) {

@@ -20,6 +20,8 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <numeric>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -231,6 +233,15 @@ class ChildDaemon {
     return absl::OkStatus();
   }
   const std::string& target() const { return target_; }
+  // Why the child is gone, if it exited (reaped here); nullopt while it runs.
+  std::optional<std::string> Exited() {
+    if (pid_ <= 0) return "never started";
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) != pid_) return std::nullopt;
+    pid_ = -1;
+    return WIFEXITED(status) ? absl::StrCat("exited with status ", WEXITSTATUS(status))
+                             : absl::StrCat("killed by signal ", WTERMSIG(status));
+  }
 
  private:
   pid_t pid_ = -1;
@@ -384,7 +395,6 @@ TEST_P(GoldenTest, DensePreRotary) {
 void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool pre_rotary) {
   const DType dtype = std::get<0>(GetParam());
   const Transport transport = std::get<1>(GetParam());
-  const int shards = std::get<2>(GetParam());
   const bool use_session = transport == Transport::kSession;
   const nlohmann::json& c = golden.json();
   testing::ModelGeometry geometry;
@@ -401,6 +411,13 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   geometry.max_position_embeddings = 8192;
   ASSERT_FLOAT_EQ(c.at("softmax_scale").get<float>(), geometry.dca().softmax_scale)
       << "the case's softmax scale is not 1/sqrt(head_dim); the config cannot express it";
+  // The shards split the kv heads: as many as asked for that divide the case's kv heads (a case
+  // with one kv head runs unsharded only).
+  const int shards = std::gcd(std::get<2>(GetParam()), geometry.num_kv_heads);
+  if (shards < std::get<2>(GetParam()) && shards == 1) {
+    GTEST_SKIP() << "the case has " << geometry.num_kv_heads
+                 << " kv head(s): nothing to split over " << std::get<2>(GetParam()) << " shards";
+  }
 
   if (kOnCuda && attnd::CudaDeviceCount() == 0) {
     std::fprintf(stderr, "*** SKIPPING GPU TEST: golden_cuda_test: no CUDA device ***\n");
@@ -445,6 +462,10 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
         absl::UnavailableError("not tried");
     for (const absl::Time until = absl::Now() + absl::Seconds(60);
          !connected.ok() && absl::Now() < until; absl::SleepFor(absl::Milliseconds(100))) {
+      // A child that failed to start is reported at once, not after the whole wait.
+      if (std::optional<std::string> gone = child.Exited()) {
+        FAIL() << "the child attnd " << *gone << " before it served (its log is above)";
+      }
       connected = client::AttndClient::Connect(target);
     }
     ASSERT_TRUE(connected.ok()) << connected.status();
