@@ -325,6 +325,14 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
 
   const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
   const int64_t per_token = (kNumQueryVariants * hq * d + 2 * hkv * d + hq * d) * 4;
+  if (staging_bytes <= 0) {
+    constexpr int64_t kDefaultStagingBytes = int64_t{512} << 20;
+    // 16,384 tokens: a chunked prefill's usual 8,192- and 16,384-token calls in one launch each.
+    constexpr int64_t kSparseStagingTokens = 16384;
+    staging_bytes = sparse_ != nullptr
+                        ? std::max(kDefaultStagingBytes, kSparseStagingTokens * per_token)
+                        : kDefaultStagingBytes;
+  }
   max_chunk_ = std::max<int64_t>(sparse_ != nullptr ? kVsBlock : 1, staging_bytes / per_token);
   sparse_rows_ = max_chunk_ / kVsBlock * kVsBlock;
   q_off_ = 0;

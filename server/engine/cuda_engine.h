@@ -45,13 +45,15 @@ struct CudaEngineOptions {
   bool cuda_graphs = true;
   // Vertical-slash sparse prefill budgets (kernels/cuda/sparse_cuda.h), or null: a prefill whose
   // prompt_len passes sparse->UseSparse runs the sparse kernels. Its device workspace is allocated
-  // at creation for the longest sequence the pool holds. A sparse call must fit one staging chunk
-  // (the pieces, and so the estimation, are those of the whole call): longer calls are
-  // INVALID_ARGUMENT, naming the limit.
+  // at creation for the longest sequence the pool holds. A call of any size is taken: one longer
+  // than a staging chunk is estimated once per DCA piece and attended in staging chunks.
   std::shared_ptr<const SparseAttentionConfig> sparse;
   // Pinned host staging for one prefill chunk (q, k, v in, output out, worst case fp32). Sets the
   // largest prefill chunk: 7B geometry needs ~90 KiB per token, so 512 MiB is ~5.8K tokens.
-  int64_t staging_bytes = int64_t{512} << 20;
+  // 0 = the default: 512 MiB, and with sparse kernels at least 16,384 tokens (a
+  // sparse call longer than a chunk is attended in several launches, slower per token: BENCHMARKS,
+  // "Sparse prefill calls of any size").
+  int64_t staging_bytes = 0;
 };
 
 // INVALID_ARGUMENT for a geometry/layout the CUDA kernels do not support (kernels/cuda/dca_cuda.h:
