@@ -153,22 +153,40 @@ Bits Load(const char* p) {
   return b;
 }
 
-// An element is not finite when its exponent bits are all ones. Blocks of 256 OR their verdicts
-// without branches (the compiler vectorises the inner loop); only a bad block is searched again.
+// A lane of Bits replicated over a 64-bit word.
+template <typename Bits>
+constexpr uint64_t Replicate(Bits lane) {
+  uint64_t w = 0;
+  for (size_t i = 0; i < sizeof(uint64_t) / sizeof(Bits); ++i) w = (w << (8 * sizeof(Bits))) | lane;
+  return w;
+}
+
+// An element is not finite when its exponent bits are all ones. Eight bytes at a time (SWAR): with
+// x = (w & E) ^ E a bad lane is a zero lane of x, found by the classic has-zero test (it may also
+// flag a lane above a zero one, never miss one: only a flagged block is searched again). The
+// exponent masks leave each lane's top bit clear, which the test needs.
 template <typename Bits>
 int64_t FirstWithExponent(const void* data, size_t n, Bits exponent) {
   const char* x = static_cast<const char*>(data);
-  constexpr size_t kBlock = 256;
-  for (size_t first = 0; first < n; first += kBlock) {
-    const size_t last = std::min(n, first + kBlock);
-    Bits any = 0;
-    for (size_t i = first; i < last; ++i) {
-      any |= static_cast<Bits>((Load<Bits>(x + i * sizeof(Bits)) & exponent) == exponent);
+  constexpr size_t kPerWord = sizeof(uint64_t) / sizeof(Bits);
+  constexpr size_t kBlock = 256;  // elements
+  const uint64_t kE = Replicate<Bits>(exponent);
+  constexpr uint64_t kLow = Replicate<Bits>(1);
+  constexpr uint64_t kHigh = Replicate<Bits>(static_cast<Bits>(Bits{1} << (8 * sizeof(Bits) - 1)));
+  size_t first = 0;
+  for (; first + kBlock <= n; first += kBlock) {
+    uint64_t any = 0;
+    for (size_t i = 0; i < kBlock; i += kPerWord) {
+      const uint64_t v = (Load<uint64_t>(x + (first + i) * sizeof(Bits)) & kE) ^ kE;
+      any |= (v - kLow) & ~v & kHigh;
     }
     if (any == 0) continue;
-    for (size_t i = first; i < last; ++i) {
+    for (size_t i = first; i < first + kBlock; ++i) {
       if ((Load<Bits>(x + i * sizeof(Bits)) & exponent) == exponent) return static_cast<int64_t>(i);
     }
+  }
+  for (size_t i = first; i < n; ++i) {
+    if ((Load<Bits>(x + i * sizeof(Bits)) & exponent) == exponent) return static_cast<int64_t>(i);
   }
   return -1;
 }

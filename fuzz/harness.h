@@ -116,7 +116,34 @@ class Harness {
   void MapTensor(v1::Tensor* t) const {
     if (t->has_region()) MapRegion(t->mutable_region());
   }
-  static constexpr uint64_t kRegionBytes = 1 << 16;
+  // Sparse (it costs nothing until read), and as large as a client may name: references to
+  // gigabytes must be judged before anything is copied (the budget below holds 4 MiB).
+  static constexpr uint64_t kRegionBytes = uint64_t{48} << 30;
+  static constexpr int64_t kBudgetBytes = int64_t{4} << 20;
+
+  // The ring's path into the service (its handler), minus the shm framing: runs `request` and
+  // waits for its answer.
+  absl::Status RunAsRing(const v1::SessionRequest& request, v1::SessionResponse* response) {
+    Notification done;
+    absl::Status result;
+    absl::Status s = service_->SubmitSessionRequest(request, "", response, [&](absl::Status st) {
+      result = std::move(st);
+      done.Notify();
+    });
+    if (!s.ok()) return s;
+    done.WaitForNotification();
+    return result;
+  }
+
+  // Every request byte taken from the budget is given back once the call is answered (the last
+  // references of a decode's copies may end just after its reply).
+  void CheckBudgetReturned() {
+    for (int i = 0; i < 1000 && service_->inflight_request_bytes() != 0; ++i) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    ATTND_FUZZ_CHECK(service_->inflight_request_bytes() == 0, "%lld request bytes kept",
+                     static_cast<long long>(service_->inflight_request_bytes()));
+  }
 
   // OK, or a documented code with a message.
   static void CheckStatus(const char* rpc, int code, const std::string& message) {
@@ -180,8 +207,10 @@ class Harness {
     engine_options.compute_threads = 1;
     absl::StatusOr<std::unique_ptr<CpuEngine>> engine = CpuEngine::Create(engine_options);
     ATTND_FUZZ_CHECK(engine.ok(), "%s", engine.status().ToString().c_str());
+    RuntimeOptions runtime_options;
+    runtime_options.max_message_bytes = kBudgetBytes;  // the cap on one tensor, too
     absl::StatusOr<std::unique_ptr<Runtime>> runtime =
-        Runtime::Create(*model, std::unique_ptr<Engine>(std::move(*engine)), RuntimeOptions());
+        Runtime::Create(*model, std::unique_ptr<Engine>(std::move(*engine)), runtime_options);
     ATTND_FUZZ_CHECK(runtime.ok(), "%s", runtime.status().ToString().c_str());
     runtime_ = std::move(*runtime);
     WorkQueueOptions queue_options;
@@ -200,9 +229,10 @@ class Harness {
     region_id_ = (*region)->id;
     shm_unlink(shm_name_.c_str());  // the mapping stays; nothing is left in /dev/shm
     // With the Prefill fast path (server/rpc/wire.h), as attnd runs by default.
-    service_ = std::make_unique<AttentionService>(
-        runtime_.get(), work_queue_.get(), decode_queue_.get(), nullptr, nullptr, nullptr, 0,
-        nullptr, regions_.get(), nullptr, std::make_shared<wire::BufferPool>(64 << 20));
+    service_ = std::make_unique<AttentionService>(runtime_.get(), work_queue_.get(),
+                                                  decode_queue_.get(), nullptr, nullptr, nullptr,
+                                                  kBudgetBytes, nullptr, regions_.get(), nullptr,
+                                                  std::make_shared<wire::BufferPool>(64 << 20));
     grpc::ServerBuilder builder;
     builder.SetMaxReceiveMessageSize(64 << 20);
     builder.RegisterService(service_.get());

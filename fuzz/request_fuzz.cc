@@ -1,7 +1,9 @@
 // libFuzzer target: one request's bytes, as the service would receive them, through the real
 // AttentionService and Runtime (fuzz/harness.h). Input: byte 0 picks the RPC (Prefill, Decode,
-// ReleaseSequence, or a one-request Session), the rest is that request's serialized proto; bytes
-// that do not parse are skipped (gRPC would refuse them before attnd sees them).
+// ReleaseSequence, a one-request Session, or a ring's request through the ring's handler), the
+// rest is that request's serialized proto; bytes that do not parse are skipped (gRPC would refuse
+// them before attnd sees them). Region references may name up to 48 GiB of a sparse object: every
+// call must end with a documented code and give back every request byte it took.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -61,7 +63,7 @@ void CheckAnyOutput(const char* rpc, const v1::Tensor& o) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   Harness& h = Harness::Get();
-  const int which = data[0] % 4;
+  const int which = data[0] % 5;
   const std::string bytes(reinterpret_cast<const char*>(data + 1), size - 1);
   v1::PrefillRequest prefill;
   v1::DecodeRequest decode;
@@ -70,7 +72,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const bool parsed = which == 0   ? prefill.ParseFromString(bytes)
                       : which == 1 ? decode.ParseFromString(bytes)
                       : which == 2 ? release.ParseFromString(bytes)
-                                   : session.ParseFromString(bytes);
+                                   : session.ParseFromString(bytes);  // 3: Session, 4: ring
   if (!parsed) return 0;
 
   const std::vector<std::string> ids = h.NewSequences(2);
@@ -102,6 +104,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       status = h.stub().ReleaseSequence(&context, release, &response);
       break;
     }
+    case 4: {
+      if (session.has_prefill()) MapPrefill(h, ids, session.mutable_prefill());
+      if (session.has_decode()) MapDecode(h, ids, session.mutable_decode());
+      v1::SessionResponse response;
+      const absl::Status s = h.RunAsRing(session, &response);
+      Harness::CheckStatus("Ring", static_cast<int>(s.code()), std::string(s.message()));
+      if (s.ok() && response.has_prefill()) CheckAnyOutput("Ring", response.prefill().o());
+      break;
+    }
     default: {
       if (session.has_prefill()) MapPrefill(h, ids, session.mutable_prefill());
       if (session.has_decode()) MapDecode(h, ids, session.mutable_decode());
@@ -122,6 +133,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
   Harness::CheckStatus("rpc", status.error_code(), status.error_message());
+  h.CheckBudgetReturned();
   // A released sequence (case 2) is gone; the rest are released and the pool must be whole.
   std::vector<std::string> live;
   for (const std::string& id : ids) {

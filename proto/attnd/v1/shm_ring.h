@@ -5,7 +5,8 @@
 //
 //   client: waits until response_seq == request_seq (nothing in flight), writes a serialized
 //           attnd.v1.SessionRequest into the request half (its length first), then
-//           request_seq += 1 (release) and, if server_sleeping, futex-wakes request_seq.
+//           request_seq += 1 (release; one aligned 32-bit store: attnd reads the word while the
+//           client writes it) and, if server_sleeping, futex-wakes request_seq.
 //   attnd:  sees request_seq change (it spins a while after each request, then sleeps on the
 //           futex), copies the request out, runs it (decodes join the cross-client batcher),
 //           writes the serialized attnd.v1.SessionResponse into the response half, sets
