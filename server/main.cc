@@ -1,7 +1,9 @@
 // attnd: the daemon. Flags live here only; they are read once into ServerOptions.
 #include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -104,11 +106,13 @@ ABSL_FLAG(int64_t, max_connections, 0,
 ABSL_FLAG(attnd::FlexDuration, connection_preface_timeout, attnd::FlexDuration{absl::Seconds(10)},
           "a client connection that has not sent its HTTP/2 preface (with TLS: finished its "
           "handshake) this long after accept is closed (10s, 500ms; a bare number is seconds)");
-ABSL_FLAG(attnd::ByteSize, max_inflight_request_bytes, attnd::ByteSize{2ll << 30},
-          "requests being served, in bytes (or 2Gi, ...), all together; beyond it a request gets "
-          "RESOURCE_EXHAUSTED at once; at least --max-message-bytes");
-ABSL_FLAG(attnd::ByteSize, grpc_memory_bytes, attnd::ByteSize{4ll << 30},
-          "gRPC's memory quota for its transport buffers, in bytes (or 4Gi, ...; at least 64Mi)");
+ABSL_FLAG(attnd::ByteSize, max_inflight_request_bytes, attnd::ByteSize{0},
+          "requests being served, in bytes (or 2Gi, ...), all together, with attnd's copies of the "
+          "shared memory they name; beyond it a request gets RESOURCE_EXHAUSTED at once; at least "
+          "--max-message-bytes; 0 = min(2Gi, an eighth of the memory attnd may use)");
+ABSL_FLAG(attnd::ByteSize, grpc_memory_bytes, attnd::ByteSize{0},
+          "gRPC's memory quota for its transport buffers, in bytes (or 4Gi, ...; at least 64Mi); "
+          "0 = min(4Gi, an eighth of the memory attnd may use)");
 ABSL_FLAG(int64_t, max_regions_per_tenant, 64,
           "tensor regions and shared-memory rings one tenant may hold (docs/regions.md); 0 turns "
           "regions and rings off");
@@ -158,6 +162,20 @@ void DashesToUnderscores(int argc, char** argv) {
       if (*c == '-') *c = '_';
     }
   }
+}
+
+// The memory attnd may use: the host's RAM, or the cgroup's limit (a container's) when lower.
+int64_t UsableMemoryBytes() {
+  int64_t bytes = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  for (const char* path :
+       {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    if (FILE* f = std::fopen(path, "r")) {
+      long long limit = 0;
+      if (std::fscanf(f, "%lld", &limit) == 1 && limit > 0 && limit < bytes) bytes = limit;
+      std::fclose(f);
+    }
+  }
+  return bytes;
 }
 
 }  // namespace
@@ -235,6 +253,17 @@ int main(int argc, char** argv) {
   options.connection_preface_timeout = absl::GetFlag(FLAGS_connection_preface_timeout).value;
   options.max_inflight_request_bytes = absl::GetFlag(FLAGS_max_inflight_request_bytes).bytes;
   options.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes).bytes;
+  // What clients that send and never read can make attnd hold is these two together: by default a
+  // quarter of the memory attnd may use, at most 6 GiB (docs/operations.md, "Limits").
+  const int64_t eighth = UsableMemoryBytes() / 8;
+  if (options.max_inflight_request_bytes == 0) {
+    options.max_inflight_request_bytes =
+        std::max(options.max_message_bytes, std::min<int64_t>(int64_t{2} << 30, eighth));
+  }
+  if (options.grpc_memory_bytes == 0) {
+    options.grpc_memory_bytes =
+        std::max<int64_t>(int64_t{64} << 20, std::min<int64_t>(int64_t{4} << 30, eighth));
+  }
   options.max_regions_per_tenant = absl::GetFlag(FLAGS_max_regions_per_tenant);
   options.max_region_bytes_per_tenant = absl::GetFlag(FLAGS_max_region_bytes_per_tenant).bytes;
   options.region_idle_timeout = absl::GetFlag(FLAGS_region_idle_timeout);
@@ -251,6 +280,10 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<attnd::AttndServer>> server = attnd::AttndServer::Start(options);
   if (!server.ok()) return Fail(std::string(server.status().message()));
   spdlog::info("{}", (*server)->startup_summary());
+  spdlog::info(
+      "memory bounds: {} bytes of requests in flight (--max-inflight-request-bytes), {} "
+      "bytes of gRPC transport buffers (--grpc-memory-bytes)",
+      options.max_inflight_request_bytes, options.grpc_memory_bytes);
 
   int signal_number = 0;
   while (sigwait(&signals, &signal_number) != 0) {
