@@ -955,5 +955,37 @@ TEST_F(RegionsTest, AnOutputRegionThatShrinksFailsTheCallAndChangesNothing) {
   EXPECT_EQ(ok.length(), t);
 }
 
+// The turn to spin is held while spinning only: a ring of the tenant that sleeps (its client idle)
+// leaves the turn to the tenant's busy ring, whose every spin is then granted.
+TEST(RingSpinTest, ASleepingRingLeavesItsTurnToABusyOne) {
+  RegionRegistry registry(RegionRegistryOptions{}, nullptr, Clock::Real());
+  RingOptions options;
+  options.spin = absl::Microseconds(200);
+  options.max_spinning_per_tenant = 1;
+  options.max_spinning = 1;
+  RingServer rings(&registry, options);
+  rings.SetHandler([](const v1::SessionRequest&, absl::string_view, v1::SessionResponse*,
+                      std::function<void(absl::Status)> done) {
+    done(absl::OkStatus());
+    return absl::OkStatus();
+  });
+  HandRing idle(64 * 1024), busy(64 * 1024);
+  for (HandRing* h : {&idle, &busy}) {
+    ASSERT_TRUE(rings.Open("", h->name(), h->bytes()).ok());
+  }
+  std::string bytes;
+  ASSERT_TRUE(idle.RoundTrip(v1::SessionRequest().SerializeAsString(), &bytes, false));
+  absl::SleepFor(absl::Milliseconds(20));  // the idle ring's spin is over: it sleeps
+  const RingSpinStats before = rings.spin_stats();
+  for (int i = 0; i < 200; ++i) {
+    ASSERT_TRUE(busy.RoundTrip(v1::SessionRequest().SerializeAsString(), &bytes, false));
+  }
+  const RingSpinStats after = rings.spin_stats();
+  EXPECT_GE(after.spins - before.spins,
+            190);  // one after each answer (the last may not have begun)
+  EXPECT_EQ(after.spins_refused - before.spins_refused, 0);
+  rings.Shutdown();
+}
+
 }  // namespace
 }  // namespace attnd

@@ -29,6 +29,7 @@ struct WaitArgs {
   ring::Header* header;
   uint32_t last;
   int64_t spin_ns;
+  bool may_sleep;      // false: return (got false) once the spin is over
   int64_t give_up_ns;  // > 0: return (got false) after this long without a request
   const std::atomic<bool>* stop;
   uint32_t seq;  // out
@@ -53,6 +54,7 @@ void WaitForRequest(void* p) {
       return;
     }
     if (absl::GetCurrentTimeNanos() < spin_until) continue;
+    if (!a->may_sleep) return;
     h->server_sleeping.store(1, std::memory_order_seq_cst);
     if (h->request_seq.load(std::memory_order_seq_cst) == a->last &&
         !a->stop->load(std::memory_order_relaxed)) {
@@ -177,13 +179,21 @@ class RingServer::Ring {
   void Run() {
     const int64_t spin_ns = absl::ToInt64Nanoseconds(server_->options_.spin);
     while (true) {
-      // Spinning is rationed (RingOptions::max_spinning*): without a turn, sleep at once.
-      const bool spin = spin_ns > 0 && server_->BeginSpin(tenant_);
-      WaitArgs wait{
-          header_, last_seq_, spin ? spin_ns : 0, in_ != nullptr ? kKeepBufferNs : 0, &stop_,
-          0,       false};
-      const bool readable = RunGuarded(WaitForRequest, &wait);
-      if (spin) server_->EndSpin(tenant_);
+      // Spinning is rationed (RingOptions::max_spinning*): the turn is held for the spin only,
+      // and without one the thread sleeps at once.
+      WaitArgs wait{header_, last_seq_, 0,    true, in_ != nullptr ? kKeepBufferNs : 0,
+                    &stop_,  0,         false};
+      bool readable = true;
+      if (spin_ns > 0 && server_->BeginSpin(tenant_)) {
+        WaitArgs spin = wait;
+        spin.spin_ns = spin_ns;
+        spin.may_sleep = false;
+        readable = RunGuarded(WaitForRequest, &spin);
+        server_->EndSpin(tenant_);
+        wait.got = spin.got;
+        wait.seq = spin.seq;
+      }
+      if (readable && !wait.got && !stop_.load()) readable = RunGuarded(WaitForRequest, &wait);
       if (!readable) return Broken("reading its header");
       if (stop_.load()) return AnswerLastAtStop();
       if (!wait.got) {  // idle: hold no copy buffer
