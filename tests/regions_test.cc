@@ -817,7 +817,7 @@ TEST_F(RegionsTest, ReferencesAreJudgedBeforeAnyRegionMemoryIsCopied) {
 }
 
 // A ring's request is a message: no longer than --max-message-bytes, and its copy is request
-// bytes. A garbage length of most of the half used to make attnd keep a private copy of that size
+// bytes. A garbage length of most of the half must not make attnd keep a private copy of that size
 // for the ring's life.
 TEST_F(RegionsTest, RingRequestsAreBoundByTheMessageLimit) {
   ServerOptions options = testing::SmallCpuOptions();

@@ -3,7 +3,7 @@
 # one layer): the per-call encoding of a decode request at batch 1, 16, 32, 128 (the per-entry
 # loop against the vectorised encoding), then unary Decode at batch 32 and 4K context timed end to
 # end from Python (bench/python/encode_bench.py) and from attnctl bench in the same run. Target
-# (issue 36): encoding <= 100 us at batch 32; Python unary decode <= 1.2x the C++ client's.
+# (docs/BENCHMARKS.md): encoding <= 100 us at batch 32; Python unary decode <= 1.2x the C++ client's.
 # Build and bundle here:
 #   bazel build //server:attnd //client:attnctl
 #   script/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl
