@@ -202,8 +202,9 @@ TEST(CudaEngineSparse, StagedCallsMatchWholeCallsAndTheCpuEngine) {
 }
 
 // The chunk sizes serving stacks send: 8,192- and 16,384-token calls at 128K context on the 7B
-// geometry (one DCA chunk: chunk_len 253,952), through the default 512 MiB staging (5,957 tokens),
-// against staging that holds 16,384 tokens; then per-token times of calls ending at 128K.
+// geometry (one DCA chunk: chunk_len 253,952), through 512 MiB of staging (5,957 tokens),
+// against staging that holds 16,384 tokens (the sparse default); then per-token times of calls
+// ending at 128K.
 TEST(CudaEngineSparse, LargeCallsAt128K) {
   REQUIRE_GPU();
   const int64_t context = 131072, prefix = context - 16384;
