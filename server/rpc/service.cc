@@ -460,10 +460,10 @@ class WirePrefillCall final : public grpc::ServerUnaryReactor {
       : writer(buffers), reply(reply), live_(live) {
     live_->fetch_add(1);
   }
-  void OnDone() override {
-    live_->fetch_sub(1);
-    delete this;
-  }
+  // Counted out here, not in OnDone: a request that is not of the simple shape is deleted unserved
+  // (protobuf's path takes it).
+  ~WirePrefillCall() override { live_->fetch_sub(1); }
+  void OnDone() override { delete this; }
   void OnCancel() override { cancelled->store(true, std::memory_order_release); }
 
   const std::shared_ptr<std::atomic<bool>> cancelled = NewCancelFlag();  // set by OnCancel

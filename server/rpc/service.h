@@ -66,10 +66,10 @@ class UnaryCall : public grpc::ServerUnaryReactor {
   UnaryCall(google::protobuf::Message* response, grpc::ByteBuffer* reply)
       : response_(response), reply_(reply) {}
   void Finish(grpc::Status status);  // hides ServerUnaryReactor::Finish, on purpose
-  void OnDone() override {
+  ~UnaryCall() override {
     if (live_ != nullptr) live_->fetch_sub(1);
-    delete this;
   }
+  void OnDone() override { delete this; }
   // Counts this call in `live` until it is done (AttentionService::WaitForCallsToEnd).
   void CountIn(std::atomic<int64_t>* live) {
     live_ = live;

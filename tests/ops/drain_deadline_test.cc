@@ -277,6 +277,26 @@ TEST(OpsDrainTest, CallsDuringTheDrainEndOkOrUnavailableWithAMessage) {
   EXPECT_TRUE(bad.empty()) << bad.size() << " of " << calls << " calls, e.g. " << bad.front();
 }
 
+// The drain waits for the calls in flight, and only for them: a Prefill the fast path hands to
+// protobuf (one with an output region) is done once answered, and does not hold the drain to its
+// deadline.
+TEST(OpsDrainTest, AnsweredCallsDoNotHoldTheDrain) {
+  Daemon daemon(TinyOptions(64));
+  ASSERT_TRUE(daemon.ok());
+  auto stub = daemon.Stub();
+  std::mt19937 rng(21);
+  const std::string id = MustCreate(stub.get());
+  v1::PrefillRequest request = MakePrefill(id, 0, 4, &rng);
+  request.mutable_output_region()->set_region_id(std::string(32, 'a'));  // unknown: NOT_FOUND
+  v1::PrefillResponse response;
+  auto ctx = Context();
+  EXPECT_EQ(stub->Prefill(ctx.get(), request, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+  const absl::Time start = absl::Now();
+  daemon.server().Shutdown(start + absl::Seconds(20));
+  daemon.server().Wait();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
 }  // namespace
 }  // namespace ops_testing
 }  // namespace attnd
