@@ -767,38 +767,32 @@ TEST_F(RegionsTest, ReferencesAreJudgedBeforeAnyRegionMemoryIsCopied) {
   }
   // Decode: four entries that each claim 256 MiB, then 2,000 well-formed entries that together
   // name 8 MB of copies, twice the budget.
-  {
-    v1::DecodeRequest decode;
-    for (int i = 0; i < 4; ++i) {
-      v1::DecodeEntry* e = decode.add_entries();
-      e->set_sequence_id(seq);
-      ref(e->mutable_q(), {3, hq, d * 1024 * 8}, 0, uint64_t{256} << 20);
+  // n entries whose q claims `q_shape` (q_bytes), k and v well formed, all in the big region.
+  auto decode = [&](int n, const std::function<std::string(int)>& id,
+                    const std::vector<int64_t>& q_shape, uint64_t q_bytes) {
+    v1::DecodeRequest request;
+    for (int i = 0; i < n; ++i) {
+      v1::DecodeEntry* e = request.add_entries();
+      e->set_sequence_id(id(i));
+      ref(e->mutable_q(), q_shape, 0, q_bytes);
       ref(e->mutable_k(), {hkv, d}, uint64_t{1} << 30, hkv * d * 4);
       ref(e->mutable_v(), {hkv, d}, uint64_t{2} << 30, hkv * d * 4);
     }
     v1::DecodeResponse response;
     grpc::ClientContext context;
-    grpc::Status s = stub_->Decode(&context, decode, &response);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
-    EXPECT_NE(s.error_message().find("entries[0]: q must have shape"), std::string::npos)
-        << s.error_message();
-  }
-  {
-    v1::DecodeRequest decode;
-    for (int i = 0; i < 2000; ++i) {
-      v1::DecodeEntry* e = decode.add_entries();
-      e->set_sequence_id(absl::StrCat(std::string(24, 'a'), absl::Hex(i, absl::kZeroPad8)));
-      ref(e->mutable_q(), {3, hq, d}, 0, 3 * hq * d * 4);
-      ref(e->mutable_k(), {hkv, d}, uint64_t{1} << 30, hkv * d * 4);
-      ref(e->mutable_v(), {hkv, d}, uint64_t{2} << 30, hkv * d * 4);
-    }
-    v1::DecodeResponse response;
-    grpc::ClientContext context;
-    grpc::Status s = stub_->Decode(&context, decode, &response);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
-    EXPECT_NE(s.error_message().find("--max-inflight-request-bytes"), std::string::npos)
-        << s.error_message();
-  }
+    return stub_->Decode(&context, request, &response);
+  };
+  grpc::Status s = decode(
+      4, [&](int) { return seq; }, {3, hq, d * 1024 * 8}, uint64_t{256} << 20);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("entries[0]: q must have shape"), std::string::npos)
+      << s.error_message();
+  s = decode(
+      2000, [](int i) { return absl::StrCat(std::string(24, 'a'), absl::Hex(i, absl::kZeroPad8)); },
+      {3, hq, d}, 3 * hq * d * 4);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_NE(s.error_message().find("--max-inflight-request-bytes"), std::string::npos)
+      << s.error_message();
   EXPECT_LT(hardening::Rss() - rss_before, int64_t{256} << 20);
   // Nothing was changed and no budget was kept: a good request of the budget's size still runs.
   const int64_t t = 100;  // 512 KB of q
@@ -811,7 +805,7 @@ TEST_F(RegionsTest, ReferencesAreJudgedBeforeAnyRegionMemoryIsCopied) {
   *good.mutable_k() = Tensor({t, hkv, d}, k, region, big.base(), uint64_t{1} << 30);
   *good.mutable_v() = Tensor({t, hkv, d}, k, region, big.base(), uint64_t{2} << 30);
   v1::PrefillResponse response;
-  grpc::Status s = Prefill(good, &response);
+  s = Prefill(good, &response);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(response.length(), t);
 }
