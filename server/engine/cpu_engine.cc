@@ -115,6 +115,7 @@ CpuEngine::CpuEngine(const CpuEngineOptions& options, void* pool)
       inv_freq_(InvFreqOrEmpty(options.geometry)),
       device_name_(CpuModelName()),
       pool_(static_cast<char*>(pool)),
+      prefill_step_keys_(std::max<int64_t>(1, options.prefill_step_keys)),
       compute_(std::make_unique<ThreadPool>(options.compute_threads)) {}
 
 CpuEngine::~CpuEngine() {
@@ -172,11 +173,17 @@ absl::Status NoDeviceMemory() {
 
 }  // namespace
 
-absl::Status CpuEngine::Prefill(const PrefillJob& job) {
+absl::StatusOr<std::unique_ptr<PrefillRun>> CpuEngine::StartPrefill(const PrefillJob& job) {
   if (job.q.on_device || job.k.on_device || job.v.on_device || job.out_on_device) {
     return NoDeviceMemory();
   }
-  return layout_.kv_dtype == DType::kFp32 ? PrefillTyped<float>(job) : PrefillTyped<uint16_t>(job);
+  return layout_.kv_dtype == DType::kFp32 ? StartTyped<float>(job) : StartTyped<uint16_t>(job);
+}
+
+absl::Status CpuEngine::Prefill(const PrefillJob& job) {
+  ATTND_ASSIGN_OR_RETURN(const std::unique_ptr<PrefillRun> run, StartPrefill(job));
+  while (!run->done()) ATTND_RETURN_IF_ERROR(run->Step());
+  return absl::OkStatus();
 }
 
 absl::StatusOr<DecodeStats> CpuEngine::Decode(const DecodeJob& job) {
@@ -190,82 +197,130 @@ absl::StatusOr<DecodeStats> CpuEngine::Decode(const DecodeJob& job) {
   return stats;
 }
 
+// A prefill as steps: the first converts the call's tensors to fp32 and appends its K/V, the
+// others attend consecutive query rows (one step for a sparse prefill, whose estimate reads the
+// last queries of each piece). The kernels keep one online softmax per row, so a row's output does
+// not depend on which rows share its step.
 template <typename KvT>
-absl::Status CpuEngine::PrefillTyped(const PrefillJob& job) {
-  const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
-  const int64_t t = job.num_tokens;
-  // Only what the kernels could not survive (engine.h, EngineJobKey): prompt_len >= start + t is
-  // the runtime's check; it only scales keys and picks the sparse path, never indexes memory.
-  if (t < 1 || job.start < 0 || job.out == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("engine: bad prefill range (start ", job.start,
-                                                   ", tokens ", t, ", prompt_len ", job.prompt_len,
-                                                   ")"));
-  }
-  if (absl::Status s = CheckPages(job.layer, job.page_table, job.num_pages, job.start + t);
-      !s.ok()) {
-    return s;
-  }
-  const bool pre_rotary = job.q_layout == QLayout::kPreRotary;
-  if (absl::Status s = CheckLayout(job.q_layout); !s.ok()) return s;
-  const int64_t q_n = t * kNumQueryVariants * hq * d, kv_n = t * hkv * d, out_n = t * hq * d;
-  const int64_t q_in_n = pre_rotary ? t * hq * d : q_n;
-  for (const auto& [name, view, n] :
-       {std::make_tuple("q", &job.q, q_in_n), std::make_tuple("k", &job.k, kv_n),
-        std::make_tuple("v", &job.v, kv_n)}) {
-    if (absl::Status s = CheckElements(name, *view, n); !s.ok()) return s;
-  }
-  std::vector<float> q(q_n), k(kv_n), v(kv_n), out(out_n);
-  RowsToFloat(job.k, t, k.data());
-  RowsToFloat(job.v, t, v.data());
-  if (pre_rotary) {  // the five variants and the rotated key, in fp32, before anything else
-    std::vector<float> raw(q_in_n);
-    RowsToFloat(job.q, t, raw.data());
-    CpuRotaryParams rotary;
-    rotary.q = raw.data();
-    rotary.k = k.data();
-    rotary.q_variants = q.data();
-    rotary.num_variants = kNumQueryVariants;
-    rotary.start = job.start;
-    rotary.num_tokens = t;
-    DualChunkRotaryCpu(geometry_, inv_freq_, rotary, compute_.get());
-  } else {
-    RowsToFloat(job.q, t * kNumQueryVariants, q.data());
-  }
+class CpuEngine::Run : public PrefillRun {
+ public:
+  Run(const CpuEngine* engine, const PrefillJob& job) : e_(engine), job_(job) {}
 
-  const float s = LengthScale(job.prompt_len, geometry_.original_max_position_embeddings);
-  const PagedKv<KvT> kv = LayerView<KvT>(job.layer, job.page_table);
-  CpuAppendParams append;
-  append.k = k.data();
-  append.v = v.data();
-  append.start = job.start;
-  append.num_tokens = t;
-  append.key_scale = s;
-  AppendKvCpu<KvT>(kv, append, compute_.get());
-
-  CpuPrefillParams prefill;
-  prefill.q = q.data();
-  prefill.out = out.data();
-  prefill.start = job.start;
-  prefill.num_tokens = t;
-  prefill.softmax_scale = geometry_.softmax_scale * s;
-  // DCA.md: sparse when the config exists and the prompt (as for scaling) exceeds the threshold.
-  if (sparse_ != nullptr && sparse_->UseSparse(job.prompt_len)) {
-    DcaSparsePrefillCpu<KvT>(geometry_, kv, prefill, sparse_->layer(job.layer), sparse_->last_q,
-                             compute_.get());
-  } else {
-    DcaPrefillCpu<KvT>(geometry_, kv, prefill, compute_.get());
-  }
-
-  const int64_t out_row = hq * d, out_pitch = job.out_row_pitch;
-  if (out_pitch == 0 || out_pitch == out_row * ElementSize(job.out_dtype)) {
-    ConvertFromFloat(out.data(), out_n, job.out_dtype, job.out);
-  } else {
-    for (int64_t i = 0; i < t; ++i) {
-      ConvertFromFloat(out.data() + i * out_row, out_row, job.out_dtype,
-                       static_cast<char*>(job.out) + i * out_pitch);
+  absl::Status Check() const {
+    const DcaGeometry& g = e_->geometry_;
+    const int64_t hq = g.num_q_heads, hkv = g.num_kv_heads, d = g.head_dim;
+    const int64_t t = job_.num_tokens;
+    // Only what the kernels could not survive (engine.h, EngineJobKey): prompt_len >= start + t
+    // is the runtime's check; it only scales keys and picks the sparse path, never indexes memory.
+    if (t < 1 || job_.start < 0 || job_.out == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("engine: bad prefill range (start ",
+                                                     job_.start, ", tokens ", t, ", prompt_len ",
+                                                     job_.prompt_len, ")"));
     }
+    ATTND_RETURN_IF_ERROR(
+        e_->CheckPages(job_.layer, job_.page_table, job_.num_pages, job_.start + t));
+    ATTND_RETURN_IF_ERROR(e_->CheckLayout(job_.q_layout));
+    const bool pre_rotary = job_.q_layout == QLayout::kPreRotary;
+    const int64_t q_in_n = (pre_rotary ? 1 : kNumQueryVariants) * t * hq * d;
+    ATTND_RETURN_IF_ERROR(CheckElements("q", job_.q, q_in_n));
+    ATTND_RETURN_IF_ERROR(CheckElements("k", job_.k, t * hkv * d));
+    return CheckElements("v", job_.v, t * hkv * d);
   }
-  return absl::OkStatus();
+
+  bool done() const override { return next_row_ >= job_.num_tokens; }
+
+  absl::Status Step() override {
+    if (done()) return absl::FailedPreconditionError("the prefill run is done");
+    if (!staged_) {
+      Stage();
+      return absl::OkStatus();
+    }
+    const DcaGeometry& g = e_->geometry_;
+    const int64_t t = job_.num_tokens, row = int64_t{g.num_q_heads} * g.head_dim;
+    const bool sparse = e_->sparse_ != nullptr && e_->sparse_->UseSparse(job_.prompt_len);
+    // Rows whose keys add up to about step_keys keys per row of a 128-row tile; every row of the
+    // call sees at most start + t keys.
+    const int64_t per_step =
+        sparse ? t : std::max<int64_t>(1, e_->prefill_step_keys_ * 128 / (job_.start + t));
+    const int64_t first = next_row_, rows = std::min(per_step, t - first);
+    CpuPrefillParams prefill;
+    prefill.q = q_.data() + first * kNumQueryVariants * row;
+    prefill.out = out_.data() + first * row;
+    prefill.start = job_.start + first;
+    prefill.num_tokens = rows;
+    prefill.softmax_scale = g.softmax_scale * scale_;
+    const PagedKv<KvT> kv = e_->LayerView<KvT>(job_.layer, job_.page_table);
+    // DCA.md: sparse when the config exists and the prompt (as for scaling) exceeds the threshold.
+    if (sparse) {
+      DcaSparsePrefillCpu<KvT>(g, kv, prefill, e_->sparse_->layer(job_.layer), e_->sparse_->last_q,
+                               e_->compute_.get());
+    } else {
+      DcaPrefillCpu<KvT>(g, kv, prefill, e_->compute_.get());
+    }
+    const int64_t out_pitch = job_.out_row_pitch;
+    char* out = static_cast<char*>(job_.out);
+    if (out_pitch == 0 || out_pitch == row * ElementSize(job_.out_dtype)) {
+      ConvertFromFloat(prefill.out, rows * row, job_.out_dtype,
+                       out + first * row * ElementSize(job_.out_dtype));
+    } else {
+      for (int64_t i = 0; i < rows; ++i) {
+        ConvertFromFloat(prefill.out + i * row, row, job_.out_dtype, out + (first + i) * out_pitch);
+      }
+    }
+    next_row_ = first + rows;
+    return absl::OkStatus();
+  }
+
+ private:
+  void Stage() {
+    const DcaGeometry& g = e_->geometry_;
+    const int64_t hq = g.num_q_heads, hkv = g.num_kv_heads, d = g.head_dim;
+    const int64_t t = job_.num_tokens;
+    const int64_t q_n = t * kNumQueryVariants * hq * d, kv_n = t * hkv * d;
+    q_.resize(q_n);
+    out_.resize(t * hq * d);
+    std::vector<float> k(kv_n), v(kv_n);
+    RowsToFloat(job_.k, t, k.data());
+    RowsToFloat(job_.v, t, v.data());
+    if (job_.q_layout == QLayout::kPreRotary) {
+      // The five variants and the rotated key, in fp32, before anything else.
+      std::vector<float> raw(t * hq * d);
+      RowsToFloat(job_.q, t, raw.data());
+      CpuRotaryParams rotary;
+      rotary.q = raw.data();
+      rotary.k = k.data();
+      rotary.q_variants = q_.data();
+      rotary.num_variants = kNumQueryVariants;
+      rotary.start = job_.start;
+      rotary.num_tokens = t;
+      DualChunkRotaryCpu(g, e_->inv_freq_, rotary, e_->compute_.get());
+    } else {
+      RowsToFloat(job_.q, t * kNumQueryVariants, q_.data());
+    }
+    scale_ = LengthScale(job_.prompt_len, g.original_max_position_embeddings);
+    CpuAppendParams append;
+    append.k = k.data();
+    append.v = v.data();
+    append.start = job_.start;
+    append.num_tokens = t;
+    append.key_scale = scale_;
+    AppendKvCpu<KvT>(e_->LayerView<KvT>(job_.layer, job_.page_table), append, e_->compute_.get());
+    staged_ = true;
+  }
+
+  const CpuEngine* const e_;
+  const PrefillJob& job_;
+  bool staged_ = false;
+  float scale_ = 1.f;
+  int64_t next_row_ = 0;
+  std::vector<float> q_, out_;
+};
+
+template <typename KvT>
+absl::StatusOr<std::unique_ptr<PrefillRun>> CpuEngine::StartTyped(const PrefillJob& job) const {
+  auto run = std::make_unique<Run<KvT>>(this, job);
+  ATTND_RETURN_IF_ERROR(run->Check());
+  return std::unique_ptr<PrefillRun>(std::move(run));
 }
 
 template <typename KvT>

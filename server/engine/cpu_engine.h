@@ -25,6 +25,9 @@ struct CpuEngineOptions {
   // Vertical-slash sparse prefill (kernels/sparse_prefill_cpu.h) for prompts longer than its
   // threshold when set and enabled; its layers and q heads must match the layout and geometry.
   std::shared_ptr<const SparseAttentionConfig> sparse;
+  // A dense prefill step attends about this many keys per query row of a 128-row tile
+  // (Engine::StartPrefill): rows per step = max(1, 128 * this / (start + tokens)).
+  int64_t prefill_step_keys = 16384;
 };
 
 // min(4 GiB, a quarter of physical memory): a default that leaves room for the rest of the host.
@@ -45,9 +48,13 @@ class CpuEngine : public Engine {
   const DcaGeometry& geometry() const override { return geometry_; }
 
   absl::Status Prefill(const PrefillJob& job) override;
+  absl::StatusOr<std::unique_ptr<PrefillRun>> StartPrefill(const PrefillJob& job) override;
   absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) override;
 
  private:
+  template <typename KvT>
+  class Run;
+
   CpuEngine(const CpuEngineOptions& options, void* pool);
 
   template <typename KvT>
@@ -57,7 +64,7 @@ class CpuEngine : public Engine {
   absl::Status CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
                           int64_t length) const;
   template <typename KvT>
-  absl::Status PrefillTyped(const PrefillJob& job);
+  absl::StatusOr<std::unique_ptr<PrefillRun>> StartTyped(const PrefillJob& job) const;
   template <typename KvT>
   absl::Status DecodeTyped(const DecodeJob& job);
 
@@ -68,6 +75,7 @@ class CpuEngine : public Engine {
   const std::vector<float> inv_freq_;
   const std::string device_name_;
   char* const pool_;  // layout_.pool_bytes() bytes, 64-byte aligned; owned
+  const int64_t prefill_step_keys_;
   std::unique_ptr<ThreadPool> compute_;
 };
 

@@ -114,6 +114,8 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   const DcaGeometry& geometry() const override { return geometry_; }
 
   absl::Status Prefill(const PrefillJob& job) override;
+  absl::StatusOr<std::unique_ptr<PrefillRun>> StartPrefill(const PrefillJob& job) override;
+  bool overlaps_prefill_and_decode() const override { return true; }
   absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) override;
   absl::StatusOr<std::unique_ptr<PendingDecode>> StartDecode(const DecodeJob& job) override;
   std::vector<int32_t> decode_batch_sizes() const override { return sizes_; }
@@ -161,14 +163,24 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   // OK for kVariants, and for kPreRotary when the geometry has a rotary.
   absl::Status CheckLayout(QLayout layout) const;
   PagedKv<Bf16> LayerView(int32_t layer, const int32_t* device_page_table) const;
-  // A dense prefill of the call's tokens [first, first + count) (count <= max_chunk_): stage,
-  // append, attend, copy out.
-  absl::Status PrefillChunk(const PrefillJob& job, int64_t first, int64_t count, float s)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The engine's checks of a prefill job (what the kernels cannot survive).
+  absl::Status CheckPrefillJob(const PrefillJob& job) const;
+  class PrefillSteps;
+  // Where a stepped prefill is: the staging chunk starting at the call's token `first`, and its
+  // next key-tile window (-1: the chunk is not staged yet).
+  struct PrefillCursor {
+    int64_t first = 0;
+    int64_t window = -1;
+  };
+  // One step of a prefill (StartPrefill): a dense chunk's staging and its first window, a
+  // further window, and after the last window the copy-out; a sparse prefill in one step.
+  absl::Status PrefillStep(const PrefillJob& job, float s, bool sparse, PrefillCursor* cursor)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(prefill_mu_);
   // A sparse prefill of the whole call, DCA piece by piece (docs/DCA.md "Vertical-slash sparse
   // prefill"): each piece's K/V appended in staging chunks, its estimate from its last queries,
   // then its rows attended in staging chunks of whole 64-row blocks. Any size of call.
-  absl::Status PrefillSparse(const PrefillJob& job, float s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status PrefillSparse(const PrefillJob& job, float s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(prefill_mu_);
   // The steps of both, on the call's tokens [first, first + count) (count <= max_chunk_):
   // StageQueries leaves their bf16 query variants in d_q_bf16_ rows [0, count); AppendKeys stages
   // their k and v and appends them, length-scaled by s, to the layer's pages; CopyOut copies the
@@ -176,15 +188,15 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   // stream. The staging steps write h_prefill_ on the host: the caller makes sure no queued copy
   // still reads the region they overwrite (CopyOut's wait, or its own).
   absl::Status StageQueries(const PrefillJob& job, int64_t first, int64_t count)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(prefill_mu_);
   absl::Status AppendKeys(const PrefillJob& job, int64_t first, int64_t count, float s)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(prefill_mu_);
   absl::Status CopyOut(const PrefillJob& job, int64_t first, int64_t count)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(prefill_mu_);
   // Copies the tensor's rows [first_row, first_row + rows) to device_dst (dense rows): host
   // tensors through h_prefill_ at h_off, device tensors (CUDA IPC regions) directly.
   absl::Status StageRows(const TensorView& view, int64_t first_row, int64_t rows, size_t h_off,
-                         void* device_dst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                         void* device_dst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(prefill_mu_);
   // Entries [first, first + count) as one launch, counted in *stats: DecodeLaunch packs the rows
   // and queues the step, DecodeFinish waits for it and unpacks the outputs.
   absl::Status DecodeBatch(const DecodeJob& job, size_t first, size_t count, DecodeStats* stats)
@@ -212,8 +224,18 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   std::optional<CudaKernelPlan> kernel_plan_;
   DevicePtr pool_;
 
-  Mutex mu_;  // one job at a time: one stream, one set of staging buffers
+  // Two lanes, each one job at a time with its own stream and staging: decode (mu_, stream_, at
+  // the device's highest stream priority) and prefill (prefill_mu_, prefill_stream_, at the
+  // lowest). Their kernels run at once, the device dispatching the decode's blocks first; they
+  // touch disjoint pages (the runtime serialises jobs per sequence), so nothing orders them but the
+  // host.
+  Mutex mu_;
   cudaStream_t stream_ ABSL_GUARDED_BY(mu_) = nullptr;
+  Mutex prefill_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  cudaStream_t prefill_stream_ ABSL_GUARDED_BY(prefill_mu_) = nullptr;
+  // Prefill steps (StartPrefill) wait for the one before last; blocking, so a waiting prefill
+  // leaves the host's cores to the decode lane.
+  cudaEvent_t prefill_done_[2] ABSL_GUARDED_BY(prefill_mu_) = {nullptr, nullptr};
 
   // Prefill: one chunk of at most max_chunk_ tokens. Host and device buffers mirror each other:
   // q raw [chunk, 5, Hq, D] (<= fp32), k/v raw [chunk, Hkv, D], out [chunk, Hq, D] (<= fp32).
@@ -224,18 +246,18 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   int64_t max_chunk_ = 0;
   int64_t sparse_rows_ = 0;
   size_t q_off_ = 0, k_off_ = 0, v_off_ = 0, out_off_ = 0, prefill_bytes_ = 0;
-  PinnedPtr h_prefill_ ABSL_GUARDED_BY(mu_);
-  DevicePtr d_prefill_ ABSL_GUARDED_BY(mu_);
-  DevicePtr d_q_bf16_ ABSL_GUARDED_BY(mu_);  // [chunk, 5, Hq, D]
-  PinnedPtr h_table_ ABSL_GUARDED_BY(mu_);   // [num_pages]
-  DevicePtr d_table_ ABSL_GUARDED_BY(mu_);   // [num_pages]
+  PinnedPtr h_prefill_ ABSL_GUARDED_BY(prefill_mu_);
+  DevicePtr d_prefill_ ABSL_GUARDED_BY(prefill_mu_);
+  DevicePtr d_q_bf16_ ABSL_GUARDED_BY(prefill_mu_);  // [chunk, 5, Hq, D]
+  PinnedPtr h_table_ ABSL_GUARDED_BY(prefill_mu_);   // [num_pages]
+  DevicePtr d_table_ ABSL_GUARDED_BY(prefill_mu_);   // [num_pages]
   size_t sparse_workspace_bytes_ = 0;
-  DevicePtr d_sparse_workspace_ ABSL_GUARDED_BY(mu_);  // when sparse_ is set
+  DevicePtr d_sparse_workspace_ ABSL_GUARDED_BY(prefill_mu_);  // when sparse_ is set
   // Pre-rotary requests (docs/rotary.md): RotaryInvFreq of the geometry on the host (decode rows
   // are rotated there, into their fp32 slots) and on the device (the prefill rotary kernel);
   // empty / null when the geometry has no usable rotary, and pre-rotary jobs are refused.
   std::vector<float> inv_freq_;
-  DevicePtr d_inv_freq_ ABSL_GUARDED_BY(mu_);
+  DevicePtr d_inv_freq_ ABSL_GUARDED_BY(prefill_mu_);
 
   // Decode: the host writes each row's inputs in their own dtype into fixed slots of pinned
   // memory (h_decode_: DecodeStageRow [B] | q [B, q slot] | k [B, kv slot] | v [B, kv slot]) and
@@ -254,7 +276,7 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   PinnedPtr h_decode_out_ ABSL_GUARDED_BY(mu_);  // [B, Hq, D] fp32, written by the device
   size_t workspace_floats_ = 0;
   DevicePtr d_workspace_ ABSL_GUARDED_BY(mu_);
-  std::vector<float> scratch_ ABSL_GUARDED_BY(mu_);
+  std::vector<float> scratch_ ABSL_GUARDED_BY(prefill_mu_);
   ThreadPool copy_pool_{kCopyThreads};  // DecodeBatch's row copies for large batches
   // graphs_[size index * num_layers + layer]; empty when graphs are off.
   std::vector<cudaGraphExec_t> graphs_ ABSL_GUARDED_BY(mu_);
@@ -312,13 +334,23 @@ absl::StatusOr<std::unique_ptr<Engine>> CudaEngine::Create(const CudaEngineOptio
 
 absl::Status CudaEngine::Init(int64_t staging_bytes) {
   MutexLock lock(&mu_);
+  MutexLock prefill_lock(&prefill_mu_);
   ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   cudaDeviceProp prop;
   ATTND_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
   device_name_ = prop.name;
   device_uuid_ = FormatUuid(prop.uuid);
   ATTND_ASSIGN_OR_RETURN(kernel_plan_, CudaKernelPlan::Create(geometry_, device_));
-  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  int least = 0, greatest = 0;  // numerically, greatest < least
+  ATTND_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  ATTND_CUDA_RETURN_IF_ERROR(
+      cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
+  ATTND_CUDA_RETURN_IF_ERROR(
+      cudaStreamCreateWithPriority(&prefill_stream_, cudaStreamNonBlocking, least));
+  for (cudaEvent_t& event : prefill_done_) {
+    ATTND_CUDA_RETURN_IF_ERROR(
+        cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventBlockingSync));
+  }
 
   ATTND_ASSIGN_OR_RETURN(pool_, DeviceAlloc(layout_.pool_bytes(), "the KV pool"));
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(pool_.get(), 0, layout_.pool_bytes(), stream_));
@@ -435,6 +467,14 @@ absl::Status CudaEngine::CaptureDecodeGraphs() {
 
 CudaEngine::~CudaEngine() {
   MutexLock lock(&mu_);
+  MutexLock prefill_lock(&prefill_mu_);
+  if (prefill_stream_ != nullptr) {
+    cudaStreamSynchronize(prefill_stream_);
+    cudaStreamDestroy(prefill_stream_);
+  }
+  for (cudaEvent_t event : prefill_done_) {
+    if (event != nullptr) cudaEventDestroy(event);
+  }
   if (stream_ != nullptr) {
     cudaStreamSynchronize(stream_);
     for (cudaGraphExec_t exec : graphs_) cudaGraphExecDestroy(exec);
@@ -482,7 +522,7 @@ PagedKv<Bf16> CudaEngine::LayerView(int32_t layer, const int32_t* device_page_ta
   return kv;
 }
 
-absl::Status CudaEngine::Prefill(const PrefillJob& job) {
+absl::Status CudaEngine::CheckPrefillJob(const PrefillJob& job) const {
   const int64_t hq = geometry_.num_q_heads, hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
   const int64_t t = job.num_tokens;
   // Only what the kernels could not survive (engine.h, EngineJobKey): prompt_len >= start + t is
@@ -509,26 +549,103 @@ absl::Status CudaEngine::Prefill(const PrefillJob& job) {
     return absl::InvalidArgumentError(
         "engine: k and v in device memory need one dtype (they are appended as they are)");
   }
-  const float s = LengthScale(job.prompt_len, geometry_.original_max_position_embeddings);
+  return absl::OkStatus();
+}
 
-  MutexLock lock(&mu_);
+// A prefill on the prefill lane, one step at a time: holds the lane from StartPrefill to its end.
+class CudaEngine::PrefillSteps : public PrefillRun {
+ public:
+  PrefillSteps(CudaEngine* engine, const PrefillJob& job)
+      : engine_(engine),
+        job_(job),
+        scale_(LengthScale(job.prompt_len, engine->geometry_.original_max_position_embeddings)),
+        // DCA.md: sparse when the config exists and the prompt (as for scaling) exceeds the
+        // threshold.
+        sparse_(engine->sparse_ != nullptr && engine->sparse_->UseSparse(job.prompt_len)) {}
+  ~PrefillSteps() override ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    // A run stopped or failed half-way may have queued work on the staging buffers: let it drain
+    // before the next job reuses them. (The pages it wrote past the layer's length stay
+    // uncommitted.)
+    if (!clean_) cudaStreamSynchronize(engine_->prefill_stream_);
+    engine_->prefill_mu_.Unlock();  // taken by StartPrefill
+  }
+  bool done() const override { return done_; }
+  absl::Status Step() override ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (done_) return absl::FailedPreconditionError("the prefill run is done");
+    clean_ = false;
+    absl::Status s = CudaStatus(cudaSetDevice(engine_->device_), "cudaSetDevice");
+    if (s.ok()) s = engine_->PrefillStep(job_, scale_, sparse_, &cursor_);
+    if (!s.ok()) {
+      done_ = true;
+      return s;
+    }
+    done_ = cursor_.first >= job_.num_tokens;
+    clean_ = cursor_.window < 0;  // between staging chunks nothing is queued
+    return absl::OkStatus();
+  }
+
+ private:
+  CudaEngine* const engine_;
+  const PrefillJob& job_;
+  const float scale_;
+  const bool sparse_;
+  PrefillCursor cursor_;
+  bool done_ = false;
+  bool clean_ = true;
+};
+
+absl::StatusOr<std::unique_ptr<PrefillRun>> CudaEngine::StartPrefill(const PrefillJob& job)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  ATTND_RETURN_IF_ERROR(CheckPrefillJob(job));
+  prefill_mu_.Lock();  // until the run ends
+  std::unique_ptr<PrefillRun> run(new PrefillSteps(this, job));
   ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   std::memcpy(h_table_.get(), job.page_table, job.num_pages * 4);
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_table_.get(), h_table_.get(), job.num_pages * 4,
-                                             cudaMemcpyHostToDevice, stream_));
-  // DCA.md: sparse when the config exists and the prompt (as for scaling) exceeds the threshold.
-  absl::Status status;
-  if (sparse_ != nullptr && sparse_->UseSparse(job.prompt_len)) {
-    status = PrefillSparse(job, s);
-  } else {
-    for (int64_t first = 0; first < t && status.ok(); first += max_chunk_) {
-      status = PrefillChunk(job, first, std::min(max_chunk_, t - first), s);
-    }
+                                             cudaMemcpyHostToDevice, prefill_stream_));
+  return run;
+}
+
+absl::Status CudaEngine::Prefill(const PrefillJob& job) {
+  ATTND_ASSIGN_OR_RETURN(const std::unique_ptr<PrefillRun> run, StartPrefill(job));
+  while (!run->done()) ATTND_RETURN_IF_ERROR(run->Step());
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::PrefillStep(const PrefillJob& job, float s, bool sparse,
+                                     PrefillCursor* cursor) {
+  const int64_t t = job.num_tokens;
+  if (sparse) {  // its own chunks, in one step: its blocks are short (bounded by the budgets)
+    ATTND_RETURN_IF_ERROR(PrefillSparse(job, s));
+    cursor->first = t;
+    return absl::OkStatus();
   }
-  // A step that failed half-way may have queued work on the staging buffers: let it drain before
-  // the next job reuses them. (The pages it wrote past the sequence's length stay uncommitted.)
-  if (!status.ok()) cudaStreamSynchronize(stream_);
-  return status;
+  const int64_t first = cursor->first, count = std::min(max_chunk_, t - first);
+  if (cursor->window < 0) {
+    ATTND_RETURN_IF_ERROR(StageQueries(job, first, count));
+    ATTND_RETURN_IF_ERROR(AppendKeys(job, first, count, s));
+    cursor->window = 0;
+  }
+  CudaPrefillParams pp;
+  pp.kv = LayerView(job.layer, static_cast<const int32_t*>(d_table_.get()));
+  pp.q = static_cast<const Bf16*>(d_q_bf16_.get());
+  pp.out = At(d_prefill_, out_off_);
+  pp.out_dtype = job.out_dtype;
+  pp.start = job.start + first;
+  pp.num_tokens = count;
+  pp.softmax_scale = geometry_.softmax_scale * s;
+  const int64_t windows = 1;
+  ATTND_RETURN_IF_ERROR(LaunchDcaPrefill(*kernel_plan_, pp, prefill_stream_));
+  // One window queued ahead of the host: the stream never runs dry, and a stopped run leaves at
+  // most two windows behind.
+  const int64_t w = cursor->window;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(prefill_done_[w % 2], prefill_stream_));
+  if (w > 0) ATTND_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(prefill_done_[(w - 1) % 2]));
+  if (++cursor->window < windows) return absl::OkStatus();
+  ATTND_RETURN_IF_ERROR(CopyOut(job, first, count));
+  cursor->first = first + count;
+  cursor->window = -1;
+  return absl::OkStatus();
 }
 
 absl::Status CudaEngine::StageRows(const TensorView& view, int64_t first_row, int64_t rows,
@@ -538,12 +655,12 @@ absl::Status CudaEngine::StageRows(const TensorView& view, int64_t first_row, in
   const char* src = static_cast<const char*>(view.data) + first_row * pitch;
   if (view.on_device) {
     ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(device_dst, row, src, pitch, row, rows,
-                                                 cudaMemcpyDeviceToDevice, stream_));
+                                                 cudaMemcpyDeviceToDevice, prefill_stream_));
     return absl::OkStatus();
   }
   CopyRowsToDense(view, first_row, rows, At(h_prefill_, h_off));
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_dst, At(h_prefill_, h_off), rows * row,
-                                             cudaMemcpyHostToDevice, stream_));
+                                             cudaMemcpyHostToDevice, prefill_stream_));
   return absl::OkStatus();
 }
 
@@ -563,7 +680,7 @@ absl::Status CudaEngine::StageQueries(const PrefillJob& job, int64_t first, int6
     rp.inv_freq = static_cast<const float*>(d_inv_freq_.get());
     rp.start = job.start + first;
     rp.num_tokens = count;
-    return LaunchDualChunkRotary(geometry_, rp, stream_);
+    return LaunchDualChunkRotary(geometry_, rp, prefill_stream_);
   }
   if (job.q.dtype == DType::kBf16) {  // straight into the kernels' buffer
     return StageRows(job.q, first * q_rows, count * q_rows, q_off_, q_bf16);
@@ -571,7 +688,7 @@ absl::Status CudaEngine::StageQueries(const PrefillJob& job, int64_t first, int6
   ATTND_RETURN_IF_ERROR(
       StageRows(job.q, first * q_rows, count * q_rows, q_off_, At(d_prefill_, q_off_)));
   return LaunchConvertToBf16(At(d_prefill_, q_off_), job.q.dtype, count * q_rows * hq * d, q_bf16,
-                             stream_);
+                             prefill_stream_);
 }
 
 absl::Status CudaEngine::AppendKeys(const PrefillJob& job, int64_t first, int64_t count, float s) {
@@ -588,7 +705,7 @@ absl::Status CudaEngine::AppendKeys(const PrefillJob& job, int64_t first, int64_
     rp.inv_freq = static_cast<const float*>(d_inv_freq_.get());
     rp.start = job.start + first;
     rp.num_tokens = count;
-    ATTND_RETURN_IF_ERROR(LaunchDualChunkRotary(geometry_, rp, stream_));
+    ATTND_RETURN_IF_ERROR(LaunchDualChunkRotary(geometry_, rp, prefill_stream_));
   }
   CudaAppendParams ap;
   ap.kv = LayerView(job.layer, static_cast<const int32_t*>(d_table_.get()));
@@ -602,16 +719,16 @@ absl::Status CudaEngine::AppendKeys(const PrefillJob& job, int64_t first, int64_
     scratch_.resize(2 * kv_n);
     ConvertToFloat(At(h_prefill_, k_off_), job.k.dtype, kv_n, scratch_.data());
     ConvertToFloat(At(h_prefill_, v_off_), job.v.dtype, kv_n, scratch_.data() + kv_n);
-    ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));  // staging reuse below
+    ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(prefill_stream_));  // staging reuse below
     std::memcpy(At(h_prefill_, k_off_), scratch_.data(), kv_n * 4);
     std::memcpy(At(h_prefill_, v_off_), scratch_.data() + kv_n, kv_n * 4);
     ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, k_off_), At(h_prefill_, k_off_),
-                                               kv_n * 4, cudaMemcpyHostToDevice, stream_));
+                                               kv_n * 4, cudaMemcpyHostToDevice, prefill_stream_));
     ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(d_prefill_, v_off_), At(h_prefill_, v_off_),
-                                               kv_n * 4, cudaMemcpyHostToDevice, stream_));
+                                               kv_n * 4, cudaMemcpyHostToDevice, prefill_stream_));
     ap.in_dtype = DType::kFp32;
   }
-  return LaunchAppendKv(ap, stream_);
+  return LaunchAppendKv(ap, prefill_stream_);
 }
 
 absl::Status CudaEngine::CopyOut(const PrefillJob& job, int64_t first, int64_t count) {
@@ -622,13 +739,13 @@ absl::Status CudaEngine::CopyOut(const PrefillJob& job, int64_t first, int64_t c
   if (job.out_on_device) {  // straight into the client's buffer
     ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(out, out_pitch, At(d_prefill_, out_off_), out_row,
                                                  out_row, count, cudaMemcpyDeviceToDevice,
-                                                 stream_));
-    ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+                                                 prefill_stream_));
+    ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(prefill_stream_));
     return absl::OkStatus();
   }
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(h_prefill_, out_off_), At(d_prefill_, out_off_),
-                                             out_bytes, cudaMemcpyDeviceToHost, stream_));
-  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+                                             out_bytes, cudaMemcpyDeviceToHost, prefill_stream_));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(prefill_stream_));
   const char* staged = static_cast<const char*>(At(h_prefill_, out_off_));  // dense
   if (out_pitch == out_row) {
     std::memcpy(out, staged, out_bytes);
@@ -637,22 +754,6 @@ absl::Status CudaEngine::CopyOut(const PrefillJob& job, int64_t first, int64_t c
       std::memcpy(out + i * out_pitch, staged + i * out_row, out_row);
   }
   return absl::OkStatus();
-}
-
-absl::Status CudaEngine::PrefillChunk(const PrefillJob& job, int64_t first, int64_t count,
-                                      float s) {
-  ATTND_RETURN_IF_ERROR(StageQueries(job, first, count));
-  ATTND_RETURN_IF_ERROR(AppendKeys(job, first, count, s));
-  CudaPrefillParams pp;
-  pp.kv = LayerView(job.layer, static_cast<const int32_t*>(d_table_.get()));
-  pp.q = static_cast<const Bf16*>(d_q_bf16_.get());
-  pp.out = At(d_prefill_, out_off_);
-  pp.out_dtype = job.out_dtype;
-  pp.start = job.start + first;
-  pp.num_tokens = count;
-  pp.softmax_scale = geometry_.softmax_scale * s;
-  ATTND_RETURN_IF_ERROR(LaunchDcaPrefill(*kernel_plan_, pp, stream_));
-  return CopyOut(job, first, count);
 }
 
 absl::Status CudaEngine::PrefillSparse(const PrefillJob& job, float s) {
@@ -668,7 +769,9 @@ absl::Status CudaEngine::PrefillSparse(const PrefillJob& job, float s) {
   sp.workspace_bytes = sparse_workspace_bytes_;
   sp.row_block_slice = SparseRowBlockSlice();
   // Each staging step reuses h_prefill_, which the previous step's queued copy may still read.
-  const auto wait = [this]() { return CudaStatus(cudaStreamSynchronize(stream_), "stream sync"); };
+  const auto wait = [this]() {
+    return CudaStatus(cudaStreamSynchronize(prefill_stream_), "stream sync");
+  };
   // The staged queries hold the call's tokens [first, first + count): positions from job.start.
   const auto stage = [&](int64_t first, int64_t count) -> absl::Status {
     ATTND_RETURN_IF_ERROR(wait());
@@ -696,16 +799,17 @@ absl::Status CudaEngine::PrefillSparse(const PrefillJob& job, float s) {
     const bool est_in_last = rows - last >= n_est;
     if (!est_in_last) {
       ATTND_RETURN_IF_ERROR(stage(begin + rows - n_est, n_est));
-      ATTND_RETURN_IF_ERROR(LaunchSparseEstimate(geometry_, sp, piece, stream_));
+      ATTND_RETURN_IF_ERROR(LaunchSparseEstimate(geometry_, sp, piece, prefill_stream_));
     }
     for (int64_t i = 0; i < chunks; ++i) {
       const int64_t first = i == 0 ? last : (i - 1) * per_chunk;
       const int64_t count = std::min(per_chunk, rows - first);
       ATTND_RETURN_IF_ERROR(stage(begin + first, count));
       if (i == 0 && est_in_last) {
-        ATTND_RETURN_IF_ERROR(LaunchSparseEstimate(geometry_, sp, piece, stream_));
+        ATTND_RETURN_IF_ERROR(LaunchSparseEstimate(geometry_, sp, piece, prefill_stream_));
       }
-      ATTND_RETURN_IF_ERROR(LaunchSparseAttendRows(geometry_, sp, piece, first, count, stream_));
+      ATTND_RETURN_IF_ERROR(
+          LaunchSparseAttendRows(geometry_, sp, piece, first, count, prefill_stream_));
       ATTND_RETURN_IF_ERROR(CopyOut(job, begin + first, count));
     }
   }

@@ -54,6 +54,10 @@ struct CudaEngineOptions {
   // sparse call longer than a chunk is attended in several launches, slower per token: BENCHMARKS,
   // "Sparse prefill calls of any size").
   int64_t staging_bytes = 0;
+  // The bound on one prefill step (Engine::StartPrefill): each block of the prefill kernel walks
+  // about this many keys per launch (key-tile windows, its softmax state kept on the device between
+  // them), so a decode on the higher-priority stream waits for one window's blocks at most.
+  int64_t prefill_step_keys = 16384;
 };
 
 // INVALID_ARGUMENT for a geometry/layout the CUDA kernels do not support (kernels/cuda/dca_cuda.h:
@@ -61,8 +65,9 @@ struct CudaEngineOptions {
 // (cudaGetDeviceCount() == 0 or no driver); RESOURCE_EXHAUSTED when the pool or staging buffers
 // cannot be allocated.
 //
-// The engine serialises its jobs internally (one stream, one set of staging buffers): it is
-// thread-safe, and concurrent jobs on disjoint sequences simply queue.
+// The engine serialises its jobs internally, per lane (decode and prefill: a stream and staging
+// buffers each, the decode stream at the higher priority): it is thread-safe, concurrent jobs of
+// one kind on disjoint sequences simply queue, and a decode never waits for a prefill's lane.
 absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(const CudaEngineOptions& options);
 
 // OK when this binary contains the CUDA backend; FAILED_PRECONDITION, saying how to get it, when it

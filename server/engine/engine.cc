@@ -64,6 +64,31 @@ const std::vector<int32_t>& DefaultDecodeBatchSizes() {
   return sizes;
 }
 
+namespace {
+
+// Engine::StartPrefill's default: the whole job in one step.
+class OneStepPrefill : public PrefillRun {
+ public:
+  OneStepPrefill(Engine* engine, const PrefillJob& job) : engine_(engine), job_(job) {}
+  bool done() const override { return done_; }
+  absl::Status Step() override {
+    if (done_) return absl::FailedPreconditionError("the prefill run is done");
+    done_ = true;
+    return engine_->Prefill(job_);
+  }
+
+ private:
+  Engine* const engine_;
+  const PrefillJob& job_;
+  bool done_ = false;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PrefillRun>> Engine::StartPrefill(const PrefillJob& job) {
+  return std::unique_ptr<PrefillRun>(new OneStepPrefill(this, job));
+}
+
 std::vector<EngineShard> Engine::shards() const {
   EngineShard shard;
   shard.device = device();

@@ -148,6 +148,19 @@ class PendingDecode {
   virtual absl::StatusOr<DecodeStats> Finish() = 0;
 };
 
+// A prefill job run as device steps (Engine::StartPrefill), so that whoever schedules the device
+// can run decode steps between them and stop the call between two steps. Not thread-safe: one
+// thread drives a run.
+class PrefillRun {
+ public:
+  // Stops a run that is not done: waits for the device work it queued. Whatever it wrote lies past
+  // the layer's committed length, as for a failed job.
+  virtual ~PrefillRun() = default;
+  virtual bool done() const = 0;
+  // Runs the next step. After an error the run is done and the job failed.
+  virtual absl::Status Step() = 0;
+};
+
 // Thread-safe for jobs on disjoint sequences (callers serialise jobs per sequence). A failed job
 // returns INTERNAL (or INVALID_ARGUMENT for a request the backend cannot serve) and may have
 // written K/V only at positions past the layer's committed length.
@@ -161,6 +174,15 @@ class Engine {
   virtual const DcaGeometry& geometry() const = 0;
 
   virtual absl::Status Prefill(const PrefillJob& job) = 0;
+  // The job as steps of bounded device work (engines cut where their kernels can: the CUDA engine
+  // at staging chunks and key-tile windows, the CPU engine at query rows), each output bit for bit
+  // what Prefill writes. The job's memory must outlive the run. The default runs Prefill as one
+  // step. An error here (a job the engine refuses) means nothing ran.
+  virtual absl::StatusOr<std::unique_ptr<PrefillRun>> StartPrefill(const PrefillJob& job);
+  // Whether decode steps run on the device while a prefill step runs (the CUDA engine: separate
+  // streams, decode at the higher priority, so the device itself puts decode first). When false,
+  // the steps should take turns (server/runtime/device_turns.h).
+  virtual bool overlaps_prefill_and_decode() const { return false; }
   virtual absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) = 0;
   // Decode in two halves, for a caller that drives several engines from one thread (the sharded
   // engine): the work is queued on the device and this returns; PendingDecode::Finish waits for

@@ -42,6 +42,9 @@ struct EngineOptions {
   int32_t max_decode_batch = 256;
   std::vector<int32_t> cuda_graph_batch_sizes = DefaultDecodeBatchSizes();
   bool cuda_graphs = true;
+  // The bound on one prefill step's work (Engine::StartPrefill), in keys per query row of a
+  // 128-row tile: a decode waits for at most one such step (--prefill-step-keys).
+  int64_t prefill_step_keys = 16384;
 };
 
 // "0,1" (CUDA ordinals, repeats allowed) as a list; INVALID_ARGUMENT naming --devices otherwise.

@@ -50,6 +50,7 @@
 #include "server/runtime/runtime.h"
 #include "server/sched/batcher.h"
 #include "server/sched/decode_queue.h"
+#include "server/sched/step_scheduler.h"
 #include "server/sched/work_queue.h"
 #include "spdlog/spdlog.h"
 #include "version/build_info.h"
@@ -279,6 +280,7 @@ class AttndServerImpl : public AttndServer {
   std::shared_ptr<const TokenStore> tokens_;  // null: auth is off
   std::unique_ptr<AdminService> admin_;       // before the queue: its queued work uses it
   std::unique_ptr<RequestLog> request_log_;   // before the service that writes to it
+  std::shared_ptr<StepScheduler> steps_;      // shared with the runtime's options
   std::unique_ptr<Runtime> runtime_;
   std::unique_ptr<WorkQueue> work_queue_;
   std::unique_ptr<DecodeExecutor> decode_executor_;
@@ -453,6 +455,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   engine_options.max_decode_batch = batcher_options->max_decode_batch;
   engine_options.cuda_graph_batch_sizes = batcher_options->flush_batch_sizes;
   engine_options.cuda_graphs = !options.disable_cuda_graphs;
+  engine_options.prefill_step_keys = options.prefill_step_keys;
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(engine_options);
   if (!engine.ok()) return engine.status();
   // Vertical-slash sparse prefill runs on the CPU and CUDA engines; on any other backend prefill
@@ -492,6 +495,11 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   }
   runtime_options.instance_name = options.instance_name;
   runtime_options.advertise_address = options.advertise_address;
+  StepSchedulerOptions step_options;
+  step_options.overlap = (*engine)->overlaps_prefill_and_decode();
+  step_options.prefill_share = options.prefill_share;
+  steps_ = std::make_shared<StepScheduler>(step_options);
+  runtime_options.device_turns = steps_;
   absl::StatusOr<std::unique_ptr<Runtime>> runtime =
       Runtime::Create(*model, *std::move(engine), runtime_options);
   if (!runtime.ok()) return runtime.status();

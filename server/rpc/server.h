@@ -41,6 +41,9 @@ struct ServerOptions {
   std::string cuda_graph_batch_sizes = absl::StrJoin(DefaultDecodeBatchSizes(), ",");
   bool disable_cuda_graphs = false;      // never capture or replay graphs (no effect on CPU)
   int32_t decode_batches_in_flight = 2;  // merged batches of one layer running at once
+  // The device's step scheduler (server/sched/step_scheduler.h, docs/scheduling.md).
+  int64_t prefill_step_keys = 16384;  // bound on one prefill step (EngineOptions)
+  double prefill_share = 0.25;        // least device share of a waiting prefill
 
   // Operations (docs/operations.md).
   // HTTP /metrics and /healthz; "" = off. Off here so in-process servers (tests) never collide

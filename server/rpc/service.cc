@@ -72,17 +72,39 @@ void SetMeta(DType dtype, const std::vector<int64_t>& shape, v1::Tensor* tensor)
 
 // The RPC's deadline and cancellation (`cancelled`: the flag the reactor's OnCancel sets) for the
 // queues, and `clock` (which must outlive the answer) to be told when a worker picks it up.
+absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
+  const std::chrono::system_clock::time_point deadline = context->deadline();
+  return deadline == std::chrono::system_clock::time_point::max() ? absl::InfiniteFuture()
+                                                                  : absl::FromChrono(deadline);
+}
+
 RequestContext ContextOf(const grpc::CallbackServerContext* context,
                          std::shared_ptr<const std::atomic<bool>> cancelled, RequestClock* clock) {
   RequestContext c;
-  const std::chrono::system_clock::time_point deadline = context->deadline();
-  if (deadline != std::chrono::system_clock::time_point::max()) {
-    c.deadline = absl::FromChrono(deadline);
-  }
+  c.deadline = DeadlineOf(context);
   c.cancelled = std::move(cancelled);
   c.enqueue_time = clock->received;
   c.observer = clock;
   return c;
+}
+
+// PrefillCall::keep_going of a call with this deadline and cancel flag: once the client has
+// cancelled or its deadline has passed, the call stops before its next device step.
+std::function<absl::Status()> StopWhenGone(absl::Time deadline,
+                                           std::shared_ptr<const std::atomic<bool>> cancelled) {
+  return [deadline, cancelled = std::move(cancelled)]() -> absl::Status {
+    if (cancelled != nullptr && cancelled->load(std::memory_order_acquire)) {
+      return absl::CancelledError(
+          "the call was cancelled while it ran; it stopped between two device steps and changed "
+          "nothing");
+    }
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          "the client's deadline passed while the call ran; it stopped between two device steps "
+          "and changed nothing");
+    }
+    return absl::OkStatus();
+  };
 }
 
 // `settings_only`: the counters are server-wide, so a tenant-scoped answer leaves them out.
@@ -862,17 +884,21 @@ RequestTensor Claimed(const v1::Tensor& t) {
 }  // namespace
 
 absl::Status AttentionService::RunPrefill(const v1::PrefillRequest& request,
-                                          absl::string_view tenant, v1::PrefillResponse* response) {
-  absl::Status s =
-      CatchAll("the prefill", [&] { return RunPrefillUnsafe(request, tenant, response); });
+                                          absl::string_view tenant, v1::PrefillResponse* response,
+                                          std::function<absl::Status()> keep_going) {
+  absl::Status s = CatchAll("the prefill", [&] {
+    return RunPrefillUnsafe(request, tenant, response, std::move(keep_going));
+  });
   if (!s.ok()) response->Clear();
   return s;
 }
 
 absl::Status AttentionService::RunPrefillUnsafe(const v1::PrefillRequest& request,
                                                 absl::string_view tenant,
-                                                v1::PrefillResponse* response) {
+                                                v1::PrefillResponse* response,
+                                                std::function<absl::Status()> keep_going) {
   PrefillCall call;
+  call.keep_going = std::move(keep_going);
   call.sequence_id = request.sequence_id();
   call.tenant = tenant;
   call.layer = request.layer();
@@ -938,8 +964,13 @@ void AttentionService::ServeWirePrefill(grpc::CallbackServerContext* context, in
   auto started = std::make_shared<RequestClock>(clock);
   absl::Status submitted = work_queue_->Submit(
       ContextOf(context, call->cancelled, started.get()),
-      [this, call, clock = started, request_bytes, tenant = *std::move(tenant)](absl::Status s) {
-        if (s.ok()) s = CatchAll("the prefill", [&] { return RunWirePrefill(call, tenant); });
+      [this, call, clock = started, request_bytes, tenant = *std::move(tenant),
+       deadline = DeadlineOf(context)](absl::Status s) {
+        if (s.ok()) {
+          s = CatchAll("the prefill", [&] {
+            return RunWirePrefill(call, tenant, StopWhenGone(deadline, call->cancelled));
+          });
+        }
         clock->finished = absl::Now();
         Record("Prefill", static_cast<int>(s.code()), *clock, request_bytes,
                s.ok() ? static_cast<int64_t>(call->reply->Length()) : 0);
@@ -965,9 +996,11 @@ RequestTensor FromWire(const wire::WireTensor& t) {
 
 }  // namespace
 
-absl::Status AttentionService::RunWirePrefill(WirePrefillCall* call, absl::string_view tenant) {
+absl::Status AttentionService::RunWirePrefill(WirePrefillCall* call, absl::string_view tenant,
+                                              std::function<absl::Status()> keep_going) {
   const wire::WirePrefillRequest& request = call->request;
   PrefillCall c;
+  c.keep_going = std::move(keep_going);
   c.sequence_id = request.sequence_id;
   c.tenant = tenant;
   c.layer = request.layer;
@@ -990,8 +1023,10 @@ void AttentionService::ServePrefill(grpc::CallbackServerContext* context,
                                     const v1::PrefillRequest* request,
                                     v1::PrefillResponse* response, UnaryCall* reactor) {
   ServeOnWorker("Prefill", context, request, response, reactor,
-                [this, request, response](const std::string& tenant) {
-                  return RunPrefill(*request, tenant, response);
+                [this, request, response,
+                 keep_going = StopWhenGone(DeadlineOf(context), reactor->cancelled())](
+                    const std::string& tenant) {
+                  return RunPrefill(*request, tenant, response, keep_going);
                 });
 }
 

@@ -160,10 +160,13 @@ class AttentionService : public AttentionServiceBase {
 
   // Runs on a worker: validates and computes one prefill as `tenant`, filling `response` on
   // success.
+  // keep_going: PrefillCall::keep_going (a unary call's cancellation and deadline), or null.
   absl::Status RunPrefill(const v1::PrefillRequest& request, absl::string_view tenant,
-                          v1::PrefillResponse* response);
+                          v1::PrefillResponse* response,
+                          std::function<absl::Status()> keep_going = nullptr);
   absl::Status RunPrefillUnsafe(const v1::PrefillRequest& request, absl::string_view tenant,
-                                v1::PrefillResponse* response);  // RunPrefill without CatchAll
+                                v1::PrefillResponse* response,
+                                std::function<absl::Status()> keep_going);  // without CatchAll
   absl::Status SubmitDecodeUnsafe(const v1::DecodeRequest& request, absl::string_view tenant,
                                   const RequestContext& context, v1::DecodeResponse* response,
                                   std::function<void(absl::Status)> done);  // without CatchAll
@@ -202,7 +205,8 @@ class AttentionService : public AttentionServiceBase {
   // A Prefill parsed by server/rpc/wire.h (the same checks, queueing and records as ServePrefill).
   void ServeWirePrefill(grpc::CallbackServerContext* context, int64_t request_bytes,
                         WirePrefillCall* call);
-  absl::Status RunWirePrefill(WirePrefillCall* call, absl::string_view tenant);
+  absl::Status RunWirePrefill(WirePrefillCall* call, absl::string_view tenant,
+                              std::function<absl::Status()> keep_going);
   void ServeDecode(grpc::CallbackServerContext* context, const v1::DecodeRequest* request,
                    v1::DecodeResponse* response, UnaryCall* reactor);
   void ServeRegisterRegion(grpc::CallbackServerContext* context,

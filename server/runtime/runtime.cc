@@ -438,7 +438,15 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
   job.out = out;
   job.out_dtype = call.q.dtype;
   job.out_on_device = call.output_on_device && call.output;
-  if (absl::Status s = engine_->Prefill(job); !s.ok()) return EngineError(*engine_, s);
+  // Declared after the reservation: a run stopped half-way finishes its device work before the
+  // pages go back.
+  absl::StatusOr<std::unique_ptr<PrefillRun>> run = engine_->StartPrefill(job);
+  if (!run.ok()) return EngineError(*engine_, run.status());
+  while (!(*run)->done()) {
+    if (call.keep_going) ATTND_RETURN_IF_ERROR(call.keep_going());
+    const DeviceTurn turn(options_.device_turns.get(), DeviceWork::kPrefill);
+    if (absl::Status s = (*run)->Step(); !s.ok()) return EngineError(*engine_, s);
+  }
   if (call.before_commit) ATTND_RETURN_IF_ERROR(call.before_commit());
   reserved->Commit();
   seq->layer_lengths[call.layer] = length;
@@ -537,7 +545,10 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
       return absl::InternalError(absl::StrCat("entries[", i, "]: no buffer for the output"));
     }
   }
-  absl::StatusOr<DecodeStats> stats = engine_->Decode(job);
+  absl::StatusOr<DecodeStats> stats = [&] {
+    const DeviceTurn turn(options_.device_turns.get(), DeviceWork::kDecode);
+    return engine_->Decode(job);
+  }();
   if (!stats.ok()) return EngineError(*engine_, stats.status());
   result.stats = *stats;
   if (call.before_commit) ATTND_RETURN_IF_ERROR(call.before_commit());

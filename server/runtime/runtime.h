@@ -22,6 +22,7 @@
 #include "kvcache/sequence_table.h"
 #include "server/config/model_config.h"
 #include "server/engine/engine.h"
+#include "server/runtime/device_turns.h"
 
 namespace attnd {
 
@@ -54,6 +55,9 @@ struct PrefillCall {
   // Runs after the engine succeeded and before the call is committed (e.g. copies a staged output
   // into the client's shm region): an error fails the call, which then changes nothing.
   std::function<absl::Status()> before_commit;
+  // Asked before each device step of the call (Engine::StartPrefill), e.g. whether the client
+  // cancelled or its deadline passed: an error stops the call there, which then changes nothing.
+  std::function<absl::Status()> keep_going;
 };
 
 struct PrefillResult {
@@ -171,6 +175,9 @@ struct RuntimeOptions {
   // the address clients should reach it at; both reported by Info(). "" = unnamed, ids as ever.
   std::string instance_name;
   std::string advertise_address;
+  // Turns on the device for decode batches and prefill steps (server/runtime/device_turns.h);
+  // null: every step runs when it comes.
+  std::shared_ptr<DeviceTurns> device_turns;
 };
 
 // Thread-safe: any thread may call any method. Requests on one sequence run one at a time

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Decode while other clients prefill (docs/scheduling.md): per-layer decode p50/p99 at batch 1, 8
+# and 64 (4K context, 7B geometry, pre-rotary bf16) over the ring and gRPC unary, first alone, then
+# while a prefill stream sends 128K-token prompts in 4096-token calls through CUDA IPC regions;
+# and the prefill stream's throughput alone and beside the decodes. One attnd per run, started
+# with the flags given after OUT (e.g. --prefill-step-keys 1000000000 for whole calls); ATTND
+# names another attnd binary (e.g. an older build) to compare. Build and bundle here:
+#   bazel build //server:attnd //client:attnctl //bench/data_plane:data_plane_bench
+#   script/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl \
+#     bazel-bin/bench/data_plane/data_plane_bench
+# then there:  . .gpu/env.sh && LABEL=default bench/gpu/decode_under_prefill.sh "$OUT" [flags]
+set -uo pipefail
+out=${1:?usage: decode_under_prefill.sh OUT_DIR [attnd flags...]}
+shift
+label=${LABEL:-run}
+attnd_bin=${ATTND:-attnd}
+steps=${STEPS:-2000}
+mkdir -p "$out"
+port=$((50100 + RANDOM % 1000))
+"$attnd_bin" --device cuda --listen 127.0.0.1:$port --kv-cache-bytes $((40 << 30)) \
+  --metrics-listen= "$@" >"$out/$label.attnd.log" 2>&1 &
+pid=$!
+for _ in $(seq 1 600); do
+  attnctl info --target 127.0.0.1:$port >/dev/null 2>&1 && break
+  sleep 0.2
+done
+decode() {
+  data_plane_bench --target 127.0.0.1:$port --skip_prefill --transports ring,grpc \
+    --decode_batches 1,8,64 --decode_steps "$steps" 2>&1 | grep -E '^decode'
+}
+prefill() {
+  data_plane_bench --target 127.0.0.1:$port --skip_decode --transports cuda-ipc --contexts 131072 \
+    2>&1 | grep -E '^prefill'
+}
+echo "## $label ($attnd_bin $*)"
+echo "# decode alone"
+decode | tee "$out/$label.decode_alone.txt"
+echo "# prefill alone"
+prefill | tee "$out/$label.prefill_alone.txt"
+echo "# decode beside a prefill stream"
+stop="$out/$label.stop"
+rm -f "$stop"
+(while [[ ! -e $stop ]]; do prefill; done) >"$out/$label.prefill_busy.txt" &
+streamer=$!
+sleep 2  # the stream's first calls are in flight
+decode | tee "$out/$label.decode_busy.txt"
+touch "$stop"
+wait $streamer
+echo "# prefill beside the decodes (each line one 128K prompt; the last ran partly alone)"
+cat "$out/$label.prefill_busy.txt"
+kill "$pid"
+wait "$pid" 2>/dev/null
