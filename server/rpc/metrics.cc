@@ -435,6 +435,26 @@ absl::StatusOr<std::unique_ptr<AttndMetrics>> AttndMetrics::Create(const BuildIn
       r.AddCounter("attnd_sequences_idle_reclaimed_total",
                    "Sequences released by the server because they were idle too long."));
   ATTND_ASSIGN_OR_RETURN(
+      m->device_steps_total,
+      r.AddCounter("attnd_device_steps_total",
+                   "Device steps run, by work: decode batches and prefill steps (a prefill call "
+                   "runs as one or more bounded steps).",
+                   {"work"}));
+  ATTND_ASSIGN_OR_RETURN(
+      m->device_turn_waits_total,
+      r.AddCounter("attnd_device_turn_waits_total",
+                   "Device steps that waited for a step of the other kind to end, by work.",
+                   {"work"}));
+  ATTND_ASSIGN_OR_RETURN(
+      m->device_turn_wait_seconds_total,
+      r.AddCounter("attnd_device_turn_wait_seconds_total",
+                   "Time device steps spent waiting for their turn, by work.", {"work"}));
+  ATTND_ASSIGN_OR_RETURN(
+      m->prefill_owed_turns_total,
+      r.AddCounter("attnd_prefill_owed_turns_total",
+                   "Prefill steps admitted while decodes waited, because prefill was below its "
+                   "guaranteed share (--prefill-share)."));
+  ATTND_ASSIGN_OR_RETURN(
       m->auth_failures_total,
       r.AddCounter("attnd_auth_failures_total",
                    "RPCs rejected as UNAUTHENTICATED, by reason (missing, malformed, invalid).",

@@ -200,7 +200,12 @@ class AttndMetrics {
   CounterFamily* bytes_sent_total;          // {rpc}; response message bytes
   GaugeFamily* build_info;                  // {version, revision, backend, model}; always 1
   CounterFamily* idle_reclaimed_total;      // {}; sequences released by the idle timeout
-  CounterFamily* auth_failures_total;       // {reason}
+  // The step scheduler (server/sched/step_scheduler.h), work: "decode" | "prefill".
+  CounterFamily* device_steps_total;              // {work}; decode batches, prefill steps
+  CounterFamily* device_turn_waits_total;         // {work}; steps that waited for the other kind
+  CounterFamily* device_turn_wait_seconds_total;  // {work}; how long they waited
+  CounterFamily* prefill_owed_turns_total;        // {}; prefill steps run ahead of waiting decodes
+  CounterFamily* auth_failures_total;             // {reason}
 
  private:
   AttndMetrics() = default;

@@ -281,6 +281,8 @@ class AttndServerImpl : public AttndServer {
   std::unique_ptr<AdminService> admin_;       // before the queue: its queued work uses it
   std::unique_ptr<RequestLog> request_log_;   // before the service that writes to it
   std::shared_ptr<StepScheduler> steps_;      // shared with the runtime's options
+  Mutex steps_sampled_mu_;                    // scrapes may run at once
+  StepScheduler::Stats steps_sampled_ ABSL_GUARDED_BY(steps_sampled_mu_);
   std::unique_ptr<Runtime> runtime_;
   std::unique_ptr<WorkQueue> work_queue_;
   std::unique_ptr<DecodeExecutor> decode_executor_;
@@ -540,6 +542,24 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     if (health_only_ != nullptr && health_only_->listener() != nullptr) {
       metrics_->connections_open->Set({"health"},
                                       static_cast<double>(health_only_->listener()->stats().open));
+    }
+    if (steps_ != nullptr) {
+      // Counters from the scheduler's cumulative stats: add what grew since the last scrape.
+      MutexLock lock(&steps_sampled_mu_);
+      const StepScheduler::Stats now = steps_->stats();
+      const StepScheduler::Stats& was = steps_sampled_;
+      metrics_->device_steps_total->Increment({"decode"}, now.decode_steps - was.decode_steps);
+      metrics_->device_steps_total->Increment({"prefill"}, now.prefill_steps - was.prefill_steps);
+      metrics_->device_turn_waits_total->Increment({"decode"}, now.decode_waits - was.decode_waits);
+      metrics_->device_turn_waits_total->Increment({"prefill"},
+                                                   now.prefill_waits - was.prefill_waits);
+      metrics_->device_turn_wait_seconds_total->Increment(
+          {"decode"}, absl::ToDoubleSeconds(now.decode_wait - was.decode_wait));
+      metrics_->device_turn_wait_seconds_total->Increment(
+          {"prefill"}, absl::ToDoubleSeconds(now.prefill_wait - was.prefill_wait));
+      metrics_->prefill_owed_turns_total->Increment(
+          {}, now.prefill_owed_turns - was.prefill_owed_turns);
+      steps_sampled_ = now;
     }
     // The metrics listener starts before the service exists: read it through the atomic.
     if (const AttentionService* service = service_for_metrics_.load()) {

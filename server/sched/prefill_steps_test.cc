@@ -269,8 +269,7 @@ TEST_F(PrefillStepsTest, DecodesRunBetweenTheStepsOfALongPrefill) {
   const size_t first_p = order.find('p', order.find('p') + 1);  // the long call's first step
   const size_t last_p = order.rfind('p');
   ASSERT_NE(first_p, std::string::npos);
-  const int64_t between =
-      std::count(order.begin() + first_p, order.begin() + last_p, 'd');
+  const int64_t between = std::count(order.begin() + first_p, order.begin() + last_p, 'd');
   EXPECT_GT(between, 0) << "no decode ran inside the prefill call: " << order.size() << " turns";
   EXPECT_EQ((*rt->LayerLengths(prefilling, ""))[0], 400);
 }

@@ -149,6 +149,13 @@ TEST(OpsMetricsTest, ScrapeMatchesTheCallsMade) {
 
   // Two executed decode batches of one sequence each (unary and session).
   EXPECT_EQ(Sample(m, "attnd_decode_batch_size_count"), 2);
+  // The device's steps: those two batches, and two steps for each of the two prefills that ran
+  // (the CPU engine stages a call, then attends its rows; these rows fit one step). The tiny
+  // calls never met each other, so nothing waited.
+  EXPECT_EQ(Sample(m, "attnd_device_steps_total{work=\"decode\"}"), 2);
+  EXPECT_EQ(Sample(m, "attnd_device_steps_total{work=\"prefill\"}"), 4);
+  EXPECT_EQ(Sample(m, "attnd_device_turn_waits_total{work=\"decode\"}"), 0);
+  EXPECT_EQ(Sample(m, "attnd_prefill_owed_turns_total"), 0);
   EXPECT_EQ(Sample(m, "attnd_decode_batch_size_sum"), 2);
   EXPECT_EQ(Sample(m, "attnd_build_info{version=\"" + info.version() + "\",revision=\"" +
                           StampedRevision() + "\",backend=\"" + info.backend() + "\",model=\"" +
