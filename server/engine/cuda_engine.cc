@@ -143,8 +143,8 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   // Enqueues one decode step on stream_ for `rows` rows of a batch planned as `plan` rows: the
   // stage kernel (inputs and page tables from pinned host memory or a row's device tensors, KV
   // append), the split-K attention and its reduction, which writes the outputs into pinned host
-  // memory (or a row's device output). Three kernels,
-  // no copies; the same calls are captured into the graphs (rows == plan) and launched eagerly.
+  // memory or a row's device output. Three kernels, no copies; the same calls are captured into
+  // the graphs (rows == plan) and launched eagerly.
   absl::Status EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t plan)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CaptureDecodeGraphs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
