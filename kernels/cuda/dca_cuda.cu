@@ -108,7 +108,7 @@ absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodePipeKernel");
   cuda_kernels::DcaDecodeReduceKernel<D><<<dim3(p.batch, g.num_q_heads), D, 0, stream>>>(
       p.partial_out, p.partial_lse, p.lengths, p.max_splits, 16 * kDecodeWarps, p.out,
-      static_cast<int>(p.out_dtype));
+      static_cast<int>(p.out_dtype), p.row_outs);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReduceKernel");
   return absl::OkStatus();
 }
@@ -267,7 +267,8 @@ absl::Status LaunchDecodeStage(const CudaDecodeStageParams& p, cudaStream_t stre
                                     cuda_kernels::kDecodeStageThreads, 0, stream>>>(
       p.kv, p.rows, p.host_tables, static_cast<const char*>(p.host_q),
       static_cast<const char*>(p.host_k), static_cast<const char*>(p.host_v), p.q_row_bytes,
-      p.kv_row_bytes, p.lengths, p.q, p.num_q_heads, p.original_max_position_embeddings);
+      p.kv_row_bytes, p.lengths, p.q, p.row_outs, p.num_q_heads,
+      p.original_max_position_embeddings);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DecodeStageKernel");
   return absl::OkStatus();
 }

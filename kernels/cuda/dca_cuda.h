@@ -95,13 +95,16 @@ absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParams& params, cudaStre
 //   page_tables (device, kv.page_tables at kv.page_table_stride) row r <- host_tables row r
 //     (the first rows[r].num_pages entries; host_tables has the same stride);
 //   q (device bf16 [batch, 3, num_q_heads, head_dim]) row r <- the first 3 query variants of
-//     host_q + r * q_row_bytes, in rows[r].q_dtype;
+//     host_q + r * q_row_bytes (or of rows[r].q), in rows[r].q_dtype;
 //   the new token at position L - 1 appended as LaunchDecodeAppendKv does (key scaled by s(L)),
-//     from host_k / host_v + r * kv_row_bytes in rows[r].k_dtype / v_dtype, through the host table;
-//   lengths[r] <- L.
-// A row with L = 0 (padding of a captured batch size) only gets lengths[r] = 0. Every field is
-// read on the device, so a captured graph of this kernel serves any lengths, tables and dtypes.
-// Requires 16-byte aligned pointers, a page-table stride that is a multiple of 4, head_dim a
+//     from host_k / host_v + r * kv_row_bytes (or rows[r].k / v) in rows[r].k_dtype / v_dtype,
+//     through the host table;
+//   lengths[r] <- L; row_outs[r] <- rows[r].out, out_dtype.
+// A row with L = 0 (padding of a captured batch size) only gets lengths[r] = 0 and an empty
+// row_outs[r]. Every field is read on the device, so a captured graph of this kernel serves any
+// lengths, tables, dtypes and mix of host and device rows.
+// Requires 16-byte aligned pointers (the params'; a row's device tensors may have any alignment
+// of their dtype), a page-table stride that is a multiple of 4, head_dim a
 // multiple of 8, and slots of at least fp32 rows, 16-byte multiples (INVALID_ARGUMENT otherwise).
 struct DecodeStageRow {
   int32_t length = 0;
@@ -114,6 +117,26 @@ struct DecodeStageRow {
   // before this one, wrote the row's three bf16 variants into `q` and its rotated key as fp32 into
   // the k slot, so the stage leaves q alone and reads k as fp32.
   int32_t rotary = 0;
+  // Device rows (CUDA IPC regions, docs/regions.md): tensors in device memory of the launching
+  // device are read in place, any alignment of their dtype. Null: the row's pinned slot. A device
+  // q is the row's first three variants, variant rows q_pitch bytes apart ([Hq, D] for a
+  // pre-rotary row, read by the rotary kernel); a device k of a pre-rotary row is read by the
+  // rotary kernel, which still leaves the rotated key in the k slot.
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t q_pitch = 0;
+  // Null: the reduction writes the row's fp32 output into CudaDecodeParams::out. Else device
+  // memory [Hq, D] of out_dtype, which the reduction writes instead (the same fp32 values,
+  // converted on the device).
+  void* out = nullptr;
+  int32_t out_dtype = 0;  // static_cast<int32_t>(DType)
+};
+// A row's output destination as the stage kernel leaves it on the device for the reduction
+// (DecodeStageRow::out, out_dtype; null for host rows and padding).
+struct DecodeRowOut {
+  void* out = nullptr;
+  int32_t dtype = 0;
 };
 struct CudaDecodeStageParams {
   PagedKvBatch kv;                       // the layer's pool; page_tables = the device table to fill
@@ -124,8 +147,9 @@ struct CudaDecodeStageParams {
   const void* host_v = nullptr;
   int64_t q_row_bytes = 0;
   int64_t kv_row_bytes = 0;
-  int32_t* lengths = nullptr;  // device [batch]
-  Bf16* q = nullptr;           // device [batch, 3, num_q_heads, head_dim]
+  int32_t* lengths = nullptr;        // device [batch]
+  Bf16* q = nullptr;                 // device [batch, 3, num_q_heads, head_dim]
+  DecodeRowOut* row_outs = nullptr;  // device [batch], or null: not written
   int32_t num_q_heads = 0;
   int32_t batch = 0;
   int64_t original_max_position_embeddings = 0;
@@ -245,6 +269,10 @@ struct CudaDecodeParams {
   int32_t planned_batch = 0;
   float* partial_out = nullptr;  // [batch, num_q_heads, max_splits, head_dim] workspace
   float* partial_lse = nullptr;  // [batch, num_q_heads, max_splits] workspace
+  // [batch] or null: a row whose entry has an out pointer is written there ([num_q_heads,
+  // head_dim] of its dtype) instead of into `out` (the stage kernel fills it each step, so a
+  // captured graph serves any mix). Ignored by the reference kernel.
+  const DecodeRowOut* row_outs = nullptr;
 };
 
 // Split-K (flash-decoding) kernel, grid (max_splits, num_kv_heads, batch): each block walks its key

@@ -671,12 +671,12 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
 
 // grid (batch, num_q_heads), block D threads: out = sum_s w_s * partial_out_s with
 // w_s = 2^(lse_s - max) / sum over the row's live splits (DecodeLiveSplits with the split kernel's
-// tile), skipping empty ones.
+// tile), skipping empty ones. A row with a row_outs entry is stored there, in its dtype.
 template <int D>
 __global__ void __launch_bounds__(D)
     DcaDecodeReduceKernel(const float* partial_out, const float* partial_lse,
                           const int32_t* lengths, int max_splits, int split_tile, void* out,
-                          int out_dtype) {
+                          int out_dtype, const DecodeRowOut* row_outs = nullptr) {
   const int64_t slot = static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y;
   const int live = DecodeLiveSplits(lengths[blockIdx.x], max_splits, split_tile);
   const float* lse = partial_lse + slot * max_splits;
@@ -689,7 +689,15 @@ __global__ void __launch_bounds__(D)
     wsum += w;
     acc += w * partial_out[(slot * max_splits + s) * D + threadIdx.x];
   }
-  StoreOne(out, out_dtype, slot * D + threadIdx.x, wsum > 0.f ? acc / wsum : 0.f);
+  const float o = wsum > 0.f ? acc / wsum : 0.f;
+  if (row_outs != nullptr) {
+    const DecodeRowOut dst = row_outs[blockIdx.x];
+    if (dst.out != nullptr) {
+      StoreOne(dst.out, dst.dtype, static_cast<int64_t>(blockIdx.y) * D + threadIdx.x, o);
+      return;
+    }
+  }
+  StoreOne(out, out_dtype, slot * D + threadIdx.x, o);
 }
 
 // ---- simple reference kernels

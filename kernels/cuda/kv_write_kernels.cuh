@@ -92,16 +92,44 @@ __device__ __forceinline__ int32_t DTypeBytes(int dtype) {
   return dtype == static_cast<int>(DType::kFp32) ? 4 : 2;
 }
 
+// One 16-byte piece at `src`, which is at least 2-byte aligned (pinned slots are 16-byte aligned;
+// a device row's tensors have their dtype's alignment): one load when it can be, else narrower
+// ones (device memory, so a few more loads cost nothing like a bus round trip).
+__device__ __forceinline__ uint4 LoadPiece(const char* src) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(src);
+  if (at % 16 == 0) return *reinterpret_cast<const uint4*>(src);
+  uint32_t w[4];
+  if (at % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = reinterpret_cast<const uint32_t*>(src)[i];
+  } else {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = uint32_t{h[2 * i]} | (uint32_t{h[2 * i + 1]} << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 __global__ void __launch_bounds__(kDecodeStageThreads)
     DecodeStageKernel(PagedKvBatch kvb, const DecodeStageRow* rows, const int32_t* host_tables,
                       const char* host_q, const char* host_k, const char* host_v,
                       int64_t q_row_bytes, int64_t kv_row_bytes, int32_t* lengths, Bf16* q,
-                      int32_t num_q_heads, int64_t orig) {
+                      DecodeRowOut* row_outs, int32_t num_q_heads, int64_t orig) {
   const int32_t r = blockIdx.y;
   __shared__ DecodeStageRow row;
   if (threadIdx.x == 0) row = rows[r];
   __syncthreads();
-  if (blockIdx.x == 0 && threadIdx.x == 0) lengths[r] = max(row.length, 0);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    lengths[r] = max(row.length, 0);
+    if (row_outs != nullptr) {
+      DecodeRowOut o;
+      if (row.length >= 1) {
+        o.out = row.out;
+        o.dtype = row.out_dtype;
+      }
+      row_outs[r] = o;
+    }
+  }
   if (row.length < 1) return;  // padding of a captured batch size: nothing else
 
   const int64_t stride = kvb.page_table_stride;
@@ -120,6 +148,15 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
   const uint32_t ps = static_cast<uint32_t>(kvb.page_size);
   const PageIndexer pages(kvb.page_size);
   const float key_scale = LengthScale(row.length, orig);
+  // Where the row's pieces come from: its pinned slots, or its device tensors. q's variant rows
+  // may be apart (a device q's pitch); a slot's are dense. A pre-rotary row's key is in its slot.
+  const int64_t q_variant_bytes = int64_t{num_q_heads} * D * DTypeBytes(row.q_dtype);
+  const char* q_src = row.q != nullptr ? static_cast<const char*>(row.q) : host_q + r * q_row_bytes;
+  const int64_t q_pitch = row.q != nullptr ? row.q_pitch : q_variant_bytes;
+  const char* k_src = row.k != nullptr && row.rotary == 0 ? static_cast<const char*>(row.k)
+                                                          : host_k + r * kv_row_bytes;
+  const char* v_src =
+      row.v != nullptr ? static_cast<const char*>(row.v) : host_v + r * kv_row_bytes;
   for (int64_t base = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; base < total;
        base += step * kDecodeStageUnroll) {
     // Loads first: every piece (and the new token's page id) in flight at once.
@@ -132,17 +169,19 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
       if (i >= total) continue;
       const char* src;
       if (i < n_q) {
-        src = host_q + r * q_row_bytes + i * 16;
+        // A variant row is a whole number of pieces (head_dim is a multiple of 8).
+        const int64_t variant = i * 16 / q_variant_bytes;
+        src = q_src + variant * q_pitch + (i * 16 - variant * q_variant_bytes);
       } else if (i < n_q + n_t) {
         src = reinterpret_cast<const char*>(host_table) + (i - n_q) * 16;
       } else if (i < n_q + n_t + n_k) {
-        src = host_k + r * kv_row_bytes + (i - n_q - n_t) * 16;
+        src = k_src + (i - n_q - n_t) * 16;
         appends = true;
       } else {
-        src = host_v + r * kv_row_bytes + (i - n_q - n_t - n_k) * 16;
+        src = v_src + (i - n_q - n_t - n_k) * 16;
         appends = true;
       }
-      piece[u] = *reinterpret_cast<const uint4*>(src);
+      piece[u] = LoadPiece(src);
     }
     if (appends) page = host_table[pages.Page(static_cast<uint32_t>(pos))];
       // Then the stores.

@@ -42,7 +42,8 @@ absl::Status LaunchDualChunkRotary(const DcaGeometry& geometry, const CudaRotary
 // right before LaunchDecodeStage on the same slots (and captured with it in the decode graphs):
 // for each such row r, at position rows[r].length - 1, the three decode variants (intra, succ,
 // inter) of its q go to q[r] as bf16, and its key, rotated by the intra position, replaces the k
-// slot's contents as fp32. Rows without the flag (and padding rows) are left alone. Same
+// slot's contents as fp32 (q and k read from the row's device tensors when it has them,
+// DecodeStageRow::q / k). Rows without the flag (and padding rows) are left alone. Same
 // positions and numerics as LaunchDualChunkRotary (fp32 angle, fp64 sincos rounded to fp32).
 struct CudaDecodeRotaryParams {
   const DecodeStageRow* rows = nullptr;  // pinned host [batch]

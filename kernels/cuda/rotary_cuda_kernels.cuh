@@ -133,12 +133,15 @@ __global__ void DecodeRotaryKernel(DecodeRotaryArgs a) {
   float* raw_k = smem + 2 * kNv * half;
   const int64_t pos = row.length - 1;
   FillCosSin(kNv, pos, half, a.chunk_size, a.chunk_len, a.p.inv_freq, cos_v, sin_v);
-  const char* qrow = static_cast<const char*>(a.p.host_q) + r * a.p.q_row_bytes;
+  // A device row's q and k are read in place; the rotated key always goes to the row's k slot.
+  const char* qrow = row.q != nullptr ? static_cast<const char*>(row.q)
+                                      : static_cast<const char*>(a.p.host_q) + r * a.p.q_row_bytes;
   char* krow = static_cast<char*>(a.p.host_k) + r * a.p.kv_row_bytes;
+  const void* k_src = row.k != nullptr ? row.k : krow;
   const bool does_key = blockIdx.y == 0;
   const int kv_elems = a.num_kv_heads * d;
   for (int e = threadIdx.x; does_key && e < kv_elems; e += blockDim.x) {
-    raw_k[e] = cuda_common::LoadAsFloat(krow, row.k_dtype, e);
+    raw_k[e] = cuda_common::LoadAsFloat(k_src, row.k_dtype, e);
   }
   __syncthreads();
   const int row_elems = a.num_q_heads * d;

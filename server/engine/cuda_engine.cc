@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <deque>
 #include <optional>
 #include <string>
 #include <utility>
@@ -144,9 +143,10 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   }
 
   // Enqueues one decode step on stream_ for `rows` rows of a batch planned as `plan` rows: the
-  // stage kernel (inputs and page tables from pinned host memory, KV append), the split-K
-  // attention and its reduction, which writes the outputs into pinned host memory. Three kernels,
-  // no copies; the same calls are captured into the graphs (rows == plan) and launched eagerly.
+  // stage kernel (inputs and page tables from pinned host memory or a row's device tensors, KV
+  // append), the split-K attention and its reduction, which writes the outputs into pinned host
+  // memory or a row's device output. Three kernels, no copies; the same calls are captured into
+  // the graphs (rows == plan) and launched eagerly.
   absl::Status EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t plan)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CaptureDecodeGraphs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -207,9 +207,11 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The engine's checks of a decode job (what the kernels cannot survive).
   absl::Status CheckDecodeJob(const DecodeJob& job) const;
+  // Whether the step's kernels can read and write device memory `p` in place: memory of this
+  // engine's GPU. A region opened on another GPU (a shard past the first, docs/sharding.md) is
+  // copied through the row's pinned slots instead. A single visible GPU answers without asking.
+  bool OnThisDevice(const void* p) const;
   class Pending;
-  // Decode with some tensors in device memory: through host copies, then Decode.
-  absl::StatusOr<DecodeStats> DecodeFromDevice(const DecodeJob& job);
 
   const DcaGeometry geometry_;
   const KvLayout layout_;
@@ -274,6 +276,14 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   PinnedPtr h_tables_ ABSL_GUARDED_BY(mu_);      // [B, table_stride_]
   DevicePtr d_tables_ ABSL_GUARDED_BY(mu_);      // [B, table_stride_]
   PinnedPtr h_decode_out_ ABSL_GUARDED_BY(mu_);  // [B, Hq, D] fp32, written by the device
+  // Device rows (CUDA IPC regions): their q/k/v/out addresses go in their DecodeStageRow, and the
+  // stage kernel leaves each row's output address here for the reduction (DecodeRowOut [B]).
+  DevicePtr d_row_outs_ ABSL_GUARDED_BY(mu_);
+  int visible_devices_ = 0;  // cudaGetDeviceCount at creation
+  // Per row of the launch in flight: 1 when its out is device memory of another GPU, which
+  // DecodeFinish converts and copies there (its fp32 output lands in h_decode_out_ as a host
+  // row's).
+  std::vector<uint8_t> copy_out_ ABSL_GUARDED_BY(mu_);
   size_t workspace_floats_ = 0;
   DevicePtr d_workspace_ ABSL_GUARDED_BY(mu_);
   std::vector<float> scratch_ ABSL_GUARDED_BY(prefill_mu_);
@@ -418,6 +428,8 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   ATTND_ASSIGN_OR_RETURN(d_tables_, DeviceAlloc(b * table_stride_ * 4, "decode page tables"));
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_tables_.get(), 0, b * table_stride_ * 4, stream_));
   ATTND_ASSIGN_OR_RETURN(h_decode_out_, PinnedAlloc(b * hq * d * 4, "decode output"));
+  ATTND_ASSIGN_OR_RETURN(d_row_outs_, DeviceAlloc(b * sizeof(DecodeRowOut), "decode row outputs"));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&visible_devices_));
   for (int32_t batch = 1; batch <= max_decode_batch_; ++batch) {
     const int32_t splits = kernel_plan_->DecodeSplits(batch, max_length_);
     workspace_floats_ =
@@ -836,8 +848,39 @@ absl::Status CudaEngine::CheckDecodeJob(const DecodeJob& job) const {
     for (const TensorView* view : {&e.q, &e.k, &e.v}) {
       if (!IsKnownDType(view->dtype)) return absl::InvalidArgumentError("engine: bad dtype");
     }
+    // The step's kernels read device tensors in place, an element at a time at worst: each must
+    // be aligned to its dtype (a region reference's offset is, docs/regions.md).
+    const auto misaligned = [](const void* p, int64_t pitch, DType dtype) {
+      const int64_t size = ElementSize(dtype);
+      return reinterpret_cast<uintptr_t>(p) % size != 0 || pitch % size != 0;
+    };
+    const std::pair<const char*, const TensorView*> views[] = {
+        {"q", &e.q}, {"k", &e.k}, {"v", &e.v}};
+    for (const auto& [name, view] : views) {
+      if (view->on_device && misaligned(view->data, view->row_pitch, view->dtype)) {
+        return absl::InvalidArgumentError(absl::StrCat("engine: device tensor ", name, " (",
+                                                       DTypeName(view->dtype), ", row pitch ",
+                                                       view->row_pitch, ") is not aligned to its ",
+                                                       ElementSize(view->dtype), "-byte elements"));
+      }
+    }
+    if (e.out_on_device && misaligned(e.out, 0, e.out_dtype)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("engine: the device output (", DTypeName(e.out_dtype),
+                       ") is not aligned to its ", ElementSize(e.out_dtype), "-byte elements"));
+    }
   }
   return absl::OkStatus();
+}
+
+bool CudaEngine::OnThisDevice(const void* p) const {
+  if (visible_devices_ == 1) return true;
+  cudaPointerAttributes attr;
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();  // not sticky; the copy that follows reports a bad pointer
+    return false;
+  }
+  return attr.type == cudaMemoryTypeDevice && attr.device == device_;
 }
 
 // A started decode: holds the engine's lock from DecodeLaunch until DecodeFinish.
@@ -869,11 +912,6 @@ absl::StatusOr<std::unique_ptr<PendingDecode>> CudaEngine::StartDecode(const Dec
   if (job.entries.empty() || job.entries.size() > static_cast<size_t>(max_decode_batch_)) {
     return std::unique_ptr<PendingDecode>();
   }
-  for (const DecodeJob::Entry& e : job.entries) {
-    if (e.q.on_device || e.k.on_device || e.v.on_device || e.out_on_device) {
-      return std::unique_ptr<PendingDecode>();
-    }
-  }
   mu_.Lock();  // until Pending::Finish
   DecodeStats stats;
   absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice");
@@ -892,54 +930,11 @@ absl::StatusOr<DecodeStats> CudaEngine::Decode(const DecodeJob& job) {
   ATTND_RETURN_IF_ERROR(CheckDecodeJob(job));
   DecodeStats stats;
   if (job.entries.empty()) return stats;
-  for (const DecodeJob::Entry& e : job.entries) {
-    if (e.q.on_device || e.k.on_device || e.v.on_device || e.out_on_device) {
-      return DecodeFromDevice(job);
-    }
-  }
   MutexLock lock(&mu_);
   ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   for (size_t first = 0; first < job.entries.size(); first += max_decode_batch_) {
     ATTND_RETURN_IF_ERROR(DecodeBatch(
         job, first, std::min<size_t>(max_decode_batch_, job.entries.size() - first), &stats));
-  }
-  return stats;
-}
-
-absl::StatusOr<DecodeStats> CudaEngine::DecodeFromDevice(const DecodeJob& job) {
-  // A decode row is a few tens of KB and the step reads its rows from pinned host slots (the
-  // captured graphs' fixed addresses), so device rows are brought to the host first and outputs
-  // taken back: not the fast path for decode (rings are, docs/regions.md), but exact.
-  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-  DecodeJob host = job;
-  std::deque<std::string> copies;
-  const auto to_host = [&copies](TensorView* view) -> absl::Status {
-    if (!view->on_device) return absl::OkStatus();
-    const int64_t row = RowBytes(*view), rows = NumRows(*view);
-    std::string& c = copies.emplace_back(rows * row, '\0');
-    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2D(c.data(), row, view->data, RowPitch(*view), row, rows,
-                                            cudaMemcpyDeviceToHost));
-    view->data = c.data();
-    view->on_device = false;
-    view->row_pitch = 0;
-    return absl::OkStatus();
-  };
-  const int64_t out_row = int64_t{geometry_.num_q_heads} * geometry_.head_dim;
-  for (DecodeJob::Entry& e : host.entries) {
-    ATTND_RETURN_IF_ERROR(to_host(&e.q));
-    ATTND_RETURN_IF_ERROR(to_host(&e.k));
-    ATTND_RETURN_IF_ERROR(to_host(&e.v));
-    if (e.out_on_device) {
-      e.out = copies.emplace_back(out_row * ElementSize(e.out_dtype), '\0').data();
-      e.out_on_device = false;
-    }
-  }
-  ATTND_ASSIGN_OR_RETURN(const DecodeStats stats, Decode(host));
-  for (size_t i = 0; i < job.entries.size(); ++i) {
-    if (!job.entries[i].out_on_device) continue;
-    ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy(job.entries[i].out, host.entries[i].out,
-                                          out_row * ElementSize(job.entries[i].out_dtype),
-                                          cudaMemcpyHostToDevice));
   }
   return stats;
 }
@@ -1002,6 +997,7 @@ absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t 
   sp.kv_row_bytes = static_cast<int64_t>(kv_slot_);
   sp.lengths = d_len;
   sp.q = d_q;
+  sp.row_outs = static_cast<DecodeRowOut*>(d_row_outs_.get());
   sp.num_q_heads = geometry_.num_q_heads;
   sp.batch = rows;
   sp.original_max_position_embeddings = geometry_.original_max_position_embeddings;
@@ -1035,6 +1031,7 @@ absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t 
   }
   dp.partial_out = static_cast<float*>(d_workspace_.get());
   dp.partial_lse = dp.partial_out + static_cast<size_t>(rows) * hq * dp.max_splits * d;
+  dp.row_outs = sp.row_outs;
   return LaunchDcaDecode(*kernel_plan_, dp, stream_);
 }
 
@@ -1052,33 +1049,92 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
   const auto size = std::lower_bound(sizes_.begin(), sizes_.end(), b);
   const int32_t plan = size == sizes_.end() ? b : *size;
   const bool replay = !graphs_.empty() && size != sizes_.end();
-  // Only copies on the host: each row's tensors in their own dtype (the stage kernel converts).
+  // Only copies on the host, of host tensors: each row's tensors in their own dtype (the stage
+  // kernel converts). A device tensor's address goes in the row's DecodeStageRow and the kernels
+  // read it (and write a device output) in place: no copies, no synchronisation, and the
+  // captured graphs, which read the row table at run time, serve any mix of host and device rows.
   DecodeStageRow* rows = static_cast<DecodeStageRow*>(h_decode_.get());
   int32_t* tables = static_cast<int32_t*>(h_tables_.get());
+  // Per row: which inputs live on another GPU (bit 0 q, 1 k, 2 v), copied into the slots below.
+  std::vector<uint8_t> copy_in(b, 0);
+  copy_out_.assign(b, 0);
   auto pack = [&](int64_t i) {
     const DecodeJob::Entry& e = job.entries[first + i];
-    rows[i].length = static_cast<int32_t>(e.length);
-    rows[i].num_pages = static_cast<int32_t>(e.num_pages);
-    rows[i].v_dtype = static_cast<int32_t>(e.v.dtype);
-    // Each row's tensors in their own dtype. A pre-rotary row's q is [Hq, D] (one variant's
-    // worth): the decode rotary kernel, first in the step, turns it into the three bf16 variants
-    // and rotates k in its slot (DecodeStageRow::rotary).
+    DecodeStageRow row;
+    row.length = static_cast<int32_t>(e.length);
+    row.num_pages = static_cast<int32_t>(e.num_pages);
+    // A pre-rotary row's q is [Hq, D] (one variant's worth): the decode rotary kernel, first in
+    // the step, turns it into the three bf16 variants and rotates k into its slot
+    // (DecodeStageRow::rotary).
     const bool rotary = e.q_layout == QLayout::kPreRotary;
-    rows[i].rotary = rotary ? 1 : 0;
-    rows[i].q_dtype = static_cast<int32_t>(e.q.dtype);
-    rows[i].k_dtype = static_cast<int32_t>(e.k.dtype);
-    CopyRowsToDense(e.q, 0, rotary ? 1 : kNumDecodeVariants, At(h_decode_, h_q_off_ + i * q_slot_));
-    std::memcpy(At(h_decode_, h_k_off_ + i * kv_slot_), e.k.data, kv_n * ElementSize(e.k.dtype));
-    std::memcpy(At(h_decode_, h_v_off_ + i * kv_slot_), e.v.data, kv_n * ElementSize(e.v.dtype));
+    row.rotary = rotary ? 1 : 0;
+    row.q_dtype = static_cast<int32_t>(e.q.dtype);
+    row.k_dtype = static_cast<int32_t>(e.k.dtype);
+    row.v_dtype = static_cast<int32_t>(e.v.dtype);
+    if (!e.q.on_device) {
+      CopyRowsToDense(e.q, 0, rotary ? 1 : kNumDecodeVariants,
+                      At(h_decode_, h_q_off_ + i * q_slot_));
+    } else if (OnThisDevice(e.q.data)) {
+      row.q = e.q.data;
+      row.q_pitch = RowPitch(e.q);
+    } else {
+      copy_in[i] |= 1;
+    }
+    if (!e.k.on_device) {
+      std::memcpy(At(h_decode_, h_k_off_ + i * kv_slot_), e.k.data, kv_n * ElementSize(e.k.dtype));
+    } else if (OnThisDevice(e.k.data)) {
+      row.k = e.k.data;
+    } else {
+      copy_in[i] |= 2;
+    }
+    if (!e.v.on_device) {
+      std::memcpy(At(h_decode_, h_v_off_ + i * kv_slot_), e.v.data, kv_n * ElementSize(e.v.dtype));
+    } else if (OnThisDevice(e.v.data)) {
+      row.v = e.v.data;
+    } else {
+      copy_in[i] |= 4;
+    }
+    if (e.out_on_device && OnThisDevice(e.out)) {
+      row.out = e.out;
+      row.out_dtype = static_cast<int32_t>(e.out_dtype);
+    } else if (e.out_on_device) {
+      copy_out_[i] = 1;
+    }
+    rows[i] = row;
     std::memcpy(tables + i * table_stride_, e.page_table, e.num_pages * 4);
   };
-  const bool parallel = b >= kParallelCopyRows;
-  if (parallel) {
+  int32_t host_rows = 0;
+  for (size_t i = first; i < first + count; ++i) {
+    const DecodeJob::Entry& e = job.entries[i];
+    host_rows += !e.q.on_device || !e.k.on_device || !e.v.on_device;
+  }
+  if (host_rows >= kParallelCopyRows) {
     copy_pool_.ParallelFor(b, pack);
   } else {
     for (int32_t i = 0; i < b; ++i) pack(i);
   }
   for (int32_t i = b; i < plan; ++i) rows[i] = DecodeStageRow();  // padding: length 0, skipped
+  // Inputs on another GPU: copied into the row's slots on the stream, ahead of the step.
+  for (int32_t i = 0; i < b; ++i) {
+    if (copy_in[i] == 0) continue;
+    const DecodeJob::Entry& e = job.entries[first + i];
+    if (copy_in[i] & 1) {
+      const int64_t n = e.q_layout == QLayout::kPreRotary ? 1 : kNumDecodeVariants;
+      ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(At(h_decode_, h_q_off_ + i * q_slot_),
+                                                   RowBytes(e.q), e.q.data, RowPitch(e.q),
+                                                   RowBytes(e.q), n, cudaMemcpyDefault, stream_));
+    }
+    if (copy_in[i] & 2) {
+      ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(h_decode_, h_k_off_ + i * kv_slot_), e.k.data,
+                                                 kv_n * ElementSize(e.k.dtype), cudaMemcpyDefault,
+                                                 stream_));
+    }
+    if (copy_in[i] & 4) {
+      ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(h_decode_, h_v_off_ + i * kv_slot_), e.v.data,
+                                                 kv_n * ElementSize(e.v.dtype), cudaMemcpyDefault,
+                                                 stream_));
+    }
+  }
   if (replay) {
     const size_t index = static_cast<size_t>(size - sizes_.begin());
     ATTND_CUDA_RETURN_IF_ERROR(
@@ -1094,17 +1150,28 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
 absl::Status CudaEngine::DecodeFinish(const DecodeJob& job, size_t first, size_t count) {
   const int64_t out_n = int64_t{geometry_.num_q_heads} * geometry_.head_dim;
   const int32_t b = static_cast<int32_t>(count);
-  const bool parallel = b >= kParallelCopyRows;
+  int32_t host_outs = 0;
+  for (size_t i = first; i < first + count; ++i) host_outs += !job.entries[i].out_on_device;
   ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  // Host outputs are converted from the pinned fp32 rows; device outputs are already written.
   const float* out = static_cast<const float*>(h_decode_out_.get());
   auto unpack = [&](int64_t i) {
     const DecodeJob::Entry& e = job.entries[first + i];
-    ConvertFromFloat(out + i * out_n, out_n, e.out_dtype, e.out);
+    if (!e.out_on_device) ConvertFromFloat(out + i * out_n, out_n, e.out_dtype, e.out);
   };
-  if (parallel) {
+  if (host_outs >= kParallelCopyRows) {
     copy_pool_.ParallelFor(b, unpack);
-  } else {
+  } else if (host_outs > 0) {
     for (int32_t i = 0; i < b; ++i) unpack(i);
+  }
+  // Device outputs on another GPU: converted here from the same fp32 rows, then copied there.
+  for (int32_t i = 0; i < b && static_cast<size_t>(i) < copy_out_.size(); ++i) {
+    if (copy_out_[i] == 0) continue;
+    const DecodeJob::Entry& e = job.entries[first + i];
+    std::vector<uint8_t> converted(out_n * ElementSize(e.out_dtype));
+    ConvertFromFloat(out + i * out_n, out_n, e.out_dtype, converted.data());
+    ATTND_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(e.out, converted.data(), converted.size(), cudaMemcpyDefault));
   }
   return absl::OkStatus();
 }

@@ -10,12 +10,14 @@
 // slots of pinned memory; one step is three kernels and no copies: a stage kernel that reads those
 // slots through their mapped addresses (page tables, q converted to bf16, the new K/V appended to
 // the pool), the split-K attention, and its reduction, which writes the fp32 outputs straight into
-// pinned host memory. Then one synchronisation. Decode steps replay CUDA graphs: at creation (so
-// before the server reports SERVING) the engine captures that step for every captured batch size P
-// and every layer. A batch of n < P entries pads with length-0 rows, which the kernels skip. One
-// graph per (size, layer) rather than one per size: the layer's K/V base pointers are kernel
-// arguments, and the graphs are small (docs/batching.md has the measured memory and capture
-// time). No CUDA types in this header.
+// pinned host memory. Then one synchronisation. Rows whose tensors are device memory (CUDA IPC
+// regions) are not copied: their addresses go in the row table, and the same kernels read q/k/v
+// and write the output (in its dtype) there, so host and device rows mix in one step. Decode steps
+// replay CUDA graphs: at creation (so before the server reports SERVING) the engine captures that
+// step for every captured batch size P and every layer. A batch of n < P entries pads with length-0
+// rows, which the kernels skip. One graph per (size, layer) rather than one per size: the layer's
+// K/V base pointers are kernel arguments, and the graphs are small (docs/batching.md has the
+// measured memory and capture time). No CUDA types in this header.
 #ifndef ATTND_SERVER_ENGINE_CUDA_ENGINE_H_
 #define ATTND_SERVER_ENGINE_CUDA_ENGINE_H_
 

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -359,6 +360,252 @@ TEST(CudaEngine, GraphReplayIsBitIdenticalToEagerLaunch) {
     for (int j = 0; j < n; ++j) ++lengths[(first + j) % n_seq];
     first = (first + n) % n_seq;
   }
+}
+
+// Device memory for a test's "region" tensors (what a CUDA IPC region maps to).
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) {
+    if (cudaMalloc(&p_, bytes) != cudaSuccess) p_ = nullptr;
+    if (p_ != nullptr) cudaMemset(p_, 0xff, bytes);  // poisoned: an unwritten output shows
+  }
+  ~DeviceBuffer() { cudaFree(p_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  char* get() const { return static_cast<char*>(p_); }
+
+ private:
+  void* p_ = nullptr;
+};
+
+// Decode with q/k/v and outputs in device memory (CUDA IPC region tensors) must equal the same
+// decode from host memory bit for bit: two engines with the same KV, one fed host tensors, one
+// device tensors (every row, or a mix of host rows, device rows and rows with some of each),
+// through captured graphs (4, 3 -> 4) and eager launches (12 > the largest size, 8). Rows mix
+// kVariants and kPreRotary queries, bf16/fp16/fp32 inputs and outputs, q with a row pitch and
+// device addresses that are not 16-byte aligned (only element aligned). The device engine's
+// outputs are also checked against the fp64 reference.
+TEST(CudaEngine, DeviceRowsMatchHostRowsBitForBit) {
+  REQUIRE_GPU();
+  CudaEngineOptions opts = TestOptions();
+  opts.geometry.chunk_size = opts.geometry.chunk_len + 16;
+  opts.geometry.rope_theta = 10000.0;
+  opts.geometry.rotary_dim = 128;
+  opts.layout.num_pages = 640;
+  opts.max_decode_batch = 16;
+  opts.graph_batch_sizes = {1, 2, 4, 8};
+  auto host_engine = CreateCudaEngine(opts);
+  ASSERT_TRUE(host_engine.ok()) << host_engine.status();
+  auto device_engine = CreateCudaEngine(opts);
+  ASSERT_TRUE(device_engine.ok()) << device_engine.status();
+  Engine& a = **host_engine;
+  Engine& b = **device_engine;
+  const DcaGeometry g = opts.geometry;
+  const int64_t hq = g.num_q_heads, hkv = g.num_kv_heads, d = g.head_dim;
+  const int32_t page = opts.layout.page_size;
+  std::mt19937 rng(23);
+
+  const std::vector<int64_t> prompts = {1, 16, 17, 63, 64, 65, 100, 129, 200, 256, 301, 40};
+  const int n_seq = static_cast<int>(prompts.size());
+  std::vector<int32_t> perm(opts.layout.num_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<std::vector<int32_t>> pages(n_seq);
+  std::vector<int64_t> lengths(n_seq);
+  std::vector<naive::NaiveSequence> refs;
+  size_t next = 0;
+  for (int i = 0; i < n_seq; ++i) {
+    const int64_t n_pages = (prompts[i] + 8 + page - 1) / page;
+    pages[i].assign(perm.begin() + next, perm.begin() + next + n_pages);
+    next += n_pages;
+    refs.emplace_back(g, opts.layout.num_layers);
+  }
+  ASSERT_LE(next, perm.size());
+  for (int layer = 0; layer < 2; ++layer) {
+    for (int i = 0; i < n_seq; ++i) {
+      const int64_t t = prompts[i];
+      const Tensor q = RandomTensor({t, kNumQueryVariants, hq, d}, DType::kBf16, &rng);
+      const Tensor k = RandomTensor({t, hkv, d}, DType::kBf16, &rng);
+      const Tensor v = RandomTensor({t, hkv, d}, DType::kBf16, &rng);
+      std::vector<uint8_t> out(t * hq * d * 4);
+      PrefillJob job = EngineJobsForTesting::Prefill();
+      job.layer = layer;
+      job.page_table = pages[i].data();
+      job.num_pages = static_cast<int64_t>(pages[i].size());
+      job.num_tokens = t;
+      job.prompt_len = t;
+      job.q = q.view();
+      job.k = k.view();
+      job.v = v.view();
+      job.out = out.data();
+      ASSERT_TRUE(a.Prefill(job).ok());
+      ASSERT_TRUE(b.Prefill(job).ok());
+      ASSERT_TRUE(refs[i].Prefill(layer, q.values, k.values, v.values, t).ok());
+      lengths[i] = t;
+    }
+  }
+
+  // Where a row's tensors live in the device engine's job.
+  struct Placement {
+    bool q, k, v, out;
+  };
+  const auto placement = [](bool all_device, int j) -> Placement {
+    if (all_device) return {true, true, true, true};
+    switch (j % 4) {
+      case 0:
+        return {false, false, false, false};  // a host row
+      case 1:
+        return {true, true, true, true};  // a device row
+      case 2:
+        return {true, false, false, false};  // device q, the rest on the host
+      default:
+        return {false, true, true, true};  // device k, v and output
+    }
+  };
+  struct Step {
+    int n;
+    bool all_device;
+    bool split;  // through StartDecode / Finish
+  };
+  // 4: a captured size; 3: padded to 4; 12: eager (larger than every captured size).
+  const std::vector<Step> steps = {
+      {4, true, false}, {3, false, true}, {12, true, false}, {12, false, false}, {4, false, true}};
+  const DType kDtypes[] = {DType::kBf16, DType::kFp32, DType::kFp16};
+  int first = 0;
+  for (size_t si = 0; si < steps.size(); ++si) {
+    const Step& step = steps[si];
+    for (int layer = 0; layer < 2; ++layer) {
+      const int n = step.n;
+      std::vector<Tensor> qs, ks, vs;
+      std::vector<std::vector<uint8_t>> out_a, out_b;
+      std::vector<int> which;
+      std::vector<bool> pre_rotary;
+      for (int j = 0; j < n; ++j) {
+        which.push_back((first + j) % n_seq);
+        const DType in = kDtypes[(si + j) % 3];
+        const DType out = kDtypes[(si + j + 1) % 3];
+        pre_rotary.push_back(j % 4 == 3 || (j % 5 == 1));
+        // kVariants q carries 5 variants on even rows, 3 on odd ones.
+        qs.push_back(pre_rotary[j] ? RandomTensor({hq, d}, in, &rng)
+                                   : RandomTensor({j % 2 ? 3 : 5, hq, d}, in, &rng));
+        ks.push_back(RandomTensor({hkv, d}, in, &rng));
+        vs.push_back(RandomTensor({hkv, d}, kDtypes[(si + j + 2) % 3], &rng));
+        out_a.emplace_back(hq * d * ElementSize(out), 0xff);
+        out_b.emplace_back(hq * d * ElementSize(out), 0x7f);
+      }
+      // The device engine's region: each tensor at its own offset, not 16-byte aligned on odd
+      // rows; q of even rows with a row pitch that is not a multiple of 16 either.
+      const size_t slot = 4 * (5 * hq * d * 4 + 512);  // a row's q, k, v and out, with slack
+      DeviceBuffer region(slot * n);
+      ASSERT_NE(region.get(), nullptr);
+      DecodeJob job_a = EngineJobsForTesting::Decode(), job_b = EngineJobsForTesting::Decode();
+      job_a.layer = job_b.layer = layer;
+      for (int j = 0; j < n; ++j) {
+        const int i = which[j];
+        const DType out_dtype = kDtypes[(si + j + 1) % 3];
+        DecodeJob::Entry e;
+        e.page_table = pages[i].data();
+        e.num_pages = static_cast<int64_t>(pages[i].size());
+        e.length = lengths[i] + 1;
+        e.q_layout = pre_rotary[j] ? QLayout::kPreRotary : QLayout::kVariants;
+        e.q = qs[j].view();
+        e.k = ks[j].view();
+        e.v = vs[j].view();
+        e.out = out_a[j].data();
+        e.out_dtype = out_dtype;
+        job_a.entries.push_back(e);
+
+        const Placement at = placement(step.all_device, j);
+        char* base = region.get() + j * slot;
+        const size_t skew = j % 2 ? 2 * ElementSize(qs[j].dtype) : 0;
+        const auto to_device = [&](const Tensor& t, size_t offset, int64_t pitch) {
+          TensorView view = t.view();
+          char* dst = base + offset + skew;
+          const int64_t row = RowBytes(view), rows = NumRows(view);
+          EXPECT_EQ(cudaMemcpy2D(dst, pitch != 0 ? pitch : row, t.bytes.data(), row, row, rows,
+                                 cudaMemcpyHostToDevice),
+                    cudaSuccess);
+          view.data = dst;
+          view.on_device = true;
+          view.row_pitch = pitch;
+          return view;
+        };
+        const int64_t q_row = RowBytes(qs[j].view());
+        const int64_t q_pitch =
+            !pre_rotary[j] && j % 2 == 0 ? q_row + 6 * ElementSize(qs[j].dtype) : 0;
+        if (at.q) e.q = to_device(qs[j], 0, q_pitch);
+        if (at.k) e.k = to_device(ks[j], 5 * hq * d * 4 + 256, 0);
+        if (at.v) e.v = to_device(vs[j], 6 * hq * d * 4, 0);
+        if (at.out) {
+          e.out = base + 7 * hq * d * 4 + skew;
+          e.out_on_device = true;
+        } else {
+          e.out = out_b[j].data();
+        }
+        job_b.entries.push_back(e);
+      }
+      absl::StatusOr<DecodeStats> ran_a = a.Decode(job_a);
+      ASSERT_TRUE(ran_a.ok()) << ran_a.status();
+      absl::StatusOr<DecodeStats> ran_b;
+      if (step.split) {
+        absl::StatusOr<std::unique_ptr<PendingDecode>> started = b.StartDecode(job_b);
+        ASSERT_TRUE(started.ok()) << started.status();
+        ASSERT_NE(*started, nullptr) << "a batch with device rows did not start as a split launch";
+        ran_b = (*started)->Finish();
+      } else {
+        ran_b = b.Decode(job_b);
+      }
+      ASSERT_TRUE(ran_b.ok()) << ran_b.status();
+      EXPECT_EQ(ran_a->graph_replays, ran_b->graph_replays);
+      EXPECT_EQ(ran_a->eager_launches, ran_b->eager_launches);
+      EXPECT_EQ(ran_b->graph_replays, n <= 8 ? 1 : 0) << "batch " << n;
+      for (int j = 0; j < n; ++j) {
+        const DecodeJob::Entry& e = job_b.entries[j];
+        if (e.out_on_device) {
+          ASSERT_EQ(cudaMemcpy(out_b[j].data(), e.out, out_b[j].size(), cudaMemcpyDeviceToHost),
+                    cudaSuccess);
+        }
+        const std::string what =
+            "step " + std::to_string(si) + " layer " + std::to_string(layer) + " row " +
+            std::to_string(j) + (pre_rotary[j] ? " pre-rotary" : "") +
+            (e.out_on_device ? " device out " : " host out ") + std::string(DTypeName(e.out_dtype));
+        EXPECT_EQ(std::memcmp(out_a[j].data(), out_b[j].data(), out_a[j].size()), 0)
+            << what << ": the device tensors' output differs from the host tensors'";
+        auto want =
+            pre_rotary[j]
+                ? refs[which[j]].DecodePreRotary(layer, qs[j].values, ks[j].values, vs[j].values)
+                : refs[which[j]].Decode(layer, qs[j].values, ks[j].values, vs[j].values);
+        ASSERT_TRUE(want.ok()) << want.status();
+        ExpectClose(out_b[j], e.out_dtype, *want, what);
+      }
+    }
+    for (int j = 0; j < step.n; ++j) ++lengths[(first + j) % n_seq];
+    first = (first + step.n) % n_seq;
+  }
+
+  // A device tensor that is not aligned to its elements is refused before anything runs.
+  DeviceBuffer region(1 << 20);
+  ASSERT_NE(region.get(), nullptr);
+  const Tensor q = RandomTensor({3, hq, d}, DType::kFp32, &rng);
+  const Tensor k = RandomTensor({hkv, d}, DType::kFp32, &rng);
+  std::vector<float> out(hq * d);
+  DecodeJob job = EngineJobsForTesting::Decode();
+  DecodeJob::Entry e;
+  e.page_table = pages[0].data();
+  e.num_pages = static_cast<int64_t>(pages[0].size());
+  e.length = lengths[0] + 1;
+  e.q = q.view();
+  e.k = k.view();
+  e.v = k.view();
+  e.k.data = region.get() + 2;  // fp32 at a 2-byte offset
+  e.k.on_device = true;
+  e.out = out.data();
+  job.entries.push_back(e);
+  const absl::Status st = b.Decode(job).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("device tensor k (fp32, row pitch 0) is not aligned"),
+            std::string::npos)
+      << st;
 }
 
 TEST(CudaEngine, RejectsBadPagesAndShapes) {
