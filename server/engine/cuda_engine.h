@@ -1,10 +1,12 @@
 // The CUDA backend: the KV pool is one cudaMalloc laid out as kvcache/kv_layout.h says (bf16 K/V),
-// and attention runs on the kernels of kernels/cuda/dca_cuda.h on one CUDA stream.
+// and attention runs on the kernels of kernels/cuda/dca_cuda.h on two CUDA streams: decode at the
+// device's highest priority, prefill at its lowest, so decode blocks are dispatched first.
 //
 // Prefill: request tensors are packed into pinned host staging buffers, copied to preallocated
-// device buffers with one stream, converted to bf16 on the device, appended to the pool, attended,
-// and copied back; the only host synchronisation is the final copy-out (a prefill longer than the
-// staging buffers runs as consecutive chunks, one sync each, which is exactly chunked prefill).
+// device buffers on the prefill stream, converted to bf16 on the device, appended to the pool,
+// attended, and copied back; a prefill longer than the staging buffers runs as consecutive chunks,
+// one sync each, which is exactly chunked prefill. A call runs as steps (StartPrefill,
+// docs/scheduling.md): each chunk's attention in key-tile windows of bounded length.
 //
 // Decode: the host only copies each row's tensors (in their own dtype) and page table into fixed
 // slots of pinned memory; one step is three kernels and no copies: a stage kernel that reads those
