@@ -215,6 +215,12 @@ class ShardedEngine : public Engine {
     return shards_[0]->decode_batch_sizes();
   }
   bool decode_graphs() const override { return shards_[0]->decode_graphs(); }
+  // A call runs as one step on every shard at once; decode may overlap it where every shard's
+  // engine overlaps the two.
+  bool overlaps_prefill_and_decode() const override {
+    return std::all_of(shards_.begin(), shards_.end(),
+                       [](const auto& shard) { return shard->overlaps_prefill_and_decode(); });
+  }
 
   absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) override {
     for (const DecodeJob::Entry& e : job.entries) {
