@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -90,7 +91,8 @@ int Run() {
   std::iota(ids.begin(), ids.end(), 0);
   CHECK_CUDA(cudaMalloc(&table, pages * 4));
   CHECK_CUDA(cudaMemcpy(table, ids.data(), pages * 4, cudaMemcpyHostToDevice));
-  const size_t q_bytes = static_cast<size_t>(n) * kNumQueryVariants * g.num_q_heads * g.head_dim * 2;
+  const size_t q_bytes =
+      static_cast<size_t>(n) * kNumQueryVariants * g.num_q_heads * g.head_dim * 2;
   const size_t out_bytes = static_cast<size_t>(n) * g.num_q_heads * g.head_dim * 4;
   CHECK_CUDA(cudaMalloc(&q, q_bytes));
   CHECK_CUDA(cudaMemset(q, 0x3c, q_bytes));
@@ -176,11 +178,12 @@ int Run() {
       CHECK_CUDA(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost));
       const bool same = std::memcmp(got.data(), want.data(), out_bytes) == 0;
       const double all = Median(total_ms);
-      Emit("  window %4lld tiles: %4lld launches, total %.3f ms (%+.1f%%), per launch mean %.3f ms "
-           "max %.3f ms, output %s\n",
-           static_cast<long long>(w), static_cast<long long>(launches), all,
-           100.0 * (all / whole - 1.0), Median(mean_launch_ms), Median(max_launch_ms),
-           same ? "identical" : "DIFFERENT");
+      Emit(
+          "  window %4lld tiles: %4lld launches, total %.3f ms (%+.1f%%), per launch mean %.3f ms "
+          "max %.3f ms, output %s\n",
+          static_cast<long long>(w), static_cast<long long>(launches), all,
+          100.0 * (all / whole - 1.0), Median(mean_launch_ms), Median(max_launch_ms),
+          same ? "identical" : "DIFFERENT");
       if (!same) return 1;
     }
     p.key_tile_begin = p.key_tile_end = 0;

@@ -87,7 +87,9 @@ struct PrefillArgs {
 
 // A query tile's key tiles of BN keys, in the order the prefill kernels visit them: inter
 // [0, prev - cl), succ [prev - cl, prev), intra [prev, max_q_pos], each range cut into tiles from
-// its own start. The host counts a call's tiles with it too (PrefillKeyTiles).
+// its own start; the host counts a call's tiles with it (PrefillKeyTiles).
+// NOTE: the kernels spell the same count inline: through this struct ptxas allocated the mma.sync
+// kernel's registers differently (same_sass.py), and the whole launch's code is kept as tuned.
 struct KeyTiles {
   int32_t inter_hi, succ_lo;  // end of the inter range, start of the succ range
   int n_inter, n_succ, n_intra;
