@@ -28,9 +28,37 @@ template <int D>
 constexpr size_t MmaPrefillSmemBytes() {
   return (2 * kMmaStages * kMmaBlockN + 16 * kMmaTiles * kMmaWarps) * (D + 8) * sizeof(Bf16);
 }
-template <int D>
+template <int D, bool kWindowed = false>
 constexpr auto MmaPrefillKernel() {
-  return cuda_kernels::DcaPrefillKernel<D, kMmaWarps, kMmaStages, kMmaTiles, kMmaBlockN>;
+  return cuda_kernels::DcaPrefillKernel<D, kMmaWarps, kMmaStages, kMmaTiles, kMmaBlockN, kWindowed>;
+}
+// Bytes of window state per prefill block of the plan's kernel.
+size_t PrefillStateBlockBytes(const CudaKernelPlan& plan, int d) {
+  namespace wg = cuda_kernels::wgmma;
+  if (plan.prefill_kernel() == PrefillKernel::kWgmma) {
+    return sizeof(float) * wg::kThreads *
+           (d == 128 ? wg::kPrefillStateFields<128> : wg::kPrefillStateFields<64>);
+  }
+  return sizeof(float) * 32 * kMmaWarps * cuda_kernels::PrefillStateFields(d, kMmaTiles);
+}
+// Query rows per prefill block (both kernels: 128).
+constexpr int kMmaBlockM = 16 * kMmaTiles * kMmaWarps;
+static_assert(kMmaBlockM == cuda_kernels::wgmma::kBlockM, "PrefillWindowStateBytes: block rows");
+
+// INVALID_ARGUMENT unless a windowed launch of `tiles` query tiles has its state workspace.
+absl::Status CheckWindowState(const CudaKernelPlan& plan, const CudaPrefillParams& p,
+                              int64_t tiles) {
+  const size_t need = static_cast<size_t>(tiles) * plan.geometry().num_kv_heads *
+                      PrefillStateBlockBytes(plan, plan.geometry().head_dim);
+  if (p.window_state == nullptr || reinterpret_cast<uintptr_t>(p.window_state) % 4 != 0 ||
+      p.window_state_bytes < need) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefill: key tile window [", p.key_tile_begin, ", ", p.key_tile_end,
+        ") needs window_state, 4-byte aligned, of at least ", need,
+        " bytes (PrefillWindowStateBytes); got ", p.window_state == nullptr ? "null" : "a pointer",
+        " of ", p.window_state_bytes, " bytes"));
+  }
+  return absl::OkStatus();
 }
 // The decode kernel: 4 warps, 64-key tiles, a ring of Stages (2 or 3).
 constexpr int kDecodeWarps = 4;
@@ -54,9 +82,17 @@ absl::Status PrepareKernels(const DcaGeometry& g, bool wgmma, int32_t* blocks_s2
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                     static_cast<int>(smem)));
   }
-  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(MmaPrefillKernel<D>(),
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  static_cast<int>(MmaPrefillSmemBytes<D>())));
+  if (wgmma) {
+    ATTND_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(cuda_kernels::wgmma::DcaPrefillWgmmaKernel<D, true>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(cuda_kernels::wgmma::PrefillSmemBytes<D>())));
+  }
+  for (const auto kernel : {MmaPrefillKernel<D>(), MmaPrefillKernel<D, true>()}) {
+    ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    static_cast<int>(MmaPrefillSmemBytes<D>())));
+  }
   const size_t smem2 = DecodeSmemBytes(g, 2), smem3 = DecodeSmemBytes(g, 3);
   ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       DecodeKernel<D, 2>(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem2)));
@@ -73,12 +109,14 @@ absl::Status PrepareKernels(const DcaGeometry& g, bool wgmma, int32_t* blocks_s2
 }
 
 template <int D>
-absl::Status LaunchMmaPrefill(const DcaGeometry& g, const CudaPrefillParams& p,
+absl::Status LaunchMmaPrefill(const CudaKernelPlan& plan, const CudaPrefillParams& p, bool windowed,
                               cudaStream_t stream) {
+  const DcaGeometry& g = plan.geometry();
   cuda_kernels::PrefillArgs a;
   int64_t tiles = 0;
-  ATTND_RETURN_IF_ERROR(PlanPrefill(g, p, 16 * kMmaTiles * kMmaWarps, &a, &tiles));
-  const auto kernel = MmaPrefillKernel<D>();
+  ATTND_RETURN_IF_ERROR(PlanPrefill(g, p, kMmaBlockM, &a, &tiles));
+  if (windowed) ATTND_RETURN_IF_ERROR(CheckWindowState(plan, p, tiles));
+  const auto kernel = windowed ? MmaPrefillKernel<D, true>() : MmaPrefillKernel<D>();
   kernel<<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads), 32 * kMmaWarps,
            MmaPrefillSmemBytes<D>(), stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaPrefillKernel");
@@ -86,14 +124,17 @@ absl::Status LaunchMmaPrefill(const DcaGeometry& g, const CudaPrefillParams& p,
 }
 
 template <int D>
-absl::Status LaunchWgmmaPrefill(const DcaGeometry& g, const CudaPrefillParams& p,
-                                cudaStream_t stream) {
+absl::Status LaunchWgmmaPrefill(const CudaKernelPlan& plan, const CudaPrefillParams& p,
+                                bool windowed, cudaStream_t stream) {
   namespace wg = cuda_kernels::wgmma;
+  const DcaGeometry& g = plan.geometry();
   cuda_kernels::PrefillArgs a;
   int64_t tiles = 0;
   ATTND_RETURN_IF_ERROR(PlanPrefill(g, p, wg::kBlockM, &a, &tiles));
-  wg::DcaPrefillWgmmaKernel<D><<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads),
-                                 wg::kPrefillThreads, wg::PrefillSmemBytes<D>(), stream>>>(a);
+  if (windowed) ATTND_RETURN_IF_ERROR(CheckWindowState(plan, p, tiles));
+  const auto kernel = windowed ? wg::DcaPrefillWgmmaKernel<D, true> : wg::DcaPrefillWgmmaKernel<D>;
+  kernel<<<dim3(static_cast<unsigned>(tiles), g.num_kv_heads), wg::kPrefillThreads,
+           wg::PrefillSmemBytes<D>(), stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaPrefillWgmmaKernel");
   return absl::OkStatus();
 }
@@ -291,15 +332,80 @@ absl::Status LaunchConvertToBf16(const void* src, DType src_dtype, int64_t n, Bf
   return absl::OkStatus();
 }
 
+bool PrefillTakesWindows(const CudaKernelPlan& plan) {
+  return plan.prefill_kernel() == PrefillKernel::kWgmma ||
+         plan.prefill_kernel() == PrefillKernel::kMmaSync;
+}
+
+int64_t PrefillKeyTiles(const CudaKernelPlan& plan, const DcaGeometry& g, int64_t start,
+                        int64_t num_tokens) {
+  if (start < 0 || num_tokens < 1 || start + num_tokens > kMaxPosition || g.chunk_len < 1) {
+    return 0;
+  }
+  const int bn = plan.prefill_kernel() == PrefillKernel::kWgmma
+                     ? cuda_kernels::wgmma::kPrefillBlockN
+                     : kMmaBlockN;
+  // The last query tile of a piece sees the most keys of that piece; full pieces see more the
+  // later they come, so the first, the last and the one before the last hold the maximum.
+  const int64_t cl = g.chunk_len, lk = start + num_tokens;
+  auto last_tile = [&](int64_t prev, int64_t piece_end) -> int64_t {
+    return cuda_kernels::KeyTiles(static_cast<int32_t>(prev), static_cast<int32_t>(cl),
+                                  static_cast<int32_t>(piece_end - 1), bn)
+        .total();
+  };
+  const int64_t prev0 = (start / cl) * cl, end0 = std::min(prev0 + cl, lk);
+  int64_t most = last_tile(prev0, end0);
+  if (lk > end0) {
+    const int64_t last_prev = ((lk - 1) / cl) * cl;
+    most = std::max(most, last_tile(last_prev, lk));
+    if (last_prev - cl >= end0) most = std::max(most, last_tile(last_prev - cl, last_prev));
+  }
+  return most;
+}
+
+size_t PrefillWindowStateBytes(const CudaKernelPlan& plan, const DcaGeometry& g,
+                               int64_t num_tokens) {
+  if (!PrefillTakesWindows(plan) || num_tokens < 1 || g.chunk_len < 1) return 0;
+  // Query tiles (grid x, as PlanPrefill counts them) when the first piece holds n0 tokens; every
+  // later piece is counted as a full chunk's tiles.
+  const int64_t n = num_tokens, cl = g.chunk_len, group = g.group_size();
+  const int64_t tiles_full = (cl * group + kMmaBlockM - 1) / kMmaBlockM;
+  auto tiles = [&](int64_t n0) {
+    return (n0 * group + kMmaBlockM - 1) / kMmaBlockM + (n - n0 + cl - 1) / cl * tiles_full;
+  };
+  // n0 = min(cl - start % cl, n) ranges over [1, min(n, cl)], where the later pieces' count takes
+  // at most two values: the most tiles are at the top of either value's range.
+  const int64_t n0_max = std::min(n, cl);
+  const int64_t pieces_at_1 = (n - 1 + cl - 1) / cl;
+  const int64_t top_of_first = std::clamp<int64_t>(n - (pieces_at_1 - 1) * cl - 1, 1, n0_max);
+  const int64_t most = std::max({tiles(1), tiles(top_of_first), tiles(n0_max)});
+  return static_cast<size_t>(most) * g.num_kv_heads * PrefillStateBlockBytes(plan, g.head_dim);
+}
+
 absl::Status LaunchDcaPrefill(const CudaKernelPlan& plan, const CudaPrefillParams& p,
                               cudaStream_t stream) {
   const DcaGeometry& g = plan.geometry();
   ATTND_RETURN_IF_ERROR(CheckPrefill(g, p));
+  const int32_t b = p.key_tile_begin, e = p.key_tile_end;
+  if (b < 0 || e < 0 || (e != 0 && b >= e)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefill: key tile window [", b, ", ", e,
+        ") invalid (expected 0 <= key_tile_begin < key_tile_end, or key_tile_end 0: to the end)"));
+  }
+  const bool windowed =
+      !(b == 0 && (e == 0 || e >= PrefillKeyTiles(plan, g, p.start, p.num_tokens)));
+  if (windowed && !PrefillTakesWindows(plan)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefill: the ", PrefillKernelName(plan.prefill_kernel()),
+        " kernel takes no key tile window (expected key_tile_begin 0 and key_tile_end 0)"));
+  }
   const bool d128 = g.head_dim == 128;
   if (plan.prefill_kernel() == PrefillKernel::kWgmma) {
-    return d128 ? LaunchWgmmaPrefill<128>(g, p, stream) : LaunchWgmmaPrefill<64>(g, p, stream);
+    return d128 ? LaunchWgmmaPrefill<128>(plan, p, windowed, stream)
+                : LaunchWgmmaPrefill<64>(plan, p, windowed, stream);
   }
-  return d128 ? LaunchMmaPrefill<128>(g, p, stream) : LaunchMmaPrefill<64>(g, p, stream);
+  return d128 ? LaunchMmaPrefill<128>(plan, p, windowed, stream)
+              : LaunchMmaPrefill<64>(plan, p, windowed, stream);
 }
 
 absl::Status LaunchDcaPrefillReference(const DcaGeometry& g, const CudaPrefillParams& p,

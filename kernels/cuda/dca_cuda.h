@@ -239,14 +239,44 @@ struct CudaPrefillParams {
   int64_t start = 0;
   int64_t num_tokens = 0;
   float softmax_scale = 0.f;  // geometry scale * s(prompt_len)
+  // Key-tile window, so that the caller can cut one call into launches of bounded duration (a
+  // block of a long call walks all its keys; a decode on another stream waits for blocks to end).
+  // Each block visits its key tiles in a fixed order (inter, succ, intra, each from its start);
+  // a launch with window [key_tile_begin, key_tile_end) processes only the tiles of that index
+  // range (key_tile_end 0 = to the end). Launches of the windows [0, w), [w, 2w), ... up to
+  // PrefillKeyTiles(...) tiles, in that order on one stream with the same params otherwise, write
+  // the output of the whole launch bit for bit; until the last one, `out` is incomplete. (0, 0),
+  // or any window from 0 that covers PrefillKeyTiles(...) tiles, is the whole launch: no state is
+  // read or written. Any other window needs PrefillTakesWindows(plan) and window_state.
+  int32_t key_tile_begin = 0;
+  int32_t key_tile_end = 0;
+  // [PrefillWindowStateBytes(plan, geometry, num_tokens)] device workspace, 4-byte aligned, kept
+  // untouched between the launches of one call (its layout is the kernel's own). window_state_bytes
+  // is its size, checked against what this call needs.
+  void* window_state = nullptr;
+  size_t window_state_bytes = 0;
 };
 
 // Fused tensor-core kernel of the plan (plan.prefill_kernel()): one launch covers every piece and
-// the three stages. Grid: one block per (query tile of one piece, kv head); a tile's rows are
-// (token, q head of the kv head's group) pairs, so each K/V tile read through the page table
-// serves the whole GQA group.
+// the three stages (or the params' key-tile window of them). Grid: one block per (query tile of one
+// piece, kv head); a tile's rows are (token, q head of the kv head's group) pairs, so each K/V tile
+// read through the page table serves the whole GQA group. INVALID_ARGUMENT for a bad window (not
+// 0 <= key_tile_begin < key_tile_end, or key_tile_end 0), for a partial window without a large
+// enough window_state, and for a partial window on a plan whose kernel does not take windows.
 absl::Status LaunchDcaPrefill(const CudaKernelPlan& plan, const CudaPrefillParams& params,
                               cudaStream_t stream);
+// Whether the plan's prefill kernel takes key-tile windows (both the wgmma and the mma.sync
+// kernel do; kept as a question so that a kernel without them can join the plan).
+bool PrefillTakesWindows(const CudaKernelPlan& plan);
+// The most key tiles any block of the call (start, num_tokens) visits: windows of w tiles cover the
+// call in ceil(PrefillKeyTiles / w) launches. The tile size is the plan's kernel's (128 keys for
+// wgmma, 64 for mma.sync).
+int64_t PrefillKeyTiles(const CudaKernelPlan& plan, const DcaGeometry& geometry, int64_t start,
+                        int64_t num_tokens);
+// Bytes of window_state a windowed call of num_tokens tokens needs at any start (an upper bound
+// over starts); 0 when the plan's kernel takes no windows.
+size_t PrefillWindowStateBytes(const CudaKernelPlan& plan, const DcaGeometry& geometry,
+                               int64_t num_tokens);
 // Simple reference kernel (one warp per query row, scalar fp32, no tiling). Slow; for tests.
 absl::Status LaunchDcaPrefillReference(const DcaGeometry& geometry, const CudaPrefillParams& params,
                                        cudaStream_t stream);

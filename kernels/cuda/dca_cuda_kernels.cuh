@@ -78,6 +78,55 @@ struct PrefillArgs {
   int32_t tiles_first;  // query tiles of the first piece
   int32_t tiles_full;   // query tiles of a full piece (chunk_len tokens)
   float scale_log2;     // softmax_scale * log2(e)
+  // The launch's window of each block's key tiles (CudaPrefillParams::key_tile_begin/end; end 0 =
+  // to the end) and the blocks' saved softmax state; read by the windowed instantiations only.
+  int32_t key_tile_begin;
+  int32_t key_tile_end;
+  float* window_state;
+};
+
+// A query tile's key tiles of BN keys, in the order the prefill kernels visit them: inter
+// [0, prev - cl), succ [prev - cl, prev), intra [prev, max_q_pos], each range cut into tiles from
+// its own start; the host counts a call's tiles with it (PrefillKeyTiles).
+// NOTE: the kernels spell the same count inline: through this struct ptxas allocated the mma.sync
+// kernel's registers differently (same_sass.py), and the whole launch's code is kept as tuned.
+struct KeyTiles {
+  int32_t inter_hi, succ_lo;  // end of the inter range, start of the succ range
+  int n_inter, n_succ, n_intra;
+  __host__ __device__ __forceinline__ KeyTiles(int32_t prev, int32_t cl, int32_t max_q_pos, int bn)
+      : inter_hi(prev >= 2 * cl ? prev - cl : 0),
+        succ_lo(prev >= cl ? prev - cl : prev),
+        n_inter((inter_hi + bn - 1) / bn),
+        n_succ((prev - succ_lo + bn - 1) / bn),
+        n_intra((max_q_pos + 1 - prev + bn - 1) / bn) {}
+  __host__ __device__ __forceinline__ int total() const { return n_inter + n_succ + n_intra; }
+};
+
+// The key tiles [begin, end) of a block's n_tiles that a launch processes: everything when not
+// windowed, else the launch's window clipped to the block's tiles (begin >= n_tiles: none).
+struct KeyWindow {
+  int begin, end;
+};
+template <bool kWindowed>
+__device__ __forceinline__ KeyWindow KeyWindowOf(const PrefillArgs& a, int n_tiles) {
+  if constexpr (!kWindowed) {
+    return KeyWindow{0, n_tiles};
+  } else {
+    return KeyWindow{a.key_tile_begin, a.key_tile_end > 0 ? min(a.key_tile_end, n_tiles) : n_tiles};
+  }
+}
+
+// A block's online-softmax state between the launches of a windowed call: kFields floats per
+// thread of its kThreads, stored [block][field][thread] so a warp's accesses are contiguous. The
+// layout is the kernel's own (each thread's fragment registers as they are), opaque to the host.
+template <int kFields, int kThreads>
+struct WindowState {
+  static constexpr size_t kBlockFloats = static_cast<size_t>(kFields) * kThreads;
+  float* base;  // this thread's field 0
+  __device__ __forceinline__ WindowState(float* state, int thread)
+      : base(state + (static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kBlockFloats +
+             thread) {}
+  __device__ __forceinline__ float& operator[](int field) const { return base[field * kThreads]; }
 };
 
 // The piece a prefill block works on. Blocks run heaviest first (last pieces, last rows): block
@@ -122,7 +171,15 @@ __device__ __forceinline__ PrefillTile PrefillTileOfBlock(const PrefillArgs& a) 
 // spills from 76 to 112-152 bytes, and the one run on the H200 (WarpAttendTile) was 5-9% slower
 // (docs/BENCHMARKS.md, issue 17). Its visibility test stays inline too: through TwoBoundMask
 // (attention_tile.cuh) ptxas' spills went from 76 to 128 bytes.
-template <int D, int Warps, int Stages, int MT, int BN>
+// kWindowed: the block processes only the launch's window of its key tiles (KeyWindowOf), starting
+// from the state a previous window saved and saving its own unless the window reaches its last
+// tile (dca_cuda.h, CudaPrefillParams::key_tile_begin). Tiles are visited in the same order with
+// the same arithmetic, so a windowed call's output is the whole launch's bit for bit.
+// Floats of saved state per thread of DcaPrefillKernel (MT m-tiles): its O fragments, then m and
+// l of its rows.
+__host__ __device__ constexpr int PrefillStateFields(int d, int mt) { return mt * (d / 8 * 4 + 4); }
+
+template <int D, int Warps, int Stages, int MT, int BN, bool kWindowed = false>
 __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs a) {
   constexpr int kBlockM = 16 * MT * Warps;
   constexpr int kBlockThreads = 32 * Warps;
@@ -174,6 +231,8 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
   const int n_succ = (prev - succ_lo + BN - 1) / BN;
   const int n_intra = (max_q_pos + 1 - prev + BN - 1) / BN;
   const int n_tiles = n_inter + n_succ + n_intra;
+  const KeyWindow win = KeyWindowOf<kWindowed>(a, n_tiles);
+  if (kWindowed && win.begin >= n_tiles) return;  // all this block's tiles came before the window
   auto tile_range = [&](int j, int& stage, int32_t& k0, int32_t& khi) {
     if (j < n_inter) {
       stage = kInter;
@@ -202,26 +261,48 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
     m[mt][0] = m[mt][1] = -CUDART_INF_F;
     l[mt][0] = l[mt][1] = 0.f;
   }
+  // The saved state: o, then m and l, per m-tile.
+  constexpr int kStateFields = PrefillStateFields(D, MT);
+  if constexpr (kWindowed) {
+    if (win.begin > 0) {
+      const WindowState<kStateFields, kBlockThreads> saved(a.window_state, threadIdx.x);
+      int f = 0;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int d = 0; d < kDimBlocks; ++d)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[mt][d][e] = saved[f++];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          m[mt][i] = saved[f++];
+          l[mt][i] = saved[f++];
+        }
+      }
+    }
+  }
   uint32_t qf[MT == 1 ? kKSteps : 1][4];  // MT == 1: the stage's query A fragments
   int q_stage = -1;
 
+  // This launch's tiles [first, end); ring slots count from `first`.
+  const int first = win.begin, end = win.end;
   for (int t = 0; t < Stages - 1; ++t) {  // prologue: the first Stages-1 tiles
-    if (t < n_tiles) {
+    if (t < end - first) {
       int st;
       int32_t k0, khi;
-      tile_range(t, st, k0, khi);
+      tile_range(first + t, st, k0, khi);
       LoadKvTile<D, kBlockThreads, BN>(a.kv, kv_head, k0, khi, ks + t * kTile, vs + t * kTile);
     }
     CpAsyncCommit();
   }
-  for (int j = 0; j < n_tiles; ++j) {
-    if (j + Stages - 1 < n_tiles) {
+  for (int j = first; j < end; ++j) {
+    if (j + Stages - 1 < end) {
       int st;
       int32_t k0, khi;
       const int t = j + Stages - 1;
       tile_range(t, st, k0, khi);
-      LoadKvTile<D, kBlockThreads, BN>(a.kv, kv_head, k0, khi, ks + (t % Stages) * kTile,
-                                       vs + (t % Stages) * kTile);
+      LoadKvTile<D, kBlockThreads, BN>(a.kv, kv_head, k0, khi, ks + ((t - first) % Stages) * kTile,
+                                       vs + ((t - first) % Stages) * kTile);
     }
     CpAsyncCommit();
     int stage;
@@ -261,8 +342,8 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
     }
     CpAsyncWait<Stages - 1>();  // tile j has landed
     __syncthreads();
-    const Bf16* kt = ks + (j % Stages) * kTile;
-    const Bf16* vt = vs + (j % Stages) * kTile;
+    const Bf16* kt = ks + ((j - first) % Stages) * kTile;
+    const Bf16* vt = vs + ((j - first) % Stages) * kTile;
 
     // S = Q K^T for this warp's MT x 16 rows x BN keys.
     float s[MT][kKeyBlocks][4];
@@ -370,6 +451,25 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
     __syncthreads();  // the next iteration's loads overwrite this buffer (and maybe qs)
   }
   CpAsyncWait<0>();
+  if constexpr (kWindowed) {
+    if (end < n_tiles) {  // more tiles to come: save the state, write nothing
+      const WindowState<kStateFields, kBlockThreads> saved(a.window_state, threadIdx.x);
+      int f = 0;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int d = 0; d < kDimBlocks; ++d)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) saved[f++] = o[mt][d][e];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          saved[f++] = m[mt][i];
+          saved[f++] = l[mt][i];
+        }
+      }
+      return;
+    }
+  }
 
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {

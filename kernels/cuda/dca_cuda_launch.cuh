@@ -41,6 +41,9 @@ inline absl::Status PlanPrefill(const DcaGeometry& g, const CudaPrefillParams& p
   a->num_q_heads = g.num_q_heads;
   a->group = g.group_size();
   a->scale_log2 = p.softmax_scale * cuda_kernels::kLog2e;
+  a->key_tile_begin = p.key_tile_begin;
+  a->key_tile_end = p.key_tile_end;
+  a->window_state = static_cast<float*>(p.window_state);
   // Pieces: the first runs from start to the end of its chunk; the rest are whole chunks.
   const int64_t cl = g.chunk_len;
   const int64_t lk = p.start + p.num_tokens;

@@ -315,6 +315,235 @@ INSTANTIATE_TEST_SUITE_P(
         PrefillCase{"gqa4_d128_page12_chunked", 8, 2, 128, 256, 12, 0, {301, 450}}),
     [](const ::testing::TestParamInfo<PrefillCase>& info) { return info.param.name; });
 
+// ---- prefill in key-tile windows
+// ----------------------------------------------------------------
+
+// One call run whole and as windows of key tiles (CudaPrefillParams::key_tile_begin/end) must give
+// the same bytes: each window resumes the blocks' saved softmax state. The whole launch is checked
+// against the simple reference kernel first (so two equally wrong outputs cannot pass).
+struct WindowCase {
+  std::string name;
+  int hq, hkv, d;
+  int64_t cl;
+  int64_t start, num_tokens;
+  DType out_dtype;
+};
+
+void PrintTo(const WindowCase& c, std::ostream* os) { *os << c.name; }
+
+class PrefillWindowTest : public ::testing::TestWithParam<WindowCase> {};
+
+std::vector<uint8_t> Download(const DevBuf& b) {
+  std::vector<uint8_t> out(b.bytes());
+  cudaMemcpy(out.data(), b.get(), b.bytes(), cudaMemcpyDeviceToHost);
+  return out;
+}
+
+TEST_P(PrefillWindowTest, WindowsMatchTheWholeLaunchBitForBit) {
+  REQUIRE_GPU();
+  const WindowCase& c = GetParam();
+  const DcaGeometry g = Geometry(c.hq, c.hkv, c.d, c.cl, 0);
+  const int page_size = 16;
+  const int64_t keys = c.start + c.num_tokens;
+  const int64_t seq_pages = (keys + page_size - 1) / page_size;
+  std::mt19937 rng(4321 + keys);
+  std::vector<uint8_t> raw;
+  std::vector<double> val;
+  const size_t kv_elems = static_cast<size_t>(seq_pages) * page_size * c.hkv * c.d;
+  DevBuf k_pool(kv_elems * 2), v_pool(kv_elems * 2), d_table(seq_pages * 4);
+  RandomTensor(kv_elems, DType::kBf16, &rng, &raw, &val);
+  k_pool.Upload(raw.data());
+  RandomTensor(kv_elems, DType::kBf16, &rng, &raw, &val);
+  v_pool.Upload(raw.data());
+  const std::vector<int32_t> table = ShuffledPages(seq_pages, &rng);
+  d_table.Upload(table.data());
+  DevBuf dq(static_cast<size_t>(c.num_tokens) * kNumQueryVariants * c.hq * c.d * 2);
+  RandomTensor(dq.bytes() / 2, DType::kBf16, &rng, &raw, &val);
+  dq.Upload(raw.data());
+
+  CudaPrefillParams pp;
+  pp.kv.k = k_pool.get<Bf16>();
+  pp.kv.v = v_pool.get<Bf16>();
+  pp.kv.page_table = d_table.get<int32_t>();
+  pp.kv.page_size = page_size;
+  pp.kv.num_kv_heads = c.hkv;
+  pp.kv.head_dim = c.d;
+  pp.q = dq.get<Bf16>();
+  pp.out_dtype = c.out_dtype;
+  pp.start = c.start;
+  pp.num_tokens = c.num_tokens;
+  pp.softmax_scale = g.softmax_scale;
+  const size_t out_bytes =
+      static_cast<size_t>(c.num_tokens) * c.hq * c.d * ElementSize(c.out_dtype);
+
+  DevBuf simple(out_bytes);
+  simple.Poison();
+  pp.out = simple.get();
+  ASSERT_TRUE(LaunchDcaPrefillReference(g, pp, nullptr).ok());
+  CUDA_ASSERT(cudaDeviceSynchronize());
+  const std::vector<float> want = ToFloat(Download(simple), c.out_dtype);
+
+  for (const PrefillKernel kernel : {PrefillKernel::kWgmma, PrefillKernel::kMmaSync}) {
+    CudaKernelPlanOptions options;
+    options.prefill = kernel;
+    absl::StatusOr<CudaKernelPlan> plan = CudaKernelPlan::Create(g, 0, options);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    if (plan->prefill_kernel() != kernel) continue;  // wgmma needs compute capability 9.0
+    const std::string label = c.name + " " + PrefillKernelName(kernel);
+    ASSERT_TRUE(PrefillTakesWindows(*plan)) << label;
+
+    DevBuf whole(out_bytes);
+    whole.Poison();
+    pp.out = whole.get();
+    pp.key_tile_begin = pp.key_tile_end = 0;
+    absl::Status st = LaunchDcaPrefill(*plan, pp, nullptr);
+    ASSERT_TRUE(st.ok()) << label << ": " << st;
+    CUDA_ASSERT(cudaDeviceSynchronize());
+    const std::vector<uint8_t> whole_bytes = Download(whole);
+    {
+      const std::vector<float> got = ToFloat(whole_bytes, c.out_dtype);
+      ErrStats e;
+      for (size_t i = 0; i < got.size(); ++i) e.Add(got[i], want[i]);
+      ExpectWithinBars(e, label + " whole vs simple");
+    }
+
+    const int64_t total = PrefillKeyTiles(*plan, g, c.start, c.num_tokens);
+    ASSERT_GE(total, 1) << label;
+    const size_t state_bytes = PrefillWindowStateBytes(*plan, g, c.num_tokens);
+    ASSERT_GT(state_bytes, 0u) << label;
+    DevBuf state(state_bytes);
+    for (const int64_t w : {int64_t{1}, int64_t{3}, int64_t{7}, total}) {
+      const std::string what =
+          label + " windows of " + std::to_string(w) + " of " + std::to_string(total) + " tiles";
+      DevBuf out(out_bytes);
+      out.Poison();
+      state.Poison();
+      pp.out = out.get();
+      pp.window_state = state.get();
+      pp.window_state_bytes = state_bytes;
+      int launches = 0;
+      for (int64_t b = 0; b < total; b += w) {
+        if (w == 1 && b == total - 1) {
+          // Every tile but the last: some block must still be unfinished (PrefillKeyTiles is
+          // the real maximum, not more).
+          CUDA_ASSERT(cudaDeviceSynchronize());
+          EXPECT_NE(Download(out), whole_bytes) << what << ": finished before the last tile";
+        }
+        pp.key_tile_begin = static_cast<int32_t>(b);
+        // The last window of 7 says "to the end" (0).
+        pp.key_tile_end = w == 7 && b + w >= total ? 0 : static_cast<int32_t>(b + w);
+        st = LaunchDcaPrefill(*plan, pp, nullptr);
+        ASSERT_TRUE(st.ok()) << what << " at " << b << ": " << st;
+        ++launches;
+      }
+      CUDA_ASSERT(cudaDeviceSynchronize());
+      CUDA_ASSERT(cudaGetLastError());
+      EXPECT_EQ(launches, (total + w - 1) / w);
+      const std::vector<uint8_t> got = Download(out);
+      ASSERT_EQ(got.size(), whole_bytes.size());
+      size_t differ = 0;
+      for (size_t i = 0; i < got.size(); ++i) differ += got[i] != whole_bytes[i];
+      EXPECT_EQ(differ, 0u) << what << ": bytes differ from the whole launch";
+      std::printf("  %-60s %d launches, %s\n", what.c_str(), launches,
+                  differ == 0 ? "identical" : "DIFFERENT");
+    }
+    pp.window_state = nullptr;
+    pp.window_state_bytes = 0;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, PrefillWindowTest,
+    ::testing::Values(WindowCase{"one_piece_short_7b_bf16", 28, 4, 128, 1024, 0, 100, DType::kBf16},
+                      WindowCase{"four_chunks_gqa7_d128", 14, 2, 128, 128, 0, 480, DType::kFp32},
+                      WindowCase{"start_2900_long_7b", 28, 4, 128, 256, 2900, 300, DType::kFp32},
+                      WindowCase{"gqa1_d64_bf16", 8, 8, 64, 128, 200, 400, DType::kBf16},
+                      WindowCase{"gqa7_d64_start_1000", 14, 2, 64, 320, 1000, 333, DType::kFp32}),
+    [](const ::testing::TestParamInfo<WindowCase>& info) { return info.param.name; });
+
+// Bad windows and missing state are refused with INVALID_ARGUMENT and leave the output alone; a
+// window from 0 that covers every tile is the whole launch and needs no state.
+TEST(PrefillWindow, RefusesBadWindowsAndMissingState) {
+  REQUIRE_GPU();
+  const DcaGeometry g = Geometry(14, 2, 128, 128, 0);
+  const int64_t start = 100, n = 200, keys = start + n;
+  DevBuf k_pool(keys * 2 * 128 * 2), v_pool(keys * 2 * 128 * 2), table(keys * 4);
+  std::vector<int32_t> ids(keys);
+  std::iota(ids.begin(), ids.end(), 0);
+  table.Upload(ids.data());
+  cudaMemset(k_pool.get(), 0, k_pool.bytes());
+  cudaMemset(v_pool.get(), 0, v_pool.bytes());
+  DevBuf dq(n * kNumQueryVariants * 14 * 128 * 2), out(n * 14 * 128 * 4);
+  cudaMemset(dq.get(), 0, dq.bytes());
+  CudaPrefillParams pp;
+  pp.kv.k = k_pool.get<Bf16>();
+  pp.kv.v = v_pool.get<Bf16>();
+  pp.kv.page_table = table.get<int32_t>();
+  pp.kv.page_size = 1;
+  pp.kv.num_kv_heads = 2;
+  pp.kv.head_dim = 128;
+  pp.q = dq.get<Bf16>();
+  pp.out = out.get();
+  pp.start = start;
+  pp.num_tokens = n;
+  pp.softmax_scale = g.softmax_scale;
+  for (const PrefillKernel kernel : {PrefillKernel::kWgmma, PrefillKernel::kMmaSync}) {
+    CudaKernelPlanOptions options;
+    options.prefill = kernel;
+    absl::StatusOr<CudaKernelPlan> plan = CudaKernelPlan::Create(g, 0, options);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    const int64_t total = PrefillKeyTiles(*plan, g, start, n);
+    ASSERT_GE(total, 3);
+    const size_t need = PrefillWindowStateBytes(*plan, g, n);
+    DevBuf state(need);
+    struct Bad {
+      int32_t begin, end;
+      bool with_state;
+      size_t state_bytes;
+      const char* message;
+    };
+    const std::vector<Bad> bad = {
+        {-1, 0, true, need, "key tile window [-1, 0) invalid"},
+        {0, -2, true, need, "key tile window [0, -2) invalid"},
+        {2, 2, true, need, "expected 0 <= key_tile_begin < key_tile_end"},
+        {3, 1, true, need, "key tile window [3, 1) invalid"},
+        {1, 0, false, need, "needs window_state"},
+        {0, 1, false, 0, "needs window_state"},
+        {1, 2, true, 16, "got a pointer of 16 bytes"},
+    };
+    for (const Bad& b : bad) {
+      out.Poison();
+      pp.key_tile_begin = b.begin;
+      pp.key_tile_end = b.end;
+      pp.window_state = b.with_state ? state.get() : nullptr;
+      pp.window_state_bytes = b.state_bytes;
+      const absl::Status st = LaunchDcaPrefill(*plan, pp, nullptr);
+      const std::string what = std::string(PrefillKernelName(kernel)) + " [" +
+                               std::to_string(b.begin) + ", " + std::to_string(b.end) + ")";
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << what << ": " << st;
+      EXPECT_NE(std::string(st.message()).find(b.message), std::string::npos) << what << ": " << st;
+      CUDA_ASSERT(cudaDeviceSynchronize());
+      const std::vector<uint8_t> bytes = Download(out);
+      EXPECT_TRUE(std::all_of(bytes.begin(), bytes.end(), [](uint8_t x) { return x == 0xff; }))
+          << what << ": a refused launch wrote the output";
+    }
+    // The whole call as a window: no state needed; the output is written.
+    for (const int32_t end : {static_cast<int32_t>(total), static_cast<int32_t>(total + 5)}) {
+      out.Poison();
+      pp.key_tile_begin = 0;
+      pp.key_tile_end = end;
+      pp.window_state = nullptr;
+      pp.window_state_bytes = 0;
+      const absl::Status st = LaunchDcaPrefill(*plan, pp, nullptr);
+      EXPECT_TRUE(st.ok()) << PrefillKernelName(kernel) << " [0, " << end << "): " << st;
+      CUDA_ASSERT(cudaDeviceSynchronize());
+      const std::vector<float> got = ToFloat(Download(out), DType::kFp32);
+      EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](float x) { return std::isfinite(x); }))
+          << PrefillKernelName(kernel) << " [0, " << end << "): output not written";
+    }
+  }
+}
+
 // ---- decode
 // --------------------------------------------------------------------------------------
 

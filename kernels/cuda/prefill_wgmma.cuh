@@ -16,6 +16,14 @@
 // beside the P V wgmma of tile j-1 (the softmax overlaps the tensor cores), and the two consumers
 // take turns issuing their wgmmas (FA3's ping-pong), so one's softmax runs under the other's
 // wgmmas.
+//
+// Windowed (kWindowed): a launch processes only its window of each block's key tiles (KeyWindowOf)
+// and keeps the block's softmax state (O, m, l: each consumer thread's registers) in a device
+// workspace between launches, so a long call can be cut into launches of bounded duration. Every
+// tile is processed as in the whole launch; what changes at a window's edges is only where the
+// state lives: the last P V of a window completes before its state is saved (in the whole launch
+// it runs beside the next tile's S), and the next window's first tile rescales the loaded O as
+// the whole launch rescales the O that P V left. The output is the whole launch's bit for bit.
 #ifndef ATTND_KERNELS_CUDA_PREFILL_WGMMA_CUH_
 #define ATTND_KERNELS_CUDA_PREFILL_WGMMA_CUH_
 
@@ -52,9 +60,13 @@ constexpr size_t PrefillSmemBytes() {
   return (2 * kPrefillStages * kPrefillBlockN + kBlockM) * D * sizeof(Bf16) + 1024;
 }
 
+// The saved state of one consumer thread: its O fragment, then m and l of its two rows.
+template <int D>
+constexpr int kPrefillStateFields = D / 2 + 4;
+
 // grid (query tiles over all pieces, num_kv_heads), block kPrefillThreads; see the top of this
 // file. Tile order, pieces and key ranges are those of DcaPrefillKernel.
-template <int D>
+template <int D, bool kWindowed = false>
 __global__ void __launch_bounds__(kPrefillThreads, 1) DcaPrefillWgmmaKernel(const PrefillArgs a) {
 #if ATTND_WGMMA_ENABLED
   constexpr int BN = kPrefillBlockN;
@@ -119,6 +131,11 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) DcaPrefillWgmmaKernel(cons
   const int n_succ = (prev - succ_lo + BN - 1) / BN;
   const int n_intra = (max_q_pos + 1 - prev + BN - 1) / BN;
   const int n_tiles = n_inter + n_succ + n_intra;
+  // This launch's tiles [first, end); ring slots and barrier phases count from `first`.
+  const KeyWindow win = KeyWindowOf<kWindowed>(a, n_tiles);
+  if (kWindowed && win.begin >= n_tiles) return;  // the whole block: no barrier is pending
+  const int first = kWindowed ? win.begin : 0;    // a constant 0 in the whole launch
+  const int end = win.end;
   auto tile_range = [&](int j, int& stage, int32_t& k0, int32_t& khi) {
     if (j < n_inter) {
       stage = kInter;
@@ -139,12 +156,12 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) DcaPrefillWgmmaKernel(cons
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     const PageIndexer pages(a.kv.page_size);
     const int page_shift = pages.pow2 ? static_cast<int>(pages.shift) : -1;
-    for (int t = 0; t < n_tiles; ++t) {
+    for (int t = 0; t < end - first; ++t) {
       const int slot = t % Stages;
       if (t >= Stages) MbarWait(SmemAddr(&empty_bar[slot]), ((t / Stages) - 1) & 1);
       int st;
       int32_t k0, khi;
-      tile_range(t, st, k0, khi);
+      tile_range(first + t, st, k0, khi);
       LoadKvTileRows<D, BN>(a.kv, kv_head, k0, khi, ks + slot * kTileBytes, vs + slot * kTileBytes,
                             wtid, page_shift);
       CpAsyncMbarArrive(SmemAddr(&full_bar[slot]));
@@ -181,6 +198,18 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) DcaPrefillWgmmaKernel(cons
   uint32_t pa[kPSteps][4];
   SoftmaxState state;  // over raw scores
   state.Init();
+  // The state a previous window saved: m and l here, O once the first tile's scores are done
+  // (loaded earlier, O would be live beside S and spill).
+  const WindowState<kPrefillStateFields<D>, kThreads> saved(a.window_state, threadIdx.x);
+  if constexpr (kWindowed) {
+    if (first > 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        state.m[r] = saved[D / 2 + r];
+        state.l[r] = saved[D / 2 + 2 + r];
+      }
+    }
+  }
   int q_stage = -1;
 
   const uint32_t q_wg = qs + 64 * wg * 128;
@@ -223,42 +252,49 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) DcaPrefillWgmmaKernel(cons
       FenceProxyAsync();
       WarpgroupBarrier(wg);
     }
-    MbarWait(SmemAddr(&full_bar[j % Stages]), (j / Stages) & 1);
+    MbarWait(SmemAddr(&full_bar[(j - first) % Stages]), ((j - first) / Stages) & 1);
     // The copies were made visible to this thread by the barrier; order them before this
     // thread's wgmma (async proxy) reads of the slot.
     FenceProxyAsync();
   };
   // The slot of tile t may be refilled (this thread's wgmmas that read it have completed).
-  auto release = [&](int t) { MbarArrive(SmemAddr(&empty_bar[t % Stages])); };
+  auto release = [&](int t) { MbarArrive(SmemAddr(&empty_bar[(t - first) % Stages])); };
 
   // FA3's ping-pong: the warpgroups take turns issuing their wgmmas (named barriers 3 and 4, 256
   // threads: one warpgroup syncs, the other arrives). Warpgroup 1 opens the first turn for
   // warpgroup 0 and skips its last hand-back, so no arrival is left pending at exit.
   auto turn_wait = [&]() { asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory"); };
   auto turn_pass = [&](int j) {
-    if (!(wg == 1 && j == n_tiles - 1)) {
+    if (!(wg == 1 && j == end - 1)) {
       asm volatile("bar.arrive %0, 256;\n" ::"r"(3 + (1 - wg)) : "memory");
     }
   };
   if (wg == 1) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
 
-  // n_tiles >= 1: the intra range always holds the piece's first key.
+  // n_tiles >= 1: the intra range always holds the piece's first key. The window's first tile
+  // has no P V beside it (the one before it, if any, completed in the previous launch).
   {
     int stage;
     int32_t k0, khi;
-    begin_tile(0, stage, k0, khi);
+    begin_tile(first, stage, k0, khi);
     float alpha[2];
     turn_wait();
     Fence();
     issue_s(0);
     Commit();
-    turn_pass(0);
+    turn_pass(first);
     Wait<0>();
     FenceRegs(s);
     softmax(stage, k0, khi, alpha);
+    if constexpr (kWindowed) {
+      if (first > 0) {
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] = saved[i];
+      }
+    }
     rescale_and_pack(alpha);
   }
-  for (int j = 1; j < n_tiles; ++j) {
+  for (int j = first + 1; j < end; ++j) {
     int stage;
     int32_t k0, khi;
     begin_tile(j, stage, k0, khi);
@@ -267,9 +303,9 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) DcaPrefillWgmmaKernel(cons
     FenceRegs(pa);
     turn_wait();
     Fence();
-    issue_s(j % Stages);
+    issue_s((j - first) % Stages);
     Commit();
-    issue_pv((j - 1) % Stages);
+    issue_pv((j - 1 - first) % Stages);
     Commit();
     turn_pass(j);
     Wait<1>();  // S of tile j done; P V of tile j-1 may still run
@@ -284,10 +320,22 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) DcaPrefillWgmmaKernel(cons
   FenceRegs(o);
   FenceRegs(pa);
   Fence();
-  issue_pv((n_tiles - 1) % Stages);
+  issue_pv((end - 1 - first) % Stages);
   Commit();
   Wait<0>();
   FenceRegs(o);
+  if constexpr (kWindowed) {
+    if (end < n_tiles) {  // more tiles to come: save the state, write nothing
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) saved[i] = o[i];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        saved[D / 2 + r] = state.m[r];
+        saved[D / 2 + 2 + r] = state.l[r];
+      }
+      return;
+    }
+  }
 
   state.ReduceQuad();
 #pragma unroll
