@@ -337,14 +337,17 @@ bool PrefillTakesWindows(const CudaKernelPlan& plan) {
          plan.prefill_kernel() == PrefillKernel::kMmaSync;
 }
 
+int32_t PrefillKeyTileKeys(const CudaKernelPlan& plan) {
+  return plan.prefill_kernel() == PrefillKernel::kWgmma ? cuda_kernels::wgmma::kPrefillBlockN
+                                                        : kMmaBlockN;
+}
+
 int64_t PrefillKeyTiles(const CudaKernelPlan& plan, const DcaGeometry& g, int64_t start,
                         int64_t num_tokens) {
   if (start < 0 || num_tokens < 1 || start + num_tokens > kMaxPosition || g.chunk_len < 1) {
     return 0;
   }
-  const int bn = plan.prefill_kernel() == PrefillKernel::kWgmma
-                     ? cuda_kernels::wgmma::kPrefillBlockN
-                     : kMmaBlockN;
+  const int bn = PrefillKeyTileKeys(plan);
   // The last query tile of a piece sees the most keys of that piece; full pieces see more the
   // later they come, so the first, the last and the one before the last hold the maximum.
   const int64_t cl = g.chunk_len, lk = start + num_tokens;

@@ -273,6 +273,8 @@ bool PrefillTakesWindows(const CudaKernelPlan& plan);
 // wgmma, 64 for mma.sync).
 int64_t PrefillKeyTiles(const CudaKernelPlan& plan, const DcaGeometry& geometry, int64_t start,
                         int64_t num_tokens);
+// Keys per key tile of the plan's prefill kernel.
+int32_t PrefillKeyTileKeys(const CudaKernelPlan& plan);
 // Bytes of window_state a windowed call of num_tokens tokens needs at any start (an upper bound
 // over starts); 0 when the plan's kernel takes no windows.
 size_t PrefillWindowStateBytes(const CudaKernelPlan& plan, const DcaGeometry& geometry,

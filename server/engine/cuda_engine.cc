@@ -134,6 +134,7 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
         device_(options.device),
         max_decode_batch_(std::max(1, options.max_decode_batch)),
         use_graphs_(options.cuda_graphs),
+        prefill_step_keys_(std::max<int64_t>(1, options.prefill_step_keys)),
         sparse_(options.sparse) {
     for (int32_t size : options.graph_batch_sizes) {
       if (size >= 1 && size <= max_decode_batch_ && (sizes_.empty() || size > sizes_.back())) {
@@ -218,6 +219,7 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   const int32_t device_;
   const int32_t max_decode_batch_;
   const bool use_graphs_;
+  const int64_t prefill_step_keys_;
   const std::shared_ptr<const SparseAttentionConfig> sparse_;
   std::vector<int32_t> sizes_;  // captured sizes, ascending, <= max_decode_batch_
   std::string device_name_;
@@ -253,6 +255,11 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   DevicePtr d_q_bf16_ ABSL_GUARDED_BY(prefill_mu_);  // [chunk, 5, Hq, D]
   PinnedPtr h_table_ ABSL_GUARDED_BY(prefill_mu_);   // [num_pages]
   DevicePtr d_table_ ABSL_GUARDED_BY(prefill_mu_);   // [num_pages]
+  // Key-tile windows of dense prefill steps: window_tiles_ tiles per launch (0: whole launches,
+  // when the kernel takes no windows), their state for one staging chunk.
+  int64_t window_tiles_ = 0;
+  size_t window_state_bytes_ = 0;
+  DevicePtr d_window_state_ ABSL_GUARDED_BY(prefill_mu_);
   size_t sparse_workspace_bytes_ = 0;
   DevicePtr d_sparse_workspace_ ABSL_GUARDED_BY(prefill_mu_);  // when sparse_ is set
   // Pre-rotary requests (docs/rotary.md): RotaryInvFreq of the geometry on the host (decode rows
@@ -391,6 +398,17 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
     ATTND_ASSIGN_OR_RETURN(d_inv_freq_, DeviceAlloc(inv_freq_.size() * 4, "rotary frequencies"));
     ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_inv_freq_.get(), inv_freq_.data(), inv_freq_.size() * 4,
                                           cudaMemcpyHostToDevice));
+  }
+  if (PrefillTakesWindows(*kernel_plan_)) {
+    window_tiles_ = std::max<int64_t>(1, prefill_step_keys_ / PrefillKeyTileKeys(*kernel_plan_));
+    window_state_bytes_ = PrefillWindowStateBytes(*kernel_plan_, geometry_, max_chunk_);
+    ATTND_ASSIGN_OR_RETURN(d_window_state_,
+                           DeviceAlloc(window_state_bytes_, "prefill window state"));
+    spdlog::info(
+        "cuda engine: prefill steps of {} key tiles ({} keys) per block, {:.1f} MiB of window "
+        "state; decode on the higher-priority stream",
+        window_tiles_, window_tiles_ * PrefillKeyTileKeys(*kernel_plan_),
+        static_cast<double>(window_state_bytes_) / 1048576.0);
   }
   ATTND_ASSIGN_OR_RETURN(h_table_, PinnedAlloc(layout_.num_pages * 4, "page table"));
   ATTND_ASSIGN_OR_RETURN(d_table_, DeviceAlloc(layout_.num_pages * 4, "page table"));
@@ -646,7 +664,17 @@ absl::Status CudaEngine::PrefillStep(const PrefillJob& job, float s, bool sparse
   pp.start = job.start + first;
   pp.num_tokens = count;
   pp.softmax_scale = geometry_.softmax_scale * s;
-  const int64_t windows = 1;
+  // Key-tile windows of about prefill_step_keys_ keys: no block of the step runs longer than
+  // that many keys' work, the bound on a decode's wait for the device.
+  const int64_t tiles = PrefillKeyTiles(*kernel_plan_, geometry_, pp.start, count);
+  const int64_t per_window = window_tiles_ > 0 ? window_tiles_ : tiles;
+  const int64_t windows = std::max<int64_t>(1, (tiles + per_window - 1) / per_window);
+  if (windows > 1) {
+    pp.key_tile_begin = static_cast<int32_t>(cursor->window * per_window);
+    pp.key_tile_end = static_cast<int32_t>(std::min(tiles, (cursor->window + 1) * per_window));
+    pp.window_state = d_window_state_.get();
+    pp.window_state_bytes = window_state_bytes_;
+  }
   ATTND_RETURN_IF_ERROR(LaunchDcaPrefill(*kernel_plan_, pp, prefill_stream_));
   // One window queued ahead of the host: the stream never runs dry, and a stopped run leaves at
   // most two windows behind.

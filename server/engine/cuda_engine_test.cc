@@ -608,6 +608,102 @@ TEST(CudaEngine, DeviceRowsMatchHostRowsBitForBit) {
       << st;
 }
 
+// A prefill cut into steps of one key tile per window (and staging chunks of 48 tokens) writes the
+// same output and K/V bit for bit as the same call in whole launches; a run dropped half-way leaves
+// the engine to run the next call exactly; and decode steps run while a run is open.
+TEST(CudaEngine, SteppedPrefillIsBitIdenticalToWholeLaunches) {
+  REQUIRE_GPU();
+  CudaEngineOptions stepped = TestOptions();
+  stepped.prefill_step_keys = 1;  // one key tile per window
+  CudaEngineOptions whole = TestOptions();
+  whole.prefill_step_keys = int64_t{1} << 40;
+  auto a = CreateCudaEngine(stepped);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = CreateCudaEngine(whole);
+  ASSERT_TRUE(b.ok()) << b.status();
+  const DcaGeometry g = stepped.geometry;
+  const int64_t hq = g.num_q_heads, hkv = g.num_kv_heads, d = g.head_dim;
+  std::mt19937 rng(5);
+  std::vector<int32_t> pages(24), other(8);
+  std::iota(pages.begin(), pages.end(), 40);  // 384 tokens
+  std::iota(other.begin(), other.end(), 10);
+  // Calls of 301 tokens (five DCA chunks of 64, seven staging chunks), then 50 more from 301.
+  int64_t start = 0;
+  for (const int64_t t : {int64_t{301}, int64_t{50}}) {
+    const Tensor q = RandomTensor({t, kNumQueryVariants, hq, d}, DType::kBf16, &rng);
+    const Tensor k = RandomTensor({t, hkv, d}, DType::kBf16, &rng);
+    const Tensor v = RandomTensor({t, hkv, d}, DType::kBf16, &rng);
+    std::vector<uint8_t> out_a(t * hq * d * 4, 0xff), out_b(t * hq * d * 4, 0x7f);
+    PrefillJob job = EngineJobsForTesting::Prefill();
+    job.layer = 1;
+    job.page_table = pages.data();
+    job.num_pages = static_cast<int64_t>(pages.size());
+    job.start = start;
+    job.num_tokens = t;
+    job.prompt_len = 351;
+    job.q = q.view();
+    job.k = k.view();
+    job.v = v.view();
+    // A run of the same job dropped after three steps first: what it wrote lies past the layer's
+    // length, and the full run below overwrites it.
+    {
+      job.out = out_a.data();
+      auto dropped = (*a)->StartPrefill(job);
+      ASSERT_TRUE(dropped.ok()) << dropped.status();
+      for (int i = 0; i < 3 && !(*dropped)->done(); ++i) ASSERT_TRUE((*dropped)->Step().ok());
+    }
+    auto run = (*a)->StartPrefill(job);
+    ASSERT_TRUE(run.ok()) << run.status();
+    int steps = 0;
+    while (!(*run)->done()) {
+      ASSERT_TRUE((*run)->Step().ok());
+      ++steps;
+    }
+    run->reset();
+    job.out = out_b.data();
+    ASSERT_TRUE((*b)->Prefill(job).ok());
+    EXPECT_GT(steps, (t + 47) / 48) << "windows cut the chunks";
+    EXPECT_EQ(out_a, out_b) << "prefill of " << t << " tokens from " << start;
+    start += t;
+  }
+  // The K/V the two wrote: a decode reads all of it, beside an open run on another sequence.
+  const Tensor q = RandomTensor({3, hq, d}, DType::kBf16, &rng);
+  const Tensor k = RandomTensor({hkv, d}, DType::kBf16, &rng);
+  const Tensor v = RandomTensor({hkv, d}, DType::kBf16, &rng);
+  const Tensor pq = RandomTensor({100, kNumQueryVariants, hq, d}, DType::kBf16, &rng);
+  const Tensor pk = RandomTensor({100, hkv, d}, DType::kBf16, &rng);
+  std::vector<uint8_t> pout(100 * hq * d * 4);
+  PrefillJob open = EngineJobsForTesting::Prefill();
+  open.layer = 1;
+  open.page_table = other.data();
+  open.num_pages = static_cast<int64_t>(other.size());
+  open.num_tokens = 100;
+  open.prompt_len = 100;
+  open.q = pq.view();
+  open.k = open.v = pk.view();
+  open.out = pout.data();
+  auto open_run = (*a)->StartPrefill(open);
+  ASSERT_TRUE(open_run.ok());
+  ASSERT_TRUE((*open_run)->Step().ok());
+  std::vector<uint8_t> dec_a(hq * d * 4), dec_b(hq * d * 4);
+  for (auto* engine : {&*a, &*b}) {
+    DecodeJob job = EngineJobsForTesting::Decode();
+    job.layer = 1;
+    DecodeJob::Entry e;
+    e.page_table = pages.data();
+    e.num_pages = static_cast<int64_t>(pages.size());
+    e.length = start + 1;
+    e.q = q.view();
+    e.k = k.view();
+    e.v = v.view();
+    e.out = (engine == &*a ? dec_a : dec_b).data();
+    job.entries.push_back(e);
+    ASSERT_TRUE((*engine)->Decode(job).ok());
+  }
+  EXPECT_EQ(dec_a, dec_b);
+  while (!(*open_run)->done()) ASSERT_TRUE((*open_run)->Step().ok());
+}
+
 TEST(CudaEngine, RejectsBadPagesAndShapes) {
   REQUIRE_GPU();
   auto created = CreateCudaEngine(TestOptions());
