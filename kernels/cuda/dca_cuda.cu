@@ -2,6 +2,7 @@
 // read once), size checks, the head_dim dispatch and the grids.
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -139,18 +140,50 @@ absl::Status LaunchWgmmaPrefill(const CudaKernelPlan& plan, const CudaPrefillPar
   return absl::OkStatus();
 }
 
+// Launches a kernel of a decode step after the step's previous kernel on `stream`, with
+// programmatic dependent launch on sm_90+ (the kernel starts with StepKernelEntry): its blocks are
+// queued while the previous kernel runs, at the stream's priority, so a lower-priority stream's
+// blocks cannot take the multiprocessors in between. Elsewhere a plain launch.
+template <typename... Params, typename... Args>
+cudaError_t LaunchAfterPrevious(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                cudaStream_t stream, Args&&... args) {
+  thread_local int last_device = -1, last_major = 0;
+  int device = 0;
+  if (cudaGetDevice(&device) == cudaSuccess && device != last_device) {
+    last_major = 0;
+    cudaDeviceGetAttribute(&last_major, cudaDevAttrComputeCapabilityMajor, device);
+    last_device = device;
+  }
+  if (last_major < 9) {
+    kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
 template <int D, int Stages>
 absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
                                cudaStream_t stream) {
   const cuda_kernels::DecodeArgs a = DecodeArgsFor(g, p);
   const auto kernel = DecodeKernel<D, Stages>();
-  kernel<<<dim3(p.max_splits, g.num_kv_heads, p.batch), 32 * kDecodeWarps,
-           DecodeSmemBytes(g, Stages), stream>>>(a);
-  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodePipeKernel");
-  cuda_kernels::DcaDecodeReduceKernel<D><<<dim3(p.batch, g.num_q_heads), D, 0, stream>>>(
-      p.partial_out, p.partial_lse, p.lengths, p.max_splits, 16 * kDecodeWarps, p.out,
-      static_cast<int>(p.out_dtype), p.row_outs);
-  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReduceKernel");
+  ATTND_CUDA_RETURN_IF_ERROR(
+      LaunchAfterPrevious(kernel, dim3(p.max_splits, g.num_kv_heads, p.batch),
+                          dim3(32 * kDecodeWarps), DecodeSmemBytes(g, Stages), stream, a));
+  ATTND_CUDA_RETURN_IF_ERROR(LaunchAfterPrevious(
+      cuda_kernels::DcaDecodeReduceKernel<D>, dim3(p.batch, g.num_q_heads), dim3(D), 0, stream,
+      static_cast<const float*>(p.partial_out), static_cast<const float*>(p.partial_lse),
+      static_cast<const int32_t*>(p.lengths), static_cast<int>(p.max_splits), 16 * kDecodeWarps,
+      p.out, static_cast<int>(p.out_dtype), static_cast<const DecodeRowOut*>(p.row_outs)));
   return absl::OkStatus();
 }
 
@@ -304,12 +337,12 @@ absl::Status LaunchDecodeStage(const CudaDecodeStageParams& p, cudaStream_t stre
         "multiple of 4, or row slots smaller than fp32 rows)");
   }
   if (p.batch == 0) return absl::OkStatus();
-  cuda_kernels::DecodeStageKernel<<<dim3(cuda_kernels::kDecodeStageBlocks, p.batch),
-                                    cuda_kernels::kDecodeStageThreads, 0, stream>>>(
-      p.kv, p.rows, p.host_tables, static_cast<const char*>(p.host_q),
-      static_cast<const char*>(p.host_k), static_cast<const char*>(p.host_v), p.q_row_bytes,
-      p.kv_row_bytes, p.lengths, p.q, p.row_outs, p.num_q_heads,
-      p.original_max_position_embeddings);
+  ATTND_CUDA_RETURN_IF_ERROR(LaunchAfterPrevious(
+      cuda_kernels::DecodeStageKernel, dim3(cuda_kernels::kDecodeStageBlocks, p.batch),
+      dim3(cuda_kernels::kDecodeStageThreads), 0, stream, p.kv, p.rows, p.host_tables,
+      static_cast<const char*>(p.host_q), static_cast<const char*>(p.host_k),
+      static_cast<const char*>(p.host_v), p.q_row_bytes, p.kv_row_bytes, p.lengths, p.q, p.row_outs,
+      p.num_q_heads, p.original_max_position_embeddings));
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DecodeStageKernel");
   return absl::OkStatus();
 }
@@ -369,19 +402,11 @@ int64_t PrefillKeyTiles(const CudaKernelPlan& plan, const DcaGeometry& g, int64_
 size_t PrefillWindowStateBytes(const CudaKernelPlan& plan, const DcaGeometry& g,
                                int64_t num_tokens) {
   if (!PrefillTakesWindows(plan) || num_tokens < 1 || g.chunk_len < 1) return 0;
-  // Query tiles (grid x, as PlanPrefill counts them) when the first piece holds n0 tokens; every
-  // later piece is counted as a full chunk's tiles.
+  // PlanPrefill's grid: each piece's rows in whole tiles, the pieces' rows adding up to the call's.
+  // Rounding adds at most one tile a piece, and a call of n tokens has at most ceil(n / cl) + 1
+  // pieces.
   const int64_t n = num_tokens, cl = g.chunk_len, group = g.group_size();
-  const int64_t tiles_full = (cl * group + kMmaBlockM - 1) / kMmaBlockM;
-  auto tiles = [&](int64_t n0) {
-    return (n0 * group + kMmaBlockM - 1) / kMmaBlockM + (n - n0 + cl - 1) / cl * tiles_full;
-  };
-  // n0 = min(cl - start % cl, n) ranges over [1, min(n, cl)], where the later pieces' count takes
-  // at most two values: the most tiles are at the top of either value's range.
-  const int64_t n0_max = std::min(n, cl);
-  const int64_t pieces_at_1 = (n - 1 + cl - 1) / cl;
-  const int64_t top_of_first = std::clamp<int64_t>(n - (pieces_at_1 - 1) * cl - 1, 1, n0_max);
-  const int64_t most = std::max({tiles(1), tiles(top_of_first), tiles(n0_max)});
+  const int64_t most = (n * group + kMmaBlockM - 1) / kMmaBlockM + (n + cl - 1) / cl + 1;
   return static_cast<size_t>(most) * g.num_kv_heads * PrefillStateBlockBytes(plan, g.head_dim);
 }
 

@@ -44,7 +44,10 @@ inline absl::Status PlanPrefill(const DcaGeometry& g, const CudaPrefillParams& p
   a->key_tile_begin = p.key_tile_begin;
   a->key_tile_end = p.key_tile_end;
   a->window_state = static_cast<float*>(p.window_state);
-  // Pieces: the first runs from start to the end of its chunk; the rest are whole chunks.
+  // Pieces: the first runs from start to the end of its chunk; the rest are whole chunks but the
+  // last, whose tiles past its end would have no rows: the grid stops at its last tile (a call
+  // that crosses into a long chunk would otherwise launch a whole chunk's tiles, and windowed
+  // calls would need their state).
   const int64_t cl = g.chunk_len;
   const int64_t lk = p.start + p.num_tokens;
   const int64_t prev0 = (p.start / cl) * cl;
@@ -53,7 +56,11 @@ inline absl::Status PlanPrefill(const DcaGeometry& g, const CudaPrefillParams& p
   const int64_t tiles_first = (rows_first + block_m - 1) / block_m;
   const int64_t tiles_full = (cl * a->group + block_m - 1) / block_m;
   const int64_t more_pieces = (lk - end0 + cl - 1) / cl;
-  *tiles = tiles_first + more_pieces * tiles_full;
+  *tiles = tiles_first;
+  if (more_pieces > 0) {
+    const int64_t last_rows = (lk - end0 - (more_pieces - 1) * cl) * a->group;
+    *tiles += (more_pieces - 1) * tiles_full + (last_rows + block_m - 1) / block_m;
+  }
   if (tiles_full > INT32_MAX || *tiles > INT32_MAX) {
     return absl::InvalidArgumentError("prefill: too many query tiles");
   }
