@@ -549,6 +549,7 @@ __host__ __device__ constexpr size_t DecodePipeSmemBytes(int d, int warps, int s
 
 template <int D, int Warps, int Stages>
 __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeArgs a) {
+  cuda_common::StepKernelEntry();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kT = Warps * 32;
   constexpr int BN = 16 * Warps;
@@ -777,6 +778,7 @@ __global__ void __launch_bounds__(D)
     DcaDecodeReduceKernel(const float* partial_out, const float* partial_lse,
                           const int32_t* lengths, int max_splits, int split_tile, void* out,
                           int out_dtype, const DecodeRowOut* row_outs = nullptr) {
+  cuda_common::StepKernelEntry();
   const int64_t slot = static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y;
   const int live = DecodeLiveSplits(lengths[blockIdx.x], max_splits, split_tile);
   const float* lse = partial_lse + slot * max_splits;

@@ -123,6 +123,19 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
   } while (!done);
 }
 
+// The kernels of one decode step, launched with programmatic dependent launch
+// (LaunchAfterPrevious in dca_cuda.cu), call this first: it lets the step's next kernel be
+// dispatched as soon as every block of this one has started, so that blocks of a lower-priority
+// stream (a prefill) never take the multiprocessors between two kernels of the step, then waits
+// until the kernel before this one has finished and its writes are visible. Both are no-ops for
+// a kernel not launched that way, and before sm_90.
+__device__ __forceinline__ void StepKernelEntry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 }  // namespace cuda_common
 }  // namespace attnd
 

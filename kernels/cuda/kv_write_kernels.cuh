@@ -115,6 +115,7 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
                       const char* host_q, const char* host_k, const char* host_v,
                       int64_t q_row_bytes, int64_t kv_row_bytes, int32_t* lengths, Bf16* q,
                       DecodeRowOut* row_outs, int32_t num_q_heads, int64_t orig) {
+  cuda_common::StepKernelEntry();
   const int32_t r = blockIdx.y;
   __shared__ DecodeStageRow row;
   if (threadIdx.x == 0) row = rows[r];

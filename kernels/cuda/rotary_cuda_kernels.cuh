@@ -122,6 +122,7 @@ inline constexpr int kDecodeRotaryHeadsPerBlock = 4;
 // memory: 2 * 3 * half floats, then (block y = 0, which also rotates the key) the row's raw key as
 // fp32 (num_kv_heads * head_dim floats), read before the slot is overwritten.
 __global__ void DecodeRotaryKernel(DecodeRotaryArgs a) {
+  cuda_common::StepKernelEntry();
   extern __shared__ float smem[];
   const int r = blockIdx.x;
   const DecodeStageRow row = a.p.rows[r];
