@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The Python client's decode cost next to the C++ client's, on one CUDA attnd (7B geometry, bf16,
-# one layer): the per-call encoding of a decode request at batch 1, 16, 32, 128 (the per-entry
-# loop against the vectorised encoding), then unary Decode at batch 32 and 4K context timed end to
-# end from Python (bench/python/encode_bench.py) and from attnctl bench in the same run. Target
+# one layer): the per-call encoding of a decode request and decoding of its answer at batch 1, 16,
+# 32, 128 (the entries form's per-entry loop against the packed form), then unary Decode at batch
+# 32 and 4K context timed end to end from Python (bench/python/encode_bench.py: Client.decode, the
+# bare gRPC call, the entries form) and from attnctl bench in the same run. Target
 # (docs/BENCHMARKS.md): encoding <= 100 us at batch 32; Python unary decode <= 1.2x the C++ client's.
 # Build and bundle here:
 #   bazel build //server:attnd //client:attnctl

@@ -98,19 +98,38 @@ def end_to_end(target, batch, context, calls):
                 t = min(4096, context - start)
                 client.prefill(s, 0, bits((t, 5, h, d)), bits((t, hkv, d)), bits((t, hkv, d)), prompt_len=context)
         q, k, v = bits((batch, 5, h, d)), bits((batch, hkv, d)), bits((batch, hkv, d))
-        from attnd._client import _decode_request
+        from attnd._client import _decode_request, _decode_output
+        bf = pb.DTYPE_BF16
+        packed_body = _decode_request(0, seqs, q, k, v)[0].tobytes()
+        resp = client._call(client._decode, packed_body, None)
+        like = _decode_request(0, seqs, q, k, v)[1]
         encode_us = per_call_us(lambda: _decode_request(0, seqs, q, k, v)[0].tobytes(), 0.2)
-        client.decode(0, seqs, q, k, v)
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            client.decode(0, seqs, q, k, v)
-            times.append(time.perf_counter() - t0)
-        times = np.array(times) * 1e3
-        print("end to end (%s, %s, %s): unary Client.decode, batch %d, context %d, %d calls, layer 0, bf16" %
+        parse_us = per_call_us(lambda: _decode_output(memoryview(resp), 0, len(resp), like), 0.2)
+
+        def entries_decode():  # the entries form: one DecodeEntry / DecodeOutput per sequence
+            body = w.decode_request(0, [(seqs[i], (q[i], bf), (k[i], bf), (v[i], bf), 0)
+                                        for i in range(batch)]).tobytes()
+            r = client._call(client._decode, body, None)
+            return _decode_output(memoryview(r), 0, len(r), like)
+
+        def timed(fn):
+            fn()
+            times = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return np.array(times) * 1e3
+
+        print("end to end (%s, %s, %s): unary Decode, batch %d, context %d, %d calls, layer 0, bf16" %
               (target, info.backend, "%d/%d/%d heads/kv/dim" % (h, hkv, d), batch, context, calls))
-        print("  per call ms: median %.3f  p10 %.3f  p90 %.3f; client encode %.1f us of it" %
-              (np.median(times), np.percentile(times, 10), np.percentile(times, 90), encode_us))
+        for name, fn in (("Client.decode (packed)", lambda: client.decode(0, seqs, q, k, v)),
+                         ("gRPC call alone (packed bytes)", lambda: client._call(client._decode, packed_body, None)),
+                         ("entries form (per-entry loop)", entries_decode)):
+            t = timed(fn)
+            print("  %-31s per call ms: median %.3f  p10 %.3f  p90 %.3f" %
+                  (name, np.median(t), np.percentile(t, 10), np.percentile(t, 90)))
+        print("  Client.decode's own work: encode %.1f us, answer decode %.1f us" % (encode_us, parse_us))
     finally:
         for s in seqs:
             client.release(s)
