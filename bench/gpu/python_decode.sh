@@ -14,11 +14,11 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 port=${PORT:-50777}
 batch=${BATCH:-32}
 context=${CONTEXT:-4096}
-attnd --device cuda --listen 127.0.0.1:$port --metrics-listen= --kv-cache-bytes 8Gi >/tmp/attnd_pydec.log 2>&1 &
+attnd --device cuda --listen 127.0.0.1:$port --metrics-listen= --kv-cache-bytes 16Gi >/tmp/attnd_pydec.log 2>&1 &
 pid=$!
 for _ in $(seq 1 300); do attnctl info --target 127.0.0.1:$port >/dev/null 2>&1 && break; sleep 0.2; done
 status=0
-for round in 1 2; do
+for round in $(seq 1 "${ROUNDS:-2}"); do
   echo "== round $round"
   python3 "$here/bench/python/encode_bench.py" --target 127.0.0.1:$port --batch "$batch" \
     --context "$context" --calls 300 || status=1
