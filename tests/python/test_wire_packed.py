@@ -97,6 +97,10 @@ class PackedAnswer(unittest.TestCase):
         resp = pb.DecodeResponse(lengths=values).SerializeToString()
         o, lengths = w.parse_packed_decode_response(memoryview(resp))
         self.assertEqual(lengths.tolist(), values)
+        # One width for all (the matrix path), and widths that only mostly agree (the general one).
+        for same in ([5, 1, 127], list(range(4096, 4128)), [2 ** 62, 2 ** 62 + 1], [300, 300, 5, 300]):
+            resp = pb.DecodeResponse(lengths=same).SerializeToString()
+            self.assertEqual(w.parse_packed_decode_response(memoryview(resp))[1].tolist(), same)
         self.assertEqual(w._packed_varints(b"").tolist(), [])
         for bad in (b"\x80", b"\x01\xff", b"\xff" * 11 + b"\x01"):
             with self.assertRaises(attnd.AttndError):
