@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Python client cost of a decode request: encoding per call (the per-entry loop against the vectorised
-batch encoding) at batch 1, 16, 32, 128, 7B geometry (28 q / 4 kv heads, head_dim 128, bf16, 5 variants);
-with --target, unary Client.decode timed end to end against a running attnd at --batch (its geometry).
+"""Python client cost of a decode call: encoding the request and decoding the answer per call, in the entries
+form (one DecodeEntry / DecodeOutput per sequence, built in a Python loop) and the packed form that
+Client.decode sends (one q, k, v and o tensor per batch), at batch 1, 16, 32, 128, 7B geometry (28 q / 4 kv
+heads, head_dim 128, bf16, 5 variants); with --target, unary Client.decode timed end to end against a running
+attnd at --batch (its geometry).
 
     python3 bench/python/encode_bench.py [--target HOST:PORT] [--batch 32] [--context 256] [--calls 200]
 
@@ -36,28 +38,50 @@ def per_call_us(fn, min_seconds=0.5):
 
 
 def encode_table(hq=28, hkv=4, d=128):
+    from attnd._client import _decode_output
+    from attnd._tensors import Like
     rng = np.random.default_rng(1)
     bf = pb.DTYPE_BF16
-    print("encode one Decode request, 7B geometry bf16 (q [B, 5, %d, %d], k/v [B, %d, %d]), us per call" %
+    like = Like("numpy", np_dtype=np.dtype(np.uint16))
+    print("one Decode call's client work, 7B geometry bf16 (q [B, 5, %d, %d], k/v [B, %d, %d]), us per call:" %
           (hq, d, hkv, d))
-    print("%6s %12s %12s %12s %8s" % ("batch", "loop", "vectorised", "+tobytes", "speedup"))
+    print("encode (to the bytes gRPC sends) and decode of the answer, entries form (a per-entry loop) and")
+    print("packed form (one tensor per kind)")
+    print("%6s %14s %14s %14s %14s" % ("batch", "encode loop", "encode packed", "decode loop", "decode packed"))
     for n in (1, 16, 32, 128):
         q = rng.integers(0, 1 << 16, (n, 5, hq, d)).astype(np.uint16)
         k = rng.integers(0, 1 << 16, (n, hkv, d)).astype(np.uint16)
         v = rng.integers(0, 1 << 16, (n, hkv, d)).astype(np.uint16)
+        o = rng.integers(0, 1 << 16, (n, hq, d)).astype(np.uint16)
         ids = ["%032x" % i for i in range(n)]
+        lengths = list(range(4096, 4096 + n))
 
         def loop():
-            return w.decode_request(0, [(ids[i], (q[i], bf), (k[i], bf), (v[i], bf), 0) for i in range(n)])
+            return w.decode_request(0, [(ids[i], (q[i], bf), (k[i], bf), (v[i], bf), 0)
+                                        for i in range(n)]).tobytes()
 
-        def vectorised():
-            return w.decode_request_batch(0, ids, (q, bf), (k, bf), (v, bf), 0)
+        def packed():
+            return w.decode_request_packed(0, ids, (q, bf), (k, bf), (v, bf), 0).tobytes()
 
-        assert loop().tobytes() == vectorised().tobytes()
-        t_loop = per_call_us(loop)
-        t_vec = per_call_us(vectorised)
-        t_vec_bytes = per_call_us(lambda: vectorised().tobytes())
-        print("%6d %12.1f %12.1f %12.1f %7.1fx" % (n, t_loop, t_vec, t_vec_bytes, t_loop / t_vec))
+        want = pb.DecodeRequest(layer=0, sequence_ids=ids, q=pb.Tensor(dtype=bf, shape=q.shape, data=q.tobytes()),
+                                k=pb.Tensor(dtype=bf, shape=k.shape, data=k.tobytes()),
+                                v=pb.Tensor(dtype=bf, shape=v.shape, data=v.tobytes()))
+        assert packed() == want.SerializeToString()
+        entries_resp = pb.DecodeResponse(outputs=[
+            pb.DecodeOutput(o=pb.Tensor(dtype=bf, shape=o.shape[1:], data=o[i].tobytes()), length=lengths[i])
+            for i in range(n)]).SerializeToString()
+        packed_resp = pb.DecodeResponse(o=pb.Tensor(dtype=bf, shape=o.shape, data=o.tobytes()),
+                                        lengths=lengths).SerializeToString()
+        for resp in (entries_resp, packed_resp):
+            got, got_lengths = _decode_output(memoryview(resp), 0, len(resp), like)
+            assert np.array_equal(got, o) and got_lengths == lengths
+
+        def parse(resp):
+            return lambda: _decode_output(memoryview(resp), 0, len(resp), like)
+
+        print("%6d %14.1f %14.1f %14.1f %14.1f" % (n, per_call_us(loop), per_call_us(packed),
+                                                   per_call_us(parse(entries_resp)),
+                                                   per_call_us(parse(packed_resp))))
 
 
 def end_to_end(target, batch, context, calls):
@@ -74,19 +98,38 @@ def end_to_end(target, batch, context, calls):
                 t = min(4096, context - start)
                 client.prefill(s, 0, bits((t, 5, h, d)), bits((t, hkv, d)), bits((t, hkv, d)), prompt_len=context)
         q, k, v = bits((batch, 5, h, d)), bits((batch, hkv, d)), bits((batch, hkv, d))
-        from attnd._client import _decode_request
+        from attnd._client import _decode_request, _decode_output
+        bf = pb.DTYPE_BF16
+        packed_body = _decode_request(0, seqs, q, k, v)[0].tobytes()
+        resp = client._call(client._decode, packed_body, None)
+        like = _decode_request(0, seqs, q, k, v)[1]
         encode_us = per_call_us(lambda: _decode_request(0, seqs, q, k, v)[0].tobytes(), 0.2)
-        client.decode(0, seqs, q, k, v)
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            client.decode(0, seqs, q, k, v)
-            times.append(time.perf_counter() - t0)
-        times = np.array(times) * 1e3
-        print("end to end (%s, %s, %s): unary Client.decode, batch %d, context %d, %d calls, layer 0, bf16" %
+        parse_us = per_call_us(lambda: _decode_output(memoryview(resp), 0, len(resp), like), 0.2)
+
+        def entries_decode():  # the entries form: one DecodeEntry / DecodeOutput per sequence
+            body = w.decode_request(0, [(seqs[i], (q[i], bf), (k[i], bf), (v[i], bf), 0)
+                                        for i in range(batch)]).tobytes()
+            r = client._call(client._decode, body, None)
+            return _decode_output(memoryview(r), 0, len(r), like)
+
+        def timed(fn):
+            fn()
+            times = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return np.array(times) * 1e3
+
+        print("end to end (%s, %s, %s): unary Decode, batch %d, context %d, %d calls, layer 0, bf16" %
               (target, info.backend, "%d/%d/%d heads/kv/dim" % (h, hkv, d), batch, context, calls))
-        print("  per call ms: median %.3f  p10 %.3f  p90 %.3f; client encode %.1f us of it" %
-              (np.median(times), np.percentile(times, 10), np.percentile(times, 90), encode_us))
+        for name, fn in (("Client.decode (packed)", lambda: client.decode(0, seqs, q, k, v)),
+                         ("gRPC call alone (packed bytes)", lambda: client._call(client._decode, packed_body, None)),
+                         ("entries form (per-entry loop)", entries_decode)):
+            t = timed(fn)
+            print("  %-31s per call ms: median %.3f  p10 %.3f  p90 %.3f" %
+                  (name, np.median(t), np.percentile(t, 10), np.percentile(t, 90)))
+        print("  Client.decode's own work: encode %.1f us, answer decode %.1f us" % (encode_us, parse_us))
     finally:
         for s in seqs:
             client.release(s)

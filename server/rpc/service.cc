@@ -13,6 +13,7 @@
 #include "base/catch_all.h"
 #include "base/status_macros.h"
 #include "server/rpc/auth.h"
+#include "server/rpc/packed_decode.h"
 #include "server/rpc/region_tensors.h"
 #include "server/rpc/status.h"
 #include "server/sched/request_context.h"
@@ -45,7 +46,8 @@ void Describe(const v1::PrefillRequest& r, RequestClock* c) {
 }
 void Describe(const v1::DecodeRequest& r, RequestClock* c) {
   if (r.entries_size() > 0) c->sequence_id = r.entries(0).sequence_id();
-  c->tokens = r.entries_size();
+  if (r.sequence_ids_size() > 0) c->sequence_id = r.sequence_ids(0);
+  c->tokens = r.entries_size() + r.sequence_ids_size();
 }
 void Describe(const v1::SessionRequest& r, RequestClock* c) {
   if (r.has_prefill()) Describe(r.prefill(), c);
@@ -1046,6 +1048,8 @@ absl::Status AttentionService::SubmitDecodeUnsafe(const v1::DecodeRequest& reque
                                                   const RequestContext& context,
                                                   v1::DecodeResponse* response,
                                                   std::function<void(absl::Status)> done) {
+  if (IsPackedDecode(request))
+    return SubmitPackedDecode(request, tenant, context, response, std::move(done));
   DecodeCall call;
   call.tenant = tenant;
   call.layer = request.layer();
@@ -1137,6 +1141,37 @@ absl::Status AttentionService::SubmitDecodeUnsafe(const v1::DecodeRequest& reque
                                  }
                                  done(absl::OkStatus());
                                });
+}
+
+absl::Status AttentionService::SubmitPackedDecode(const v1::DecodeRequest& request,
+                                                  absl::string_view tenant,
+                                                  const RequestContext& context,
+                                                  v1::DecodeResponse* response,
+                                                  std::function<void(absl::Status)> done) {
+  DecodeCall call;
+  call.tenant = tenant;
+  call.layer = request.layer();
+  response->Clear();
+  if (absl::Status s = UnpackDecode(request, runtime_->model(), &call, response); !s.ok()) {
+    response->Clear();
+    return s;
+  }
+  const int64_t entries = request.sequence_ids_size();
+  return decode_queue_->Submit(
+      std::move(call), context,
+      [this, entries, response, done = std::move(done)](absl::StatusOr<DecodeResult> result) {
+        // As in SubmitDecodeUnsafe: the batcher observes its merged batches itself.
+        if (result.ok() && metrics_ != nullptr && batcher_ == nullptr) {
+          metrics_->ObserveDecodeBatch(entries, result->stats);
+        }
+        if (!result.ok()) {
+          response->Clear();
+          done(result.status());
+          return;
+        }
+        FinishPackedDecode(*result, response);
+        done(absl::OkStatus());
+      });
 }
 
 namespace {

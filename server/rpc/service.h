@@ -170,6 +170,10 @@ class AttentionService : public AttentionServiceBase {
   absl::Status SubmitDecodeUnsafe(const v1::DecodeRequest& request, absl::string_view tenant,
                                   const RequestContext& context, v1::DecodeResponse* response,
                                   std::function<void(absl::Status)> done);  // without CatchAll
+  // SubmitDecodeUnsafe for the packed form (server/rpc/packed_decode.h).
+  absl::Status SubmitPackedDecode(const v1::DecodeRequest& request, absl::string_view tenant,
+                                  const RequestContext& context, v1::DecodeResponse* response,
+                                  std::function<void(absl::Status)> done);
   // Queues one decode as `tenant` on the decode queue; `done` gets its status after `response` is
   // filled. `context` (the RPC's deadline, cancellation and start observer) goes to the queue
   // with the call, which checks it before anything is looked up. `request` and `tenant` must stay

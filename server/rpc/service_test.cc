@@ -346,6 +346,87 @@ TEST_F(ServiceTest, UnaryErrorsCarryCodeAndMessage) {
                                             " holds no tokens; prefill it before decoding"));
 }
 
+// The packed form (one q, k, v tensor per batch, one o back) against the reference, unary and in a
+// Session; a malformed packed request is refused with what was expected and changes nothing.
+TEST_F(ServiceTest, PackedDecodeMatchesTheNaiveReference) {
+  const std::vector<std::string> ids = {Create(), Create()};
+  std::vector<naive::NaiveSequence> refs(2, naive::NaiveSequence(TinyGeometry(), 2));
+  for (int i = 0; i < 2; ++i) {
+    v1::PrefillRequest req;
+    req.set_sequence_id(ids[i]);
+    std::vector<float> q = RandomTensor({20 + i, 5, kHq, kD}, &rng_, req.mutable_q());
+    std::vector<float> k = RandomTensor({20 + i, kHkv, kD}, &rng_, req.mutable_k());
+    std::vector<float> v = RandomTensor({20 + i, kHkv, kD}, &rng_, req.mutable_v());
+    grpc::ClientContext ctx;
+    v1::PrefillResponse resp;
+    ASSERT_TRUE(stub_->Prefill(&ctx, req, &resp).ok());
+    ASSERT_TRUE(refs[i].Prefill(0, q, k, v, 20 + i).ok());
+  }
+  // Fills `req` with a packed step for both sequences; returns each row's reference output.
+  const auto step = [&](v1::DecodeRequest* req) {
+    req->set_layer(0);
+    for (const std::string& id : ids) req->add_sequence_ids(id);
+    std::vector<float> q = RandomTensor({2, 5, kHq, kD}, &rng_, req->mutable_q());
+    std::vector<float> k = RandomTensor({2, kHkv, kD}, &rng_, req->mutable_k());
+    std::vector<float> v = RandomTensor({2, kHkv, kD}, &rng_, req->mutable_v());
+    std::vector<float> want;
+    for (int i = 0; i < 2; ++i) {
+      const int64_t q_row = 5 * kHq * kD, kv_row = kHkv * kD;
+      absl::StatusOr<std::vector<float>> o =
+          refs[i].Decode(0, std::vector<float>(q.begin() + i * q_row, q.begin() + (i + 1) * q_row),
+                         std::vector<float>(k.begin() + i * kv_row, k.begin() + (i + 1) * kv_row),
+                         std::vector<float>(v.begin() + i * kv_row, v.begin() + (i + 1) * kv_row));
+      EXPECT_TRUE(o.ok());
+      if (o.ok()) want.insert(want.end(), o->begin(), o->end());
+    }
+    return want;
+  };
+  {
+    v1::DecodeRequest req;
+    std::vector<float> want = step(&req);
+    grpc::ClientContext ctx;
+    v1::DecodeResponse resp;
+    grpc::Status s = stub_->Decode(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(resp.outputs_size(), 0);
+    EXPECT_EQ(std::vector<int64_t>(resp.lengths().begin(), resp.lengths().end()),
+              (std::vector<int64_t>{21, 22}));
+    ExpectMatches(resp.o(), {2, kHq, kD}, want, "packed decode");
+  }
+  {
+    v1::DecodeRequest bad;
+    bad.set_layer(0);
+    for (const std::string& id : ids) bad.add_sequence_ids(id);
+    RandomTensor({2, 5, kHq, kD}, &rng_, bad.mutable_q());
+    RandomTensor({2, kHkv, kD}, &rng_, bad.mutable_k());
+    RandomTensor({1, kHkv, kD}, &rng_, bad.mutable_v());
+    grpc::ClientContext ctx;
+    v1::DecodeResponse resp;
+    grpc::Status s = stub_->Decode(&ctx, bad, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(s.error_message(),
+              "packed v: shape must be [2, 2, 64] (one row per sequence_id, 2 sequence_ids), got "
+              "[1, 2, 64]");
+  }
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream =
+      stub_->Session(&ctx);
+  v1::SessionRequest req;
+  req.set_tag(5);
+  std::vector<float> want = step(req.mutable_decode());
+  ASSERT_TRUE(stream->Write(req));
+  v1::SessionResponse resp;
+  ASSERT_TRUE(stream->Read(&resp));
+  EXPECT_EQ(resp.code(), 0) << resp.message();
+  ASSERT_TRUE(resp.has_decode());
+  // The refused request changed nothing: one more token each.
+  EXPECT_EQ(std::vector<int64_t>(resp.decode().lengths().begin(), resp.decode().lengths().end()),
+            (std::vector<int64_t>{22, 23}));
+  ExpectMatches(resp.decode().o(), {2, kHq, kD}, want, "packed decode in a session");
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
 TEST_F(ServiceTest, MessagesPastTheLimitAreResourceExhausted) {
   const std::string id = Create();
   v1::PrefillRequest req;

@@ -148,12 +148,11 @@ class WireFormat(unittest.TestCase):
         q = attnd.float32_to_bf16(self.rng.standard_normal((3, 3, 4, 8)).astype(np.float32))
         k = attnd.float32_to_bf16(self.rng.standard_normal((3, 2, 8)).astype(np.float32))
         seqs = ["%032x" % i for i in range(3)]
-        msg, _ = _decode_request(2, seqs, q, k, k)
-        want = pb.DecodeRequest(layer=2, entries=[
-            pb.DecodeEntry(sequence_id=s, q=pb.Tensor(dtype=pb.DTYPE_BF16, shape=[3, 4, 8], data=q[i].tobytes()),
-                           k=pb.Tensor(dtype=pb.DTYPE_BF16, shape=[2, 8], data=k[i].tobytes()),
-                           v=pb.Tensor(dtype=pb.DTYPE_BF16, shape=[2, 8], data=k[i].tobytes()))
-            for i, s in enumerate(seqs)])
+        msg, _ = _decode_request(2, seqs, q, k, k)  # the packed form
+        want = pb.DecodeRequest(layer=2, sequence_ids=seqs,
+                                q=pb.Tensor(dtype=pb.DTYPE_BF16, shape=[3, 3, 4, 8], data=q.tobytes()),
+                                k=pb.Tensor(dtype=pb.DTYPE_BF16, shape=[3, 2, 8], data=k.tobytes()),
+                                v=pb.Tensor(dtype=pb.DTYPE_BF16, shape=[3, 2, 8], data=k.tobytes()))
         self.assertEqual(pb.DecodeRequest.FromString(msg.tobytes()), want)
         sess = pb.SessionRequest.FromString(self.wire.session_request(2 ** 40, decode=msg).tobytes())
         self.assertEqual(sess, pb.SessionRequest(tag=2 ** 40, decode=want))

@@ -113,9 +113,9 @@ def _decode_request(layer, seqs, q, k, v, q_layout="variants", regions=(), out=N
             raise invalid_argument("q_layout: %d layouts for %d sequences" % (len(layouts), len(seqs)))
     used = []
     if len(set(layouts)) == 1 and out is None:
-        batch = _decode_request_batch(int(layer), seqs, q, k, v, layouts[0], regions)
-        if batch is not None:
-            return batch
+        packed = _decode_request_packed(int(layer), seqs, q, k, v, layouts[0], regions)
+        if packed is not None:
+            return packed
     ks, _ = _batch_arg(k, "k", regions, used, len(seqs))
     vs, _ = _batch_arg(v, "v", regions, used, len(seqs))
     if len(set(layouts)) == 1:
@@ -136,9 +136,9 @@ def _decode_request(layer, seqs, q, k, v, q_layout="variants", regions=(), out=N
     return _wire.decode_request(int(layer), list(zip(seqs, qs, ks, vs, layouts, outs))), like
 
 
-def _decode_request_batch(layer, seqs, q, k, v, q_layout, regions):
-    """(message, Like) from _wire.decode_request_batch when q/k/v travel as bytes and the batch is regular,
-    else None (the caller builds the entries one by one)."""
+def _decode_request_packed(layer, seqs, q, k, v, q_layout, regions):
+    """(packed message, Like) when q/k/v travel as bytes (none lies in a registered region), else None (the
+    caller builds the entries form, which carries region references)."""
     arrays = []
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         if regions and _regions.find_ref(regions, x)[0] is not None:
@@ -150,8 +150,7 @@ def _decode_request_batch(layer, seqs, q, k, v, q_layout, regions):
         arrays.append((a, dt))
         if name == "q":
             q_like = like
-    msg = _wire.decode_request_batch(layer, seqs, *arrays, q_layout)
-    return None if msg is None else (msg, q_like)
+    return _wire.decode_request_packed(layer, seqs, *arrays, q_layout), q_like
 
 
 def _bad_output(message):
@@ -170,6 +169,16 @@ def _prefill_output(mv, start, end, like, out=None):
 
 
 def _decode_output(mv, start, end, like, out=None):
+    packed = _wire.parse_packed_decode_response(mv, start, end)
+    if packed is not None:  # the answer to a packed request: o [B, Hq, D] as a view, no per-entry work
+        t, lengths = packed
+        if t.region:
+            raise _bad_output("server wrote the output to a region the request did not name")
+        result = _tensors.from_proto(t, like)
+        if len(t.shape) != 3 or t.shape[0] != len(lengths):
+            raise _bad_output("server returned a packed output of shape %s with %d lengths"
+                              % (list(t.shape), len(lengths)))
+        return result, lengths.tolist()
     outputs = _wire.parse_decode_response(mv, start, end)
     if out is not None:
         if not outputs or not all(t.region for t, _ in outputs):

@@ -10,6 +10,8 @@ bytes (zero copies for numpy outputs).
 Field numbers and DType values come from the generated descriptors, so they follow the proto. The tests check
 every encoder against the protobuf library's parser and every decoder against its serializer.
 """
+import functools
+
 import grpc
 import numpy as np
 
@@ -34,13 +36,16 @@ E_OUTPUT = _num(pb.DecodeEntry, "output_region")
 PR_O, PR_LENGTH = _num(pb.PrefillResponse, "o"), _num(pb.PrefillResponse, "length")
 E_SEQ, E_Q, E_K, E_V, E_Q_LAYOUT = (_num(pb.DecodeEntry, f) for f in ("sequence_id", "q", "k", "v", "q_layout"))
 D_LAYER, D_ENTRIES = _num(pb.DecodeRequest, "layer"), _num(pb.DecodeRequest, "entries")
+D_SEQ_IDS, D_Q, D_K, D_V, D_Q_LAYOUT = (_num(pb.DecodeRequest, f) for f in ("sequence_ids", "q", "k", "v",
+                                                                            "q_layout"))
 DO_O, DO_LENGTH = _num(pb.DecodeOutput, "o"), _num(pb.DecodeOutput, "length")
-DR_OUTPUTS = _num(pb.DecodeResponse, "outputs")
+DR_OUTPUTS, DR_O, DR_LENGTHS = (_num(pb.DecodeResponse, f) for f in ("outputs", "o", "lengths"))
 SQ_TAG, SQ_PREFILL, SQ_DECODE = (_num(pb.SessionRequest, f) for f in ("tag", "prefill", "decode"))
 SR_TAG, SR_CODE, SR_MESSAGE, SR_PREFILL, SR_DECODE = (_num(pb.SessionResponse, f) for f in
                                                       ("tag", "code", "message", "prefill", "decode"))
 
 
+@functools.lru_cache(maxsize=4096)  # tags, dims and sizes recur call after call: a hit is ~10x cheaper
 def varint(n):
     n = int(n)
     if n < 0:
@@ -163,94 +168,29 @@ def decode_request(layer, entries):
     return m
 
 
-def _tensor_header(dtype, row_shape, nbytes):
-    """The bytes of a Tensor message before its data, as tensor() writes them, and the message's size."""
-    m = Msg()
-    m.varint_field(T_DTYPE, dtype)
-    if row_shape:
-        packed = b"".join(varint(d) for d in row_shape)
-        m.raw(_key(T_SHAPE, _LEN) + varint(len(packed)) + packed)
-    if nbytes:
-        m.raw(_key(T_DATA, _LEN) + varint(nbytes))
-    return m.tobytes(), m.size + nbytes
+def _packed_ids(seqs):
+    """The repeated sequence_ids field of B str ids. Equal-length ASCII ids (the server's own) are one
+    str.join; others are framed one by one (a few hundred ns each)."""
+    n, id_len = len(seqs), len(seqs[0])
+    if 0 < id_len < 0x80 and len(set(map(len, seqs))) == 1:
+        sep = chr(D_SEQ_IDS << 3 | _LEN) + chr(id_len)
+        out = (sep + sep.join(seqs)).encode()
+        if len(out) == n * (id_len + 2):  # else an id is not ASCII: more bytes than characters
+            return out
+    key = _key(D_SEQ_IDS, _LEN)
+    return b"".join(key + varint(len(b)) + b for b in (s.encode() for s in seqs))
 
 
-_BATCH_PLANS = {}  # (B, id length, q/k/v row shapes and dtypes, q_layout) -> _batch_plan(...)
-
-
-def _batch_plan(n, id_len, tensors, q_layout):
-    """Where everything goes in the [B, entry bytes] array of decode_request_batch: (width, [(column, constant
-    uint8 array)], [column of the id, of q's data, of k's, of v's] (None when empty))."""
-    blocks = []  # constant bytes, or an int: the width of a variable block (id, q, k, v in that order)
-    if id_len:
-        blocks += [_key(E_SEQ, _LEN) + varint(id_len), id_len]
-    for field, (row_shape, dt, row) in zip((E_Q, E_K, E_V), tensors):
-        header, size = _tensor_header(dt, row_shape, row)
-        blocks += [_key(field, _LEN) + varint(size) + header, row]
-    if q_layout:
-        blocks.append(_key(E_Q_LAYOUT, _VARINT) + varint(q_layout))
-    entry = sum(len(b) if isinstance(b, bytes) else b for b in blocks)
-    blocks.insert(0, _key(D_ENTRIES, _LEN) + varint(entry))
-    consts, variables, col, pending = [], [], 0, b""
-    for b in blocks + [b""]:
-        if isinstance(b, bytes):
-            pending += b
-            continue
-        if pending:
-            consts.append((col, np.frombuffer(pending, np.uint8)))
-            col += len(pending)
-            pending = b""
-        variables.append(col if b else None)
-        col += b
-    if pending:
-        consts.append((col, np.frombuffer(pending, np.uint8)))
-        col += len(pending)
-    if not id_len:
-        variables.insert(0, None)
-    return col, consts, variables
-
-
-def decode_request_batch(layer, seqs, q, k, v, q_layout):
-    """decode_request for a regular batch, or None when the batch is not regular.
-
-    seqs: B str ids; q/k/v: (numpy [B, ...] C-contiguous array, DType); q_layout: one value for all. Regular:
-    every id has the same length and no entry has an output region, so every DecodeEntry has the same bytes
-    but for the id and the tensors' data. The entries are then one [B, entry bytes] uint8 array filled a
-    column block at a time (the constant tags and sizes broadcast, the ids and each tensor's [B, row bytes]
-    view copied), with no per-sequence Python work: the loop in decode_request costs ~30 us a sequence."""
-    n = len(seqs)
-    id_len = len(seqs[0])
-    ids = "".join(seqs).encode()
-    # Equal lengths in characters and n * id_len bytes in all: every id is ASCII and id_len bytes long.
-    if len(ids) != n * id_len or any(len(s) != id_len for s in seqs):
-        return None
-    arrays = (q[0], k[0], v[0])
-    for a in arrays:
-        if not isinstance(a, np.ndarray) or a.ndim < 1 or a.shape[0] != n or not a.flags.c_contiguous:
-            return None
-    key = (n, id_len, q_layout) + tuple((a.shape[1:], a.dtype.itemsize, dt) for a, (_, dt) in
-                                        zip(arrays, (q, k, v)))
-    plan = _BATCH_PLANS.get(key)
-    if plan is None:
-        if len(_BATCH_PLANS) >= 256:  # a few shapes recur in serving; bound the cache anyway
-            _BATCH_PLANS.clear()
-        plan = _batch_plan(n, id_len, [(a.shape[1:], dt, a.nbytes // n) for a, (_, dt) in zip(arrays, (q, k, v))],
-                           q_layout)
-        _BATCH_PLANS[key] = plan
-    width, consts, (id_col, *data_cols) = plan
-    out = np.empty((n, width), np.uint8)
-    for col, c in consts:
-        out[:, col:col + len(c)] = c
-    if id_col is not None:
-        out[:, id_col:id_col + id_len] = np.frombuffer(ids, np.uint8).reshape(n, id_len)
-    for col, a in zip(data_cols, arrays):
-        if col is not None:
-            row = a.reshape(n, -1).view(np.uint8)
-            out[:, col:col + row.shape[1]] = row
+def decode_request_packed(layer, seqs, q, k, v, q_layout):
+    """The packed DecodeRequest (attention.proto): seqs, B str ids; q/k/v: (numpy [B, ...] C-contiguous
+    array, DType), one tensor per kind whose buffer is written as it is: the message is a handful of parts
+    and tobytes() copies each array once, with no per-sequence work but the ids' framing."""
     m = Msg()
     m.varint_field(D_LAYER, layer)
-    m.parts.append(memoryview(out).cast("B"))
-    m.size += out.nbytes
+    m.raw(_packed_ids(seqs))
+    for field, (a, dt) in ((D_Q, q), (D_K, k), (D_V, v)):
+        m.message_field(field, tensor(a, dt))
+    m.varint_field(D_Q_LAYOUT, q_layout)
     return m
 
 
@@ -366,6 +306,52 @@ def parse_decode_response(mv, start=0, end=None):
         if field == DR_OUTPUTS and wt == _LEN:
             outputs.append(_parse_output(mv, value[0], value[1], DO_O, DO_LENGTH))
     return outputs
+
+
+_SHIFTS = np.int64(1) << (7 * np.arange(9, dtype=np.int64))
+
+
+def _packed_varints(buf):
+    """The values of a packed repeated int64 field (a run of varints) as an int64 array, decoded with numpy:
+    each value ends at a byte below 0x80, and its 7-bit groups are summed at their shifts."""
+    b = np.frombuffer(buf, np.uint8)
+    if b.size == 0:
+        return np.zeros(0, np.int64)
+    # Lengths of one batch mostly share a width: then the run is a [B, width] matrix (a third of the work).
+    width = int(np.argmax(b < 0x80)) + 1
+    if width < 10 and b.size % width == 0:
+        rows = b.reshape(-1, width)
+        if (rows[:, -1] < 0x80).all() and (rows[:, :-1] >= 0x80).all():
+            return (rows & 0x7F).astype(np.int64) @ _SHIFTS[:width]
+    ends = np.flatnonzero(b < 0x80)
+    if ends.size == 0 or ends[-1] != b.size - 1:
+        raise _malformed("bad packed varints")
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    widths = ends - starts + 1
+    if widths.max() > 10:
+        raise _malformed("bad varint")
+    shift = (np.arange(b.size) - np.repeat(starts, widths)) * 7
+    groups = (b & 0x7F).astype(np.uint64) << shift.astype(np.uint64)
+    return np.add.reduceat(groups, starts).view(np.int64)
+
+
+def parse_packed_decode_response(mv, start=0, end=None):
+    """-> (TensorView o [B, Hq, D], int64 array of B lengths) for the answer to a packed request, or None when
+    the response is of the entries form (DecodeOutputs)."""
+    end = len(mv) if end is None else end
+    o, lengths = None, []
+    for field, wt, value in _fields(mv, start, end):
+        if field == DR_OUTPUTS:
+            return None
+        if field == DR_O and wt == _LEN:
+            o = parse_tensor(mv, *value)
+        elif field == DR_LENGTHS and wt == _LEN:
+            lengths.append(_packed_varints(mv[value[0]:value[1]]))
+        elif field == DR_LENGTHS and wt == _VARINT:  # unpacked (also valid proto3 input)
+            lengths.append(np.array([_signed64(value)], np.int64))
+    if o is None:
+        o = TensorView(0, [], mv[0:0])
+    return o, (np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
 
 
 def parse_session_response(mv):
