@@ -13,7 +13,9 @@
 namespace attnd {
 namespace {
 
-std::string Shape(const v1::Tensor& t) { return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]"); }
+std::string Shape(const v1::Tensor& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+}
 
 // The form the layout needs after the batch dimension, for messages and the check.
 std::vector<std::vector<int64_t>> RowShapes(const char* name, int32_t q_layout,
@@ -39,8 +41,9 @@ absl::Status CheckPacked(const char* name, const v1::Tensor& t, int64_t b, int32
     return absl::InvalidArgumentError(absl::StrCat("packed ", name, ": ", what));
   };
   if (t.has_region()) {
-    return fail("carries a region reference; the packed form's tensors travel inline (data): "
-                "send tensors in regions with the entries form");
+    return fail(
+        "carries a region reference; the packed form's tensors travel inline (data): "
+        "send tensors in regions with the entries form");
   }
   const DType dtype = static_cast<DType>(t.dtype());
   if (!IsKnownDType(dtype)) {
@@ -78,16 +81,16 @@ RequestTensor Row(const v1::Tensor& t, int64_t i, int64_t row_bytes) {
 }  // namespace
 
 bool IsPackedDecode(const v1::DecodeRequest& request) {
-  return request.sequence_ids_size() > 0 || request.has_q() || request.has_k() ||
-         request.has_v() || request.q_layout() != 0;
+  return request.sequence_ids_size() > 0 || request.has_q() || request.has_k() || request.has_v() ||
+         request.q_layout() != 0;
 }
 
 absl::Status UnpackDecode(const v1::DecodeRequest& request, const ModelConfig& model,
                           DecodeCall* call, v1::DecodeResponse* response) {
   if (request.entries_size() > 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a DecodeRequest carries entries (", request.entries_size(),
-        ") or the packed form (sequence_ids, q, k, v, q_layout), not both"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a DecodeRequest carries entries (", request.entries_size(),
+                     ") or the packed form (sequence_ids, q, k, v, q_layout), not both"));
   }
   const int64_t b = request.sequence_ids_size();
   if (b == 0) {
@@ -100,21 +103,22 @@ absl::Status UnpackDecode(const v1::DecodeRequest& request, const ModelConfig& m
         "packed q_layout must be Q_LAYOUT_VARIANTS (0) or Q_LAYOUT_PRE_ROTARY (1), got ", layout));
   }
   int64_t q_row = 0, k_row = 0, v_row = 0;
-  for (const auto& [name, t, row] : {std::make_tuple("q", &request.q(), &q_row),
-                                     std::make_tuple("k", &request.k(), &k_row),
-                                     std::make_tuple("v", &request.v(), &v_row)}) {
+  for (const auto& [name, t, row] :
+       {std::make_tuple("q", &request.q(), &q_row), std::make_tuple("k", &request.k(), &k_row),
+        std::make_tuple("v", &request.v(), &v_row)}) {
     if (absl::Status s = CheckPacked(name, *t, b, layout, model, row); !s.ok()) return s;
   }
   if (request.q().dtype() != request.k().dtype() || request.q().dtype() != request.v().dtype()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "packed q, k and v must have one dtype, got ",
-        DTypeName(static_cast<DType>(request.q().dtype())), ", ",
-        DTypeName(static_cast<DType>(request.k().dtype())), " and ",
-        DTypeName(static_cast<DType>(request.v().dtype()))));
+    return absl::InvalidArgumentError(
+        absl::StrCat("packed q, k and v must have one dtype, got ",
+                     DTypeName(static_cast<DType>(request.q().dtype())), ", ",
+                     DTypeName(static_cast<DType>(request.k().dtype())), " and ",
+                     DTypeName(static_cast<DType>(request.v().dtype()))));
   }
   // The engine writes entry i's [Hq, D] output into row i of o: sized once, before it runs.
-  const int64_t out_row = static_cast<int64_t>(model.num_q_heads) * model.head_dim *
-                          static_cast<int64_t>(ElementSize(static_cast<DType>(request.q().dtype())));
+  const int64_t out_row =
+      static_cast<int64_t>(model.num_q_heads) * model.head_dim *
+      static_cast<int64_t>(ElementSize(static_cast<DType>(request.q().dtype())));
   std::string* out = response->mutable_o()->mutable_data();
   out->resize(static_cast<size_t>(out_row * b));
   char* base = out->data();

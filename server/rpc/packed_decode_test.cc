@@ -128,38 +128,44 @@ TEST(PackedDecodeTest, BadFormsAreRefusedSayingWhatWasExpected) {
   {
     v1::DecodeRequest r = Packed(2);
     r.add_entries()->set_sequence_id("x");
-    ExpectRefused(r, "a DecodeRequest carries entries (1) or the packed form (sequence_ids, q, k, "
-                     "v, q_layout), not both");
+    ExpectRefused(r,
+                  "a DecodeRequest carries entries (1) or the packed form (sequence_ids, q, k, "
+                  "v, q_layout), not both");
   }
   {
     v1::DecodeRequest r = Packed(2);
     r.clear_sequence_ids();
-    ExpectRefused(r, "a packed DecodeRequest needs at least one sequence_id (one per row of q, k "
-                     "and v)");
+    ExpectRefused(r,
+                  "a packed DecodeRequest needs at least one sequence_id (one per row of q, k "
+                  "and v)");
   }
   {
     v1::DecodeRequest r = Packed(2);
     r.set_q_layout(static_cast<v1::QLayout>(7));
-    ExpectRefused(r, "packed q_layout must be Q_LAYOUT_VARIANTS (0) or Q_LAYOUT_PRE_ROTARY (1), "
-                     "got 7");
+    ExpectRefused(r,
+                  "packed q_layout must be Q_LAYOUT_VARIANTS (0) or Q_LAYOUT_PRE_ROTARY (1), "
+                  "got 7");
   }
   {
     v1::DecodeRequest r = Packed(2);
     r.add_sequence_ids(std::string(32, 'z'));  // 3 ids, 2 rows
-    ExpectRefused(r, "packed q: shape must be [3, 3, 4, 8] or [3, 5, 4, 8] (one row per "
-                     "sequence_id, 3 sequence_ids), got [2, 5, 4, 8]");
+    ExpectRefused(r,
+                  "packed q: shape must be [3, 3, 4, 8] or [3, 5, 4, 8] (one row per "
+                  "sequence_id, 3 sequence_ids), got [2, 5, 4, 8]");
   }
   {
     v1::DecodeRequest r = Packed(2);
     Fill(r.mutable_k(), {2, kHkv + 1, kD});
-    ExpectRefused(r, "packed k: shape must be [2, 2, 8] (one row per sequence_id, 2 "
-                     "sequence_ids), got [2, 3, 8]");
+    ExpectRefused(r,
+                  "packed k: shape must be [2, 2, 8] (one row per sequence_id, 2 "
+                  "sequence_ids), got [2, 3, 8]");
   }
   {
     v1::DecodeRequest r = Packed(2);
     r.set_q_layout(v1::Q_LAYOUT_PRE_ROTARY);  // q still [2, 5, Hq, D]
-    ExpectRefused(r, "packed q: shape must be [2, 4, 8] (one row per sequence_id, 2 "
-                     "sequence_ids), got [2, 5, 4, 8]");
+    ExpectRefused(r,
+                  "packed q: shape must be [2, 4, 8] (one row per sequence_id, 2 "
+                  "sequence_ids), got [2, 5, 4, 8]");
   }
   {
     v1::DecodeRequest r = Packed(2);
@@ -180,8 +186,9 @@ TEST(PackedDecodeTest, BadFormsAreRefusedSayingWhatWasExpected) {
     v1::DecodeRequest r = Packed(2);
     r.mutable_q()->clear_data();
     r.mutable_q()->mutable_region()->set_region_id("r");
-    ExpectRefused(r, "packed q: carries a region reference; the packed form's tensors travel "
-                     "inline (data): send tensors in regions with the entries form");
+    ExpectRefused(r,
+                  "packed q: carries a region reference; the packed form's tensors travel "
+                  "inline (data): send tensors in regions with the entries form");
   }
 }
 

@@ -245,8 +245,11 @@ class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::By
         rpc_ = "Session.Prefill";
         submitted = service_->work_queue_->Submit(
             ContextOf(context_, cancelled_, &clock_), [this](absl::Status s) {
-              if (s.ok())
-                s = service_->RunPrefill(request_.prefill(), *tenant_, response_.mutable_prefill());
+              if (s.ok()) {
+                // A stream cancelled while its prefill runs stops it between two device steps.
+                s = service_->RunPrefill(request_.prefill(), *tenant_, response_.mutable_prefill(),
+                                         StopWhenGone(DeadlineOf(context_), cancelled_));
+              }
               clock_.finished = absl::Now();
               Complete(std::move(s));
             });

@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
 #include "kernels/testing/naive_dca.h"
+#include "server/engine/engine.h"
 #include "server/rpc/server.h"
 
 namespace attnd {
@@ -315,6 +316,96 @@ TEST_F(ServiceTest, PrefillIsTheSameWithAndWithoutTheWireFastPath) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   (*plain)->Shutdown(absl::Now() + absl::Seconds(5));
   (*plain)->Wait();
+}
+
+// Forwards to a real engine; every prefill step first sleeps, so a call of many steps outlives a
+// short deadline while it runs.
+class SlowSteps : public Engine {
+ public:
+  explicit SlowSteps(std::unique_ptr<Engine> inner) : inner_(std::move(inner)) {}
+  std::string backend() const override { return inner_->backend(); }
+  std::string device_name() const override { return inner_->device_name(); }
+  const KvLayout& layout() const override { return inner_->layout(); }
+  const DcaGeometry& geometry() const override { return inner_->geometry(); }
+  absl::Status Prefill(const PrefillJob& job) override { return inner_->Prefill(job); }
+  absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) override { return inner_->Decode(job); }
+  absl::StatusOr<std::unique_ptr<PrefillRun>> StartPrefill(const PrefillJob& job) override {
+    absl::StatusOr<std::unique_ptr<PrefillRun>> run = inner_->StartPrefill(job);
+    if (!run.ok()) return run.status();
+    return std::unique_ptr<PrefillRun>(new Run(*std::move(run)));
+  }
+
+ private:
+  class Run : public PrefillRun {
+   public:
+    explicit Run(std::unique_ptr<PrefillRun> inner) : inner_(std::move(inner)) {}
+    bool done() const override { return inner_->done(); }
+    absl::Status Step() override {
+      absl::SleepFor(absl::Milliseconds(3));
+      return inner_->Step();
+    }
+
+   private:
+    std::unique_ptr<PrefillRun> inner_;
+  };
+  std::unique_ptr<Engine> inner_;
+};
+
+// A unary Prefill whose deadline passes while it runs stops between two device steps and changes
+// nothing: the next call on the sequence starts from length 0. (Without the check, the call ran to
+// the end and committed 140 tokens the client was told had failed.) Both unary paths: the wire
+// fast path and protobuf.
+TEST_F(ServiceTest, APrefillPastItsDeadlineStopsBetweenStepsAndChangesNothing) {
+  for (const bool wire : {true, false}) {
+    ServerOptions o = TinyOptions();
+    o.wire_fast_path = wire;
+    o.prefill_step_keys = 1;  // 1 + 140 steps of >= 3 ms
+    o.wrap_engine = [](std::unique_ptr<Engine> inner) -> std::unique_ptr<Engine> {
+      return std::make_unique<SlowSteps>(std::move(inner));
+    };
+    absl::StatusOr<std::unique_ptr<AttndServer>> server = AttndServer::Start(o);
+    ASSERT_TRUE(server.ok()) << server.status();
+    auto stub = v1::Attention::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", (*server)->port()), grpc::InsecureChannelCredentials()));
+    std::string id;
+    {
+      grpc::ClientContext ctx;
+      v1::CreateSequenceResponse resp;
+      ASSERT_TRUE(stub->CreateSequence(&ctx, v1::CreateSequenceRequest(), &resp).ok());
+      id = resp.sequence_id();
+    }
+    v1::PrefillRequest req;
+    req.set_sequence_id(id);
+    req.set_layer(0);
+    RandomTensor({140, 5, kHq, kD}, &rng_, req.mutable_q());
+    RandomTensor({140, kHkv, kD}, &rng_, req.mutable_k());
+    RandomTensor({140, kHkv, kD}, &rng_, req.mutable_v());
+    v1::PrefillResponse resp;
+    {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(150));
+      EXPECT_EQ(stub->Prefill(&ctx, req, &resp).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+          << "wire " << wire;
+    }
+    // Waits for the sequence, which the stopped call holds until it has rolled back.
+    v1::PrefillRequest one;
+    one.set_sequence_id(id);
+    one.set_layer(0);
+    RandomTensor({1, 5, kHq, kD}, &rng_, one.mutable_q());
+    RandomTensor({1, kHkv, kD}, &rng_, one.mutable_k());
+    RandomTensor({1, kHkv, kD}, &rng_, one.mutable_v());
+    {
+      grpc::ClientContext ctx;
+      ASSERT_TRUE(stub->Prefill(&ctx, one, &resp).ok()) << "wire " << wire;
+      EXPECT_EQ(resp.length(), 1) << "wire " << wire;
+    }
+    grpc::ClientContext ctx;
+    v1::GetServerInfoResponse info;
+    ASSERT_TRUE(stub->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info).ok());
+    EXPECT_EQ(info.kv_cache().pages_free(), kPages - 1) << "wire " << wire;
+    (*server)->Shutdown(absl::Now() + absl::Seconds(5));
+    (*server)->Wait();
+  }
 }
 
 TEST_F(ServiceTest, UnaryErrorsCarryCodeAndMessage) {
