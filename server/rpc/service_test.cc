@@ -22,6 +22,7 @@
 #include "kernels/dca.h"
 #include "kernels/testing/naive_dca.h"
 #include "server/engine/engine.h"
+#include "server/engine/prefill_step_hook_for_testing.h"
 #include "server/rpc/server.h"
 
 namespace attnd {
@@ -318,39 +319,6 @@ TEST_F(ServiceTest, PrefillIsTheSameWithAndWithoutTheWireFastPath) {
   (*plain)->Wait();
 }
 
-// Forwards to a real engine; every prefill step first sleeps, so a call of many steps outlives a
-// short deadline while it runs.
-class SlowSteps : public Engine {
- public:
-  explicit SlowSteps(std::unique_ptr<Engine> inner) : inner_(std::move(inner)) {}
-  std::string backend() const override { return inner_->backend(); }
-  std::string device_name() const override { return inner_->device_name(); }
-  const KvLayout& layout() const override { return inner_->layout(); }
-  const DcaGeometry& geometry() const override { return inner_->geometry(); }
-  absl::Status Prefill(const PrefillJob& job) override { return inner_->Prefill(job); }
-  absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) override { return inner_->Decode(job); }
-  absl::StatusOr<std::unique_ptr<PrefillRun>> StartPrefill(const PrefillJob& job) override {
-    absl::StatusOr<std::unique_ptr<PrefillRun>> run = inner_->StartPrefill(job);
-    if (!run.ok()) return run.status();
-    return std::unique_ptr<PrefillRun>(new Run(*std::move(run)));
-  }
-
- private:
-  class Run : public PrefillRun {
-   public:
-    explicit Run(std::unique_ptr<PrefillRun> inner) : inner_(std::move(inner)) {}
-    bool done() const override { return inner_->done(); }
-    absl::Status Step() override {
-      absl::SleepFor(absl::Milliseconds(3));
-      return inner_->Step();
-    }
-
-   private:
-    std::unique_ptr<PrefillRun> inner_;
-  };
-  std::unique_ptr<Engine> inner_;
-};
-
 // A unary Prefill whose deadline passes while it runs stops between two device steps and changes
 // nothing: the next call on the sequence starts from length 0. (Without the check, the call ran to
 // the end and committed 140 tokens the client was told had failed.) Both unary paths: the wire
@@ -361,7 +329,10 @@ TEST_F(ServiceTest, APrefillPastItsDeadlineStopsBetweenStepsAndChangesNothing) {
     o.wire_fast_path = wire;
     o.prefill_step_keys = 1;  // 1 + 140 steps of >= 3 ms
     o.wrap_engine = [](std::unique_ptr<Engine> inner) -> std::unique_ptr<Engine> {
-      return std::make_unique<SlowSteps>(std::move(inner));
+      return std::make_unique<PrefillStepHook>(std::move(inner), [] {
+        absl::SleepFor(absl::Milliseconds(3));  // a slow step: the call outlives its deadline
+        return absl::OkStatus();
+      });
     };
     absl::StatusOr<std::unique_ptr<AttndServer>> server = AttndServer::Start(o);
     ASSERT_TRUE(server.ok()) << server.status();

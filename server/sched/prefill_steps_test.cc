@@ -19,6 +19,7 @@
 #include "server/config/test_models.h"
 #include "server/engine/engine.h"
 #include "server/engine/engine_factory.h"
+#include "server/engine/prefill_step_hook_for_testing.h"
 #include "server/runtime/device_turns.h"
 #include "server/runtime/runtime.h"
 #include "server/sched/step_scheduler.h"
@@ -29,45 +30,12 @@ namespace {
 using test_models::TinyModel;
 constexpr int kHq = 4, kHkv = 2, kD = 64;
 
-// Fails the step numbered fail_at (0-based, counted over every run it starts) with DATA_LOSS, after
-// the steps before it reached the real engine: a device error in the middle of a call.
-class FailingSteps : public Engine {
- public:
-  explicit FailingSteps(std::unique_ptr<Engine> inner) : inner_(std::move(inner)) {}
-  std::string backend() const override { return inner_->backend(); }
-  std::string device_name() const override { return inner_->device_name(); }
-  const KvLayout& layout() const override { return inner_->layout(); }
-  const DcaGeometry& geometry() const override { return inner_->geometry(); }
-  absl::Status Prefill(const PrefillJob& job) override { return inner_->Prefill(job); }
-  absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) override { return inner_->Decode(job); }
-  absl::StatusOr<std::unique_ptr<PrefillRun>> StartPrefill(const PrefillJob& job) override {
-    absl::StatusOr<std::unique_ptr<PrefillRun>> run = inner_->StartPrefill(job);
-    if (!run.ok()) return run.status();
-    return std::unique_ptr<PrefillRun>(new Run(this, *std::move(run)));
-  }
-  std::atomic<int64_t> fail_at{-1};
+// Counts the prefill steps of the engine it is given to, and fails the step numbered fail_at
+// (0-based, over every run) with DATA_LOSS: a device error in the middle of a call, after the steps
+// before it reached the real engine.
+struct StepCounter {
   std::atomic<int64_t> steps{0};
-
- private:
-  class Run : public PrefillRun {
-   public:
-    Run(FailingSteps* engine, std::unique_ptr<PrefillRun> inner)
-        : engine_(engine), inner_(std::move(inner)) {}
-    bool done() const override { return failed_ || inner_->done(); }
-    absl::Status Step() override {
-      if (engine_->steps.fetch_add(1) == engine_->fail_at.load()) {
-        failed_ = true;
-        return absl::DataLossError("injected at a step");
-      }
-      return inner_->Step();
-    }
-
-   private:
-    FailingSteps* const engine_;
-    std::unique_ptr<PrefillRun> inner_;
-    bool failed_ = false;
-  };
-  std::unique_ptr<Engine> inner_;
+  std::atomic<int64_t> fail_at{-1};
 };
 
 // Records the order in which turns were admitted, around a real scheduler.
@@ -117,7 +85,7 @@ class PrefillStepsTest : public testing::Test {
  protected:
   // A runtime over the CPU engine; step_keys 1: every query row is a step of its own.
   std::unique_ptr<Runtime> Make(int64_t step_keys, std::shared_ptr<DeviceTurns> turns = nullptr,
-                                FailingSteps** failing = nullptr) {
+                                StepCounter* counter = nullptr) {
     EngineOptions eo;
     eo.device = "cpu";
     eo.geometry = TinyModel().geometry();
@@ -128,8 +96,13 @@ class PrefillStepsTest : public testing::Test {
     eo.prefill_step_keys = step_keys;
     absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(eo);
     EXPECT_TRUE(engine.ok()) << engine.status();
-    auto wrapped = std::make_unique<FailingSteps>(*std::move(engine));
-    if (failing != nullptr) *failing = wrapped.get();
+    auto wrapped =
+        std::make_unique<PrefillStepHook>(*std::move(engine), [counter]() -> absl::Status {
+          if (counter != nullptr && counter->steps.fetch_add(1) == counter->fail_at.load()) {
+            return absl::DataLossError("injected at a step");
+          }
+          return absl::OkStatus();
+        });
     RuntimeOptions ro;
     ro.max_sequence_length = 4096;
     ro.device_turns = std::move(turns);
@@ -178,7 +151,7 @@ class PrefillStepsTest : public testing::Test {
 // a step, so rows of one piece and pieces are split across steps everywhere.
 TEST_F(PrefillStepsTest, ManyStepsEqualOneStepBitForBit) {
   std::unique_ptr<Runtime> one = Make(int64_t{1} << 40), many = Make(1);
-  FailingSteps* counted = nullptr;
+  StepCounter counted;
   std::unique_ptr<Runtime> counting = Make(1, nullptr, &counted);
   const Tensors first = RandomTensors(300, &rng_), second = RandomTensors(45, &rng_);
   const Tensors token = RandomTensors(1, &rng_);
@@ -199,7 +172,7 @@ TEST_F(PrefillStepsTest, ManyStepsEqualOneStepBitForBit) {
   EXPECT_EQ(*d_one, *d_many);
   // And the call really ran as steps: one to stage, then one per row.
   ASSERT_TRUE(Prefill(counting.get(), c, first).ok());
-  EXPECT_EQ(counted->steps.load(), 1 + 300);
+  EXPECT_EQ(counted.steps.load(), 1 + 300);
 }
 
 TEST_F(PrefillStepsTest, AStopBetweenStepsChangesNothingAndTheRetryMatches) {
@@ -224,14 +197,14 @@ TEST_F(PrefillStepsTest, AStopBetweenStepsChangesNothingAndTheRetryMatches) {
 }
 
 TEST_F(PrefillStepsTest, AFailureAtStepNChangesNothingAndTheRetryMatches) {
-  FailingSteps* failing = nullptr;
+  StepCounter failing;
   std::unique_ptr<Runtime> rt = Make(1, nullptr, &failing), reference = Make(1);
   const Tensors x = RandomTensors(150, &rng_), more = RandomTensors(20, &rng_);
   const std::string id = *rt->CreateSequence(""), ref = *reference->CreateSequence("");
   ASSERT_TRUE(Prefill(rt.get(), id, x).ok());
   ASSERT_TRUE(Prefill(reference.get(), ref, x).ok());
   const int64_t free_before = rt->Info().kv_cache.pages_free;
-  failing->fail_at = failing->steps.load() + 7;  // the staging step and six rows ran
+  failing.fail_at = failing.steps.load() + 7;  // the staging step and six rows ran
   absl::StatusOr<std::string> failed = Prefill(rt.get(), id, more);
   ASSERT_FALSE(failed.ok());
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kInternal) << failed.status();
