@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -177,6 +178,60 @@ int64_t SizeOf(const google::protobuf::Message& m) {
 // One Session stream: read a request, run it, write its response, read the next. Exactly one
 // request is in flight per stream, which is what keeps responses in request order. Every path ends
 // in exactly one Finish; the reactor deletes itself in OnDone.
+// One request's passage through the front end, whatever carried it (a unary call, the wire
+// prefill, a ring): its clock (which the queue tells when a worker starts it), its tenant, its
+// share of --max-inflight-request-bytes and its one record in the request log and the metrics.
+// Admit takes the share; End records the outcome and gives the share back, once (a scope dropped
+// without End gives it back unrecorded). Shared between the handler and the work it submits.
+class RequestScope {
+ public:
+  RequestScope(AttentionService* service, absl::string_view rpc, int64_t request_bytes)
+      : service_(service), rpc_(rpc), bytes_(request_bytes) {}
+  ~RequestScope() {
+    if (taken_) service_->GiveRequestBytes(bytes_);
+  }
+  RequestScope(const RequestScope&) = delete;
+  RequestScope& operator=(const RequestScope&) = delete;
+
+  // The caller's tenant (UNAUTHENTICATED and the like when its metadata do not name one), then
+  // UNAVAILABLE while draining, then the share of the budget (RESOURCE_EXHAUSTED past it).
+  absl::Status Admit(const grpc::CallbackServerContext& context) {
+    absl::StatusOr<std::string> tenant = TenantOf(service_->tokens_.get(), context);
+    if (!tenant.ok()) return tenant.status();
+    return Admit(*std::move(tenant));
+  }
+  // The same for a tenant already known. `share`: false when the request's bytes are held in the
+  // budget already (a ring's copy of its request, server/dataplane/ring.h).
+  absl::Status Admit(std::string tenant, bool share = true) {
+    clock_.tenant = std::move(tenant);
+    if (service_->shutting_down()) return ShuttingDown();
+    if (!share) return absl::OkStatus();
+    ATTND_RETURN_IF_ERROR(service_->TakeRequestBytes(bytes_));
+    taken_ = true;
+    return absl::OkStatus();
+  }
+
+  const std::string& tenant() const { return clock_.tenant; }
+  RequestClock* clock() { return &clock_; }
+  int64_t request_bytes() const { return bytes_; }
+
+  void End(const absl::Status& status, int64_t response_bytes) {
+    if (ended_) return;
+    ended_ = true;
+    service_->Record(rpc_, static_cast<int>(status.code()), clock_, bytes_, response_bytes);
+    if (taken_) service_->GiveRequestBytes(bytes_);
+    taken_ = false;
+  }
+
+ private:
+  AttentionService* const service_;
+  const absl::string_view rpc_;  // a literal
+  const int64_t bytes_;
+  RequestClock clock_;
+  bool taken_ = false;
+  bool ended_ = false;
+};
+
 class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   // Registers before taking mu_: BeginShutdown takes the service's lock, then each session's.
@@ -229,51 +284,50 @@ class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::By
     // Not under mu_: the work may complete (and call Complete) before Submit returns.
     response_.Clear();
     response_.set_tag(request_.tag());
-    clock_ = RequestClock();
-    if (tenant_.ok()) clock_.tenant = *tenant_;
-    Describe(request_, &clock_);
-    request_bytes_ = SizeOf(request_);
-    absl::Status submitted = service_->TakeRequestBytes(request_bytes_);
-    if (!submitted.ok()) {
-      request_bytes_ = 0;
-      rpc_ = request_.has_prefill() ? "Session.Prefill" : "Session.Decode";
+    const v1::SessionRequest::RequestCase kind = request_.request_case();
+    scope_.emplace(service_,
+                   kind == v1::SessionRequest::kPrefill  ? "Session.Prefill"
+                   : kind == v1::SessionRequest::kDecode ? "Session.Decode"
+                                                         : "Session.Invalid",
+                   SizeOf(request_));
+    Describe(request_, scope_->clock());
+    absl::Status submitted = scope_->Admit(*tenant_);
+    if (!submitted.ok() && submitted.code() != absl::StatusCode::kUnavailable) {
       Complete(submitted);  // this request fails at once; the stream goes on
       return;
     }
-    switch (request_.request_case()) {
-      case v1::SessionRequest::kPrefill:
-        rpc_ = "Session.Prefill";
-        submitted = service_->work_queue_->Submit(
-            ContextOf(context_, cancelled_, &clock_), [this](absl::Status s) {
-              if (s.ok()) {
-                // A stream cancelled while its prefill runs stops it between two device steps.
-                s = service_->RunPrefill(request_.prefill(), *tenant_, response_.mutable_prefill(),
-                                         StopWhenGone(DeadlineOf(context_), cancelled_));
-              }
-              clock_.finished = absl::Now();
-              Complete(std::move(s));
-            });
-        break;
-      case v1::SessionRequest::kDecode:
-        rpc_ = "Session.Decode";
-        submitted = service_->SubmitDecodeFromGrpcThread(
-            request_.decode(), *tenant_, ContextOf(context_, cancelled_, &clock_),
-            response_.mutable_decode(), [this](absl::Status s) {
-              clock_.finished = absl::Now();
-              Complete(std::move(s));
-            });
-        break;
-      default:
-        rpc_ = "Session.Invalid";
-        submitted = absl::OkStatus();
-        Complete(absl::InvalidArgumentError(
-            "a session request must hold a prefill or a decode request"));
-        break;
+    if (submitted.ok()) {
+      switch (kind) {
+        case v1::SessionRequest::kPrefill:
+          submitted = service_->work_queue_->Submit(
+              ContextOf(context_, cancelled_, scope_->clock()), [this](absl::Status s) {
+                if (s.ok()) {
+                  // A stream cancelled while its prefill runs stops it between two device steps.
+                  s = service_->RunPrefill(request_.prefill(), *tenant_,
+                                           response_.mutable_prefill(),
+                                           StopWhenGone(DeadlineOf(context_), cancelled_));
+                }
+                scope_->clock()->finished = absl::Now();
+                Complete(std::move(s));
+              });
+          break;
+        case v1::SessionRequest::kDecode:
+          submitted = service_->SubmitDecodeFromGrpcThread(
+              request_.decode(), *tenant_, ContextOf(context_, cancelled_, scope_->clock()),
+              response_.mutable_decode(), [this](absl::Status s) {
+                scope_->clock()->finished = absl::Now();
+                Complete(std::move(s));
+              });
+          break;
+        default:
+          Complete(absl::InvalidArgumentError(
+              "a session request must hold a prefill or a decode request"));
+          return;
+      }
     }
     if (submitted.ok()) return;
     if (submitted.code() == absl::StatusCode::kUnavailable) {
-      service_->GiveRequestBytes(request_bytes_);
-      request_bytes_ = 0;
+      scope_.reset();  // draining: the stream ends; the request is not recorded
       MutexLock lock(&mu_);
       FinishLocked(ToGrpcStatus(submitted));
       return;
@@ -319,10 +373,7 @@ class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::By
       response_.set_code(static_cast<int32_t>(status.code()));
       response_.set_message(std::string(status.message()));
     }
-    service_->Record(rpc_, static_cast<int>(status.code()), clock_, SizeOf(request_),
-                     SizeOf(response_));
-    service_->GiveRequestBytes(request_bytes_);
-    request_bytes_ = 0;
+    scope_->End(status, SizeOf(response_));
     out_.Clear();
     bool own_buffer = false;
     grpc::Status serialized =
@@ -360,9 +411,7 @@ class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::By
   int64_t frames_ ABSL_GUARDED_BY(mu_) = 0;
   v1::SessionRequest request_;
   v1::SessionResponse response_;
-  RequestClock clock_;
-  int64_t request_bytes_ = 0;  // taken from the service's request-bytes budget
-  absl::string_view rpc_ = "Session.Invalid";
+  std::optional<RequestScope> scope_;  // the request in flight's
 };
 
 AttentionService::AttentionService(Runtime* runtime, WorkQueue* work_queue,
@@ -683,16 +732,19 @@ absl::Status AttentionService::SubmitSessionRequest(const v1::SessionRequest& re
                                                     absl::string_view tenant,
                                                     v1::SessionResponse* response,
                                                     std::function<void(absl::Status)> done) {
-  if (shutting_down()) return ShuttingDown();
-  auto clock = std::make_shared<RequestClock>();
-  const int64_t bytes = SizeOf(request);
+  const bool prefill = request.request_case() == v1::SessionRequest::kPrefill;
+  auto scope = std::make_shared<RequestScope>(this, prefill ? "Ring.Prefill" : "Ring.Decode",
+                                              SizeOf(request));
+  ATTND_RETURN_IF_ERROR(scope->Admit(std::string(tenant), /*share=*/false));
+  Describe(request, scope->clock());
   switch (request.request_case()) {
     case v1::SessionRequest::kPrefill: {
-      auto run = [this, &request, tenant, response, clock, bytes, done = std::move(done)] {
-        clock->started = absl::Now();
-        absl::Status s = RunPrefill(request.prefill(), tenant, response->mutable_prefill());
-        clock->finished = absl::Now();
-        Record("Ring.Prefill", static_cast<int>(s.code()), *clock, bytes, 0);
+      auto run = [this, &request, response, scope, done = std::move(done)] {
+        scope->clock()->started = absl::Now();
+        absl::Status s =
+            RunPrefill(request.prefill(), scope->tenant(), response->mutable_prefill());
+        scope->clock()->finished = absl::Now();
+        scope->End(s, 0);
         done(std::move(s));
       };
       // A ring's thread would only wait for it: run it there (server/dataplane/ring.h).
@@ -703,10 +755,11 @@ absl::Status AttentionService::SubmitSessionRequest(const v1::SessionRequest& re
       return work_queue_->Submit(std::move(run));
     }
     case v1::SessionRequest::kDecode:
-      return SubmitDecode(request.decode(), tenant, RequestContext(), response->mutable_decode(),
-                          [this, clock, bytes, done = std::move(done)](absl::Status s) {
-                            clock->finished = absl::Now();
-                            Record("Ring.Decode", static_cast<int>(s.code()), *clock, bytes, 0);
+      return SubmitDecode(request.decode(), scope->tenant(), RequestContext(),
+                          response->mutable_decode(),
+                          [scope, done = std::move(done)](absl::Status s) {
+                            scope->clock()->finished = absl::Now();
+                            scope->End(s, 0);
                             done(std::move(s));
                           });
     default:
@@ -813,37 +866,23 @@ template <typename Request, typename Response>
 void AttentionService::ServeOnWorker(absl::string_view rpc, grpc::CallbackServerContext* context,
                                      const Request* request, Response* response, UnaryCall* reactor,
                                      std::function<absl::Status(const std::string&)> body) {
-  RequestClock clock;
-  Describe(*request, &clock);
-  absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
-  if (!tenant.ok()) {
-    Record(rpc, static_cast<int>(tenant.status().code()), clock, SizeOf(*request), 0);
-    reactor->Finish(ToGrpcStatus(tenant.status()));
-    return;
-  }
-  clock.tenant = *tenant;
-  const int64_t bytes = SizeOf(*request);
-  absl::Status s = shutting_down() ? ShuttingDown() : TakeRequestBytes(bytes);
-  if (!s.ok()) {
-    Record(rpc, static_cast<int>(s.code()), clock, bytes, 0);
+  auto scope = std::make_shared<RequestScope>(this, rpc, SizeOf(*request));
+  Describe(*request, scope->clock());
+  if (absl::Status s = scope->Admit(*context); !s.ok()) {
+    scope->End(s, 0);
     reactor->Finish(ToGrpcStatus(s));
     return;
   }
-  // Shared with the worker, which the work queue tells when it starts (RequestObserver).
-  auto started = std::make_shared<RequestClock>(clock);
-  absl::Status submitted = work_queue_->Submit(
-      ContextOf(context, reactor->cancelled(), started.get()),
-      [this, rpc, reactor, response, clock = started, bytes, body = std::move(body),
-       tenant = *std::move(tenant)](absl::Status s) {
-        if (s.ok()) s = body(tenant);
-        clock->finished = absl::Now();
-        Record(rpc, static_cast<int>(s.code()), *clock, bytes, SizeOf(*response));
-        GiveRequestBytes(bytes);
-        reactor->Finish(ToGrpcStatus(s));
-      });
+  absl::Status submitted =
+      work_queue_->Submit(ContextOf(context, reactor->cancelled(), scope->clock()),
+                          [scope, reactor, response, body = std::move(body)](absl::Status s) {
+                            if (s.ok()) s = body(scope->tenant());
+                            scope->clock()->finished = absl::Now();
+                            scope->End(s, SizeOf(*response));
+                            reactor->Finish(ToGrpcStatus(s));
+                          });
   if (!submitted.ok()) {
-    GiveRequestBytes(bytes);
-    Record(rpc, static_cast<int>(submitted.code()), clock, bytes, 0);
+    scope->End(submitted, 0);
     reactor->Finish(ToGrpcStatus(submitted));
   }
 }
@@ -949,42 +988,28 @@ absl::Status AttentionService::RunPrefillUnsafe(const v1::PrefillRequest& reques
 
 void AttentionService::ServeWirePrefill(grpc::CallbackServerContext* context, int64_t request_bytes,
                                         WirePrefillCall* call) {
-  RequestClock clock;
-  clock.sequence_id = call->request.sequence_id;  // for the request log, as Describe does
-  if (!call->request.q.shape.empty()) clock.tokens = call->request.q.shape[0];
-  absl::StatusOr<std::string> tenant = TenantOf(tokens_.get(), *context);
-  if (tenant.ok()) clock.tenant = *tenant;
-  if (!tenant.ok()) {
-    Record("Prefill", static_cast<int>(tenant.status().code()), clock, request_bytes, 0);
-    call->Finish(ToGrpcStatus(tenant.status()));
-    return;
-  }
-  if (absl::Status s = shutting_down() ? ShuttingDown() : TakeRequestBytes(request_bytes);
-      !s.ok()) {
-    Record("Prefill", static_cast<int>(s.code()), clock, request_bytes, 0);
+  auto scope = std::make_shared<RequestScope>(this, "Prefill", request_bytes);
+  scope->clock()->sequence_id = call->request.sequence_id;  // for the request log, as Describe
+  if (!call->request.q.shape.empty()) scope->clock()->tokens = call->request.q.shape[0];
+  if (absl::Status s = scope->Admit(*context); !s.ok()) {
+    scope->End(s, 0);
     call->Finish(ToGrpcStatus(s));
     return;
   }
-  // Shared with the worker, which the work queue tells when it starts (RequestObserver).
-  auto started = std::make_shared<RequestClock>(clock);
   absl::Status submitted = work_queue_->Submit(
-      ContextOf(context, call->cancelled, started.get()),
-      [this, call, clock = started, request_bytes, tenant = *std::move(tenant),
-       deadline = DeadlineOf(context)](absl::Status s) {
+      ContextOf(context, call->cancelled, scope->clock()),
+      [this, call, scope, deadline = DeadlineOf(context)](absl::Status s) {
         if (s.ok()) {
           s = CatchAll("the prefill", [&] {
-            return RunWirePrefill(call, tenant, StopWhenGone(deadline, call->cancelled));
+            return RunWirePrefill(call, scope->tenant(), StopWhenGone(deadline, call->cancelled));
           });
         }
-        clock->finished = absl::Now();
-        Record("Prefill", static_cast<int>(s.code()), *clock, request_bytes,
-               s.ok() ? static_cast<int64_t>(call->reply->Length()) : 0);
-        GiveRequestBytes(request_bytes);
+        scope->clock()->finished = absl::Now();
+        scope->End(s, s.ok() ? static_cast<int64_t>(call->reply->Length()) : 0);
         call->Finish(ToGrpcStatus(s));
       });
   if (!submitted.ok()) {
-    GiveRequestBytes(request_bytes);
-    Record("Prefill", static_cast<int>(submitted.code()), clock, request_bytes, 0);
+    scope->End(submitted, 0);
     call->Finish(ToGrpcStatus(submitted));
   }
 }
@@ -1218,35 +1243,23 @@ absl::Status AttentionService::SubmitDecodeFromGrpcThread(const v1::DecodeReques
 void AttentionService::ServeDecode(grpc::CallbackServerContext* context,
                                    const v1::DecodeRequest* request, v1::DecodeResponse* response,
                                    UnaryCall* reactor) {
-  // Shared by the queue (which tells it when a worker starts the call) and the reply; the tenant
-  // outlives the call.
-  auto clock = std::make_shared<RequestClock>();
-  absl::StatusOr<std::string> resolved = TenantOf(tokens_.get(), *context);
-  if (!resolved.ok()) {
-    Record("Decode", static_cast<int>(resolved.status().code()), *clock, SizeOf(*request), 0);
-    reactor->Finish(ToGrpcStatus(resolved.status()));
-    return;
-  }
-  auto tenant = std::make_shared<const std::string>(*std::move(resolved));
-  clock->tenant = *tenant;
-  Describe(*request, clock.get());
-  const int64_t bytes = SizeOf(*request);
-  if (absl::Status s = shutting_down() ? ShuttingDown() : TakeRequestBytes(bytes); !s.ok()) {
-    Record("Decode", static_cast<int>(s.code()), *clock, bytes, 0);
+  // Shared by the queue (which tells its clock when a worker starts the call) and the reply.
+  auto scope = std::make_shared<RequestScope>(this, "Decode", SizeOf(*request));
+  if (absl::Status s = scope->Admit(*context); !s.ok()) {
+    scope->End(s, 0);
     reactor->Finish(ToGrpcStatus(s));
     return;
   }
+  Describe(*request, scope->clock());
   absl::Status submitted = SubmitDecodeFromGrpcThread(
-      *request, *tenant, ContextOf(context, reactor->cancelled(), clock.get()), response,
-      [this, reactor, bytes, response, clock, tenant](absl::Status s) {
-        clock->finished = absl::Now();
-        Record("Decode", static_cast<int>(s.code()), *clock, bytes, SizeOf(*response));
-        GiveRequestBytes(bytes);
+      *request, scope->tenant(), ContextOf(context, reactor->cancelled(), scope->clock()), response,
+      [reactor, response, scope](absl::Status s) {
+        scope->clock()->finished = absl::Now();
+        scope->End(s, SizeOf(*response));
         reactor->Finish(ToGrpcStatus(s));
       });
   if (!submitted.ok()) {
-    GiveRequestBytes(bytes);
-    Record("Decode", static_cast<int>(submitted.code()), *clock, bytes, 0);
+    scope->End(submitted, 0);
     reactor->Finish(ToGrpcStatus(submitted));
   }
 }

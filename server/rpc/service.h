@@ -32,6 +32,7 @@ namespace attnd {
 class SessionReactor;
 class WirePrefillCall;
 struct RequestClock;
+class RequestScope;
 
 // Thread-safe; gRPC calls the handlers from its own threads. runtime, work_queue and decode_queue
 // (and metrics, if given) must outlive the service and every RPC it started.
@@ -237,6 +238,7 @@ class AttentionService : public AttentionServiceBase {
                                 void (AttentionService::*serve)(grpc::CallbackServerContext*,
                                                                 const Request*, Response*,
                                                                 UnaryCall*));
+  friend class RequestScope;
   // Records one finished request with its google.rpc code in the metrics and the request log.
   // Latencies the clock does not know (InfinitePast) are not observed.
   void Record(absl::string_view rpc, int code, const RequestClock& clock, int64_t bytes_received,
