@@ -229,6 +229,24 @@ class FastEncoding(unittest.TestCase):
                         server.close()
                     self.assertEqual(ring.stats.round_trips, 2)
 
+    def test_outputs_outlive_the_next_request(self):
+        """The response half is rewritten by every answer: an output handed back must not be a view of it."""
+        with _ring.Ring(FakeClient()) as ring:
+            server = PlayedServer(ring, decode_answer)
+            try:
+                seqs = ["%032x" % 1, "%032x" % 2]
+                kv = np.zeros((2, 2, 8), np.float32)
+                q = np.arange(2 * 5 * 4 * 8, dtype=np.float32).reshape(2, 5, 4, 8)
+                first = ring.decode(0, seqs, q, kv, kv)
+                entries = ring.decode(0, seqs, list(q), kv, kv, q_layout=["variants"] * 2)  # the general path
+                kept = first.copy(), entries.copy()
+                ring.decode(0, seqs, -q, kv, kv)
+                ring.decode(0, seqs, -q, kv, kv, q_layout=["variants"] * 2)
+                np.testing.assert_array_equal(first, kept[0])
+                np.testing.assert_array_equal(entries, kept[1])
+            finally:
+                server.close()
+
 
 class Doorbell(unittest.TestCase):
     """The client against attnd's side played by a thread."""
