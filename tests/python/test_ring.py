@@ -134,7 +134,12 @@ def decode_answer(request, tag_delta=0):
                                  pb.DTYPE_BF16: np.uint16}[d.q.dtype]).reshape(list(d.q.shape))
     o = q[:, 0] if q.ndim == 4 else q
     return pb.SessionResponse(tag=request.tag + tag_delta, decode=pb.DecodeResponse(
-        o=pb.Tensor(dtype=d.q.dtype, shape=list(o.shape), data=o.tobytes()), lengths=[100 + i for i in range(b)]))
+        o=pb.Tensor(dtype=d.q.dtype, shape=list(o.shape), data=o.tobytes()), lengths=answer_lengths(request.tag, b)))
+
+
+def answer_lengths(tag, b):
+    """Odd tags: 100, 1097, 2094, ... (one-byte and two-byte varints mixed); even tags: three bytes each."""
+    return [(100 if tag % 2 else 20000) + 997 * i for i in range(b)]
 
 
 class Layout(unittest.TestCase):
@@ -224,7 +229,7 @@ class FastEncoding(unittest.TestCase):
                             np.testing.assert_array_equal(out, o)
                             self.assertEqual(out.dtype, q.dtype)
                             self.assertTrue(out.flags.writeable, "a ring output is copied out of the ring")
-                            self.assertEqual(lengths, [100 + i for i in range(b)])
+                            self.assertEqual(lengths, answer_lengths(tag, b))
                     finally:
                         server.close()
                     self.assertEqual(ring.stats.round_trips, 2)
