@@ -286,7 +286,8 @@ class Ring:
 
     @property
     def closed_by_server(self):
-        """True once attnd set the header's `closed` word (CloseRing, idle reclamation, shutdown)."""
+        """True once attnd set the header's `closed` word (CloseRing, idle reclamation, shutdown), or once this
+        ring was closed here."""
         return self._mm is None or self._words[_CLOSED] != 0
 
     def close(self, timeout=None):
@@ -306,8 +307,9 @@ class Ring:
         if getattr(self, "_mm", None) is not None:
             m, self._mm = self._mm, None
             try:
-                self._words.release()
-                self._mv.release()
+                for view in (getattr(self, "_words", None), getattr(self, "_mv", None)):
+                    if view is not None:
+                        view.release()
                 m.close()
             except BufferError:
                 pass  # a view of the ring is still alive (an exception's frame): the mapping goes with it
