@@ -5,6 +5,8 @@
         seq = c.create_sequence()
         out = c.prefill(seq, layer, q, k, v)          # q [T,5,Hq,D], k/v [T,Hkv,D] -> out [T,Hq,D]
         out = c.decode(layer, [seq], q1, k1, v1)      # q [B,3|5,Hq,D], k/v [B,Hkv,D] -> out [B,Hq,D]
+        with c.ring() as ring:                        # same host: through shared memory, no gRPC call per request
+            out = ring.decode(layer, [seq], q1, k1, v1)
         c.release(seq)
 
     with attnd.FleetClient(["10.0.0.1:50051", "10.0.0.2:50051"]) as f:   # or "dns:///attnd-headless:50051"
@@ -20,10 +22,11 @@ from ._errors import AttndError  # noqa: E402
 from ._client import Client, Pending, Session  # noqa: E402
 from ._fleet import FleetClient  # noqa: E402
 from ._regions import CudaRegion, ShmRegion  # noqa: E402
+from ._ring import Ring  # noqa: E402
 from ._tensors import bf16_to_float32, float32_to_bf16  # noqa: E402
 from ._proto import pb as proto  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["AttndError", "Client", "CudaRegion", "FleetClient", "Pending", "Session", "ShmRegion", "bf16_to_float32", "float32_to_bf16", "proto",
+__all__ = ["AttndError", "Client", "CudaRegion", "FleetClient", "Pending", "Ring", "Session", "ShmRegion", "bf16_to_float32", "float32_to_bf16", "proto",
            "__version__"]

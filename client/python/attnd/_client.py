@@ -9,7 +9,7 @@ import numpy as np
 
 from ._errors import AttndError, invalid_argument, status_code_from_int
 from ._proto import pb, pb_grpc
-from . import _regions, _tensors, _wire
+from . import _regions, _ring, _tensors, _wire
 
 # gRPC Python caps received messages at 4 MiB by default; prefill outputs are larger. The server enforces its
 # own limit (GetServerInfo().limits.max_message_bytes) and answers RESOURCE_EXHAUSTED above it.
@@ -381,6 +381,13 @@ class Client:
 
     def _unregister(self, region_id, timeout):
         self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id), timeout)
+
+    def ring(self, half_bytes=8 << 20, spin_us=50, sleep_slice=0.01, timeout=60.0, rpc_timeout=None):
+        """A shared-memory ring to attnd on this host (docs/regions.md, "Rings"): a Ring (a context manager) whose
+        prefill()/decode() are Session's through shared memory with a futex doorbell, no gRPC call per request.
+        half_bytes: the largest request and answer (minus 8 bytes); spin_us: how long to spin on the answer
+        before sleeping on the futex; timeout: seconds per round trip. x86-64 only."""
+        return _ring.Ring(self, half_bytes, spin_us, sleep_slice, timeout, rpc_timeout)
 
     # -- streaming --
     def session(self, timeout=None):

@@ -1,0 +1,589 @@
+"""The shared-memory ring from Python (docs/regions.md, "Rings"; the layout is proto/attnd/v1/shm_ring.h).
+
+A Ring carries Prefill and Decode requests as serialized SessionRequests through a POSIX shm object that this
+process creates and attnd maps (OpenRing), one request at a time, with a futex doorbell: no gRPC call, no
+extension module. The request is written from the arrays' buffers straight into the ring's request half; the
+answer is parsed where it lies in the response half and the output copied out once (the next request overwrites
+the half).
+
+Memory ordering. The header's words are std::atomic<uint32_t> on attnd's side; here they are read and written
+through a memoryview cast to "I", whose item access is one aligned 4-byte load or store (CPython packs and
+unpacks a single item with a fixed-size memcpy, a single mov; the words are 64-byte aligned in a page-aligned
+mapping). The ring is driven only on x86-64, whose memory model (x86-TSO) makes every plain load an acquire and
+every plain store a release: the request bytes written before request_seq are visible to attnd once it sees the
+new request_seq, and the response bytes attnd wrote before response_seq are visible here once we see it. The
+Python interpreter cannot reorder them either (each access is a separate call into C). The one reordering TSO
+allows, a later load passing an earlier store, matters twice, where the C++ side uses seq_cst: after storing
+request_seq we read server_sleeping, and after storing client_sleeping we read response_seq (each side stores
+its word and reads the other's, so without a full barrier both could miss each other and the doorbell would not
+ring; attnd would then answer only after its 100 ms futex slice). There a full barrier is taken by acquiring and
+releasing an uncontended lock: acquiring a lock is an atomic read-modify-write, and on x86-64 every such
+instruction is LOCK-prefixed, which orders all earlier stores before all later loads. Other architectures are
+refused with FAILED_PRECONDITION (their plain accesses are not ordered; use Session or regions there).
+"""
+import ctypes
+import ctypes.util
+import mmap
+import os
+import platform
+import struct
+import threading
+import time
+import weakref
+
+import grpc
+import numpy as np
+
+from ._errors import AttndError, invalid_argument
+from ._proto import pb
+from . import _regions, _wire
+
+# proto/attnd/v1/shm_ring.h.
+MAGIC = 0x31474E52444E5441  # "ATNDRNG1" read as little-endian
+VERSION = 1
+HEADER_BYTES = 4096  # the halves start at page boundaries
+LENGTH_BYTES = 8  # a half starts with the message's length as a uint64
+# The header's words, as indices of uint32 (byte offset / 4).
+_REQUEST_SEQ = 64 // 4
+_RESPONSE_SEQ = 128 // 4
+_SERVER_SLEEPING = 192 // 4
+_CLIENT_SLEEPING = 256 // 4
+_CLOSED = 320 // 4
+_SEQ_MASK = 0xFFFFFFFF  # the sequence words wrap at 2^32
+
+_SYS_FUTEX = 202  # x86-64's syscall number
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # process-shared: no FUTEX_PRIVATE_FLAG
+_INT32_MAX = 0x7FFFFFFF
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_syscall = None
+
+
+def _futex_syscall():
+    global _syscall
+    if _syscall is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        f = libc.syscall
+        f.restype = ctypes.c_long
+        f.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p,
+                      ctypes.c_void_p, ctypes.c_int]
+        _syscall = f
+    return _syscall
+
+
+def check_architecture(machine=None):
+    """Raises FAILED_PRECONDITION unless this is x86-64 (the module's memory-ordering argument is x86-TSO's)."""
+    machine = machine if machine is not None else platform.machine()
+    if machine.lower() not in ("x86_64", "amd64"):
+        raise AttndError(grpc.StatusCode.FAILED_PRECONDITION,
+                         "the Python ring client runs on x86-64 only (its lock-free header accesses rely on "
+                         "x86-64's memory ordering); this machine is %s: use Client.session() or shm regions, "
+                         "or the C++ RingClient" % (machine or "unknown"))
+
+
+def _fail(code, message):
+    return AttndError(code, message)
+
+
+_U64 = struct.Struct("<Q")
+# Tags cycle through 1..127 (one-byte varints, precomputed): one request is in flight at a time, so an answer
+# for any other request still shows as another tag.
+_TAG_CYCLE = 127
+_TAG_FIELDS = [b""] + [_wire._key(_wire.SQ_TAG, _wire._VARINT) + _wire.varint(t) for t in range(1, _TAG_CYCLE + 1)]
+_DECODE_KEY = _wire.SR_DECODE << 3 | _wire._LEN
+_LENGTHS_KEY = _wire.DR_LENGTHS << 3 | _wire._LEN
+_LAYOUTS = {"variants": pb.Q_LAYOUT_VARIANTS, "pre_rotary": pb.Q_LAYOUT_PRE_ROTARY,
+            pb.Q_LAYOUT_VARIANTS: pb.Q_LAYOUT_VARIANTS, pb.Q_LAYOUT_PRE_ROTARY: pb.Q_LAYOUT_PRE_ROTARY}
+# numpy dtypes whose bytes are already a wire dtype (int16 is bf16 bits, as _tensors reads it).
+_WIRE_DTYPES = {np.dtype("<f4"): pb.DTYPE_FP32, np.dtype("<f2"): pb.DTYPE_FP16, np.dtype("<u2"): pb.DTYPE_BF16,
+                np.dtype("<i2"): pb.DTYPE_BF16}
+_NP_OUT = {pb.DTYPE_FP32: np.dtype("<f4"), pb.DTYPE_FP16: np.dtype("<f2"), pb.DTYPE_BF16: np.dtype("<u2")}
+
+
+def _read_varint(mv, p):
+    """(value, next position) of the varint at mv[p]; INTERNAL past the end or beyond 64 bits."""
+    result = shift = 0
+    end = len(mv)
+    while p < end and shift < 64:
+        b = mv[p]
+        p += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, p
+        shift += 7
+    raise _fail(grpc.StatusCode.INTERNAL, "malformed response from the server: bad varint")
+
+
+# _CONT[w]: a w-byte varint's continuation bits (0x80 on every byte but the last).
+_CONT = [None] + [np.array([0x80] * (w - 1) + [0], np.uint8) for w in range(1, 10)]
+_SHIFTS = np.int64(1) << (7 * np.arange(9, dtype=np.int64))
+
+
+def _uniform_varints(buf, n):
+    """The n varints of `buf` as a list when they all have the same width (a batch's lengths mostly do), in
+    four numpy calls: with the continuation bits subtracted (uint8, wrapping) every byte of a well-formed run
+    is below 0x80, and each row's 7-bit groups summed at their shifts is its value. None otherwise."""
+    a = np.frombuffer(buf, np.uint8)
+    w = a.size // n if n else 0
+    if w < 1 or w > 9 or a.size != w * n:
+        return None
+    d = a.reshape(n, w) - _CONT[w]
+    if d.max() >= 0x80:
+        return None
+    return d.dot(_SHIFTS[:w]).tolist()
+
+
+def _tensor_head(dtype, shape, nbytes):
+    """A Tensor's fields before its data's bytes: dtype, packed shape, the data field's key and length."""
+    m = _wire.Msg()
+    m.varint_field(_wire.T_DTYPE, dtype)
+    packed = b"".join(_wire.varint(d) for d in shape)
+    m.raw(_wire._key(_wire.T_SHAPE, _wire._LEN) + _wire.varint(len(packed)) + packed)
+    m.raw(_wire._key(_wire.T_DATA, _wire._LEN) + _wire.varint(nbytes))
+    return m.tobytes()
+
+
+def _field_head(field, head, nbytes):
+    """A message field holding a Tensor: its key, its length, the Tensor's head (its data follows)."""
+    return _wire._key(field, _wire._LEN) + _wire.varint(len(head) + nbytes) + head
+
+
+class _PackedPlan:
+    """The bytes of a packed decode's SessionRequest that depend only on its geometry (layer, shapes, dtype,
+    layout, the ids' length), and of its answer's o header: computed once, reused call after call.
+
+    SessionRequest{tag, decode: DecodeRequest{layer, sequence_ids..., q, k, v, q_layout}} is written as
+    tag field + head + ids + q_head + q + k_head + k + v_head + v + tail, the order _wire.decode_request_packed
+    uses (the tests check the two byte for byte)."""
+
+    def __init__(self, layer, q, k, v, dtype, layout, ids_bytes):
+        heads = [_field_head(f, _tensor_head(dtype, a.shape, a.nbytes), a.nbytes)
+                 for f, a in ((_wire.D_Q, q), (_wire.D_K, k), (_wire.D_V, v))]
+        self.q_head, self.k_head, self.v_head = heads
+        layer_field = _wire.varint(_wire.D_LAYER << 3 | _wire._VARINT) + _wire.varint(layer) if layer else b""
+        self.tail = _wire.varint(_wire.D_Q_LAYOUT << 3 | _wire._VARINT) + _wire.varint(layout) if layout else b""
+        body = len(layer_field) + ids_bytes + sum(map(len, heads)) + q.nbytes + k.nbytes + v.nbytes + len(self.tail)
+        self.head = _wire._key(_wire.SQ_DECODE, _wire._LEN) + _wire.varint(body) + layer_field
+        self._size = len(self.head) + body - len(layer_field)
+        # The answer's o: [B, Hq, D] in q's wire dtype, Hq and D as the server's model says; B from the request.
+        b = q.shape[0]
+        self.o_shape = (b,) + tuple(q.shape[-2:])
+        self.o_dtype = _NP_OUT[dtype]
+        self.o_count = int(np.prod(self.o_shape))
+        self.o_bytes = self.o_count * self.o_dtype.itemsize
+        self.o_head = _field_head(_wire.DR_O, _tensor_head(dtype, self.o_shape, self.o_bytes), self.o_bytes)
+
+    def size(self, tag):
+        return len(_TAG_FIELDS[tag]) + self._size
+
+
+class RingStats:
+    """How round trips were answered (as the C++ RingStats)."""
+    __slots__ = ("round_trips", "answered_spinning", "answered_sleeping", "server_wakes")
+
+    def __init__(self):
+        self.round_trips = self.answered_spinning = self.answered_sleeping = self.server_wakes = 0
+
+    def __repr__(self):
+        return "RingStats(round_trips=%d, answered_spinning=%d, answered_sleeping=%d, server_wakes=%d)" % (
+            self.round_trips, self.answered_spinning, self.answered_sleeping, self.server_wakes)
+
+
+class Ring:
+    """A shared-memory ring to attnd: prefill() and decode() as Session's, through shared memory.
+
+        with client.ring() as ring:
+            out = ring.prefill(seq, layer, q, k, v)
+            out = ring.decode(layer, seqs, q, k, v)
+
+    Args (Client.ring passes them):
+      half_bytes: each half's size, a positive multiple of 4096; the largest request (and answer) is
+        half_bytes - 8 bytes. Larger requests are refused with RESOURCE_EXHAUSTED before anything is written.
+      spin_us: after posting a request, spin this long on the answer before sleeping on its futex.
+      sleep_slice: one futex wait's length in seconds: a sleeping client looks at `closed` and the deadline this
+        often.
+      timeout: seconds per round trip (waiting for the ring to be free, then for the answer); past it
+        DEADLINE_EXCEEDED (the next round trip first waits for the late answer, so answers never shift).
+      rpc_timeout: deadline of the OpenRing / CloseRing / GetServerInfo calls (None: the client's).
+
+    Errors are AttndError, as Session's: the request's own code and message; UNAVAILABLE once attnd closed the
+    ring (CloseRing, idle reclamation, shutdown); DEADLINE_EXCEEDED; INTERNAL for an answer that does not parse
+    or carries another tag. numpy outputs are fresh arrays (copied out of the ring; writable), torch outputs
+    fresh tensors. Not thread safe: one request at a time, from one thread at a time (one ring per thread).
+    Close it (or leave the `with` block): CloseRing, then the memory is unmapped and its name unlinked.
+    """
+
+    def __init__(self, client, half_bytes=8 << 20, spin_us=50, sleep_slice=0.01, timeout=60.0, rpc_timeout=None):
+        check_architecture()
+        half_bytes = int(half_bytes)
+        if half_bytes <= LENGTH_BYTES or half_bytes % 4096 != 0:
+            raise invalid_argument("ring half_bytes must be a positive multiple of 4096, got %d" % half_bytes)
+        if spin_us < 0 or sleep_slice <= 0 or timeout <= 0:
+            raise invalid_argument("ring spin_us must be >= 0 and sleep_slice, timeout > 0 (got %r, %r, %r)"
+                                   % (spin_us, sleep_slice, timeout))
+        self._client = client
+        self.half_bytes = half_bytes
+        self.capacity = half_bytes - LENGTH_BYTES
+        self.size = HEADER_BYTES + 2 * half_bytes
+        self._spin = spin_us * 1e-6
+        self._slice = float(sleep_slice)
+        self.timeout = float(timeout)
+        self.stats = RingStats()
+        self.ring_id = None
+        self.name = None
+        self._mm = None
+        self._next_tag = 1
+        self._plans = {}  # _PackedPlan by the packed decode's geometry
+        self._fence_lock = threading.Lock()
+        self._ts = _Timespec()
+        self._futex = _futex_syscall()
+        info = client.info(timeout=rpc_timeout).regions
+        if not info.rings:
+            raise _fail(grpc.StatusCode.FAILED_PRECONDITION,
+                        "this server serves no rings (GetServerInfo().regions.rings is false: its backend or "
+                        "--max-regions-per-tenant); use Client.session()")
+        mine = _regions.local_boot_id()
+        if info.host_boot_id and mine and info.host_boot_id != mine:
+            raise _fail(grpc.StatusCode.FAILED_PRECONDITION,
+                        "attnd runs on another host (boot id %s, this host %s): a ring needs the same host; "
+                        "use Client.session()" % (info.host_boot_id, mine))
+        self.name, fd = _regions.shm_create(self.size, info.shm_name_prefix or _regions.DEFAULT_SHM_PREFIX)
+        self._unlink_at_exit = weakref.finalize(self, _regions.shm_unlink, self.name)
+        try:
+            try:
+                self._mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)  # the mapping keeps the object
+            # The mapping is zero-filled: every word starts at 0, nothing is in flight. The fields attnd checks:
+            struct.pack_into("<QIIQ", self._mm, 0, MAGIC, VERSION, 0, half_bytes)
+            self._mv = memoryview(self._mm)
+            self._words = self._mv[:HEADER_BYTES].cast("I")
+            # Addresses for the futex calls: the mapping stays put until close(), which stops using them.
+            probe = ctypes.c_char.from_buffer(self._mm)
+            base = ctypes.addressof(probe)
+            del probe
+            self._addr_request_seq = base + 4 * _REQUEST_SEQ
+            self._addr_response_seq = base + 4 * _RESPONSE_SEQ
+            self._response_off = HEADER_BYTES + half_bytes
+            self._base = base
+            opened = client._call(client._stub.OpenRing, pb.OpenRingRequest(name=self.name, byte_size=self.size),
+                                  rpc_timeout)
+            self.ring_id = opened.ring_id
+        except BaseException:
+            self._free()
+            raise
+
+    # -- lifecycle --
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def closed_by_server(self):
+        """True once attnd set the header's `closed` word (CloseRing, idle reclamation, shutdown), or once this
+        ring was closed here."""
+        return self._mm is None or self._words[_CLOSED] != 0
+
+    def close(self, timeout=None):
+        """CloseRing (errors are dropped: attnd may have reclaimed the ring already), then unmaps the memory and
+        unlinks its name. Idempotent."""
+        try:
+            if self.ring_id is not None:
+                rid, self.ring_id = self.ring_id, None
+                try:
+                    self._client._call(self._client._stub.CloseRing, pb.CloseRingRequest(ring_id=rid), timeout)
+                except AttndError:
+                    pass
+        finally:
+            self._free()
+
+    def _free(self):
+        if getattr(self, "_mm", None) is not None:
+            m, self._mm = self._mm, None
+            try:
+                for view in (getattr(self, "_words", None), getattr(self, "_mv", None)):
+                    if view is not None:
+                        view.release()
+                m.close()
+            except BufferError:
+                pass  # a view of the ring is still alive (an exception's frame): the mapping goes with it
+        if getattr(self, "name", None):
+            self._unlink_at_exit()  # shm_unlink, once
+            self.name = None
+
+    # -- requests --
+    def prefill(self, seq, layer, q, k, v, prompt_len=None, return_length=False, q_layout="variants", out=None):
+        """As Client.prefill, through the ring (region references and out= included)."""
+        from ._client import _prefill_output, _prefill_request  # _client imports this module
+        req, like = _prefill_request(seq, layer, q, k, v, prompt_len, q_layout, self._client._regions, out)
+        mv, span = self._round_trip("prefill", req)
+        result, length = _prefill_output(mv, span[0], span[1], like, out)
+        result = self._own(result)
+        return (result, length) if return_length else result
+
+    def decode(self, layer, seqs, q, k, v, return_lengths=False, q_layout="variants", out=None):
+        """As Client.decode, through the ring: the packed form (one q, k, v tensor per batch) unless a tensor lies
+        in a registered region, out= is given or the layouts are mixed."""
+        if out is None and not self._client._regions:
+            done = self._decode_packed(layer, seqs, q, k, v, return_lengths, q_layout)
+            if done is not None:
+                return done
+        from ._client import _decode_output, _decode_request
+        req, like = _decode_request(layer, seqs, q, k, v, q_layout, self._client._regions, out)
+        mv, span = self._round_trip("decode", req)
+        result, lengths = _decode_output(mv, span[0], span[1], like, out)
+        result = self._own(result)
+        return (result, lengths) if return_lengths else result
+
+    def _decode_packed(self, layer, seqs, q, k, v, return_lengths, q_layout):
+        """The common decode (numpy q, k, v of one wire dtype, C-contiguous, [B, ...]; B equal-length ASCII ids;
+        one layout) written straight into the ring from a cached layout of its headers, its answer read in
+        place: no per-sequence work but the ids' join. None when the call is not of that kind (the general path
+        then builds it, and raises its errors)."""
+        if isinstance(seqs, str):
+            seqs = [seqs]
+        layout = _LAYOUTS.get(q_layout) if isinstance(q_layout, (str, int)) else None
+        if layout is None or type(q) is not np.ndarray or type(k) is not np.ndarray or \
+                type(v) is not np.ndarray or not isinstance(seqs, (list, tuple)) or not seqs:
+            return None
+        dtype = _WIRE_DTYPES.get(q.dtype)
+        if dtype is None or k.dtype != q.dtype or v.dtype != q.dtype:
+            return None
+        b = len(seqs)
+        if not (q.ndim and k.ndim and v.ndim and q.shape[0] == b and k.shape[0] == b and v.shape[0] == b and
+                q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous and q.size and k.size and
+                v.size):
+            return None
+        try:
+            ids = _wire._packed_ids(seqs)
+        except (TypeError, AttributeError):  # an id that is not a str: the general path says so
+            return None
+        key = (layer, q.shape, k.shape, v.shape, dtype, layout, len(ids), q.dtype)
+        plan = self._plans.get(key)
+        if plan is None:
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or len(self._plans) >= 64:
+                return None
+            plan = self._plans[key] = _PackedPlan(int(layer), q, k, v, dtype, layout, len(ids))
+        if self._mm is None:
+            raise _fail(grpc.StatusCode.FAILED_PRECONDITION, "the ring is closed")
+        w = self._words
+        if w[_CLOSED]:
+            raise _fail(grpc.StatusCode.UNAVAILABLE, "the ring was closed by the server")
+        tag = self._next_tag
+        size = plan.size(tag)
+        if size > self.capacity:
+            raise self._too_large(size)
+        self._next_tag = tag % _TAG_CYCLE + 1
+        deadline = time.monotonic() + self.timeout
+        seq = w[_REQUEST_SEQ]
+        self._wait(seq, deadline, False)
+        mv = self._mv
+        pos = HEADER_BYTES
+        head = _U64.pack(size) + _TAG_FIELDS[tag] + plan.head + ids + plan.q_head
+        for part in (head, memoryview(q).cast("B"), plan.k_head, memoryview(k).cast("B"), plan.v_head,
+                     memoryview(v).cast("B"), plan.tail):
+            n = len(part)
+            mv[pos:pos + n] = part
+            pos += n
+        nxt = (seq + 1) & _SEQ_MASK
+        self._post(nxt)
+        self._wait(nxt, deadline, True)
+        # The answer: SessionResponse{tag, decode: DecodeResponse{o, lengths}}, as attnd's serializer orders
+        # the fields; anything else (an error, another order) goes to the general parser.
+        off = self._response_off
+        n = _U64.unpack_from(self._mm, off)[0]
+        start = off + LENGTH_BYTES
+        tf = _TAG_FIELDS[tag]
+        p = start + len(tf)
+        if n <= self.capacity and mv[start:p] == tf and mv[p] == _DECODE_KEY:
+            body, p = _read_varint(mv, p + 1)
+            end = p + body
+            oh = plan.o_head
+            if end == start + n and mv[p:p + len(oh)] == oh:
+                p += len(oh)
+                o = np.frombuffer(self._mm, plan.o_dtype, plan.o_count, p).reshape(plan.o_shape)
+                p += plan.o_bytes
+                lengths = None
+                if return_lengths:
+                    lengths = self._lengths(mv, p, end, b)
+                o = o.copy()
+                if q.dtype.kind == "i":  # int16 bf16 bits in, int16 out (as _tensors.from_bytes)
+                    o = o.view(np.int16)
+                return (o, lengths) if return_lengths else o
+        return self._answer_generic("decode", tag, start, n, plan, q, return_lengths)
+
+    def _lengths(self, mv, p, end, b):
+        if p < end and mv[p] == _LENGTHS_KEY:
+            n, p = _read_varint(mv, p + 1)
+            if p + n == end:
+                got = _uniform_varints(mv[p:end], b)
+                if got is None:  # widths differ
+                    got = _wire._packed_varints(mv[p:end]).tolist()
+                if len(got) == b:
+                    return got
+        raise _fail(grpc.StatusCode.INTERNAL, "the ring's answer carries no %d lengths" % b)
+
+    def _answer_generic(self, kind, tag, start, n, plan, q, return_lengths):
+        """The answer to a request the fast path wrote, read by the general parser."""
+        from ._client import _decode_output
+        from ._tensors import Like
+        if n > self.capacity:
+            raise _fail(grpc.StatusCode.INTERNAL, "the ring's response claims %d bytes; the half holds %d"
+                        % (n, self.capacity))
+        resp = self._mv[start:start + n]
+        got_tag, code, message, got_kind, span = _wire.parse_session_response(resp)
+        if got_tag != tag:
+            raise _fail(grpc.StatusCode.INTERNAL, "the ring answered tag %d for request tag %d" % (got_tag, tag))
+        if code != 0:
+            raise AttndError(code, message)
+        if got_kind != kind:
+            raise _fail(grpc.StatusCode.INTERNAL, "the ring answered a %s with %s" % (kind, got_kind or "nothing"))
+        result, lengths = _decode_output(resp, span[0], span[1], Like("numpy", np_dtype=q.dtype))
+        result = self._own(result)
+        return (result, lengths) if return_lengths else result
+
+    def _too_large(self, size):
+        return _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                     "request of %d bytes exceeds the ring's %d-byte half (Client.ring(half_bytes=...) sizes it; "
+                     "a prefill needs about T * (5 Hq + 2 Hkv) * D * dtype bytes)" % (size, self.capacity))
+
+    def _post(self, nxt):
+        """Publishes request `nxt` and rings the doorbell if attnd sleeps."""
+        w = self._words
+        w[_REQUEST_SEQ] = nxt  # release (x86-TSO): the request's bytes are visible before it
+        self._fence()  # the store above before the load below (attnd stores server_sleeping, then loads ours)
+        if w[_SERVER_SLEEPING]:
+            self._futex(_SYS_FUTEX, self._addr_request_seq, _FUTEX_WAKE, _INT32_MAX, None, None, 0)
+            self.stats.server_wakes += 1
+        self.stats.round_trips += 1
+
+    def _own(self, result):
+        """A numpy output that is a view of the response half, copied out (the next request overwrites it)."""
+        if isinstance(result, np.ndarray) and self._mm is not None:
+            addr = result.__array_interface__["data"][0]
+            if self._base <= addr < self._base + self.size:
+                return result.copy()
+        return result
+
+    def _round_trip(self, kind, body):
+        """Sends SessionRequest{tag, <kind>: body} (a _wire.Msg) and waits for its answer. Returns (memoryview of
+        the SessionResponse in the response half, span of its payload); raises the answer's code as AttndError."""
+        if self._mm is None:
+            raise _fail(grpc.StatusCode.FAILED_PRECONDITION, "the ring is closed")
+        w = self._words
+        if w[_CLOSED]:
+            raise _fail(grpc.StatusCode.UNAVAILABLE, "the ring was closed by the server")
+        tag = self._next_tag
+        request = _wire.session_request(tag, **{kind: body})
+        size = request.size
+        if size > self.capacity:
+            raise self._too_large(size)
+        self._next_tag = tag % _TAG_CYCLE + 1
+        deadline = time.monotonic() + self.timeout
+        # 1. Nothing in flight: a request abandoned past its deadline must be answered first.
+        seq = w[_REQUEST_SEQ]
+        self._wait(seq, deadline, False)
+        # 2. The request, its length first, each part copied once from its buffer.
+        mv = self._mv
+        struct.pack_into("<Q", self._mm, HEADER_BYTES, size)
+        pos = HEADER_BYTES + LENGTH_BYTES
+        small = []
+        for part in request.parts:
+            n = len(part)
+            if n <= 64 and isinstance(part, bytes):  # headers: joined, then one copy
+                small.append(part)
+                continue
+            if small:
+                head = b"".join(small)
+                small = []
+                mv[pos:pos + len(head)] = head
+                pos += len(head)
+            mv[pos:pos + n] = part
+            pos += n
+        if small:
+            head = b"".join(small)
+            mv[pos:pos + len(head)] = head
+            pos += len(head)
+        if pos != HEADER_BYTES + LENGTH_BYTES + size:
+            raise _fail(grpc.StatusCode.INTERNAL, "wrote %d request bytes, expected %d"
+                        % (pos - HEADER_BYTES - LENGTH_BYTES, size))
+        nxt = (seq + 1) & _SEQ_MASK
+        self._post(nxt)
+        # 3. The answer.
+        self._wait(nxt, deadline, True)
+        off = self._response_off
+        n = struct.unpack_from("<Q", self._mm, off)[0]
+        if n > self.capacity:
+            raise _fail(grpc.StatusCode.INTERNAL, "the ring's response claims %d bytes; the half holds %d"
+                        % (n, self.capacity))
+        resp = mv[off + LENGTH_BYTES:off + LENGTH_BYTES + n]
+        got_tag, code, message, got_kind, span = _wire.parse_session_response(resp)
+        if got_tag != tag:
+            raise _fail(grpc.StatusCode.INTERNAL, "the ring answered tag %d for request tag %d" % (got_tag, tag))
+        if code != 0:
+            raise AttndError(code, message)
+        if got_kind != kind:
+            raise _fail(grpc.StatusCode.INTERNAL, "the ring answered a %s with %s" % (kind, got_kind or "nothing"))
+        return resp, span
+
+    def _fence(self):
+        """A full barrier (see the module's docstring): an uncontended lock's atomic read-modify-write."""
+        self._fence_lock.acquire()
+        self._fence_lock.release()
+
+    def _wait(self, want, deadline, count):
+        """Waits until response_seq == want: spins self._spin seconds, then sleeps on the futex in slices."""
+        w = self._words
+        if w[_RESPONSE_SEQ] == want:
+            if count:
+                self.stats.answered_spinning += 1
+            return
+        clock = time.perf_counter
+        spin_end = clock() + self._spin
+        i = 0
+        while True:
+            if w[_RESPONSE_SEQ] == want:
+                if count:
+                    self.stats.answered_spinning += 1
+                return
+            if w[_CLOSED]:
+                break
+            i += 1
+            if not i & 7 and clock() >= spin_end:  # the clock costs as much as a round of loads
+                break
+        # Sleep: announce it, then re-check (attnd sets response_seq before it reads client_sleeping, so one of
+        # the two sides sees the other).
+        w[_CLIENT_SLEEPING] = 1
+        self._fence()
+        error = None
+        try:
+            while True:
+                seen = w[_RESPONSE_SEQ]
+                if seen == want:
+                    if count:
+                        self.stats.answered_sleeping += 1
+                    return
+                if w[_CLOSED]:
+                    error = _fail(grpc.StatusCode.UNAVAILABLE, "the ring was closed by the server")
+                    break
+                now = time.monotonic()
+                if now >= deadline:
+                    error = _fail(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  "no answer in the ring within %gs" % self.timeout)
+                    break
+                us = max(1, int(min(self._slice, deadline - now) * 1e6))
+                self._ts.tv_sec, self._ts.tv_nsec = us // 1000000, (us % 1000000) * 1000
+                self._futex(_SYS_FUTEX, self._addr_response_seq, _FUTEX_WAIT, seen, ctypes.byref(self._ts),
+                            None, 0)
+        finally:
+            w[_CLIENT_SLEEPING] = 0
+        # Closed, but the answer may have landed just before: prefer it.
+        if error.code is grpc.StatusCode.UNAVAILABLE and w[_RESPONSE_SEQ] == want:
+            return
+        raise error

@@ -1,0 +1,653 @@
+"""The shared-memory ring from Python (client/python/attnd/_ring.py; docs/regions.md, "Rings").
+
+Without a daemon: the header the client lays out (proto/attnd/v1/shm_ring.h), the fast packed-decode request
+byte for byte against the general encoder and the protobuf library, a request larger than the half refused
+before anything is written, and the doorbell protocol against a server played by a thread of this test (answers
+while the client spins and while it sleeps, the server's futex wake, a wrong tag, `closed`, a timeout and the
+late answer after it). Against a live attnd (CPU backend): the golden dense case (fp32, bf16 bits, fp16),
+packed batches of both layouts equal to the fp64 reference and bit for bit to unary calls on twin sequences,
+pre-rotary golden replay, region references, every bad input with the same code and message as unary, and
+UNAVAILABLE once attnd closed the ring (CloseRing, idle reclamation, shutdown)."""
+import ctypes
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import grpc
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import attnd_testing as at  # noqa: E402
+import dca_ref  # noqa: E402
+import test_golden  # noqa: E402
+import test_pre_rotary  # noqa: E402
+
+attnd = at.attnd
+pb = attnd.proto
+_ring = attnd._ring
+_wire = attnd._wire
+SC = grpc.StatusCode
+
+# The header's layout, written out here from proto/attnd/v1/shm_ring.h (not taken from the module under test).
+MAGIC = 0x31474E52444E5441
+REQUEST_SEQ, RESPONSE_SEQ, SERVER_SLEEPING, CLIENT_SLEEPING, CLOSED = 64, 128, 192, 256, 320
+HEADER = 4096
+
+
+class FakeClient:
+    """Answers GetServerInfo and OpenRing/CloseRing as attnd would, recording the calls."""
+
+    def __init__(self, rings=True, boot_id=""):
+        self._regions = []
+        self.calls = []
+        self._stub = type("Stub", (), {"OpenRing": "OpenRing", "CloseRing": "CloseRing"})()
+        self._info = pb.GetServerInfoResponse(regions=pb.RegionSupport(rings=rings, host_boot_id=boot_id))
+
+    def info(self, timeout=None):
+        return self._info
+
+    def _call(self, method, request, timeout):
+        self.calls.append((method, request))
+        if method == "OpenRing":
+            return pb.OpenRingResponse(ring_id="ab" * 16)
+        return pb.CloseRingResponse()
+
+
+def word(ring, offset):
+    return struct.unpack_from("<I", ring._mm, offset)[0]
+
+
+def set_word(ring, offset, value):
+    struct.pack_into("<I", ring._mm, offset, value)
+
+
+def request_bytes(ring):
+    n = struct.unpack_from("<Q", ring._mm, HEADER)[0]
+    return bytes(ring._mm[HEADER + 8:HEADER + 8 + n])
+
+
+class PlayedServer:
+    """attnd's side of the ring, played by a thread: answers each request with answer(SessionRequest) ->
+    SessionResponse (or None: no answer) after `delay` seconds, sleeping on the request futex as attnd does."""
+
+    def __init__(self, ring, answer, delay=0.0, spin=0.0):
+        self.ring, self.answer, self.delay, self.spin = ring, answer, delay, spin
+        self.stop = False
+        self.requests = []
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        self.syscall = libc.syscall
+        self.syscall.restype = ctypes.c_long
+        self.syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_int]
+        self.base = ring._base
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def futex_wait(self, offset, expected, seconds):
+        ts = (ctypes.c_long * 2)(int(seconds), int((seconds % 1) * 1e9))
+        self.syscall(202, self.base + offset, 0, expected, ctypes.byref(ts), None, 0)
+
+    def futex_wake(self, offset):
+        self.syscall(202, self.base + offset, 1, 0x7FFFFFFF, None, None, 0)
+
+    def run(self):
+        last = word(self.ring, REQUEST_SEQ)
+        while not self.stop:
+            seq = word(self.ring, REQUEST_SEQ)
+            if seq == last:
+                set_word(self.ring, SERVER_SLEEPING, 1)
+                if word(self.ring, REQUEST_SEQ) == last:
+                    self.futex_wait(REQUEST_SEQ, last, 0.05)
+                set_word(self.ring, SERVER_SLEEPING, 0)
+                continue
+            last = seq
+            request = pb.SessionRequest.FromString(request_bytes(self.ring))
+            self.requests.append(request)
+            time.sleep(self.delay)
+            response = self.answer(request)
+            if response is None:
+                continue
+            body = response.SerializeToString()
+            off = HEADER + self.ring.half_bytes
+            struct.pack_into("<Q", self.ring._mm, off, len(body))
+            self.ring._mm[off + 8:off + 8 + len(body)] = body
+            set_word(self.ring, RESPONSE_SEQ, seq)
+            if word(self.ring, CLIENT_SLEEPING):
+                self.futex_wake(RESPONSE_SEQ)
+
+    def close(self):
+        self.stop = True
+        self.futex_wake(REQUEST_SEQ)
+        self.thread.join(5)
+
+
+def decode_answer(request, tag_delta=0):
+    """The answer attnd gives a packed decode: o [B, Hq, D] (q's dtype; here q's first variant) and lengths."""
+    d = request.decode
+    b = len(d.sequence_ids)
+    q = np.frombuffer(d.q.data, {pb.DTYPE_FP32: np.float32, pb.DTYPE_FP16: np.float16,
+                                 pb.DTYPE_BF16: np.uint16}[d.q.dtype]).reshape(list(d.q.shape))
+    o = q[:, 0] if q.ndim == 4 else q
+    return pb.SessionResponse(tag=request.tag + tag_delta, decode=pb.DecodeResponse(
+        o=pb.Tensor(dtype=d.q.dtype, shape=list(o.shape), data=o.tobytes()), lengths=answer_lengths(request.tag, b)))
+
+
+def answer_lengths(tag, b):
+    """Odd tags: 100, 1097, 2094, ... (one-byte and two-byte varints mixed); even tags: three bytes each."""
+    return [(100 if tag % 2 else 20000) + 997 * i for i in range(b)]
+
+
+class Layout(unittest.TestCase):
+    def test_header_and_open_ring(self):
+        client = FakeClient()
+        with _ring.Ring(client, half_bytes=3 * 4096) as ring:
+            self.assertEqual(ring.size, 4096 + 2 * 3 * 4096)
+            self.assertEqual(os.stat("/dev/shm" + ring.name).st_size, ring.size)
+            magic, version, reserved, half = struct.unpack_from("<QIIQ", ring._mm, 0)
+            self.assertEqual((magic, version, reserved, half), (MAGIC, 1, 0, 3 * 4096))
+            self.assertEqual(bytes(ring._mm[0:8]), b"ATNDRNG1")
+            for off in (REQUEST_SEQ, RESPONSE_SEQ, SERVER_SLEEPING, CLIENT_SLEEPING, CLOSED):
+                self.assertEqual(word(ring, off), 0)
+            self.assertTrue(ring.name.startswith("/attnd-"))
+            self.assertEqual(len(ring.name), len("/attnd-") + 32)
+            method, request = client.calls[0]
+            self.assertEqual(method, "OpenRing")
+            self.assertEqual((request.name, request.byte_size), (ring.name, ring.size))
+            self.assertEqual(ring.capacity, 3 * 4096 - 8)
+            name = ring.name
+        self.assertEqual(client.calls[-1], ("CloseRing", pb.CloseRingRequest(ring_id="ab" * 16)))
+        self.assertFalse(os.path.exists("/dev/shm" + name), "close() unlinks the ring's name")
+
+    def test_bad_options_and_servers_are_refused(self):
+        for half in (0, 8, 4095, 4097):
+            with self.assertRaises(attnd.AttndError) as ctx:
+                _ring.Ring(FakeClient(), half_bytes=half)
+            self.assertIs(ctx.exception.code, SC.INVALID_ARGUMENT)
+            self.assertIn("multiple of 4096, got %d" % half, ctx.exception.message)
+        with self.assertRaises(attnd.AttndError) as ctx:
+            _ring.Ring(FakeClient(rings=False))
+        self.assertIs(ctx.exception.code, SC.FAILED_PRECONDITION)
+        self.assertIn("serves no rings", ctx.exception.message)
+        if attnd._regions.local_boot_id():
+            with self.assertRaises(attnd.AttndError) as ctx:
+                _ring.Ring(FakeClient(boot_id="another-host"))
+            self.assertIs(ctx.exception.code, SC.FAILED_PRECONDITION)
+            self.assertIn("another host", ctx.exception.message)
+
+    def test_other_architectures_are_refused(self):
+        for machine in ("aarch64", "ppc64le", "riscv64", ""):
+            with self.assertRaises(attnd.AttndError) as ctx:
+                _ring.check_architecture(machine)
+            self.assertIs(ctx.exception.code, SC.FAILED_PRECONDITION)
+            self.assertIn("x86-64 only", ctx.exception.message)
+        _ring.check_architecture("x86_64")
+
+
+class FastEncoding(unittest.TestCase):
+    """The packed decode the ring writes from its cached plan is the general encoder's message, byte for byte."""
+
+    def test_byte_equal_to_the_general_encoder_and_protobuf(self):
+        rng = np.random.default_rng(3)
+        cases = [  # (layer, B, variants or None for pre-rotary, dtype, ids)
+            (0, 1, 5, np.uint16, None), (3, 2, 3, np.float32, None), (27, 8, 5, np.float16, None),
+            (1, 3, None, np.uint16, None), (200, 32, 5, np.int16, None),
+            (0, 2, 5, np.float32, ["a" * 200, "b" * 200]),  # two-byte id lengths: framed one by one
+        ]
+        for layer, b, variants, dtype, ids in cases:
+            with self.subTest(layer=layer, b=b, variants=variants, dtype=dtype):
+                client = FakeClient()
+                with _ring.Ring(client) as ring:
+                    seqs = ids or ["%032x" % rng.integers(1 << 62) for _ in range(b)]
+                    qshape = (b, variants, 4, 8) if variants else (b, 4, 8)
+                    q = rng.integers(0, 1 << 15, qshape).astype(dtype)
+                    k = rng.integers(0, 1 << 15, (b, 2, 8)).astype(dtype)
+                    v = rng.integers(0, 1 << 15, (b, 2, 8)).astype(dtype)
+                    layout = "variants" if variants else "pre_rotary"
+                    server = PlayedServer(ring, decode_answer)
+                    try:
+                        for tag in (1, 2):  # the second call reuses the cached plan
+                            out, lengths = ring.decode(layer, seqs, q, k, v, return_lengths=True,
+                                                       q_layout=layout)
+                            got = request_bytes(ring)
+                            a, dt, _ = attnd._tensors.to_numpy(q, "q")
+                            want = _wire.session_request(tag, decode=_wire.decode_request_packed(
+                                layer, seqs, (a, dt), attnd._tensors.to_numpy(k, "k")[:2],
+                                attnd._tensors.to_numpy(v, "v")[:2], 1 if layout == "pre_rotary" else 0)).tobytes()
+                            self.assertEqual(got, want)
+                            parsed = pb.SessionRequest.FromString(got)
+                            self.assertEqual(parsed.tag, tag)
+                            self.assertEqual(parsed.decode.layer, layer)
+                            self.assertEqual(list(parsed.decode.sequence_ids), seqs)
+                            self.assertEqual(parsed.decode.q.data, q.tobytes())
+                            self.assertEqual(parsed.decode.q_layout, 1 if layout == "pre_rotary" else 0)
+                            o = q[:, 0] if variants else q
+                            np.testing.assert_array_equal(out, o)
+                            self.assertEqual(out.dtype, q.dtype)
+                            self.assertTrue(out.flags.writeable, "a ring output is copied out of the ring")
+                            self.assertEqual(lengths, answer_lengths(tag, b))
+                    finally:
+                        server.close()
+                    self.assertEqual(ring.stats.round_trips, 2)
+
+    def test_outputs_outlive_the_next_request(self):
+        """The response half is rewritten by every answer: an output handed back must not be a view of it."""
+        with _ring.Ring(FakeClient()) as ring:
+            server = PlayedServer(ring, decode_answer)
+            try:
+                seqs = ["%032x" % 1, "%032x" % 2]
+                kv = np.zeros((2, 2, 8), np.float32)
+                q = np.arange(2 * 5 * 4 * 8, dtype=np.float32).reshape(2, 5, 4, 8)
+                first = ring.decode(0, seqs, q, kv, kv)
+                entries = ring.decode(0, seqs, list(q), kv, kv, q_layout=["variants"] * 2)  # the general path
+                kept = first.copy(), entries.copy()
+                ring.decode(0, seqs, -q, kv, kv)
+                ring.decode(0, seqs, -q, kv, kv, q_layout=["variants"] * 2)
+                np.testing.assert_array_equal(first, kept[0])
+                np.testing.assert_array_equal(entries, kept[1])
+            finally:
+                server.close()
+
+
+class Doorbell(unittest.TestCase):
+    """The client against attnd's side played by a thread."""
+
+    def setUp(self):
+        self.client = FakeClient()
+        self.rng = np.random.default_rng(5)
+        self.q = self.rng.standard_normal((2, 3, 4, 8)).astype(np.float32)
+        self.kv = self.rng.standard_normal((2, 2, 8)).astype(np.float32)
+        self.seqs = ["%032x" % 1, "%032x" % 2]
+
+    def test_answers_while_spinning_and_while_sleeping(self):
+        with _ring.Ring(self.client, spin_us=200000) as ring:  # 0.2 s of spin: the answer comes first
+            server = PlayedServer(ring, decode_answer)
+            try:
+                time.sleep(0.2)  # the server is asleep on the futex: the client must wake it
+                out = ring.decode(0, self.seqs, self.q, self.kv, self.kv)
+                np.testing.assert_array_equal(out, self.q[:, 0])
+                self.assertEqual(ring.stats.server_wakes, 1)
+                self.assertEqual(ring.stats.answered_spinning, 1)
+            finally:
+                server.close()
+        with _ring.Ring(self.client, spin_us=0) as ring:
+            server = PlayedServer(ring, decode_answer, delay=0.05)
+            try:
+                for _ in range(3):
+                    np.testing.assert_array_equal(ring.decode(0, self.seqs, self.q, self.kv, self.kv), self.q[:, 0])
+                self.assertEqual(ring.stats.answered_sleeping, 3)
+                self.assertEqual(word(ring, CLIENT_SLEEPING), 0)
+            finally:
+                server.close()
+
+    def test_sequence_words_wrap(self):
+        with _ring.Ring(self.client) as ring:
+            set_word(ring, REQUEST_SEQ, 0xFFFFFFFF)
+            set_word(ring, RESPONSE_SEQ, 0xFFFFFFFF)
+            server = PlayedServer(ring, decode_answer)
+            try:
+                for _ in range(2):
+                    np.testing.assert_array_equal(ring.decode(0, self.seqs, self.q, self.kv, self.kv), self.q[:, 0])
+                self.assertEqual(word(ring, REQUEST_SEQ), 1)
+            finally:
+                server.close()
+
+    def test_wrong_tag_is_internal(self):
+        with _ring.Ring(self.client) as ring:
+            server = PlayedServer(ring, lambda r: decode_answer(r, tag_delta=5))
+            try:
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    ring.decode(0, self.seqs, self.q, self.kv, self.kv)
+                self.assertIs(ctx.exception.code, SC.INTERNAL)
+                self.assertEqual(ctx.exception.message, "the ring answered tag 6 for request tag 1")
+            finally:
+                server.close()
+
+    def test_error_answer_raises_its_code_and_message(self):
+        with _ring.Ring(self.client) as ring:
+            server = PlayedServer(ring, lambda r: pb.SessionResponse(tag=r.tag, code=5, message="seq gone"))
+            try:
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    ring.decode(0, self.seqs, self.q, self.kv, self.kv)
+                self.assertIs(ctx.exception.code, SC.NOT_FOUND)
+                self.assertEqual(ctx.exception.message, "seq gone")
+            finally:
+                server.close()
+
+    def test_closed_while_waiting_is_unavailable(self):
+        with _ring.Ring(self.client, spin_us=0) as ring:
+            def close_instead(request):
+                set_word(ring, CLOSED, 1)
+                server.futex_wake(RESPONSE_SEQ)
+            server = PlayedServer(ring, close_instead)
+            try:
+                start = time.monotonic()
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    ring.decode(0, self.seqs, self.q, self.kv, self.kv)
+                self.assertIs(ctx.exception.code, SC.UNAVAILABLE)
+                self.assertEqual(ctx.exception.message, "the ring was closed by the server")
+                self.assertLess(time.monotonic() - start, 5)
+                before = word(ring, REQUEST_SEQ)
+                with self.assertRaises(attnd.AttndError) as ctx:  # refused before anything is written
+                    ring.decode(0, self.seqs, self.q, self.kv, self.kv)
+                self.assertIs(ctx.exception.code, SC.UNAVAILABLE)
+                self.assertEqual(word(ring, REQUEST_SEQ), before)
+                self.assertTrue(ring.closed_by_server)
+            finally:
+                server.close()
+
+    def test_timeout_then_the_late_answer_is_skipped(self):
+        with _ring.Ring(self.client, timeout=0.2, sleep_slice=0.01) as ring:
+            answers = []
+
+            def slow_first(request):
+                if not answers:
+                    answers.append(1)
+                    time.sleep(0.5)
+                return decode_answer(request)
+            server = PlayedServer(ring, slow_first)
+            try:
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    ring.decode(0, self.seqs, self.q, self.kv, self.kv)
+                self.assertIs(ctx.exception.code, SC.DEADLINE_EXCEEDED)
+                self.assertIn("no answer in the ring within 0.2s", ctx.exception.message)
+                # The next call waits for the late answer first, so its own answer is its own.
+                q2 = self.q * 2
+                ring.timeout = 5.0
+                np.testing.assert_array_equal(ring.decode(0, self.seqs, q2, self.kv, self.kv), q2[:, 0])
+                self.assertEqual([r.tag for r in server.requests], [1, 2])
+            finally:
+                server.close()
+
+    def test_too_large_request_is_refused_before_anything_is_written(self):
+        with _ring.Ring(self.client, half_bytes=4096) as ring:
+            q = np.zeros((8, 5, 4, 32), np.float32)  # 20 KiB of q alone
+            kv = np.zeros((8, 2, 32), np.float32)
+            for call in (lambda: ring.decode(0, ["%032x" % i for i in range(8)], q, kv, kv),
+                         lambda: ring.prefill("%032x" % 1, 0, q, kv, kv)):
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    call()
+                self.assertIs(ctx.exception.code, SC.RESOURCE_EXHAUSTED)
+                self.assertRegex(ctx.exception.message, r"^request of \d+ bytes exceeds the ring's 4088-byte half")
+                self.assertEqual(word(ring, REQUEST_SEQ), 0)
+                self.assertEqual(bytes(ring._mm[HEADER:HEADER + 4096]), bytes(4096), "nothing was written")
+                self.assertEqual(ring.stats.round_trips, 0)
+
+
+class RingAdapter:
+    """A Ring where test_golden.run_golden expects a client: sequences are created and released over gRPC."""
+
+    def __init__(self, client, ring):
+        self.client, self.ring = client, ring
+
+    def create_sequence(self):
+        return self.client.create_sequence()
+
+    def release(self, seq):
+        return self.client.release(seq)
+
+    def prefill(self, *args, **kwargs):
+        return self.ring.prefill(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        return self.ring.decode(*args, **kwargs)
+
+
+class LiveRing(at.DaemonTestCase, unittest.TestCase):
+    KV_DTYPE = "fp32"
+
+    def setUp(self):
+        m = self.info.model
+        self.h, self.hkv, self.d = m.num_q_heads, m.num_kv_heads, m.head_dim
+        self.cfg = dca_ref.DcaConfig(self.info.dca.chunk_size, self.info.dca.local_size,
+                                     self.info.dca.original_max_position_embeddings, m.softmax_scale,
+                                     self.h, self.hkv, self.d)
+        self.rng = np.random.default_rng(11)
+
+    def tokens(self, t, variants=5, lead=None):
+        r, h, hkv, d = self.rng, self.h, self.hkv, self.d
+        lead = (t,) if lead is None else lead
+        return (at.random_bf16_exact(r, lead + ((variants,) if variants else ()) + (h, d)),
+                at.random_bf16_exact(r, lead + (hkv, d)), at.random_bf16_exact(r, lead + (hkv, d)))
+
+    def test_server_serves_rings(self):
+        self.assertTrue(self.info.regions.rings)
+
+    def test_golden_fp32_bf16_fp16(self):
+        with self.client.ring() as ring:
+            target = RingAdapter(self.client, ring)
+            stats = test_golden.run_golden(self, target, 0, lambda x: x, lambda x: x, np.float32,
+                                           variants=lambda i: 3 if i % 2 else 5)
+            self.assertLessEqual(max(s[1] for s in stats), test_golden.FP32_MAX_ABS, test_golden.fmt(stats))
+            stats = test_golden.run_golden(self, target, 1, attnd.float32_to_bf16, attnd.bf16_to_float32, np.uint16)
+            self.assertLessEqual(max(s[1] for s in stats), test_golden.BF16_MAX_ABS, test_golden.fmt(stats))
+            self.assertLessEqual(max(s[2] for s in stats), test_golden.BF16_MEAN_ABS, test_golden.fmt(stats))
+            stats = test_golden.run_golden(self, target, 0, lambda x: x.astype(np.float16),
+                                           lambda x: x.astype(np.float32), np.float16)
+            self.assertLessEqual(max(s[1] for s in stats), test_golden.BF16_MAX_ABS, test_golden.fmt(stats))
+            self.assertGreater(ring.stats.round_trips, 100)
+
+    def test_packed_batches_equal_unary_and_the_reference(self):
+        n = 5
+        a = [self.client.create_sequence() for _ in range(n)]
+        b = [self.client.create_sequence() for _ in range(n)]
+        refs = [dca_ref.RefLayer(self.cfg) for _ in range(n)]
+        try:
+            with self.client.ring() as ring:
+                for i in range(n):
+                    q, k, v = self.tokens(4 + i)
+                    got, length = ring.prefill(a[i], 0, q, k, v, return_length=True)
+                    want = self.client.prefill(b[i], 0, q, k, v)
+                    np.testing.assert_array_equal(got, want)
+                    self.assertEqual(length, 4 + i)
+                    self.assertLessEqual(at.error_stats(got, refs[i].prefill(q, k, v))[0], 1e-4)
+                for step, variants in enumerate((5, 3, 5, 3)):
+                    q, k, v = self.tokens(None, variants, lead=(n,))
+                    got, lengths = ring.decode(0, a, q, k, v, return_lengths=True)
+                    want, want_lengths = self.client.decode(0, b, q, k, v, return_lengths=True)
+                    np.testing.assert_array_equal(got, want)
+                    self.assertEqual(lengths, want_lengths)
+                    self.assertEqual(lengths, [4 + i + step + 1 for i in range(n)])
+                    ref = np.stack([refs[i].decode(q[i], k[i], v[i]) for i in range(n)])
+                    self.assertLessEqual(at.error_stats(got, ref)[0], 1e-4)
+                # bf16 bits and fp16 in, the same dtype out, as unary.
+                for wire in (attnd.float32_to_bf16, lambda x: x.astype(np.float16),
+                             lambda x: attnd.float32_to_bf16(x).view(np.int16)):
+                    q, k, v = (wire(x) for x in self.tokens(None, 5, lead=(n,)))
+                    got = ring.decode(0, a, q, k, v)
+                    want = self.client.decode(0, b, q, k, v)
+                    self.assertEqual(got.dtype, want.dtype)
+                    np.testing.assert_array_equal(got, want)
+                # The general path (mixed layouts, a tuple of ids) through the ring too.
+                q5, k, v = self.tokens(None, 5, lead=(n,))
+                got = ring.decode(0, tuple(a), list(q5), k, v, q_layout=["variants"] * n)
+                want = self.client.decode(0, b, q5, k, v)
+                np.testing.assert_array_equal(got, want)
+                self.assertGreaterEqual(ring.stats.round_trips, n + 8)
+        finally:
+            for s in a + b:
+                self.client.release(s)
+
+    def test_region_references_through_the_ring(self):
+        seq, twin = self.client.create_sequence(), self.client.create_sequence()
+        try:
+            q, k, v = self.tokens(6)
+            with self.client.register_shm(1 << 20) as region, self.client.ring() as ring:
+                rq, rk, rv = (region.ndarray(x.shape, np.float32) for x in (q, k, v))
+                rq[...], rk[...], rv[...] = q, k, v
+                out = region.ndarray((6, self.h, self.d), np.float32)
+                self.assertIs(ring.prefill(seq, 0, rq, rk, rv, out=out), out)
+                np.testing.assert_array_equal(out, self.client.prefill(twin, 0, q, k, v))
+                q1, k1, v1 = self.tokens(None, 3, lead=(1,))
+                rq1 = region.ndarray(q1.shape, np.float32)
+                rq1[...] = q1
+                np.testing.assert_array_equal(ring.decode(0, [seq], rq1, k1, v1),
+                                              self.client.decode(0, [twin], q1, k1, v1))
+        finally:
+            self.client.release(seq)
+            self.client.release(twin)
+
+    def assertSameError(self, ring_call, unary_call, names=()):
+        """Both calls fail with the same code and message (each (ring's, unary's) pair of `names`, the twin
+        sequences' ids, read as one); returns the ring's error."""
+        with self.assertRaises(attnd.AttndError) as via_ring:
+            ring_call()
+        with self.assertRaises(attnd.AttndError) as via_unary:
+            unary_call()
+        self.assertIs(via_ring.exception.code, via_unary.exception.code, via_ring.exception.message)
+        message = via_unary.exception.message
+        for mine, theirs in names:
+            message = message.replace(theirs, mine)
+        self.assertEqual(via_ring.exception.message, message)
+        return via_ring.exception
+
+    def test_bad_inputs_fail_as_unary_and_change_nothing(self):
+        c = self.client
+        seq, twin, empty = c.create_sequence(), c.create_sequence(), c.create_sequence()
+        unknown = "0123456789abcdef0123456789abcdef"
+        try:
+            with c.ring() as ring:
+                q, k, v = self.tokens(6)
+                for s, target in ((seq, ring), (twin, c)):
+                    target.prefill(s, 0, q, k, v)
+                q1, k1, v1 = self.tokens(None, 5, lead=(1,))
+                bad_v = np.zeros((6, self.hkv + 1, self.d), np.float32)
+                cases = [  # (code, fragment, call(target, sequence))
+                    (SC.NOT_FOUND, "not found", lambda t, s: t.prefill(unknown, 0, q, k, v)),
+                    (SC.NOT_FOUND, "not found", lambda t, s: t.decode(0, [unknown], q1, k1, v1)),
+                    (SC.NOT_FOUND, "entries[1]", lambda t, s: t.decode(0, [s, unknown], np.repeat(q1, 2, 0),
+                                                                       np.repeat(k1, 2, 0), np.repeat(v1, 2, 0))),
+                    (SC.INVALID_ARGUMENT, "shape", lambda t, s: t.prefill(s, 0, q[:, :4], k, v)),
+                    (SC.INVALID_ARGUMENT, "shape", lambda t, s: t.prefill(s, 0, q, k[:5], v)),
+                    (SC.INVALID_ARGUMENT, "shape", lambda t, s: t.prefill(s, 0, q, k, bad_v)),
+                    (SC.INVALID_ARGUMENT, "dtype", lambda t, s: t.prefill(s, 0, q, k.astype(np.float16), v)),
+                    (SC.INVALID_ARGUMENT, "dtype", lambda t, s: t.decode(0, [s], q1, k1.astype(np.float16), v1)),
+                    (SC.INVALID_ARGUMENT, "layer", lambda t, s: t.prefill(s, self.info.model.num_layers, q, k, v)),
+                    (SC.INVALID_ARGUMENT, "layer", lambda t, s: t.decode(self.info.model.num_layers, [s], q1, k1,
+                                                                         v1)),
+                    (SC.INVALID_ARGUMENT, "shape", lambda t, s: t.decode(0, [s], q1[:, :4], k1, v1)),
+                    (SC.INVALID_ARGUMENT, "", lambda t, s: t.decode(0, [s, s], np.repeat(q1, 2, 0),
+                                                                    np.repeat(k1, 2, 0), np.repeat(v1, 2, 0))),
+                    (SC.INVALID_ARGUMENT, "batch", lambda t, s: t.decode(0, [s, unknown, unknown], q1, k1, v1)),
+                    (SC.INVALID_ARGUMENT, "float64", lambda t, s: t.decode(0, [s], q1.astype(np.float64), k1, v1)),
+                    (SC.INVALID_ARGUMENT, "sequence id must be a str", lambda t, s: t.decode(0, [7], q1, k1, v1)),
+                    (SC.INVALID_ARGUMENT, "", lambda t, s: t.decode(0, ["not-an-id"], q1, k1, v1)),
+                    (SC.FAILED_PRECONDITION, "", lambda t, s: t.decode(1, [s], q1, k1, v1)),
+                    (SC.FAILED_PRECONDITION, "", lambda t, s: t.decode(0, [s, empty], np.repeat(q1, 2, 0),
+                                                                       np.repeat(k1, 2, 0), np.repeat(v1, 2, 0))),
+                ]
+                for code, fragment, call in cases:
+                    with self.subTest(code=code, fragment=fragment):
+                        err = self.assertSameError(lambda: call(ring, seq), lambda: call(c, twin), [(seq, twin)])
+                        self.assertIs(err.code, code, err.message)
+                        self.assertIn(fragment, err.message)
+                        self.assertTrue(err.message)
+                # Nothing changed: the next good decode makes the layer 7 tokens long in both, equal outputs.
+                got, lengths = ring.decode(0, [seq], q1, k1, v1, return_lengths=True)
+                want, want_lengths = c.decode(0, [twin], q1, k1, v1, return_lengths=True)
+                self.assertEqual(lengths, [7])
+                self.assertEqual(want_lengths, [7])
+                np.testing.assert_array_equal(got, want)
+        finally:
+            for s in (seq, twin, empty):
+                c.release(s)
+
+    def test_request_larger_than_the_half_is_refused_before_sending(self):
+        seq = self.client.create_sequence()
+        try:
+            with self.client.ring(half_bytes=8192) as ring:
+                q, k, v = self.tokens(16)
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    ring.prefill(seq, 0, q, k, v)
+                self.assertIs(ctx.exception.code, SC.RESOURCE_EXHAUSTED)
+                self.assertRegex(ctx.exception.message, r"^request of \d+ bytes exceeds the ring's 8184-byte half")
+                self.assertEqual(word(ring, REQUEST_SEQ), 0, "nothing was sent")
+                out, length = ring.prefill(seq, 0, q[:1], k[:1], v[:1], return_length=True)
+                self.assertEqual(length, 1, "the refused prefill appended nothing")
+        finally:
+            self.client.release(seq)
+
+    def test_close_ring_makes_it_unavailable(self):
+        seq = self.client.create_sequence()
+        try:
+            ring = self.client.ring()
+            q, k, v = self.tokens(3)
+            ring.prefill(seq, 0, q, k, v)
+            self.client._call(self.client.stub.CloseRing, pb.CloseRingRequest(ring_id=ring.ring_id), None)
+            deadline = time.monotonic() + 5
+            while not ring.closed_by_server and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.assertTrue(ring.closed_by_server)
+            with self.assertRaises(attnd.AttndError) as ctx:
+                ring.prefill(seq, 0, q, k, v)
+            self.assertIs(ctx.exception.code, SC.UNAVAILABLE)
+            self.assertEqual(ctx.exception.message, "the ring was closed by the server")
+            name = ring.name
+            ring.close()  # CloseRing's NOT_FOUND is dropped; the memory goes
+            ring.close()
+            self.assertFalse(os.path.exists("/dev/shm" + name))
+            with self.assertRaises(attnd.AttndError) as ctx:
+                ring.decode(0, [seq], q[:1], k[:1], v[:1])
+            self.assertIs(ctx.exception.code, SC.FAILED_PRECONDITION)
+            self.assertEqual(self.client.prefill(seq, 0, q[:1], k[:1], v[:1], return_length=True)[1], 4,
+                             "the refused request changed nothing")
+        finally:
+            self.client.release(seq)
+
+
+class RingClosedByTheDaemon(unittest.TestCase):
+    """A daemon that reclaims idle rings after a second, then stops: UNAVAILABLE both times."""
+
+    def test_idle_reclamation_and_shutdown(self):
+        tmp = tempfile.mkdtemp(prefix="attnd-pytest-")
+        config = at.GoldenCase("dense_gqa_chunked").write_model_config(os.path.join(tmp, "config.json"))
+        daemon = at.Daemon(config, extra_args=["--region-idle-timeout", "1s"])
+        try:
+            daemon.start()
+            with attnd.Client(daemon.target, timeout=60) as client:
+                m = client.info().model
+                rng = np.random.default_rng(2)
+                q = at.random_bf16_exact(rng, (2, 5, m.num_q_heads, m.head_dim))
+                kv = at.random_bf16_exact(rng, (2, m.num_kv_heads, m.head_dim))
+                seq = client.create_sequence()
+                idle = client.ring()
+                idle.prefill(seq, 0, q, kv, kv)
+                deadline = time.monotonic() + 10
+                while not idle.closed_by_server and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                self.assertTrue(idle.closed_by_server, "the idle ring was not reclaimed within 10 s")
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    idle.decode(0, [seq], q[:1], kv[:1], kv[:1])
+                self.assertIs(ctx.exception.code, SC.UNAVAILABLE)
+                idle.close()
+                busy = client.ring()
+                busy.decode(0, [seq], q[:1], kv[:1], kv[:1])
+                daemon.stop()
+                self.assertTrue(busy.closed_by_server, "a stopping daemon closes its rings")
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    busy.decode(0, [seq], q[:1], kv[:1], kv[:1])
+                self.assertIs(ctx.exception.code, SC.UNAVAILABLE)
+                busy.close()
+        finally:
+            daemon.stop()
+            shutil.rmtree(tmp, True)
+
+
+class PreRotaryRing(at.DaemonTestCase, unittest.TestCase):
+    """The golden dense_pre_rotary case through the ring (the daemon configured with its rotary)."""
+
+    model_config = test_pre_rotary.PreRotary.model_config
+
+    def test_golden_within_1e4(self):
+        with self.client.ring() as ring:
+            # PreRotary.replay needs only self.client and a target with prefill/decode.
+            worst = test_pre_rotary.PreRotary.replay(self, RingAdapter(self.client, ring), 0)
+        self.assertLessEqual(worst, 1e-4)
+
+
+if __name__ == "__main__":
+    unittest.main()
