@@ -69,10 +69,11 @@ struct BenchOptions {
   //   shm       unary RPCs naming q/k/v and o in a registered POSIX shm region
   //   ring      a shared-memory ring (RingClient), bytes inline or (ring_regions) shm references
   //   cuda-ipc  unary RPCs naming device buffers shared with cudaIpcGetMemHandle (CUDA builds)
+  //   ring-cuda-ipc  the ring, its requests naming those device buffers (CUDA builds)
   std::vector<std::string> transports = {"grpc"};
   bool ring_regions = false;  // ring: region references instead of inline bytes
   int64_t ring_spin_us = 50;  // ring: how long the client spins before it sleeps
-  int32_t cuda_device = -1;   // cuda-ipc: the local device; -1 = the one whose UUID the server has
+  int32_t cuda_device = -1;   // cuda-ipc, ring-cuda-ipc: the local device; -1 = the server's (UUID)
 };
 // The transports RunBench knows.
 bool IsBenchTransport(const std::string& name);

@@ -366,15 +366,19 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(
   const v1::ModelInfo& m = info.model();
   std::unique_ptr<Staging> staging;
   Carrier carrier = Carrier::kUnary;
-  const bool regions =
-      name == "shm" || name == "cuda-ipc" || (name == "ring" && options.ring_regions);
+  // ring-cuda-ipc is the ring carrying references to device buffers: what a serving stack on the
+  // same GPU sends, its q/k/v already there.
+  const bool cuda = name == "cuda-ipc" || name == "ring-cuda-ipc";
+  const bool ring = name == "ring" || name == "ring-cuda-ipc";
+  const bool regions = name == "shm" || cuda || (name == "ring" && options.ring_regions);
   if (name == "session") carrier = Carrier::kSession;
-  if (name == "ring") carrier = Carrier::kRing;
-  if (name == "cuda-ipc" && !ClientBuiltWithCuda()) {  // this binary cannot: a skip, as below
-    *skip = "attnctl was built without CUDA: cuda-ipc needs a CUDA build of attnctl";
+  if (ring) carrier = Carrier::kRing;
+  if (cuda && !ClientBuiltWithCuda()) {  // this binary cannot: a skip, as below
+    *skip =
+        absl::StrCat("attnctl was built without CUDA: ", name, " needs a CUDA build of attnctl");
     return nullptr;
   }
-  if (regions || name == "ring") {
+  if (regions || ring) {
     if (info.regions().host_boot_id().empty() && info.regions().kinds_size() == 0) {
       *skip = "the server offers no tensor regions";
       return nullptr;
@@ -384,11 +388,11 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(
       return nullptr;
     }
   }
-  if (name == "ring" && !info.regions().rings()) {
+  if (ring && !info.regions().rings()) {
     *skip = "the server does not serve rings";
     return nullptr;
   }
-  if (name == "cuda-ipc") {
+  if (cuda) {
     if (!Accepts(info, v1::REGION_KIND_CUDA_IPC)) {
       *skip = absl::StrCat("the server (backend ", info.backend(), ") accepts no CUDA IPC regions");
       return nullptr;
@@ -419,7 +423,7 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(
   }
   if (name == "grpc") *description = "unary RPCs, tensor bytes in the messages";
   if (name == "session") *description = "one Session stream, tensor bytes in the messages";
-  if (name == "ring") {
+  if (ring) {
     *description = absl::StrCat(
         "a shared-memory ring (", ring_half_bytes >> 10, " KiB halves, client spin ",
         options.ring_spin_us, " us), ",
@@ -651,7 +655,7 @@ int RunTransport(AttndClient& client, Transport& transport, const v1::GetServerI
 
 bool IsBenchTransport(const std::string& name) {
   return name == "grpc" || name == "session" || name == "shm" || name == "ring" ||
-         name == "cuda-ipc";
+         name == "cuda-ipc" || name == "ring-cuda-ipc";
 }
 
 int RunBench(AttndClient& client, const BenchOptions& options, std::ostream& out,
@@ -677,7 +681,7 @@ int RunBench(AttndClient& client, const BenchOptions& options, std::ostream& out
   for (const std::string& t : options.transports) {
     if (!IsBenchTransport(t)) {
       err << "attnctl bench: --transport \"" << t
-          << "\" is not one of grpc, session, shm, ring, cuda-ipc\n";
+          << "\" is not one of grpc, session, shm, ring, cuda-ipc, ring-cuda-ipc\n";
       return 2;
     }
   }

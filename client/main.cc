@@ -51,13 +51,17 @@ ABSL_FLAG(int32_t, batch, 1, "bench: sequences per decode call");
 ABSL_FLAG(std::vector<std::string>, transport, std::vector<std::string>({"grpc"}),
           "bench: comma-separated transports, one table each: grpc | session | shm (q/k/v and o "
           "in a registered shm region) | ring (a shared-memory ring) | cuda-ipc (device buffers "
-          "shared by CUDA IPC; CUDA builds)");
+          "shared by CUDA IPC; CUDA builds) | ring-cuda-ipc (the ring, q/k/v and o in those "
+          "device buffers)");
 ABSL_FLAG(bool, ring_regions, false,
           "bench --transport ring: q/k/v and o in a registered shm region instead of inline bytes");
-ABSL_FLAG(int64_t, ring_spin_us, 50,
-          "bench --transport ring: how long the client spins on the answer before it sleeps");
+ABSL_FLAG(
+    int64_t, ring_spin_us, 50,
+    "bench --transport ring, ring-cuda-ipc: how long the client spins on the answer before it "
+    "sleeps");
 ABSL_FLAG(int32_t, cuda_device, -1,
-          "bench --transport cuda-ipc: the local CUDA device (-1 = the one the server uses)");
+          "bench --transport cuda-ipc, ring-cuda-ipc: the local CUDA device (-1 = the one the "
+          "server uses)");
 ABSL_FLAG(std::string, token_file, "",
           "file holding the bearer token (attnd --auth-token-file); default: $ATTND_TOKEN if set");
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA of the server's certificate; set = TLS");
@@ -78,7 +82,7 @@ constexpr char kUsage[] =
     "         reference; exits non-zero on FAIL (--dtype --layers --max-tokens --decode-steps "
     "--seed)\n"
     "  bench  prefill/decode latency and throughput (--context --prefill-chunk --decode-steps\n"
-    "         --batch --dtype --layers --transport grpc,session,shm,ring,cuda-ipc\n"
+    "         --batch --dtype --layers --transport grpc,session,shm,ring,cuda-ipc,ring-cuda-ipc\n"
     "         --ring-regions --ring-spin-us --cuda-device)\n"
     "  sequences  every live sequence: id, tenant, pages, min/max length, idle time (--tenant);\n"
     "             attnd.v1.Admin: attnd's --admin-tenant token, or loopback when tokens are off\n"

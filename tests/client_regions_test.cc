@@ -240,7 +240,7 @@ TEST_F(ClientRegionsTest, BenchRunsTheShmAndRingTransports) {
     options.decode_steps = 4;
     options.batch = 2;
     options.progress = false;
-    options.transports = {"shm", "ring", "cuda-ipc"};
+    options.transports = {"shm", "ring", "cuda-ipc", "ring-cuda-ipc"};
     options.ring_regions = ring_regions;
     EXPECT_EQ(client::RunBench(c(), options, out, err), 0) << out.str() << err.str();
     const std::string s = out.str();
@@ -253,6 +253,11 @@ TEST_F(ClientRegionsTest, BenchRunsTheShmAndRingTransports) {
                                  ? "transport: cuda-ipc: skipped: the server (backend cpu) accepts "
                                    "no CUDA IPC regions"
                                  : "transport: cuda-ipc: skipped: attnctl was built without CUDA"));
+    EXPECT_THAT(s, HasSubstr(client::ClientBuiltWithCuda()
+                                 ? "transport: ring-cuda-ipc: skipped: the server (backend cpu) "
+                                   "accepts no CUDA IPC regions"
+                                 : "transport: ring-cuda-ipc: skipped: attnctl was built without "
+                                   "CUDA: ring-cuda-ipc needs a CUDA build of attnctl"));
     EXPECT_THAT(s, ::testing::ContainsRegex("\n +70( +[0-9.]+){7}\n(#[^\n]*\n)*\ntransport: ring"));
     // Each transport's table ends with where the KV was before the release: one shard here.
     EXPECT_THAT(s, HasSubstr("# context 70, before release: shard 0 cpu: "));

@@ -4,9 +4,11 @@
 //            (grpc bytes, shm regions, cuda-ipc regions) and, with --engine, the CUDA engine
 //            in-process on device-resident inputs (its kernels plus device-to-device copies);
 //   decode:  per-layer steps at --decode-context for each --decode-batches size; p50/p99 per
-//            transport (grpc unary, session stream, shm regions over unary, ring).
+//            transport (grpc unary, session stream, shm regions over unary, ring, and the ring
+//            naming q/k/v/o in a CUDA IPC region: what a serving stack on the same GPU sends).
 // Run it against a daemon on the same host:
-//   data_plane_bench --target 127.0.0.1:50051 [--transports grpc,shm,cuda-ipc,session,ring]
+//   data_plane_bench --target 127.0.0.1:50051
+//                    [--transports grpc,shm,cuda-ipc,session,ring,ring-cuda-ipc]
 //                    [--contexts 16384,131072] [--decode-batches 1,8,64] [--engine]
 // Lines are tab-separated: section, transport, size, figures.
 #include <fcntl.h>
@@ -47,8 +49,8 @@
 #endif
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "the daemon");
-ABSL_FLAG(std::string, transports, "grpc,shm,cuda-ipc,session,ring",
-          "prefill: grpc, shm, cuda-ipc; decode: grpc, session, shm, ring");
+ABSL_FLAG(std::string, transports, "grpc,shm,cuda-ipc,session,ring,ring-cuda-ipc",
+          "prefill: grpc, shm, cuda-ipc; decode: grpc, session, shm, ring, ring-cuda-ipc");
 ABSL_FLAG(std::string, contexts, "16384,131072", "prefill: tokens per sequence");
 ABSL_FLAG(int64_t, chunk, 4096, "prefill: tokens per call");
 ABSL_FLAG(std::string, decode_batches, "1,8,64", "decode: entries per call");
@@ -118,6 +120,53 @@ struct Shm {
   char* base = nullptr;
 };
 
+// Device memory on the current GPU shared by CUDA IPC, holding a copy of a host image; empty
+// (Read a no-op) until Create. Methods return "" or what went wrong.
+class DeviceRegion {
+ public:
+  DeviceRegion() = default;
+  DeviceRegion(const DeviceRegion&) = delete;
+  DeviceRegion& operator=(const DeviceRegion&) = delete;
+#ifdef ATTND_BENCH_CUDA
+  ~DeviceRegion() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  std::string Create(const std::string& image, std::string* handle) {
+    if (cudaError_t e = cudaMalloc(&ptr_, image.size()); e != cudaSuccess)
+      return Error("cudaMalloc", e);
+    bytes_ = image.size();
+    if (cudaError_t e = cudaMemcpy(ptr_, image.data(), bytes_, cudaMemcpyHostToDevice);
+        e != cudaSuccess) {
+      return Error("cudaMemcpy", e);
+    }
+    cudaIpcMemHandle_t h;
+    if (cudaError_t e = cudaIpcGetMemHandle(&h, ptr_); e != cudaSuccess) {
+      return Error("cudaIpcGetMemHandle", e);
+    }
+    handle->assign(reinterpret_cast<const char*>(&h), sizeof(h));
+    return "";
+  }
+  std::string Read(std::string* image) const {
+    if (ptr_ == nullptr) return "";
+    if (cudaError_t e = cudaMemcpy(image->data(), ptr_, bytes_, cudaMemcpyDeviceToHost);
+        e != cudaSuccess) {
+      return Error("cudaMemcpy", e);
+    }
+    return "";
+  }
+
+ private:
+  static std::string Error(const char* what, cudaError_t e) {
+    return absl::StrCat(what, ": ", cudaGetErrorString(e));
+  }
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+#else
+  std::string Create(const std::string&, std::string*) { return "built without CUDA"; }
+  std::string Read(std::string*) const { return ""; }
+#endif
+};
+
 class Bench {
  public:
   explicit Bench(const std::string& target) {
@@ -140,6 +189,7 @@ class Bench {
     g_.hq = info.model().num_q_heads();
     g_.hkv = info.model().num_kv_heads();
     g_.d = info.model().head_dim();
+    info_ = info;
     std::printf("# server\t%s %s (%s), model %s, regions %d kinds\n", info.backend().c_str(),
                 info.version().c_str(), info.device().c_str(), info.model().name().c_str(),
                 info.regions().kinds_size());
@@ -273,8 +323,30 @@ class Bench {
     return true;
   }
 
-  // Decode: grpc, session, shm or ring.
+  // Why this process or this server cannot run the ring with CUDA IPC references, or "".
+  std::string CudaIpcRingSkip() const {
+#ifndef ATTND_BENCH_CUDA
+    return "built without CUDA";
+#else
+    if (!info_.regions().rings()) return "the server does not serve rings";
+    for (int k : info_.regions().kinds()) {
+      if (k == v1::REGION_KIND_CUDA_IPC) return "";
+    }
+    return absl::StrCat("the server (backend ", info_.backend(), ") accepts no CUDA IPC regions");
+#endif
+  }
+
+  // Decode: grpc, session, shm, ring or ring-cuda-ipc. A transport that cannot run here prints
+  // why and counts as run.
   bool Decode(const std::string& transport, int64_t batch) {
+    if (transport == "ring-cuda-ipc") {
+      const std::string why = CudaIpcRingSkip();
+      if (!why.empty()) {
+        std::printf("decode\tring-cuda-ipc\tbatch %lld\tskipped: %s\n",
+                    static_cast<long long>(batch), why.c_str());
+        return true;
+      }
+    }
     const int64_t context = absl::GetFlag(FLAGS_decode_context);
     const int32_t steps = absl::GetFlag(FLAGS_decode_steps);
     std::mt19937 rng(2);
@@ -314,23 +386,43 @@ class Bench {
     std::unique_ptr<Shm> shm;
     std::string region;
     const uint64_t row = q_bytes + 2 * kv_bytes + o_bytes;  // q, k, v, o per entry
+    const bool staged = transport == "shm" || transport == "ring-cuda-ipc";
+    // The region's contents: every entry's q, k, v and a zeroed o (so a missing write shows).
+    std::string image(std::max<uint64_t>(4096, batch * row), '\0');
+    for (int64_t i = 0; i < batch && staged; ++i) {
+      std::memcpy(image.data() + i * row, q.data(), q_bytes);
+      std::memcpy(image.data() + i * row + q_bytes, k.data(), kv_bytes);
+      std::memcpy(image.data() + i * row + q_bytes + kv_bytes, v.data(), kv_bytes);
+    }
+    DeviceRegion device;
+    auto give_up = [&](const std::string& why) {
+      std::fprintf(stderr, "decode %s: %s\n", transport.c_str(), why.c_str());
+      for (const std::string& s : seqs) Release(s);
+      return false;
+    };
     if (transport == "shm") {
-      shm = std::make_unique<Shm>(std::max<uint64_t>(4096, batch * row));
+      shm = std::make_unique<Shm>(image.size());
+      std::memcpy(shm->base, image.data(), image.size());
       v1::RegisterRegionRequest r;
       r.mutable_system_shm()->set_name(shm->name);
       r.mutable_system_shm()->set_byte_size(shm->bytes);
       region = Register(r);
-      if (region.empty()) return false;
+      if (region.empty()) return give_up("the shm region was not registered");
+    } else if (transport == "ring-cuda-ipc") {
+      std::string handle;
+      if (std::string e = device.Create(image, &handle); !e.empty()) return give_up(e);
+      v1::RegisterRegionRequest r;
+      r.mutable_cuda_ipc()->set_handle(handle);
+      r.mutable_cuda_ipc()->set_byte_size(image.size());
+      region = Register(r);
+      if (region.empty()) return give_up("the CUDA IPC region was not registered");
     }
     for (int64_t i = 0; i < batch; ++i) {
       v1::DecodeEntry* e = request.add_entries();
       e->set_sequence_id(seqs[i]);
       e->set_q_layout(variants ? v1::Q_LAYOUT_VARIANTS : v1::Q_LAYOUT_PRE_ROTARY);
-      if (transport == "shm") {
+      if (staged) {
         const uint64_t at = i * row;
-        std::memcpy(shm->base + at, q.data(), q_bytes);
-        std::memcpy(shm->base + at + q_bytes, k.data(), kv_bytes);
-        std::memcpy(shm->base + at + q_bytes + kv_bytes, v.data(), kv_bytes);
         SetRef(e->mutable_q(), q_shape, region, at, q_bytes);
         SetRef(e->mutable_k(), {g_.hkv, g_.d}, region, at + q_bytes, kv_bytes);
         SetRef(e->mutable_v(), {g_.hkv, g_.d}, region, at + q_bytes + kv_bytes, kv_bytes);
@@ -372,10 +464,27 @@ class Bench {
       }
       stream->WritesDone();
       stream->Finish().IgnoreError();
-    } else if (transport == "ring") {
+    } else if (transport == "ring" || transport == "ring-cuda-ipc") {
       ok = RingDecode(request, steps, warmup, &lat);
     } else {
       ok = false;
+    }
+    // Every entry's output must have landed in the region (all zero bytes = never written).
+    if (ok && staged) {
+      std::string now = image;
+      if (shm != nullptr) std::memcpy(now.data(), shm->base, now.size());
+      if (std::string e = device.Read(&now); !e.empty()) {
+        std::fprintf(stderr, "decode %s: %s\n", transport.c_str(), e.c_str());
+        ok = false;
+      }
+      for (int64_t i = 0; i < batch && ok; ++i) {
+        const char* o = now.data() + i * row + q_bytes + 2 * kv_bytes;
+        if (std::all_of(o, o + o_bytes, [](char c) { return c == 0; })) {
+          std::fprintf(stderr, "decode %s: entry %lld's output was not written to the region\n",
+                       transport.c_str(), static_cast<long long>(i));
+          ok = false;
+        }
+      }
     }
     for (const std::string& s : seqs) Release(s);
     if (!region.empty()) Unregister(region);
@@ -451,6 +560,7 @@ class Bench {
 
   std::unique_ptr<v1::Attention::Stub> stub_;
   Geometry g_;
+  v1::GetServerInfoResponse info_;
 };
 
 #ifdef ATTND_BENCH_CUDA
@@ -677,7 +787,7 @@ int main(int argc, char** argv) {
   }
   if (!absl::GetFlag(FLAGS_skip_decode)) {
     for (int64_t batch : attnd::bench::ParseList(absl::GetFlag(FLAGS_decode_batches))) {
-      for (const char* t : {"grpc", "session", "shm", "ring"}) {
+      for (const char* t : {"grpc", "session", "shm", "ring", "ring-cuda-ipc"}) {
         if (attnd::Has(transports, t) && !bench.Decode(t, batch)) ++failures;
       }
     }
