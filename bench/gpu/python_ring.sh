@@ -3,8 +3,8 @@
 # unary Decode, on one CUDA attnd (7B geometry, bf16, one layer, 4K context): per-layer decode
 # p50 / p99 at batch 1, 8, 32 (bench/python/ring_bench.py runs attnctl bench --transport ring on
 # the same daemon after each batch's Python rounds), then the Python ring's own work per call with
-# no server. Targets (docs/BENCHMARKS.md, "Python ring"): Python ring p50 within 10 us of the C++ ring's at batch
-# 1; Python decode at batch 32 within 1.2x of the C++ client's.
+# no server. Targets (docs/BENCHMARKS.md, "Python ring"): Python ring p50 within 10 us of the C++
+# ring's at batch 1; Python decode at batch 32 within 1.2x of the C++ client's.
 # Build and bundle here:
 #   bazel build //server:attnd //client:attnctl
 #   script/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl
