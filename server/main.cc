@@ -63,11 +63,11 @@ ABSL_FLAG(
     int32_t, decode_batches_in_flight, 2,
     "merged decode batches of one layer that may run at once (2: the next batch is formed and "
     "launched while the previous one answers its calls; docs/batching.md)");
-ABSL_FLAG(int64_t, prefill_step_keys, 16384,
+ABSL_FLAG(int64_t, prefill_step_keys, 0,
           "the bound on one prefill step, in keys each query row attends per step: a prefill call "
           "runs as steps of about this much work per 128-row tile (CUDA: key-tile windows, CPU: "
-          "query rows), and a decode waits for one step at most, never a whole call "
-          "(docs/scheduling.md)");
+          "query rows), and a decode waits for one step at most, never a whole call; 0 = the "
+          "backend's default: 16384 on CUDA, 512 on the CPU (docs/scheduling.md)");
 ABSL_FLAG(double, prefill_share, 0.25,
           "in [0, 1]: the least share of the device a waiting prefill gets while decodes keep "
           "coming (decode goes first otherwise; engines that overlap the two, as CUDA does, "
@@ -246,9 +246,9 @@ int main(int argc, char** argv) {
   options.disable_cuda_graphs = absl::GetFlag(FLAGS_disable_cuda_graphs);
   options.prefill_step_keys = absl::GetFlag(FLAGS_prefill_step_keys);
   options.prefill_share = absl::GetFlag(FLAGS_prefill_share);
-  if (options.prefill_step_keys < 1) {
-    return Fail(
-        absl::StrCat("--prefill-step-keys must be at least 1, got ", options.prefill_step_keys));
+  if (options.prefill_step_keys < 0) {
+    return Fail(absl::StrCat("--prefill-step-keys must be 0 (the backend's default) or more, got ",
+                             options.prefill_step_keys));
   }
   if (!(options.prefill_share >= 0 && options.prefill_share <= 1)) {
     return Fail(absl::StrCat("--prefill-share must be in [0, 1], got ", options.prefill_share));

@@ -26,8 +26,10 @@ struct CpuEngineOptions {
   // threshold when set and enabled; its layers and q heads must match the layout and geometry.
   std::shared_ptr<const SparseAttentionConfig> sparse;
   // A dense prefill step attends about this many keys per query row of a 128-row tile
-  // (Engine::StartPrefill): rows per step = max(1, 128 * this / (start + tokens)).
-  int64_t prefill_step_keys = 16384;
+  // (Engine::StartPrefill): rows per step = max(1, 128 * this / (start + tokens)). The CPU is about
+  // a thousand times slower than an H200 at attention, so its default is far below CUDA's: a step
+  // of the 7B geometry is then ~1 GFLOP, tens of milliseconds on a few cores.
+  int64_t prefill_step_keys = 512;
 };
 
 // min(4 GiB, a quarter of physical memory): a default that leaves room for the rest of the host.

@@ -152,7 +152,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCuda(const EngineOptions& options)
     cuda.graph_batch_sizes = options.cuda_graph_batch_sizes;
     cuda.cuda_graphs = options.cuda_graphs;
     cuda.sparse = plans[i].sparse;
-    cuda.prefill_step_keys = options.prefill_step_keys;
+    if (options.prefill_step_keys > 0) cuda.prefill_step_keys = options.prefill_step_keys;
     ATTND_ASSIGN_OR_RETURN(std::unique_ptr<Engine> shard, CreateCudaEngine(cuda));
     shards.push_back(std::move(shard));
   }
@@ -185,7 +185,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCpu(const EngineOptions& options) 
     // One shard keeps the requested count (0: all cores); shards share the cores.
     cpu.compute_threads = n == 1 ? options.compute_threads : std::max(1, threads / n);
     cpu.sparse = plans[i].sparse;
-    cpu.prefill_step_keys = options.prefill_step_keys;
+    if (options.prefill_step_keys > 0) cpu.prefill_step_keys = options.prefill_step_keys;
     ATTND_ASSIGN_OR_RETURN(std::unique_ptr<CpuEngine> shard, CpuEngine::Create(cpu));
     shards.push_back(std::move(shard));
   }

@@ -43,8 +43,9 @@ struct EngineOptions {
   std::vector<int32_t> cuda_graph_batch_sizes = DefaultDecodeBatchSizes();
   bool cuda_graphs = true;
   // The bound on one prefill step's work (Engine::StartPrefill), in keys per query row of a
-  // 128-row tile: a decode waits for at most one such step (--prefill-step-keys).
-  int64_t prefill_step_keys = 16384;
+  // 128-row tile: a decode waits for at most one such step (--prefill-step-keys). 0: the
+  // backend's default (CudaEngineOptions, CpuEngineOptions).
+  int64_t prefill_step_keys = 0;
 };
 
 // "0,1" (CUDA ordinals, repeats allowed) as a list; INVALID_ARGUMENT naming --devices otherwise.
