@@ -4,7 +4,9 @@
 # while a prefill stream sends 128K-token prompts in 4096-token calls through CUDA IPC regions;
 # and the prefill stream's throughput alone and beside the decodes. One attnd per run, started
 # with the flags given after OUT (e.g. --prefill-step-keys 1000000000 for whole calls); ATTND
-# names another attnd binary (e.g. an older build) to compare. Build and bundle here:
+# names another attnd binary (e.g. an older build) to compare. DEVICE=cpu PREFILL_TRANSPORT=grpc
+# CONTEXT=4096 CHUNK=1024 DECODE_CONTEXT=2048 BATCHES=1,8 runs the same on the CPU backend
+# (attnd and data_plane_bench from bazel-bin on PATH). Build and bundle here:
 #   bazel build //server:attnd //client:attnctl //bench/data_plane:data_plane_bench
 #   script/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl \
 #     bazel-bin/bench/data_plane/data_plane_bench
@@ -15,9 +17,16 @@ shift
 label=${LABEL:-run}
 attnd_bin=${ATTND:-attnd}
 steps=${STEPS:-2000}
+device=${DEVICE:-cuda}
+prefill_transport=${PREFILL_TRANSPORT:-cuda-ipc}
+context=${CONTEXT:-131072}
+chunk=${CHUNK:-4096}
+decode_context=${DECODE_CONTEXT:-4096}
+batches=${BATCHES:-1,8,64}
+kv_bytes=${KV_BYTES:-$((40 << 30))}
 mkdir -p "$out"
 port=$((50100 + RANDOM % 1000))
-"$attnd_bin" --device cuda --listen 127.0.0.1:$port --kv-cache-bytes $((40 << 30)) \
+"$attnd_bin" --device "$device" --listen 127.0.0.1:$port --kv-cache-bytes "$kv_bytes" \
   --metrics-listen= "$@" >"$out/$label.attnd.log" 2>&1 &
 pid=$!
 for _ in $(seq 1 600); do
@@ -26,11 +35,12 @@ for _ in $(seq 1 600); do
 done
 decode() {
   data_plane_bench --target 127.0.0.1:$port --skip_prefill --transports ring,grpc \
-    --decode_batches 1,8,64 --decode_steps "$steps" 2>&1 | grep -E '^decode'
+    --decode_batches "$batches" --decode_context "$decode_context" --decode_steps "$steps" 2>&1 |
+    grep -E '^decode'
 }
 prefill() {
-  data_plane_bench --target 127.0.0.1:$port --skip_decode --transports cuda-ipc --contexts 131072 \
-    2>&1 | grep -E '^prefill'
+  data_plane_bench --target 127.0.0.1:$port --skip_decode --transports "$prefill_transport" \
+    --contexts "$context" --chunk "$chunk" 2>&1 | grep -E '^prefill'
 }
 echo "## $label ($attnd_bin $*)"
 echo "# decode alone"
