@@ -70,8 +70,8 @@ ABSL_FLAG(int64_t, prefill_step_keys, 0,
           "backend's default: 16384 on CUDA, 512 on the CPU (docs/scheduling.md)");
 ABSL_FLAG(double, prefill_share, 0.25,
           "in [0, 1]: the least share of the device a waiting prefill gets while decodes keep "
-          "coming (decode goes first otherwise; engines that overlap the two, as CUDA does, "
-          "never hold either)");
+          "coming, on an engine that alternates the two (decode goes first otherwise); the CUDA "
+          "and CPU engines overlap them and hold neither");
 ABSL_FLAG(std::string, log_level, "info", "trace | debug | info | warn | error | critical | off");
 ABSL_FLAG(int64_t, request_log_sample, 1000,
           "the request log (--log-level info): one line per RPC for one in N OK requests and every "
