@@ -64,6 +64,10 @@ ABSL_FLAG(
     std::string, q_layout, "pre_rotary",
     "prefill: pre_rotary (q [T, Hq, D], attnd applies the rotary) or variants (q [T, 5, Hq, D])");
 ABSL_FLAG(bool, skip_decode, false, "prefill only");
+ABSL_FLAG(double, prefill_repeat_seconds, 0,
+          "prefill: prompt after prompt (a new sequence each) of every context and transport until "
+          "this many seconds have passed, one line each as it ends: a continuous prefill stream "
+          "beside another client's decodes; 0 = once");
 
 namespace attnd {
 namespace {
@@ -320,6 +324,7 @@ class Bench {
         transport.c_str(), variants ? "variants" : "pre_rotary", static_cast<long long>(context),
         static_cast<double>(context) / (total_us / 1e6), calls.back() / 1e3,
         Percentile(calls, 0.5) / 1e3, static_cast<double>(request.ByteSizeLong()) / 1e6);
+    std::fflush(stdout);  // a stream run (--prefill_repeat_seconds) may be stopped at any time
     return true;
   }
 
@@ -779,11 +784,15 @@ int main(int argc, char** argv) {
   const std::string transports = absl::GetFlag(FLAGS_transports);
   int failures = 0;
   if (!absl::GetFlag(FLAGS_skip_prefill)) {
-    for (int64_t context : contexts) {
-      for (const char* t : {"grpc", "shm", "cuda-ipc"}) {
-        if (attnd::Has(transports, t) && !bench.Prefill(t, context)) ++failures;
+    const auto until = std::chrono::steady_clock::now() +
+                       std::chrono::duration<double>(absl::GetFlag(FLAGS_prefill_repeat_seconds));
+    do {
+      for (int64_t context : contexts) {
+        for (const char* t : {"grpc", "shm", "cuda-ipc"}) {
+          if (attnd::Has(transports, t) && !bench.Prefill(t, context)) ++failures;
+        }
       }
-    }
+    } while (failures == 0 && std::chrono::steady_clock::now() < until);
   }
   if (!absl::GetFlag(FLAGS_skip_decode)) {
     for (int64_t batch : attnd::bench::ParseList(absl::GetFlag(FLAGS_decode_batches))) {

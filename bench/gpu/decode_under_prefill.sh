@@ -40,7 +40,7 @@ decode() {
 }
 prefill() {
   data_plane_bench --target 127.0.0.1:$port --skip_decode --transports "$prefill_transport" \
-    --contexts "$context" --chunk "$chunk" 2>&1 | grep -E '^prefill'
+    --contexts "$context" --chunk "$chunk" "$@" 2>&1 | grep --line-buffered -E '^prefill'
 }
 echo "## $label ($attnd_bin $*)"
 echo "# decode alone"
@@ -48,15 +48,16 @@ decode | tee "$out/$label.decode_alone.txt"
 echo "# prefill alone"
 prefill | tee "$out/$label.prefill_alone.txt"
 echo "# decode beside a prefill stream"
-stop="$out/$label.stop"
-rm -f "$stop"
-(while [[ ! -e $stop ]]; do prefill; done) >"$out/$label.prefill_busy.txt" &
+# One client process prefilling prompt after prompt (no start-up gaps), stopped after the decodes.
+data_plane_bench --target 127.0.0.1:$port --skip_decode --transports "$prefill_transport" \
+  --contexts "$context" --chunk "$chunk" --prefill_repeat_seconds 3600 \
+  >"$out/$label.prefill_busy.txt" 2>&1 &
 streamer=$!
 sleep 2  # the stream's first calls are in flight
 decode | tee "$out/$label.decode_busy.txt"
-touch "$stop"
-wait $streamer
-echo "# prefill beside the decodes (each line one 128K prompt; the last ran partly alone)"
-cat "$out/$label.prefill_busy.txt"
+kill "$streamer"
+wait $streamer 2>/dev/null
+echo "# prefill beside the decodes (each line one prompt; the last ran partly alone)"
+grep -E '^prefill' "$out/$label.prefill_busy.txt"
 kill "$pid"
 wait "$pid" 2>/dev/null

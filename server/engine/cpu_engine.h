@@ -53,8 +53,9 @@ class CpuEngine : public Engine {
   absl::StatusOr<std::unique_ptr<PrefillRun>> StartPrefill(const PrefillJob& job) override;
   absl::StatusOr<DecodeStats> Decode(const DecodeJob& job) override;
   // Decode and prefill share the compute pool, which interleaves their work finely: measured
-  // beside a prefill stream, a decode waited far less this way than for whole steps to end
-  // (docs/BENCHMARKS.md, "Decode beside prefill on the CPU backend").
+  // beside a prefill stream, a decode waited far less this way than for whole steps to end, and
+  // no longer than with one engine lock (docs/BENCHMARKS.md, "Decode beside prefill on the CPU
+  // backend").
   bool overlaps_prefill_and_decode() const override { return true; }
 
  private:
