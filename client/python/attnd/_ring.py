@@ -104,20 +104,6 @@ _WIRE_DTYPES = {np.dtype("<f4"): pb.DTYPE_FP32, np.dtype("<f2"): pb.DTYPE_FP16, 
 _NP_OUT = {pb.DTYPE_FP32: np.dtype("<f4"), pb.DTYPE_FP16: np.dtype("<f2"), pb.DTYPE_BF16: np.dtype("<u2")}
 
 
-def _read_varint(mv, p):
-    """(value, next position) of the varint at mv[p]; INTERNAL past the end or beyond 64 bits."""
-    result = shift = 0
-    end = len(mv)
-    while p < end and shift < 64:
-        b = mv[p]
-        p += 1
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, p
-        shift += 7
-    raise _fail(grpc.StatusCode.INTERNAL, "malformed response from the server: bad varint")
-
-
 # _CONT[w]: a w-byte varint's continuation bits (0x80 on every byte but the last).
 _CONT = [None] + [np.array([0x80] * (w - 1) + [0], np.uint8) for w in range(1, 10)]
 _SHIFTS = np.int64(1) << (7 * np.arange(9, dtype=np.int64))
@@ -370,19 +356,7 @@ class Ring:
             if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or len(self._plans) >= 64:
                 return None
             plan = self._plans[key] = _PackedPlan(int(layer), q, k, v, dtype, layout, len(ids))
-        if self._mm is None:
-            raise _fail(grpc.StatusCode.FAILED_PRECONDITION, "the ring is closed")
-        w = self._words
-        if w[_CLOSED]:
-            raise _fail(grpc.StatusCode.UNAVAILABLE, "the ring was closed by the server")
-        tag = self._next_tag
-        size = plan.size(tag)
-        if size > self.capacity:
-            raise self._too_large(size)
-        self._next_tag = tag % _TAG_CYCLE + 1
-        deadline = time.monotonic() + self.timeout
-        seq = w[_REQUEST_SEQ]
-        self._wait(seq, deadline, False)
+        tag, size, seq, deadline = self._start(plan.size)
         mv = self._mv
         pos = HEADER_BYTES
         head = _U64.pack(size) + _TAG_FIELDS[tag] + plan.head + ids + plan.q_head
@@ -402,7 +376,7 @@ class Ring:
         tf = _TAG_FIELDS[tag]
         p = start + len(tf)
         if n <= self.capacity and mv[start:p] == tf and mv[p] == _DECODE_KEY:
-            body, p = _read_varint(mv, p + 1)
+            body, p = _wire._read_varint(mv, p + 1, len(mv))
             end = p + body
             oh = plan.o_head
             if end == start + n and mv[p:p + len(oh)] == oh:
@@ -420,7 +394,7 @@ class Ring:
 
     def _lengths(self, mv, p, end, b):
         if p < end and mv[p] == _LENGTHS_KEY:
-            n, p = _read_varint(mv, p + 1)
+            n, p = _wire._read_varint(mv, p + 1, len(mv))
             if p + n == end:
                 got = _uniform_varints(mv[p:end], b)
                 if got is None:  # widths differ
@@ -448,6 +422,25 @@ class Ring:
         result = self._own(result)
         return (result, lengths) if return_lengths else result
 
+    def _start(self, size_of):
+        """The start of every round trip: the ring must be open on both sides; the next tag is taken for a
+        request of size_of(tag) bytes, refused when larger than the half; and a request abandoned past its
+        deadline must be answered first, so nothing is in flight. -> (tag, size, request_seq, deadline)."""
+        if self._mm is None:
+            raise _fail(grpc.StatusCode.FAILED_PRECONDITION, "the ring is closed")
+        w = self._words
+        if w[_CLOSED]:
+            raise _fail(grpc.StatusCode.UNAVAILABLE, "the ring was closed by the server")
+        tag = self._next_tag
+        size = size_of(tag)
+        if size > self.capacity:
+            raise self._too_large(size)
+        self._next_tag = tag % _TAG_CYCLE + 1
+        deadline = time.monotonic() + self.timeout
+        seq = w[_REQUEST_SEQ]
+        self._wait(seq, deadline, False)
+        return tag, size, seq, deadline
+
     def _too_large(self, size):
         return _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
                      "request of %d bytes exceeds the ring's %d-byte half (Client.ring(half_bytes=...) sizes it; "
@@ -474,22 +467,9 @@ class Ring:
     def _round_trip(self, kind, body):
         """Sends SessionRequest{tag, <kind>: body} (a _wire.Msg) and waits for its answer. Returns (memoryview of
         the SessionResponse in the response half, span of its payload); raises the answer's code as AttndError."""
-        if self._mm is None:
-            raise _fail(grpc.StatusCode.FAILED_PRECONDITION, "the ring is closed")
-        w = self._words
-        if w[_CLOSED]:
-            raise _fail(grpc.StatusCode.UNAVAILABLE, "the ring was closed by the server")
-        tag = self._next_tag
-        request = _wire.session_request(tag, **{kind: body})
-        size = request.size
-        if size > self.capacity:
-            raise self._too_large(size)
-        self._next_tag = tag % _TAG_CYCLE + 1
-        deadline = time.monotonic() + self.timeout
-        # 1. Nothing in flight: a request abandoned past its deadline must be answered first.
-        seq = w[_REQUEST_SEQ]
-        self._wait(seq, deadline, False)
-        # 2. The request, its length first, each part copied once from its buffer.
+        request = _wire.session_request(self._next_tag, **{kind: body})  # the tag _start takes
+        tag, size, seq, deadline = self._start(lambda _: request.size)
+        # The request, its length first, each part copied once from its buffer.
         mv = self._mv
         struct.pack_into("<Q", self._mm, HEADER_BYTES, size)
         pos = HEADER_BYTES + LENGTH_BYTES
@@ -515,7 +495,7 @@ class Ring:
                         % (pos - HEADER_BYTES - LENGTH_BYTES, size))
         nxt = (seq + 1) & _SEQ_MASK
         self._post(nxt)
-        # 3. The answer.
+        # The answer.
         self._wait(nxt, deadline, True)
         off = self._response_off
         n = struct.unpack_from("<Q", self._mm, off)[0]
