@@ -13,7 +13,7 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 port=${PORT:-50778}
 context=${CONTEXT:-4096}
-attnd --device cuda --listen 127.0.0.1:$port --metrics-listen= --kv-cache-bytes 16Gi >/tmp/attnd_pyring.log 2>&1 &
+attnd --device cuda --listen 127.0.0.1:$port --metrics-listen= --kv-cache-bytes 48Gi >/tmp/attnd_pyring.log 2>&1 &
 pid=$!
 for _ in $(seq 1 300); do attnctl info --target 127.0.0.1:$port >/dev/null 2>&1 && break; sleep 0.2; done
 status=0

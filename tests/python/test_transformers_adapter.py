@@ -7,9 +7,7 @@ Debian): the real-runtime runs are bench/gpu/transformers.sh on the GPU machine.
 import gc
 import json
 import os
-import shutil
 import sys
-import tempfile
 import types
 import unittest
 

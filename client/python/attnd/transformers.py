@@ -260,16 +260,22 @@ def _open_transport(client, info, geometry, device, dtype, transport, max_tokens
 # -- the cache ----------------------------------------------------------------------------------------------------
 
 class Stats:
-    """Where a forward's time went: seconds inside attnd calls (staging copies included) and calls made."""
+    """Where the time went: seconds inside attnd calls (staging copies included; exact with attach(timed=True)),
+    and calls made (a decode call is one layer of one batched step; a prefill call one layer of one row)."""
 
     def __init__(self):
-        self.attnd_seconds = 0.0
+        self.prefill_seconds = 0.0
+        self.decode_seconds = 0.0
         self.prefill_calls = 0
         self.decode_calls = 0
 
+    @property
+    def attnd_seconds(self):
+        return self.prefill_seconds + self.decode_seconds
+
     def __repr__(self):
-        return "Stats(attnd_seconds=%.6f, prefill_calls=%d, decode_calls=%d)" % (
-            self.attnd_seconds, self.prefill_calls, self.decode_calls)
+        return "Stats(prefill %d calls %.6f s, decode %d calls %.6f s)" % (
+            self.prefill_calls, self.prefill_seconds, self.decode_calls, self.decode_seconds)
 
 
 class _Forward:
@@ -470,7 +476,10 @@ class AttndCache(_HfCache):
                 self.stats.prefill_calls += 1
         if timed and q.is_cuda:
             torch.cuda.current_stream(q.device).synchronize()
-        self.stats.attnd_seconds += time.perf_counter() - start
+        if f.decode:
+            self.stats.decode_seconds += time.perf_counter() - start
+        else:
+            self.stats.prefill_seconds += time.perf_counter() - start
         return out
 
     def __repr__(self):
@@ -604,6 +613,10 @@ class Attachment:
 
     def _wrap_forward(self, forward):
         signature = inspect.signature(forward)
+        var_keyword = next((p.name for p in signature.parameters.values() if p.kind == p.VAR_KEYWORD), None)
+        if any(p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL) for p in signature.parameters.values()):
+            raise TypeError("attnd.transformers: %s.forward takes positional-only arguments"
+                            % type(self._decoder).__name__)
         if "past_key_values" not in signature.parameters:
             raise TypeError("attnd.transformers: %s.forward takes no past_key_values" % type(self._decoder).__name__)
         attachment = self
@@ -611,7 +624,7 @@ class Attachment:
         def attnd_forward(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
             arguments = bound.arguments
-            extra = arguments.get("kwargs", {})
+            extra = arguments.get(var_keyword, {}) if var_keyword else {}
             cache = arguments.get("past_key_values")
             one_shot = False
             if not isinstance(cache, AttndCache):
@@ -634,8 +647,12 @@ class Attachment:
             cache._begin(mask, rows, t)
             attachment.active_cache = cache
             ok = False
+            # Everything by name: decorators around transformers' forward fill in defaults by name, and a value
+            # passed by position as well would arrive twice.
+            named = {k: v for k, v in arguments.items() if k != var_keyword}
+            named.update(arguments.get(var_keyword, {}) if var_keyword else {})
             try:
-                result = forward(*bound.args, **bound.kwargs)
+                result = forward(**named)
                 ok = True
             finally:
                 attachment.active_cache = None

@@ -1,0 +1,338 @@
+#!/usr/bin/env python3
+"""transformers' Qwen2 with every attention layer in attnd (attnd.transformers), against the same model with
+transformers' own attention, on the GPU machine (docs/transformers.md; run by bench/gpu/transformers.sh):
+
+  tokens    random-weight fp32 models (the 7B geometry with 4 layers, the 14B geometry with 2), greedy generate()
+            of 64 tokens after 1K-16K-token prompts (and a left-padded batch): tokens identical to sdpa's;
+  logits    the same in bf16 with the fp32 sdpa tokens forced: attnd's bf16 logits against fp32 sdpa's, next to
+            sdpa's own bf16 logits against fp32 sdpa's (the bar: a correct bf16 attention's own error);
+  chunks    a prompt over 4 DCA chunks (chunk_size 2048): final hidden states against plain-torch DCA
+            (tests/python/dca_torch.py, fp64) and, to show the test can tell, against standard attention;
+  decode    decode tokens/s at batch x context, attnd (time per token split into attnd calls and the rest) next
+            to sdpa with transformers' DynamicCache.
+
+Each part needs its own attnd (started by the script on this GPU) and prints tab-separated lines; a part that
+fails prints its error and the others go on.
+
+    python3 bench/python/hf_bench.py --parts tokens,logits,chunks,decode [--attnd attnd] [--out DIR]
+"""
+import argparse
+import copy
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(REPO, "tests", "python"))
+import attnd_testing as at  # noqa: E402
+import dca_torch  # noqa: E402
+
+attnd = at.attnd
+import attnd.transformers as ahf  # noqa: E402
+import transformers  # noqa: E402
+
+
+def log(*fields):
+    print("\t".join(str(f) for f in fields), flush=True)
+
+
+def config_json(name):
+    with open(os.path.join(REPO, "configs", name, "config.json")) as f:
+        return json.load(f)
+
+
+class Daemon:
+    def __init__(self, binary, config, kv_dtype, kv_bytes, extra=(), device="cuda"):
+        self.dir = tempfile.mkdtemp(prefix="hf-bench-")
+        path = os.path.join(self.dir, "config.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        self.target = "127.0.0.1:%d" % at.free_port()
+        self.log = open(os.path.join(self.dir, "attnd.log"), "w")
+        self.proc = subprocess.Popen([binary, "--device", device, "--listen", self.target, "--model-config", path,
+                                      "--kv-dtype", kv_dtype, "--kv-cache-bytes", str(kv_bytes),
+                                      "--metrics-listen=", *extra], stdout=self.log, stderr=subprocess.STDOUT)
+        self.client = attnd.Client(self.target, timeout=600)
+        deadline = time.time() + 300
+        while True:
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.proc.kill()
+                with open(self.log.name) as f:
+                    raise RuntimeError("attnd did not start: %s" % f.read()[-2000:])
+            try:
+                self.client.info(timeout=1)
+                break
+            except attnd.AttndError:
+                time.sleep(0.2)
+
+    def close(self):
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+
+def hf_model(config, layers, dtype, seed=0, attn="sdpa"):
+    cfg = dict(config, num_hidden_layers=layers)
+    hc = transformers.Qwen2Config(**cfg)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = transformers.Qwen2ForCausalLM(hc).to(dtype)
+    model.set_attn_implementation(attn)
+    return model.eval()
+
+
+def prompt(n, seed, vocab, batch=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (batch, n), generator=g).cuda()
+
+
+def greedy(model, ids, mask, new_tokens):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1).float()
+
+
+def forced_logits(model, ids, mask, forced, attached):
+    """Logits predicting each forced token: attnd through prefill then one decode per token; sdpa in one
+    forward over prompt + tokens (what a correct attention gives for the same positions)."""
+    with torch.no_grad():
+        if not attached:
+            full = torch.cat([ids, forced[:, :-1]], 1)
+            m = torch.cat([mask, torch.ones_like(forced[:, :-1])], 1)
+            return model(full, attention_mask=m).logits[:, ids.shape[1] - 1:].float()
+        cache = model._attnd.new_cache()
+        cache.set_prompt(mask)
+        out = [model(ids, attention_mask=mask, past_key_values=cache, logits_to_keep=1).logits[:, -1]]
+        for i in range(forced.shape[1] - 1):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            out.append(model(forced[:, i:i + 1], attention_mask=mask, past_key_values=cache).logits[:, -1])
+        cache.release()
+        return torch.stack(out, 1).float()
+
+
+def cases(quick):
+    return [("7b", "qwen2.5-7b-instruct-1m", 4), ("14b", "qwen2.5-14b-instruct-1m", 2)][: 1 if quick else 2]
+
+
+def part_tokens_and_logits(args, parts):
+    lengths = [int(x) for x in args.prompts.split(",")]
+    for name, cfgname, layers in cases(args.quick):
+        config = config_json(cfgname)
+        ref32 = hf_model(config, layers, torch.float32)
+        vocab = config["vocab_size"]
+        inputs = [(n, prompt(n, n, vocab), None) for n in lengths]
+        # A left-padded batch: rows of 1000 and 3000 tokens.
+        pad = prompt(3000, 7, vocab, batch=2)
+        pmask = torch.ones_like(pad)
+        pmask[0, :2000] = 0
+        pad[0, :2000] = 0
+        inputs.append(("2x[1000,3000]", pad, pmask))
+        refs = {}
+        for label, ids, mask in inputs:
+            mask = mask if mask is not None else torch.ones_like(ids)
+            refs[label] = greedy(ref32, ids, mask, args.new_tokens)
+        if "tokens" in parts:
+            # fp32 end to end needs attnd's CPU backend (the CUDA backend keeps K/V in bf16); the CUDA backend
+            # with the same fp32 model follows, to show how far bf16 K/V alone moves greedy tokens.
+            for backend, kv in (("cpu", "fp32"), ("cuda", "bf16")):
+                d = Daemon(args.attnd, config, kv, 24 << 30, device=backend)
+                try:
+                    ahf.attach(ref32, d.client)
+                    for label, ids, mask in inputs:
+                        mask = mask if mask is not None else torch.ones_like(ids)
+                        toks, logits = greedy(ref32, ids, mask, args.new_tokens)
+                        want, want_logits = refs[label]
+                        same = bool(torch.equal(toks, want))
+                        first = "-" if same else int((toks != want).any(0).nonzero()[0])
+                        log("tokens", name, "fp32 model, attnd %s %s K/V" % (backend, kv), label,
+                            "identical" if same else "DIFFER from token %s" % first,
+                            "logits max abs %.3g" % float((logits - want_logits).abs().max()),
+                            "live after %d" % d.client.info().live_sequences, ref32._attnd.transport.name)
+                    ref32._attnd.detach()
+                finally:
+                    d.close()
+        if "logits" in parts:
+            bf = copy.deepcopy(ref32).to(torch.bfloat16)
+            bf.set_attn_implementation("sdpa")
+            rows = []
+            for label, ids, mask in inputs:
+                mask = mask if mask is not None else torch.ones_like(ids)
+                want_toks, _ = refs[label]
+                exact = forced_logits(ref32, ids, mask, want_toks, False)
+                sdpa = forced_logits(bf, ids, mask, want_toks, False)
+                rows.append((label, ids, mask, want_toks, exact, sdpa))
+            d = Daemon(args.attnd, config, "bf16", 24 << 30)
+            try:
+                ahf.attach(bf, d.client)
+                for label, ids, mask, want_toks, exact, sdpa in rows:
+                    got = forced_logits(bf, ids, mask, want_toks, True)
+                    e_sdpa = (sdpa - exact).abs()
+                    e_attnd = (got - exact).abs()
+                    agree_sdpa = float((sdpa.argmax(-1) == want_toks).float().mean())
+                    agree_attnd = float((got.argmax(-1) == want_toks).float().mean())
+                    log("logits", name, "bf16", label,
+                        "attnd-fp32 max %.4f mean %.5f" % (float(e_attnd.max()), float(e_attnd.mean())),
+                        "sdpa_bf16-fp32 max %.4f mean %.5f" % (float(e_sdpa.max()), float(e_sdpa.mean())),
+                        "argmax=fp32 tokens: attnd %.3f sdpa %.3f" % (agree_attnd, agree_sdpa))
+                bf._attnd.detach()
+            finally:
+                d.close()
+            del bf
+        del ref32
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def part_chunks(args):
+    config = config_json("qwen2.5-7b-instruct-1m")
+    config["dual_chunk_attention_config"] = {"chunk_size": 2048, "local_size": 256,
+                                             "original_max_position_embeddings": 262144}
+    model = hf_model(config, 4, torch.float32)
+    n = args.chunk_prompt
+    ids = prompt(n, 11, config["vocab_size"])
+    got = {}
+    for backend, kv in (("cpu", "fp32"), ("cuda", "bf16")):
+        d = Daemon(args.attnd, config, kv, 8 << 30, device=backend)
+        try:
+            ahf.attach(model, d.client)
+            with torch.no_grad():
+                got[backend + " " + kv] = model(ids, use_cache=False, output_hidden_states=True).hidden_states[-1].double()
+            model._attnd.detach()
+        finally:
+            d.close()
+    geometry = dca_torch.Geometry.from_config(model.config)
+    results = {}
+    for kind in ("dca", "standard"):
+        restore = dca_torch.use_reference(model.model.layers, kind, geometry)
+        with torch.no_grad():
+            results[kind] = model(ids, use_cache=False, output_hidden_states=True).hidden_states[-1].double()
+        restore()
+    scale = float(results["dca"].abs().max())
+    for which, hidden in got.items():
+        for kind, want in results.items():
+            err = (hidden - want).abs()
+            log("chunks", "7b-4layers fp32 model, attnd %s K/V" % which,
+                "%d tokens, chunk_len %d (%d chunks)" % (n, geometry.chunk_len, -(-n // geometry.chunk_len)),
+                "vs plain-torch %s" % kind, "max abs %.3g" % float(err.max()), "mean abs %.3g" % float(err.mean()),
+                "max |hidden| %.3g" % scale)
+
+
+class StepClock(transformers.LogitsProcessor):
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def decode_rate(model, ids, new_tokens, chunk):
+    clock = StepClock()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk,
+                       logits_processor=transformers.LogitsProcessorList([clock]))
+    steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]  # the first interval holds prefill work
+    steps.sort()
+    return steps[len(steps) // 2], sum(steps) / len(steps)
+
+
+def part_decode(args):
+    config = config_json("qwen2.5-7b-instruct-1m")
+    layers = args.decode_layers
+    model = hf_model(config, layers, torch.bfloat16)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    vocab = config["vocab_size"]
+    for batch, ctx in shapes:
+        ids = prompt(ctx, batch * 7 + ctx, vocab, batch)
+        try:
+            p50, mean = decode_rate(model, ids, args.decode_tokens, 8192)
+            log("decode", "sdpa", "7b-%dlayers bf16" % layers, "batch %d" % batch, "context %d" % ctx,
+                "step p50 %.2f ms" % (p50 * 1e3), "tokens/s %.0f" % (batch / mean))
+        except torch.cuda.OutOfMemoryError as err:
+            log("decode", "sdpa", "batch %d" % batch, "context %d" % ctx, "out of memory: %s" % str(err)[:120])
+        gc.collect()
+        torch.cuda.empty_cache()
+    d = Daemon(args.attnd, config, "bf16", args.decode_kv_bytes)
+    try:
+        for transport in args.transports.split(","):
+            attachment = ahf.attach(model, d.client, transport=transport, max_tokens_per_call=8192)
+            for batch, ctx in shapes:
+                ids = prompt(ctx, batch * 7 + ctx, vocab, batch)
+                p50, mean = decode_rate(model, ids, args.decode_tokens, 8192)
+                # Again with the device synchronized around each attnd call: attnd's share of a step.
+                attachment.timed = True
+                cache = attachment.new_cache()
+                clock = StepClock()
+                with torch.no_grad():
+                    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.decode_tokens,
+                                   min_new_tokens=args.decode_tokens, do_sample=False, pad_token_id=0,
+                                   prefill_chunk_size=8192, past_key_values=cache,
+                                   logits_processor=transformers.LogitsProcessorList([clock]))
+                attachment.timed = False
+                st = cache.stats
+                cache.release()
+                steps = sorted(b - a for a, b in zip(clock.times[1:], clock.times[2:]))
+                timed_step = sum(steps) / len(steps)
+                per_layer = st.decode_seconds / max(1, st.decode_calls)
+                log("decode", "attnd " + attachment.transport.name, "7b-%dlayers bf16" % layers,
+                    "batch %d" % batch, "context %d" % ctx, "step p50 %.2f ms" % (p50 * 1e3),
+                    "tokens/s %.0f" % (batch / mean),
+                    "timed step %.2f ms = attnd %.1f us x %d layers + rest %.2f ms" % (
+                        timed_step * 1e3, per_layer * 1e6, layers, (timed_step - per_layer * layers) * 1e3),
+                    "prefill attnd %.2f s (%d calls)" % (st.prefill_seconds, st.prefill_calls))
+            attachment.detach()
+    finally:
+        d.close()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="tokens,logits,chunks,decode")
+    ap.add_argument("--attnd", default="attnd")
+    ap.add_argument("--prompts", default="1024,4096,16384")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--chunk-prompt", type=int, default=7000)
+    ap.add_argument("--decode-layers", type=int, default=4)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--decode-kv-bytes", type=int, default=24 << 30)
+    ap.add_argument("--shapes", default="1x4096,8x4096,32x4096,1x32768,8x32768,1x131072")
+    ap.add_argument("--transports", default="auto")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    log("versions", "transformers %s" % transformers.__version__, "torch %s" % torch.__version__,
+        torch.cuda.get_device_name())
+    jobs = []
+    if "tokens" in parts or "logits" in parts:
+        jobs.append(("tokens/logits", lambda: part_tokens_and_logits(args, parts)))
+    if "chunks" in parts:
+        jobs.append(("chunks", lambda: part_chunks(args)))
+    if "decode" in parts:
+        jobs.append(("decode", lambda: part_decode(args)))
+    status = 0
+    for name, job in jobs:
+        t0 = time.time()
+        try:
+            job()
+        except Exception:  # noqa: BLE001 - report and go on to the next part
+            status = 1
+            log("FAILED", name, traceback.format_exc().replace("\n", " | "))
+        log("part", name, "%.0f s" % (time.time() - t0))
+        gc.collect()
+        torch.cuda.empty_cache()
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
