@@ -256,6 +256,10 @@ class RingServer::Ring {
     frame_tag_ = 0;
     frame_op_ = 0;
     inflight_.store(true);
+    if (version_ == ring::v2::kVersion && !ReadFrameStart(n)) {
+      Broken("reading a request");
+      return AnswerBroken();
+    }
     if (n > capacity_) {
       return Answer(absl::InvalidArgumentError(
           absl::StrCat("the request's length field says ", n,
@@ -287,6 +291,20 @@ class RingServer::Ring {
     });
     t_ring_state = 0;
     if (!s.ok()) Answer(std::move(s));
+  }
+
+  // A version 2 frame's tag and op, read in place: a frame refused before it is copied (too
+  // long, no memory) is still answered with them. False when the object shrank.
+  bool ReadFrameStart(uint64_t n) {
+    char start[16];
+    const uint64_t readable = std::min<uint64_t>({n, sizeof(start), capacity_});
+    ReadArgs read{request_half_ + ring::kLengthBytes, start, readable};
+    if (readable > 0 && !RunGuarded(ReadBytes, &read)) return false;
+    frame_tag_ = FrameTag(absl::string_view(start, readable));
+    if (readable >= 8) {
+      std::memcpy(&frame_op_, start + offsetof(ring::v2::RequestHeader, op), sizeof(frame_op_));
+    }
+    return true;
   }
 
   // A version 2 frame, copied out into in_: parsed, then handed to the frame handler.
