@@ -358,10 +358,7 @@ class RingServer::Ring {
   }
 
   // The copy buffer holds at least n bytes.
-  absl::Status GrowBuffer(uint64_t n) {
-    ATTND_RETURN_IF_ERROR(Grow(&in_, n, "to copy the ring's request"));
-    return absl::OkStatus();
-  }
+  absl::Status GrowBuffer(uint64_t n) { return Grow(&in_, n, "to copy the ring's request"); }
 
   void FreeBuffer() {
     Free(&in_);
