@@ -73,6 +73,7 @@ struct BenchOptions {
   std::vector<std::string> transports = {"grpc"};
   bool ring_regions = false;  // ring: region references instead of inline bytes
   int64_t ring_spin_us = 50;  // ring: how long the client spins before it sleeps
+  int32_t ring_version = 2;   // ring: 2, binary frames; 1, SessionRequest protobufs
   int32_t cuda_device = -1;   // cuda-ipc, ring-cuda-ipc: the local device; -1 = the server's (UUID)
 };
 // The transports RunBench knows.

@@ -172,7 +172,9 @@ class CudaStaging : public Staging {
 
 uint64_t AlignUp(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
 
-// Offsets of the staged tensors: one prefill chunk's q, k, v, o, then q, k, v, o per decode entry.
+// Offsets of the staged tensors: one prefill chunk's q, k, v, o, then the decode batch's q, k, v
+// and o, each tensor's rows back to back (entry b's at the first one's offset + b * its size), as
+// a version 2 ring frame names a batch's tensor with one reference.
 struct RegionLayout {
   uint64_t pq = 0, pk = 0, pv = 0, po = 0;
   std::vector<uint64_t> dq, dk, dv, dout;
@@ -191,11 +193,15 @@ struct RegionLayout {
     l.pk = take(chunk * hkv * d * es);
     l.pv = take(chunk * hkv * d * es);
     l.po = take(chunk * hq * d * es);
+    const uint64_t q_row = (pre_rotary ? 1 : 3) * hq * d * es, kv_row = hkv * d * es,
+                   o_row = hq * d * es;
+    const uint64_t q0 = take(batch * q_row), k0 = take(batch * kv_row), v0 = take(batch * kv_row),
+                   o0 = take(batch * o_row);
     for (int32_t b = 0; b < batch; ++b) {
-      l.dq.push_back(take((pre_rotary ? 1 : 3) * hq * d * es));
-      l.dk.push_back(take(hkv * d * es));
-      l.dv.push_back(take(hkv * d * es));
-      l.dout.push_back(take(hq * d * es));
+      l.dq.push_back(q0 + b * q_row);
+      l.dk.push_back(k0 + b * kv_row);
+      l.dv.push_back(v0 + b * kv_row);
+      l.dout.push_back(o0 + b * o_row);
     }
     l.total = AlignUp(std::max<uint64_t>(at, 1), 4096);
     return l;
@@ -425,8 +431,9 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(
   if (name == "session") *description = "one Session stream, tensor bytes in the messages";
   if (ring) {
     *description = absl::StrCat(
-        "a shared-memory ring (", ring_half_bytes >> 10, " KiB halves, client spin ",
-        options.ring_spin_us, " us), ",
+        "a shared-memory ring (version ", options.ring_version,
+        options.ring_version == 1 ? " protobuf" : " frames", ", ", ring_half_bytes >> 10,
+        " KiB halves, client spin ", options.ring_spin_us, " us), ",
         regions ? "q/k/v and o in " + staging->Describe() : std::string("tensor bytes inline"));
   } else if (regions) {
     *description = absl::StrCat("unary RPCs, q/k/v and o in ", staging->Describe());
@@ -436,6 +443,7 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(
   RingOptions ring_options;
   ring_options.half_bytes = ring_half_bytes;
   ring_options.spin = absl::Microseconds(options.ring_spin_us);
+  ring_options.version = static_cast<uint32_t>(options.ring_version);
   absl::Status s = t->Open(ring_options);
   if (!s.ok()) return s;
   return t;
@@ -673,9 +681,11 @@ int RunBench(AttndClient& client, const BenchOptions& options, std::ostream& out
     return 2;
   }
   if (options.batch < 1 || options.prefill_chunk < 1 || options.decode_steps < 0 ||
-      options.contexts.empty() || options.transports.empty() || options.ring_spin_us < 0) {
+      options.contexts.empty() || options.transports.empty() || options.ring_spin_us < 0 ||
+      (options.ring_version != 1 && options.ring_version != 2)) {
     err << "attnctl bench: --batch and --prefill-chunk must be >= 1, --decode-steps and "
-           "--ring-spin-us >= 0, and --context and --transport must list at least one value\n";
+           "--ring-spin-us >= 0, --ring-version 1 or 2, and --context and --transport must list "
+           "at least one value\n";
     return 2;
   }
   for (const std::string& t : options.transports) {

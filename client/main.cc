@@ -59,6 +59,9 @@ ABSL_FLAG(
     int64_t, ring_spin_us, 50,
     "bench --transport ring, ring-cuda-ipc: how long the client spins on the answer before it "
     "sleeps");
+ABSL_FLAG(int32_t, ring_version, 2,
+          "bench --transport ring, ring-cuda-ipc: what the ring carries: 2, binary frames "
+          "(proto/attnd/v1/ring_frame.h); 1, serialized SessionRequests (to compare)");
 ABSL_FLAG(int32_t, cuda_device, -1,
           "bench --transport cuda-ipc, ring-cuda-ipc: the local CUDA device (-1 = the one the "
           "server uses)");
@@ -83,7 +86,7 @@ constexpr char kUsage[] =
     "--seed)\n"
     "  bench  prefill/decode latency and throughput (--context --prefill-chunk --decode-steps\n"
     "         --batch --dtype --layers --transport grpc,session,shm,ring,cuda-ipc,ring-cuda-ipc\n"
-    "         --ring-regions --ring-spin-us --cuda-device)\n"
+    "         --ring-regions --ring-spin-us --ring-version --cuda-device)\n"
     "  sequences  every live sequence: id, tenant, pages, min/max length, idle time (--tenant);\n"
     "             attnd.v1.Admin: attnd's --admin-tenant token, or loopback when tokens are off\n"
     "  release ID  release any tenant's sequence and free its pages (attnd.v1.Admin, as above)\n"
@@ -240,6 +243,7 @@ int main(int argc, char** argv) {
   options.transports = absl::GetFlag(FLAGS_transport);
   options.ring_regions = absl::GetFlag(FLAGS_ring_regions);
   options.ring_spin_us = absl::GetFlag(FLAGS_ring_spin_us);
+  options.ring_version = absl::GetFlag(FLAGS_ring_version);
   options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   options.contexts.clear();
   for (const std::string& c : absl::GetFlag(FLAGS_context)) {

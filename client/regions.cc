@@ -163,7 +163,7 @@ absl::StatusOr<std::unique_ptr<RingClient>> RingClient::Layout(const RingOptions
   // The mapping is zero-filled: every sequence word starts at 0 and nothing is in flight.
   ring::Header* h = reinterpret_cast<ring::Header*>(buffer->data());
   h->magic = ring::kMagic;
-  h->version = ring::kVersion;
+  h->version = options.version;
   h->reserved = 0;
   h->half_bytes = options.half_bytes;
   std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -242,13 +242,13 @@ absl::Status RingClient::WaitResponse(uint32_t want, absl::Time deadline, bool c
   return result;
 }
 
-absl::StatusOr<v1::SessionResponse> RingClient::RoundTrip(const v1::SessionRequest& request) {
+template <typename Write>
+absl::StatusOr<absl::string_view> RingClient::Exchange(uint64_t size, Write&& write) {
   ring::Header* h = header();
   const absl::Time deadline = absl::Now() + options_.timeout;
   if (h->closed.load(std::memory_order_acquire) != 0) {
     return absl::UnavailableError("the ring was closed by the server");
   }
-  const size_t size = request.ByteSizeLong();
   if (size > capacity()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("request of ", size, " bytes exceeds the ring's ", capacity(), "-byte half"));
@@ -260,9 +260,7 @@ absl::StatusOr<v1::SessionResponse> RingClient::RoundTrip(const v1::SessionReque
   uint8_t* half = buffer_->data() + ring::RequestOffset();
   const uint64_t length = size;
   std::memcpy(half, &length, sizeof(length));
-  if (!request.SerializeToArray(half + ring::kLengthBytes, static_cast<int>(size))) {
-    return absl::InternalError("serializing the request failed");
-  }
+  ATTND_RETURN_IF_ERROR(write(half + ring::kLengthBytes));
   const uint32_t next = seq + 1;  // wraps at 2^32
   h->request_seq.store(next, std::memory_order_seq_cst);
   if (h->server_sleeping.load(std::memory_order_seq_cst) != 0) {
@@ -279,8 +277,24 @@ absl::StatusOr<v1::SessionResponse> RingClient::RoundTrip(const v1::SessionReque
     return absl::InternalError(absl::StrCat("the ring's response claims ", out_length,
                                             " bytes; the half holds ", capacity()));
   }
+  return absl::string_view(reinterpret_cast<const char*>(out + ring::kLengthBytes), out_length);
+}
+
+absl::StatusOr<v1::SessionResponse> RingClient::RoundTrip(const v1::SessionRequest& request) {
+  if (options_.version == ring::v2::kVersion) {
+    return absl::FailedPreconditionError(
+        "RoundTrip sends a SessionRequest, which a version 1 ring carries; this ring carries "
+        "version 2 frames (RingOptions::version)");
+  }
+  const size_t size = request.ByteSizeLong();
+  ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, Exchange(size, [&](uint8_t* at) {
+                           if (!request.SerializeToArray(at, static_cast<int>(size))) {
+                             return absl::InternalError("serializing the request failed");
+                           }
+                           return absl::OkStatus();
+                         }));
   v1::SessionResponse response;
-  if (!response.ParseFromArray(out + ring::kLengthBytes, static_cast<int>(out_length))) {
+  if (!response.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
     return absl::InternalError("malformed SessionResponse in the ring");
   }
   if (response.tag() != request.tag()) {
@@ -290,7 +304,352 @@ absl::StatusOr<v1::SessionResponse> RingClient::RoundTrip(const v1::SessionReque
   return response;
 }
 
+// ---- Version 2 frames (proto/attnd/v1/ring_frame.h) ----
+
+namespace {
+
+namespace v2 = ring::v2;
+
+// One tensor of a frame being built: its descriptor and, inline, the pieces of its bytes (one per
+// entry of a decode batch), written back to back.
+struct FrameTensorSpec {
+  v2::Tensor t{};
+  std::string region_id;
+  std::vector<const std::string*> parts;
+  uint64_t inline_bytes = 0;
+};
+
+absl::Status SetShape(absl::string_view name, std::optional<int64_t> batch,
+                      const std::vector<int64_t>& dims, v2::Tensor* t) {
+  const size_t rank = dims.size() + (batch.has_value() ? 1 : 0);
+  if (rank > static_cast<size_t>(v2::kMaxRank)) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " has ", rank,
+                                                   " dimensions; a version 2 ring frame carries "
+                                                   "at most ",
+                                                   v2::kMaxRank));
+  }
+  t->rank = static_cast<uint16_t>(rank);
+  size_t i = 0;
+  if (batch.has_value()) t->shape[i++] = *batch;
+  for (int64_t d : dims) t->shape[i++] = d;
+  return absl::OkStatus();
+}
+
+void SetRegion(const v1::RegionRef& ref, uint64_t bytes, FrameTensorSpec* spec) {
+  spec->t.where = v2::kRegion;
+  spec->region_id = ref.region_id();
+  spec->t.offset = ref.offset();
+  spec->t.bytes = bytes;
+}
+
+absl::Status FromArg(absl::string_view name, const TensorArg& arg, FrameTensorSpec* spec) {
+  if (arg.ref.has_value()) {
+    spec->t.dtype = static_cast<int32_t>(ToProtoDType(arg.ref->dtype));
+    SetRegion(arg.ref->region, arg.ref->region.byte_size(), spec);
+    return SetShape(name, std::nullopt, arg.ref->shape, &spec->t);
+  }
+  spec->t.where = v2::kInline;
+  if (arg.host == nullptr) return absl::OkStatus();  // an empty tensor: the server says what lacks
+  spec->t.dtype = static_cast<int32_t>(ToProtoDType(arg.host->dtype));
+  spec->parts = {&arg.host->data};
+  spec->inline_bytes = arg.host->data.size();
+  return SetShape(name, std::nullopt, arg.host->shape, &spec->t);
+}
+
+absl::Status Unpackable(absl::string_view what, size_t i) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("a version 2 ring frame carries a decode batch packed: ", what, "; entry ", i,
+                   " differs from entry 0 (or use a version 1 ring: RingOptions::version = 1)"));
+}
+
+// Each entry's `name` tensor (host bytes or a reference) as one packed tensor [B, ...].
+template <typename Host, typename Ref>
+absl::Status Pack(absl::string_view name, const std::vector<DecodeInput>& entries, Host host,
+                  Ref ref, FrameTensorSpec* spec) {
+  const int64_t b = static_cast<int64_t>(entries.size());
+  if (b == 0) {
+    spec->t.where = v2::kInline;
+    return absl::OkStatus();
+  }
+  const bool refs = ref(entries[0]).has_value();
+  for (size_t i = 1; i < entries.size(); ++i) {
+    if (ref(entries[i]).has_value() != refs) {
+      return Unpackable(absl::StrCat(name, " inline in every entry or a reference in every one"),
+                        i);
+    }
+  }
+  if (refs) {
+    const TensorRef& r0 = *ref(entries[0]);
+    for (size_t i = 1; i < entries.size(); ++i) {
+      const TensorRef& r = *ref(entries[i]);
+      if (r.region.region_id() != r0.region.region_id() || r.dtype != r0.dtype ||
+          r.shape != r0.shape || r.region.byte_size() != r0.region.byte_size() ||
+          r.region.offset() != r0.region.offset() + i * r0.region.byte_size()) {
+        return Unpackable(
+            absl::StrCat(name, " references of one dtype and shape, back to back in one region"),
+            i);
+      }
+    }
+    spec->t.dtype = static_cast<int32_t>(ToProtoDType(r0.dtype));
+    SetRegion(r0.region, static_cast<uint64_t>(b) * r0.region.byte_size(), spec);
+    return SetShape(name, b, r0.shape, &spec->t);
+  }
+  const HostTensor& h0 = host(entries[0]);
+  spec->t.where = v2::kInline;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const HostTensor& h = host(entries[i]);
+    if (h.dtype != h0.dtype || h.shape != h0.shape) {
+      return Unpackable(absl::StrCat(name, " of one dtype and shape in every entry"), i);
+    }
+    spec->parts.push_back(&h.data);
+    spec->inline_bytes += h.data.size();
+  }
+  spec->t.dtype = static_cast<int32_t>(ToProtoDType(h0.dtype));
+  return SetShape(name, b, h0.shape, &spec->t);
+}
+
+// A request frame's layout: the header, the ids' table, the ids, the region ids, then each inline
+// tensor at a 64-byte offset.
+struct FramePlan {
+  v2::RequestHeader header{};
+  std::vector<const std::string*> ids;
+  FrameTensorSpec tensors[4];  // q, k, v, o
+  std::vector<uint32_t> id_at;
+  uint64_t size = 0;
+
+  absl::Status Lay() {
+    uint64_t at = sizeof(v2::RequestHeader);
+    header.ids_offset = at;
+    at += ids.size() * sizeof(v2::StrRef);
+    id_at.clear();
+    for (const std::string* id : ids) {
+      id_at.push_back(static_cast<uint32_t>(at));
+      at += id->size();
+    }
+    for (FrameTensorSpec& t : tensors) {
+      if (t.t.where != v2::kRegion) continue;
+      t.t.region_id = {static_cast<uint32_t>(at), static_cast<uint32_t>(t.region_id.size())};
+      at += t.region_id.size();
+    }
+    if (at > UINT32_MAX) {
+      return absl::InvalidArgumentError("the frame's ids take more than 4 GiB");
+    }
+    for (FrameTensorSpec& t : tensors) {
+      if (t.t.where != v2::kInline) continue;
+      at = v2::AlignUp(at, v2::kTensorAlign);
+      t.t.offset = at;
+      t.t.bytes = t.inline_bytes;
+      at += t.inline_bytes;
+    }
+    header.q = tensors[0].t;
+    header.k = tensors[1].t;
+    header.v = tensors[2].t;
+    header.o = tensors[3].t;
+    size = at;
+    return absl::OkStatus();
+  }
+
+  // Into the request half: the one copy of each inline tensor.
+  void Write(uint8_t* f) const {
+    std::memcpy(f, &header, sizeof(header));
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const v2::StrRef ref{id_at[i], static_cast<uint32_t>(ids[i]->size())};
+      std::memcpy(f + header.ids_offset + i * sizeof(ref), &ref, sizeof(ref));
+      std::memcpy(f + id_at[i], ids[i]->data(), ids[i]->size());
+    }
+    for (const FrameTensorSpec& t : tensors) {
+      if (t.t.where == v2::kRegion) {
+        std::memcpy(f + t.t.region_id.offset, t.region_id.data(), t.region_id.size());
+      }
+      if (t.t.where != v2::kInline) continue;
+      uint8_t* at = f + t.t.offset;
+      for (const std::string* part : t.parts) {
+        std::memcpy(at, part->data(), part->size());
+        at += part->size();
+      }
+    }
+  }
+};
+
+// A response frame's parts, every range checked against the frame.
+struct FrameReply {
+  v2::ResponseHeader header;
+  std::vector<int64_t> lengths;
+  absl::string_view o;
+};
+
+absl::StatusOr<FrameReply> ReadReply(absl::string_view frame, uint64_t tag, uint16_t op) {
+  FrameReply r;
+  v2::ResponseHeader& h = r.header;
+  const auto inside = [&](uint64_t offset, uint64_t bytes) {
+    return offset <= frame.size() && bytes <= frame.size() - offset;
+  };
+  if (frame.size() < sizeof(h)) {
+    return absl::InternalError(
+        absl::StrCat("the ring's response frame has ", frame.size(), " bytes, less than a header"));
+  }
+  std::memcpy(&h, frame.data(), sizeof(h));
+  if (h.magic != v2::kResponseMagic || h.tag != tag) {
+    return absl::InternalError(absl::StrCat("the ring answered magic 0x", absl::Hex(h.magic),
+                                            " tag ", h.tag, " for request tag ", tag));
+  }
+  if (h.code != 0) {
+    if (!inside(h.message_offset, h.message_bytes)) {
+      return absl::InternalError("the ring's response frame's message lies outside it");
+    }
+    return absl::Status(static_cast<absl::StatusCode>(h.code),
+                        frame.substr(h.message_offset, h.message_bytes));
+  }
+  if (h.op != op || h.rank > v2::kMaxRank || h.num_lengths > v2::kMaxSequences ||
+      !inside(h.lengths_offset, uint64_t{h.num_lengths} * 8) || !inside(h.o_offset, h.o_bytes)) {
+    return absl::InternalError("malformed response frame in the ring");
+  }
+  r.lengths.resize(h.num_lengths);
+  if (h.num_lengths > 0) {
+    std::memcpy(r.lengths.data(), frame.data() + h.lengths_offset, r.lengths.size() * 8);
+  }
+  r.o = frame.substr(h.o_offset, h.o_bytes);
+  return r;
+}
+
+absl::StatusOr<DType> ReplyDType(const v2::ResponseHeader& h) {
+  const DType dtype = static_cast<DType>(h.dtype);
+  if (!IsKnownDType(dtype)) {
+    return absl::InternalError(absl::StrCat("the ring answered an output of dtype ", h.dtype));
+  }
+  return dtype;
+}
+
+}  // namespace
+
+absl::StatusOr<PrefillResult> RingClient::PrefillV2(const PrefillInput& input) {
+  FramePlan plan;
+  v2::RequestHeader& h = plan.header;
+  h.magic = v2::kRequestMagic;
+  h.op = v2::kPrefill;
+  h.q_layout = static_cast<uint16_t>(input.q_layout);
+  h.tag = next_tag_++;
+  h.layer = input.layer;
+  h.num_sequences = 1;
+  if (input.prompt_len.has_value()) {
+    h.flags = v2::kHasPromptLen;
+    h.prompt_len = *input.prompt_len;
+  }
+  plan.ids = {&input.sequence_id};
+  ATTND_RETURN_IF_ERROR(FromArg("q", input.q, &plan.tensors[0]));
+  ATTND_RETURN_IF_ERROR(FromArg("k", input.k, &plan.tensors[1]));
+  ATTND_RETURN_IF_ERROR(FromArg("v", input.v, &plan.tensors[2]));
+  if (input.output_region.has_value()) {
+    SetRegion(*input.output_region, input.output_region->byte_size(), &plan.tensors[3]);
+  }
+  ATTND_RETURN_IF_ERROR(plan.Lay());
+  ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, Exchange(plan.size, [&plan](uint8_t* at) {
+                           plan.Write(at);
+                           return absl::OkStatus();
+                         }));
+  ATTND_ASSIGN_OR_RETURN(FrameReply reply, ReadReply(bytes, h.tag, v2::kPrefill));
+  ATTND_ASSIGN_OR_RETURN(DType dtype, ReplyDType(reply.header));
+  if (reply.lengths.size() != 1) {
+    return absl::InternalError(
+        absl::StrCat("the ring answered a prefill with ", reply.lengths.size(), " lengths"));
+  }
+  PrefillResult result;
+  result.o.dtype = dtype;
+  result.o.shape.assign(reply.header.shape, reply.header.shape + reply.header.rank);
+  if ((reply.header.flags & v2::kOutputInRegion) != 0) {
+    result.o_region = input.output_region;
+  } else {
+    result.o.data.assign(reply.o.data(), reply.o.size());  // the one copy out of the ring
+    ATTND_RETURN_IF_ERROR(result.o.Validate());
+  }
+  result.length = reply.lengths[0];
+  return result;
+}
+
+absl::StatusOr<std::vector<DecodeResult>> RingClient::DecodeV2(
+    int32_t layer, const std::vector<DecodeInput>& entries) {
+  FramePlan plan;
+  v2::RequestHeader& h = plan.header;
+  const v1::QLayout layout = entries.empty() ? v1::Q_LAYOUT_VARIANTS : entries[0].q_layout;
+  for (size_t i = 1; i < entries.size(); ++i) {
+    if (entries[i].q_layout != layout) return Unpackable("one q_layout for every entry", i);
+  }
+  h.magic = v2::kRequestMagic;
+  h.op = v2::kDecode;
+  h.q_layout = static_cast<uint16_t>(layout);
+  h.tag = next_tag_++;
+  h.layer = layer;
+  h.num_sequences = static_cast<uint32_t>(entries.size());
+  for (const DecodeInput& e : entries) plan.ids.push_back(&e.sequence_id);
+  ATTND_RETURN_IF_ERROR(Pack(
+      "q", entries, [](const DecodeInput& e) -> const HostTensor& { return e.q; },
+      [](const DecodeInput& e) -> const std::optional<TensorRef>& { return e.q_ref; },
+      &plan.tensors[0]));
+  ATTND_RETURN_IF_ERROR(Pack(
+      "k", entries, [](const DecodeInput& e) -> const HostTensor& { return e.k; },
+      [](const DecodeInput& e) -> const std::optional<TensorRef>& { return e.k_ref; },
+      &plan.tensors[1]));
+  ATTND_RETURN_IF_ERROR(Pack(
+      "v", entries, [](const DecodeInput& e) -> const HostTensor& { return e.v; },
+      [](const DecodeInput& e) -> const std::optional<TensorRef>& { return e.v_ref; },
+      &plan.tensors[2]));
+  const bool out_region = !entries.empty() && entries[0].output_region.has_value();
+  if (out_region) {
+    const v1::RegionRef& o0 = *entries[0].output_region;
+    for (size_t i = 1; i < entries.size(); ++i) {
+      const std::optional<v1::RegionRef>& o = entries[i].output_region;
+      if (!o.has_value() || o->region_id() != o0.region_id() || o->byte_size() != o0.byte_size() ||
+          o->offset() != o0.offset() + i * o0.byte_size()) {
+        return Unpackable("output regions in every entry, back to back in one region", i);
+      }
+    }
+    SetRegion(o0, entries.size() * o0.byte_size(), &plan.tensors[3]);
+  } else {
+    for (size_t i = 1; i < entries.size(); ++i) {
+      if (entries[i].output_region.has_value()) {
+        return Unpackable("output regions in every entry or in none", i);
+      }
+    }
+  }
+  ATTND_RETURN_IF_ERROR(plan.Lay());
+  ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, Exchange(plan.size, [&plan](uint8_t* at) {
+                           plan.Write(at);
+                           return absl::OkStatus();
+                         }));
+  ATTND_ASSIGN_OR_RETURN(FrameReply reply, ReadReply(bytes, h.tag, v2::kDecode));
+  ATTND_ASSIGN_OR_RETURN(DType dtype, ReplyDType(reply.header));
+  const v2::ResponseHeader& rh = reply.header;
+  const size_t b = entries.size();
+  // o is [B, Hq, D]: row i is entry i's.
+  if (reply.lengths.size() != b || rh.rank != 3 || rh.shape[0] != static_cast<int64_t>(b) ||
+      rh.shape[1] < 0 || rh.shape[2] < 0) {
+    return absl::InternalError(absl::StrCat("the ring answered ", reply.lengths.size(),
+                                            " decode outputs for ", b, " entries"));
+  }
+  const uint64_t row =
+      static_cast<uint64_t>(rh.shape[1]) * static_cast<uint64_t>(rh.shape[2]) * ElementSize(dtype);
+  const bool in_region = (rh.flags & v2::kOutputInRegion) != 0;
+  if (!in_region && reply.o.size() != row * b) {
+    return absl::InternalError(absl::StrCat("the ring answered ", reply.o.size(),
+                                            " output bytes for ", b, " rows of ", row));
+  }
+  std::vector<DecodeResult> results(b);
+  for (size_t i = 0; i < b; ++i) {
+    DecodeResult& r = results[i];
+    r.o.dtype = dtype;
+    r.o.shape = {rh.shape[1], rh.shape[2]};
+    if (in_region) {
+      r.o_region = entries[i].output_region;
+    } else {
+      r.o.data.assign(reply.o.data() + i * row, row);  // the one copy out of the ring
+    }
+    r.length = reply.lengths[i];
+  }
+  return results;
+}
+
 absl::StatusOr<PrefillResult> RingClient::Prefill(const PrefillInput& input) {
+  if (options_.version == ring::v2::kVersion) return PrefillV2(input);
   v1::SessionRequest request;
   request.set_tag(next_tag_++);
   internal::BuildPrefill(input, request.mutable_prefill());
@@ -321,6 +680,7 @@ absl::StatusOr<PrefillResult> RingClient::Prefill(const std::string& sequence_id
 
 absl::StatusOr<std::vector<DecodeResult>> RingClient::Decode(
     int32_t layer, const std::vector<DecodeInput>& entries) {
+  if (options_.version == ring::v2::kVersion) return DecodeV2(layer, entries);
   v1::SessionRequest request;
   request.set_tag(next_tag_++);
   internal::BuildDecode(layer, entries, request.mutable_decode());

@@ -1,5 +1,5 @@
 // Zero-copy data plane, the client side (docs/regions.md): POSIX shm buffers, registered regions
-// and the shared-memory ring (proto/attnd/v1/shm_ring.h).
+// and the shared-memory ring (proto/attnd/v1/shm_ring.h, its frames proto/attnd/v1/ring_frame.h).
 //
 //   auto buf = ShmBuffer::CreateFor(client, bytes);            // a fresh shm object, mapped
 //   auto region = RegisteredRegion::Shm(client, **buf);        // RegisterRegion; unregisters on
@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attnd/v1/attention.pb.h"
+#include "attnd/v1/ring_frame.h"
 #include "attnd/v1/shm_ring.h"
 #include "client/attnd_client.h"
 
@@ -100,6 +101,11 @@ class RegisteredRegion {
 };
 
 struct RingOptions {
+  // What the ring's halves carry (its header's version): 2, binary frames
+  // (proto/attnd/v1/ring_frame.h; each tensor copied once on each side, a decode batch as one
+  // packed q, k and v); 1, serialized SessionRequest / SessionResponse, for servers without
+  // version 2 and for tests. Other values are written as given (tests of OpenRing's refusal).
+  uint32_t version = ring::v2::kVersion;
   // Each half's size: the largest request (and response) is half_bytes - 8 bytes. Decode requests
   // with inline bytes are small; prefills with inline bytes need T * (5 Hq + 2 Hkv) * D * dtype.
   uint64_t half_bytes = 8ull << 20;
@@ -120,8 +126,9 @@ struct RingStats {
   int64_t server_wakes = 0;       // FutexWake calls on request_seq (server_sleeping was set)
 };
 
-// A shared-memory ring: Prefill and Decode requests as SessionRequests through shared memory,
-// answered in order, one at a time (docs/regions.md, "Rings").
+// A shared-memory ring: Prefill and Decode requests through shared memory, answered in order, one
+// at a time (docs/regions.md, "Rings"), as version 2 frames or (RingOptions::version 1)
+// SessionRequests.
 class RingClient {
  public:
   // Creates the shm object, lays out the header and opens it with OpenRing. The AttndClient must
@@ -139,9 +146,14 @@ class RingClient {
   // UNAVAILABLE once the server closed the ring, DEADLINE_EXCEEDED past options.timeout,
   // RESOURCE_EXHAUSTED for a request larger than the ring's half, INTERNAL for a malformed answer
   // or one whose tag is not the request's. The request's own outcome is the response's code.
+  // A version 1 ring's: FAILED_PRECONDITION on a version 2 ring.
   absl::StatusOr<v1::SessionResponse> RoundTrip(const v1::SessionRequest& request);
 
-  // As Session's: a non-OK response code becomes the status.
+  // As Session's: a non-OK response code becomes the status. On a version 2 ring a decode batch
+  // travels packed: every entry has one q_layout, and each of q, k, v (and the output region) is
+  // inline in every entry, of one dtype and shape, or a reference in every entry, the entries'
+  // references back to back in one region (entry i at the first one's offset + i * its size);
+  // INVALID_ARGUMENT otherwise, before anything is sent. Tensors have at most 4 dimensions.
   absl::StatusOr<PrefillResult> Prefill(const PrefillInput& input);
   absl::StatusOr<PrefillResult> Prefill(const std::string& sequence_id, int32_t layer,
                                         const HostTensor& q, const HostTensor& k,
@@ -167,6 +179,13 @@ class RingClient {
                                                             absl::string_view prefix);
   // Waits until response_seq == `want`; the status says why not.
   absl::Status WaitResponse(uint32_t want, absl::Time deadline, bool count);
+  // One round trip of `size` bytes that `write` puts into the request half (after the length
+  // field): the response's bytes, in the response half (valid until the next request).
+  template <typename Write>
+  absl::StatusOr<absl::string_view> Exchange(uint64_t size, Write&& write);
+  absl::StatusOr<PrefillResult> PrefillV2(const PrefillInput& input);
+  absl::StatusOr<std::vector<DecodeResult>> DecodeV2(int32_t layer,
+                                                     const std::vector<DecodeInput>& entries);
 
   std::unique_ptr<ShmBuffer> buffer_;
   RingOptions options_;

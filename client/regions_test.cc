@@ -59,6 +59,7 @@ TEST(ShmBuffer, NamesAreFreshAndZeroBytesIsRefused) {
 TEST(RingLayout, HeaderAsShmRingHSays) {
   RingOptions options;
   options.half_bytes = 64 << 10;
+  options.version = 1;
   auto ring = RingClient::CreateUnopened(options);
   ASSERT_TRUE(ring.ok()) << ring.status();
   const ShmBuffer& buf = (*ring)->buffer();
@@ -80,6 +81,17 @@ TEST(RingLayout, HeaderAsShmRingHSays) {
   }
   EXPECT_EQ((*ring)->capacity(), (64u << 10) - 8);
   EXPECT_TRUE((*ring)->ring_id().empty());
+}
+
+TEST(RingLayout, VersionTwoByDefault) {
+  auto ring = RingClient::CreateUnopened();
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  uint32_t version;
+  std::memcpy(&version, (*ring)->buffer().data() + 8, 4);
+  EXPECT_EQ(version, 2u);
+  // SessionRequests are a version 1 ring's.
+  EXPECT_EQ((*ring)->RoundTrip(v1::SessionRequest()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(RingLayout, HalfBytesMustBePages) {
@@ -214,8 +226,10 @@ DecodeInput Entry(const std::string& id, float value) {
   return in;
 }
 
+// The fake server speaks version 1 (SessionRequest / SessionResponse).
 std::unique_ptr<RingClient> MakeRing(RingOptions options = {}) {
   options.half_bytes = 64 << 10;
+  options.version = 1;
   auto ring = RingClient::CreateUnopened(options);
   EXPECT_TRUE(ring.ok()) << ring.status();
   return std::move(*ring);

@@ -28,6 +28,7 @@
 #include "grpcpp/grpcpp.h"
 #include "server/config/model_config.h"
 #include "server/dataplane/regions.h"
+#include "server/dataplane/ring_frame.h"
 #include "server/engine/cpu_engine.h"
 #include "server/rpc/service.h"
 #include "server/runtime/runtime.h"
@@ -134,6 +135,30 @@ class Harness {
     done.WaitForNotification();
     return result;
   }
+
+  // The ring's version 2 path into the service (its frame handler), minus the shm framing: runs
+  // `frame` and waits for its answer. The inline output gets a buffer as a ring of
+  // kFrameHalfBytes halves would give it (answer->output points into it until the next call).
+  static constexpr uint64_t kFrameHalfBytes = 64 << 10;
+  absl::Status RunFrame(const RequestFrame& frame, FrameAnswer* answer) {
+    answer->output_buffer = [this](uint64_t bytes, uint64_t lengths) -> absl::StatusOr<char*> {
+      if (ResponseBytes(lengths, 0, bytes) > kFrameHalfBytes - 8) {
+        return absl::ResourceExhaustedError("the response does not fit the ring's response half");
+      }
+      frame_out_.resize(std::max<uint64_t>(bytes, 1));
+      return frame_out_.data();
+    };
+    Notification done;
+    absl::Status result;
+    absl::Status s = service_->SubmitRingFrame(frame, "", answer, [&](absl::Status st) {
+      result = std::move(st);
+      done.Notify();
+    });
+    if (!s.ok()) return s;
+    done.WaitForNotification();
+    return result;
+  }
+  const std::string& region_id() const { return region_id_; }
 
   // Every request byte taken from the budget is given back once the call is answered (the last
   // references of a decode's copies may end just after its reply).
@@ -249,6 +274,7 @@ class Harness {
   std::unique_ptr<RegionRegistry> regions_;
   std::string shm_name_;
   std::string region_id_;
+  std::string frame_out_;  // RunFrame's inline output
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::Attention::Stub> stub_;

@@ -3,11 +3,13 @@
 // Usage: make_corpus OUT_DIR   (script/fuzz --make-corpus runs it)
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
 
 #include "attnd/v1/attention.pb.h"
+#include "attnd/v1/ring_frame.h"
 
 namespace v1 = attnd::v1;
 
@@ -71,6 +73,60 @@ std::string Framed(const std::vector<v1::SessionRequest>& requests) {
     out += b;
   }
   return out;
+}
+
+// A version 2 ring frame for the tiny model: the header, the ids' table and ids, a region id (""
+// names the harness's region), then each inline tensor (values as T makes them).
+namespace v2 = attnd::ring::v2;
+struct FrameTensor {
+  uint16_t where = v2::kInline;
+  v1::DType dtype = v1::DTYPE_FP32;
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;  // in the region
+};
+std::string Frame(v2::Op op, std::vector<std::string> ids, std::vector<FrameTensor> tensors,
+                  int64_t prompt_len = -1, uint16_t q_layout = 0) {
+  v2::RequestHeader h{};
+  h.magic = v2::kRequestMagic;
+  h.op = op;
+  h.q_layout = q_layout;
+  h.tag = 7;
+  h.num_sequences = static_cast<uint32_t>(ids.size());
+  if (prompt_len >= 0) {
+    h.flags = v2::kHasPromptLen;
+    h.prompt_len = prompt_len;
+  }
+  std::string f(sizeof(h), '\0');
+  h.ids_offset = f.size();
+  uint32_t at = static_cast<uint32_t>(f.size() + ids.size() * sizeof(v2::StrRef));
+  for (const std::string& id : ids) {
+    const v2::StrRef ref{at, static_cast<uint32_t>(id.size())};
+    f.append(reinterpret_cast<const char*>(&ref), sizeof(ref));
+    at += static_cast<uint32_t>(id.size());
+  }
+  for (const std::string& id : ids) f += id;
+  v2::Tensor* slots[] = {&h.q, &h.k, &h.v, &h.o};
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    v2::Tensor& t = *slots[i];
+    const FrameTensor& in = tensors[i];
+    t.where = in.where;
+    t.dtype = in.dtype;
+    t.rank = static_cast<uint16_t>(in.shape.size());
+    for (size_t d = 0; d < in.shape.size(); ++d) t.shape[d] = in.shape[d];
+    const std::string data = T(in.dtype, in.shape).data();
+    if (in.where == v2::kRegion) {
+      t.region_id = {static_cast<uint32_t>(f.size()), 0};
+      t.offset = in.offset;
+      t.bytes = data.size();
+    } else if (in.where == v2::kInline) {
+      f.resize(v2::AlignUp(f.size(), v2::kTensorAlign), '\0');
+      t.offset = f.size();
+      t.bytes = data.size();
+      f += data;
+    }
+  }
+  std::memcpy(f.data(), &h, sizeof(h));
+  return f;
 }
 
 }  // namespace
@@ -145,6 +201,36 @@ int main(int argc, char** argv) {
   bf.set_tag(5);
   *bf.mutable_decode() = Decode(v1::DTYPE_BF16, 5, {"\x01", "\x01"});  // the same sequence twice
   Write("session_fuzz", "duplicate_entries", Framed({bf}));
+
+  // ring_frame_fuzz: one version 2 request frame ("\x01" names the warmed sequence).
+  Write("ring_frame_fuzz", "prefill_fp32",
+        Frame(v2::kPrefill, {""},
+              {{v2::kInline, v1::DTYPE_FP32, {3, 5, 2, 8}},
+               {v2::kInline, v1::DTYPE_FP32, {3, 1, 8}},
+               {v2::kInline, v1::DTYPE_FP32, {3, 1, 8}}}));
+  Write("ring_frame_fuzz", "prefill_bf16_prompt_len_pre_rotary",
+        Frame(v2::kPrefill, {""},
+              {{v2::kInline, v1::DTYPE_BF16, {4, 2, 8}},
+               {v2::kInline, v1::DTYPE_BF16, {4, 1, 8}},
+               {v2::kInline, v1::DTYPE_BF16, {4, 1, 8}}},
+              /*prompt_len=*/40, /*q_layout=*/1));
+  Write("ring_frame_fuzz", "prefill_regions",
+        Frame(v2::kPrefill, {""},
+              {{v2::kRegion, v1::DTYPE_FP32, {3, 5, 2, 8}, 0},
+               {v2::kRegion, v1::DTYPE_FP32, {3, 1, 8}, 4096},
+               {v2::kInline, v1::DTYPE_FP32, {3, 1, 8}},
+               {v2::kRegion, v1::DTYPE_FP32, {3, 2, 8}, 16384}}));
+  Write("ring_frame_fuzz", "decode_two",
+        Frame(v2::kDecode, {"\x01", ""},
+              {{v2::kInline, v1::DTYPE_FP32, {2, 3, 2, 8}},
+               {v2::kInline, v1::DTYPE_FP32, {2, 1, 8}},
+               {v2::kInline, v1::DTYPE_FP32, {2, 1, 8}}}));
+  Write("ring_frame_fuzz", "decode_regions_bf16",
+        Frame(v2::kDecode, {"\x01"},
+              {{v2::kRegion, v1::DTYPE_BF16, {1, 5, 2, 8}, 0},
+               {v2::kRegion, v1::DTYPE_BF16, {1, 1, 8}, 1024},
+               {v2::kRegion, v1::DTYPE_BF16, {1, 1, 8}, 2048},
+               {v2::kRegion, v1::DTYPE_BF16, {1, 2, 8}, 4096}}));
 
   // config_fuzz: byte 0 even = config.json, odd = sparse pattern; byte 1 = layers/heads.
   Write("config_fuzz", "tiny", std::string("\0\0", 2) + R"({"num_hidden_layers": 2,

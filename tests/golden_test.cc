@@ -1,9 +1,11 @@
 // Replays the golden DCA cases dense_gqa_chunked and dense_pre_rotary (tests/testdata/dca;
 // pre-rotary q and k: the server applies the dual-chunk rotary) through a daemon over loopback
 // gRPC: chunked prefill with the case's prompt_len, then batched decode of two sequences across a
-// chunk boundary; unary, over a Session stream, and with every tensor in a registered shm region
-// (docs/regions.md). fp32 requests must match the golden outputs within 1e-4; bf16 requests within
-// DCA.md's bf16 bars.
+// chunk boundary; unary, over a Session stream, with every tensor in a registered shm region
+// (docs/regions.md), and through a version 2 shared-memory ring (binary frames), whose every output
+// must also equal a Session's for the same step bit for bit (a twin sequence on the same daemon;
+// on the CPU backend). fp32 requests must match the golden outputs within 1e-4; bf16 requests
+// within DCA.md's bf16 bars.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -34,6 +36,7 @@
 #include "base/dtype.h"
 #include "client/attnd_client.h"
 #include "client/host_tensor.h"
+#include "client/regions.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -362,7 +365,7 @@ class RegionTransport {
   uint64_t used_ = 0;
 };
 
-enum class Transport { kUnary, kSession, kShm, kCudaIpc };
+enum class Transport { kUnary, kSession, kShm, kCudaIpc, kRing };
 
 // (request dtype, how requests travel, engine shards: 2 splits the kv heads over two shards,
 // --shards 2 on the CPU and --devices 0,0 on one GPU)
@@ -396,6 +399,7 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   const DType dtype = std::get<0>(GetParam());
   const Transport transport = std::get<1>(GetParam());
   const bool use_session = transport == Transport::kSession;
+  const bool use_ring = transport == Transport::kRing;
   const nlohmann::json& c = golden.json();
   testing::ModelGeometry geometry;
   geometry.name = name;
@@ -476,7 +480,16 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   }
   client::AttndClient& client = in_process != nullptr ? in_process->client() : *child_client;
   std::unique_ptr<client::Session> session;
-  if (use_session) {
+  std::unique_ptr<client::RingClient> ring;
+  if (use_ring) {
+    client::RingOptions ring_options;  // version 2 frames
+    ring_options.half_bytes = 4 << 20;
+    absl::StatusOr<std::unique_ptr<client::RingClient>> opened =
+        client::RingClient::Open(client, ring_options);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    ring = std::move(*opened);
+  }
+  if (use_session || use_ring) {
     absl::StatusOr<std::unique_ptr<client::Session>> opened = client.OpenSession();
     ASSERT_TRUE(opened.ok()) << opened.status();
     session = std::move(*opened);
@@ -495,14 +508,20 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   }
 
   // The case's sequence numbers -> server ids, created on first use.
-  std::vector<std::string> ids;
+  // With the ring, each has a twin that the Session replays the same steps on.
+  std::vector<std::string> ids, twins;
   auto id_of = [&](int seq) -> std::string {
     while (static_cast<int>(ids.size()) <= seq) {
-      absl::StatusOr<std::string> id = client.CreateSequence();
-      EXPECT_TRUE(id.ok()) << id.status();
-      ids.push_back(id.ok() ? *id : "");
+      for (std::vector<std::string>* list : {&ids, &twins}) {
+        absl::StatusOr<std::string> id = client.CreateSequence();
+        EXPECT_TRUE(id.ok()) << id.status();
+        list->push_back(id.ok() ? *id : "");
+      }
     }
     return ids[seq];
+  };
+  auto twin_of = [&](const std::string& id) {
+    return twins[std::find(ids.begin(), ids.end(), id) - ids.begin()];
   };
 
   // fp32 is the golden path (1e-4); bf16 has DCA.md's bars against the fp32 reference.
@@ -528,20 +547,29 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
       const int64_t start = step.at("start");
       const std::string id = id_of(step.at("seq"));
       // AttndClient and Session have the same Prefill signature.
-      auto prefill = [&](auto& target) {
+      auto prefill = [&](auto& target, const std::string& sequence) {
         const int64_t hq = geometry.num_q_heads, hkv = geometry.num_kv_heads;
         const int64_t d = geometry.head_dim;
         const std::vector<int64_t> q_shape = pre_rotary ? std::vector<int64_t>{tokens, hq, d}
                                                         : std::vector<int64_t>{tokens, 5, hq, d};
-        return target.Prefill(id, 0, HostTensor::FromFloats(dtype, q_shape, q.values),
+        return target.Prefill(sequence, 0, HostTensor::FromFloats(dtype, q_shape, q.values),
                               HostTensor::FromFloats(dtype, {tokens, hkv, d}, k.values),
                               HostTensor::FromFloats(dtype, {tokens, hkv, d}, v.values),
                               step.at("prompt_len").get<int64_t>(), layout);
       };
-      absl::StatusOr<client::PrefillResult> r = use_session      ? prefill(*session)
-                                                : shm != nullptr ? prefill(*shm)
-                                                                 : prefill(client);
+      absl::StatusOr<client::PrefillResult> r = use_ring         ? prefill(*ring, id)
+                                                : use_session    ? prefill(*session, id)
+                                                : shm != nullptr ? prefill(*shm, id)
+                                                                 : prefill(client, id);
       ASSERT_TRUE(r.ok()) << r.status();
+      if (use_ring) {
+        absl::StatusOr<client::PrefillResult> s = prefill(*session, twin_of(id));
+        ASSERT_TRUE(s.ok()) << s.status();
+        EXPECT_EQ(r->length, s->length);
+        EXPECT_EQ(r->o.shape, s->o.shape);
+        if (!kOnCuda)
+          EXPECT_TRUE(r->o.data == s->o.data) << "the ring's o differs from the Session's";
+      }
       EXPECT_EQ(r->length, start + tokens);
       EXPECT_EQ(r->o.dtype, dtype);
       EXPECT_EQ(r->o.shape,
@@ -571,11 +599,27 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
         entries.push_back(std::move(in));
       }
       absl::StatusOr<std::vector<client::DecodeResult>> r =
-          use_session      ? session->Decode(0, entries)
+          use_ring         ? ring->Decode(0, entries)
+          : use_session    ? session->Decode(0, entries)
           : shm != nullptr ? shm->Decode(0, entries)
                            : client.Decode(0, entries);
       ASSERT_TRUE(r.ok()) << r.status();
       ASSERT_EQ(r->size(), seqs.size());
+      if (use_ring) {
+        std::vector<DecodeInput> twin_entries = entries;
+        for (DecodeInput& e : twin_entries) e.sequence_id = twin_of(e.sequence_id);
+        absl::StatusOr<std::vector<client::DecodeResult>> s = session->Decode(0, twin_entries);
+        ASSERT_TRUE(s.ok()) << s.status();
+        ASSERT_EQ(s->size(), r->size());
+        for (size_t i = 0; i < r->size(); ++i) {
+          EXPECT_EQ((*r)[i].length, (*s)[i].length);
+          EXPECT_EQ((*r)[i].o.shape, (*s)[i].o.shape);
+          if (!kOnCuda) {
+            EXPECT_TRUE((*r)[i].o.data == (*s)[i].o.data)
+                << "entry " << i << ": the ring's o differs from the Session's";
+          }
+        }
+      }
       for (size_t i = 0; i < seqs.size(); ++i) {
         EXPECT_EQ((*r)[i].length, lens[i]);
         const testing::ErrorStats e = testing::CompareOutputs(
@@ -591,7 +635,8 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
   EXPECT_EQ(steps, static_cast<int>(c.at("steps").size()));
   std::printf("%s %s%s: %d steps, worst max abs error %.3g\n", name.c_str(),
               DTypeName(dtype).data(),
-              use_session                        ? " session"
+              use_ring                           ? " ring v2"
+              : use_session                      ? " session"
               : transport == Transport::kShm     ? " shm regions"
               : transport == Transport::kCudaIpc ? " CUDA IPC regions"
                                                  : "",
@@ -601,9 +646,16 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
     EXPECT_TRUE(closed.ok()) << closed;
   }
 
-  for (const std::string& id : ids) {
-    absl::StatusOr<int64_t> freed = client.Release(id);
-    EXPECT_TRUE(freed.ok()) << freed.status();
+  if (ring != nullptr) {
+    EXPECT_EQ(ring->stats().round_trips, steps);
+    absl::Status closed = ring->Close();
+    EXPECT_TRUE(closed.ok()) << closed;
+  }
+  for (const std::vector<std::string>* list : {&ids, &twins}) {
+    for (const std::string& id : *list) {
+      absl::StatusOr<int64_t> freed = client.Release(id);
+      EXPECT_TRUE(freed.ok()) << freed.status();
+    }
   }
   absl::StatusOr<v1::GetServerInfoResponse> info = client.Info();
   ASSERT_TRUE(info.ok()) << info.status();
@@ -627,7 +679,8 @@ void GoldenTest::Replay(const GoldenCase& golden, const std::string& name, bool 
 INSTANTIATE_TEST_SUITE_P(
     DtypesAndTransports, GoldenTest,
     ::testing::Combine(::testing::Values(DType::kFp32, DType::kBf16),
-                       ::testing::Values(Transport::kUnary, Transport::kSession, Transport::kShm
+                       ::testing::Values(Transport::kUnary, Transport::kSession, Transport::kShm,
+                                         Transport::kRing
 #ifdef ATTND_GOLDEN_ON_CUDA
                                          ,
                                          Transport::kCudaIpc
@@ -640,6 +693,7 @@ INSTANTIATE_TEST_SUITE_P(
                           t == Transport::kSession   ? "_session"
                           : t == Transport::kShm     ? "_shm"
                           : t == Transport::kCudaIpc ? "_cuda_ipc"
+                          : t == Transport::kRing    ? "_ring_v2"
                                                      : "_unary",
                           std::get<2>(info.param) > 1 ? "_2shards" : "");
     });

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "attnd/v1/ring_frame.h"
 #include "attnd/v1/shm_ring.h"
 #include "base/catch_all.h"
 #include "base/status_macros.h"
@@ -98,6 +99,32 @@ void WriteResponse(void* p) {
   }
 }
 
+// A version 2 answer: the head (header, lengths, message) and o's bytes from the ring's output
+// buffer, the one copy of the output into the half.
+struct WriteFrameArgs {
+  ring::Header* header;
+  char* half;
+  const std::string* head;
+  const char* output;
+  uint64_t output_offset;
+  uint64_t output_bytes;
+  uint32_t seq;
+};
+
+void WriteFrameResponse(void* p) {
+  auto* a = static_cast<WriteFrameArgs*>(p);
+  const uint64_t n = a->output_bytes > 0 ? a->output_offset + a->output_bytes : a->head->size();
+  std::memcpy(a->half, &n, sizeof(n));
+  std::memcpy(a->half + ring::kLengthBytes, a->head->data(), a->head->size());
+  if (a->output_bytes > 0) {
+    std::memcpy(a->half + ring::kLengthBytes + a->output_offset, a->output, a->output_bytes);
+  }
+  a->header->response_seq.store(a->seq, std::memory_order_seq_cst);
+  if (a->header->client_sleeping.load(std::memory_order_seq_cst) != 0) {
+    ring::FutexWake(&a->header->response_seq);
+  }
+}
+
 void MarkClosed(void* p) {
   auto* h = static_cast<ring::Header*>(p);
   h->closed.store(1, std::memory_order_seq_cst);
@@ -142,15 +169,20 @@ void RunInlineOnRingThread(const std::function<void()>& fn) {
 // flight (at most one: the thread takes the next only after the answer is written).
 class RingServer::Ring {
  public:
-  Ring(RingServer* server, std::string tenant, RegionLease lease, uint64_t half)
+  Ring(RingServer* server, std::string tenant, RegionLease lease, uint64_t half, uint32_t version)
       : server_(server),
+        version_(version),
         tenant_(std::move(tenant)),
         lease_(std::move(lease)),
         header_(reinterpret_cast<ring::Header*>(lease_->base)),
         request_half_(lease_->base + ring::RequestOffset()),
         response_half_(lease_->base + ring::ResponseOffset(half)),
         capacity_(ring::Capacity(half)),
-        last_active_us_(absl::ToUnixMicros(absl::Now())) {}
+        last_active_us_(absl::ToUnixMicros(absl::Now())) {
+    answer_.output_buffer = [this](uint64_t bytes, uint64_t num_lengths) {
+      return OutputBuffer(bytes, num_lengths);
+    };
+  }
 
   ~Ring() { Stop(); }
 
@@ -181,7 +213,7 @@ class RingServer::Ring {
     while (true) {
       // Spinning is rationed (RingOptions::max_spinning*): the turn is held for the spin only,
       // and without one the thread sleeps at once.
-      WaitArgs wait{header_, last_seq_, 0,    true, in_ != nullptr ? kKeepBufferNs : 0,
+      WaitArgs wait{header_, last_seq_, 0,    true, in_.data != nullptr ? kKeepBufferNs : 0,
                     &stop_,  0,         false};
       bool readable = true;
       if (spin_ns > 0 && server_->BeginSpin(tenant_)) {
@@ -220,7 +252,14 @@ class RingServer::Ring {
     const uint64_t n = length.second;
     request_.Clear();
     response_.Clear();
+    answer_.Clear();
+    frame_tag_ = 0;
+    frame_op_ = 0;
     inflight_.store(true);
+    if (version_ == ring::v2::kVersion && !ReadFrameStart(n)) {
+      Broken("reading a request");
+      return AnswerBroken();
+    }
     if (n > capacity_) {
       return Answer(absl::InvalidArgumentError(
           absl::StrCat("the request's length field says ", n,
@@ -234,12 +273,13 @@ class RingServer::Ring {
     }
     if (absl::Status s = GrowBuffer(n); !s.ok()) return Answer(std::move(s));
     // Nothing to copy for 0 bytes (in_ may not exist: memcpy's pointers must not be null).
-    ReadArgs read{request_half_ + ring::kLengthBytes, in_.get(), n};
+    ReadArgs read{request_half_ + ring::kLengthBytes, in_.data.get(), n};
     if (n > 0 && !RunGuarded(ReadBytes, &read)) {
       Broken("reading a request");
       return AnswerBroken();
     }
-    if (!request_.ParseFromArray(in_.get(), static_cast<int>(n))) {
+    if (version_ == ring::v2::kVersion) return ServeFrame(absl::string_view(in_.data.get(), n));
+    if (!request_.ParseFromArray(in_.data.get(), static_cast<int>(n))) {
       return Answer(absl::InvalidArgumentError(
           "cannot parse attnd.v1.SessionRequest from the ring's request half"));
     }
@@ -253,10 +293,47 @@ class RingServer::Ring {
     if (!s.ok()) Answer(std::move(s));
   }
 
-  // The copy buffer holds at least n bytes, taken from the request budget while it is held.
-  absl::Status GrowBuffer(uint64_t n) {
-    if (n <= in_capacity_) return absl::OkStatus();
-    FreeBuffer();
+  // A version 2 frame's tag and op, read in place: a frame refused before it is copied (too
+  // long, no memory) is still answered with them. False when the object shrank.
+  bool ReadFrameStart(uint64_t n) {
+    char start[16];
+    const uint64_t readable = std::min<uint64_t>({n, sizeof(start), capacity_});
+    ReadArgs read{request_half_ + ring::kLengthBytes, start, readable};
+    if (readable > 0 && !RunGuarded(ReadBytes, &read)) return false;
+    frame_tag_ = FrameTag(absl::string_view(start, readable));
+    if (readable >= 8) {
+      std::memcpy(&frame_op_, start + offsetof(ring::v2::RequestHeader, op), sizeof(frame_op_));
+    }
+    return true;
+  }
+
+  // A version 2 frame, copied out into in_: parsed, then handed to the frame handler.
+  void ServeFrame(absl::string_view frame) {
+    frame_tag_ = FrameTag(frame);
+    if (absl::Status s = ParseRequestFrame(frame, &frame_); !s.ok()) return Answer(std::move(s));
+    frame_op_ = frame_.op;
+    if (!server_->frame_handler_) {
+      return Answer(absl::UnimplementedError("this server reads no version 2 ring frames"));
+    }
+    t_ring_state = 1;
+    absl::Status s = CatchAll("the ring's request", [&] {
+      return server_->frame_handler_(frame_, tenant_, &answer_,
+                                     [this](absl::Status st) { Answer(std::move(st)); });
+    });
+    t_ring_state = 0;
+    if (!s.ok()) Answer(std::move(s));
+  }
+
+  // A private buffer of at least n bytes (contents undefined), taken from the request budget
+  // while it is held. Never zero-filled: a ring's half may be large.
+  struct Buffer {
+    std::unique_ptr<char[]> data;
+    uint64_t capacity = 0;
+    ByteLease bytes;  // its bytes in the request budget
+  };
+  absl::Status Grow(Buffer* b, uint64_t n, absl::string_view what) {
+    if (n <= b->capacity) return absl::OkStatus();
+    Free(b);
     ByteBudget* budget = server_->budget_;
     // A ring's request is a message: alone, it may pass the budget (as a gRPC message may).
     if (budget != nullptr && !budget->TryTake(static_cast<int64_t>(n), /*alone_may_exceed=*/true)) {
@@ -265,21 +342,41 @@ class RingServer::Ring {
           " bytes) would pass --max-inflight-request-bytes ", budget->limit(), ": retry later"));
     }
     ByteLease lease(budget, budget != nullptr ? static_cast<int64_t>(n) : 0);
-    // Never zero-filled: a ring's half may be large.
-    in_.reset(new (std::nothrow) char[n]);
-    if (in_ == nullptr) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "attnd cannot allocate ", n, " bytes to copy the ring's request: retry later"));
+    b->data.reset(new (std::nothrow) char[n]);
+    if (b->data == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("attnd cannot allocate ", n, " bytes ", what, ": retry later"));
     }
-    in_capacity_ = n;
-    in_bytes_ = std::move(lease);
+    b->capacity = n;
+    b->bytes = std::move(lease);
     return absl::OkStatus();
   }
+  static void Free(Buffer* b) {
+    b->data.reset();
+    b->capacity = 0;
+    b->bytes.Reset();
+  }
+
+  // The copy buffer holds at least n bytes.
+  absl::Status GrowBuffer(uint64_t n) { return Grow(&in_, n, "to copy the ring's request"); }
 
   void FreeBuffer() {
-    in_.reset();
-    in_capacity_ = 0;
-    in_bytes_.Reset();
+    Free(&in_);
+    Free(&out_buffer_);
+  }
+
+  // FrameAnswer::output_buffer: where the engine writes a version 2 inline output, checked
+  // against the response half before anything runs.
+  absl::StatusOr<char*> OutputBuffer(uint64_t bytes, uint64_t num_lengths) {
+    const uint64_t need = ResponseBytes(num_lengths, 0, bytes);
+    if (need > capacity_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the response (", need, " bytes) does not fit the ring's response half (",
+                       capacity_, " bytes): open a larger ring, or name an output region"));
+    }
+    ATTND_RETURN_IF_ERROR(
+        Grow(&out_buffer_, std::max<uint64_t>(bytes, 1), "for the ring's response"));
+    return out_buffer_.data.get();
   }
 
   // The ring's memory shrank under a request: it cannot be answered; the client is told the ring
@@ -298,14 +395,22 @@ class RingServer::Ring {
     last_seq_ = header.request_seq;
     request_.Clear();
     response_.Clear();
+    answer_.Clear();
+    frame_tag_ = 0;
+    frame_op_ = 0;
     inflight_.store(true);
     std::pair<const char*, uint64_t> length{request_half_, 0};
     if (RunGuarded(ReadLength, &length) && length.second <= capacity_ &&
         GrowBuffer(length.second).ok()) {
-      ReadArgs read{request_half_ + ring::kLengthBytes, in_.get(), length.second};
-      if (read.n > 0 && RunGuarded(ReadBytes, &read) &&
-          request_.ParseFromArray(in_.get(), static_cast<int>(read.n))) {
-        response_.set_tag(request_.tag());
+      ReadArgs read{request_half_ + ring::kLengthBytes, in_.data.get(), length.second};
+      if (read.n > 0 && RunGuarded(ReadBytes, &read)) {
+        const absl::string_view bytes(in_.data.get(), read.n);
+        if (version_ == ring::v2::kVersion) {
+          frame_tag_ = FrameTag(bytes);
+          if (ParseRequestFrame(bytes, &frame_).ok()) frame_op_ = frame_.op;
+        } else if (request_.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+          response_.set_tag(request_.tag());
+        }
       }
     }
     Answer(absl::UnavailableError("the server is shutting down or closed this ring"));
@@ -314,6 +419,7 @@ class RingServer::Ring {
 
   // On the thread that completed the request: the response into the ring, the client's doorbell.
   void Answer(absl::Status status) {
+    if (version_ == ring::v2::kVersion) return AnswerFrame(std::move(status));
     if (!status.ok()) {
       response_.clear_response();
       response_.set_code(static_cast<int32_t>(status.code()));
@@ -334,6 +440,33 @@ class RingServer::Ring {
     }
     WriteArgs write{header_, response_half_, &out_, last_seq_};
     if (!RunGuarded(WriteResponse, &write)) broken_.store(true);
+    Answered();
+  }
+
+  // Answer for a version 2 ring: the response frame, o copied once from the output buffer.
+  void AnswerFrame(absl::Status status) {
+    std::string head = EncodeResponseHead(frame_tag_, frame_op_, status, answer_);
+    const bool inline_output = status.ok() && !answer_.output_in_region && answer_.output_bytes > 0;
+    const uint64_t lengths = status.ok() ? answer_.lengths.size() : 0;
+    const uint64_t output_offset = inline_output ? ResponseOutputOffset(lengths, 0) : 0;
+    const uint64_t bytes = inline_output ? output_offset + answer_.output_bytes : head.size();
+    if (bytes > capacity_) {  // only an error's long message: OutputBuffer checked the rest
+      absl::Status cut(status.code(), status.message().substr(0, capacity_ / 2));
+      if (status.ok()) {
+        cut = absl::ResourceExhaustedError(
+            absl::StrCat("the response (", bytes, " bytes) does not fit the ring's response half (",
+                         capacity_, " bytes): open a larger ring, or name an output region"));
+      }
+      return AnswerFrame(std::move(cut));
+    }
+    WriteFrameArgs write{header_,        response_half_, &head,
+                         answer_.output, output_offset,  inline_output ? answer_.output_bytes : 0,
+                         last_seq_};
+    if (!RunGuarded(WriteFrameResponse, &write)) broken_.store(true);
+    Answered();
+  }
+
+  void Answered() {
     // Under the lock, the signal too: once the ring's thread sees the answer, it may destroy the
     // ring (Close), and this thread must not touch it after unlocking.
     MutexLock lock(&mu_);
@@ -363,6 +496,7 @@ class RingServer::Ring {
   }
 
   RingServer* const server_;
+  const uint32_t version_;  // ring::kVersion (protobuf) or ring::v2::kVersion (frames)
   const std::string tenant_;
   RegionLease lease_;
   ring::Header* const header_;
@@ -376,12 +510,16 @@ class RingServer::Ring {
   Mutex mu_;
   CondVar answered_;
   uint32_t last_seq_ = 0;
-  std::unique_ptr<char[]> in_;  // the request copied out of the ring
-  uint64_t in_capacity_ = 0;
-  ByteLease in_bytes_;  // in_'s bytes in the request budget
+  Buffer in_;  // the request copied out of the ring
   std::string out_;
   v1::SessionRequest request_;
   v1::SessionResponse response_;
+  // Version 2: the parsed frame (views into in_), its answer and the inline output's buffer.
+  RequestFrame frame_;
+  FrameAnswer answer_;
+  uint64_t frame_tag_ = 0;
+  uint16_t frame_op_ = 0;
+  Buffer out_buffer_;
   std::thread thread_;
 };
 
@@ -391,6 +529,8 @@ RingServer::RingServer(RegionRegistry* registry, const RingOptions& options)
 RingServer::~RingServer() { Shutdown(); }
 
 void RingServer::SetHandler(Handler handler) { handler_ = std::move(handler); }
+
+void RingServer::SetFrameHandler(FrameHandler handler) { frame_handler_ = std::move(handler); }
 
 void RingServer::SetRequestBudget(ByteBudget* budget, int64_t max_request_bytes) {
   budget_ = budget;
@@ -454,11 +594,18 @@ absl::StatusOr<RingServer::Opened> RingServer::Open(absl::string_view tenant,
   absl::Status bad;
   if (!readable) {
     bad = absl::InvalidArgumentError("the ring's shm object shrank during OpenRing");
-  } else if (header.magic != ring::kMagic || header.version != ring::kVersion) {
-    bad = absl::InvalidArgumentError(
-        absl::StrCat("shm object \"", name, "\" is not a version ", ring::kVersion,
-                     " attnd ring: its header needs magic 0x", absl::Hex(ring::kMagic),
-                     " and version ", ring::kVersion, " (proto/attnd/v1/shm_ring.h)"));
+  } else if (header.magic != ring::kMagic) {
+    bad = absl::InvalidArgumentError(absl::StrCat(
+        "shm object \"", name, "\" is not an attnd ring: its header needs magic 0x",
+        absl::Hex(ring::kMagic), " (proto/attnd/v1/shm_ring.h), got 0x", absl::Hex(header.magic)));
+  } else if (header.version != ring::kVersion &&
+             (header.version != ring::v2::kVersion || !frame_handler_)) {
+    bad = absl::InvalidArgumentError(absl::StrCat(
+        "the ring's header says version ", header.version, "; this attnd serves version ",
+        ring::kVersion, " (serialized SessionRequest / SessionResponse)",
+        frame_handler_ ? absl::StrCat(" and version ", ring::v2::kVersion,
+                                      " (binary frames, proto/attnd/v1/ring_frame.h)")
+                       : std::string()));
   } else if (header.half_bytes != half) {
     bad = absl::InvalidArgumentError(absl::StrCat("the ring's header says half_bytes ",
                                                   header.half_bytes, ", but byte_size ", bytes,
@@ -472,7 +619,8 @@ absl::StatusOr<RingServer::Opened> RingServer::Open(absl::string_view tenant,
     registry_->Unregister(tenant, region->id, /*ring=*/true).IgnoreError();
     return bad;
   }
-  auto ring = std::make_unique<Ring>(this, std::string(tenant), *std::move(lease), half);
+  auto ring =
+      std::make_unique<Ring>(this, std::string(tenant), *std::move(lease), half, header.version);
   Opened opened;
   opened.ring_id = ring->id();
   opened.request_capacity = ring->capacity();

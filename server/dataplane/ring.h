@@ -1,9 +1,11 @@
 // Shared-memory request/response rings (docs/regions.md, "Rings"; layout in
 // proto/attnd/v1/shm_ring.h): one server thread per open ring waits for the client's doorbell
-// (spinning a while after each request, then on the futex), copies the SessionRequest out of the
-// ring, hands it to the handler (the service: prefills to the work queue, decodes to the
-// cross-client batcher) and the handler's completion writes the SessionResponse back into the
-// ring and rings the client's doorbell, on whichever thread completed it.
+// (spinning a while after each request, then on the futex), copies the request out of the ring,
+// hands it to the handler (the service: prefills to the work queue, decodes to the cross-client
+// batcher) and the handler's completion writes the response back into the ring and rings the
+// client's doorbell, on whichever thread completed it. The ring's header version says what its
+// halves carry: version 1 a serialized SessionRequest / SessionResponse (Handler), version 2 the
+// binary frames of proto/attnd/v1/ring_frame.h (FrameHandler).
 #ifndef ATTND_SERVER_DATAPLANE_RING_H_
 #define ATTND_SERVER_DATAPLANE_RING_H_
 
@@ -23,6 +25,7 @@
 #include "base/byte_budget.h"
 #include "base/mutex.h"
 #include "server/dataplane/regions.h"
+#include "server/dataplane/ring_frame.h"
 
 namespace attnd {
 
@@ -67,13 +70,21 @@ class RingServer {
       const v1::SessionRequest& request, absl::string_view tenant, v1::SessionResponse* response,
       std::function<void(absl::Status)> done)>;
 
-  // registry must outlive the server; the handler is set once, before the first Open.
+  // Runs one version 2 frame as `tenant`; calls done exactly once (after filling answer) unless it
+  // returns an error. The frame's views stay valid until done.
+  using FrameHandler =
+      std::function<absl::Status(const RequestFrame& frame, absl::string_view tenant,
+                                 FrameAnswer* answer, std::function<void(absl::Status)> done)>;
+
+  // registry must outlive the server; the handlers are set once, before the first Open.
   RingServer(RegionRegistry* registry, const RingOptions& options);
   ~RingServer();  // Shutdown()
   RingServer(const RingServer&) = delete;
   RingServer& operator=(const RingServer&) = delete;
 
   void SetHandler(Handler handler);
+  // Without one, OpenRing refuses version 2 rings.
+  void SetFrameHandler(FrameHandler handler);
   // Each request copied out of a ring is request bytes: taken from `budget` (may be null) while
   // attnd holds the copy, and no request may be longer than max_request_bytes (0: no cap), the
   // message limit. Set once, before the first Open.
@@ -87,7 +98,8 @@ class RingServer {
     uint64_t response_capacity = 0;
   };
   // Maps the client's object, checks its header, starts its thread. INVALID_ARGUMENT for a bad
-  // object or header, RESOURCE_EXHAUSTED for the tenant's limits, UNAVAILABLE after Shutdown.
+  // object or header (a version other than 1 or 2 among them), RESOURCE_EXHAUSTED for the tenant's
+  // limits, UNAVAILABLE after Shutdown.
   absl::StatusOr<Opened> Open(absl::string_view tenant, absl::string_view name, uint64_t bytes);
   // Stops the ring's thread once its request in flight (if any) is answered, marks it closed and
   // unmaps it. NOT_FOUND for an unknown id or another tenant's ring.
@@ -110,6 +122,7 @@ class RingServer {
   RegionRegistry* const registry_;
   const RingOptions options_;
   Handler handler_;
+  FrameHandler frame_handler_;
   ByteBudget* budget_ = nullptr;
   int64_t max_request_bytes_ = 0;
   mutable Mutex spin_mu_;

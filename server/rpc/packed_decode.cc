@@ -1,8 +1,10 @@
 #include "server/rpc/packed_decode.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -13,8 +15,8 @@
 namespace attnd {
 namespace {
 
-std::string Shape(const v1::Tensor& t) {
-  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+std::string Shape(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 // The form the layout needs after the batch dimension, for messages and the check.
@@ -35,46 +37,64 @@ std::string Expected(int64_t b, const std::vector<std::vector<int64_t>>& rows) {
 }
 
 // Checks one packed tensor; returns the bytes of one row.
-absl::Status CheckPacked(const char* name, const v1::Tensor& t, int64_t b, int32_t q_layout,
-                         const ModelConfig& m, int64_t* row_bytes) {
+absl::Status CheckPacked(const char* name, const PackedTensor& t, int64_t b, int32_t q_layout,
+                         const ModelConfig& m, bool regions_allowed, int64_t* row_bytes) {
   const auto fail = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat("packed ", name, ": ", what));
   };
-  if (t.has_region()) {
+  if (t.region != nullptr && !regions_allowed) {
     return fail(
         "carries a region reference; the packed form's tensors travel inline (data): "
         "send tensors in regions with the entries form");
   }
-  const DType dtype = static_cast<DType>(t.dtype());
+  const DType dtype = static_cast<DType>(t.dtype);
   if (!IsKnownDType(dtype)) {
-    return fail(absl::StrCat("dtype must be bf16, fp16 or fp32, got wire value ", t.dtype()));
+    return fail(absl::StrCat("dtype must be bf16, fp16 or fp32, got wire value ", t.dtype));
   }
   const std::vector<std::vector<int64_t>> rows = RowShapes(name, q_layout, m);
   bool shaped = false;
   for (const std::vector<int64_t>& r : rows) {
-    shaped = shaped || (t.shape_size() == static_cast<int>(r.size()) + 1 && t.shape(0) == b &&
-                        std::equal(r.begin(), r.end(), t.shape().begin() + 1));
+    shaped = shaped || (t.shape.size() == r.size() + 1 && t.shape[0] == b &&
+                        std::equal(r.begin(), r.end(), t.shape.begin() + 1));
   }
   if (!shaped) {
     return fail(absl::StrCat("shape must be ", Expected(b, rows), " (one row per sequence_id, ", b,
-                             " sequence_ids), got ", Shape(t)));
+                             " sequence_ids), got ", Shape(t.shape)));
   }
   int64_t row = static_cast<int64_t>(ElementSize(dtype));
-  for (int i = 1; i < t.shape_size(); ++i) row *= t.shape(i);  // small: checked against the model
-  if (static_cast<int64_t>(t.data().size()) != row * b) {
-    return fail(absl::StrCat("shape ", Shape(t), " of ", DTypeName(dtype), " needs ", row * b,
-                             " bytes of data, got ", t.data().size()));
+  for (size_t i = 1; i < t.shape.size(); ++i)
+    row *= t.shape[i];  // small: checked against the model
+  if (t.region == nullptr && static_cast<int64_t>(t.data.size()) != row * b) {
+    return fail(absl::StrCat("shape ", Shape(t.shape), " of ", DTypeName(dtype), " needs ", row * b,
+                             " bytes of data, got ", t.data.size()));
   }
   *row_bytes = row;
   return absl::OkStatus();
 }
 
-RequestTensor Row(const v1::Tensor& t, int64_t i, int64_t row_bytes) {
+RequestTensor Row(const RequestTensor& t, int64_t i, int64_t row_bytes) {
   RequestTensor r;
-  r.dtype = static_cast<DType>(t.dtype());
-  r.shape = absl::MakeConstSpan(t.shape().data() + 1, t.shape_size() - 1);
-  r.bytes = absl::string_view(t.data()).substr(static_cast<size_t>(i * row_bytes),
-                                               static_cast<size_t>(row_bytes));
+  r.dtype = t.dtype;
+  r.shape = t.shape.subspan(1);
+  r.bytes = t.bytes.substr(static_cast<size_t>(i * row_bytes), static_cast<size_t>(row_bytes));
+  r.on_device = t.on_device;
+  return r;
+}
+
+PackedTensor FromProto(const v1::Tensor& t) {
+  PackedTensor p;
+  p.dtype = t.dtype();
+  p.shape = absl::MakeConstSpan(t.shape().data(), t.shape().size());
+  p.data = t.data();
+  if (t.has_region()) p.region = &t.region();
+  return p;
+}
+
+RequestTensor Inline(const PackedTensor& t) {
+  RequestTensor r;
+  r.dtype = static_cast<DType>(t.dtype);
+  r.shape = t.shape;
+  r.bytes = t.data;
   return r;
 }
 
@@ -83,6 +103,52 @@ RequestTensor Row(const v1::Tensor& t, int64_t i, int64_t row_bytes) {
 bool IsPackedDecode(const v1::DecodeRequest& request) {
   return request.sequence_ids_size() > 0 || request.has_q() || request.has_k() || request.has_v() ||
          request.q_layout() != 0;
+}
+
+absl::Status CheckPackedDecode(const PackedDecodeArgs& args, const ModelConfig& model,
+                               bool regions_allowed, PackedRows* rows) {
+  const int64_t b = static_cast<int64_t>(args.sequence_ids.size());
+  const int32_t layout = args.q_layout;
+  if (layout != v1::Q_LAYOUT_VARIANTS && layout != v1::Q_LAYOUT_PRE_ROTARY) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "packed q_layout must be Q_LAYOUT_VARIANTS (0) or Q_LAYOUT_PRE_ROTARY (1), got ", layout));
+  }
+  for (const auto& [name, t, row] :
+       {std::make_tuple("q", &args.q, &rows->q), std::make_tuple("k", &args.k, &rows->k),
+        std::make_tuple("v", &args.v, &rows->v)}) {
+    if (absl::Status s = CheckPacked(name, *t, b, layout, model, regions_allowed, row); !s.ok()) {
+      return s;
+    }
+  }
+  if (args.q.dtype != args.k.dtype || args.q.dtype != args.v.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "packed q, k and v must have one dtype, got ", DTypeName(static_cast<DType>(args.q.dtype)),
+        ", ", DTypeName(static_cast<DType>(args.k.dtype)), " and ",
+        DTypeName(static_cast<DType>(args.v.dtype))));
+  }
+  rows->out = static_cast<int64_t>(model.num_q_heads) * model.head_dim *
+              static_cast<int64_t>(ElementSize(static_cast<DType>(args.q.dtype)));
+  return absl::OkStatus();
+}
+
+void FillPackedEntries(const PackedDecodeArgs& args, const PackedRows& rows, const RequestTensor& q,
+                       const RequestTensor& k, const RequestTensor& v, char* out,
+                       bool out_on_device, DecodeCall* call) {
+  const int64_t b = static_cast<int64_t>(args.sequence_ids.size());
+  const int32_t layout = args.q_layout;
+  call->entries.resize(static_cast<size_t>(b));
+  for (int64_t i = 0; i < b; ++i) {
+    DecodeCall::Entry& e = call->entries[static_cast<size_t>(i)];
+    e.sequence_id = args.sequence_ids[static_cast<size_t>(i)];
+    e.q_layout = static_cast<QLayout>(layout);
+    e.q = Row(q, i, rows.q);
+    e.k = Row(k, i, rows.k);
+    e.v = Row(v, i, rows.v);
+    char* row = out + i * rows.out;
+    const int64_t out_row = rows.out;
+    e.output = [row, out_row](int64_t bytes) -> void* { return bytes == out_row ? row : nullptr; };
+    e.output_on_device = out_on_device;
+  }
 }
 
 absl::Status UnpackDecode(const v1::DecodeRequest& request, const ModelConfig& model,
@@ -97,42 +163,24 @@ absl::Status UnpackDecode(const v1::DecodeRequest& request, const ModelConfig& m
     return absl::InvalidArgumentError(
         "a packed DecodeRequest needs at least one sequence_id (one per row of q, k and v)");
   }
-  const int32_t layout = request.q_layout();
-  if (layout != v1::Q_LAYOUT_VARIANTS && layout != v1::Q_LAYOUT_PRE_ROTARY) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "packed q_layout must be Q_LAYOUT_VARIANTS (0) or Q_LAYOUT_PRE_ROTARY (1), got ", layout));
-  }
-  int64_t q_row = 0, k_row = 0, v_row = 0;
-  for (const auto& [name, t, row] :
-       {std::make_tuple("q", &request.q(), &q_row), std::make_tuple("k", &request.k(), &k_row),
-        std::make_tuple("v", &request.v(), &v_row)}) {
-    if (absl::Status s = CheckPacked(name, *t, b, layout, model, row); !s.ok()) return s;
-  }
-  if (request.q().dtype() != request.k().dtype() || request.q().dtype() != request.v().dtype()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("packed q, k and v must have one dtype, got ",
-                     DTypeName(static_cast<DType>(request.q().dtype())), ", ",
-                     DTypeName(static_cast<DType>(request.k().dtype())), " and ",
-                     DTypeName(static_cast<DType>(request.v().dtype()))));
+  // Views of the ids, for as long as the call: the entries hold string_views of them already.
+  const std::vector<absl::string_view> ids(request.sequence_ids().begin(),
+                                           request.sequence_ids().end());
+  PackedDecodeArgs args;
+  args.sequence_ids = ids;
+  args.q_layout = request.q_layout();
+  args.q = FromProto(request.q());
+  args.k = FromProto(request.k());
+  args.v = FromProto(request.v());
+  PackedRows rows;
+  if (absl::Status s = CheckPackedDecode(args, model, /*regions_allowed=*/false, &rows); !s.ok()) {
+    return s;
   }
   // The engine writes entry i's [Hq, D] output into row i of o: sized once, before it runs.
-  const int64_t out_row =
-      static_cast<int64_t>(model.num_q_heads) * model.head_dim *
-      static_cast<int64_t>(ElementSize(static_cast<DType>(request.q().dtype())));
   std::string* out = response->mutable_o()->mutable_data();
-  out->resize(static_cast<size_t>(out_row * b));
-  char* base = out->data();
-  call->entries.resize(static_cast<size_t>(b));
-  for (int64_t i = 0; i < b; ++i) {
-    DecodeCall::Entry& e = call->entries[static_cast<size_t>(i)];
-    e.sequence_id = request.sequence_ids(static_cast<int>(i));
-    e.q_layout = static_cast<QLayout>(layout);
-    e.q = Row(request.q(), i, q_row);
-    e.k = Row(request.k(), i, k_row);
-    e.v = Row(request.v(), i, v_row);
-    char* row = base + i * out_row;
-    e.output = [row, out_row](int64_t bytes) -> void* { return bytes == out_row ? row : nullptr; };
-  }
+  out->resize(static_cast<size_t>(rows.out * b));
+  FillPackedEntries(args, rows, Inline(args.q), Inline(args.k), Inline(args.v), out->data(),
+                    /*out_on_device=*/false, call);
   return absl::OkStatus();
 }
 

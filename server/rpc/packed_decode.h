@@ -7,7 +7,11 @@
 #ifndef ATTND_SERVER_RPC_PACKED_DECODE_H_
 #define ATTND_SERVER_RPC_PACKED_DECODE_H_
 
+#include <cstdint>
+
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "attnd/v1/attention.pb.h"
 #include "server/config/model_config.h"
 #include "server/runtime/runtime.h"
@@ -17,11 +21,41 @@ namespace attnd {
 // True when `request` uses any field of the packed form (sequence_ids, q, k, v, q_layout).
 bool IsPackedDecode(const v1::DecodeRequest& request);
 
-// Checks a packed request's form against the model (one form, not both; B sequence ids; q, k and
-// v inline, one dtype, B rows of the shapes the layout needs, data that fills each shape) and fills
-// call->entries with views into `request` (which must outlive the call) whose outputs are rows of
-// response->o. INVALID_ARGUMENT says what was expected; on error `call` and `response` are cleared
-// of what this wrote. The runtime still checks each entry (ids, values) as for the entries form.
+// The packed form as any transport carries it (a DecodeRequest, a version 2 ring frame).
+struct PackedTensor {
+  int32_t dtype = 0;  // the wire value, unchecked
+  absl::Span<const int64_t> shape;
+  absl::string_view data;                 // inline bytes
+  const v1::RegionRef* region = nullptr;  // or a region reference (data empty)
+};
+struct PackedDecodeArgs {
+  absl::Span<const absl::string_view> sequence_ids;  // B
+  int32_t q_layout = 0;                              // the wire value, unchecked
+  PackedTensor q, k, v;
+};
+// The bytes of one row of each tensor and of the output ([Hq, D] of q's dtype).
+struct PackedRows {
+  int64_t q = 0, k = 0, v = 0, out = 0;
+};
+
+// Checks the form against the model (q_layout; q, k and v of one known dtype and B rows of the
+// shapes the layout needs; inline data that fills each shape) and sets *rows. A region reference
+// is refused unless `regions_allowed` (its byte_size is RegionTensors::Input's to check).
+// INVALID_ARGUMENT says what was expected.
+absl::Status CheckPackedDecode(const PackedDecodeArgs& args, const ModelConfig& model,
+                               bool regions_allowed, PackedRows* rows);
+
+// Fills call->entries with row i of q, k and v (RequestTensors of all B rows, inline or resolved
+// from their regions; the views must outlive the call) and output row i at out + i * rows.out.
+void FillPackedEntries(const PackedDecodeArgs& args, const PackedRows& rows, const RequestTensor& q,
+                       const RequestTensor& k, const RequestTensor& v, char* out,
+                       bool out_on_device, DecodeCall* call);
+
+// Checks a DecodeRequest's packed form (one form, not both; B sequence ids; q, k and v inline;
+// CheckPackedDecode) and fills call->entries with views into `request` (which must outlive the
+// call) whose outputs are rows of response->o. INVALID_ARGUMENT says what was expected; on error
+// `call` and `response` are cleared of what this wrote. The runtime still checks each entry (ids,
+// values) as for the entries form.
 absl::Status UnpackDecode(const v1::DecodeRequest& request, const ModelConfig& model,
                           DecodeCall* call, v1::DecodeResponse* response);
 

@@ -23,11 +23,11 @@ absl::Status Shrank(absl::string_view name, const Region& r) {
 
 // product(shape) * element size, or -1 when it overflows, a dimension is negative or the dtype
 // is unknown.
-int64_t ShapeBytes(const v1::Tensor& t) {
-  const int64_t element = static_cast<int64_t>(ElementSize(static_cast<DType>(t.dtype())));
+int64_t ShapeBytes(DType dtype, absl::Span<const int64_t> shape) {
+  const int64_t element = static_cast<int64_t>(ElementSize(dtype));
   if (element <= 0) return -1;
   int64_t n = element;
-  for (int64_t d : t.shape()) {
+  for (int64_t d : shape) {
     if (d < 0 || (d > 0 && n > std::numeric_limits<int64_t>::max() / d)) return -1;
     n *= d;
   }
@@ -169,27 +169,33 @@ absl::StatusOr<const Region*> RegionTensors::Lease(absl::string_view name,
 }
 
 absl::StatusOr<RequestTensor> RegionTensors::Input(absl::string_view name, const v1::Tensor& t) {
-  RequestTensor r;
-  r.dtype = static_cast<DType>(t.dtype());
-  r.shape = absl::MakeConstSpan(t.shape().data(), t.shape().size());
-  if (!t.has_region()) {
-    r.bytes = t.data();
-    return r;
-  }
-  if (!t.data().empty()) {
+  RequestTensor claimed;
+  claimed.dtype = static_cast<DType>(t.dtype());
+  claimed.shape = absl::MakeConstSpan(t.shape().data(), t.shape().size());
+  claimed.bytes = t.data();
+  return Input(name, claimed, t.has_region() ? &t.region() : nullptr);
+}
+
+absl::StatusOr<RequestTensor> RegionTensors::Input(absl::string_view name,
+                                                   const RequestTensor& claimed,
+                                                   const v1::RegionRef* ref_or_null) {
+  RequestTensor r = claimed;
+  if (ref_or_null == nullptr) return r;
+  r.bytes = absl::string_view();
+  if (!claimed.bytes.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(name, " carries both data (", t.data().size(),
+        absl::StrCat(name, " carries both data (", claimed.bytes.size(),
                      " bytes) and a region reference: send one or the other"));
   }
-  const v1::RegionRef& ref = t.region();
+  const v1::RegionRef& ref = *ref_or_null;
   if (!IsKnownDType(r.dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        name, ": dtype must be bf16, fp16 or fp32, got wire value ", static_cast<int>(t.dtype())));
+        name, ": dtype must be bf16, fp16 or fp32, got wire value ", static_cast<int>(r.dtype)));
   }
-  const int64_t need = ShapeBytes(t);
+  const int64_t need = ShapeBytes(r.dtype, r.shape);
   if (need < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        name, ": shape [", absl::StrJoin(t.shape(), ", "),
+        name, ": shape [", absl::StrJoin(r.shape, ", "),
         "] has a negative dimension or more bytes than 2^63; every dimension must be >= 0"));
   }
   if (ref.byte_size() != static_cast<uint64_t>(need)) {

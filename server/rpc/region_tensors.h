@@ -75,6 +75,10 @@ class RegionTensors {
   // A reference is checked (dtype, shape, byte_size, the size cap, the budget) before any region
   // memory is read or any copy allocated: INVALID_ARGUMENT or RESOURCE_EXHAUSTED.
   absl::StatusOr<RequestTensor> Input(absl::string_view name, const v1::Tensor& t);
+  // The same for a tensor given as its claims (dtype, shape, inline bytes) and, when it lives in a
+  // region, the reference (null: inline). The shape must outlive the result.
+  absl::StatusOr<RequestTensor> Input(absl::string_view name, const RequestTensor& claimed,
+                                      const v1::RegionRef* ref);
 
   // Where the engine writes an output of `bytes` bytes of `element_size`-byte elements into
   // `ref`: sets *fn (and *on_device). Checks the range and that it overlaps no input seen so far

@@ -668,6 +668,11 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
                            v1::SessionResponse* response, std::function<void(absl::Status)> done) {
       return service->SubmitSessionRequest(request, tenant, response, std::move(done));
     });
+    rings_->SetFrameHandler(
+        [service = service_.get()](const RequestFrame& frame, absl::string_view tenant,
+                                   FrameAnswer* answer, std::function<void(absl::Status)> done) {
+          return service->SubmitRingFrame(frame, tenant, answer, std::move(done));
+        });
   }
   service_for_metrics_.store(service_.get());
   admin_ = std::make_unique<AdminService>(runtime_.get(), work_queue_.get(), tokens_,

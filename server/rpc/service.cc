@@ -1,5 +1,6 @@
 #include "server/rpc/service.h"
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -768,6 +769,183 @@ absl::Status AttentionService::SubmitSessionRequest(const v1::SessionRequest& re
   }
 }
 
+namespace {
+
+// A version 2 frame's tensor as the shared checks take it: its claims and inline bytes (the
+// shape points into `t`).
+RequestTensor Claimed(const FrameTensor& t) {
+  RequestTensor r;
+  r.dtype = static_cast<DType>(t.dtype);
+  r.shape = t.dims();
+  r.bytes = t.data;
+  return r;
+}
+
+// Its region reference, or null when it travels inline (the proto lives in `ref`).
+const v1::RegionRef* RefOf(const FrameTensor& t, v1::RegionRef* ref) {
+  if (t.where != ring::v2::kRegion) return nullptr;
+  ref->set_region_id(std::string(t.region_id));
+  ref->set_offset(t.offset);
+  ref->set_byte_size(t.bytes);
+  return ref;
+}
+
+PackedTensor Packed(const FrameTensor& t, v1::RegionRef* ref) {
+  PackedTensor p;
+  p.dtype = t.dtype;
+  p.shape = t.dims();
+  p.data = t.data;
+  p.region = RefOf(t, ref);
+  return p;
+}
+
+}  // namespace
+
+absl::Status AttentionService::SubmitRingFrame(const RequestFrame& frame, absl::string_view tenant,
+                                               FrameAnswer* answer,
+                                               std::function<void(absl::Status)> done) {
+  const bool prefill = frame.op == ring::v2::kPrefill;
+  auto scope = std::make_shared<RequestScope>(this, prefill ? "Ring.Prefill" : "Ring.Decode",
+                                              static_cast<int64_t>(frame.bytes));
+  ATTND_RETURN_IF_ERROR(scope->Admit(std::string(tenant), /*share=*/false));
+  // For the request log, as Describe.
+  if (!frame.sequence_ids.empty()) scope->clock()->sequence_id = std::string(frame.sequence_ids[0]);
+  scope->clock()->tokens = prefill ? (frame.q.rank > 0 ? frame.q.shape[0] : -1)
+                                   : static_cast<int64_t>(frame.sequence_ids.size());
+  if (!prefill) {
+    return CatchAll("the decode", [&] {
+      return SubmitFrameDecode(frame, scope->tenant(), answer,
+                               [scope, done = std::move(done)](absl::Status s) {
+                                 scope->clock()->finished = absl::Now();
+                                 scope->End(s, 0);
+                                 done(std::move(s));
+                               });
+    });
+  }
+  auto run = [this, &frame, answer, scope, done = std::move(done)] {
+    scope->clock()->started = absl::Now();
+    absl::Status no_room;  // why the inline output had no buffer
+    absl::Status s = CatchAll("the prefill", [&] {
+      v1::RegionRef refs[4];
+      PrefillArgs args;
+      args.sequence_id = frame.sequence_ids[0];
+      args.layer = frame.layer;
+      args.q_layout = frame.q_layout;
+      args.prompt_len = frame.prompt_len;
+      args.q = Claimed(frame.q);
+      args.k = Claimed(frame.k);
+      args.v = Claimed(frame.v);
+      args.q_region = RefOf(frame.q, &refs[0]);
+      args.k_region = RefOf(frame.k, &refs[1]);
+      args.v_region = RefOf(frame.v, &refs[2]);
+      args.output_region = RefOf(frame.o, &refs[3]);
+      OutputBufferFn output = [answer, &no_room](int64_t bytes) -> void* {
+        absl::StatusOr<char*> buffer = answer->output_buffer(static_cast<uint64_t>(bytes), 1);
+        if (!buffer.ok()) {
+          no_room = buffer.status();
+          return nullptr;
+        }
+        answer->output = *buffer;
+        answer->output_bytes = static_cast<uint64_t>(bytes);
+        return *buffer;
+      };
+      absl::StatusOr<PrefillResult> result =
+          RunPrefillArgs(args, scope->tenant(), std::move(output), nullptr);
+      if (!result.ok()) return result.status();
+      answer->dtype = static_cast<int32_t>(result->out_dtype);
+      answer->shape = result->out_shape;
+      answer->lengths = {result->length};
+      answer->output_in_region = args.output_region != nullptr;
+      return absl::OkStatus();
+    });
+    // The runtime asked for the output's buffer before anything ran: say why there was none.
+    if (!s.ok() && !no_room.ok()) s = no_room;
+    if (!s.ok()) answer->Clear();
+    scope->clock()->finished = absl::Now();
+    scope->End(s, 0);
+    done(std::move(s));
+  };
+  // A ring's thread would only wait for it: run it there (server/dataplane/ring.h).
+  if (MayRunInlineOnRingThread()) {
+    RunInlineOnRingThread(run);
+    return absl::OkStatus();
+  }
+  return work_queue_->Submit(std::move(run));
+}
+
+absl::Status AttentionService::SubmitFrameDecode(const RequestFrame& frame,
+                                                 absl::string_view tenant, FrameAnswer* answer,
+                                                 std::function<void(absl::Status)> done) {
+  // The references live as long as the call (RegionTensors keeps none of them).
+  auto refs = std::make_shared<std::array<v1::RegionRef, 4>>();
+  PackedDecodeArgs args;
+  args.sequence_ids = frame.sequence_ids;
+  args.q_layout = frame.q_layout;
+  args.q = Packed(frame.q, &(*refs)[0]);
+  args.k = Packed(frame.k, &(*refs)[1]);
+  args.v = Packed(frame.v, &(*refs)[2]);
+  const v1::RegionRef* output_region = RefOf(frame.o, &(*refs)[3]);
+  const ModelConfig& m = runtime_->model();
+  PackedRows rows;
+  ATTND_RETURN_IF_ERROR(CheckPackedDecode(args, m, /*regions_allowed=*/true, &rows));
+  const int64_t b = static_cast<int64_t>(frame.sequence_ids.size());
+  // The regions' leases and copies live until the call is answered.
+  auto regions = std::make_shared<RegionTensors>(regions_, tenant, &budget_, max_tensor_bytes_);
+  ATTND_ASSIGN_OR_RETURN(RequestTensor q,
+                         regions->Input("packed q", Claimed(frame.q), args.q.region));
+  ATTND_ASSIGN_OR_RETURN(RequestTensor k,
+                         regions->Input("packed k", Claimed(frame.k), args.k.region));
+  ATTND_ASSIGN_OR_RETURN(RequestTensor v,
+                         regions->Input("packed v", Claimed(frame.v), args.v.region));
+  const uint64_t out_bytes = static_cast<uint64_t>(rows.out * b);
+  char* out = nullptr;
+  bool out_on_device = false;
+  DecodeCall call;
+  call.tenant = tenant;
+  call.layer = frame.layer;
+  if (output_region != nullptr) {
+    OutputBufferFn fn;
+    ATTND_RETURN_IF_ERROR(regions->Output("output_region", *output_region, ElementSize(q.dtype),
+                                          out_bytes, &fn, &out_on_device));
+    out = static_cast<char*>(fn(static_cast<int64_t>(out_bytes)));
+    RegionTensors* r = regions.get();
+    if (!out_on_device) call.before_commit = [r] { return r->CopyOutputs(); };
+  } else {
+    ATTND_ASSIGN_OR_RETURN(out, answer->output_buffer(out_bytes, static_cast<uint64_t>(b)));
+    answer->output = out;
+    answer->output_bytes = out_bytes;
+  }
+  FillPackedEntries(args, rows, q, k, v, out, out_on_device, &call);
+  const bool in_region = output_region != nullptr;
+  return decode_queue_->Submit(
+      std::move(call), RequestContext(),
+      [this, b, answer, regions, refs, in_region,
+       done = std::move(done)](absl::StatusOr<DecodeResult> result) {
+        // As in SubmitDecodeUnsafe: leases end before the answer reaches the client, and the
+        // batcher observes its merged batches itself.
+        regions->ReleaseLeases();
+        if (result.ok() && metrics_ != nullptr && batcher_ == nullptr) {
+          metrics_->ObserveDecodeBatch(b, result->stats);
+        }
+        if (!result.ok()) {
+          answer->Clear();
+          done(result.status());
+          return;
+        }
+        answer->lengths.clear();
+        answer->lengths.reserve(result->outputs.size());
+        for (const DecodeResult::Output& o : result->outputs) answer->lengths.push_back(o.length);
+        if (!result->outputs.empty()) {
+          const DecodeResult::Output& first = result->outputs.front();
+          answer->dtype = static_cast<int32_t>(first.out_dtype);
+          answer->shape = {static_cast<int64_t>(result->outputs.size())};
+          answer->shape.insert(answer->shape.end(), first.out_shape.begin(), first.out_shape.end());
+        }
+        answer->output_in_region = in_region;
+        done(absl::OkStatus());
+      });
+}
+
 void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,
                                           v1::GetServerInfoResponse* response, UnaryCall* reactor) {
@@ -941,40 +1119,20 @@ absl::Status AttentionService::RunPrefillUnsafe(const v1::PrefillRequest& reques
                                                 absl::string_view tenant,
                                                 v1::PrefillResponse* response,
                                                 std::function<absl::Status()> keep_going) {
-  PrefillCall call;
-  call.keep_going = std::move(keep_going);
-  call.sequence_id = request.sequence_id();
-  call.tenant = tenant;
-  call.layer = request.layer();
-  call.q_layout = static_cast<QLayout>(request.q_layout());
-  call.q = Claimed(request.q());
-  call.k = Claimed(request.k());
-  call.v = Claimed(request.v());
-  if (request.has_prompt_len()) call.prompt_len = request.prompt_len();
-  const bool names_regions = request.q().has_region() || request.k().has_region() ||
-                             request.v().has_region() || request.has_output_region();
-  int64_t tokens = 0;
-  // Region references are judged by what they claim before a byte of region memory is copied
-  // (a reference costs the client nothing; the copy costs attnd its size).
-  if (names_regions) ATTND_RETURN_IF_ERROR(runtime_->CheckPrefillShapes(call, &tokens));
-  RegionTensors regions(regions_, tenant, &budget_, max_tensor_bytes_);
-  ATTND_ASSIGN_OR_RETURN(call.q, regions.Input("q", request.q()));
-  ATTND_ASSIGN_OR_RETURN(call.k, regions.Input("k", request.k()));
-  ATTND_ASSIGN_OR_RETURN(call.v, regions.Input("v", request.v()));
-  if (request.has_output_region()) {
-    // o is [T, Hq, D] of q's dtype, T checked above.
-    const ModelConfig& m = runtime_->model();
-    const uint64_t element = ElementSize(call.q.dtype);
-    ATTND_RETURN_IF_ERROR(
-        regions.Output("output_region", request.output_region(), element,
-                       static_cast<uint64_t>(tokens) * static_cast<uint64_t>(m.num_q_heads) *
-                           static_cast<uint64_t>(m.head_dim) * element,
-                       &call.output, &call.output_on_device));
-    call.before_commit = [&regions] { return regions.CopyOutputs(); };
-  } else {
-    call.output = IntoTensor(response->mutable_o());
-  }
-  absl::StatusOr<PrefillResult> result = runtime_->Prefill(call);
+  PrefillArgs args;
+  args.sequence_id = request.sequence_id();
+  args.layer = request.layer();
+  args.q_layout = request.q_layout();
+  if (request.has_prompt_len()) args.prompt_len = request.prompt_len();
+  args.q = Claimed(request.q());
+  args.k = Claimed(request.k());
+  args.v = Claimed(request.v());
+  if (request.q().has_region()) args.q_region = &request.q().region();
+  if (request.k().has_region()) args.k_region = &request.k().region();
+  if (request.v().has_region()) args.v_region = &request.v().region();
+  if (request.has_output_region()) args.output_region = &request.output_region();
+  absl::StatusOr<PrefillResult> result =
+      RunPrefillArgs(args, tenant, IntoTensor(response->mutable_o()), std::move(keep_going));
   if (!result.ok()) {
     response->Clear();
     return result.status();
@@ -984,6 +1142,45 @@ absl::Status AttentionService::RunPrefillUnsafe(const v1::PrefillRequest& reques
     *response->mutable_o()->mutable_region() = request.output_region();
   response->set_length(result->length);
   return absl::OkStatus();
+}
+
+absl::StatusOr<PrefillResult> AttentionService::RunPrefillArgs(
+    const PrefillArgs& args, absl::string_view tenant, OutputBufferFn output,
+    std::function<absl::Status()> keep_going) {
+  PrefillCall call;
+  call.keep_going = std::move(keep_going);
+  call.sequence_id = args.sequence_id;
+  call.tenant = tenant;
+  call.layer = args.layer;
+  call.q_layout = static_cast<QLayout>(args.q_layout);
+  call.q = args.q;
+  call.k = args.k;
+  call.v = args.v;
+  call.prompt_len = args.prompt_len;
+  const bool names_regions = args.q_region != nullptr || args.k_region != nullptr ||
+                             args.v_region != nullptr || args.output_region != nullptr;
+  int64_t tokens = 0;
+  // Region references are judged by what they claim before a byte of region memory is copied
+  // (a reference costs the client nothing; the copy costs attnd its size).
+  if (names_regions) ATTND_RETURN_IF_ERROR(runtime_->CheckPrefillShapes(call, &tokens));
+  RegionTensors regions(regions_, tenant, &budget_, max_tensor_bytes_);
+  ATTND_ASSIGN_OR_RETURN(call.q, regions.Input("q", args.q, args.q_region));
+  ATTND_ASSIGN_OR_RETURN(call.k, regions.Input("k", args.k, args.k_region));
+  ATTND_ASSIGN_OR_RETURN(call.v, regions.Input("v", args.v, args.v_region));
+  if (args.output_region != nullptr) {
+    // o is [T, Hq, D] of q's dtype, T checked above.
+    const ModelConfig& m = runtime_->model();
+    const uint64_t element = ElementSize(call.q.dtype);
+    ATTND_RETURN_IF_ERROR(
+        regions.Output("output_region", *args.output_region, element,
+                       static_cast<uint64_t>(tokens) * static_cast<uint64_t>(m.num_q_heads) *
+                           static_cast<uint64_t>(m.head_dim) * element,
+                       &call.output, &call.output_on_device));
+    call.before_commit = [&regions] { return regions.CopyOutputs(); };
+  } else {
+    call.output = std::move(output);
+  }
+  return runtime_->Prefill(call);
 }
 
 void AttentionService::ServeWirePrefill(grpc::CallbackServerContext* context, int64_t request_bytes,

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/container/flat_hash_set.h"
@@ -17,6 +18,7 @@
 #include "base/mutex.h"
 #include "server/dataplane/regions.h"
 #include "server/dataplane/ring.h"
+#include "server/dataplane/ring_frame.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/metrics.h"
 #include "server/rpc/request_log.h"
@@ -110,6 +112,13 @@ class AttentionService : public AttentionServiceBase {
                                     v1::SessionResponse* response,
                                     std::function<void(absl::Status)> done);
 
+  // Runs one version 2 ring frame (server/dataplane/ring_frame.h) as `tenant`, as
+  // SubmitSessionRequest runs the same request: the same checks (a decode is the packed form, its
+  // q, k and v inline or in regions), engine calls and records, with the tensors viewed in the
+  // frame and an inline output written by the engine into answer's buffer. The same contract.
+  absl::Status SubmitRingFrame(const RequestFrame& frame, absl::string_view tenant,
+                               FrameAnswer* answer, std::function<void(absl::Status)> done);
+
   // Sessions waiting for their next request end now with UNAVAILABLE; busy ones end after the
   // response they are computing. Call before grpc::Server::Shutdown so idle streams do not hold
   // the drain until its deadline.
@@ -168,6 +177,27 @@ class AttentionService : public AttentionServiceBase {
   absl::Status RunPrefillUnsafe(const v1::PrefillRequest& request, absl::string_view tenant,
                                 v1::PrefillResponse* response,
                                 std::function<absl::Status()> keep_going);  // without CatchAll
+  // One prefill as any transport carries it: each tensor's claims (dtype, shape) and inline bytes,
+  // or its region reference.
+  struct PrefillArgs {
+    absl::string_view sequence_id;
+    int32_t layer = 0;
+    int32_t q_layout = 0;  // the wire value
+    std::optional<int64_t> prompt_len;
+    RequestTensor q, k, v;
+    const v1::RegionRef* q_region = nullptr;  // null: inline
+    const v1::RegionRef* k_region = nullptr;
+    const v1::RegionRef* v_region = nullptr;
+    const v1::RegionRef* output_region = nullptr;  // null: into `output`
+  };
+  // Checks and runs it (region references judged by their claims before any region memory is
+  // read); without an output region the engine writes o through `output`.
+  absl::StatusOr<PrefillResult> RunPrefillArgs(const PrefillArgs& args, absl::string_view tenant,
+                                               OutputBufferFn output,
+                                               std::function<absl::Status()> keep_going);
+  // SubmitRingFrame's decode (without CatchAll).
+  absl::Status SubmitFrameDecode(const RequestFrame& frame, absl::string_view tenant,
+                                 FrameAnswer* answer, std::function<void(absl::Status)> done);
   absl::Status SubmitDecodeUnsafe(const v1::DecodeRequest& request, absl::string_view tenant,
                                   const RequestContext& context, v1::DecodeResponse* response,
                                   std::function<void(absl::Status)> done);  // without CatchAll
