@@ -18,9 +18,12 @@ pid=$!
 for _ in $(seq 1 300); do attnctl info --target 127.0.0.1:$port >/dev/null 2>&1 && break; sleep 0.2; done
 status=0
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  echo "== round $round"
-  python3 "$here/bench/python/ring_bench.py" --target 127.0.0.1:$port --attnctl "$(command -v attnctl)" \
-    --batch "${BATCHES:-1,8,32}" --context "$context" --chunk 1024 --calls 1000 --rounds 2 || status=1
+  for version in ${VERSIONS:-1 2}; do
+    echo "== round $round, ring version $version"
+    python3 "$here/bench/python/ring_bench.py" --target 127.0.0.1:$port --attnctl "$(command -v attnctl)" \
+      --batch "${BATCHES:-1,8,32}" --context "$context" --chunk 1024 --calls 1000 --rounds 2 \
+      --ring-version "$version" || status=1
+  done
 done
 kill -TERM $pid; wait $pid
 exit $status

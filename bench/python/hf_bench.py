@@ -144,7 +144,9 @@ def part_tokens_and_logits(args, parts):
             # fp32 end to end needs attnd's CPU backend (the CUDA backend keeps K/V in bf16); the CUDA backend
             # with the same fp32 model follows, to show how far bf16 K/V alone moves greedy tokens.
             for backend, kv in (("cpu", "fp32"), ("cuda", "bf16")):
-                d = Daemon(args.attnd, config, kv, 24 << 30, device=backend)
+                gc.collect()
+                torch.cuda.empty_cache()
+                d = Daemon(args.attnd, config, kv, 8 << 30, device=backend)
                 try:
                     ahf.attach(ref32, d.client)
                     for label, ids, mask in inputs:
@@ -170,7 +172,9 @@ def part_tokens_and_logits(args, parts):
                 exact = forced_logits(ref32, ids, mask, want_toks, False)
                 sdpa = forced_logits(bf, ids, mask, want_toks, False)
                 rows.append((label, ids, mask, want_toks, exact, sdpa))
-            d = Daemon(args.attnd, config, "bf16", 24 << 30)
+            gc.collect()
+            torch.cuda.empty_cache()  # the references' cached blocks: attnd's pool needs the device memory
+            d = Daemon(args.attnd, config, "bf16", 8 << 30)
             try:
                 ahf.attach(bf, d.client)
                 for label, ids, mask, want_toks, exact, sdpa in rows:
@@ -296,9 +300,33 @@ def part_decode(args):
         d.close()
 
 
+def part_profile(args):
+    """Where one decode step of generate() goes, sdpa and attnd (batch 1, 4K context): the top operators."""
+    config = config_json("qwen2.5-7b-instruct-1m")
+    model = hf_model(config, args.decode_layers, torch.bfloat16)
+    ids = prompt(4096, 5, config["vocab_size"])
+    d = None
+    for name in ("sdpa", "attnd"):
+        if name == "attnd":
+            d = Daemon(args.attnd, config, "bf16", 8 << 30)
+            ahf.attach(model, d.client)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
+                           do_sample=False, pad_token_id=0)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=9, min_new_tokens=9,
+                               do_sample=False, pad_token_id=0)
+        print("## profile %s: generate() of 9 tokens after 4096 (8 decode steps)" % name, flush=True)
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=60),
+              flush=True)
+    model._attnd.detach()
+    d.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="tokens,logits,chunks,decode")
+    ap.add_argument("--parts", default="tokens,logits,chunks,decode,profile")
     ap.add_argument("--attnd", default="attnd")
     ap.add_argument("--prompts", default="1024,4096,16384")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -320,6 +348,8 @@ def main():
         jobs.append(("chunks", lambda: part_chunks(args)))
     if "decode" in parts:
         jobs.append(("decode", lambda: part_decode(args)))
+    if "profile" in parts:
+        jobs.append(("profile", lambda: part_profile(args)))
     status = 0
     for name, job in jobs:
         t0 = time.time()

@@ -44,11 +44,11 @@ def timed_calls(fn, calls):
     return out
 
 
-def attnctl_ring(attnctl, target, context, batch, calls, spin_us):
+def attnctl_ring(attnctl, target, context, batch, calls, spin_us, version):
     """(p50, p99) us per layer call of `attnctl bench --transport ring`, or None with the reason printed."""
     cmd = [attnctl, "bench", "--target", target, "--context", str(context), "--batch", str(batch),
            "--decode-steps", str(calls), "--layers", "1", "--dtype", "bf16", "--transport", "ring",
-           "--ring-spin-us", str(spin_us)]
+           "--ring-spin-us", str(spin_us), "--ring-version", str(version)]
     run = subprocess.run(cmd, capture_output=True, text=True)
     for line in run.stdout.splitlines():
         cols = line.split()
@@ -66,10 +66,11 @@ def live(args):
     rng = np.random.default_rng(1)
     bits = lambda shape: attnd.float32_to_bf16(rng.uniform(-1, 1, shape).astype(np.float32))  # noqa: E731
     print("daemon %s: %s on %s, %d q / %d kv heads, head_dim %d; context %d, %d calls per round, %d rounds, "
-          "bf16, 3 variants, ring spin %d us" % (args.target, m.name or "model", info.backend, h, hkv, d,
-                                                 args.context, args.calls, args.rounds, args.spin_us))
+          "bf16, 3 variants, ring spin %d us, ring version %d (both clients)" % (
+              args.target, m.name or "model", info.backend, h, hkv, d, args.context, args.calls, args.rounds,
+              args.spin_us, args.ring_version))
     rows = []
-    with client.ring(half_bytes=args.half_mib << 20, spin_us=args.spin_us) as ring:
+    with client.ring(half_bytes=args.half_mib << 20, spin_us=args.spin_us, version=args.ring_version) as ring:
         for b in args.batch:
             seqs = {name: [client.create_sequence() for _ in range(b)] for name in ("ring", "unary")}
             try:
@@ -92,7 +93,7 @@ def live(args):
             cpp = None
             if args.attnctl:
                 cpp = attnctl_ring(args.attnctl, args.target, args.context, b, args.calls * args.rounds,
-                                   args.spin_us)
+                                   args.spin_us, args.ring_version)
             rows.append((b, percentiles(samples["ring"]), percentiles(samples["unary"]), cpp))
         stats = ring.stats
     client.close()
@@ -172,6 +173,7 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--spin-us", type=int, default=50)
     p.add_argument("--half-mib", type=int, default=8)
+    p.add_argument("--ring-version", type=int, default=2, help="1: protobuf messages, 2: binary frames")
     p.add_argument("--client-only", action="store_true", help="only the client's own work (no daemon)")
     p.add_argument("--geometry", default="28,4,128", type=lambda s: [int(x) for x in s.split(",")],
                    help="Hq,Hkv,D for --client-only (default 7B)")

@@ -399,6 +399,10 @@ class RingAdapter:
 
 class LiveRing(at.DaemonTestCase, unittest.TestCase):
     KV_DTYPE = "fp32"
+    RING_VERSION = 1
+
+    def ring(self, **kwargs):
+        return self.client.ring(version=self.RING_VERSION, **kwargs)
 
     def setUp(self):
         m = self.info.model
@@ -418,7 +422,7 @@ class LiveRing(at.DaemonTestCase, unittest.TestCase):
         self.assertTrue(self.info.regions.rings)
 
     def test_golden_fp32_bf16_fp16(self):
-        with self.client.ring() as ring:
+        with self.ring() as ring:
             target = RingAdapter(self.client, ring)
             stats = test_golden.run_golden(self, target, 0, lambda x: x, lambda x: x, np.float32,
                                            variants=lambda i: 3 if i % 2 else 5)
@@ -437,7 +441,7 @@ class LiveRing(at.DaemonTestCase, unittest.TestCase):
         b = [self.client.create_sequence() for _ in range(n)]
         refs = [dca_ref.RefLayer(self.cfg) for _ in range(n)]
         try:
-            with self.client.ring() as ring:
+            with self.ring() as ring:
                 for i in range(n):
                     q, k, v = self.tokens(4 + i)
                     got, length = ring.prefill(a[i], 0, q, k, v, return_length=True)
@@ -476,7 +480,7 @@ class LiveRing(at.DaemonTestCase, unittest.TestCase):
         seq, twin = self.client.create_sequence(), self.client.create_sequence()
         try:
             q, k, v = self.tokens(6)
-            with self.client.register_shm(1 << 20) as region, self.client.ring() as ring:
+            with self.client.register_shm(1 << 20) as region, self.ring() as ring:
                 rq, rk, rv = (region.ndarray(x.shape, np.float32) for x in (q, k, v))
                 rq[...], rk[...], rv[...] = q, k, v
                 out = region.ndarray((6, self.h, self.d), np.float32)
@@ -510,7 +514,7 @@ class LiveRing(at.DaemonTestCase, unittest.TestCase):
         seq, twin, empty = c.create_sequence(), c.create_sequence(), c.create_sequence()
         unknown = "0123456789abcdef0123456789abcdef"
         try:
-            with c.ring() as ring:
+            with self.ring() as ring:
                 q, k, v = self.tokens(6)
                 for s, target in ((seq, ring), (twin, c)):
                     target.prefill(s, 0, q, k, v)
@@ -559,7 +563,7 @@ class LiveRing(at.DaemonTestCase, unittest.TestCase):
     def test_request_larger_than_the_half_is_refused_before_sending(self):
         seq = self.client.create_sequence()
         try:
-            with self.client.ring(half_bytes=8192) as ring:
+            with self.ring(half_bytes=8192) as ring:
                 q, k, v = self.tokens(16)
                 with self.assertRaises(attnd.AttndError) as ctx:
                     ring.prefill(seq, 0, q, k, v)
@@ -574,7 +578,7 @@ class LiveRing(at.DaemonTestCase, unittest.TestCase):
     def test_close_ring_makes_it_unavailable(self):
         seq = self.client.create_sequence()
         try:
-            ring = self.client.ring()
+            ring = self.ring()
             q, k, v = self.tokens(3)
             ring.prefill(seq, 0, q, k, v)
             self.client._call(self.client.stub.CloseRing, pb.CloseRingRequest(ring_id=ring.ring_id), None)
@@ -595,6 +599,53 @@ class LiveRing(at.DaemonTestCase, unittest.TestCase):
             self.assertIs(ctx.exception.code, SC.FAILED_PRECONDITION)
             self.assertEqual(self.client.prefill(seq, 0, q[:1], k[:1], v[:1], return_length=True)[1], 4,
                              "the refused request changed nothing")
+        finally:
+            self.client.release(seq)
+
+
+class LiveRingV2(LiveRing):
+    """Every LiveRing test through a version 2 ring (binary frames), and what only frames carry."""
+    RING_VERSION = 2
+
+    def test_header_says_version_2(self):
+        with self.ring() as ring:
+            self.assertEqual(struct.unpack_from("<I", ring._mm, 8)[0], 2)
+
+    def test_packed_decode_with_region_references_and_output_region(self):
+        n = 3
+        a = [self.client.create_sequence() for _ in range(n)]
+        b = [self.client.create_sequence() for _ in range(n)]
+        try:
+            with self.client.register_shm(1 << 20) as region, self.ring() as ring:
+                for i in range(n):
+                    q, k, v = self.tokens(5)
+                    ring.prefill(a[i], 0, q, k, v, prompt_len=9)
+                    self.client.prefill(b[i], 0, q, k, v, prompt_len=9)
+                for step in range(3):  # the same frame, reused with a new tag and the refs' new contents
+                    q, k, v = self.tokens(None, 3, lead=(n,))
+                    rq, rk, rv = (region.ndarray(x.shape, np.float32, offset=o) for x, o in
+                                  ((q, 0), (k, 1 << 16), (v, 2 << 16)))
+                    rq[...], rk[...], rv[...] = q, k, v
+                    out = region.ndarray((n, self.h, self.d), np.float32, offset=3 << 16)
+                    got, lengths = ring.decode(0, a, rq, rk, rv, out=out, return_lengths=True)
+                    self.assertIs(got, out)
+                    self.assertEqual(lengths, [6 + step] * n)
+                    np.testing.assert_array_equal(out, self.client.decode(0, b, q, k, v))
+                self.assertEqual(len(ring._frames), n + 1)  # a prefill frame per sequence, one decode frame
+        finally:
+            for s in a + b:
+                self.client.release(s)
+
+    def test_mixed_layouts_are_refused_by_the_client(self):
+        seq = self.client.create_sequence()
+        try:
+            with self.ring() as ring:
+                q5, k, v = self.tokens(None, 5, lead=(1,))
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    ring.decode(0, [seq], list(q5), k, v, q_layout=["variants", "pre_rotary"])
+                self.assertIs(ctx.exception.code, SC.INVALID_ARGUMENT)
+                self.assertIn("one q_layout", ctx.exception.message)
+                self.assertEqual(ring.stats.round_trips, 0)
         finally:
             self.client.release(seq)
 
@@ -641,12 +692,17 @@ class PreRotaryRing(at.DaemonTestCase, unittest.TestCase):
     """The golden dense_pre_rotary case through the ring (the daemon configured with its rotary)."""
 
     model_config = test_pre_rotary.PreRotary.model_config
+    RING_VERSION = 1
 
     def test_golden_within_1e4(self):
-        with self.client.ring() as ring:
+        with self.client.ring(version=self.RING_VERSION) as ring:
             # PreRotary.replay needs only self.client and a target with prefill/decode.
             worst = test_pre_rotary.PreRotary.replay(self, RingAdapter(self.client, ring), 0)
         self.assertLessEqual(worst, 1e-4)
+
+
+class PreRotaryRingV2(PreRotaryRing):
+    RING_VERSION = 2
 
 
 if __name__ == "__main__":

@@ -138,6 +138,85 @@ def _field_head(field, head, nbytes):
     return _wire._key(field, _wire._LEN) + _wire.varint(len(head) + nbytes) + head
 
 
+# proto/attnd/v1/ring_frame.h: the frames of a version 2 ring.
+VERSION_FRAMES = 2
+_V2_REQUEST_MAGIC = 0x32514652
+_V2_RESPONSE_MAGIC = 0x32524652
+_V2_PREFILL, _V2_DECODE = 1, 2
+_V2_ABSENT, _V2_INLINE, _V2_REGION = 0, 1, 2
+_V2_HAS_PROMPT_LEN = 1
+_V2_OUTPUT_IN_REGION = 1
+_V2_MAX_RANK = 4
+_V2_HEAD = struct.Struct("<IHHQiIIIqQ")   # RequestHeader up to q: 48 bytes
+_V2_TENSOR = struct.Struct("<HHiQQII4q")  # Tensor: 64 bytes
+_V2_REQUEST_BYTES = _V2_HEAD.size + 4 * _V2_TENSOR.size  # 304
+_V2_TAG_AT, _V2_LAYER_AT = 8, 16
+_V2_RESPONSE = struct.Struct("<IiQHHiIIQQQQQ4q")  # ResponseHeader: 104 bytes
+_V2_OPS = {_V2_PREFILL: "prefill", _V2_DECODE: "decode"}
+
+
+def _align64(n):
+    return (n + 63) & ~63
+
+
+class _Frame:
+    """A version 2 request frame without its tensors' inline bytes: `head` (header, id table, ids and region
+    names, tag and layer 0) and where each inline tensor's bytes go. Built once per shape of request and reused
+    (only the tag and the layer change between a model's layers)."""
+
+    __slots__ = ("head", "inline", "size")
+
+    def __init__(self, op, layer, q_layout, seqs, tensors, out, prompt_len):
+        ids = [s.encode("ascii") for s in seqs]
+        strings = bytearray()
+        at = _V2_REQUEST_BYTES + 8 * len(ids)
+
+        def place(b):
+            nonlocal strings
+            ref = (at + len(strings), len(b))
+            strings += b
+            return ref
+
+        table = b"".join(struct.pack("<II", *place(i)) for i in ids)
+        descs = []
+        region_names = {}
+        for t in tensors + ([out] if out is not None else []):
+            if isinstance(t, _wire.RegionTensor) and t.region_id not in region_names:
+                region_names[t.region_id] = place(t.region_id.encode("ascii"))
+        pos = _align64(at + len(strings))
+        self.inline = []
+        for t in tensors:
+            if isinstance(t, _wire.RegionTensor):
+                shape = tuple(t.shape)
+                descs.append((_V2_REGION, len(shape), t.dtype, t.offset, t.nbytes) + region_names[t.region_id] +
+                             _shape4(shape))
+            else:
+                a, dtype = t
+                descs.append((_V2_INLINE, a.ndim, dtype, pos, a.nbytes, 0, 0) + _shape4(a.shape))
+                self.inline.append((pos, a.nbytes))
+                pos = _align64(pos + a.nbytes)
+        if out is None:
+            descs.append((_V2_ABSENT, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+        else:
+            descs.append((_V2_REGION, len(out.shape), out.dtype, out.offset, out.nbytes) +
+                         region_names[out.region_id] + _shape4(out.shape))
+        flags = _V2_HAS_PROMPT_LEN if prompt_len is not None else 0
+        head = bytearray(_V2_HEAD.pack(_V2_REQUEST_MAGIC, op, q_layout, 0, int(layer), len(ids), flags, 0,
+                                       int(prompt_len or 0), _V2_REQUEST_BYTES))
+        for d in descs:
+            head += _V2_TENSOR.pack(*d)
+        head += table
+        head += strings
+        self.head = bytes(head)
+        self.size = pos if self.inline else len(self.head)
+
+
+def _shape4(shape):
+    if len(shape) > _V2_MAX_RANK:
+        raise invalid_argument("a tensor of rank %d; at most %d" % (len(shape), _V2_MAX_RANK))
+    return tuple(int(x) for x in shape) + (0,) * (_V2_MAX_RANK - len(shape))
+
+
 class _PackedPlan:
     """The bytes of a packed decode's SessionRequest that depend only on its geometry (layer, shapes, dtype,
     layout, the ids' length), and of its answer's o header: computed once, reused call after call.
@@ -203,8 +282,14 @@ class Ring:
     Close it (or leave the `with` block): CloseRing, then the memory is unmapped and its name unlinked.
     """
 
-    def __init__(self, client, half_bytes=8 << 20, spin_us=50, sleep_slice=0.01, timeout=60.0, rpc_timeout=None):
+    def __init__(self, client, half_bytes=8 << 20, spin_us=50, sleep_slice=0.01, timeout=60.0, rpc_timeout=None,
+                 version=1):
         check_architecture()
+        if version not in (VERSION, VERSION_FRAMES):
+            raise invalid_argument("ring version must be %d (protobuf) or %d (binary frames), got %r"
+                                   % (VERSION, VERSION_FRAMES, version))
+        self.version = version
+        self._frames = {}  # _Frame by the request's shape (version 2)
         half_bytes = int(half_bytes)
         if half_bytes <= LENGTH_BYTES or half_bytes % 4096 != 0:
             raise invalid_argument("ring half_bytes must be a positive multiple of 4096, got %d" % half_bytes)
@@ -245,7 +330,7 @@ class Ring:
             finally:
                 os.close(fd)  # the mapping keeps the object
             # The mapping is zero-filled: every word starts at 0, nothing is in flight. The fields attnd checks:
-            struct.pack_into("<QIIQ", self._mm, 0, MAGIC, VERSION, 0, half_bytes)
+            struct.pack_into("<QIIQ", self._mm, 0, MAGIC, version, 0, half_bytes)
             self._mv = memoryview(self._mm)
             self._words = self._mv[:HEADER_BYTES].cast("I")
             # Addresses for the futex calls: the mapping stays put until close(), which stops using them.
@@ -306,6 +391,9 @@ class Ring:
     # -- requests --
     def prefill(self, seq, layer, q, k, v, prompt_len=None, return_length=False, q_layout="variants", out=None):
         """As Client.prefill, through the ring (region references and out= included)."""
+        if self.version == VERSION_FRAMES:
+            result, lengths = self._v2(_V2_PREFILL, layer, [seq], q, k, v, q_layout, out, prompt_len)
+            return (result, lengths[0]) if return_length else result
         from ._client import _prefill_output, _prefill_request  # _client imports this module
         req, like = _prefill_request(seq, layer, q, k, v, prompt_len, q_layout, self._client._regions, out)
         mv, span = self._round_trip("prefill", req)
@@ -315,7 +403,13 @@ class Ring:
 
     def decode(self, layer, seqs, q, k, v, return_lengths=False, q_layout="variants", out=None):
         """As Client.decode, through the ring: the packed form (one q, k, v tensor per batch) unless a tensor lies
-        in a registered region, out= is given or the layouts are mixed."""
+        in a registered region, out= is given or the layouts are mixed. A version 2 ring sends one frame with
+        the batch's q, k, v inline or as region references."""
+        if self.version == VERSION_FRAMES:
+            if isinstance(seqs, str):
+                seqs = [seqs]
+            result, lengths = self._v2(_V2_DECODE, layer, seqs, q, k, v, q_layout, out, None)
+            return (result, lengths) if return_lengths else result
         if out is None and not self._client._regions:
             done = self._decode_packed(layer, seqs, q, k, v, return_lengths, q_layout)
             if done is not None:
@@ -391,6 +485,104 @@ class Ring:
                     o = o.view(np.int16)
                 return (o, lengths) if return_lengths else o
         return self._answer_generic("decode", tag, start, n, plan, q, return_lengths)
+
+    def _v2(self, op, layer, seqs, q, k, v, q_layout, out, prompt_len):
+        """One version 2 frame: q, k, v inline or as references into registered regions, o back inline or into
+        `out`'s region. -> (output, lengths)."""
+        from ._client import _out_ref, _q_layout, _sync, _tensor_arg  # _client imports this module
+        layer = int(layer)
+        seqs = list(seqs)
+        # The unary client's checks and messages, so a call fails the same way on either.
+        if not seqs:
+            raise invalid_argument("decode needs at least one sequence")
+        for x in seqs:
+            if not isinstance(x, str):
+                raise invalid_argument("sequence id must be a str, got %s" % type(x).__name__)
+        if op == _V2_DECODE and len(seqs) > 4096:
+            raise invalid_argument("a decode frame names at most 4096 sequences, got %d" % len(seqs))
+        if isinstance(q_layout, (str, int)):
+            layout = _q_layout(q_layout)
+        else:
+            layouts = {_q_layout(x) for x in q_layout}
+            if len(layouts) != 1:
+                raise invalid_argument("a version 2 ring's decode takes one q_layout for the whole batch "
+                                       "(use a version 1 ring or unary calls to mix them)")
+            layout = layouts.pop()
+        regions = self._client._regions
+        used = []
+        (qa, qdt), like = _tensor_arg(q, "q", regions, used)
+        (ka, kdt), _ = _tensor_arg(k, "k", regions, used)
+        (va, vdt), _ = _tensor_arg(v, "v", regions, used)
+        o_ref = _out_ref(out, regions, used)
+        if op == _V2_DECODE:
+            for name, t in (("q", qa), ("k", ka), ("v", va)):
+                shape = list(t.shape)
+                if not shape or shape[0] != len(seqs):
+                    raise invalid_argument("%s: expected a leading batch dimension of %d (one per sequence), got "
+                                           "shape %s" % (name, len(seqs), shape))
+        tensors = [t if isinstance(t, _wire.RegionTensor) else (t, dt) for t, dt in ((qa, qdt), (ka, kdt), (va, vdt))]
+        key = (op, tuple(seqs), layout, prompt_len) + tuple(
+            (t.region_id, t.offset, t.nbytes, t.dtype, t.shape) if isinstance(t, _wire.RegionTensor)
+            else (t[0].shape, t[1]) for t in tensors) + (
+            None if o_ref is None else (o_ref.region_id, o_ref.offset, o_ref.nbytes, o_ref.dtype, o_ref.shape),)
+        frame = self._frames.get(key)
+        if frame is None:
+            try:
+                frame = _Frame(op, 0, layout, seqs, tensors, o_ref, prompt_len)
+            except (UnicodeEncodeError, struct.error) as err:
+                raise invalid_argument("cannot frame this request: %s" % err) from None
+            if len(self._frames) >= 256:
+                self._frames.clear()
+            self._frames[key] = frame
+        _sync(used)
+        tag, size, seq, deadline = self._start(lambda _: frame.size)
+        base = HEADER_BYTES + LENGTH_BYTES
+        mv = self._mv
+        _U64.pack_into(self._mm, HEADER_BYTES, size)
+        mv[base:base + len(frame.head)] = frame.head
+        struct.pack_into("<Q", self._mm, base + _V2_TAG_AT, tag)
+        struct.pack_into("<i", self._mm, base + _V2_LAYER_AT, int(layer))
+        inline = iter(frame.inline)
+        for t in tensors:
+            if not isinstance(t, _wire.RegionTensor):
+                pos, n = next(inline)
+                mv[base + pos:base + pos + n] = memoryview(t[0]).cast("B")
+        nxt = (seq + 1) & _SEQ_MASK
+        self._post(nxt)
+        self._wait(nxt, deadline, True)
+        off = self._response_off
+        n = _U64.unpack_from(self._mm, off)[0]
+        start = off + LENGTH_BYTES
+        if n > self.capacity or n < _V2_RESPONSE.size:
+            raise _fail(grpc.StatusCode.INTERNAL, "the ring's response claims %d bytes; a frame is %d to %d"
+                        % (n, _V2_RESPONSE.size, self.capacity))
+        (magic, code, got_tag, got_op, rank, dtype, num_lengths, flags, msg_off, msg_bytes, o_off, o_bytes,
+         lengths_off, *shape) = _V2_RESPONSE.unpack_from(self._mm, start)
+
+        def inside(at, count):
+            return at <= n and count <= n - at
+
+        if magic != _V2_RESPONSE_MAGIC or got_tag != tag:
+            raise _fail(grpc.StatusCode.INTERNAL, "the ring answered tag %d (magic %#x) for request tag %d"
+                        % (got_tag, magic, tag))
+        if code != 0:
+            message = bytes(mv[start + msg_off:start + msg_off + msg_bytes]).decode("utf-8", "replace") \
+                if inside(msg_off, msg_bytes) else ""
+            raise AttndError(code, message)
+        if got_op != op or not inside(lengths_off, 8 * num_lengths) or num_lengths != len(seqs):
+            raise _fail(grpc.StatusCode.INTERNAL, "the ring answered a %s with %d lengths to a %s of %d sequences"
+                        % (_V2_OPS.get(got_op, got_op), num_lengths, _V2_OPS[op], len(seqs)))
+        lengths = np.frombuffer(self._mm, np.int64, num_lengths, start + lengths_off).tolist()
+        if out is not None:
+            if not flags & _V2_OUTPUT_IN_REGION:
+                raise _fail(grpc.StatusCode.INTERNAL, "server returned the output's bytes instead of writing the "
+                            "output region")
+            return out, lengths
+        if flags & _V2_OUTPUT_IN_REGION or rank > _V2_MAX_RANK or not inside(o_off, o_bytes):
+            raise _fail(grpc.StatusCode.INTERNAL, "the ring's answer has no output bytes where it says")
+        from ._tensors import from_bytes
+        data = bytes(mv[start + o_off:start + o_off + o_bytes])
+        return from_bytes(data, dtype, list(shape[:rank]), like), lengths
 
     def _lengths(self, mv, p, end, b):
         if p < end and mv[p] == _LENGTHS_KEY:

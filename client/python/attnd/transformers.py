@@ -232,7 +232,7 @@ def _open_transport(client, info, geometry, device, dtype, transport, max_tokens
     ring = None
     if want_ring:
         try:
-            ring = client.ring(half_bytes=_RING_HALF_BYTES)
+            ring = client.ring(half_bytes=_RING_HALF_BYTES, version=2)
         except (AttndError, OSError) as err:
             if transport != "auto":
                 raise
