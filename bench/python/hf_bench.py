@@ -108,7 +108,7 @@ def forced_logits(model, ids, mask, forced, attached):
         if not attached:
             full = torch.cat([ids, forced[:, :-1]], 1)
             m = torch.cat([mask, torch.ones_like(forced[:, :-1])], 1)
-            return model(full, attention_mask=m).logits[:, ids.shape[1] - 1:].float()
+            return model(full, attention_mask=m, logits_to_keep=forced.shape[1]).logits.float()
         cache = model._attnd.new_cache()
         cache.set_prompt(mask)
         out = [model(ids, attention_mask=mask, past_key_values=cache, logits_to_keep=1).logits[:, -1]]
@@ -260,20 +260,22 @@ def part_decode(args):
     for batch, ctx in shapes:
         ids = prompt(ctx, batch * 7 + ctx, vocab, batch)
         try:
-            p50, mean = decode_rate(model, ids, args.decode_tokens, 8192)
+            p50, mean = decode_rate(model, ids, args.decode_tokens, None)
             log("decode", "sdpa", "7b-%dlayers bf16" % layers, "batch %d" % batch, "context %d" % ctx,
                 "step p50 %.2f ms" % (p50 * 1e3), "tokens/s %.0f" % (batch / mean))
         except torch.cuda.OutOfMemoryError as err:
             log("decode", "sdpa", "batch %d" % batch, "context %d" % ctx, "out of memory: %s" % str(err)[:120])
         gc.collect()
         torch.cuda.empty_cache()
-    d = Daemon(args.attnd, config, "bf16", args.decode_kv_bytes)
+    # The daemon's ring thread spins a while after each request for the next layer's (its default, 50 us, is
+    # shorter than the model's work between two layers).
+    d = Daemon(args.attnd, config, "bf16", args.decode_kv_bytes, extra=("--ring-spin-us", str(args.ring_spin_us)))
     try:
         for transport in args.transports.split(","):
             attachment = ahf.attach(model, d.client, transport=transport, max_tokens_per_call=8192)
             for batch, ctx in shapes:
                 ids = prompt(ctx, batch * 7 + ctx, vocab, batch)
-                p50, mean = decode_rate(model, ids, args.decode_tokens, 8192)
+                p50, mean = decode_rate(model, ids, args.decode_tokens, None)
                 # Again with the device synchronized around each attnd call: attnd's share of a step.
                 attachment.timed = True
                 cache = attachment.new_cache()
@@ -281,7 +283,7 @@ def part_decode(args):
                 with torch.no_grad():
                     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.decode_tokens,
                                    min_new_tokens=args.decode_tokens, do_sample=False, pad_token_id=0,
-                                   prefill_chunk_size=8192, past_key_values=cache,
+                                   past_key_values=cache,
                                    logits_processor=transformers.LogitsProcessorList([clock]))
                 attachment.timed = False
                 st = cache.stats
@@ -336,6 +338,7 @@ def main():
     ap.add_argument("--decode-kv-bytes", type=int, default=24 << 30)
     ap.add_argument("--shapes", default="1x4096,8x4096,32x4096,1x32768,8x32768,1x131072")
     ap.add_argument("--transports", default="auto")
+    ap.add_argument("--ring-spin-us", type=int, default=2000, help="attnd --ring-spin-us for the decode part")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     parts = args.parts.split(",")

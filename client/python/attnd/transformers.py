@@ -223,7 +223,7 @@ class _CudaStaging:
         self.region.close()
 
 
-def _open_transport(client, info, geometry, device, dtype, transport, max_tokens):
+def _open_transport(client, info, geometry, device, dtype, transport, max_tokens, spin_us):
     """-> a transport object; transport is "auto", "grpc", "ring", "cuda-ipc" or "ring-cuda-ipc"."""
     if transport not in ("auto", "grpc", "ring", "cuda-ipc", "ring-cuda-ipc"):
         raise ValueError("transport must be auto, grpc, ring, cuda-ipc or ring-cuda-ipc, got %r" % (transport,))
@@ -232,7 +232,7 @@ def _open_transport(client, info, geometry, device, dtype, transport, max_tokens
     ring = None
     if want_ring:
         try:
-            ring = client.ring(half_bytes=_RING_HALF_BYTES, version=2)
+            ring = client.ring(half_bytes=_RING_HALF_BYTES, spin_us=spin_us, version=2)
         except (AttndError, OSError) as err:
             if transport != "auto":
                 raise
@@ -548,7 +548,7 @@ if _hf is not None:
 class Attachment:
     """What attach() did to a model; detach() undoes it."""
 
-    def __init__(self, model, client, info, geometry, transport, max_tokens, timed):
+    def __init__(self, model, client, info, geometry, transport, max_tokens, timed, spin_us=1000):
         self.model = model
         self.client = client
         self.info = info
@@ -561,7 +561,8 @@ class Attachment:
         if self.dtype not in _WIRE_DTYPES:
             raise TypeError("attnd.transformers: the model's dtype is %s; attnd takes float32, float16 or bfloat16"
                             % self.dtype)
-        self.transport = _open_transport(client, info, geometry, self.device, self.dtype, transport, max_tokens)
+        self.transport = _open_transport(client, info, geometry, self.device, self.dtype, transport, max_tokens,
+                                         spin_us)
         self._replaced = []
         self._saved = {}
         try:
@@ -696,14 +697,16 @@ def _set_implementation(model, name):
     model.config._attn_implementation = name
 
 
-def attach(model, client, *, transport="auto", max_tokens_per_call=8192, timed=False):
+def attach(model, client, *, transport="auto", max_tokens_per_call=8192, timed=False, spin_us=1000):
     """Makes `model` (a Qwen2-architecture transformers model, or one shaped like it) run its attention in attnd
     through `client` (attnd.Client). Checks the model's config against the daemon's GetServerInfo and raises
     GeometryMismatch naming the field that differs. transport: "auto" (same host and a CUDA model: CUDA IPC
     staging through a ring; otherwise bytes over a ring when attnd is on this host, else gRPC), "grpc", "ring",
     "cuda-ipc" or "ring-cuda-ipc". max_tokens_per_call: the most tokens of one sequence per prefill call (longer
     forwards are sent in pieces). timed: synchronize the device around attnd calls so cache.stats.attnd_seconds
-    is exact (costs a little). Returns an Attachment (detach() undoes it); `model._attnd` holds it."""
+    is exact (costs a little). spin_us: a ring client spins this long on each answer before it sleeps (the model
+    waits for the answer anyway; a sleeping client wakes tens of microseconds late). Returns an Attachment
+    (detach() undoes it); `model._attnd` holds it."""
     if getattr(model, "_attnd", None) is not None:
         raise ValueError("this model is already attached to attnd (model._attnd.detach() first)")
     if _hf is not None and isinstance(model, _hf.PreTrainedModel) and _HfCacheLayer is None:
@@ -711,7 +714,8 @@ def attach(model, client, *, transport="auto", max_tokens_per_call=8192, timed=F
                           % (_hf.__version__, TESTED_TRANSFORMERS))
     info = client.info()
     geometry = check_geometry(model.config, info)
-    attachment = Attachment(model, client, info, geometry, transport, int(max_tokens_per_call), timed)
+    attachment = Attachment(model, client, info, geometry, transport, int(max_tokens_per_call), timed,
+                            int(spin_us))
     model._attnd = attachment
     return attachment
 
