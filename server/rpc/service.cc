@@ -921,13 +921,7 @@ absl::Status AttentionService::SubmitFrameDecode(const RequestFrame& frame,
       std::move(call), RequestContext(),
       [this, b, answer, regions, refs, in_region,
        done = std::move(done)](absl::StatusOr<DecodeResult> result) {
-        // As in SubmitDecodeUnsafe: leases end before the answer reaches the client, and the
-        // batcher observes its merged batches itself.
-        regions->ReleaseLeases();
-        if (result.ok() && metrics_ != nullptr && batcher_ == nullptr) {
-          metrics_->ObserveDecodeBatch(b, result->stats);
-        }
-        if (!result.ok()) {
+        if (!DecodeSettled(regions.get(), b, result)) {
           answer->Clear();
           done(result.status());
           return;
@@ -1338,18 +1332,7 @@ absl::Status AttentionService::SubmitDecodeUnsafe(const v1::DecodeRequest& reque
   return decode_queue_->Submit(std::move(call), context,
                                [this, entries, response, regions, &request,
                                 done = std::move(done)](absl::StatusOr<DecodeResult> result) {
-                                 // The reply (done) may reach the client before this callback, and
-                                 // with it the last reference to `regions`, is destroyed: end the
-                                 // leases first, or an UnregisterRegion right after the reply can
-                                 // still see the region in use.
-                                 regions->ReleaseLeases();
-                                 // Without the batcher one decode request is one executed batch;
-                                 // the batcher observes its merged batches itself
-                                 // (DecodeBatcherOptions::on_batch).
-                                 if (result.ok() && metrics_ != nullptr && batcher_ == nullptr) {
-                                   metrics_->ObserveDecodeBatch(entries, result->stats);
-                                 }
-                                 if (!result.ok()) {
+                                 if (!DecodeSettled(regions.get(), entries, result)) {
                                    response->Clear();
                                    done(result.status());
                                    return;
@@ -1366,6 +1349,19 @@ absl::Status AttentionService::SubmitDecodeUnsafe(const v1::DecodeRequest& reque
                                  }
                                  done(absl::OkStatus());
                                });
+}
+
+bool AttentionService::DecodeSettled(RegionTensors* regions, int64_t entries,
+                                     const absl::StatusOr<DecodeResult>& result) {
+  // The reply (done) may reach the client before this callback, and with it the last reference
+  // to the regions, is destroyed: the leases end first, or an UnregisterRegion right after the
+  // reply could still see a region in use.
+  if (regions != nullptr) regions->ReleaseLeases();
+  // DecodeBatcherOptions::on_batch observes the batcher's merged batches.
+  if (result.ok() && metrics_ != nullptr && batcher_ == nullptr) {
+    metrics_->ObserveDecodeBatch(entries, result->stats);
+  }
+  return result.ok();
 }
 
 absl::Status AttentionService::SubmitPackedDecode(const v1::DecodeRequest& request,
@@ -1385,11 +1381,7 @@ absl::Status AttentionService::SubmitPackedDecode(const v1::DecodeRequest& reque
   return decode_queue_->Submit(
       std::move(call), context,
       [this, entries, response, done = std::move(done)](absl::StatusOr<DecodeResult> result) {
-        // As in SubmitDecodeUnsafe: the batcher observes its merged batches itself.
-        if (result.ok() && metrics_ != nullptr && batcher_ == nullptr) {
-          metrics_->ObserveDecodeBatch(entries, result->stats);
-        }
-        if (!result.ok()) {
+        if (!DecodeSettled(/*regions=*/nullptr, entries, result)) {
           response->Clear();
           done(result.status());
           return;

@@ -31,6 +31,8 @@
 
 namespace attnd {
 
+class RegionTensors;  // server/rpc/region_tensors.h
+
 class SessionReactor;
 class WirePrefillCall;
 struct RequestClock;
@@ -202,6 +204,11 @@ class AttentionService : public AttentionServiceBase {
                                   const RequestContext& context, v1::DecodeResponse* response,
                                   std::function<void(absl::Status)> done);  // without CatchAll
   // SubmitDecodeUnsafe for the packed form (server/rpc/packed_decode.h).
+  // The start of every decode's completion: the regions' leases (may be null) end before the
+  // answer reaches the client, and without the batcher one request is one executed batch (the
+  // batcher observes its merged batches itself). Returns result.ok().
+  bool DecodeSettled(RegionTensors* regions, int64_t entries,
+                     const absl::StatusOr<DecodeResult>& result);
   absl::Status SubmitPackedDecode(const v1::DecodeRequest& request, absl::string_view tenant,
                                   const RequestContext& context, v1::DecodeResponse* response,
                                   std::function<void(absl::Status)> done);

@@ -459,14 +459,9 @@ class Ring:
             n = len(part)
             mv[pos:pos + n] = part
             pos += n
-        nxt = (seq + 1) & _SEQ_MASK
-        self._post(nxt)
-        self._wait(nxt, deadline, True)
+        start, n = self._exchange(seq, deadline)
         # The answer: SessionResponse{tag, decode: DecodeResponse{o, lengths}}, as attnd's serializer orders
         # the fields; anything else (an error, another order) goes to the general parser.
-        off = self._response_off
-        n = _U64.unpack_from(self._mm, off)[0]
-        start = off + LENGTH_BYTES
         tf = _TAG_FIELDS[tag]
         p = start + len(tf)
         if n <= self.capacity and mv[start:p] == tf and mv[p] == _DECODE_KEY:
@@ -547,12 +542,7 @@ class Ring:
             if not isinstance(t, _wire.RegionTensor):
                 pos, n = next(inline)
                 mv[base + pos:base + pos + n] = memoryview(t[0]).cast("B")
-        nxt = (seq + 1) & _SEQ_MASK
-        self._post(nxt)
-        self._wait(nxt, deadline, True)
-        off = self._response_off
-        n = _U64.unpack_from(self._mm, off)[0]
-        start = off + LENGTH_BYTES
+        start, n = self._exchange(seq, deadline)
         if n > self.capacity or n < _V2_RESPONSE.size:
             raise _fail(grpc.StatusCode.INTERNAL, "the ring's response claims %d bytes; a frame is %d to %d"
                         % (n, _V2_RESPONSE.size, self.capacity))
@@ -685,16 +675,11 @@ class Ring:
         if pos != HEADER_BYTES + LENGTH_BYTES + size:
             raise _fail(grpc.StatusCode.INTERNAL, "wrote %d request bytes, expected %d"
                         % (pos - HEADER_BYTES - LENGTH_BYTES, size))
-        nxt = (seq + 1) & _SEQ_MASK
-        self._post(nxt)
-        # The answer.
-        self._wait(nxt, deadline, True)
-        off = self._response_off
-        n = struct.unpack_from("<Q", self._mm, off)[0]
+        start, n = self._exchange(seq, deadline)
         if n > self.capacity:
             raise _fail(grpc.StatusCode.INTERNAL, "the ring's response claims %d bytes; the half holds %d"
                         % (n, self.capacity))
-        resp = mv[off + LENGTH_BYTES:off + LENGTH_BYTES + n]
+        resp = mv[start:start + n]
         got_tag, code, message, got_kind, span = _wire.parse_session_response(resp)
         if got_tag != tag:
             raise _fail(grpc.StatusCode.INTERNAL, "the ring answered tag %d for request tag %d" % (got_tag, tag))
@@ -703,6 +688,14 @@ class Ring:
         if got_kind != kind:
             raise _fail(grpc.StatusCode.INTERNAL, "the ring answered a %s with %s" % (kind, got_kind or "nothing"))
         return resp, span
+
+    def _exchange(self, seq, deadline):
+        """Publishes the request written after request `seq` and waits for its answer. -> (offset of the answer in
+        the mapping, its length as the response half says)."""
+        nxt = (seq + 1) & _SEQ_MASK
+        self._post(nxt)
+        self._wait(nxt, deadline, True)
+        return self._response_off + LENGTH_BYTES, _U64.unpack_from(self._mm, self._response_off)[0]
 
     def _fence(self):
         """A full barrier (see the module's docstring): an uncontended lock's atomic read-modify-write."""
