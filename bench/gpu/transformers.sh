@@ -3,7 +3,8 @@
 # docs/BENCHMARKS.md, "transformers"): the adapter's CPU tests against that machine's transformers and torch,
 # the example's path (examples/python/hf_generate.py, random weights), then bench/python/hf_bench.py: tokens
 # identical to sdpa in fp32, bf16 logits with forced tokens, hidden states over 4 DCA chunks against
-# plain-torch DCA, decode tokens/s next to sdpa. Build and bundle here:
+# plain-torch DCA, decode tokens/s next to sdpa, profiles; `--parts million` runs the 1M-token prompt on all 28
+# layers instead (about 74 GiB of device memory between the two processes). Build and bundle here:
 #   bazel build //server:attnd
 #   script/gpu-bundle .gpu bazel-bin/server/attnd   (also writes the Python stubs: .gpu/python)
 # then there, from the repository root:  . .gpu/env.sh && bench/gpu/transformers.sh OUT_DIR [hf_bench args]

@@ -9,18 +9,26 @@ transformers' own attention, on the GPU machine (docs/transformers.md; run by be
   chunks    a prompt over 4 DCA chunks (chunk_size 2048): final hidden states against plain-torch DCA
             (tests/python/dca_torch.py, fp64) and, to show the test can tell, against standard attention;
   decode    decode tokens/s at batch x context, attnd (time per token split into attnd calls and the rest) next
-            to sdpa with transformers' DynamicCache.
+            to sdpa with transformers' DynamicCache; per step from a logits-processor clock and, with no hook in
+            the loop, by difference of two generate() calls;
+  profile   torch's profiler and Python's cProfile over generate() at batch 1, 4K, sdpa and attnd;
+  million   (not in the default parts) the 7B geometry, all 28 layers, a 1,010,000-token prompt with sparse
+            prefill in 16K-token forwards, then 32 decode steps, model and attnd on one GPU: prefill time split
+            into attnd and the rest, decode tokens/s, device memory.
 
 Each part needs its own attnd (started by the script on this GPU) and prints tab-separated lines; a part that
 fails prints its error and the others go on.
 
-    python3 bench/python/hf_bench.py --parts tokens,logits,chunks,decode [--attnd attnd] [--out DIR]
+    python3 bench/python/hf_bench.py [--parts tokens,logits,chunks,decode,profile,million] [--attnd attnd]
 """
 import argparse
 import copy
+import cProfile
 import gc
 import json
 import os
+import pstats
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,11 +58,13 @@ def config_json(name):
 
 
 class Daemon:
-    def __init__(self, binary, config, kv_dtype, kv_bytes, extra=(), device="cuda"):
+    def __init__(self, binary, config, kv_dtype, kv_bytes, extra=(), device="cuda", sparse_from=None):
         self.dir = tempfile.mkdtemp(prefix="hf-bench-")
         path = os.path.join(self.dir, "config.json")
         with open(path, "w") as f:
             json.dump(config, f)
+        if sparse_from:  # the sparse budgets sit beside config.json (docs/DCA.md)
+            shutil.copy(os.path.join(REPO, "configs", sparse_from, "sparse_attention_config.json"), self.dir)
         self.target = "127.0.0.1:%d" % at.free_port()
         self.log = open(os.path.join(self.dir, "attnd.log"), "w")
         self.proc = subprocess.Popen([binary, "--device", device, "--listen", self.target, "--model-config", path,
@@ -84,8 +94,13 @@ def hf_model(config, layers, dtype, seed=0, attn="sdpa"):
     cfg = dict(config, num_hidden_layers=layers)
     hc = transformers.Qwen2Config(**cfg)
     torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = transformers.Qwen2ForCausalLM(hc).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: a 7B model in fp32 first would not fit beside the KV pool
+    try:
+        with torch.device("cuda"):
+            model = transformers.Qwen2ForCausalLM(hc).to(dtype)
+    finally:
+        torch.set_default_dtype(default)
     model.set_attn_implementation(attn)
     return model.eval()
 
@@ -108,7 +123,9 @@ def forced_logits(model, ids, mask, forced, attached):
         if not attached:
             full = torch.cat([ids, forced[:, :-1]], 1)
             m = torch.cat([mask, torch.ones_like(forced[:, :-1])], 1)
-            return model(full, attention_mask=m, logits_to_keep=forced.shape[1]).logits.float()
+            if bool(m.all()):
+                m = None  # no padding: sdpa's causal kernels, no mask materialised
+            return model(full, attention_mask=m, use_cache=False, logits_to_keep=forced.shape[1]).logits.float()
         cache = model._attnd.new_cache()
         cache.set_prompt(mask)
         out = [model(ids, attention_mask=mask, past_key_values=cache, logits_to_keep=1).logits[:, -1]]
@@ -169,8 +186,15 @@ def part_tokens_and_logits(args, parts):
             for label, ids, mask in inputs:
                 mask = mask if mask is not None else torch.ones_like(ids)
                 want_toks, _ = refs[label]
-                exact = forced_logits(ref32, ids, mask, want_toks, False)
-                sdpa = forced_logits(bf, ids, mask, want_toks, False)
+                try:
+                    exact = forced_logits(ref32, ids, mask, want_toks, False)
+                    sdpa = forced_logits(bf, ids, mask, want_toks, False)
+                except torch.cuda.OutOfMemoryError as err:
+                    log("logits", name, label, "reference out of memory: %s" % str(err)[:160])
+                    continue
+                finally:
+                    gc.collect()
+                    torch.cuda.empty_cache()
                 rows.append((label, ids, mask, want_toks, exact, sdpa))
             gc.collect()
             torch.cuda.empty_cache()  # the references' cached blocks: attnd's pool needs the device memory
@@ -240,6 +264,23 @@ class StepClock(transformers.LogitsProcessor):
         return scores
 
 
+def generate_seconds(model, ids, new_tokens):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def decode_step_by_difference(model, ids, new_tokens):
+    """Seconds per decode step with no hook in the loop: generate() of new_tokens + 1 tokens less generate() of
+    one (the prefill and the first token), over new_tokens."""
+    one = min(generate_seconds(model, ids, 1) for _ in range(2))
+    return (generate_seconds(model, ids, new_tokens + 1) - one) / new_tokens
+
+
 def decode_rate(model, ids, new_tokens, chunk):
     clock = StepClock()
     with torch.no_grad():
@@ -261,8 +302,10 @@ def part_decode(args):
         ids = prompt(ctx, batch * 7 + ctx, vocab, batch)
         try:
             p50, mean = decode_rate(model, ids, args.decode_tokens, None)
+            diff = decode_step_by_difference(model, ids, args.decode_tokens)
             log("decode", "sdpa", "7b-%dlayers bf16" % layers, "batch %d" % batch, "context %d" % ctx,
-                "step p50 %.2f ms" % (p50 * 1e3), "tokens/s %.0f" % (batch / mean))
+                "step p50 %.2f ms" % (p50 * 1e3), "tokens/s %.0f" % (batch / mean),
+                "by difference: step %.2f ms, tokens/s %.0f" % (diff * 1e3, batch / diff))
         except torch.cuda.OutOfMemoryError as err:
             log("decode", "sdpa", "batch %d" % batch, "context %d" % ctx, "out of memory: %s" % str(err)[:120])
         gc.collect()
@@ -276,6 +319,7 @@ def part_decode(args):
             for batch, ctx in shapes:
                 ids = prompt(ctx, batch * 7 + ctx, vocab, batch)
                 p50, mean = decode_rate(model, ids, args.decode_tokens, None)
+                diff = decode_step_by_difference(model, ids, args.decode_tokens)
                 # Again with the device synchronized around each attnd call: attnd's share of a step.
                 attachment.timed = True
                 cache = attachment.new_cache()
@@ -294,10 +338,59 @@ def part_decode(args):
                 log("decode", "attnd " + attachment.transport.name, "7b-%dlayers bf16" % layers,
                     "batch %d" % batch, "context %d" % ctx, "step p50 %.2f ms" % (p50 * 1e3),
                     "tokens/s %.0f" % (batch / mean),
+                    "by difference: step %.2f ms, tokens/s %.0f" % (diff * 1e3, batch / diff),
                     "timed step %.2f ms = attnd %.1f us x %d layers + rest %.2f ms" % (
                         timed_step * 1e3, per_layer * 1e6, layers, (timed_step - per_layer * layers) * 1e3),
                     "prefill attnd %.2f s (%d calls)" % (st.prefill_seconds, st.prefill_calls))
             attachment.detach()
+    finally:
+        d.close()
+
+
+def part_million(args):
+    """The 7B geometry, all layers, random weights, a prompt of --million-tokens (sparse prefill on) in
+    --million-chunk-token forwards, then 32 decode steps; model and attnd on one GPU."""
+    config = config_json("qwen2.5-7b-instruct-1m")
+    n, chunk, steps = args.million_tokens, args.million_chunk, 32
+    d = Daemon(args.attnd, config, "bf16", args.million_kv_bytes, sparse_from="qwen2.5-7b-instruct-1m",
+               extra=("--max-sequence-length", str(n + 64), "--ring-spin-us", str(args.ring_spin_us)))
+    try:
+        model = hf_model(config, config["num_hidden_layers"], torch.bfloat16)
+        attachment = ahf.attach(model, d.client, max_tokens_per_call=chunk, timed=True)
+        ids = prompt(n, 17, config["vocab_size"])
+        cache = attachment.new_cache()
+        cache.set_prompt(None, ids)
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for s in range(0, n, chunk):
+                out = model(ids[:, s:s + chunk], past_key_values=cache, logits_to_keep=1)
+        torch.cuda.synchronize()
+        prefill = time.perf_counter() - t0
+        used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader"],
+                              capture_output=True, text=True).stdout.strip()
+        log("million", "7b-28layers bf16", "prompt %d tokens in %d-token forwards" % (n, chunk),
+            "prefill %.1f s = attnd %.1f s (%d calls) + rest %.1f s" % (
+                prefill, cache.stats.prefill_seconds, cache.stats.prefill_calls,
+                prefill - cache.stats.prefill_seconds),
+            "device memory in use (both processes) %s" % used,
+            "model process peak %.1f GiB" % (torch.cuda.max_memory_allocated() / 2**30))
+        tok = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(steps):
+                tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        took = time.perf_counter() - t0
+        info = d.client.info()
+        log("million", "decode %d steps at %d tokens: %.1f ms/step, %.2f tokens/s; attnd %.0f us per layer call" % (
+            steps, n, took / steps * 1e3, steps / took, 1e6 * cache.stats.decode_seconds / max(1, cache.stats.decode_calls)),
+            "sequence length in attnd %d" % (cache.lengths[0]),
+            "KV pages used %d of %d" % (info.kv_cache.pages_total - info.kv_cache.pages_free, info.kv_cache.pages_total))
+        cache.release()
+        attachment.detach()
     finally:
         d.close()
 
@@ -322,6 +415,15 @@ def part_profile(args):
         print("## profile %s: generate() of 9 tokens after 4096 (8 decode steps)" % name, flush=True)
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=60),
               flush=True)
+        # The Python side of the same (where the adapter's and the client's time goes), by function.
+        py = cProfile.Profile()
+        with torch.no_grad():
+            py.enable()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=33, min_new_tokens=33,
+                           do_sample=False, pad_token_id=0)
+            py.disable()
+        print("## Python profile %s: generate() of 33 tokens after 4096" % name, flush=True)
+        pstats.Stats(py, stream=sys.stdout).sort_stats("tottime").print_stats(18)
     model._attnd.detach()
     d.close()
 
@@ -340,6 +442,9 @@ def main():
     ap.add_argument("--transports", default="auto")
     ap.add_argument("--ring-spin-us", type=int, default=2000, help="attnd --ring-spin-us for the decode part")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--million-tokens", type=int, default=1010000)
+    ap.add_argument("--million-chunk", type=int, default=16384)
+    ap.add_argument("--million-kv-bytes", type=int, default=int(54.5 * 2**30))
     args = ap.parse_args()
     parts = args.parts.split(",")
     log("versions", "transformers %s" % transformers.__version__, "torch %s" % torch.__version__,
@@ -353,6 +458,8 @@ def main():
         jobs.append(("decode", lambda: part_decode(args)))
     if "profile" in parts:
         jobs.append(("profile", lambda: part_profile(args)))
+    if "million" in parts:
+        jobs.append(("million", lambda: part_million(args)))
     status = 0
     for name, job in jobs:
         t0 = time.time()
