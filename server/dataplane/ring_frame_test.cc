@@ -124,7 +124,8 @@ TEST(RingFrame, DecodeNamesEverySequenceAndNoPromptLen) {
   f.Inline(&f.h.k, 1, {3, 1, 4}, std::string(24, 'k'));
   f.Inline(&f.h.v, 1, {3, 1, 4}, std::string(24, 'v'));
   RequestFrame r;
-  ASSERT_TRUE(Parse(f.Bytes(), &r).ok()) << Parse(f.Bytes());
+  const std::string bytes = f.Bytes();  // r's ids are views into it
+  ASSERT_TRUE(Parse(bytes, &r).ok()) << Parse(bytes);
   EXPECT_EQ(r.op, v2::kDecode);
   EXPECT_EQ(r.sequence_ids, (std::vector<absl::string_view>{"a", "bb", "ccc"}));
   EXPECT_FALSE(r.prompt_len.has_value());
