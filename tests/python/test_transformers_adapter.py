@@ -189,6 +189,29 @@ class TransformersAdapter(at.DaemonTestCase, unittest.TestCase):
                 self.assertIn(message, str(ctx.exception))
         self.assertEqual(self.client.info().live_sequences, 0)
 
+    def test_what_the_geometry_check_accepts_and_refuses_besides_numbers(self):
+        # No dual_chunk_attention_config (a plain Qwen2 config): accepted, the daemon's DCA applies.
+        plain = types.SimpleNamespace(**{k: v for k, v in CONFIG.items() if k != "dual_chunk_attention_config"})
+        self.assertEqual(hf.check_geometry(plain, self.info)["num_kv_heads"], 2)
+        # A dual_chunk_attention_config missing keys takes DCA.md's defaults (chunk_size 8192), so it differs.
+        partial = types.SimpleNamespace(**dict(CONFIG, dual_chunk_attention_config={"local_size": 32}))
+        with self.assertRaisesRegex(hf.GeometryMismatch, "chunk_size is 8192 but the attnd daemon's is 160"):
+            hf.check_geometry(partial, self.info)
+        sliding = types.SimpleNamespace(**dict(CONFIG, use_sliding_window=True))
+        with self.assertRaisesRegex(hf.GeometryMismatch, "sliding-window"):
+            hf.check_geometry(sliding, self.info)
+        # transformers 5 keeps rope_theta in rope_parameters.
+        moved = {k: v for k, v in CONFIG.items() if k != "rope_theta"}
+        moved["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        self.assertEqual(hf.check_geometry(types.SimpleNamespace(**moved), self.info)["rope_theta"], 10000.0)
+        moved["rope_parameters"]["rope_theta"] = 5e5
+        with self.assertRaisesRegex(hf.GeometryMismatch, "rope_theta is 500000.0"):
+            hf.check_geometry(types.SimpleNamespace(**moved), self.info)
+        # A dtype attnd does not take is refused before anything is created.
+        with self.assertRaisesRegex(TypeError, "float64"):
+            hf.attach(tiny_qwen2.build(self.config, dtype=torch.float64), self.client)
+        self.assertEqual(self.client.info().live_sequences, 0)
+
     def test_fewer_layers_than_the_daemon_serves_is_fine(self):
         config = types.SimpleNamespace(**dict(CONFIG, num_hidden_layers=1))
         model = tiny_qwen2.build(config, seed=5)
