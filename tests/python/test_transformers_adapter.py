@@ -137,6 +137,22 @@ class TransformersAdapter(at.DaemonTestCase, unittest.TestCase):
         gc.collect()
         self.assertEqual(self.client.info().live_sequences, 0)
 
+    def test_prompt_rows_repeated_after_the_prompt_was_given(self):
+        # As generate(num_return_sequences=2) does: the cache hears the prompt's 2 rows (generate()'s arguments),
+        # then the model's forward gets each row twice.
+        ids, mask = prompts([40, 17])
+        ids2, mask2 = ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)
+        attachment = hf.attach(self.model, self.client, transport="grpc")
+        cache = attachment.new_cache()
+        cache.set_prompt(mask)
+        with torch.no_grad():
+            got = self.model(ids2, attention_mask=mask2, past_key_values=cache).logits[:, -1]
+            want = self.reference(ids2, attention_mask=mask2, use_cache=False).logits[:, -1]
+        self.assertLess(float((got - want).abs().max()), TOKENS_ATOL)
+        self.assertEqual(cache.prompt_lengths, [40, 40, 17, 17])
+        self.assertEqual(cache.lengths, [40, 40, 17, 17])
+        cache.release()
+
     def test_sequences_released_when_generation_raises(self):
         ids, mask = prompts([12, 30])
         hf.attach(self.model, self.client, transport="grpc")

@@ -422,6 +422,13 @@ class AttndCache(_HfCache):
             valid = (attention_mask[:, -t:] != 0).cpu()
         prompt_lens = None
         if self.prompt_lengths is not None and self.columns + t <= self._prompt_columns:
+            n = len(self.prompt_lengths)
+            if n != rows:
+                # generate() repeats each prompt row (repeat_interleave) for num_return_sequences after it
+                # handed over the prompt: each row's length, repeated the same way.
+                if rows % n:
+                    raise ValueError("the prompt had %d rows but the forward has %d" % (n, rows))
+                self.prompt_lengths = [x for x in self.prompt_lengths for _ in range(rows // n)]
             prompt_lens = self.prompt_lengths
         self._forward = _Forward(valid, self.lengths, prompt_lens)
 
