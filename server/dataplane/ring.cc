@@ -156,13 +156,13 @@ thread_local int t_ring_state = 0;
 
 }  // namespace
 
-bool MayRunInlineOnRingThread() { return t_ring_state == 1; }
-
-void RunInlineOnRingThread(const std::function<void()>& fn) {
-  const int was = t_ring_state;
-  t_ring_state = 2;
+absl::Status RunOnRingThreadOr(
+    std::function<void()> fn, const std::function<absl::Status(std::function<void()>)>& elsewhere) {
+  if (t_ring_state != 1) return elsewhere(std::move(fn));
+  t_ring_state = 2;  // work that fn itself starts goes elsewhere
   fn();
-  t_ring_state = was;
+  t_ring_state = 1;
+  return absl::OkStatus();
 }
 
 // One open ring and its thread. The request and response objects belong to the request in

@@ -53,14 +53,12 @@ struct RingSpinStats {
   int64_t spins_refused = 0;                 // spins refused by the limits (the thread slept)
 };
 
-// True on a ring's server thread while it hands a request to the handler (and not inside work
-// that this already runs inline): the thread would only wait for the answer, so the handler may
-// run the work right here instead of waking a worker (a thread hop costs tens of microseconds on
-// a VM). Nested work (a batch launched from inside one) is not inline.
-bool MayRunInlineOnRingThread();
-
-// Runs fn as inline work of a ring thread (MayRunInlineOnRingThread is false inside it).
-void RunInlineOnRingThread(const std::function<void()>& fn);
+// On a ring's server thread while it hands a request to the handler (and not inside work that
+// this already runs inline), runs fn right here and returns OK: the thread would only wait for the
+// answer, and waking a worker costs tens of microseconds on a VM. Anywhere else (and for nested
+// work, such as a batch launched from inside one) hands fn to `elsewhere` and returns its status.
+absl::Status RunOnRingThreadOr(std::function<void()> fn,
+                               const std::function<absl::Status(std::function<void()>)>& elsewhere);
 
 class RingServer {
  public:

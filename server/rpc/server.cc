@@ -619,11 +619,9 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
         [workers](std::function<void()> fn) {
           // A batch launched by a ring's own request runs on that ring's thread, which would
           // only wait for it (docs/regions.md, "Rings"); every other batch on a worker.
-          if (MayRunInlineOnRingThread()) {
-            RunInlineOnRingThread(fn);
-            return absl::OkStatus();
-          }
-          return workers->Submit(std::move(fn));
+          return RunOnRingThreadOr(std::move(fn), [workers](std::function<void()> f) {
+            return workers->Submit(std::move(f));
+          });
         },
         Clock::Real(), /*start_timer=*/true);
     if (!batcher.ok()) return batcher.status();

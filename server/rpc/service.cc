@@ -748,12 +748,7 @@ absl::Status AttentionService::SubmitSessionRequest(const v1::SessionRequest& re
         scope->End(s, 0);
         done(std::move(s));
       };
-      // A ring's thread would only wait for it: run it there (server/dataplane/ring.h).
-      if (MayRunInlineOnRingThread()) {
-        RunInlineOnRingThread(run);
-        return absl::OkStatus();
-      }
-      return work_queue_->Submit(std::move(run));
+      return SubmitWork(std::move(run));
     }
     case v1::SessionRequest::kDecode:
       return SubmitDecode(request.decode(), scope->tenant(), RequestContext(),
@@ -865,12 +860,7 @@ absl::Status AttentionService::SubmitRingFrame(const RequestFrame& frame, absl::
     scope->End(s, 0);
     done(std::move(s));
   };
-  // A ring's thread would only wait for it: run it there (server/dataplane/ring.h).
-  if (MayRunInlineOnRingThread()) {
-    RunInlineOnRingThread(run);
-    return absl::OkStatus();
-  }
-  return work_queue_->Submit(std::move(run));
+  return SubmitWork(std::move(run));
 }
 
 absl::Status AttentionService::SubmitFrameDecode(const RequestFrame& frame,
@@ -1349,6 +1339,13 @@ absl::Status AttentionService::SubmitDecodeUnsafe(const v1::DecodeRequest& reque
                                  }
                                  done(absl::OkStatus());
                                });
+}
+
+absl::Status AttentionService::SubmitWork(std::function<void()> run) {
+  // A ring's thread would only wait for it: it runs there (server/dataplane/ring.h).
+  return RunOnRingThreadOr(std::move(run), [this](std::function<void()> fn) {
+    return work_queue_->Submit(std::move(fn));
+  });
 }
 
 bool AttentionService::DecodeSettled(RegionTensors* regions, int64_t entries,

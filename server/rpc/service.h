@@ -204,6 +204,8 @@ class AttentionService : public AttentionServiceBase {
                                   const RequestContext& context, v1::DecodeResponse* response,
                                   std::function<void(absl::Status)> done);  // without CatchAll
   // SubmitDecodeUnsafe for the packed form (server/rpc/packed_decode.h).
+  // Runs a prefill's work on the calling ring's thread, or queues it for a worker.
+  absl::Status SubmitWork(std::function<void()> run);
   // The start of every decode's completion: the regions' leases (may be null) end before the
   // answer reaches the client, and without the batcher one request is one executed batch (the
   // batcher observes its merged batches itself). Returns result.ok().
