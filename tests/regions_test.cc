@@ -24,8 +24,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "attnd/v1/attention.grpc.pb.h"
+#include "attnd/v1/ring_frame.h"
 #include "attnd/v1/shm_ring.h"
 #include "base/clock.h"
+#include "base/mutex.h"
+#include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "server/dataplane/ring.h"
@@ -978,6 +981,150 @@ TEST(RingSpinTest, ASleepingRingLeavesItsTurnToABusyOne) {
   EXPECT_GE(after.spins - before.spins,
             190);  // one after each answer (the last may not have begun)
   EXPECT_EQ(after.spins_refused - before.spins_refused, 0);
+  rings.Shutdown();
+}
+
+// Device-ordered rings without a GPU: an opener that hands out made-up events shows what the ring
+// does with them. OpenRing creates a pair only where asked for, on a version 2 ring and an engine
+// with events; a frame flagged kDeviceOrdered reaches the handler with its ring's pair, and on a
+// ring without one it is refused before the handler; closing the ring destroys both.
+class FakeEvents : public DeviceMemoryOpener {
+ public:
+  absl::StatusOr<Mapping> OpenIpcHandle(absl::string_view) override {
+    return absl::InvalidArgumentError("no CUDA here");
+  }
+  void CloseIpcHandle(void*) override {}
+  absl::StatusOr<IpcEvent> CreateIpcEvent() override {
+    MutexLock lock(&mu_);
+    IpcEvent e;
+    e.event = reinterpret_cast<void*>(static_cast<uintptr_t>(++created_));
+    e.handle = absl::StrCat("event-", created_);
+    return e;
+  }
+  void DestroyIpcEvent(void* event) override {
+    MutexLock lock(&mu_);
+    destroyed_.push_back(reinterpret_cast<uintptr_t>(event));
+  }
+  std::vector<uintptr_t> destroyed() {
+    MutexLock lock(&mu_);
+    return destroyed_;
+  }
+
+ private:
+  Mutex mu_;
+  int created_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<uintptr_t> destroyed_ ABSL_GUARDED_BY(mu_);
+};
+
+// A decode frame of one sequence with 4-byte inline q, k, v (the parser judges bounds, not shapes).
+std::string TinyDecodeFrame(uint32_t flags) {
+  namespace v2 = ring::v2;
+  v2::RequestHeader h{};
+  h.magic = v2::kRequestMagic;
+  h.op = v2::kDecode;
+  h.tag = 7;
+  h.num_sequences = 1;
+  h.flags = flags;
+  h.ids_offset = sizeof(h);
+  const uint64_t id_at = sizeof(h) + sizeof(v2::StrRef), data_at = 384;
+  for (v2::Tensor* t : {&h.q, &h.k, &h.v}) {
+    t->where = v2::kInline;
+    t->rank = 1;
+    t->dtype = 3;
+    t->offset = data_at;
+    t->bytes = 4;
+    t->shape[0] = 1;
+  }
+  std::string frame(data_at + 4, '\0');
+  std::memcpy(frame.data(), &h, sizeof(h));
+  const v2::StrRef id{static_cast<uint32_t>(id_at), 1};
+  std::memcpy(frame.data() + sizeof(h), &id, sizeof(id));
+  frame[id_at] = 'a';
+  return frame;
+}
+
+int32_t ResponseCode(const std::string& response, std::string* message) {
+  ring::v2::ResponseHeader r{};
+  std::memcpy(&r, response.data(), std::min(response.size(), sizeof(r)));
+  if (r.message_offset + r.message_bytes <= response.size()) {
+    *message = response.substr(r.message_offset, r.message_bytes);
+  }
+  return r.code;
+}
+
+TEST(RingDeviceEventsTest, EventsAreCreatedOnlyWhereAskedAndReachTheHandler) {
+  RegionRegistry registry(RegionRegistryOptions{}, nullptr, Clock::Real());
+  RingServer rings(&registry, RingOptions{});
+  FakeEvents events;
+  struct Seen {
+    bool ordered = false;
+    void* ready = nullptr;
+    void* done = nullptr;
+  };
+  Mutex mu;
+  std::vector<Seen> seen;
+  rings.SetHandler(
+      [](const v1::SessionRequest&, absl::string_view, v1::SessionResponse*,
+         std::function<void(absl::Status)>) { return absl::UnimplementedError("version 1"); });
+  rings.SetFrameHandler([&](const RequestFrame& frame, absl::string_view, FrameAnswer*,
+                            std::function<void(absl::Status)> done) {
+    {
+      MutexLock lock(&mu);
+      seen.push_back({frame.device_ordered, frame.ready_event, frame.done_event});
+    }
+    done(absl::UnavailableError("the test's handler runs nothing"));
+    return absl::OkStatus();
+  });
+
+  HandRing v2_ring(64 * 1024);
+  v2_ring.header()->version = ring::v2::kVersion;
+  // No events from the engine (the CPU backend, a sharded engine): FAILED_PRECONDITION.
+  absl::StatusOr<RingServer::Opened> opened =
+      rings.Open("", v2_ring.name(), v2_ring.bytes(), /*device_events=*/true);
+  EXPECT_EQ(opened.status().code(), absl::StatusCode::kFailedPrecondition) << opened.status();
+  EXPECT_THAT(std::string(opened.status().message()), ::testing::HasSubstr("one CUDA GPU"));
+
+  rings.SetDeviceEvents(&events);
+  HandRing v1_ring(64 * 1024);
+  opened = rings.Open("", v1_ring.name(), v1_ring.bytes(), /*device_events=*/true);
+  EXPECT_EQ(opened.status().code(), absl::StatusCode::kInvalidArgument) << opened.status();
+  EXPECT_TRUE(events.destroyed().empty());
+
+  opened = rings.Open("", v2_ring.name(), v2_ring.bytes(), /*device_events=*/true);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_EQ(opened->ready_event, "event-1");
+  EXPECT_EQ(opened->done_event, "event-2");
+  std::string response, message;
+  ASSERT_TRUE(v2_ring.RoundTrip(TinyDecodeFrame(ring::v2::kDeviceOrdered), &response, false));
+  EXPECT_EQ(ResponseCode(response, &message), static_cast<int32_t>(absl::StatusCode::kUnavailable));
+  ASSERT_TRUE(v2_ring.RoundTrip(TinyDecodeFrame(0), &response, false));
+  {
+    MutexLock lock(&mu);
+    ASSERT_EQ(seen.size(), 2u);
+    EXPECT_TRUE(seen[0].ordered);
+    EXPECT_EQ(seen[0].ready, reinterpret_cast<void*>(1));
+    EXPECT_EQ(seen[0].done, reinterpret_cast<void*>(2));
+    EXPECT_FALSE(seen[1].ordered);
+    EXPECT_EQ(seen[1].ready, nullptr);
+  }
+
+  // A ring opened without events: the flag is refused before the handler.
+  HandRing plain(64 * 1024);
+  plain.header()->version = ring::v2::kVersion;
+  absl::StatusOr<RingServer::Opened> plain_opened = rings.Open("", plain.name(), plain.bytes());
+  ASSERT_TRUE(plain_opened.ok()) << plain_opened.status();
+  EXPECT_TRUE(plain_opened->ready_event.empty());
+  ASSERT_TRUE(plain.RoundTrip(TinyDecodeFrame(ring::v2::kDeviceOrdered), &response, false));
+  EXPECT_EQ(ResponseCode(response, &message),
+            static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(message, ::testing::HasSubstr("opened without device_events"));
+  {
+    MutexLock lock(&mu);
+    EXPECT_EQ(seen.size(), 2u);
+  }
+
+  ASSERT_TRUE(rings.Close("", opened->ring_id).ok());
+  EXPECT_THAT(events.destroyed(), ::testing::UnorderedElementsAre(1u, 2u));
   rings.Shutdown();
 }
 

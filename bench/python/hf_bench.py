@@ -315,7 +315,10 @@ def part_decode(args):
     d = Daemon(args.attnd, config, "bf16", args.decode_kv_bytes, extra=("--ring-spin-us", str(args.ring_spin_us)))
     try:
         for transport in args.transports.split(","):
-            attachment = ahf.attach(model, d.client, transport=transport, max_tokens_per_call=8192)
+            # "NAME+host": the same transport with the host synchronising each call (no device events).
+            name, _, host = transport.partition("+")
+            attachment = ahf.attach(model, d.client, transport=name, max_tokens_per_call=8192,
+                                    device_events=host != "host")
             for batch, ctx in shapes:
                 ids = prompt(ctx, batch * 7 + ctx, vocab, batch)
                 p50, mean = decode_rate(model, ids, args.decode_tokens, None)
@@ -335,7 +338,10 @@ def part_decode(args):
                 steps = sorted(b - a for a, b in zip(clock.times[1:], clock.times[2:]))
                 timed_step = sum(steps) / len(steps)
                 per_layer = st.decode_seconds / max(1, st.decode_calls)
-                log("decode", "attnd " + attachment.transport.name, "7b-%dlayers bf16" % layers,
+                calls = attachment.transport.calls if hasattr(attachment.transport, "calls") else None
+                name = attachment.transport.name + (
+                    " device-ordered" if getattr(calls, "device_events", False) else "")
+                log("decode", "attnd " + name, "7b-%dlayers bf16" % layers,
                     "batch %d" % batch, "context %d" % ctx, "step p50 %.2f ms" % (p50 * 1e3),
                     "tokens/s %.0f" % (batch / mean),
                     "by difference: step %.2f ms, tokens/s %.0f" % (diff * 1e3, batch / diff),
@@ -364,8 +370,12 @@ def part_million(args):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
-            for s in range(0, n, chunk):
+            for i, s in enumerate(range(0, n, chunk)):
                 out = model(ids[:, s:s + chunk], past_key_values=cache, logits_to_keep=1)
+                if i % 8 == 7:  # progress, so a run cut short by a time limit still says how far it got
+                    torch.cuda.synchronize()
+                    log("million", "progress: %d tokens after %.1f s (attnd %.1f s)" % (
+                        s + chunk, time.perf_counter() - t0, cache.stats.prefill_seconds))
         torch.cuda.synchronize()
         prefill = time.perf_counter() - t0
         used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader"],
@@ -439,7 +449,8 @@ def main():
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--decode-kv-bytes", type=int, default=24 << 30)
     ap.add_argument("--shapes", default="1x4096,8x4096,32x4096,1x32768,8x32768,1x131072")
-    ap.add_argument("--transports", default="auto")
+    ap.add_argument("--transports", default="auto,auto+host",
+                    help="attach() transports for the decode part; NAME+host: without device events")
     ap.add_argument("--ring-spin-us", type=int, default=2000, help="attnd --ring-spin-us for the decode part")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--million-tokens", type=int, default=1010000)

@@ -45,6 +45,19 @@ class DeviceMemoryOpener {
   // INVALID_ARGUMENT for a handle that does not open here (another host, another GPU, freed).
   virtual absl::StatusOr<Mapping> OpenIpcHandle(absl::string_view handle) = 0;
   virtual void CloseIpcHandle(void* device_ptr) = 0;
+
+  // A CUDA event on the engine's device that another process can open (cudaIpcGetEventHandle),
+  // for device-ordered rings (DeviceOrder): attnd creates the events, so it never opens an event
+  // handle a client made up.
+  struct IpcEvent {
+    void* event = nullptr;  // cudaEvent_t
+    std::string handle;     // cudaIpcEventHandle_t's bytes
+  };
+  // FAILED_PRECONDITION where the engine cannot order work by events.
+  virtual absl::StatusOr<IpcEvent> CreateIpcEvent() {
+    return absl::FailedPreconditionError("this engine has no device events");
+  }
+  virtual void DestroyIpcEvent(void* /*event*/) {}
 };
 
 // One registered region. Immutable after registration except the counters.

@@ -169,9 +169,11 @@ absl::Status RunOnRingThreadOr(
 // flight (at most one: the thread takes the next only after the answer is written).
 class RingServer::Ring {
  public:
-  Ring(RingServer* server, std::string tenant, RegionLease lease, uint64_t half, uint32_t version)
+  Ring(RingServer* server, std::string tenant, RegionLease lease, uint64_t half, uint32_t version,
+       RingEvents events)
       : server_(server),
         version_(version),
+        events_(events),
         tenant_(std::move(tenant)),
         lease_(std::move(lease)),
         header_(reinterpret_cast<ring::Header*>(lease_->base)),
@@ -184,7 +186,12 @@ class RingServer::Ring {
     };
   }
 
-  ~Ring() { Stop(); }
+  ~Ring() {
+    Stop();
+    // Destroying an event with work still to record it is allowed: CUDA frees it afterwards.
+    if (events_.ready != nullptr) server_->events_->DestroyIpcEvent(events_.ready);
+    if (events_.done != nullptr) server_->events_->DestroyIpcEvent(events_.done);
+  }
 
   const std::string& id() const { return lease_->id; }
   const std::string& tenant() const { return tenant_; }
@@ -312,6 +319,15 @@ class RingServer::Ring {
     frame_tag_ = FrameTag(frame);
     if (absl::Status s = ParseRequestFrame(frame, &frame_); !s.ok()) return Answer(std::move(s));
     frame_op_ = frame_.op;
+    if (frame_.device_ordered) {
+      if (events_.ready == nullptr) {
+        return Answer(absl::InvalidArgumentError(
+            "the frame asks to be ordered on the device (flag kDeviceOrdered), but its ring was "
+            "opened without device_events"));
+      }
+      frame_.ready_event = events_.ready;
+      frame_.done_event = events_.done;
+    }
     if (!server_->frame_handler_) {
       return Answer(absl::UnimplementedError("this server reads no version 2 ring frames"));
     }
@@ -496,7 +512,8 @@ class RingServer::Ring {
   }
 
   RingServer* const server_;
-  const uint32_t version_;  // ring::kVersion (protobuf) or ring::v2::kVersion (frames)
+  const uint32_t version_;   // ring::kVersion (protobuf) or ring::v2::kVersion (frames)
+  const RingEvents events_;  // owned: destroyed with the ring
   const std::string tenant_;
   RegionLease lease_;
   ring::Header* const header_;
@@ -531,6 +548,8 @@ RingServer::~RingServer() { Shutdown(); }
 void RingServer::SetHandler(Handler handler) { handler_ = std::move(handler); }
 
 void RingServer::SetFrameHandler(FrameHandler handler) { frame_handler_ = std::move(handler); }
+
+void RingServer::SetDeviceEvents(DeviceMemoryOpener* events) { events_ = events; }
 
 void RingServer::SetRequestBudget(ByteBudget* budget, int64_t max_request_bytes) {
   budget_ = budget;
@@ -568,7 +587,8 @@ RingSpinStats RingServer::spin_stats() const {
 }
 
 absl::StatusOr<RingServer::Opened> RingServer::Open(absl::string_view tenant,
-                                                    absl::string_view name, uint64_t bytes) {
+                                                    absl::string_view name, uint64_t bytes,
+                                                    bool device_events) {
   {
     MutexLock lock(&mu_);
     if (shut_down_) return absl::UnavailableError("the server is shutting down");
@@ -614,14 +634,37 @@ absl::StatusOr<RingServer::Opened> RingServer::Open(absl::string_view tenant,
     bad = absl::InvalidArgumentError(
         "the ring's request_seq and response_seq differ: open a ring with no request in it");
   }
+  if (bad.ok() && device_events && header.version != ring::v2::kVersion) {
+    bad =
+        absl::InvalidArgumentError(absl::StrCat("device_events need a version ", ring::v2::kVersion,
+                                                " ring; this one is version ", header.version));
+  } else if (bad.ok() && device_events && events_ == nullptr) {
+    bad = absl::FailedPreconditionError(
+        "device_events need attnd on one CUDA GPU (--device cuda, one shard); this one has no "
+        "device events");
+  }
+  Opened opened;
+  RingEvents events;
+  if (bad.ok() && device_events) {
+    absl::StatusOr<DeviceMemoryOpener::IpcEvent> ready = events_->CreateIpcEvent();
+    absl::StatusOr<DeviceMemoryOpener::IpcEvent> done =
+        ready.ok() ? events_->CreateIpcEvent() : ready.status();
+    if (ready.ok() && done.ok()) {
+      events = {ready->event, done->event};
+      opened.ready_event = ready->handle;
+      opened.done_event = done->handle;
+    } else {
+      if (ready.ok()) events_->DestroyIpcEvent(ready->event);
+      bad = done.status();
+    }
+  }
   if (!bad.ok()) {
     *lease = RegionLease();
     registry_->Unregister(tenant, region->id, /*ring=*/true).IgnoreError();
     return bad;
   }
-  auto ring =
-      std::make_unique<Ring>(this, std::string(tenant), *std::move(lease), half, header.version);
-  Opened opened;
+  auto ring = std::make_unique<Ring>(this, std::string(tenant), *std::move(lease), half,
+                                     header.version, events);
   opened.ring_id = ring->id();
   opened.request_capacity = ring->capacity();
   opened.response_capacity = ring->capacity();

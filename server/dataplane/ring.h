@@ -83,6 +83,10 @@ class RingServer {
   void SetHandler(Handler handler);
   // Without one, OpenRing refuses version 2 rings.
   void SetFrameHandler(FrameHandler handler);
+  // Where device-ordered rings' events come from (the engine's device; must outlive the server).
+  // Without it Open refuses device_events. Set once, before the first Open.
+  void SetDeviceEvents(DeviceMemoryOpener* events);
+  bool device_events() const { return events_ != nullptr; }
   // Each request copied out of a ring is request bytes: taken from `budget` (may be null) while
   // attnd holds the copy, and no request may be longer than max_request_bytes (0: no cap), the
   // message limit. Set once, before the first Open.
@@ -94,11 +98,17 @@ class RingServer {
     std::string ring_id;
     uint64_t request_capacity = 0;
     uint64_t response_capacity = 0;
+    // With device_events: the two events' CUDA IPC handles (ready: the client records it, done:
+    // attnd does), as OpenRingResponse carries them.
+    std::string ready_event;
+    std::string done_event;
   };
-  // Maps the client's object, checks its header, starts its thread. INVALID_ARGUMENT for a bad
-  // object or header (a version other than 1 or 2 among them), RESOURCE_EXHAUSTED for the tenant's
-  // limits, UNAVAILABLE after Shutdown.
-  absl::StatusOr<Opened> Open(absl::string_view tenant, absl::string_view name, uint64_t bytes);
+  // Maps the client's object, checks its header, starts its thread; with device_events also
+  // creates the ring's two events (a version 2 ring only). INVALID_ARGUMENT for a bad object or
+  // header (a version other than 1 or 2 among them), RESOURCE_EXHAUSTED for the tenant's limits,
+  // FAILED_PRECONDITION for device_events without SetDeviceEvents, UNAVAILABLE after Shutdown.
+  absl::StatusOr<Opened> Open(absl::string_view tenant, absl::string_view name, uint64_t bytes,
+                              bool device_events = false);
   // Stops the ring's thread once its request in flight (if any) is answered, marks it closed and
   // unmaps it. NOT_FOUND for an unknown id or another tenant's ring.
   absl::Status Close(absl::string_view tenant, absl::string_view id);
@@ -117,8 +127,15 @@ class RingServer {
   bool BeginSpin(const std::string& tenant);
   void EndSpin(const std::string& tenant);
 
+  // A device-ordered ring's events (RingServer::Open with device_events), else null.
+  struct RingEvents {
+    void* ready = nullptr;
+    void* done = nullptr;
+  };
+
   RegionRegistry* const registry_;
   const RingOptions options_;
+  DeviceMemoryOpener* events_ = nullptr;
   Handler handler_;
   FrameHandler frame_handler_;
   ByteBudget* budget_ = nullptr;

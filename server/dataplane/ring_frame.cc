@@ -90,9 +90,10 @@ absl::Status ParseRequestFrame(absl::string_view frame, RequestFrame* out) {
   if (h.op != v2::kPrefill && h.op != v2::kDecode) {
     return Bad(absl::StrCat("op ", h.op, " is neither prefill (1) nor decode (2)"));
   }
-  if ((h.flags & ~v2::kHasPromptLen) != 0 || h.reserved != 0) {
-    return Bad(absl::StrCat("unknown flags 0x", absl::Hex(h.flags & ~v2::kHasPromptLen),
-                            " or reserved ", h.reserved, " set; both must be 0"));
+  constexpr uint32_t kKnownFlags = v2::kHasPromptLen | v2::kDeviceOrdered;
+  if ((h.flags & ~kKnownFlags) != 0 || h.reserved != 0) {
+    return Bad(absl::StrCat("unknown flags 0x", absl::Hex(h.flags & ~kKnownFlags), " or reserved ",
+                            h.reserved, " set; both must be 0"));
   }
   const uint32_t n = h.num_sequences;
   if (h.op == v2::kPrefill && n != 1) {
@@ -115,6 +116,8 @@ absl::Status ParseRequestFrame(absl::string_view frame, RequestFrame* out) {
   out->q_layout = h.q_layout;
   out->prompt_len.reset();
   if ((h.flags & v2::kHasPromptLen) != 0) out->prompt_len = h.prompt_len;
+  out->device_ordered = (h.flags & v2::kDeviceOrdered) != 0;
+  out->ready_event = out->done_event = nullptr;
   out->sequence_ids.resize(n);
   for (uint32_t i = 0; i < n; ++i) {
     v2::StrRef ref;

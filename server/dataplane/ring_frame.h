@@ -40,7 +40,12 @@ struct RequestFrame {
   std::optional<int64_t> prompt_len;
   std::vector<absl::string_view> sequence_ids;  // 1 for kPrefill, B for kDecode; inside the frame
   FrameTensor q, k, v;
-  FrameTensor o;  // kAbsent or kRegion
+  FrameTensor o;                // kAbsent or kRegion
+  bool device_ordered = false;  // ring::v2::kDeviceOrdered
+  // With device_ordered, the ring's events (cudaEvent_t; RingServer sets them, the parser leaves
+  // them null): ready is the client's "inputs written", done attnd's "output written".
+  void* ready_event = nullptr;
+  void* done_event = nullptr;
 };
 
 // Reads `frame` (all of it: the bytes the length field names). Every offset and length is checked

@@ -130,6 +130,15 @@ TEST(RingFrame, DecodeNamesEverySequenceAndNoPromptLen) {
   EXPECT_EQ(r.sequence_ids, (std::vector<absl::string_view>{"a", "bb", "ccc"}));
   EXPECT_FALSE(r.prompt_len.has_value());
   EXPECT_EQ(r.o.where, v2::kAbsent);
+  EXPECT_FALSE(r.device_ordered);
+  // The ring fills in its events for a device-ordered frame; a reused frame starts without them.
+  r.ready_event = r.done_event = &r;
+  f.h.flags = v2::kDeviceOrdered;
+  const std::string ordered = f.Bytes();
+  ASSERT_TRUE(Parse(ordered, &r).ok());
+  EXPECT_TRUE(r.device_ordered);
+  EXPECT_EQ(r.ready_event, nullptr);
+  EXPECT_EQ(r.done_event, nullptr);
   f.h.flags = v2::kHasPromptLen;
   EXPECT_THAT(Parse(f.Bytes()).message(), HasSubstr("a decode carries no prompt_len"));
 }
@@ -145,7 +154,7 @@ TEST(RingFrame, EveryBadFieldIsRefusedByName) {
   const Case cases[] = {
       {"magic", [](Frame* f) { f->h.magic = 0x12345678; }, "magic is 0x12345678"},
       {"op", [](Frame* f) { f->h.op = 9; }, "op 9 is neither prefill (1) nor decode (2)"},
-      {"flags", [](Frame* f) { f->h.flags = 6; }, "unknown flags 0x6"},
+      {"flags", [](Frame* f) { f->h.flags = 12; }, "unknown flags 0xc"},
       {"reserved", [](Frame* f) { f->h.reserved = 1; }, "reserved 1 set"},
       {"prefill of two", [](Frame* f) { f->h.num_sequences = 2; },
        "a prefill names 1 sequence, got num_sequences 2"},

@@ -126,6 +126,8 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   // CUDA IPC regions (docs/regions.md): the handle's allocation, opened on this engine's device.
   absl::StatusOr<Mapping> OpenIpcHandle(absl::string_view handle) override;
   void CloseIpcHandle(void* device_ptr) override;
+  absl::StatusOr<IpcEvent> CreateIpcEvent() override;
+  void DestroyIpcEvent(void* event) override;
 
  private:
   explicit CudaEngine(const CudaEngineOptions& options)
@@ -237,6 +239,12 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   cudaStream_t stream_ ABSL_GUARDED_BY(mu_) = nullptr;
   Mutex prefill_mu_ ABSL_ACQUIRED_AFTER(mu_);
   cudaStream_t prefill_stream_ ABSL_GUARDED_BY(prefill_mu_) = nullptr;
+  // Recorded after a device-ordered decode step that returned without waiting (DeviceOrder).
+  // While such a step runs, its kernels still read the pinned row table the next step rewrites
+  // and append to pages a released sequence may give back: the next decode waits for it on the
+  // host, every prefill on its stream, and closing a CUDA IPC mapping on the host. Created once.
+  cudaEvent_t decode_tail_ = nullptr;
+  bool decode_in_flight_ ABSL_GUARDED_BY(mu_) = false;
   // Prefill steps (StartPrefill) wait for the one before last; blocking, so a waiting prefill
   // leaves the host's cores to the decode lane.
   cudaEvent_t prefill_done_[2] ABSL_GUARDED_BY(prefill_mu_) = {nullptr, nullptr};
@@ -368,6 +376,7 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
     ATTND_CUDA_RETURN_IF_ERROR(
         cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventBlockingSync));
   }
+  ATTND_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&decode_tail_, cudaEventDisableTiming));
 
   ATTND_ASSIGN_OR_RETURN(pool_, DeviceAlloc(layout_.pool_bytes(), "the KV pool"));
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(pool_.get(), 0, layout_.pool_bytes(), stream_));
@@ -510,6 +519,7 @@ CudaEngine::~CudaEngine() {
     for (cudaGraphExec_t exec : graphs_) cudaGraphExecDestroy(exec);
     cudaStreamDestroy(stream_);
   }
+  if (decode_tail_ != nullptr) cudaEventDestroy(decode_tail_);
 }
 
 absl::Status CudaEngine::CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
@@ -611,6 +621,11 @@ class CudaEngine::PrefillSteps : public PrefillRun {
     }
     done_ = cursor_.first >= job_.num_tokens;
     clean_ = cursor_.window < 0;  // between staging chunks nothing is queued
+    if (done_ && job_.order != nullptr && job_.order->record != nullptr) {
+      return CudaStatus(
+          cudaEventRecord(static_cast<cudaEvent_t>(job_.order->record), engine_->prefill_stream_),
+          "recording the client's event");
+    }
     return absl::OkStatus();
   }
 
@@ -630,6 +645,13 @@ absl::StatusOr<std::unique_ptr<PrefillRun>> CudaEngine::StartPrefill(const Prefi
   prefill_mu_.Lock();  // until the run ends
   std::unique_ptr<PrefillRun> run(new PrefillSteps(this, job));
   ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  // A device-ordered decode may still be appending to pages this job now owns (decode_tail_), and
+  // the client's inputs are written when its event says so.
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(prefill_stream_, decode_tail_, 0));
+  if (job.order != nullptr && job.order->wait != nullptr) {
+    ATTND_CUDA_RETURN_IF_ERROR(
+        cudaStreamWaitEvent(prefill_stream_, static_cast<cudaEvent_t>(job.order->wait), 0));
+  }
   std::memcpy(h_table_.get(), job.page_table, job.num_pages * 4);
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_table_.get(), h_table_.get(), job.num_pages * 4,
                                              cudaMemcpyHostToDevice, prefill_stream_));
@@ -998,7 +1020,30 @@ absl::StatusOr<DeviceMemoryOpener::Mapping> CudaEngine::OpenIpcHandle(absl::stri
 
 void CudaEngine::CloseIpcHandle(void* device_ptr) {
   cudaSetDevice(device_);
+  cudaEventSynchronize(decode_tail_);  // a device-ordered step may still read or write it
   cudaIpcCloseMemHandle(device_ptr);
+}
+
+absl::StatusOr<DeviceMemoryOpener::IpcEvent> CudaEngine::CreateIpcEvent() {
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  cudaEvent_t event = nullptr;
+  ATTND_CUDA_RETURN_IF_ERROR(
+      cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventInterprocess));
+  cudaIpcEventHandle_t handle;
+  const cudaError_t err = cudaIpcGetEventHandle(&handle, event);
+  if (err != cudaSuccess) {
+    cudaEventDestroy(event);
+    return CudaStatus(err, "cudaIpcGetEventHandle");
+  }
+  IpcEvent out;
+  out.event = event;
+  out.handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  return out;
+}
+
+void CudaEngine::DestroyIpcEvent(void* event) {
+  cudaSetDevice(device_);
+  cudaEventDestroy(static_cast<cudaEvent_t>(event));
 }
 
 absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t plan) {
@@ -1077,6 +1122,10 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
   const auto size = std::lower_bound(sizes_.begin(), sizes_.end(), b);
   const int32_t plan = size == sizes_.end() ? b : *size;
   const bool replay = !graphs_.empty() && size != sizes_.end();
+  if (decode_in_flight_) {  // its kernels still read the row table rewritten below
+    ATTND_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(decode_tail_));
+    decode_in_flight_ = false;
+  }
   // Only copies on the host, of host tensors: each row's tensors in their own dtype (the stage
   // kernel converts). A device tensor's address goes in the row's DecodeStageRow and the kernels
   // read it (and write a device output) in place: no copies, no synchronisation, and the
@@ -1142,6 +1191,16 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
     for (int32_t i = 0; i < b; ++i) pack(i);
   }
   for (int32_t i = b; i < plan; ++i) rows[i] = DecodeStageRow();  // padding: length 0, skipped
+  // The clients' events: their inputs are written (device-ordered calls; a batch may merge several
+  // calls, each with its events, usually in runs).
+  const void* last = nullptr;
+  for (size_t i = first; i < first + count; ++i) {
+    const DeviceOrder* order = job.entries[i].order;
+    if (order == nullptr || order->wait == nullptr || order->wait == last) continue;
+    last = order->wait;
+    ATTND_CUDA_RETURN_IF_ERROR(
+        cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(order->wait), 0));
+  }
   // Inputs on another GPU: copied into the row's slots on the stream, ahead of the step.
   for (int32_t i = 0; i < b; ++i) {
     if (copy_in[i] == 0) continue;
@@ -1170,6 +1229,13 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
   } else {
     ATTND_RETURN_IF_ERROR(EnqueueDecodeStep(job.layer, b, plan));
   }
+  last = nullptr;
+  for (size_t i = first; i < first + count; ++i) {
+    const DeviceOrder* order = job.entries[i].order;
+    if (order == nullptr || order->record == nullptr || order->record == last) continue;
+    last = order->record;
+    ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(order->record), stream_));
+  }
   ++(replay ? stats->graph_replays : stats->eager_launches);
   stats->padding_entries += plan - b;
   return absl::OkStatus();
@@ -1178,8 +1244,19 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
 absl::Status CudaEngine::DecodeFinish(const DecodeJob& job, size_t first, size_t count) {
   const int64_t out_n = int64_t{geometry_.num_q_heads} * geometry_.head_dim;
   const int32_t b = static_cast<int32_t>(count);
-  int32_t host_outs = 0;
-  for (size_t i = first; i < first + count; ++i) host_outs += !job.entries[i].out_on_device;
+  int32_t host_outs = 0, ordered = 0;
+  for (size_t i = first; i < first + count; ++i) {
+    const DecodeJob::Entry& e = job.entries[i];
+    host_outs += !e.out_on_device;
+    ordered += e.order != nullptr && e.out_on_device && copy_out_[i - first] == 0;
+  }
+  if (ordered == b) {
+    // Every output is device memory the kernels write in place and every client waits for its
+    // event: nothing is left for the host to do, so the step is left running (decode_tail_).
+    ATTND_CUDA_RETURN_IF_ERROR(cudaEventRecord(decode_tail_, stream_));
+    decode_in_flight_ = true;
+    return absl::OkStatus();
+  }
   ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   // Host outputs are converted from the pinned fp32 rows; device outputs are already written.
   const float* out = static_cast<const float*>(h_decode_out_.get());

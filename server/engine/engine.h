@@ -68,6 +68,17 @@ void CopyRowsToDense(const TensorView& view, int64_t first_row, int64_t rows, vo
 // INVALID_ARGUMENT naming `name` unless the view has data and exactly `expected` elements.
 absl::Status CheckElements(absl::string_view name, const TensorView& view, int64_t expected);
 
+// Device-side ordering with a client's CUDA stream (docs/regions.md, "Device-ordered rings"): two
+// CUDA events (cudaEvent_t, opaque here) shared with the client by CUDA IPC. The engine's stream
+// waits for `wait` (recorded by the client after it wrote the inputs) before it reads a job's
+// device tensors, and records `record` (which the client's stream waits for) once the job's
+// outputs are written; a decode whose tensors are all device memory then returns as soon as its
+// step is queued, without waiting for the device. Null: the host orders the job, as for any other.
+struct DeviceOrder {
+  void* wait = nullptr;
+  void* record = nullptr;
+};
+
 // Append num_tokens tokens to one layer of one sequence and compute their attention.
 struct PrefillJob {
   explicit PrefillJob(EngineJobKey) {}
@@ -87,8 +98,9 @@ struct PrefillJob {
   TensorView v;         // [T, Hkv, D]
   void* out = nullptr;  // [T, Hq, D] of out_dtype
   DType out_dtype = DType::kFp32;
-  bool out_on_device = false;  // out is device memory (as TensorView::on_device)
-  int64_t out_row_pitch = 0;   // bytes from one token's [Hq, D] to the next; 0: dense
+  bool out_on_device = false;          // out is device memory (as TensorView::on_device)
+  int64_t out_row_pitch = 0;           // bytes from one token's [Hq, D] to the next; 0: dense
+  const DeviceOrder* order = nullptr;  // engines without a device ignore it
 };
 
 // One decode step in one layer for a batch of distinct sequences. (Entries are plain values: they
@@ -106,7 +118,9 @@ struct DecodeJob {
     // q may have a row pitch (its variants' rows); k, v and out are one row each.
     // kPreRotary: q is [Hq, D] and k before the rotary, both rotated for position L - 1.
     QLayout q_layout = QLayout::kVariants;
-    bool out_on_device = false;  // out is device memory (as TensorView::on_device)
+    bool out_on_device = false;          // out is device memory (as TensorView::on_device)
+    const DeviceOrder* order = nullptr;  // entries of one call share it; engines without a device
+                                         // ignore it
   };
   explicit DecodeJob(EngineJobKey) {}
   int32_t layer = 0;

@@ -471,6 +471,8 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     model->sparse_attention_enabled = false;
   }
   DeviceMemoryOpener* const ipc_opener = (*engine)->device_memory_opener();
+  // A sharded engine's steps run on several devices: one pair of events cannot order them.
+  const bool device_events = ipc_opener != nullptr && (*engine)->shards().size() == 1;
   if (options.wrap_engine) *engine = options.wrap_engine(*std::move(engine));
 
   RuntimeOptions runtime_options;
@@ -647,6 +649,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     ring_options.max_spinning = options.ring_max_spinning;
     ring_options.idle_timeout = options.region_idle_timeout;
     rings_ = std::make_unique<RingServer>(regions_.get(), ring_options);
+    if (device_events) rings_->SetDeviceEvents(ipc_opener);
   }
   if (options.wire_fast_path) {
     buffers_ = std::make_shared<wire::BufferPool>(options.wire_buffer_pool_bytes);

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/catch_all.h"
@@ -660,6 +661,20 @@ absl::Status NoRegions(absl::string_view what) {
       absl::StrCat("this server serves no ", what, " (it runs with --max-regions-per-tenant 0)"));
 }
 
+// The engine reads a device-ordered call's inputs and writes its output on its stream, after the
+// client's event: host memory would be read or written at the wrong time.
+absl::Status CheckDeviceOrdered(bool q, bool k, bool v, bool o) {
+  if (q && k && v && o) return absl::OkStatus();
+  std::vector<std::string> not_device;
+  for (auto [name, on_device] : {std::pair{"q", q}, {"k", k}, {"v", v}, {"the output", o}}) {
+    if (!on_device) not_device.push_back(name);
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "a device-ordered frame (flag kDeviceOrdered) needs q, k, v and its output in CUDA IPC "
+      "regions; not so: ",
+      absl::StrJoin(not_device, ", ")));
+}
+
 }  // namespace
 
 void AttentionService::ServeRegisterRegion(grpc::CallbackServerContext* context,
@@ -709,12 +724,14 @@ void AttentionService::ServeOpenRing(grpc::CallbackServerContext* context,
   ServeInline("OpenRing", context, request, response, reactor,
               [this, request, response](const std::string& tenant) -> absl::Status {
                 if (rings_ == nullptr) return NoRegions("rings");
-                absl::StatusOr<RingServer::Opened> opened =
-                    rings_->Open(tenant, request->name(), request->byte_size());
+                absl::StatusOr<RingServer::Opened> opened = rings_->Open(
+                    tenant, request->name(), request->byte_size(), request->device_events());
                 if (!opened.ok()) return opened.status();
                 response->set_ring_id(opened->ring_id);
                 response->set_request_capacity(opened->request_capacity);
                 response->set_response_capacity(opened->response_capacity);
+                response->set_ready_event(opened->ready_event);
+                response->set_done_event(opened->done_event);
                 return absl::OkStatus();
               });
 }
@@ -834,6 +851,8 @@ absl::Status AttentionService::SubmitRingFrame(const RequestFrame& frame, absl::
       args.k_region = RefOf(frame.k, &refs[1]);
       args.v_region = RefOf(frame.v, &refs[2]);
       args.output_region = RefOf(frame.o, &refs[3]);
+      const DeviceOrder order{frame.ready_event, frame.done_event};
+      if (frame.device_ordered) args.order = &order;
       OutputBufferFn output = [answer, &no_room](int64_t bytes) -> void* {
         absl::StatusOr<char*> buffer = answer->output_buffer(static_cast<uint64_t>(bytes), 1);
         if (!buffer.ok()) {
@@ -906,10 +925,16 @@ absl::Status AttentionService::SubmitFrameDecode(const RequestFrame& frame,
     answer->output_bytes = out_bytes;
   }
   FillPackedEntries(args, rows, q, k, v, out, out_on_device, &call);
+  std::shared_ptr<const DeviceOrder> order;  // lives until the call is answered
+  if (frame.device_ordered) {
+    ATTND_RETURN_IF_ERROR(CheckDeviceOrdered(q.on_device, k.on_device, v.on_device, out_on_device));
+    order = std::make_shared<const DeviceOrder>(DeviceOrder{frame.ready_event, frame.done_event});
+    for (DecodeCall::Entry& e : call.entries) e.order = order.get();
+  }
   const bool in_region = output_region != nullptr;
   return decode_queue_->Submit(
       std::move(call), RequestContext(),
-      [this, b, answer, regions, refs, in_region,
+      [this, b, answer, regions, refs, order, in_region,
        done = std::move(done)](absl::StatusOr<DecodeResult> result) {
         if (!DecodeSettled(regions.get(), b, result)) {
           answer->Clear();
@@ -1012,6 +1037,7 @@ void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
     r->set_max_region_bytes_per_tenant(regions_->options().max_bytes_per_tenant);
     r->set_idle_timeout_seconds(absl::ToInt64Seconds(regions_->options().idle_timeout));
     r->set_rings(rings_ != nullptr);
+    r->set_device_ordered_rings(rings_ != nullptr && rings_->device_events());
     r->set_shm_name_prefix(ShmNamePrefix(*tenant));
   }
   if (batcher_ != nullptr) {
@@ -1163,6 +1189,11 @@ absl::StatusOr<PrefillResult> AttentionService::RunPrefillArgs(
     call.before_commit = [&regions] { return regions.CopyOutputs(); };
   } else {
     call.output = std::move(output);
+  }
+  if (args.order != nullptr) {
+    ATTND_RETURN_IF_ERROR(CheckDeviceOrdered(call.q.on_device, call.k.on_device, call.v.on_device,
+                                             call.output_on_device));
+    call.order = args.order;
   }
   return runtime_->Prefill(call);
 }

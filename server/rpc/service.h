@@ -191,6 +191,7 @@ class AttentionService : public AttentionServiceBase {
     const v1::RegionRef* k_region = nullptr;
     const v1::RegionRef* v_region = nullptr;
     const v1::RegionRef* output_region = nullptr;  // null: into `output`
+    const DeviceOrder* order = nullptr;            // a device-ordered ring frame's events
   };
   // Checks and runs it (region references judged by their claims before any region memory is
   // read); without an output region the engine writes o through `output`.

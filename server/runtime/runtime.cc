@@ -438,6 +438,7 @@ absl::StatusOr<PrefillResult> Runtime::Prefill(const PrefillCall& call) {
   job.out = out;
   job.out_dtype = call.q.dtype;
   job.out_on_device = call.output_on_device && call.output;
+  job.order = call.order;
   // Declared after the reservation: a run stopped half-way finishes its device work before the
   // pages go back.
   absl::StatusOr<std::unique_ptr<PrefillRun>> run = engine_->StartPrefill(job);
@@ -541,6 +542,7 @@ absl::StatusOr<DecodeResult> Runtime::Decode(const DecodeCall& call)
     je.out = OutputBuffer(e.output, out_bytes, &o.out);
     je.out_dtype = e.q.dtype;
     je.out_on_device = e.output_on_device && e.output;
+    je.order = e.order;
     if (je.out == nullptr) {
       return absl::InternalError(absl::StrCat("entries[", i, "]: no buffer for the output"));
     }

@@ -58,6 +58,7 @@ struct PrefillCall {
   // Asked before each device step of the call (Engine::StartPrefill), e.g. whether the client
   // cancelled or its deadline passed: an error stops the call there, which then changes nothing.
   std::function<absl::Status()> keep_going;
+  const DeviceOrder* order = nullptr;  // PrefillJob::order
 };
 
 struct PrefillResult {
@@ -76,6 +77,7 @@ struct DecodeCall {
     OutputBufferFn output;  // unset: the result owns the output
     bool output_on_device = false;
     QLayout q_layout = QLayout::kVariants;  // per entry; kPreRotary: q [Hq, D], k before the rotary
+    const DeviceOrder* order = nullptr;     // DecodeJob::Entry::order
   };
   absl::string_view tenant;
   int32_t layer = 0;

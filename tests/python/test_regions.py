@@ -560,16 +560,17 @@ class CudaRegionTorch(unittest.TestCase):
         self.assertEqual(self.client.stub.GetServerInfo(pb.GetServerInfoRequest()).regions.max_regions_per_tenant,
                          self.info.regions.max_regions_per_tenant)
 
-    def replay_golden(self, layer, tdtype, use_session=False):
-        """dense_gqa_chunked with q/k/v and every output in one registered CUDA buffer (prefill and decode)."""
+    def replay_golden(self, layer, tdtype, use_session=False, open_api=None):
+        """dense_gqa_chunked with q/k/v and every output in one registered CUDA buffer (prefill and decode), through
+        the client, a Session or what open_api() opens (closed at the end)."""
         case = at.GoldenCase("dense_gqa_chunked")
         biggest = max(case.f32(s["q"]).size + 2 * case.f32(s["k"]).size + case.f32(s["out"]).size
                       for s in case.steps)
         buf = torch.zeros(biggest + 4 * 64, dtype=tdtype, device="cuda")
         ids, stats, prefills, decodes = {}, [], 0, 0
         with self.client.register_cuda(buf) as region:
-            session = self.client.session() if use_session else None
-            api = session if use_session else self.client
+            session = self.client.session() if use_session else open_api() if open_api else None
+            api = session if session is not None else self.client
             try:
                 for step in case.steps:
                     at_, views = 0, []
@@ -613,6 +614,63 @@ class CudaRegionTorch(unittest.TestCase):
         stats = self.replay_golden(1, torch.bfloat16, use_session=True)
         self.assertLessEqual(max(s[0] for s in stats), BF16_MAX_ABS)
         self.assertLessEqual(max(s[1] for s in stats), BF16_MEAN_ABS)
+
+    def device_ordered_ring(self):
+        if not self.info.regions.device_ordered_rings:
+            self.fail("attnd --device cuda on one GPU orders no ring on the device (regions.device_ordered_rings)")
+        ring = self.client.ring(version=2, device_events=True)
+        self.assertTrue(ring.device_events)
+        return ring
+
+    def test_golden_through_a_device_ordered_ring(self):
+        rings = []
+
+        def open_ring():
+            rings.append(self.device_ordered_ring())
+            return rings[-1]
+
+        stats = self.replay_golden(2, torch.bfloat16, open_api=open_ring)
+        self.assertLessEqual(max(s[0] for s in stats), BF16_MAX_ABS)
+        self.assertLessEqual(max(s[1] for s in stats), BF16_MEAN_ABS)
+        # Every request named only CUDA regions: each was ordered on the device.
+        self.assertEqual(rings[0].stats.device_ordered, len(stats))
+
+    def test_a_device_ordered_ring_waits_for_the_stream_not_the_host(self):
+        """The inputs are written by the client's stream behind ~100 ms of queued GPU work: attnd's answer comes
+        before that work is done (nothing waited on the host), and its output is that of the late inputs (attnd's
+        stream waited for them); reading the output after the call sees attnd's writes (the stream waited too)."""
+        client, h, hkv, d = self.client, self.h, self.hkv, self.d
+        gen = torch.Generator().manual_seed(11)
+        t = 9
+        pq, pk, pv = (torch.rand(s, generator=gen) - 0.5 for s in ((t, 5, h, d), (t, hkv, d), (t, hkv, d)))
+        q, k, v = (torch.rand(s, generator=gen) - 0.5 for s in ((1, 3, h, d), (1, hkv, d), (1, hkv, d)))
+        want_seq, seq = client.create_sequence(), client.create_sequence()
+        try:
+            for s in (want_seq, seq):
+                client.prefill(s, 0, pq, pk, pv)
+            want = client.decode(0, [want_seq], q, k, v)
+            slot = (q.numel() + 63) // 64 * 64  # the largest of q, k, v and the output
+            buf = torch.zeros(4 * slot, dtype=torch.float32, device="cuda")
+            qv, kv, vv, ov = (buf[i * slot:i * slot + x.numel()].view(x.shape)
+                              for i, x in enumerate((q, k, v, torch.empty(1, h, d))))
+            qd, kd, vd = q.cuda(), k.cuda(), v.cuda()
+            with client.register_cuda(buf), self.device_ordered_ring() as ring:
+                stream = torch.cuda.current_stream()
+                torch.cuda.synchronize()
+                torch.cuda._sleep(200_000_000)  # about 100 ms of GPU time ahead of the inputs
+                qv.copy_(qd)
+                kv.copy_(kd)
+                vv.copy_(vd)
+                got = ring.decode(0, [seq], qv, kv, vv, out=ov)
+                still_busy = not stream.query()
+                self.assertIs(got, ov)
+                result = ov.cpu()
+                self.assertEqual(ring.stats.device_ordered, 1)
+            self.assertTrue(still_busy, "the ring answered only after the client's stream had finished")
+            torch.testing.assert_close(result, want, rtol=0, atol=1e-5)
+        finally:
+            client.release(want_seq)
+            client.release(seq)
 
 
 if __name__ == "__main__":

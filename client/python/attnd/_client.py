@@ -382,14 +382,17 @@ class Client:
     def _unregister(self, region_id, timeout):
         self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id), timeout)
 
-    def ring(self, half_bytes=8 << 20, spin_us=50, sleep_slice=0.01, timeout=60.0, rpc_timeout=None, version=1):
+    def ring(self, half_bytes=8 << 20, spin_us=50, sleep_slice=0.01, timeout=60.0, rpc_timeout=None, version=1,
+             device_events=False):
         """A shared-memory ring to attnd on this host (docs/regions.md, "Rings"): a Ring (a context manager) whose
         prefill()/decode() are Session's through shared memory with a futex doorbell, no gRPC call per request.
         half_bytes: the largest request and answer (minus 8 bytes); spin_us: how long to spin on the answer
         before sleeping on the futex; timeout: seconds per round trip; version: 1 carries protobuf messages,
         2 binary frames (one frame per request, built once per request shape; region references and out= in
-        the packed decode form). x86-64 only."""
-        return _ring.Ring(self, half_bytes, spin_us, sleep_slice, timeout, rpc_timeout, version)
+        the packed decode form); device_events (version 2, CUDA backend): requests whose q, k, v and out all
+        lie in CUDA regions are ordered on the GPU with the current stream instead of by host synchronisation
+        (docs/regions.md, "Device-ordered rings"). x86-64 only."""
+        return _ring.Ring(self, half_bytes, spin_us, sleep_slice, timeout, rpc_timeout, version, device_events)
 
     # -- streaming --
     def session(self, timeout=None):

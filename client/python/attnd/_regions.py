@@ -239,6 +239,17 @@ class ShmRegion:
             self._mmap = None
 
 
+def cuda_device_of(torch, device_uuid):
+    """The torch CUDA device whose UUID is `device_uuid` (attnd's GPU, "GPU-..."), else the current one."""
+    for i in range(torch.cuda.device_count()):
+        try:
+            if device_uuid and "GPU-" + str(torch.cuda.get_device_properties(i).uuid) == device_uuid:
+                return torch.device("cuda", i)
+        except (AttributeError, RuntimeError):
+            break
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 class CudaRegion:
     """A torch CUDA tensor's allocation shared with attnd by CUDA IPC (CUDA backend, same host and GPU).
 

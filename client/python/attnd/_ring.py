@@ -36,7 +36,7 @@ import numpy as np
 
 from ._errors import AttndError, invalid_argument
 from ._proto import pb
-from . import _regions, _wire
+from . import _regions, _tensors, _wire
 
 # proto/attnd/v1/shm_ring.h.
 MAGIC = 0x31474E52444E5441  # "ATNDRNG1" read as little-endian
@@ -145,6 +145,7 @@ _V2_RESPONSE_MAGIC = 0x32524652
 _V2_PREFILL, _V2_DECODE = 1, 2
 _V2_ABSENT, _V2_INLINE, _V2_REGION = 0, 1, 2
 _V2_HAS_PROMPT_LEN = 1
+_V2_DEVICE_ORDERED = 2
 _V2_OUTPUT_IN_REGION = 1
 _V2_MAX_RANK = 4
 _V2_HEAD = struct.Struct("<IHHQiIIIqQ")   # RequestHeader up to q: 48 bytes
@@ -166,7 +167,7 @@ class _Frame:
 
     __slots__ = ("head", "inline", "size")
 
-    def __init__(self, op, layer, q_layout, seqs, tensors, out, prompt_len):
+    def __init__(self, op, layer, q_layout, seqs, tensors, out, prompt_len, ordered=False):
         ids = [s.encode("ascii") for s in seqs]
         strings = bytearray()
         at = _V2_REQUEST_BYTES + 8 * len(ids)
@@ -200,7 +201,7 @@ class _Frame:
         else:
             descs.append((_V2_REGION, len(out.shape), out.dtype, out.offset, out.nbytes) +
                          region_names[out.region_id] + _shape4(out.shape))
-        flags = _V2_HAS_PROMPT_LEN if prompt_len is not None else 0
+        flags = (_V2_HAS_PROMPT_LEN if prompt_len is not None else 0) | (_V2_DEVICE_ORDERED if ordered else 0)
         head = bytearray(_V2_HEAD.pack(_V2_REQUEST_MAGIC, op, q_layout, 0, int(layer), len(ids), flags, 0,
                                        int(prompt_len or 0), _V2_REQUEST_BYTES))
         for d in descs:
@@ -247,15 +248,17 @@ class _PackedPlan:
 
 
 class RingStats:
-    """How round trips were answered (as the C++ RingStats)."""
-    __slots__ = ("round_trips", "answered_spinning", "answered_sleeping", "server_wakes")
+    """How round trips were answered (as the C++ RingStats), and how many were ordered on the device."""
+    __slots__ = ("round_trips", "answered_spinning", "answered_sleeping", "server_wakes", "device_ordered")
 
     def __init__(self):
         self.round_trips = self.answered_spinning = self.answered_sleeping = self.server_wakes = 0
+        self.device_ordered = 0
 
     def __repr__(self):
-        return "RingStats(round_trips=%d, answered_spinning=%d, answered_sleeping=%d, server_wakes=%d)" % (
-            self.round_trips, self.answered_spinning, self.answered_sleeping, self.server_wakes)
+        return ("RingStats(round_trips=%d, answered_spinning=%d, answered_sleeping=%d, server_wakes=%d, "
+                "device_ordered=%d)" % (self.round_trips, self.answered_spinning, self.answered_sleeping,
+                                        self.server_wakes, self.device_ordered))
 
 
 class Ring:
@@ -274,6 +277,12 @@ class Ring:
       timeout: seconds per round trip (waiting for the ring to be free, then for the answer); past it
         DEADLINE_EXCEEDED (the next round trip first waits for the late answer, so answers never shift).
       rpc_timeout: deadline of the OpenRing / CloseRing / GetServerInfo calls (None: the client's).
+      device_events: (version 2, the CUDA backend on one GPU) attnd creates two CUDA events shared with this
+        process; a request whose q, k, v and out are all tensors in CUDA regions is then ordered on the GPU:
+        the current stream records the "ready" event instead of being synchronized, attnd's stream waits for it,
+        and after attnd's answer (sent once its work is queued) the current stream waits for attnd's "done"
+        event. Nothing waits on the host, so the GPU never drains between the model's layers. Other requests
+        are synchronized as usual.
 
     Errors are AttndError, as Session's: the request's own code and message; UNAVAILABLE once attnd closed the
     ring (CloseRing, idle reclamation, shutdown); DEADLINE_EXCEEDED; INTERNAL for an answer that does not parse
@@ -283,12 +292,15 @@ class Ring:
     """
 
     def __init__(self, client, half_bytes=8 << 20, spin_us=50, sleep_slice=0.01, timeout=60.0, rpc_timeout=None,
-                 version=1):
+                 version=1, device_events=False):
         check_architecture()
         if version not in (VERSION, VERSION_FRAMES):
             raise invalid_argument("ring version must be %d (protobuf) or %d (binary frames), got %r"
                                    % (VERSION, VERSION_FRAMES, version))
+        if device_events and version != VERSION_FRAMES:
+            raise invalid_argument("device_events need a version %d ring" % VERSION_FRAMES)
         self.version = version
+        self._events = None  # (ready, done): torch CUDA events opened from attnd's handles
         self._frames = {}  # _Frame by the request's shape (version 2)
         half_bytes = int(half_bytes)
         if half_bytes <= LENGTH_BYTES or half_bytes % 4096 != 0:
@@ -317,6 +329,15 @@ class Ring:
             raise _fail(grpc.StatusCode.FAILED_PRECONDITION,
                         "this server serves no rings (GetServerInfo().regions.rings is false: its backend or "
                         "--max-regions-per-tenant); use Client.session()")
+        torch = None
+        if device_events:
+            if not info.device_ordered_rings:
+                raise _fail(grpc.StatusCode.FAILED_PRECONDITION,
+                            "this server orders no ring on the device (GetServerInfo().regions.device_ordered_rings "
+                            "is false: it needs the cuda backend on one GPU); open the ring without device_events")
+            torch = _tensors._torch()
+            if torch is None or not torch.cuda.is_available():
+                raise _fail(grpc.StatusCode.FAILED_PRECONDITION, "device_events need torch with CUDA")
         mine = _regions.local_boot_id()
         if info.host_boot_id and mine and info.host_boot_id != mine:
             raise _fail(grpc.StatusCode.FAILED_PRECONDITION,
@@ -341,12 +362,21 @@ class Ring:
             self._addr_response_seq = base + 4 * _RESPONSE_SEQ
             self._response_off = HEADER_BYTES + half_bytes
             self._base = base
-            opened = client._call(client._stub.OpenRing, pb.OpenRingRequest(name=self.name, byte_size=self.size),
-                                  rpc_timeout)
+            opened = client._call(client._stub.OpenRing, pb.OpenRingRequest(
+                name=self.name, byte_size=self.size, device_events=bool(device_events)), rpc_timeout)
             self.ring_id = opened.ring_id
+            if device_events:
+                device = _regions.cuda_device_of(torch, info.device_uuid)
+                self._events = (torch.cuda.Event.from_ipc_handle(device, opened.ready_event),
+                                torch.cuda.Event.from_ipc_handle(device, opened.done_event))
         except BaseException:
             self._free()
             raise
+
+    @property
+    def device_events(self):
+        """Whether requests with every tensor in CUDA regions are ordered on the device (device_events)."""
+        return self._events is not None
 
     # -- lifecycle --
     def __enter__(self):
@@ -520,16 +550,26 @@ class Ring:
             (t.region_id, t.offset, t.nbytes, t.dtype, t.shape) if isinstance(t, _wire.RegionTensor)
             else (t[0].shape, t[1]) for t in tensors) + (
             None if o_ref is None else (o_ref.region_id, o_ref.offset, o_ref.nbytes, o_ref.dtype, o_ref.shape),)
+        # Ordered on the device when every tensor is in a CUDA region (attnd reads and writes them on its
+        # stream); otherwise the host synchronizes, as on any ring.
+        ordered = self._events is not None and o_ref is not None and all(
+            isinstance(r, _regions.CudaRegion) for r in used) and all(
+            isinstance(t, _wire.RegionTensor) for t in tensors)
+        key += (ordered,)
         frame = self._frames.get(key)
         if frame is None:
             try:
-                frame = _Frame(op, 0, layout, seqs, tensors, o_ref, prompt_len)
+                frame = _Frame(op, 0, layout, seqs, tensors, o_ref, prompt_len, ordered)
             except (UnicodeEncodeError, struct.error) as err:
                 raise invalid_argument("cannot frame this request: %s" % err) from None
             if len(self._frames) >= 256:
                 self._frames.clear()
             self._frames[key] = frame
-        _sync(used)
+        if ordered:
+            stream = _tensors._torch().cuda.current_stream(used[0].device)
+            self._events[0].record(stream)
+        else:
+            _sync(used)
         tag, size, seq, deadline = self._start(lambda _: frame.size)
         base = HEADER_BYTES + LENGTH_BYTES
         mv = self._mv
@@ -563,6 +603,9 @@ class Ring:
             raise _fail(grpc.StatusCode.INTERNAL, "the ring answered a %s with %d lengths to a %s of %d sequences"
                         % (_V2_OPS.get(got_op, got_op), num_lengths, _V2_OPS[op], len(seqs)))
         lengths = np.frombuffer(self._mm, np.int64, num_lengths, start + lengths_off).tolist()
+        if ordered:  # attnd queued the work: the output is there once its event is
+            stream.wait_event(self._events[1])
+            self.stats.device_ordered += 1
         if out is not None:
             if not flags & _V2_OUTPUT_IN_REGION:
                 raise _fail(grpc.StatusCode.INTERNAL, "server returned the output's bytes instead of writing the "

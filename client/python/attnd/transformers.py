@@ -223,7 +223,7 @@ class _CudaStaging:
         self.region.close()
 
 
-def _open_transport(client, info, geometry, device, dtype, transport, max_tokens, spin_us):
+def _open_transport(client, info, geometry, device, dtype, transport, max_tokens, spin_us, device_events=True):
     """-> a transport object; transport is "auto", "grpc", "ring", "cuda-ipc" or "ring-cuda-ipc"."""
     if transport not in ("auto", "grpc", "ring", "cuda-ipc", "ring-cuda-ipc"):
         raise ValueError("transport must be auto, grpc, ring, cuda-ipc or ring-cuda-ipc, got %r" % (transport,))
@@ -231,8 +231,10 @@ def _open_transport(client, info, geometry, device, dtype, transport, max_tokens
     want_ring = transport in ("ring", "ring-cuda-ipc") or transport == "auto"
     ring = None
     if want_ring:
+        # With the staging buffer in a CUDA region, a ring ordered on the device: no host synchronisation per call.
+        ordered = device_events and want_cuda and info.regions.device_ordered_rings
         try:
-            ring = client.ring(half_bytes=_RING_HALF_BYTES, spin_us=spin_us, version=2)
+            ring = client.ring(half_bytes=_RING_HALF_BYTES, spin_us=spin_us, version=2, device_events=ordered)
         except (AttndError, OSError) as err:
             if transport != "auto":
                 raise
@@ -555,7 +557,8 @@ if _hf is not None:
 class Attachment:
     """What attach() did to a model; detach() undoes it."""
 
-    def __init__(self, model, client, info, geometry, transport, max_tokens, timed, spin_us=1000):
+    def __init__(self, model, client, info, geometry, transport, max_tokens, timed, spin_us=1000,
+                 device_events=True):
         self.model = model
         self.client = client
         self.info = info
@@ -569,7 +572,7 @@ class Attachment:
             raise TypeError("attnd.transformers: the model's dtype is %s; attnd takes float32, float16 or bfloat16"
                             % self.dtype)
         self.transport = _open_transport(client, info, geometry, self.device, self.dtype, transport, max_tokens,
-                                         spin_us)
+                                         spin_us, device_events)
         self._replaced = []
         self._saved = {}
         try:
@@ -704,7 +707,8 @@ def _set_implementation(model, name):
     model.config._attn_implementation = name
 
 
-def attach(model, client, *, transport="auto", max_tokens_per_call=8192, timed=False, spin_us=1000):
+def attach(model, client, *, transport="auto", max_tokens_per_call=8192, timed=False, spin_us=1000,
+           device_events=True):
     """Makes `model` (a Qwen2-architecture transformers model, or one shaped like it) run its attention in attnd
     through `client` (attnd.Client). Checks the model's config against the daemon's GetServerInfo and raises
     GeometryMismatch naming the field that differs. transport: "auto" (same host and a CUDA model: CUDA IPC
@@ -712,7 +716,10 @@ def attach(model, client, *, transport="auto", max_tokens_per_call=8192, timed=F
     "cuda-ipc" or "ring-cuda-ipc". max_tokens_per_call: the most tokens of one sequence per prefill call (longer
     forwards are sent in pieces). timed: synchronize the device around attnd calls so cache.stats.attnd_seconds
     is exact (costs a little). spin_us: a ring client spins this long on each answer before it sleeps (the model
-    waits for the answer anyway; a sleeping client wakes tens of microseconds late). Returns an Attachment
+    waits for the answer anyway; a sleeping client wakes tens of microseconds late). device_events: with CUDA
+    staging through a ring, order each call on the GPU by the ring's events where attnd offers them (no host
+    synchronisation per layer; docs/regions.md, "Device-ordered rings"); False: synchronize the host as on
+    other transports. Returns an Attachment
     (detach() undoes it); `model._attnd` holds it."""
     if getattr(model, "_attnd", None) is not None:
         raise ValueError("this model is already attached to attnd (model._attnd.detach() first)")
@@ -722,7 +729,7 @@ def attach(model, client, *, transport="auto", max_tokens_per_call=8192, timed=F
     info = client.info()
     geometry = check_geometry(model.config, info)
     attachment = Attachment(model, client, info, geometry, transport, int(max_tokens_per_call), timed,
-                            int(spin_us))
+                            int(spin_us), bool(device_events))
     model._attnd = attachment
     return attachment
 
