@@ -145,9 +145,9 @@ TEST(KvLayoutTest, Fp8ReservesAScalePerTokenAndKvHead) {
   EXPECT_EQ(bf16->bytes_per_token(), 2 * 2 * 2 * 64 * 2);
 }
 
-// Issue 33's capacity case, the 14B-1M geometry (48 layers, 8 kv heads, head_dim 128): bf16 is
-// 196,608 B a token; fp8 is 2 x 48 x 8 x (128 + 4) = 101,376 B, so a pool of the same bytes holds
-// 1.94x the tokens (not 2x: the scales are 4 B per 128 one-byte values).
+// The capacity case of the fp8 target, the 14B-1M geometry (48 layers, 8 kv heads, head_dim 128):
+// bf16 is 196,608 B a token; fp8 is 2 x 48 x 8 x (128 + 4) = 101,376 B, so a pool of the same bytes
+// holds 1.94x the tokens (not 2x: the scales are 4 B per 128 one-byte values).
 TEST(KvLayoutTest, Fp8PoolHoldsAboutTwiceTheTokensOfBf16) {
   const int64_t pool = int64_t{130} << 30;  // about what an H200 pool gets
   absl::StatusOr<KvLayout> bf16 = KvLayout::ForPoolBytes(48, 8, 128, 16, DType::kBf16, pool);
@@ -161,7 +161,7 @@ TEST(KvLayoutTest, Fp8PoolHoldsAboutTwiceTheTokensOfBf16) {
   EXPECT_EQ(bf16_tokens, 709968);
   EXPECT_EQ(fp8_tokens, 1376912);
   EXPECT_NEAR(static_cast<double>(fp8_tokens) / bf16_tokens, 196608.0 / 101376, 1e-4);
-  // 1,010,000 tokens (the issue's 1M case) fit in fp8 and do not in bf16.
+  // 1,010,000 tokens (one 1M-token sequence) fit in fp8 and do not in bf16.
   EXPECT_GE(fp8_tokens, 1010000);
   EXPECT_LT(bf16_tokens, 1010000);
 }

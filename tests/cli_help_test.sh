@@ -55,7 +55,7 @@ expect_fail "attnd --drain-timeout=thirty" "expected a duration: a number of sec
 expect_fail "attnd 2Mi/1Mi" "ServerOptions::max_inflight_request_bytes \(1048576\) must be at least ServerOptions::max_message_bytes \(2097152\)" \
   "$attnd" --max-message-bytes=2Mi --max-inflight-request-bytes=1Mi --metrics-listen=
 expect_fail "attnd --drain-timeout=-5" "--drain-timeout must be >= 0, got -5s" "$attnd" --drain-timeout=-5
-# KV dtypes: fp8 is the cpu backend's for now (the cuda refusal comes before any GPU check), and
+# KV dtypes: fp8 is the cpu backend's (the cuda refusal comes before any GPU check), and
 # names outside auto|bf16|fp32|fp8 are refused.
 expect_fail "attnd --device cuda --kv-dtype fp8" \
   "EngineOptions::kv_dtype: fp8 KV is not yet supported on cuda; use bf16" \
