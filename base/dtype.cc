@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "base/fp8.h"
+
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -20,6 +22,8 @@ absl::string_view DTypeName(DType t) {
       return "fp16";
     case DType::kFp32:
       return "fp32";
+    case DType::kFp8E4m3:
+      return "fp8_e4m3";
   }
   return "unknown";
 }
@@ -94,6 +98,9 @@ void ConvertToFloat(const void* src, DType src_type, size_t n, float* dst) {
         dst[i] = HalfToFloat(h);
       }
       return;
+    case DType::kFp8E4m3:
+      for (size_t i = 0; i < n; ++i) dst[i] = Fp8E4m3ToFloat(bytes[i]);
+      return;
   }
 }
 
@@ -139,6 +146,9 @@ void ConvertFromFloat(const float* src, size_t n, DType dst_type, void* dst) {
         const uint16_t h = FloatToHalf(src[i]);
         std::memcpy(bytes + 2 * i, &h, sizeof(h));
       }
+      return;
+    case DType::kFp8E4m3:
+      for (size_t i = 0; i < n; ++i) bytes[i] = FloatToFp8E4m3(src[i]);
       return;
   }
 }
@@ -201,6 +211,13 @@ int64_t FirstNonFinite(DType t, const void* data, size_t n) {
       return FirstWithExponent(data, n, uint16_t{0x7c00});
     case DType::kFp32:
       return FirstWithExponent(data, n, uint32_t{0x7f800000});
+    case DType::kFp8E4m3:  // no infinities: only S.1111.111, NaN
+      for (size_t i = 0; i < n; ++i) {
+        if ((static_cast<const unsigned char*>(data)[i] & 0x7fu) == 0x7fu) {
+          return static_cast<int64_t>(i);
+        }
+      }
+      return -1;
   }
   return -1;
 }

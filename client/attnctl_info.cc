@@ -19,6 +19,8 @@ std::string DTypeString(v1::DType dtype) {
       return "fp16";
     case v1::DTYPE_FP32:
       return "fp32";
+    case v1::DTYPE_FP8_E4M3:
+      return "fp8_e4m3 (fp32 scale per token and kv head)";
     default:
       return v1::DType_Name(dtype);
   }
@@ -76,6 +78,9 @@ int RunInfo(AttndClient& client, std::ostream& out, std::ostream& err) {
       {"pages", absl::StrCat(kv.pages_free(), " free of ", kv.pages_total(), " (", tokens_in_pool,
                              " tokens)")},
       {"bytes per page", Bytes(kv.bytes_per_page())},
+      // Scales included (fp8): what one token of the whole model costs the pool.
+      {"bytes per token",
+       kv.page_size() > 0 ? Bytes(kv.bytes_per_page() / kv.page_size()) : std::string("-")},
       {"pool bytes", Bytes(kv.pool_bytes())},
       {"live sequences", absl::StrCat(info->live_sequences())},
       {"max message bytes", Bytes(l.max_message_bytes())},

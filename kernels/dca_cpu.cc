@@ -19,6 +19,8 @@
 #include <vector>
 
 #include "base/dtype.h"
+#include "base/fp8.h"
+#include "kernels/kv_rows_cpu.h"
 #include "kernels/simd_math.h"
 
 namespace attnd {
@@ -124,21 +126,10 @@ inline int VariantOf(int64_t key, int64_t prev, int64_t cl) {
   return key >= prev ? kIntra : (key >= prev - cl ? kSucc : kInter);
 }
 
-// KV element <-> fp32 for one row.
-inline void LoadRow(const float* src, int n, float* dst) { std::copy(src, src + n, dst); }
-inline void LoadRow(const uint16_t* src, int n, float* dst) {
-  for (int i = 0; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);
-}
-inline void StoreRow(const float* src, float scale, int n, float* dst) {
-  for (int i = 0; i < n; ++i) dst[i] = src[i] * scale;
-}
-inline void StoreRow(const float* src, float scale, int n, uint16_t* dst) {
-  for (int i = 0; i < n; ++i) dst[i] = FloatToBf16(src[i] * scale);
-}
-
 // fp32 rows of one tile of keys/values of one kv head. fp32 KV is read in place (row stride
-// num_kv_heads * head_dim inside the page); bf16 KV is converted once per tile into scratch, which
-// every query vector of the item then reuses.
+// num_kv_heads * head_dim inside the page); bf16 and fp8 KV are converted once per tile into
+// scratch (kernels/kv_rows_cpu.h: fp8 dequantised with each row's scale), which every query vector
+// of the item then reuses.
 struct Tile {
   const float* k = nullptr;
   const float* v = nullptr;
@@ -151,18 +142,15 @@ inline Tile LoadTile(const PagedKv<float>& kv, int32_t kv_head, int64_t begin, i
               static_cast<int64_t>(kv.num_kv_heads) * kv.head_dim};
 }
 
-inline Tile LoadTile(const PagedKv<uint16_t>& kv, int32_t kv_head, int64_t begin, int64_t end,
-                     std::vector<float>* scratch) {
+template <typename KvT>
+Tile LoadTile(const PagedKv<KvT>& kv, int32_t kv_head, int64_t begin, int64_t end,
+              std::vector<float>* scratch) {
   const int d = kv.head_dim;
-  const int64_t n = end - begin;
-  const int64_t src_stride = static_cast<int64_t>(kv.num_kv_heads) * d;
   float* k = scratch->data();
   float* v = k + kTileKeys * d;
-  const uint16_t* ks = kv.Key(begin, kv_head);
-  const uint16_t* vs = kv.Value(begin, kv_head);
-  for (int64_t j = 0; j < n; ++j) {
-    LoadRow(ks + j * src_stride, d, k + j * d);
-    LoadRow(vs + j * src_stride, d, v + j * d);
+  for (int64_t j = 0; j < end - begin; ++j) {
+    kv_rows::LoadKey(kv, begin + j, kv_head, k + j * d);
+    kv_rows::LoadValue(kv, begin + j, kv_head, v + j * d);
   }
   return Tile{k, v, d};
 }
@@ -343,6 +331,12 @@ __attribute__((target("avx2,fma"))) void AttendKeysAvx2(const DcaGeometry& geo,
                                                         SoftmaxState* st) {
   AttendKeys<Avx2>(geo, b, key_begin, key_end, st);
 }
+__attribute__((target("avx2,fma"))) void AttendKeysAvx2(const DcaGeometry& geo,
+                                                        const RowBlock<Fp8E4m3>& b,
+                                                        int64_t key_begin, int64_t key_end,
+                                                        SoftmaxState* st) {
+  AttendKeys<Avx2>(geo, b, key_begin, key_end, st);
+}
 
 static_assert(kTileKeys % Avx2::kLanes == 0, "ExpNonPositive runs on whole vectors of scores");
 
@@ -501,9 +495,8 @@ void AppendKvCpu(const PagedKv<KvT>& kv, const CpuAppendParams& params, ThreadPo
   pool->ParallelFor(n_items, [&](int64_t item) {
     const int64_t t_end = std::min(params.num_tokens, (item + 1) * kTokensPerItem);
     for (int64_t t = item * kTokensPerItem; t < t_end; ++t) {
-      const int64_t pos = params.start + t;
-      StoreRow(params.k + t * row, params.key_scale, row, kv.Key(pos, 0));
-      StoreRow(params.v + t * row, 1.f, row, kv.Value(pos, 0));
+      kv_rows::StoreToken(kv, params.start + t, params.k + t * row, params.v + t * row,
+                          params.key_scale);
     }
   });
 }
@@ -587,5 +580,10 @@ template void DcaDecodeCpu<float>(const DcaGeometry&, absl::Span<const CpuDecode
                                   ThreadPool*);
 template void DcaDecodeCpu<uint16_t>(const DcaGeometry&, absl::Span<const CpuDecodeItem<uint16_t>>,
                                      ThreadPool*);
+template void AppendKvCpu<Fp8E4m3>(const PagedKv<Fp8E4m3>&, const CpuAppendParams&, ThreadPool*);
+template void DcaPrefillCpu<Fp8E4m3>(const DcaGeometry&, const PagedKv<Fp8E4m3>&,
+                                     const CpuPrefillParams&, ThreadPool*);
+template void DcaDecodeCpu<Fp8E4m3>(const DcaGeometry&, absl::Span<const CpuDecodeItem<Fp8E4m3>>,
+                                    ThreadPool*);
 
 }  // namespace attnd

@@ -1,19 +1,23 @@
 // Exact dense dual chunk attention on the CPU: KV append, prefill and decode over a paged KV pool.
-// fp32 arithmetic throughout; K/V stored as fp32 (float) or bf16 (uint16_t). Uses every thread of
-// the given pool. Semantics: docs/DCA.md ("Dense prefill", "Decode", "Length scaling").
+// fp32 arithmetic throughout; K/V stored as fp32 (float), bf16 (uint16_t) or fp8 E4M3 (Fp8E4m3,
+// with a scale per token and kv head: base/fp8.h), quantised on append and dequantised on load
+// (kernels/kv_rows_cpu.h). Uses every thread of the given pool. Semantics: docs/DCA.md ("Dense
+// prefill", "Decode", "Length scaling").
 #ifndef ATTND_KERNELS_DCA_CPU_H_
 #define ATTND_KERNELS_DCA_CPU_H_
 
 #include <cstdint>
 
 #include "absl/types/span.h"
+#include "base/fp8.h"
 #include "base/thread_pool.h"
 #include "kernels/dca.h"
 #include "kernels/paged_kv.h"
 
 namespace attnd {
 
-// Writes new tokens' K/V into their pages; keys are multiplied by key_scale (s(L)) before storing.
+// Writes new tokens' K/V into their pages; keys are multiplied by key_scale (s(L)) before storing
+// (and, in fp8, before quantising: the row scales are those of the stored, scaled keys).
 struct CpuAppendParams {
   const float* k = nullptr;  // [num_tokens, num_kv_heads, head_dim], unscaled
   const float* v = nullptr;  // [num_tokens, num_kv_heads, head_dim]

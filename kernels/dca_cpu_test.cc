@@ -1,6 +1,10 @@
 // The CPU DCA kernels against the independent fp64 reference (kernels/testing/naive_dca.h):
 // every output element within the per-dtype tolerance, and no NaN/Inf. Unused pool slots are
-// filled with NaN, so a kernel that reads a key or value it should not see fails loudly.
+// filled with NaN, so a kernel that reads a key or value it should not see fails loudly. For fp8 KV
+// the reference holds its cache as fp8 rows quantised by its own code
+// (kernels/testing/naive_fp8.h), so the kernels must match it to the fp32 bar: what fp8 itself
+// costs is measured elsewhere (server/engine/cpu_engine_fp8_test.cc), here only whether the kernels
+// store and read it right.
 #include "kernels/dca_cpu.h"
 
 #include <algorithm>
@@ -15,11 +19,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/dtype.h"
+#include "base/fp8.h"
 #include "base/thread_pool.h"
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
 #include "kernels/paged_kv.h"
 #include "kernels/testing/naive_dca.h"
+#include "kernels/testing/naive_fp8.h"
 
 namespace attnd {
 namespace {
@@ -32,14 +38,21 @@ constexpr Tolerance kFp32Tol = {1e-5, 1e-6};
 constexpr Tolerance kBf16Tol = {2e-2, 2e-3};  // DCA.md's bar for bf16 storage.
 
 template <typename KvT>
+constexpr bool kIsFp8 = std::is_same<KvT, Fp8E4m3>::value;
+
+// fp8: the reference quantises K/V exactly as the cache must (same fp32 inputs, same codes), so
+// only fp32 arithmetic and the fp32 rounding of code * scale remain.
+template <typename KvT>
 Tolerance TolFor() {
-  return std::is_same<KvT, float>::value ? kFp32Tol : kBf16Tol;
+  return std::is_same<KvT, uint16_t>::value ? kBf16Tol : kFp32Tol;
 }
 
 template <typename KvT>
 KvT PoisonValue() {
   if constexpr (std::is_same<KvT, float>::value) {
     return std::numeric_limits<float>::quiet_NaN();
+  } else if constexpr (kIsFp8<KvT>) {
+    return Fp8E4m3{0x7f};
   } else {
     return FloatToBf16(std::numeric_limits<float>::quiet_NaN());
   }
@@ -89,10 +102,14 @@ struct Pool {
       : page_size(page_size), row(static_cast<int64_t>(geo.num_kv_heads) * geo.head_dim) {
     k.assign(num_pages * page_size * row, PoisonValue<KvT>());
     v.assign(num_pages * page_size * row, PoisonValue<KvT>());
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    k_scale.assign(num_pages * page_size * geo.num_kv_heads, nan);
+    v_scale.assign(k_scale.size(), nan);
   }
   int32_t page_size;
   int64_t row;
   std::vector<KvT> k, v;
+  std::vector<float> k_scale, v_scale;  // [num_pages, page_size, num_kv_heads]; fp8 only
 };
 
 // One sequence run by both the kernels (paged) and the reference.
@@ -100,7 +117,9 @@ template <typename KvT>
 class Sequence {
  public:
   Sequence(const DcaGeometry& geo, Pool<KvT>* pool, std::vector<int32_t> pages)
-      : geo_(geo), pool_(pool), pages_(std::move(pages)), naive_(geo, 1) {}
+      : geo_(geo), pool_(pool), pages_(std::move(pages)), naive_(geo, 1) {
+    if (kIsFp8<KvT>) naive_.set_kv_storage(naive::NaiveSequence::KvStorage::kFp8E4m3);
+  }
 
   // Query magnitude and the tolerance that goes with it (large logits amplify fp32 rounding).
   void SetQueryScale(float stddev, Tolerance tol) {
@@ -119,6 +138,10 @@ class Sequence {
     kv.page_size = pool_->page_size;
     kv.num_kv_heads = geo_.num_kv_heads;
     kv.head_dim = geo_.head_dim;
+    if (kIsFp8<KvT>) {
+      kv.k_scale = pool_->k_scale.data();
+      kv.v_scale = pool_->v_scale.data();
+    }
     return kv;
   }
 
@@ -269,13 +292,15 @@ class DcaCpuTest : public ::testing::Test {
 struct ConfigName {
   template <typename C>
   static std::string GetName(int) {
-    return absl::StrCat(std::is_same<typename C::Kv, float>::value ? "fp32" : "bf16",
+    using KvT = typename C::Kv;
+    return absl::StrCat(std::is_same<KvT, float>::value ? "fp32" : (kIsFp8<KvT> ? "fp8" : "bf16"),
                         C::simd == CpuSimd::kAvx2 ? "_avx2" : "_sse2");
   }
 };
 
 using Configs = ::testing::Types<Config<float, CpuSimd::kSse2>, Config<uint16_t, CpuSimd::kSse2>,
-                                 Config<float, CpuSimd::kAvx2>, Config<uint16_t, CpuSimd::kAvx2>>;
+                                 Config<Fp8E4m3, CpuSimd::kSse2>, Config<float, CpuSimd::kAvx2>,
+                                 Config<uint16_t, CpuSimd::kAvx2>, Config<Fp8E4m3, CpuSimd::kAvx2>>;
 TYPED_TEST_SUITE(DcaCpuTest, Configs, ConfigName);
 
 TYPED_TEST(DcaCpuTest, OneToken) {
@@ -479,6 +504,7 @@ TYPED_TEST(DcaCpuTest, DecodeBatchWithMixedLengths) {
 // with the layout arithmetic written out here rather than PagedKv's.
 TYPED_TEST(DcaCpuTest, AppendWritesScaledKeysIntoTheirSlots) {
   using KvT = typename TypeParam::Kv;
+  if (kIsFp8<KvT>) GTEST_SKIP() << "fp8: DcaCpuFp8Test.AppendStoresTheReferenceCodesAndScales";
   const DcaGeometry geo = MakeGeometry(4, 2, 8, 128, 0);
   const int32_t page_size = 4;
   Pool<KvT> pool(geo, page_size, 6);
@@ -509,11 +535,11 @@ TYPED_TEST(DcaCpuTest, AppendWritesScaledKeysIntoTheirSlots) {
     const int64_t logical = std::find(pages.begin(), pages.end(), page) - pages.begin();
     const int64_t pos = logical * page_size + offset;
     const bool in_range = logical < 3 && pos >= start && pos < start + n;
-    float got_k, got_v;
+    float got_k = 0, got_v = 0;
     if constexpr (std::is_same<KvT, float>::value) {
       got_k = pool.k[i];
       got_v = pool.v[i];
-    } else {
+    } else if constexpr (std::is_same<KvT, uint16_t>::value) {
       got_k = Bf16ToFloat(pool.k[i]);
       got_v = Bf16ToFloat(pool.v[i]);
     }
@@ -523,7 +549,7 @@ TYPED_TEST(DcaCpuTest, AppendWritesScaledKeysIntoTheirSlots) {
     }
     const size_t src = (pos - start) * 16 + i % 16;
     float want_k = k[src] * 1.25f, want_v = v[src];
-    if constexpr (!std::is_same<KvT, float>::value) {
+    if constexpr (std::is_same<KvT, uint16_t>::value) {
       want_k = Bf16ToFloat(FloatToBf16(want_k));
       want_v = Bf16ToFloat(FloatToBf16(want_v));
     }
@@ -532,6 +558,94 @@ TYPED_TEST(DcaCpuTest, AppendWritesScaledKeysIntoTheirSlots) {
     ++written;
   }
   EXPECT_EQ(written, n * 16);
+}
+
+// fp8 append stores, per token and kv head, exactly the codes and the scale the independent
+// quantiser gives for fp32(k) * fp32(s) (and v), in the slot and scale slot the page table names
+// (layout arithmetic written out here); nothing else in the pool changes.
+TEST(DcaCpuFp8Test, AppendStoresTheReferenceCodesAndScales) {
+  const DcaGeometry geo = MakeGeometry(4, 2, 8, 128, 0);
+  const int32_t page_size = 4, hkv = 2, d = 8;
+  Pool<Fp8E4m3> pool(geo, page_size, 6);
+  const std::vector<int32_t> pages = {4, 1, 5};
+  Sequence<Fp8E4m3> seq(geo, &pool, pages);
+  std::mt19937 rng(5);
+  const int64_t start = 3, n = 7;
+  std::vector<float> k = RandomVector(n * hkv * d, &rng);
+  const std::vector<float> v = RandomVector(n * hkv * d, &rng);
+  for (int i = 0; i < d; ++i) k[2 * d + i] = 0.f;  // token 1, head 0: an all-zero row
+  k[5] = 1e-30f;                                   // a tiny value in a normal row
+  CpuAppendParams params;
+  params.k = k.data();
+  params.v = v.data();
+  params.start = start;
+  params.num_tokens = n;
+  params.key_scale = 1.25f;
+  ThreadPool threads(2);
+  AppendKvCpu(seq.View(), params, &threads);
+  int written = 0;
+  for (int64_t slot = 0; slot < 6 * page_size; ++slot) {  // pool slot = page * 4 + offset
+    const int64_t page = slot / page_size, offset = slot % page_size;
+    const int64_t logical = std::find(pages.begin(), pages.end(), page) - pages.begin();
+    const int64_t pos = logical * page_size + offset;
+    const bool in_range = logical < 3 && pos >= start && pos < start + n;
+    for (int h = 0; h < hkv; ++h) {
+      const int64_t at = slot * hkv + h;
+      if (!in_range) {
+        EXPECT_TRUE(std::isnan(pool.k_scale[at]) && std::isnan(pool.v_scale[at])) << slot;
+        for (int i = 0; i < d; ++i) {
+          EXPECT_EQ(pool.k[at * d + i].bits, 0x7f) << slot;
+          EXPECT_EQ(pool.v[at * d + i].bits, 0x7f) << slot;
+        }
+        continue;
+      }
+      const size_t src = ((pos - start) * hkv + h) * d;
+      std::vector<float> key(d);
+      for (int i = 0; i < d; ++i) key[i] = k[src + i] * 1.25f;
+      const naive::Fp8Row want_k = naive::QuantizeFp8Row(key);
+      const naive::Fp8Row want_v = naive::QuantizeFp8Row(absl::MakeConstSpan(&v[src], d));
+      EXPECT_EQ(pool.k_scale[at], want_k.scale) << "pos " << pos << " head " << h;
+      EXPECT_EQ(pool.v_scale[at], want_v.scale) << "pos " << pos << " head " << h;
+      for (int i = 0; i < d; ++i) {
+        EXPECT_EQ(pool.k[at * d + i].bits, want_k.codes[i]) << "pos " << pos << " i " << i;
+        EXPECT_EQ(pool.v[at * d + i].bits, want_v.codes[i]) << "pos " << pos << " i " << i;
+      }
+      if (pos == start + 1 && h == 0) EXPECT_EQ(pool.k_scale[at], 0.f);  // the zero row
+      ++written;
+    }
+  }
+  EXPECT_EQ(written, n * hkv);
+}
+
+// Per-row scales keep rows of very different magnitudes (a huge key beside tiny ones, which one
+// scale per page would flush to zero) each stored to E4M3's relative precision.
+TEST(DcaCpuFp8Test, RowsOfDifferentMagnitudesKeepTheirPrecision) {
+  const DcaGeometry geo = MakeGeometry(2, 1, 16, 128, 0);
+  Pool<Fp8E4m3> pool(geo, 4, 2);
+  Sequence<Fp8E4m3> seq(geo, &pool, {1, 0});
+  std::mt19937 rng(8);
+  std::vector<float> k = RandomVector(8 * 16, &rng), v = RandomVector(8 * 16, &rng);
+  for (int i = 0; i < 16; ++i) {
+    k[3 * 16 + i] *= 1e4f;   // token 3: huge
+    k[5 * 16 + i] *= 1e-4f;  // token 5: tiny
+  }
+  CpuAppendParams params;
+  params.k = k.data();
+  params.v = v.data();
+  params.num_tokens = 8;
+  ThreadPool threads(1);
+  AppendKvCpu(seq.View(), params, &threads);
+  for (int t = 0; t < 8; ++t) {
+    const PagedKv<Fp8E4m3> kv = seq.View();
+    const float scale = *kv.KeyScale(t, 0);
+    for (int i = 0; i < 16; ++i) {
+      const double got = naive::Fp8E4m3Value(kv.Key(t, 0)[i].bits) * scale;
+      const double want = k[t * 16 + i];
+      // Half a step: 2^-4 relative, or 2^-10 of the scale among the subnormals.
+      EXPECT_LE(std::fabs(got - want), std::max(std::fabs(want) / 16, scale / 1024.0) * 1.0001)
+          << "token " << t << " i " << i;
+    }
+  }
 }
 
 }  // namespace

@@ -1,13 +1,7 @@
-// ATTND_HOST_DEVICE: marks the small inline functions that host code and CUDA kernels share (page
-// arithmetic, the DCA rules, the rotary positions), so that each exists once. Under nvcc they are
-// __host__ __device__; elsewhere plain inline.
+// ATTND_HOST_DEVICE for kernels/: the macro lives in base/host_device.h (base/fp8.h shares it).
 #ifndef ATTND_KERNELS_HOST_DEVICE_H_
 #define ATTND_KERNELS_HOST_DEVICE_H_
 
-#if defined(__CUDACC__)
-#define ATTND_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define ATTND_HOST_DEVICE inline
-#endif
+#include "base/host_device.h"
 
 #endif  // ATTND_KERNELS_HOST_DEVICE_H_

@@ -36,5 +36,26 @@ TEST(PagedKvTest, OffsetFollowsThePageTable) {
   }
 }
 
+TEST(PagedKvTest, ScalesFollowThePageTableOnePerTokenAndHead) {
+  const std::vector<int32_t> table = {5, 2, 9};
+  std::vector<float> k_scale(10 * 4 * 3), v_scale(k_scale.size());
+  PagedKv<uint8_t> kv;
+  kv.page_table = table.data();
+  kv.page_size = 4;
+  kv.num_kv_heads = 3;
+  kv.head_dim = 8;
+  kv.k_scale = k_scale.data();
+  kv.v_scale = v_scale.data();
+  // Token 6 is slot 2 of the sequence's page 1, pool page 2: scale index (2 * 4 + 2) * 3 + h.
+  EXPECT_EQ(kv.ScaleOffset(6, 1), (2 * 4 + 2) * 3 + 1);
+  EXPECT_EQ(kv.KeyScale(6, 1), k_scale.data() + (2 * 4 + 2) * 3 + 1);
+  EXPECT_EQ(kv.ValueScale(11, 2), v_scale.data() + (9 * 4 + 3) * 3 + 2);
+  for (int32_t pos = 0; pos < 12; ++pos) {
+    for (int32_t h = 0; h < 3; ++h) {
+      EXPECT_EQ(kv.ScaleOffset(pos, h) * kv.head_dim, kv.Offset(pos, h)) << pos << " " << h;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attnd

@@ -6,7 +6,8 @@
 #include <limits>
 #include <vector>
 
-#include "base/dtype.h"
+#include "base/fp8.h"
+#include "kernels/kv_rows_cpu.h"
 #include "kernels/simd_math.h"
 
 namespace attnd {
@@ -14,11 +15,6 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kTile = 32;  // keys per tile: K+V of D=128 in fp32 is 32 KiB (L1-sized)
-
-inline void LoadRow(const float* src, int n, float* dst) { std::copy(src, src + n, dst); }
-inline void LoadRow(const uint16_t* src, int n, float* dst) {
-  for (int i = 0; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);
-}
 
 // The stage-relative keys a row block sees (before the causal limit): its key blocks clipped to
 // kv_len plus its columns, ascending. Blocks and columns never overlap (converter invariant).
@@ -120,8 +116,8 @@ ATTND_SIMD_INLINE void AttendItem(const DcaGeometry& geometry, const PagedKv<KvT
       // The tile's K/V rows as contiguous fp32 (an L1-sized copy, read by all the rows below).
       const int64_t t1 = std::min(n_keys, t0 + kTile);
       for (int64_t j = t0; j < t1; ++j) {
-        LoadRow(kv.Key(st.kv_begin + keys[j], kv_head), d, kbuf.data() + (j - t0) * d);
-        LoadRow(kv.Value(st.kv_begin + keys[j], kv_head), d, vbuf.data() + (j - t0) * d);
+        kv_rows::LoadKey(kv, st.kv_begin + keys[j], kv_head, kbuf.data() + (j - t0) * d);
+        kv_rows::LoadValue(kv, st.kv_begin + keys[j], kv_head, vbuf.data() + (j - t0) * d);
       }
       const float* kt = kbuf.data();
       const float* vt = vbuf.data();
@@ -222,6 +218,7 @@ void DcaSparsePrefillCpu(const DcaGeometry& geometry, const PagedKv<KvT>& kv,
                                          int64_t, ThreadPool*);
 ATTND_INSTANTIATE_SPARSE(float)
 ATTND_INSTANTIATE_SPARSE(uint16_t)
+ATTND_INSTANTIATE_SPARSE(Fp8E4m3)
 #undef ATTND_INSTANTIATE_SPARSE
 
 }  // namespace attnd

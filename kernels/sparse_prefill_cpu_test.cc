@@ -16,11 +16,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/dtype.h"
+#include "base/fp8.h"
 #include "base/thread_pool.h"
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
 #include "kernels/dca_cpu.h"
 #include "kernels/paged_kv.h"
+#include "kernels/testing/naive_fp8.h"
 #include "kernels/testing/naive_sparse.h"
 #include "kernels/vertical_slash.h"
 
@@ -31,6 +33,8 @@ template <typename KvT>
 KvT Poison() {
   if constexpr (std::is_same<KvT, float>::value) {
     return std::numeric_limits<float>::quiet_NaN();
+  } else if constexpr (std::is_same<KvT, Fp8E4m3>::value) {
+    return Fp8E4m3{0x7f};
   } else {
     return FloatToBf16(std::numeric_limits<float>::quiet_NaN());
   }
@@ -40,6 +44,7 @@ KvT Poison() {
 template <typename KvT>
 struct Pool {
   std::vector<KvT> k, v;
+  std::vector<float> k_scale, v_scale;  // fp8's scale per token and kv head
   std::vector<int32_t> table;
   PagedKv<KvT> view;
   Pool(const DcaGeometry& g, int64_t capacity, int32_t page_size, std::mt19937* rng) {
@@ -48,6 +53,8 @@ struct Pool {
     const int64_t n = pages * page_size * g.num_kv_heads * g.head_dim;
     k.assign(n, Poison<KvT>());
     v.assign(n, Poison<KvT>());
+    k_scale.assign(pages * page_size * g.num_kv_heads, std::nanf(""));
+    v_scale.assign(k_scale.size(), std::nanf(""));
     std::vector<int32_t> ids(pages);
     std::iota(ids.begin(), ids.end(), 0);
     std::shuffle(ids.begin(), ids.end(), *rng);
@@ -58,8 +65,24 @@ struct Pool {
     view.page_size = page_size;
     view.num_kv_heads = g.num_kv_heads;
     view.head_dim = g.head_dim;
+    if (std::is_same<KvT, Fp8E4m3>::value) {
+      view.k_scale = k_scale.data();
+      view.v_scale = v_scale.data();
+    }
   }
 };
+
+// What the cache holds for rows of head_dim values: the values themselves, or (fp8) what the
+// independent quantiser reads back, row by row (kernels/testing/naive_fp8.h).
+template <typename KvT>
+std::vector<double> Cached(const std::vector<float>& x, int d) {
+  if (!std::is_same<KvT, Fp8E4m3>::value) return std::vector<double>(x.begin(), x.end());
+  std::vector<double> out;
+  for (size_t row = 0; row < x.size(); row += d) {
+    for (double e : naive::Fp8RoundTrip(absl::MakeConstSpan(&x[row], d))) out.push_back(e);
+  }
+  return out;
+}
 
 DcaGeometry TestGeometry() {
   DcaGeometry g;
@@ -106,7 +129,7 @@ void RunPrompt(const std::vector<int64_t>& calls, const std::vector<VsBudget>& b
   const std::vector<float> q = RandomBf16(&rng, total * q_row, 2.f);
   const std::vector<float> k = RandomBf16(&rng, total * kv_row, 1.f);
   const std::vector<float> v = RandomBf16(&rng, total * kv_row, 1.f);
-  const std::vector<double> keys(k.begin(), k.end()), values(v.begin(), v.end());
+  const std::vector<double> keys = Cached<KvT>(k, g.head_dim), values = Cached<KvT>(v, g.head_dim);
   std::vector<naive::SparseBudget> nb;
   for (const VsBudget& b : budgets) nb.push_back({b.vertical, b.slash});
 
@@ -159,11 +182,19 @@ TEST_F(SparsePrefillTest, SmallLastQAndBf16Storage) {
   RunPrompt<uint16_t>({120, 200}, budgets_, 16, 3, &pool_);
 }
 
+// fp8: append quantises, estimation and attention dequantise; the reference runs on its own
+// quantisation of the same rows, so the fp32 bar holds.
+TEST_F(SparsePrefillTest, Fp8Storage) {
+  RunPrompt<Fp8E4m3>({120, 200}, budgets_, 16, 3, &pool_);
+  RunPrompt<Fp8E4m3>({70, 5, 130, 100, 45}, budgets_, 64, 2, &pool_);
+}
+
 TEST_F(SparsePrefillTest, Sse2Path) {
   // The estimation and attention loops exist per SIMD width; force the baseline one.
   ASSERT_TRUE(SetCpuSimd(CpuSimd::kSse2));
   RunPrompt<float>({70, 5, 230}, budgets_, 64, 12, &pool_);
   RunPrompt<uint16_t>({300}, budgets_, 32, 13, &pool_);
+  RunPrompt<Fp8E4m3>({300}, budgets_, 32, 13, &pool_);
   ASSERT_TRUE(SetCpuSimd(CpuSimd::kAuto));
 }
 

@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "base/dtype.h"
+#include "base/fp8.h"
+#include "kernels/kv_rows_cpu.h"
 #include "kernels/simd_math.h"
 
 namespace attnd {
@@ -96,13 +98,14 @@ VsRowBlock ConvertRowBlock(int64_t m, int64_t q_len, int64_t kv_len, bool causal
   return out;
 }
 
-// Key row `pos` of kv head `h` as fp32: in place for fp32 KV, converted into buf for bf16.
+// Key row `pos` of kv head `h` as fp32: in place for fp32 KV, converted into buf for bf16 and
+// dequantised into it for fp8 (kernels/kv_rows_cpu.h).
 inline const float* KeyRow(const PagedKv<float>& kv, int64_t pos, int32_t h, float* /*buf*/) {
   return kv.Key(pos, h);
 }
-inline const float* KeyRow(const PagedKv<uint16_t>& kv, int64_t pos, int32_t h, float* buf) {
-  const uint16_t* src = kv.Key(pos, h);
-  for (int i = 0; i < kv.head_dim; ++i) buf[i] = Bf16ToFloat(src[i]);
+template <typename KvT>
+const float* KeyRow(const PagedKv<KvT>& kv, int64_t pos, int32_t h, float* buf) {
+  kv_rows::LoadKey(kv, pos, h, buf);
   return buf;
 }
 
@@ -327,5 +330,8 @@ template VsSelection EstimateVerticalSlash<float>(const DcaGeometry&, const Page
 template VsSelection EstimateVerticalSlash<uint16_t>(const DcaGeometry&, const PagedKv<uint16_t>&,
                                                      const CpuPrefillParams&, const VsPiece&,
                                                      int32_t, int64_t, const VsBudget&);
+template VsSelection EstimateVerticalSlash<Fp8E4m3>(const DcaGeometry&, const PagedKv<Fp8E4m3>&,
+                                                    const CpuPrefillParams&, const VsPiece&,
+                                                    int32_t, int64_t, const VsBudget&);
 
 }  // namespace attnd

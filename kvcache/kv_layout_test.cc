@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "base/dtype.h"
 #include "gtest/gtest.h"
 
@@ -112,6 +113,109 @@ TEST(KvLayoutTest, OverflowingPageSizeIsRejected) {
       KvLayout::ForPoolBytes(big, big, big, big, DType::kFp32, std::numeric_limits<int64_t>::max());
   EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(layout.status().message(), "KV layout: one page's size overflows 64 bits");
+}
+
+TEST(KvLayoutTest, Fp8ReservesAScalePerTokenAndKvHead) {
+  // Tiny model in fp8: one layer's K data for one page = 16 * 2 * 64 * 1 = 2048 B, its scales
+  // 16 * 2 * 4 = 128 B; a page = 2 layers x K and V x (2048 + 128) = 8704 B.
+  absl::StatusOr<KvLayout> layout = KvLayout::ForPoolBytes(2, 2, 64, 16, DType::kFp8E4m3, 100000);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(layout->page_stride_bytes(), 2048);
+  EXPECT_EQ(layout->scale_page_stride_bytes(), 128);
+  EXPECT_EQ(layout->bytes_per_page(), 8704);
+  EXPECT_EQ(layout->bytes_per_token(), 8704 / 16);
+  EXPECT_EQ(layout->num_pages, 11);  // 100000 / 8704, rounded down
+  EXPECT_EQ(layout->pool_bytes(), 11 * 8704);
+  // Scales first (4 regions of 11 pages x 128 B), then the data (4 regions of 11 x 2048 B).
+  EXPECT_EQ(layout->k_scale_offset(0), 0);
+  EXPECT_EQ(layout->v_scale_offset(0), 11 * 128);
+  EXPECT_EQ(layout->k_scale_offset(1), 2 * 11 * 128);
+  EXPECT_EQ(layout->v_scale_offset(1), 3 * 11 * 128);
+  EXPECT_EQ(layout->scale_area_bytes(), 4 * 11 * 128);
+  EXPECT_EQ(layout->k_offset(0), 4 * 11 * 128);
+  EXPECT_EQ(layout->v_offset(0), 4 * 11 * 128 + 11 * 2048);
+  EXPECT_EQ(layout->v_offset(1) + 11 * 2048, layout->pool_bytes());  // the last region ends it
+
+  // Other dtypes have no scale area: their offsets are unchanged.
+  absl::StatusOr<KvLayout> bf16 = KvLayout::ForPoolBytes(2, 2, 64, 16, DType::kBf16, 100000);
+  ASSERT_TRUE(bf16.ok());
+  EXPECT_EQ(bf16->scale_page_stride_bytes(), 0);
+  EXPECT_EQ(bf16->scale_area_bytes(), 0);
+  EXPECT_EQ(bf16->k_offset(0), 0);
+  EXPECT_EQ(bf16->bytes_per_token(), 2 * 2 * 2 * 64 * 2);
+}
+
+// The capacity case of the fp8 target, the 14B-1M geometry (48 layers, 8 kv heads, head_dim 128):
+// bf16 is 196,608 B a token; fp8 is 2 x 48 x 8 x (128 + 4) = 101,376 B, so a pool of the same bytes
+// holds 1.94x the tokens (not 2x: the scales are 4 B per 128 one-byte values).
+TEST(KvLayoutTest, Fp8PoolHoldsAboutTwiceTheTokensOfBf16) {
+  const int64_t pool = int64_t{130} << 30;  // about what an H200 pool gets
+  absl::StatusOr<KvLayout> bf16 = KvLayout::ForPoolBytes(48, 8, 128, 16, DType::kBf16, pool);
+  absl::StatusOr<KvLayout> fp8 = KvLayout::ForPoolBytes(48, 8, 128, 16, DType::kFp8E4m3, pool);
+  ASSERT_TRUE(bf16.ok() && fp8.ok());
+  EXPECT_EQ(bf16->bytes_per_token(), 196608);
+  EXPECT_EQ(fp8->bytes_per_token(), 101376);
+  const int64_t bf16_tokens = bf16->num_pages * 16, fp8_tokens = fp8->num_pages * 16;
+  EXPECT_EQ(bf16_tokens, pool / (16 * 196608) * 16);  // 709,968
+  EXPECT_EQ(fp8_tokens, pool / (16 * 101376) * 16);   // 1,376,912
+  EXPECT_EQ(bf16_tokens, 709968);
+  EXPECT_EQ(fp8_tokens, 1376912);
+  EXPECT_NEAR(static_cast<double>(fp8_tokens) / bf16_tokens, 196608.0 / 101376, 1e-4);
+  // 1,010,000 tokens (one 1M-token sequence) fit in fp8 and do not in bf16.
+  EXPECT_GE(fp8_tokens, 1010000);
+  EXPECT_LT(bf16_tokens, 1010000);
+}
+
+// The same walk for fp8: the scale area ([layer][K, V][page][slot][head] fp32) then the data;
+// every scale is 4-byte aligned even where a page's data is an odd number of bytes.
+TEST(KvLayoutTest, Fp8OffsetsMatchAnIndependentWalkOfThePool) {
+  absl::StatusOr<KvLayout> layout = KvLayout::ForPoolBytes(3, 3, 5, 3, DType::kFp8E4m3, 5000);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const int64_t pages = layout->num_pages;
+  ASSERT_GT(pages, 1);
+  int64_t running = 0;
+  for (int32_t layer = 0; layer < 3; ++layer) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const int64_t base = kv == 0 ? layout->k_scale_offset(layer) : layout->v_scale_offset(layer);
+      for (int64_t i = 0; i < pages * 3 * 3; ++i) {  // page, slot, head
+        ASSERT_EQ(base + i * 4, running) << layer << " " << kv << " " << i;
+        ASSERT_EQ(running % 4, 0);
+        running += 4;
+      }
+    }
+  }
+  for (int32_t layer = 0; layer < 3; ++layer) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const int64_t base = kv == 0 ? layout->k_offset(layer) : layout->v_offset(layer);
+      for (int64_t i = 0; i < pages * 3 * 3 * 5; ++i) {  // page, slot, head, dim
+        ASSERT_EQ(base + i, running) << layer << " " << kv << " " << i;
+        ++running;
+      }
+    }
+  }
+  EXPECT_EQ(running, layout->pool_bytes());
+  EXPECT_EQ(layout->bytes_per_page(), 2 * 3 * 3 * 3 * (5 + 4));
+  EXPECT_LE(layout->pool_bytes(), 5000);
+  EXPECT_GT(layout->pool_bytes() + layout->bytes_per_page(), 5000);
+}
+
+TEST(KvLayoutTest, Fp8PoolSmallerThanOnePageNamesTheScale) {
+  absl::StatusOr<KvLayout> layout = KvLayout::ForPoolBytes(2, 2, 64, 16, DType::kFp8E4m3, 8703);
+  ASSERT_FALSE(layout.ok());
+  EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(layout.status().message(),
+            "KV pool of 8703 bytes is smaller than one page (8704 bytes: 16 tokens x 2 layers x "
+            "K and V x 2 kv heads x (64 x 1 B + a 4 B scale))");
+}
+
+TEST(KvLayoutTest, RequestOnlyAndUnknownDtypesAreNotCached) {
+  for (DType t : {DType::kFp16, static_cast<DType>(0), static_cast<DType>(9)}) {
+    absl::StatusOr<KvLayout> layout = KvLayout::ForPoolBytes(2, 2, 64, 16, t, 1 << 20);
+    ASSERT_FALSE(layout.ok());
+    EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(layout.status().message(), absl::StrCat("KV layout: dtype ", DTypeName(t),
+                                                      " cannot be cached; use fp32, bf16 or fp8"));
+  }
 }
 
 }  // namespace

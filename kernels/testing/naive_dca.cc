@@ -6,6 +6,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/testing/naive_fp8.h"
 
 namespace attnd {
 namespace naive {
@@ -134,6 +135,25 @@ int64_t NaiveSequence::length(int layer) const {
          (static_cast<int64_t>(geometry_.num_kv_heads) * geometry_.head_dim);
 }
 
+void NaiveSequence::Store(int layer, absl::Span<const float> k, absl::Span<const float> v,
+                          double s) {
+  if (storage_ == KvStorage::kExact) {
+    for (size_t i = 0; i < k.size(); ++i) {
+      keys_[layer].push_back(s * static_cast<double>(k[i]));
+      values_[layer].push_back(static_cast<double>(v[i]));
+    }
+    return;
+  }
+  const size_t d = static_cast<size_t>(geometry_.head_dim);
+  const float s32 = static_cast<float>(s);
+  std::vector<float> key(d);
+  for (size_t row = 0; row + d <= k.size(); row += d) {  // one token's one kv head
+    for (size_t i = 0; i < d; ++i) key[i] = k[row + i] * s32;
+    for (double x : Fp8RoundTrip(key)) keys_[layer].push_back(x);
+    for (double x : Fp8RoundTrip(v.subspan(row, d))) values_[layer].push_back(x);
+  }
+}
+
 absl::StatusOr<std::vector<float>> NaiveSequence::Prefill(int layer, absl::Span<const float> q,
                                                           absl::Span<const float> k,
                                                           absl::Span<const float> v,
@@ -156,10 +176,7 @@ absl::StatusOr<std::vector<float>> NaiveSequence::Prefill(int layer, absl::Span<
         absl::StrCat("prompt_len ", prompt_len, " < length after prefill ", start + t));
   }
   const double s = LengthScaleF64(prompt_len, geometry_.original_max_position_embeddings);
-  for (int64_t i = 0; i < t * kv_row; ++i) {
-    keys_[layer].push_back(s * static_cast<double>(k[i]));
-    values_[layer].push_back(static_cast<double>(v[i]));
-  }
+  Store(layer, k, v, s);
   std::vector<float> out(t * hq * d);
   for (int64_t n = 0; n < t; ++n) {
     // The first three of the five variants; the critical ones only feed sparse estimation.
@@ -187,10 +204,7 @@ absl::StatusOr<std::vector<float>> NaiveSequence::Decode(int layer, absl::Span<c
   }
   const int64_t length_after = length(layer) + 1;
   const double s = LengthScaleF64(length_after, geometry_.original_max_position_embeddings);
-  for (int64_t i = 0; i < kv_row; ++i) {
-    keys_[layer].push_back(s * static_cast<double>(k[i]));
-    values_[layer].push_back(static_cast<double>(v[i]));
-  }
+  Store(layer, k, v, s);
   std::vector<double> q3(3 * hq * d);
   for (int64_t i = 0; i < 3 * hq * d; ++i) q3[i] = s * static_cast<double>(q[i]);
   const std::vector<double> o = Attend(geometry_, length_after - 1, q3, keys_[layer],

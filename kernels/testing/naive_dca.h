@@ -45,7 +45,14 @@ absl::StatusOr<RotatedInputs> DualChunkRotary(const DcaGeometry& geometry, int64
 // fp32 in and out, fp64 inside. Not thread-safe.
 class NaiveSequence {
  public:
+  // How the cache holds K/V: exactly (fp64), or as fp8 E4M3 rows with an fp32 scale per token and
+  // kv head, quantised by naive_fp8.h, keys after length scaling as fp32(k) * fp32(s(L)) (the
+  // kernels' product). Applies to the tokens appended after it is set.
+  enum class KvStorage { kExact, kFp8E4m3 };
+
   NaiveSequence(const DcaGeometry& geometry, int num_layers);
+
+  void set_kv_storage(KvStorage storage) { storage_ = storage; }
 
   // Appends T = k.size() / (Hkv * D) tokens to `layer` and returns their outputs [T, Hq, D].
   //   q: [T, 5, Hq, D]; k, v: [T, Hkv, D] (unscaled); prompt_len: the whole prompt's length, which
@@ -77,8 +84,11 @@ class NaiveSequence {
 
  private:
   absl::Status CheckLayer(int layer) const;
+  // Appends tokens' keys (unscaled, times s) and values to `layer` as storage_ says.
+  void Store(int layer, absl::Span<const float> k, absl::Span<const float> v, double s);
 
   DcaGeometry geometry_;
+  KvStorage storage_ = KvStorage::kExact;
   std::vector<std::vector<double>> keys_;    // per layer [length, Hkv, D], length-scaled
   std::vector<std::vector<double>> values_;  // per layer [length, Hkv, D]
 };

@@ -13,6 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "base/dtype.h"
+#include "base/fp8.h"
 #include "base/status_macros.h"
 #include "kernels/dca_cpu.h"
 #include "kernels/dual_chunk_rotary.h"
@@ -80,10 +81,10 @@ absl::StatusOr<std::unique_ptr<CpuEngine>> CpuEngine::Create(const CpuEngineOpti
         "cpu engine: KV layout [", layout.num_kv_heads, " kv heads, head_dim ", layout.head_dim,
         "] does not match the model [", g.num_kv_heads, ", ", g.head_dim, "]"));
   }
-  if (layout.kv_dtype != DType::kFp32 && layout.kv_dtype != DType::kBf16) {
+  if (!IsKvDType(layout.kv_dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("cpu engine: KV dtype ",
                                                    DTypeName(layout.kv_dtype),
-                                                   " is not supported; use fp32 or bf16"));
+                                                   " is not supported; use fp32, bf16 or fp8"));
   }
   if (layout.num_layers <= 0 || layout.page_size <= 0 || layout.num_pages <= 0) {
     return absl::InvalidArgumentError("cpu engine: the KV layout has no layers, pages or slots");
@@ -132,6 +133,10 @@ PagedKv<KvT> CpuEngine::LayerView(int32_t layer, const int32_t* page_table) cons
   kv.page_size = layout_.page_size;
   kv.num_kv_heads = layout_.num_kv_heads;
   kv.head_dim = layout_.head_dim;
+  if (layout_.kv_dtype == DType::kFp8E4m3) {
+    kv.k_scale = reinterpret_cast<float*>(pool_ + layout_.k_scale_offset(layer));
+    kv.v_scale = reinterpret_cast<float*>(pool_ + layout_.v_scale_offset(layer));
+  }
   return kv;
 }
 
@@ -177,7 +182,14 @@ absl::StatusOr<std::unique_ptr<PrefillRun>> CpuEngine::StartPrefill(const Prefil
   if (job.q.on_device || job.k.on_device || job.v.on_device || job.out_on_device) {
     return NoDeviceMemory();
   }
-  return layout_.kv_dtype == DType::kFp32 ? StartTyped<float>(job) : StartTyped<uint16_t>(job);
+  switch (layout_.kv_dtype) {
+    case DType::kFp32:
+      return StartTyped<float>(job);
+    case DType::kFp8E4m3:
+      return StartTyped<Fp8E4m3>(job);
+    default:  // Create admits fp32, bf16 and fp8 only
+      return StartTyped<uint16_t>(job);
+  }
 }
 
 absl::Status CpuEngine::Prefill(const PrefillJob& job) {
@@ -190,8 +202,16 @@ absl::StatusOr<DecodeStats> CpuEngine::Decode(const DecodeJob& job) {
   for (const DecodeJob::Entry& e : job.entries) {
     if (e.q.on_device || e.k.on_device || e.v.on_device || e.out_on_device) return NoDeviceMemory();
   }
-  ATTND_RETURN_IF_ERROR(layout_.kv_dtype == DType::kFp32 ? DecodeTyped<float>(job)
-                                                         : DecodeTyped<uint16_t>(job));
+  switch (layout_.kv_dtype) {
+    case DType::kFp32:
+      ATTND_RETURN_IF_ERROR(DecodeTyped<float>(job));
+      break;
+    case DType::kFp8E4m3:
+      ATTND_RETURN_IF_ERROR(DecodeTyped<Fp8E4m3>(job));
+      break;
+    default:  // Create admits fp32, bf16 and fp8 only
+      ATTND_RETURN_IF_ERROR(DecodeTyped<uint16_t>(job));
+  }
   DecodeStats stats;
   stats.eager_launches = 1;
   return stats;

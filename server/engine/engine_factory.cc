@@ -34,9 +34,10 @@ absl::StatusOr<std::vector<int32_t>> ParseDeviceList(absl::string_view text) {
 absl::StatusOr<DType> ResolveKvDType(const std::string& kv_dtype, const std::string& backend) {
   if (kv_dtype == "fp32") return DType::kFp32;
   if (kv_dtype == "bf16") return DType::kBf16;
+  if (kv_dtype == "fp8") return DType::kFp8E4m3;
   if (kv_dtype == "auto") return backend == "cpu" ? DType::kFp32 : DType::kBf16;
-  return absl::InvalidArgumentError(
-      absl::StrCat("EngineOptions::kv_dtype must be auto, bf16 or fp32, got \"", kv_dtype, "\""));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "EngineOptions::kv_dtype must be auto, bf16, fp32 or fp8, got \"", kv_dtype, "\""));
 }
 
 namespace {
@@ -85,6 +86,11 @@ absl::StatusOr<std::vector<ShardPlan>> PlanShards(const EngineOptions& options, 
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> CreateCuda(const EngineOptions& options) {
+  // Before the build and device checks: the option is wrong for this backend on any host.
+  if (options.kv_dtype == "fp8") {
+    return absl::InvalidArgumentError(
+        "EngineOptions::kv_dtype: fp8 KV is not yet supported on cuda; use bf16");
+  }
   if (absl::Status built = CudaBuildStatus(); !built.ok()) return built;
   absl::StatusOr<DType> kv_dtype = ResolveKvDType(options.kv_dtype, "cuda");
   if (!kv_dtype.ok()) return kv_dtype.status();

@@ -1,7 +1,9 @@
 #include "server/engine/engine_factory.h"
 
 #include <cmath>
+#include <string>
 
+#include "absl/strings/str_cat.h"
 #include "base/dtype.h"
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
@@ -48,6 +50,44 @@ TEST(EngineFactoryTest, Bf16KvHalvesThePage) {
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->layout().kv_dtype, DType::kBf16);
   EXPECT_EQ((*engine)->layout().num_pages, 64);
+}
+
+TEST(EngineFactoryTest, Fp8KvOnCpuFitsAboutTwiceTheBf16Tokens) {
+  // A page: 2 layers x (K + V) x 16 tokens x 2 heads x (64 codes + a 4-byte scale) = 8704 B;
+  // 1 MiB holds 120 pages (bf16: 16384 B a page, 64 pages).
+  EngineOptions o = Tiny();
+  o.kv_dtype = "fp8";
+  absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->backend(), "cpu");
+  EXPECT_EQ((*engine)->layout().kv_dtype, DType::kFp8E4m3);
+  EXPECT_EQ((*engine)->layout().bytes_per_page(), 8704);
+  EXPECT_EQ((*engine)->layout().num_pages, (1 << 20) / 8704);
+  EXPECT_EQ((*engine)->layout().num_pages, 120);
+
+  o.shards = 2;  // each shard keeps its kv head's scales; the page count is the whole pool's
+  engine = CreateEngine(o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->layout().num_pages, 120);
+  EXPECT_EQ((*engine)->layout().kv_dtype, DType::kFp8E4m3);
+}
+
+TEST(EngineFactoryTest, CudaRefusesFp8KvOnEveryHost) {
+  for (const char* device : {"cuda", "auto"}) {
+    EngineOptions o = Tiny();
+    o.device = device;
+    o.kv_dtype = "fp8";
+    absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
+    if (std::string(device) == "auto" && CudaDeviceCount() == 0) {
+      ASSERT_TRUE(engine.ok()) << engine.status();  // auto without a GPU is the cpu backend
+      EXPECT_EQ((*engine)->layout().kv_dtype, DType::kFp8E4m3);
+      continue;
+    }
+    ASSERT_FALSE(engine.ok());
+    EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(engine.status().message(),
+              "EngineOptions::kv_dtype: fp8 KV is not yet supported on cuda; use bf16");
+  }
 }
 
 TEST(EngineFactoryTest, CudaWithoutAGpuIsAClearStartupError) {
@@ -105,12 +145,15 @@ TEST(EngineFactoryTest, BadOptionsNameTheFlag) {
   EXPECT_EQ(engine.status().message(),
             "EngineOptions::device must be auto, cpu or cuda, got \"tpu\"");
 
-  o = Tiny();
-  o.kv_dtype = "fp8";
-  engine = CreateEngine(o);
-  EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(engine.status().message(),
-            "EngineOptions::kv_dtype must be auto, bf16 or fp32, got \"fp8\"");
+  for (const char* bad : {"fp16", "int8", "FP8", "e4m3", ""}) {
+    o = Tiny();
+    o.kv_dtype = bad;
+    engine = CreateEngine(o);
+    EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_EQ(
+        engine.status().message(),
+        absl::StrCat("EngineOptions::kv_dtype must be auto, bf16, fp32 or fp8, got \"", bad, "\""));
+  }
 
   o = Tiny();
   o.kv_cache_bytes = 1000;  // less than one page

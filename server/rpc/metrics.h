@@ -187,6 +187,7 @@ class AttndMetrics {
   CounterFamily* graph_replays_total;       // {}; CUDA graph launches (decode)
   GaugeFamily* kv_pages_used;               // {}
   GaugeFamily* kv_pages_free;               // {}
+  GaugeFamily* kv_capacity_tokens;          // {kv_dtype}; tokens the pool holds (pages x size)
   GaugeFamily* kv_shard_pool_bytes;         // {shard, device}; each shard's K/V memory
   GaugeFamily* kv_shard_bytes_used;         // {shard, device}; of it, held by sequences' pages
   GaugeFamily* live_sequences;              // {}

@@ -527,6 +527,9 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     metrics_->kv_pages_used->Set(
         {}, static_cast<double>(info.kv_cache.pages_total - info.kv_cache.pages_free));
     metrics_->kv_pages_free->Set({}, static_cast<double>(info.kv_cache.pages_free));
+    metrics_->kv_capacity_tokens->Set(
+        {std::string(DTypeName(info.model.kv_dtype))},
+        static_cast<double>(info.kv_cache.pages_total) * info.kv_cache.page_size);
     for (size_t i = 0; i < info.devices.size(); ++i) {
       const EngineShard& shard = info.devices[i];
       metrics_->kv_shard_pool_bytes->Set({absl::StrCat(i), shard.device},
