@@ -65,6 +65,12 @@ ABSL_FLAG(
     int32_t, decode_batches_in_flight, 2,
     "merged decode batches of one layer that may run at once (2: the next batch is formed and "
     "launched while the previous one answers its calls; docs/batching.md)");
+ABSL_FLAG(
+    int32_t, decode_reserved_sms, 0,
+    "CUDA: SMs the prefill kernels never use, kept free for decode steps (rounded up to the "
+    "device's green-context granularity, 8 on Hopper): a decode beside a long prefill starts "
+    "at once instead of waiting for prefill blocks to finish, at the cost of those SMs' share "
+    "of prefill throughput; 0 = prefill uses every SM (docs/scheduling.md)");
 ABSL_FLAG(int64_t, prefill_step_keys, 0,
           "the bound on one prefill step, in keys each query row attends per step: a prefill call "
           "runs as steps of about this much work per 128-row tile (CUDA: key-tile windows, CPU: "
@@ -247,6 +253,11 @@ int main(int argc, char** argv) {
   options.cuda_graph_batch_sizes = absl::GetFlag(FLAGS_cuda_graph_batch_sizes);
   options.disable_cuda_graphs = absl::GetFlag(FLAGS_disable_cuda_graphs);
   options.prefill_step_keys = absl::GetFlag(FLAGS_prefill_step_keys);
+  options.decode_reserved_sms = absl::GetFlag(FLAGS_decode_reserved_sms);
+  if (options.decode_reserved_sms < 0) {
+    return Fail(absl::StrCat("--decode-reserved-sms must be 0 (off) or more, got ",
+                             options.decode_reserved_sms));
+  }
   options.prefill_share = absl::GetFlag(FLAGS_prefill_share);
   if (options.prefill_step_keys < 0) {
     return Fail(absl::StrCat("--prefill-step-keys must be 0 (the backend's default) or more, got ",

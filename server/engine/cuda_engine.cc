@@ -1,5 +1,6 @@
 #include "server/engine/cuda_engine.h"
 
+#include <cuda.h>  // driver types only: driver functions come through the runtime's entry point
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -102,6 +103,108 @@ GetAddressRangeFn AddressRangeFn() {
   return fn;
 }
 
+// A driver function through the runtime's entry point (attnd links no libcuda); null when this
+// driver lacks it.
+template <typename Fn>
+Fn DriverFunction(const char* name, int version) {
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  if (cudaGetDriverEntryPointByVersion(name, &f, version, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(f);
+}
+
+// A green context of all but `reserved` SMs of `device` (rounded to the device's partition
+// granularity) and a stream in it at `priority`: work on the stream runs on those SMs only.
+struct GreenLane {
+  CUgreenCtx context = nullptr;
+  cudaStream_t stream = nullptr;
+  int32_t sms = 0;    // the lane's
+  int32_t total = 0;  // the device's
+};
+
+absl::StatusOr<GreenLane> CreateGreenLane(int32_t device, int32_t reserved, int priority) {
+  constexpr int kVersion = 12040;  // green contexts
+  const auto get_device = DriverFunction<decltype(&cuDeviceGet)>("cuDeviceGet", 12000);
+  const auto get_resource =
+      DriverFunction<decltype(&cuDeviceGetDevResource)>("cuDeviceGetDevResource", kVersion);
+  const auto split = DriverFunction<decltype(&cuDevSmResourceSplitByCount)>(
+      "cuDevSmResourceSplitByCount", kVersion);
+  const auto describe =
+      DriverFunction<decltype(&cuDevResourceGenerateDesc)>("cuDevResourceGenerateDesc", kVersion);
+  const auto create = DriverFunction<decltype(&cuGreenCtxCreate)>("cuGreenCtxCreate", kVersion);
+  const auto create_stream =
+      DriverFunction<decltype(&cuGreenCtxStreamCreate)>("cuGreenCtxStreamCreate", kVersion);
+  const auto destroy = DriverFunction<decltype(&cuGreenCtxDestroy)>("cuGreenCtxDestroy", kVersion);
+  if (!get_device || !get_resource || !split || !describe || !create || !create_stream ||
+      !destroy) {
+    return absl::FailedPreconditionError(
+        "--decode-reserved-sms needs green contexts: a CUDA driver of 12.4 or later");
+  }
+  const auto failed = [](const char* what, CUresult r) {
+    return absl::InternalError(absl::StrCat("--decode-reserved-sms: ", what, " failed (CUresult ",
+                                            static_cast<int>(r), ")"));
+  };
+  CUdevice dev;
+  if (CUresult r = get_device(&dev, device); r != CUDA_SUCCESS) return failed("cuDeviceGet", r);
+  CUdevResource all{};
+  if (CUresult r = get_resource(dev, &all, CU_DEV_RESOURCE_TYPE_SM); r != CUDA_SUCCESS) {
+    return failed("cuDeviceGetDevResource", r);
+  }
+  GreenLane lane;
+  lane.total = static_cast<int32_t>(all.sm.smCount);
+  const int64_t want = int64_t{lane.total} - reserved;
+  if (want < static_cast<int64_t>(all.sm.minSmPartitionSize)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--decode-reserved-sms ", reserved, " leaves the prefill lane ", want, " of the device's ",
+        lane.total, " SMs; it needs at least ", all.sm.minSmPartitionSize));
+  }
+  // A group of at least `want` SMs, rounded up by the driver; what it leaves is decode's alone.
+  // Rounding up could leave nothing, so ask for less until something is left.
+  CUdevResource part{}, rest{};
+  unsigned int groups = 1;
+  for (int64_t ask = want;; ask -= std::max(1u, all.sm.smCoscheduledAlignment)) {
+    if (ask < static_cast<int64_t>(all.sm.minSmPartitionSize)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--decode-reserved-sms ", reserved, ": no partition of the device's ", lane.total,
+          " SMs leaves that many free (granularity ", all.sm.smCoscheduledAlignment, ")"));
+    }
+    groups = 1;
+    if (CUresult r = split(&part, &groups, &all, &rest, 0, static_cast<unsigned int>(ask));
+        r != CUDA_SUCCESS) {
+      return failed("cuDevSmResourceSplitByCount", r);
+    }
+    if (groups == 1 && rest.sm.smCount > 0) break;
+  }
+  CUdevResourceDesc desc;
+  if (CUresult r = describe(&desc, &part, 1); r != CUDA_SUCCESS) {
+    return failed("cuDevResourceGenerateDesc", r);
+  }
+  if (CUresult r = create(&lane.context, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM);
+      r != CUDA_SUCCESS) {
+    return failed("cuGreenCtxCreate", r);
+  }
+  CUstream stream = nullptr;
+  if (CUresult r = create_stream(&stream, lane.context, CU_STREAM_NON_BLOCKING, priority);
+      r != CUDA_SUCCESS) {
+    destroy(lane.context);
+    return failed("cuGreenCtxStreamCreate", r);
+  }
+  lane.stream = reinterpret_cast<cudaStream_t>(stream);
+  lane.sms = static_cast<int32_t>(part.sm.smCount);
+  return lane;
+}
+
+void DestroyGreenContext(CUgreenCtx context) {
+  if (context == nullptr) return;
+  const auto destroy = DriverFunction<decltype(&cuGreenCtxDestroy)>("cuGreenCtxDestroy", 12040);
+  if (destroy != nullptr) destroy(context);
+}
+
 class CudaEngine : public Engine, public DeviceMemoryOpener {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const CudaEngineOptions& options);
@@ -137,6 +240,7 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
         max_decode_batch_(std::max(1, options.max_decode_batch)),
         use_graphs_(options.cuda_graphs),
         prefill_step_keys_(std::max<int64_t>(1, options.prefill_step_keys)),
+        decode_reserved_sms_(std::max(0, options.decode_reserved_sms)),
         sparse_(options.sparse) {
     for (int32_t size : options.graph_batch_sizes) {
       if (size >= 1 && size <= max_decode_batch_ && (sizes_.empty() || size > sizes_.back())) {
@@ -222,6 +326,8 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   const int32_t max_decode_batch_;
   const bool use_graphs_;
   const int64_t prefill_step_keys_;
+  const int32_t decode_reserved_sms_;
+  CUgreenCtx prefill_green_ = nullptr;  // the prefill lane's SMs with decode_reserved_sms_ > 0
   const std::shared_ptr<const SparseAttentionConfig> sparse_;
   std::vector<int32_t> sizes_;  // captured sizes, ascending, <= max_decode_batch_
   std::string device_name_;
@@ -370,8 +476,17 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   ATTND_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   ATTND_CUDA_RETURN_IF_ERROR(
       cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
-  ATTND_CUDA_RETURN_IF_ERROR(
-      cudaStreamCreateWithPriority(&prefill_stream_, cudaStreamNonBlocking, least));
+  if (decode_reserved_sms_ > 0) {
+    ATTND_ASSIGN_OR_RETURN(const GreenLane lane,
+                           CreateGreenLane(device_, decode_reserved_sms_, least));
+    prefill_green_ = lane.context;
+    prefill_stream_ = lane.stream;
+    spdlog::info("cuda engine: prefill runs on {} of the device's {} SMs; {} are decode's alone",
+                 lane.sms, lane.total, lane.total - lane.sms);
+  } else {
+    ATTND_CUDA_RETURN_IF_ERROR(
+        cudaStreamCreateWithPriority(&prefill_stream_, cudaStreamNonBlocking, least));
+  }
   for (cudaEvent_t& event : prefill_done_) {
     ATTND_CUDA_RETURN_IF_ERROR(
         cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventBlockingSync));
@@ -511,6 +626,7 @@ CudaEngine::~CudaEngine() {
     cudaStreamSynchronize(prefill_stream_);
     cudaStreamDestroy(prefill_stream_);
   }
+  DestroyGreenContext(prefill_green_);
   for (cudaEvent_t event : prefill_done_) {
     if (event != nullptr) cudaEventDestroy(event);
   }

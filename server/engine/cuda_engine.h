@@ -62,6 +62,12 @@ struct CudaEngineOptions {
   // about this many keys per launch (key-tile windows, its softmax state kept on the device between
   // them), so a decode on the higher-priority stream waits for one window's blocks at most.
   int64_t prefill_step_keys = 16384;
+  // SMs the prefill lane leaves to decode: with n > 0 the prefill stream lives in a green context
+  // of the device's other SMs (rounded up to the device's partition granularity, 8 on Hopper), so
+  // however long its blocks run, a decode step's first blocks find free SMs at once; the decode
+  // stream keeps every SM. 0: prefill may use every SM (its blocks then hold the SMs a decode
+  // needs until they finish: docs/scheduling.md). Needs a driver with green contexts (CUDA 12.4).
+  int32_t decode_reserved_sms = 0;
 };
 
 // INVALID_ARGUMENT for a geometry/layout the CUDA kernels do not support (kernels/cuda/dca_cuda.h:

@@ -159,6 +159,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCuda(const EngineOptions& options)
     cuda.cuda_graphs = options.cuda_graphs;
     cuda.sparse = plans[i].sparse;
     if (options.prefill_step_keys > 0) cuda.prefill_step_keys = options.prefill_step_keys;
+    cuda.decode_reserved_sms = options.decode_reserved_sms;
     ATTND_ASSIGN_OR_RETURN(std::unique_ptr<Engine> shard, CreateCudaEngine(cuda));
     shards.push_back(std::move(shard));
   }

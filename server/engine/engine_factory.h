@@ -46,6 +46,9 @@ struct EngineOptions {
   // 128-row tile: a decode waits for at most one such step (--prefill-step-keys). 0: the
   // backend's default (CudaEngineOptions, CpuEngineOptions).
   int64_t prefill_step_keys = 0;
+  // cuda: SMs kept free of prefill for decode (CudaEngineOptions::decode_reserved_sms,
+  // --decode-reserved-sms). Ignored by the CPU.
+  int32_t decode_reserved_sms = 0;
 };
 
 // "0,1" (CUDA ordinals, repeats allowed) as a list; INVALID_ARGUMENT naming --devices otherwise.

@@ -458,6 +458,7 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
   engine_options.cuda_graph_batch_sizes = batcher_options->flush_batch_sizes;
   engine_options.cuda_graphs = !options.disable_cuda_graphs;
   engine_options.prefill_step_keys = options.prefill_step_keys;
+  engine_options.decode_reserved_sms = options.decode_reserved_sms;
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(engine_options);
   if (!engine.ok()) return engine.status();
   // Vertical-slash sparse prefill runs on the CPU and CUDA engines; on any other backend prefill
@@ -469,6 +470,10 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
         "prefill runs dense",
         model->sparse != nullptr ? model->sparse->source : model->name, (*engine)->backend());
     model->sparse_attention_enabled = false;
+  }
+  if (options.decode_reserved_sms > 0 && (*engine)->backend() != "cuda") {
+    spdlog::warn("--decode-reserved-sms {} has no effect on the {} backend",
+                 options.decode_reserved_sms, (*engine)->backend());
   }
   DeviceMemoryOpener* const ipc_opener = (*engine)->device_memory_opener();
   // A sharded engine's steps run on several devices: one pair of events cannot order them.

@@ -42,8 +42,9 @@ struct ServerOptions {
   bool disable_cuda_graphs = false;      // never capture or replay graphs (no effect on CPU)
   int32_t decode_batches_in_flight = 2;  // merged batches of one layer running at once
   // The device's step scheduler (server/sched/step_scheduler.h, docs/scheduling.md).
-  int64_t prefill_step_keys = 0;  // bound on one prefill step (EngineOptions); 0: the backend's
-  double prefill_share = 0.25;    // least device share of a waiting prefill
+  int64_t prefill_step_keys = 0;    // bound on one prefill step (EngineOptions); 0: the backend's
+  int32_t decode_reserved_sms = 0;  // SMs kept free of prefill (EngineOptions; CUDA only)
+  double prefill_share = 0.25;      // least device share of a waiting prefill
 
   // Operations (docs/operations.md).
   // HTTP /metrics and /healthz; "" = off. Off here so in-process servers (tests) never collide
