@@ -8,6 +8,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -128,22 +129,31 @@ struct GreenLane {
 };
 
 absl::StatusOr<GreenLane> CreateGreenLane(int32_t device, int32_t reserved, int priority) {
-  constexpr int kVersion = 12040;  // green contexts
-  const auto get_device = DriverFunction<decltype(&cuDeviceGet)>("cuDeviceGet", 12000);
+  // Each function at the ABI of the headers this is built with (an older version can name an
+  // older ABI, or none for functions added since).
+  const char* missing = nullptr;
+  const auto need = [&missing](auto* fn, const char* name) {
+    using Fn = std::remove_pointer_t<decltype(fn)>;
+    Fn f = DriverFunction<Fn>(name, CUDA_VERSION);
+    if (f == nullptr && missing == nullptr) missing = name;
+    return f;
+  };
+  const auto get_device = need(static_cast<decltype(&cuDeviceGet)*>(nullptr), "cuDeviceGet");
   const auto get_resource =
-      DriverFunction<decltype(&cuDeviceGetDevResource)>("cuDeviceGetDevResource", kVersion);
-  const auto split = DriverFunction<decltype(&cuDevSmResourceSplitByCount)>(
-      "cuDevSmResourceSplitByCount", kVersion);
-  const auto describe =
-      DriverFunction<decltype(&cuDevResourceGenerateDesc)>("cuDevResourceGenerateDesc", kVersion);
-  const auto create = DriverFunction<decltype(&cuGreenCtxCreate)>("cuGreenCtxCreate", kVersion);
+      need(static_cast<decltype(&cuDeviceGetDevResource)*>(nullptr), "cuDeviceGetDevResource");
+  const auto split = need(static_cast<decltype(&cuDevSmResourceSplitByCount)*>(nullptr),
+                          "cuDevSmResourceSplitByCount");
+  const auto describe = need(static_cast<decltype(&cuDevResourceGenerateDesc)*>(nullptr),
+                             "cuDevResourceGenerateDesc");
+  const auto create = need(static_cast<decltype(&cuGreenCtxCreate)*>(nullptr), "cuGreenCtxCreate");
   const auto create_stream =
-      DriverFunction<decltype(&cuGreenCtxStreamCreate)>("cuGreenCtxStreamCreate", kVersion);
-  const auto destroy = DriverFunction<decltype(&cuGreenCtxDestroy)>("cuGreenCtxDestroy", kVersion);
-  if (!get_device || !get_resource || !split || !describe || !create || !create_stream ||
-      !destroy) {
-    return absl::FailedPreconditionError(
-        "--decode-reserved-sms needs green contexts: a CUDA driver of 12.4 or later");
+      need(static_cast<decltype(&cuGreenCtxStreamCreate)*>(nullptr), "cuGreenCtxStreamCreate");
+  const auto destroy =
+      need(static_cast<decltype(&cuGreenCtxDestroy)*>(nullptr), "cuGreenCtxDestroy");
+  if (missing != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--decode-reserved-sms needs green contexts: this CUDA driver has no ", missing, " (CUDA ",
+        CUDA_VERSION / 1000, ".", CUDA_VERSION % 1000 / 10, " ABI)"));
   }
   const auto failed = [](const char* what, CUresult r) {
     return absl::InternalError(absl::StrCat("--decode-reserved-sms: ", what, " failed (CUresult ",
@@ -201,7 +211,8 @@ absl::StatusOr<GreenLane> CreateGreenLane(int32_t device, int32_t reserved, int 
 
 void DestroyGreenContext(CUgreenCtx context) {
   if (context == nullptr) return;
-  const auto destroy = DriverFunction<decltype(&cuGreenCtxDestroy)>("cuGreenCtxDestroy", 12040);
+  const auto destroy =
+      DriverFunction<decltype(&cuGreenCtxDestroy)>("cuGreenCtxDestroy", CUDA_VERSION);
   if (destroy != nullptr) destroy(context);
 }
 
