@@ -12,9 +12,9 @@
 //
 // Edge rows: a row whose max |x| is 0 (or so small that max/127 underflows to 0) gets scale 0 and
 // zero codes and reads back as zeros, never 0/0. Callers check inputs finite before they reach the
-// cache; should a NaN or an infinity reach a row anyway, that row's scale is NaN or infinity and its
-// codes 0, so the whole row reads back as NaN (0 * NaN, 0 * inf): the damage shows where it is and
-// stays in that row, rather than being stored as plausible numbers.
+// cache; should a NaN or an infinity reach a row anyway, that row's scale is NaN or infinity and
+// its codes 0, so the whole row reads back as NaN (0 * NaN, 0 * inf): the damage shows where it is
+// and stays in that row, rather than being stored as plausible numbers.
 #ifndef ATTND_BASE_INT8_KV_H_
 #define ATTND_BASE_INT8_KV_H_
 
@@ -43,7 +43,7 @@ ATTND_HOST_DEVICE int8_t FloatToInt8Kv(float q) {
   if (!(q == q)) return 0;  // NaN
   if (q >= kInt8KvMax) return 127;
   if (q <= -kInt8KvMax) return -127;
-  const int t = static_cast<int>(q);            // toward zero
+  const int t = static_cast<int>(q);                   // toward zero
   const float rem = fabsf(q - static_cast<float>(t));  // in [0, 1)
   const bool odd = (t & 1) != 0;
   const int away = (rem > 0.5f || (rem == 0.5f && odd)) ? 1 : 0;
