@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "base/fp8.h"
+#include "base/int8_kv.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -24,6 +25,8 @@ absl::string_view DTypeName(DType t) {
       return "fp32";
     case DType::kFp8E4m3:
       return "fp8_e4m3";
+    case DType::kInt8:
+      return "int8";
   }
   return "unknown";
 }
@@ -101,6 +104,9 @@ void ConvertToFloat(const void* src, DType src_type, size_t n, float* dst) {
     case DType::kFp8E4m3:
       for (size_t i = 0; i < n; ++i) dst[i] = Fp8E4m3ToFloat(bytes[i]);
       return;
+    case DType::kInt8:
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<float>(static_cast<int8_t>(bytes[i]));
+      return;
   }
 }
 
@@ -149,6 +155,9 @@ void ConvertFromFloat(const float* src, size_t n, DType dst_type, void* dst) {
       return;
     case DType::kFp8E4m3:
       for (size_t i = 0; i < n; ++i) bytes[i] = FloatToFp8E4m3(src[i]);
+      return;
+    case DType::kInt8:
+      for (size_t i = 0; i < n; ++i) bytes[i] = static_cast<unsigned char>(FloatToInt8Kv(src[i]));
       return;
   }
 }
@@ -217,6 +226,8 @@ int64_t FirstNonFinite(DType t, const void* data, size_t n) {
           return static_cast<int64_t>(i);
         }
       }
+      return -1;
+    case DType::kInt8:  // every code is a finite integer
       return -1;
   }
   return -1;

@@ -10,28 +10,33 @@
 
 namespace attnd {
 
-// kFp8E4m3 is a KV cache dtype only (base/fp8.h: E4M3 codes with an fp32 scale per token and kv
-// head); request and output tensors are bf16, fp16 or fp32.
-enum class DType : int { kBf16 = 1, kFp16 = 2, kFp32 = 3, kFp8E4m3 = 4 };
+// kFp8E4m3 and kInt8 are KV cache dtypes only (base/fp8.h: E4M3 codes, base/int8_kv.h: symmetric
+// int8 codes, each with an fp32 scale per token and kv head); request and output tensors are bf16,
+// fp16 or fp32.
+enum class DType : int { kBf16 = 1, kFp16 = 2, kFp32 = 3, kFp8E4m3 = 4, kInt8 = 5 };
 
 // Whether `t` is a request tensor dtype: bf16, fp16 or fp32 (a wire value cast to DType may be 0,
-// unknown, or the KV-only fp8). The one spelling of "known dtype": request validation, engines and
+// unknown, or a KV-only dtype). The one spelling of "known dtype": request validation, engines and
 // tools all use it.
 constexpr bool IsKnownDType(DType t) {
   return t == DType::kBf16 || t == DType::kFp16 || t == DType::kFp32;
 }
 
-// Whether the KV cache can hold `t`: fp32, bf16 or fp8 E4M3 (which backends take: their engines).
+// Whether the KV cache can hold `t`: fp32, bf16, fp8 E4M3 or int8 (which backends take: their
+// engines).
 constexpr bool IsKvDType(DType t) {
-  return t == DType::kFp32 || t == DType::kBf16 || t == DType::kFp8E4m3;
+  return t == DType::kFp32 || t == DType::kBf16 || t == DType::kFp8E4m3 || t == DType::kInt8;
 }
 
-// Bytes per element (fp8: the code alone; its row scales are counted by kvcache/kv_layout.h).
-constexpr size_t ElementSize(DType t) {
-  return t == DType::kFp32 ? 4 : (t == DType::kFp8E4m3 ? 1 : 2);
-}
+// Whether a KV cache of `t` keeps an fp32 scale per token and kv head beside its one-byte codes
+// (fp8 and int8; kvcache/kv_layout.h lays the scales out).
+constexpr bool HasRowScale(DType t) { return t == DType::kFp8E4m3 || t == DType::kInt8; }
 
-// "bf16", "fp16", "fp32", "fp8_e4m3".
+// Bytes per element (fp8, int8: the code alone; the row scales are counted by
+// kvcache/kv_layout.h).
+constexpr size_t ElementSize(DType t) { return t == DType::kFp32 ? 4 : (HasRowScale(t) ? 1 : 2); }
+
+// "bf16", "fp16", "fp32", "fp8_e4m3", "int8".
 absl::string_view DTypeName(DType t);
 
 // bfloat16 <-> fp32. FloatToBf16 rounds to nearest even and keeps NaN a NaN.
@@ -58,11 +63,11 @@ uint16_t FloatToHalf(float f);
 // memory speed.
 int64_t FirstNonFinite(DType t, const void* data, size_t n);
 
-// Converts n little-endian elements of `src` (any alignment) to fp32 (fp8: the codes' values,
-// unscaled).
+// Converts n little-endian elements of `src` (any alignment) to fp32 (fp8, int8: the codes'
+// values, unscaled).
 void ConvertToFloat(const void* src, DType src_type, size_t n, float* dst);
 // Converts n fp32 values to `dst_type`, writing raw little-endian elements to `dst` (any
-// alignment; fp8: saturating codes, unscaled).
+// alignment; fp8, int8: saturating codes, unscaled).
 void ConvertFromFloat(const float* src, size_t n, DType dst_type, void* dst);
 
 }  // namespace attnd

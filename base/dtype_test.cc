@@ -37,7 +37,8 @@ TEST(DTypeTest, IsKnownDType) {
   EXPECT_TRUE(IsKnownDType(DType::kFp32));
   EXPECT_FALSE(IsKnownDType(static_cast<DType>(0)));  // unspecified on the wire
   EXPECT_FALSE(IsKnownDType(DType::kFp8E4m3));        // a KV dtype only
-  EXPECT_FALSE(IsKnownDType(static_cast<DType>(5)));
+  EXPECT_FALSE(IsKnownDType(DType::kInt8));           // a KV dtype only
+  EXPECT_FALSE(IsKnownDType(static_cast<DType>(6)));
   EXPECT_FALSE(IsKnownDType(static_cast<DType>(-1)));
   static_assert(IsKnownDType(DType::kFp32), "usable in constant expressions");
 }

@@ -21,6 +21,8 @@ std::string DTypeString(v1::DType dtype) {
       return "fp32";
     case v1::DTYPE_FP8_E4M3:
       return "fp8_e4m3 (fp32 scale per token and kv head)";
+    case v1::DTYPE_INT8:
+      return "int8 (fp32 scale per token and kv head)";
     default:
       return v1::DType_Name(dtype);
   }
@@ -78,7 +80,7 @@ int RunInfo(AttndClient& client, std::ostream& out, std::ostream& err) {
       {"pages", absl::StrCat(kv.pages_free(), " free of ", kv.pages_total(), " (", tokens_in_pool,
                              " tokens)")},
       {"bytes per page", Bytes(kv.bytes_per_page())},
-      // Scales included (fp8): what one token of the whole model costs the pool.
+      // Scales included (fp8, int8): what one token of the whole model costs the pool.
       {"bytes per token",
        kv.page_size() > 0 ? Bytes(kv.bytes_per_page() / kv.page_size()) : std::string("-")},
       {"pool bytes", Bytes(kv.pool_bytes())},

@@ -166,11 +166,13 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
   // fp32 requests on an fp32 cache must match the fp64 reference to 1e-4 (DCA.md); anything that
   // rounds to 16 bits on the way gets DCA.md's bf16 bars.
   // An fp8 E4M3 cache rounds each element by up to 1/16 of itself: the envelope measured on the
-  // dense golden cases (docs/kv_cache.md), max 0.12 and mean 4.7e-3, with a margin.
+  // dense golden cases (docs/kv_cache.md), max 0.12 and mean 4.7e-3, with a margin. An int8 cache
+  // is held to the one-byte target it meets on the dense golden cases: max 4e-2, mean 4e-3.
   const bool exact = dtype == DType::kFp32 && m.kv_dtype() == v1::DTYPE_FP32;
   const bool fp8 = m.kv_dtype() == v1::DTYPE_FP8_E4M3;
-  const double max_bar = exact ? 1e-4 : (fp8 ? 0.2 : 2e-2);
-  const double mean_bar = exact ? 1e-4 : (fp8 ? 6e-3 : 2e-3);
+  const bool int8 = m.kv_dtype() == v1::DTYPE_INT8;
+  const double max_bar = exact ? 1e-4 : fp8 ? 0.2 : int8 ? 4e-2 : 2e-2;
+  const double mean_bar = exact ? 1e-4 : fp8 ? 6e-3 : int8 ? 4e-3 : 2e-3;
 
   out << "model:    " << m.name() << " (" << m.num_layers() << " layers, " << g.num_q_heads
       << " q / " << g.num_kv_heads << " kv heads, head_dim " << g.head_dim << ", DCA chunk_len "
@@ -179,6 +181,7 @@ int RunSmoke(AttndClient& client, const SmokeOptions& options, std::ostream& out
                                : m.kv_dtype() == v1::DTYPE_BF16     ? "bf16"
                                : m.kv_dtype() == v1::DTYPE_FP16     ? "fp16"
                                : m.kv_dtype() == v1::DTYPE_FP8_E4M3 ? "fp8_e4m3"
+                               : m.kv_dtype() == v1::DTYPE_INT8     ? "int8"
                                                                     : v1::DType_Name(m.kv_dtype());
   out << "server:   " << info->backend() << ", kv cache " << kv_dtype << "; requests "
       << DTypeName(dtype) << "\n";

@@ -20,6 +20,7 @@
 
 #include "base/dtype.h"
 #include "base/fp8.h"
+#include "base/int8_kv.h"
 #include "kernels/kv_rows_cpu.h"
 #include "kernels/simd_math.h"
 
@@ -127,9 +128,9 @@ inline int VariantOf(int64_t key, int64_t prev, int64_t cl) {
 }
 
 // fp32 rows of one tile of keys/values of one kv head. fp32 KV is read in place (row stride
-// num_kv_heads * head_dim inside the page); bf16 and fp8 KV are converted once per tile into
-// scratch (kernels/kv_rows_cpu.h: fp8 dequantised with each row's scale), which every query vector
-// of the item then reuses.
+// num_kv_heads * head_dim inside the page); bf16, fp8 and int8 KV are converted once per tile into
+// scratch (kernels/kv_rows_cpu.h: fp8 and int8 dequantised with each row's scale), which every
+// query vector of the item then reuses.
 struct Tile {
   const float* k = nullptr;
   const float* v = nullptr;
@@ -333,6 +334,12 @@ __attribute__((target("avx2,fma"))) void AttendKeysAvx2(const DcaGeometry& geo,
 }
 __attribute__((target("avx2,fma"))) void AttendKeysAvx2(const DcaGeometry& geo,
                                                         const RowBlock<Fp8E4m3>& b,
+                                                        int64_t key_begin, int64_t key_end,
+                                                        SoftmaxState* st) {
+  AttendKeys<Avx2>(geo, b, key_begin, key_end, st);
+}
+__attribute__((target("avx2,fma"))) void AttendKeysAvx2(const DcaGeometry& geo,
+                                                        const RowBlock<Int8Kv>& b,
                                                         int64_t key_begin, int64_t key_end,
                                                         SoftmaxState* st) {
   AttendKeys<Avx2>(geo, b, key_begin, key_end, st);
@@ -585,5 +592,10 @@ template void DcaPrefillCpu<Fp8E4m3>(const DcaGeometry&, const PagedKv<Fp8E4m3>&
                                      const CpuPrefillParams&, ThreadPool*);
 template void DcaDecodeCpu<Fp8E4m3>(const DcaGeometry&, absl::Span<const CpuDecodeItem<Fp8E4m3>>,
                                     ThreadPool*);
+template void AppendKvCpu<Int8Kv>(const PagedKv<Int8Kv>&, const CpuAppendParams&, ThreadPool*);
+template void DcaPrefillCpu<Int8Kv>(const DcaGeometry&, const PagedKv<Int8Kv>&,
+                                    const CpuPrefillParams&, ThreadPool*);
+template void DcaDecodeCpu<Int8Kv>(const DcaGeometry&, absl::Span<const CpuDecodeItem<Int8Kv>>,
+                                   ThreadPool*);
 
 }  // namespace attnd

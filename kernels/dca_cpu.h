@@ -1,6 +1,7 @@
 // Exact dense dual chunk attention on the CPU: KV append, prefill and decode over a paged KV pool.
-// fp32 arithmetic throughout; K/V stored as fp32 (float), bf16 (uint16_t) or fp8 E4M3 (Fp8E4m3,
-// with a scale per token and kv head: base/fp8.h), quantised on append and dequantised on load
+// fp32 arithmetic throughout; K/V stored as fp32 (float), bf16 (uint16_t), fp8 E4M3 (Fp8E4m3) or
+// int8 (Int8Kv), the last two with a scale per token and kv head (base/fp8.h, base/int8_kv.h),
+// quantised on append and dequantised on load
 // (kernels/kv_rows_cpu.h). Uses every thread of the given pool. Semantics: docs/DCA.md ("Dense
 // prefill", "Decode", "Length scaling").
 #ifndef ATTND_KERNELS_DCA_CPU_H_
@@ -10,6 +11,7 @@
 
 #include "absl/types/span.h"
 #include "base/fp8.h"
+#include "base/int8_kv.h"
 #include "base/thread_pool.h"
 #include "kernels/dca.h"
 #include "kernels/paged_kv.h"
@@ -17,7 +19,7 @@
 namespace attnd {
 
 // Writes new tokens' K/V into their pages; keys are multiplied by key_scale (s(L)) before storing
-// (and, in fp8, before quantising: the row scales are those of the stored, scaled keys).
+// (and, in fp8 and int8, before quantising: the row scales are those of the stored, scaled keys).
 struct CpuAppendParams {
   const float* k = nullptr;  // [num_tokens, num_kv_heads, head_dim], unscaled
   const float* v = nullptr;  // [num_tokens, num_kv_heads, head_dim]

@@ -1,10 +1,10 @@
 // The CPU DCA kernels against the independent fp64 reference (kernels/testing/naive_dca.h):
 // every output element within the per-dtype tolerance, and no NaN/Inf. Unused pool slots are
-// filled with NaN, so a kernel that reads a key or value it should not see fails loudly. For fp8 KV
-// the reference holds its cache as fp8 rows quantised by its own code
-// (kernels/testing/naive_fp8.h), so the kernels must match it to the fp32 bar: what fp8 itself
-// costs is measured elsewhere (server/engine/cpu_engine_fp8_test.cc), here only whether the kernels
-// store and read it right.
+// filled with NaN, so a kernel that reads a key or value it should not see fails loudly. For fp8
+// and int8 KV the reference holds its cache as rows quantised by its own code
+// (kernels/testing/naive_fp8.h, naive_int8.h), so the kernels must match it to the fp32 bar: what
+// the formats themselves cost is measured elsewhere (server/engine/cpu_engine_kv_accuracy_test.cc),
+// here only whether the kernels store and read them right.
 #include "kernels/dca_cpu.h"
 
 #include <algorithm>
@@ -20,12 +20,14 @@
 #include "absl/strings/str_cat.h"
 #include "base/dtype.h"
 #include "base/fp8.h"
+#include "base/int8_kv.h"
 #include "base/thread_pool.h"
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
 #include "kernels/paged_kv.h"
 #include "kernels/testing/naive_dca.h"
 #include "kernels/testing/naive_fp8.h"
+#include "kernels/testing/naive_int8.h"
 
 namespace attnd {
 namespace {
@@ -39,9 +41,14 @@ constexpr Tolerance kBf16Tol = {2e-2, 2e-3};  // DCA.md's bar for bf16 storage.
 
 template <typename KvT>
 constexpr bool kIsFp8 = std::is_same<KvT, Fp8E4m3>::value;
+template <typename KvT>
+constexpr bool kIsInt8 = std::is_same<KvT, Int8Kv>::value;
+// Stored with a scale per token and kv head.
+template <typename KvT>
+constexpr bool kScaled = kIsFp8<KvT> || kIsInt8<KvT>;
 
-// fp8: the reference quantises K/V exactly as the cache must (same fp32 inputs, same codes), so
-// only fp32 arithmetic and the fp32 rounding of code * scale remain.
+// fp8, int8: the reference quantises K/V exactly as the cache must (same fp32 inputs, same codes),
+// so only fp32 arithmetic and the fp32 rounding of code * scale remain.
 template <typename KvT>
 Tolerance TolFor() {
   return std::is_same<KvT, uint16_t>::value ? kBf16Tol : kFp32Tol;
@@ -53,6 +60,8 @@ KvT PoisonValue() {
     return std::numeric_limits<float>::quiet_NaN();
   } else if constexpr (kIsFp8<KvT>) {
     return Fp8E4m3{0x7f};
+  } else if constexpr (kIsInt8<KvT>) {
+    return Int8Kv{-128};  // never written; its NaN scale makes it read back as NaN
   } else {
     return FloatToBf16(std::numeric_limits<float>::quiet_NaN());
   }
@@ -109,7 +118,7 @@ struct Pool {
   int32_t page_size;
   int64_t row;
   std::vector<KvT> k, v;
-  std::vector<float> k_scale, v_scale;  // [num_pages, page_size, num_kv_heads]; fp8 only
+  std::vector<float> k_scale, v_scale;  // [num_pages, page_size, num_kv_heads]; fp8, int8 only
 };
 
 // One sequence run by both the kernels (paged) and the reference.
@@ -119,6 +128,7 @@ class Sequence {
   Sequence(const DcaGeometry& geo, Pool<KvT>* pool, std::vector<int32_t> pages)
       : geo_(geo), pool_(pool), pages_(std::move(pages)), naive_(geo, 1) {
     if (kIsFp8<KvT>) naive_.set_kv_storage(naive::NaiveSequence::KvStorage::kFp8E4m3);
+    if (kIsInt8<KvT>) naive_.set_kv_storage(naive::NaiveSequence::KvStorage::kInt8);
   }
 
   // Query magnitude and the tolerance that goes with it (large logits amplify fp32 rounding).
@@ -138,7 +148,7 @@ class Sequence {
     kv.page_size = pool_->page_size;
     kv.num_kv_heads = geo_.num_kv_heads;
     kv.head_dim = geo_.head_dim;
-    if (kIsFp8<KvT>) {
+    if (kScaled<KvT>) {
       kv.k_scale = pool_->k_scale.data();
       kv.v_scale = pool_->v_scale.data();
     }
@@ -293,14 +303,18 @@ struct ConfigName {
   template <typename C>
   static std::string GetName(int) {
     using KvT = typename C::Kv;
-    return absl::StrCat(std::is_same<KvT, float>::value ? "fp32" : (kIsFp8<KvT> ? "fp8" : "bf16"),
+    return absl::StrCat(std::is_same<KvT, float>::value ? "fp32"
+                        : kIsFp8<KvT>                   ? "fp8"
+                        : kIsInt8<KvT>                  ? "int8"
+                                                        : "bf16",
                         C::simd == CpuSimd::kAvx2 ? "_avx2" : "_sse2");
   }
 };
 
 using Configs = ::testing::Types<Config<float, CpuSimd::kSse2>, Config<uint16_t, CpuSimd::kSse2>,
-                                 Config<Fp8E4m3, CpuSimd::kSse2>, Config<float, CpuSimd::kAvx2>,
-                                 Config<uint16_t, CpuSimd::kAvx2>, Config<Fp8E4m3, CpuSimd::kAvx2>>;
+                                 Config<Fp8E4m3, CpuSimd::kSse2>, Config<Int8Kv, CpuSimd::kSse2>,
+                                 Config<float, CpuSimd::kAvx2>, Config<uint16_t, CpuSimd::kAvx2>,
+                                 Config<Fp8E4m3, CpuSimd::kAvx2>, Config<Int8Kv, CpuSimd::kAvx2>>;
 TYPED_TEST_SUITE(DcaCpuTest, Configs, ConfigName);
 
 TYPED_TEST(DcaCpuTest, OneToken) {
@@ -504,7 +518,8 @@ TYPED_TEST(DcaCpuTest, DecodeBatchWithMixedLengths) {
 // with the layout arithmetic written out here rather than PagedKv's.
 TYPED_TEST(DcaCpuTest, AppendWritesScaledKeysIntoTheirSlots) {
   using KvT = typename TypeParam::Kv;
-  if (kIsFp8<KvT>) GTEST_SKIP() << "fp8: DcaCpuFp8Test.AppendStoresTheReferenceCodesAndScales";
+  if (kScaled<KvT>)
+    GTEST_SKIP() << "scaled rows: ScaledRowsTest.AppendStoresTheReferenceCodesAndScales";
   const DcaGeometry geo = MakeGeometry(4, 2, 8, 128, 0);
   const int32_t page_size = 4;
   Pool<KvT> pool(geo, page_size, 6);
@@ -560,15 +575,63 @@ TYPED_TEST(DcaCpuTest, AppendWritesScaledKeysIntoTheirSlots) {
   EXPECT_EQ(written, n * 16);
 }
 
-// fp8 append stores, per token and kv head, exactly the codes and the scale the independent
-// quantiser gives for fp32(k) * fp32(s) (and v), in the slot and scale slot the page table names
-// (layout arithmetic written out here); nothing else in the pool changes.
-TEST(DcaCpuFp8Test, AppendStoresTheReferenceCodesAndScales) {
+// The independent quantiser's row for a scaled KV type (codes as ints, its scale), what a code
+// reads back as, and half a quantisation step at a value: E4M3 is relative (2^-4, or 2^-10 of the
+// scale among the subnormals), int8 absolute (half the scale).
+struct RefRow {
+  std::vector<int> codes;
+  float scale = 0.f;
+};
+int CodeOf(Fp8E4m3 c) { return c.bits; }
+int CodeOf(Int8Kv c) { return c.code; }
+template <typename KvT>
+RefRow ReferenceRow(absl::Span<const float> x) {
+  if constexpr (kIsFp8<KvT>) {
+    const naive::Fp8Row r = naive::QuantizeFp8Row(x);
+    return {std::vector<int>(r.codes.begin(), r.codes.end()), r.scale};
+  } else {
+    const naive::Int8Row r = naive::QuantizeInt8Row(x);
+    return {std::vector<int>(r.codes.begin(), r.codes.end()), r.scale};
+  }
+}
+template <typename KvT>
+double ReadBack(KvT code, float scale) {
+  if constexpr (kIsFp8<KvT>) {
+    return naive::Fp8E4m3Value(code.bits) * scale;
+  } else {
+    return static_cast<double>(code.code) * scale;
+  }
+}
+template <typename KvT>
+double HalfStep(double value, float scale) {
+  if constexpr (kIsFp8<KvT>) {
+    return std::max(std::fabs(value) / 16, scale / 1024.0);
+  } else {
+    return scale / 2.0;
+  }
+}
+
+template <typename KvT>
+class ScaledRowsTest : public ::testing::Test {};
+struct ScaledName {
+  template <typename KvT>
+  static std::string GetName(int) {
+    return kIsFp8<KvT> ? "fp8" : "int8";
+  }
+};
+using ScaledTypes = ::testing::Types<Fp8E4m3, Int8Kv>;
+TYPED_TEST_SUITE(ScaledRowsTest, ScaledTypes, ScaledName);
+
+// Append stores, per token and kv head, exactly the codes and the scale the independent quantiser
+// gives for fp32(k) * fp32(s) (and v), in the slot and scale slot the page table names (layout
+// arithmetic written out here); nothing else in the pool changes.
+TYPED_TEST(ScaledRowsTest, AppendStoresTheReferenceCodesAndScales) {
+  using KvT = TypeParam;
   const DcaGeometry geo = MakeGeometry(4, 2, 8, 128, 0);
   const int32_t page_size = 4, hkv = 2, d = 8;
-  Pool<Fp8E4m3> pool(geo, page_size, 6);
+  Pool<KvT> pool(geo, page_size, 6);
   const std::vector<int32_t> pages = {4, 1, 5};
-  Sequence<Fp8E4m3> seq(geo, &pool, pages);
+  Sequence<KvT> seq(geo, &pool, pages);
   std::mt19937 rng(5);
   const int64_t start = 3, n = 7;
   std::vector<float> k = RandomVector(n * hkv * d, &rng);
@@ -583,6 +646,7 @@ TEST(DcaCpuFp8Test, AppendStoresTheReferenceCodesAndScales) {
   params.key_scale = 1.25f;
   ThreadPool threads(2);
   AppendKvCpu(seq.View(), params, &threads);
+  const int poison = CodeOf(PoisonValue<KvT>());
   int written = 0;
   for (int64_t slot = 0; slot < 6 * page_size; ++slot) {  // pool slot = page * 4 + offset
     const int64_t page = slot / page_size, offset = slot % page_size;
@@ -594,21 +658,21 @@ TEST(DcaCpuFp8Test, AppendStoresTheReferenceCodesAndScales) {
       if (!in_range) {
         EXPECT_TRUE(std::isnan(pool.k_scale[at]) && std::isnan(pool.v_scale[at])) << slot;
         for (int i = 0; i < d; ++i) {
-          EXPECT_EQ(pool.k[at * d + i].bits, 0x7f) << slot;
-          EXPECT_EQ(pool.v[at * d + i].bits, 0x7f) << slot;
+          EXPECT_EQ(CodeOf(pool.k[at * d + i]), poison) << slot;
+          EXPECT_EQ(CodeOf(pool.v[at * d + i]), poison) << slot;
         }
         continue;
       }
       const size_t src = ((pos - start) * hkv + h) * d;
       std::vector<float> key(d);
       for (int i = 0; i < d; ++i) key[i] = k[src + i] * 1.25f;
-      const naive::Fp8Row want_k = naive::QuantizeFp8Row(key);
-      const naive::Fp8Row want_v = naive::QuantizeFp8Row(absl::MakeConstSpan(&v[src], d));
+      const RefRow want_k = ReferenceRow<KvT>(key);
+      const RefRow want_v = ReferenceRow<KvT>(absl::MakeConstSpan(&v[src], d));
       EXPECT_EQ(pool.k_scale[at], want_k.scale) << "pos " << pos << " head " << h;
       EXPECT_EQ(pool.v_scale[at], want_v.scale) << "pos " << pos << " head " << h;
       for (int i = 0; i < d; ++i) {
-        EXPECT_EQ(pool.k[at * d + i].bits, want_k.codes[i]) << "pos " << pos << " i " << i;
-        EXPECT_EQ(pool.v[at * d + i].bits, want_v.codes[i]) << "pos " << pos << " i " << i;
+        EXPECT_EQ(CodeOf(pool.k[at * d + i]), want_k.codes[i]) << "pos " << pos << " i " << i;
+        EXPECT_EQ(CodeOf(pool.v[at * d + i]), want_v.codes[i]) << "pos " << pos << " i " << i;
       }
       if (pos == start + 1 && h == 0) EXPECT_EQ(pool.k_scale[at], 0.f);  // the zero row
       ++written;
@@ -618,11 +682,12 @@ TEST(DcaCpuFp8Test, AppendStoresTheReferenceCodesAndScales) {
 }
 
 // Per-row scales keep rows of very different magnitudes (a huge key beside tiny ones, which one
-// scale per page would flush to zero) each stored to E4M3's relative precision.
-TEST(DcaCpuFp8Test, RowsOfDifferentMagnitudesKeepTheirPrecision) {
+// scale per page would flush to zero) each stored to the format's precision for that row.
+TYPED_TEST(ScaledRowsTest, RowsOfDifferentMagnitudesKeepTheirPrecision) {
+  using KvT = TypeParam;
   const DcaGeometry geo = MakeGeometry(2, 1, 16, 128, 0);
-  Pool<Fp8E4m3> pool(geo, 4, 2);
-  Sequence<Fp8E4m3> seq(geo, &pool, {1, 0});
+  Pool<KvT> pool(geo, 4, 2);
+  Sequence<KvT> seq(geo, &pool, {1, 0});
   std::mt19937 rng(8);
   std::vector<float> k = RandomVector(8 * 16, &rng), v = RandomVector(8 * 16, &rng);
   for (int i = 0; i < 16; ++i) {
@@ -636,13 +701,12 @@ TEST(DcaCpuFp8Test, RowsOfDifferentMagnitudesKeepTheirPrecision) {
   ThreadPool threads(1);
   AppendKvCpu(seq.View(), params, &threads);
   for (int t = 0; t < 8; ++t) {
-    const PagedKv<Fp8E4m3> kv = seq.View();
+    const PagedKv<KvT> kv = seq.View();
     const float scale = *kv.KeyScale(t, 0);
     for (int i = 0; i < 16; ++i) {
-      const double got = naive::Fp8E4m3Value(kv.Key(t, 0)[i].bits) * scale;
+      const double got = ReadBack(kv.Key(t, 0)[i], scale);
       const double want = k[t * 16 + i];
-      // Half a step: 2^-4 relative, or 2^-10 of the scale among the subnormals.
-      EXPECT_LE(std::fabs(got - want), std::max(std::fabs(want) / 16, scale / 1024.0) * 1.0001)
+      EXPECT_LE(std::fabs(got - want), HalfStep<KvT>(want, scale) * 1.0001)
           << "token " << t << " i " << i;
     }
   }

@@ -35,9 +35,10 @@ struct PageIndexer {
 
 // Layout of one layer in the pool: K and V each [num_pages, page_size, num_kv_heads, head_dim],
 // row-major; a sequence's token at position p lives in page page_table[p / page_size], slot
-// p % page_size. An fp8 pool (T = Fp8E4m3, base/fp8.h) also has a scale per token and kv head in
-// k_scale / v_scale, [num_pages, page_size, num_kv_heads] fp32: the row of Key(p, h) reads back as
-// its codes' values times KeyScale(p, h). Trivially copyable: pass it by value to kernels.
+// p % page_size. An fp8 or int8 pool (T = Fp8E4m3 or Int8Kv: base/fp8.h, base/int8_kv.h) also has
+// a scale per token and kv head in k_scale / v_scale, [num_pages, page_size, num_kv_heads] fp32:
+// the row of Key(p, h) reads back as its codes' values times KeyScale(p, h). Trivially copyable:
+// pass it by value to kernels.
 template <typename T>
 struct PagedKv {
   T* k = nullptr;                       // [num_pages, page_size, num_kv_heads, head_dim]
@@ -46,8 +47,8 @@ struct PagedKv {
   int32_t page_size = 0;
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
-  float* k_scale = nullptr;  // [num_pages, page_size, num_kv_heads]; fp8 only, else null
-  float* v_scale = nullptr;  // [num_pages, page_size, num_kv_heads]; fp8 only, else null
+  float* k_scale = nullptr;  // [num_pages, page_size, num_kv_heads]; fp8 and int8, else null
+  float* v_scale = nullptr;  // [num_pages, page_size, num_kv_heads]; fp8 and int8, else null
 
   ATTND_HOST_DEVICE int64_t Offset(int64_t pos, int32_t kv_head) const {
     const int64_t page = page_table[pos / page_size];
@@ -72,7 +73,7 @@ struct PagedKv {
     const int64_t page = page_table[pos / page_size];
     return (page * page_size + pos % page_size) * num_kv_heads + kv_head;
   }
-  // The scale of that token's key (value) row; fp8 pools only.
+  // The scale of that token's key (value) row; fp8 and int8 pools only.
   ATTND_HOST_DEVICE float* KeyScale(int64_t pos, int32_t kv_head) const {
     return k_scale + ScaleOffset(pos, kv_head);
   }

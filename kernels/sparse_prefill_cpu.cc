@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "base/fp8.h"
+#include "base/int8_kv.h"
 #include "kernels/kv_rows_cpu.h"
 #include "kernels/simd_math.h"
 
@@ -219,6 +220,7 @@ void DcaSparsePrefillCpu(const DcaGeometry& geometry, const PagedKv<KvT>& kv,
 ATTND_INSTANTIATE_SPARSE(float)
 ATTND_INSTANTIATE_SPARSE(uint16_t)
 ATTND_INSTANTIATE_SPARSE(Fp8E4m3)
+ATTND_INSTANTIATE_SPARSE(Int8Kv)
 #undef ATTND_INSTANTIATE_SPARSE
 
 }  // namespace attnd

@@ -2,7 +2,8 @@
 // prefill"): per piece of the prefill loop, per q head, estimate + map + convert
 // (kernels/vertical_slash.h), then block-sparse attention of every query row over its row block's
 // key blocks and columns in each stage (intra also causal), the stages merged by log-sum-exp.
-// fp32 arithmetic; K/V read through PagedKv (fp32, bf16 or fp8 storage, kernels/kv_rows_cpu.h).
+// fp32 arithmetic; K/V read through PagedKv (fp32, bf16, fp8 or int8 storage,
+// kernels/kv_rows_cpu.h).
 #ifndef ATTND_KERNELS_SPARSE_PREFILL_CPU_H_
 #define ATTND_KERNELS_SPARSE_PREFILL_CPU_H_
 

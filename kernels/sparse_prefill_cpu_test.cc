@@ -17,12 +17,14 @@
 #include "absl/strings/str_cat.h"
 #include "base/dtype.h"
 #include "base/fp8.h"
+#include "base/int8_kv.h"
 #include "base/thread_pool.h"
 #include "gtest/gtest.h"
 #include "kernels/dca.h"
 #include "kernels/dca_cpu.h"
 #include "kernels/paged_kv.h"
 #include "kernels/testing/naive_fp8.h"
+#include "kernels/testing/naive_int8.h"
 #include "kernels/testing/naive_sparse.h"
 #include "kernels/vertical_slash.h"
 
@@ -35,6 +37,8 @@ KvT Poison() {
     return std::numeric_limits<float>::quiet_NaN();
   } else if constexpr (std::is_same<KvT, Fp8E4m3>::value) {
     return Fp8E4m3{0x7f};
+  } else if constexpr (std::is_same<KvT, Int8Kv>::value) {
+    return Int8Kv{-128};  // never written; its NaN scale makes it read back as NaN
   } else {
     return FloatToBf16(std::numeric_limits<float>::quiet_NaN());
   }
@@ -44,7 +48,7 @@ KvT Poison() {
 template <typename KvT>
 struct Pool {
   std::vector<KvT> k, v;
-  std::vector<float> k_scale, v_scale;  // fp8's scale per token and kv head
+  std::vector<float> k_scale, v_scale;  // fp8's and int8's scale per token and kv head
   std::vector<int32_t> table;
   PagedKv<KvT> view;
   Pool(const DcaGeometry& g, int64_t capacity, int32_t page_size, std::mt19937* rng) {
@@ -65,21 +69,23 @@ struct Pool {
     view.page_size = page_size;
     view.num_kv_heads = g.num_kv_heads;
     view.head_dim = g.head_dim;
-    if (std::is_same<KvT, Fp8E4m3>::value) {
+    if (std::is_same<KvT, Fp8E4m3>::value || std::is_same<KvT, Int8Kv>::value) {
       view.k_scale = k_scale.data();
       view.v_scale = v_scale.data();
     }
   }
 };
 
-// What the cache holds for rows of head_dim values: the values themselves, or (fp8) what the
-// independent quantiser reads back, row by row (kernels/testing/naive_fp8.h).
+// What the cache holds for rows of head_dim values: the values themselves, or (fp8, int8) what the
+// independent quantiser reads back, row by row (kernels/testing/naive_fp8.h, naive_int8.h).
 template <typename KvT>
 std::vector<double> Cached(const std::vector<float>& x, int d) {
-  if (!std::is_same<KvT, Fp8E4m3>::value) return std::vector<double>(x.begin(), x.end());
+  constexpr bool fp8 = std::is_same<KvT, Fp8E4m3>::value, int8 = std::is_same<KvT, Int8Kv>::value;
+  if (!fp8 && !int8) return std::vector<double>(x.begin(), x.end());
   std::vector<double> out;
   for (size_t row = 0; row < x.size(); row += d) {
-    for (double e : naive::Fp8RoundTrip(absl::MakeConstSpan(&x[row], d))) out.push_back(e);
+    const absl::Span<const float> r = absl::MakeConstSpan(&x[row], d);
+    for (double e : fp8 ? naive::Fp8RoundTrip(r) : naive::Int8RoundTrip(r)) out.push_back(e);
   }
   return out;
 }
@@ -182,11 +188,13 @@ TEST_F(SparsePrefillTest, SmallLastQAndBf16Storage) {
   RunPrompt<uint16_t>({120, 200}, budgets_, 16, 3, &pool_);
 }
 
-// fp8: append quantises, estimation and attention dequantise; the reference runs on its own
-// quantisation of the same rows, so the fp32 bar holds.
-TEST_F(SparsePrefillTest, Fp8Storage) {
+// fp8 and int8: append quantises, estimation and attention dequantise; the reference runs on its
+// own quantisation of the same rows, so the fp32 bar holds.
+TEST_F(SparsePrefillTest, Fp8AndInt8Storage) {
   RunPrompt<Fp8E4m3>({120, 200}, budgets_, 16, 3, &pool_);
   RunPrompt<Fp8E4m3>({70, 5, 130, 100, 45}, budgets_, 64, 2, &pool_);
+  RunPrompt<Int8Kv>({120, 200}, budgets_, 16, 3, &pool_);
+  RunPrompt<Int8Kv>({70, 5, 130, 100, 45}, budgets_, 64, 2, &pool_);
 }
 
 TEST_F(SparsePrefillTest, Sse2Path) {
@@ -195,6 +203,7 @@ TEST_F(SparsePrefillTest, Sse2Path) {
   RunPrompt<float>({70, 5, 230}, budgets_, 64, 12, &pool_);
   RunPrompt<uint16_t>({300}, budgets_, 32, 13, &pool_);
   RunPrompt<Fp8E4m3>({300}, budgets_, 32, 13, &pool_);
+  RunPrompt<Int8Kv>({300}, budgets_, 32, 13, &pool_);
   ASSERT_TRUE(SetCpuSimd(CpuSimd::kAuto));
 }
 

@@ -10,6 +10,7 @@
 
 #include "base/dtype.h"
 #include "base/fp8.h"
+#include "base/int8_kv.h"
 #include "kernels/kv_rows_cpu.h"
 #include "kernels/simd_math.h"
 
@@ -99,7 +100,7 @@ VsRowBlock ConvertRowBlock(int64_t m, int64_t q_len, int64_t kv_len, bool causal
 }
 
 // Key row `pos` of kv head `h` as fp32: in place for fp32 KV, converted into buf for bf16 and
-// dequantised into it for fp8 (kernels/kv_rows_cpu.h).
+// dequantised into it for fp8 and int8 (kernels/kv_rows_cpu.h).
 inline const float* KeyRow(const PagedKv<float>& kv, int64_t pos, int32_t h, float* /*buf*/) {
   return kv.Key(pos, h);
 }
@@ -333,5 +334,8 @@ template VsSelection EstimateVerticalSlash<uint16_t>(const DcaGeometry&, const P
 template VsSelection EstimateVerticalSlash<Fp8E4m3>(const DcaGeometry&, const PagedKv<Fp8E4m3>&,
                                                     const CpuPrefillParams&, const VsPiece&,
                                                     int32_t, int64_t, const VsBudget&);
+template VsSelection EstimateVerticalSlash<Int8Kv>(const DcaGeometry&, const PagedKv<Int8Kv>&,
+                                                   const CpuPrefillParams&, const VsPiece&, int32_t,
+                                                   int64_t, const VsBudget&);
 
 }  // namespace attnd

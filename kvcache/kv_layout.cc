@@ -27,8 +27,9 @@ absl::StatusOr<KvLayout> KvLayout::ForPoolBytes(int32_t num_layers, int32_t num_
     }
   }
   if (!IsKvDType(kv_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("KV layout: dtype ", DTypeName(kv_dtype),
-                                                   " cannot be cached; use fp32, bf16 or fp8"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV layout: dtype ", DTypeName(kv_dtype),
+                     " cannot be cached; use fp32, bf16, fp8 or int8"));
   }
   KvLayout layout;
   layout.num_layers = num_layers;

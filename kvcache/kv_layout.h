@@ -2,11 +2,11 @@
 // [num_pages, page_size, num_kv_heads, head_dim] of the KV element type. Pages are shared by all
 // layers: page p of a sequence holds the same positions in every layer.
 //
-// fp8 E4M3 (base/fp8.h) also keeps an fp32 scale per token and kv head: a scale area before the
-// data holds, for each layer, a K scale region then a V scale region, each [num_pages, page_size,
-// num_kv_heads] fp32. Placed first, every scale sits 4-byte aligned whatever the geometry (the
-// one-byte data regions need no alignment of their own); for other dtypes the area is empty and
-// the data offsets are what they would be without it.
+// fp8 E4M3 and int8 (base/fp8.h, base/int8_kv.h) also keep an fp32 scale per token and kv head: a
+// scale area before the data holds, for each layer, a K scale region then a V scale region, each
+// [num_pages, page_size, num_kv_heads] fp32. Placed first, every scale sits 4-byte aligned whatever
+// the geometry (the one-byte data regions need no alignment of their own); for other dtypes the
+// area is empty and the data offsets are what they would be without it.
 #ifndef ATTND_KVCACHE_KV_LAYOUT_H_
 #define ATTND_KVCACHE_KV_LAYOUT_H_
 
@@ -25,14 +25,14 @@ struct KvLayout {
   DType kv_dtype = DType::kFp32;
   int64_t num_pages = 0;
 
-  // Bytes of a scale: fp8 keeps one fp32 per token and kv head, other dtypes none.
-  static constexpr int64_t ScaleBytes(DType t) { return t == DType::kFp8E4m3 ? 4 : 0; }
+  // Bytes of a scale: fp8 and int8 keep one fp32 per token and kv head, other dtypes none.
+  static constexpr int64_t ScaleBytes(DType t) { return HasRowScale(t) ? 4 : 0; }
 
   // Bytes of one layer's K (or V) data for one page.
   int64_t page_stride_bytes() const {
     return static_cast<int64_t>(page_size) * num_kv_heads * head_dim * ElementSize(kv_dtype);
   }
-  // Bytes of one layer's K (or V) scales for one page; 0 unless fp8.
+  // Bytes of one layer's K (or V) scales for one page; 0 unless fp8 or int8.
   int64_t scale_page_stride_bytes() const {
     return static_cast<int64_t>(page_size) * num_kv_heads * ScaleBytes(kv_dtype);
   }
@@ -46,7 +46,7 @@ struct KvLayout {
     return 2 * num_layers * (page_stride_bytes() + scale_page_stride_bytes());
   }
   int64_t pool_bytes() const { return num_pages * bytes_per_page(); }
-  // Bytes of the scale area at the start of the pool (0 unless fp8).
+  // Bytes of the scale area at the start of the pool (0 unless fp8 or int8).
   int64_t scale_area_bytes() const {
     return 2 * int64_t{num_layers} * num_pages * scale_page_stride_bytes();
   }
@@ -57,7 +57,7 @@ struct KvLayout {
   int64_t v_offset(int32_t layer) const {
     return scale_area_bytes() + (2 * layer + 1) * num_pages * page_stride_bytes();
   }
-  // Offsets of a layer's K and V scale regions (fp8 only) from the pool base.
+  // Offsets of a layer's K and V scale regions (fp8 and int8) from the pool base.
   int64_t k_scale_offset(int32_t layer) const {
     return (2 * layer) * num_pages * scale_page_stride_bytes();
   }

@@ -115,10 +115,13 @@ TEST(KvLayoutTest, OverflowingPageSizeIsRejected) {
   EXPECT_EQ(layout.status().message(), "KV layout: one page's size overflows 64 bits");
 }
 
-TEST(KvLayoutTest, Fp8ReservesAScalePerTokenAndKvHead) {
-  // Tiny model in fp8: one layer's K data for one page = 16 * 2 * 64 * 1 = 2048 B, its scales
-  // 16 * 2 * 4 = 128 B; a page = 2 layers x K and V x (2048 + 128) = 8704 B.
-  absl::StatusOr<KvLayout> layout = KvLayout::ForPoolBytes(2, 2, 64, 16, DType::kFp8E4m3, 100000);
+// fp8 and int8 lay their pools out alike: one-byte codes and an fp32 scale per token and kv head.
+class ScaledKvLayoutTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(ScaledKvLayoutTest, ReservesAScalePerTokenAndKvHead) {
+  // Tiny model in one-byte codes: one layer's K data for one page = 16 * 2 * 64 * 1 = 2048 B, its
+  // scales 16 * 2 * 4 = 128 B; a page = 2 layers x K and V x (2048 + 128) = 8704 B.
+  absl::StatusOr<KvLayout> layout = KvLayout::ForPoolBytes(2, 2, 64, 16, GetParam(), 100000);
   ASSERT_TRUE(layout.ok()) << layout.status();
   EXPECT_EQ(layout->page_stride_bytes(), 2048);
   EXPECT_EQ(layout->scale_page_stride_bytes(), 128);
@@ -145,31 +148,31 @@ TEST(KvLayoutTest, Fp8ReservesAScalePerTokenAndKvHead) {
   EXPECT_EQ(bf16->bytes_per_token(), 2 * 2 * 2 * 64 * 2);
 }
 
-// The capacity case of the fp8 target, the 14B-1M geometry (48 layers, 8 kv heads, head_dim 128):
-// bf16 is 196,608 B a token; fp8 is 2 x 48 x 8 x (128 + 4) = 101,376 B, so a pool of the same bytes
-// holds 1.94x the tokens (not 2x: the scales are 4 B per 128 one-byte values).
-TEST(KvLayoutTest, Fp8PoolHoldsAboutTwiceTheTokensOfBf16) {
+// The capacity case of the one-byte KV dtypes, the 14B-1M geometry (48 layers, 8 kv heads,
+// head_dim 128): bf16 is 196,608 B a token; fp8 and int8 are 2 x 48 x 8 x (128 + 4) = 101,376 B,
+// so a pool of the same bytes holds 1.94x the tokens (not 2x: the scales are 4 B per 128 codes).
+TEST_P(ScaledKvLayoutTest, PoolHoldsAboutTwiceTheTokensOfBf16) {
   const int64_t pool = int64_t{130} << 30;  // about what an H200 pool gets
   absl::StatusOr<KvLayout> bf16 = KvLayout::ForPoolBytes(48, 8, 128, 16, DType::kBf16, pool);
-  absl::StatusOr<KvLayout> fp8 = KvLayout::ForPoolBytes(48, 8, 128, 16, DType::kFp8E4m3, pool);
-  ASSERT_TRUE(bf16.ok() && fp8.ok());
+  absl::StatusOr<KvLayout> one_byte = KvLayout::ForPoolBytes(48, 8, 128, 16, GetParam(), pool);
+  ASSERT_TRUE(bf16.ok() && one_byte.ok());
   EXPECT_EQ(bf16->bytes_per_token(), 196608);
-  EXPECT_EQ(fp8->bytes_per_token(), 101376);
-  const int64_t bf16_tokens = bf16->num_pages * 16, fp8_tokens = fp8->num_pages * 16;
+  EXPECT_EQ(one_byte->bytes_per_token(), 101376);
+  const int64_t bf16_tokens = bf16->num_pages * 16, byte_tokens = one_byte->num_pages * 16;
   EXPECT_EQ(bf16_tokens, pool / (16 * 196608) * 16);  // 709,968
-  EXPECT_EQ(fp8_tokens, pool / (16 * 101376) * 16);   // 1,376,912
+  EXPECT_EQ(byte_tokens, pool / (16 * 101376) * 16);  // 1,376,912
   EXPECT_EQ(bf16_tokens, 709968);
-  EXPECT_EQ(fp8_tokens, 1376912);
-  EXPECT_NEAR(static_cast<double>(fp8_tokens) / bf16_tokens, 196608.0 / 101376, 1e-4);
-  // 1,010,000 tokens (one 1M-token sequence) fit in fp8 and do not in bf16.
-  EXPECT_GE(fp8_tokens, 1010000);
+  EXPECT_EQ(byte_tokens, 1376912);
+  EXPECT_NEAR(static_cast<double>(byte_tokens) / bf16_tokens, 196608.0 / 101376, 1e-4);
+  // 1,010,000 tokens (one 1M-token sequence) fit in one-byte codes and do not in bf16.
+  EXPECT_GE(byte_tokens, 1010000);
   EXPECT_LT(bf16_tokens, 1010000);
 }
 
-// The same walk for fp8: the scale area ([layer][K, V][page][slot][head] fp32) then the data;
+// The same walk with scales: the scale area ([layer][K, V][page][slot][head] fp32) then the data;
 // every scale is 4-byte aligned even where a page's data is an odd number of bytes.
-TEST(KvLayoutTest, Fp8OffsetsMatchAnIndependentWalkOfThePool) {
-  absl::StatusOr<KvLayout> layout = KvLayout::ForPoolBytes(3, 3, 5, 3, DType::kFp8E4m3, 5000);
+TEST_P(ScaledKvLayoutTest, OffsetsMatchAnIndependentWalkOfThePool) {
+  absl::StatusOr<KvLayout> layout = KvLayout::ForPoolBytes(3, 3, 5, 3, GetParam(), 5000);
   ASSERT_TRUE(layout.ok()) << layout.status();
   const int64_t pages = layout->num_pages;
   ASSERT_GT(pages, 1);
@@ -199,8 +202,8 @@ TEST(KvLayoutTest, Fp8OffsetsMatchAnIndependentWalkOfThePool) {
   EXPECT_GT(layout->pool_bytes() + layout->bytes_per_page(), 5000);
 }
 
-TEST(KvLayoutTest, Fp8PoolSmallerThanOnePageNamesTheScale) {
-  absl::StatusOr<KvLayout> layout = KvLayout::ForPoolBytes(2, 2, 64, 16, DType::kFp8E4m3, 8703);
+TEST_P(ScaledKvLayoutTest, PoolSmallerThanOnePageNamesTheScale) {
+  absl::StatusOr<KvLayout> layout = KvLayout::ForPoolBytes(2, 2, 64, 16, GetParam(), 8703);
   ASSERT_FALSE(layout.ok());
   EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(layout.status().message(),
@@ -208,13 +211,20 @@ TEST(KvLayoutTest, Fp8PoolSmallerThanOnePageNamesTheScale) {
             "K and V x 2 kv heads x (64 x 1 B + a 4 B scale))");
 }
 
+INSTANTIATE_TEST_SUITE_P(Fp8AndInt8, ScaledKvLayoutTest,
+                         ::testing::Values(DType::kFp8E4m3, DType::kInt8),
+                         [](const ::testing::TestParamInfo<DType>& info) {
+                           return std::string(DTypeName(info.param));
+                         });
+
 TEST(KvLayoutTest, RequestOnlyAndUnknownDtypesAreNotCached) {
   for (DType t : {DType::kFp16, static_cast<DType>(0), static_cast<DType>(9)}) {
     absl::StatusOr<KvLayout> layout = KvLayout::ForPoolBytes(2, 2, 64, 16, t, 1 << 20);
     ASSERT_FALSE(layout.ok());
     EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_EQ(layout.status().message(), absl::StrCat("KV layout: dtype ", DTypeName(t),
-                                                      " cannot be cached; use fp32, bf16 or fp8"));
+    EXPECT_EQ(layout.status().message(),
+              absl::StrCat("KV layout: dtype ", DTypeName(t),
+                           " cannot be cached; use fp32, bf16, fp8 or int8"));
   }
 }
 

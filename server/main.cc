@@ -38,8 +38,8 @@ ABSL_FLAG(double, kv_cache_fraction, 0.9,
           "cuda only, when --kv-cache-bytes is 0: the share of the GPU's free memory at start-up "
           "that becomes the KV pool");
 ABSL_FLAG(std::string, kv_dtype, "auto",
-          "auto | bf16 | fp32 | fp8 (auto: fp32 on cpu, bf16 on cuda; fp8: E4M3 with a scale per "
-          "token and kv head, the cpu backend only)");
+          "auto | bf16 | fp32 | fp8 | int8 (auto: fp32 on cpu, bf16 on cuda; fp8: E4M3, int8: "
+          "symmetric int8, each with a scale per token and kv head, the cpu backend only)");
 ABSL_FLAG(int32_t, page_size, 16, "tokens per KV page; must divide the DCA chunk length");
 ABSL_FLAG(attnd::ByteSize, max_message_bytes, attnd::ByteSize{512ll << 20},
           "largest request or response (bytes, or 512Mi, 1Gi, ...)");

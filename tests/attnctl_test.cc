@@ -3,9 +3,11 @@
 // chunks, bench prints its table; none of them leaves a sequence or a page behind.
 #include "client/attnctl.h"
 
+#include <cstdio>
 #include <sstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/test_util.h"
@@ -85,37 +87,53 @@ TEST_F(AttnctlTest, InfoNamesAFleetMemberAndSmokePassesOnIt) {
   EXPECT_THAT(smoke_out.str(), HasSubstr("\nPASS max_abs_err="));
 }
 
-// An fp8 E4M3 pool: GetServerInfo and info report the dtype and how many tokens fit (scales
-// counted), and smoke passes against the fp64 reference within the fp8 envelope.
-TEST_F(AttnctlTest, Fp8KvInfoShowsTheDtypeAndTheTokensThatFit) {
+// A one-byte pool (fp8 E4M3, int8): GetServerInfo and info report the dtype and how many tokens
+// fit (scales counted), and smoke passes against the fp64 reference within the dtype's bars.
+struct OneByteKv {
+  const char* flag;
+  v1::DType wire;
+  const char* name;  // as info and smoke print it
+};
+class AttnctlOneByteKvTest : public AttnctlTest, public ::testing::WithParamInterface<OneByteKv> {};
+
+TEST_P(AttnctlOneByteKvTest, InfoShowsTheDtypeAndTheTokensThatFit) {
   ServerOptions options;
   options.page_size = 16;
-  options.kv_dtype = "fp8";
+  options.kv_dtype = GetParam().flag;
   options.kv_cache_bytes = 1 << 20;
   options.compute_threads = 2;
-  absl::StatusOr<std::unique_ptr<testing::TestDaemon>> fp8 =
+  absl::StatusOr<std::unique_ptr<testing::TestDaemon>> daemon =
       testing::TestDaemon::Start(geometry_, options);
-  ASSERT_TRUE(fp8.ok()) << fp8.status();
-  absl::StatusOr<v1::GetServerInfoResponse> info = (*fp8)->client().Info();
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  absl::StatusOr<v1::GetServerInfoResponse> info = (*daemon)->client().Info();
   ASSERT_TRUE(info.ok()) << info.status();
-  EXPECT_EQ(info->model().kv_dtype(), v1::DTYPE_FP8_E4M3);
+  EXPECT_EQ(info->model().kv_dtype(), GetParam().wire);
   // 2 layers x K and V x 16 tokens x 2 kv heads x (64 one-byte codes + a 4-byte scale) = 8704 B.
   EXPECT_EQ(info->kv_cache().bytes_per_page(), 8704);
   EXPECT_EQ(info->kv_cache().pages_total(), (1 << 20) / 8704);
   std::ostringstream out, err;
-  EXPECT_EQ(client::RunInfo((*fp8)->client(), out, err), 0) << err.str();
-  EXPECT_THAT(out.str(),
-              ContainsRegex("\nkv dtype: +fp8_e4m3 \\(fp32 scale per token and kv head\\)\n"));
+  EXPECT_EQ(client::RunInfo((*daemon)->client(), out, err), 0) << err.str();
+  EXPECT_THAT(out.str(), ContainsRegex(absl::StrCat("\nkv dtype: +", GetParam().name,
+                                                    " \\(fp32 scale per token and kv head\\)\n")));
   EXPECT_THAT(out.str(), ContainsRegex("\npages: +120 free of 120 \\(1920 tokens\\)\n"));
   EXPECT_THAT(out.str(), ContainsRegex("\nbytes per token: +544 B\n"));
   std::ostringstream smoke_out, smoke_err;
   client::SmokeOptions smoke;
   smoke.decode_steps = 4;
-  EXPECT_EQ(client::RunSmoke((*fp8)->client(), smoke, smoke_out, smoke_err), 0)
+  EXPECT_EQ(client::RunSmoke((*daemon)->client(), smoke, smoke_out, smoke_err), 0)
       << smoke_out.str() << smoke_err.str();
-  EXPECT_THAT(smoke_out.str(), HasSubstr("kv cache fp8_e4m3"));
+  EXPECT_THAT(smoke_out.str(), HasSubstr(absl::StrCat("kv cache ", GetParam().name)));
   EXPECT_THAT(smoke_out.str(), HasSubstr("\nPASS max_abs_err="));
+  std::printf("%s smoke: %s", GetParam().flag,
+              smoke_out.str().substr(smoke_out.str().find("\nPASS") + 1).c_str());
 }
+
+INSTANTIATE_TEST_SUITE_P(Fp8AndInt8, AttnctlOneByteKvTest,
+                         ::testing::Values(OneByteKv{"fp8", v1::DTYPE_FP8_E4M3, "fp8_e4m3"},
+                                           OneByteKv{"int8", v1::DTYPE_INT8, "int8"}),
+                         [](const ::testing::TestParamInfo<OneByteKv>& info) {
+                           return std::string(info.param.flag);
+                         });
 
 TEST_F(AttnctlTest, SmokePassesAcrossThreeChunksInEveryDtype) {
   for (DType dtype : {DType::kFp32, DType::kBf16, DType::kFp16}) {

@@ -200,6 +200,11 @@ TEST_F(BadInputTest, MalformedPrefillTensorsChangeNothing) {
       {"k dtype out of the enum",
        [](v1::PrefillRequest* r) { r->mutable_k()->set_dtype(static_cast<v1::DType>(7)); },
        "k dtype must be bf16, fp16 or fp32"},
+      // The one-byte KV dtypes name the cache's element type only, never a request tensor's.
+      {"v dtype int8", [](v1::PrefillRequest* r) { r->mutable_v()->set_dtype(v1::DTYPE_INT8); },
+       "v dtype must be bf16, fp16 or fp32, got int8 (5, a KV cache dtype only)"},
+      {"q dtype fp8", [](v1::PrefillRequest* r) { r->mutable_q()->set_dtype(v1::DTYPE_FP8_E4M3); },
+       "q dtype must be bf16, fp16 or fp32, got fp8_e4m3 (4, a KV cache dtype only)"},
       {"mixed dtypes",
        [&](v1::PrefillRequest* r) {
          client::ToProto(

@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/testing/naive_fp8.h"
+#include "kernels/testing/naive_int8.h"
 
 namespace attnd {
 namespace naive {
@@ -146,11 +147,14 @@ void NaiveSequence::Store(int layer, absl::Span<const float> k, absl::Span<const
   }
   const size_t d = static_cast<size_t>(geometry_.head_dim);
   const float s32 = static_cast<float>(s);
+  auto round_trip = [this](absl::Span<const float> x) {
+    return storage_ == KvStorage::kInt8 ? Int8RoundTrip(x) : Fp8RoundTrip(x);
+  };
   std::vector<float> key(d);
   for (size_t row = 0; row + d <= k.size(); row += d) {  // one token's one kv head
     for (size_t i = 0; i < d; ++i) key[i] = k[row + i] * s32;
-    for (double x : Fp8RoundTrip(key)) keys_[layer].push_back(x);
-    for (double x : Fp8RoundTrip(v.subspan(row, d))) values_[layer].push_back(x);
+    for (double x : round_trip(key)) keys_[layer].push_back(x);
+    for (double x : round_trip(v.subspan(row, d))) values_[layer].push_back(x);
   }
 }
 

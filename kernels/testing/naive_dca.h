@@ -45,10 +45,10 @@ absl::StatusOr<RotatedInputs> DualChunkRotary(const DcaGeometry& geometry, int64
 // fp32 in and out, fp64 inside. Not thread-safe.
 class NaiveSequence {
  public:
-  // How the cache holds K/V: exactly (fp64), or as fp8 E4M3 rows with an fp32 scale per token and
-  // kv head, quantised by naive_fp8.h, keys after length scaling as fp32(k) * fp32(s(L)) (the
-  // kernels' product). Applies to the tokens appended after it is set.
-  enum class KvStorage { kExact, kFp8E4m3 };
+  // How the cache holds K/V: exactly (fp64), or as fp8 E4M3 or int8 rows with an fp32 scale per
+  // token and kv head, quantised by naive_fp8.h or naive_int8.h, keys after length scaling as
+  // fp32(k) * fp32(s(L)) (the kernels' product). Applies to the tokens appended after it is set.
+  enum class KvStorage { kExact, kFp8E4m3, kInt8 };
 
   NaiveSequence(const DcaGeometry& geometry, int num_layers);
 

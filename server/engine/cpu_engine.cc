@@ -14,6 +14,7 @@
 #include "absl/strings/strip.h"
 #include "base/dtype.h"
 #include "base/fp8.h"
+#include "base/int8_kv.h"
 #include "base/status_macros.h"
 #include "kernels/dca_cpu.h"
 #include "kernels/dual_chunk_rotary.h"
@@ -82,9 +83,9 @@ absl::StatusOr<std::unique_ptr<CpuEngine>> CpuEngine::Create(const CpuEngineOpti
         "] does not match the model [", g.num_kv_heads, ", ", g.head_dim, "]"));
   }
   if (!IsKvDType(layout.kv_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("cpu engine: KV dtype ",
-                                                   DTypeName(layout.kv_dtype),
-                                                   " is not supported; use fp32, bf16 or fp8"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cpu engine: KV dtype ", DTypeName(layout.kv_dtype),
+                     " is not supported; use fp32, bf16, fp8 or int8"));
   }
   if (layout.num_layers <= 0 || layout.page_size <= 0 || layout.num_pages <= 0) {
     return absl::InvalidArgumentError("cpu engine: the KV layout has no layers, pages or slots");
@@ -133,7 +134,7 @@ PagedKv<KvT> CpuEngine::LayerView(int32_t layer, const int32_t* page_table) cons
   kv.page_size = layout_.page_size;
   kv.num_kv_heads = layout_.num_kv_heads;
   kv.head_dim = layout_.head_dim;
-  if (layout_.kv_dtype == DType::kFp8E4m3) {
+  if (HasRowScale(layout_.kv_dtype)) {
     kv.k_scale = reinterpret_cast<float*>(pool_ + layout_.k_scale_offset(layer));
     kv.v_scale = reinterpret_cast<float*>(pool_ + layout_.v_scale_offset(layer));
   }
@@ -187,7 +188,9 @@ absl::StatusOr<std::unique_ptr<PrefillRun>> CpuEngine::StartPrefill(const Prefil
       return StartTyped<float>(job);
     case DType::kFp8E4m3:
       return StartTyped<Fp8E4m3>(job);
-    default:  // Create admits fp32, bf16 and fp8 only
+    case DType::kInt8:
+      return StartTyped<Int8Kv>(job);
+    default:  // Create admits fp32, bf16, fp8 and int8 only
       return StartTyped<uint16_t>(job);
   }
 }
@@ -209,7 +212,10 @@ absl::StatusOr<DecodeStats> CpuEngine::Decode(const DecodeJob& job) {
     case DType::kFp8E4m3:
       ATTND_RETURN_IF_ERROR(DecodeTyped<Fp8E4m3>(job));
       break;
-    default:  // Create admits fp32, bf16 and fp8 only
+    case DType::kInt8:
+      ATTND_RETURN_IF_ERROR(DecodeTyped<Int8Kv>(job));
+      break;
+    default:  // Create admits fp32, bf16, fp8 and int8 only
       ATTND_RETURN_IF_ERROR(DecodeTyped<uint16_t>(job));
   }
   DecodeStats stats;

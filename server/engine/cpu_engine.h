@@ -1,7 +1,7 @@
 // The CPU backend: the KV pool is one aligned host allocation laid out as kvcache/kv_layout.h says,
 // and attention runs on the exact fp32 kernels of kernels/dca_cpu.h over a private thread pool.
-// K/V are stored as fp32, bf16 or fp8 E4M3 (a scale per token and kv head, base/fp8.h: quantised
-// on append, dequantised wherever the kernels read them).
+// K/V are stored as fp32, bf16, fp8 E4M3 or int8 (the last two with a scale per token and kv head,
+// base/fp8.h, base/int8_kv.h: quantised on append, dequantised wherever the kernels read them).
 #ifndef ATTND_SERVER_ENGINE_CPU_ENGINE_H_
 #define ATTND_SERVER_ENGINE_CPU_ENGINE_H_
 
@@ -22,7 +22,7 @@ namespace attnd {
 
 struct CpuEngineOptions {
   DcaGeometry geometry;
-  KvLayout layout;              // kv_dtype must be kFp32, kBf16 or kFp8E4m3
+  KvLayout layout;              // kv_dtype must be kFp32, kBf16, kFp8E4m3 or kInt8
   int32_t compute_threads = 0;  // 0 = all cores
   // Vertical-slash sparse prefill (kernels/sparse_prefill_cpu.h) for prompts longer than its
   // threshold when set and enabled; its layers and q heads must match the layout and geometry.

@@ -59,6 +59,19 @@ KvLayout TinyLayout(DType kv_dtype, int64_t num_pages) {
   return layout;
 }
 
+// How the reference holds its cache for an engine of `kv_dtype`: its own fp8 or int8 rows for the
+// scaled dtypes, exact otherwise (bf16's rounding is in the tolerance).
+naive::NaiveSequence::KvStorage ReferenceStorage(DType kv_dtype) {
+  switch (kv_dtype) {
+    case DType::kFp8E4m3:
+      return naive::NaiveSequence::KvStorage::kFp8E4m3;
+    case DType::kInt8:
+      return naive::NaiveSequence::KvStorage::kInt8;
+    default:
+      return naive::NaiveSequence::KvStorage::kExact;
+  }
+}
+
 std::unique_ptr<CpuEngine> MakeEngine(DType kv_dtype, int64_t num_pages) {
   CpuEngineOptions options;
   options.geometry = TinyGeometry();
@@ -138,10 +151,9 @@ TEST_P(CpuEngineMatchesNaive, PrefillChunksThenBatchedDecode) {
 
   const DcaGeometry g = TinyGeometry();
   naive::NaiveSequence ref_a(g, kLayers), ref_b(g, kLayers);
-  if (c.kv_dtype == DType::kFp8E4m3) {  // the reference's own fp8 cache (naive_fp8.h)
-    ref_a.set_kv_storage(naive::NaiveSequence::KvStorage::kFp8E4m3);
-    ref_b.set_kv_storage(naive::NaiveSequence::KvStorage::kFp8E4m3);
-  }
+  // The reference's own fp8 or int8 cache (naive_fp8.h, naive_int8.h).
+  ref_a.set_kv_storage(ReferenceStorage(c.kv_dtype));
+  ref_b.set_kv_storage(ReferenceStorage(c.kv_dtype));
   // Sequence a: a 300-token prompt (s(300) > 1) in three chunks crossing the chunk boundaries at
   // 128 and 256, in layer 1. Sequence b: a 40-token prompt in layer 1.
   const int64_t prompt_a = 300;
@@ -221,16 +233,18 @@ TEST_P(CpuEngineMatchesNaive, PrefillChunksThenBatchedDecode) {
   }
 }
 
-// fp32 KV is exact up to summation order; bf16 storage (and bf16/fp16 outputs) round. fp8 KV
-// against a reference that quantises the same fp32 keys and values with its own code: the codes
-// agree, so fp8 is held to the fp32 bar (and to the bf16 output's rounding).
+// fp32 KV is exact up to summation order; bf16 storage (and bf16/fp16 outputs) round. fp8 and int8
+// KV against a reference that quantises the same fp32 keys and values with its own code: the codes
+// agree, so they are held to the fp32 bar (and to the bf16 output's rounding).
 INSTANTIATE_TEST_SUITE_P(Dtypes, CpuEngineMatchesNaive,
                          testing::Values(Case{DType::kFp32, DType::kFp32, 1e-4},
                                          Case{DType::kFp32, DType::kFp16, 2e-3},
                                          Case{DType::kBf16, DType::kBf16, 3e-2},
                                          Case{DType::kBf16, DType::kFp32, 3e-2},
                                          Case{DType::kFp8E4m3, DType::kFp32, 1e-4},
-                                         Case{DType::kFp8E4m3, DType::kBf16, 3e-2}));
+                                         Case{DType::kFp8E4m3, DType::kBf16, 3e-2},
+                                         Case{DType::kInt8, DType::kFp32, 1e-4},
+                                         Case{DType::kInt8, DType::kBf16, 3e-2}));
 
 // Pre-rotary requests (docs/rotary.md): the engine applies the dual-chunk rotary; the reference
 // applies its own fp64 one (naive::DualChunkRotary). Sequence a: a 300-token prompt in three
@@ -257,10 +271,8 @@ TEST_P(CpuEnginePreRotary, MatchesTheNaiveRotaryAndMixesLayoutsInOneDecode) {
     std::vector<int32_t> pages_a, pages_b;
     for (int32_t p = kPages - 1; p >= 0; --p) (p % 2 ? pages_a : pages_b).push_back(p);
     naive::NaiveSequence ref_a(g, kLayers), ref_b(g, kLayers);
-    if (c.kv_dtype == DType::kFp8E4m3) {
-      ref_a.set_kv_storage(naive::NaiveSequence::KvStorage::kFp8E4m3);
-      ref_b.set_kv_storage(naive::NaiveSequence::KvStorage::kFp8E4m3);
-    }
+    ref_a.set_kv_storage(ReferenceStorage(c.kv_dtype));
+    ref_b.set_kv_storage(ReferenceStorage(c.kv_dtype));
     const int64_t prompt_a = 300;
     int64_t start = 0;
     for (int64_t t : {100, 120, 80}) {
@@ -339,12 +351,13 @@ TEST_P(CpuEnginePreRotary, MatchesTheNaiveRotaryAndMixesLayoutsInOneDecode) {
   }
 }
 
-// fp8: the engine rotates keys in fp32, the reference in fp64, so the keys it quantises differ by
-// ~1e-6 and the odd code rounds the other way (one E4M3 step of one element).
+// fp8, int8: the engine rotates keys in fp32, the reference in fp64, so the keys it quantises
+// differ by ~1e-6 and the odd code rounds the other way (one step of one element).
 INSTANTIATE_TEST_SUITE_P(Dtypes, CpuEnginePreRotary,
                          testing::Values(Case{DType::kFp32, DType::kFp32, 1e-4},
                                          Case{DType::kBf16, DType::kBf16, 3e-2},
-                                         Case{DType::kFp8E4m3, DType::kFp32, 1e-3}));
+                                         Case{DType::kFp8E4m3, DType::kFp32, 1e-3},
+                                         Case{DType::kInt8, DType::kFp32, 1e-3}));
 
 // TinyGeometry has no rotary: a pre-rotary job is refused before anything is touched.
 TEST(CpuEngineTest, RefusesPreRotaryWithoutARotary) {
@@ -388,7 +401,7 @@ TEST(CpuEngineTest, RejectsUnsupportedKvDtypeAndMismatchedLayout) {
   ASSERT_FALSE(engine.ok());
   EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(engine.status().message(),
-            "cpu engine: KV dtype fp16 is not supported; use fp32, bf16 or fp8");
+            "cpu engine: KV dtype fp16 is not supported; use fp32, bf16, fp8 or int8");
 
   options.layout = TinyLayout(DType::kFp32, 4);
   options.layout.head_dim = 32;

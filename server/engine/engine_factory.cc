@@ -35,9 +35,10 @@ absl::StatusOr<DType> ResolveKvDType(const std::string& kv_dtype, const std::str
   if (kv_dtype == "fp32") return DType::kFp32;
   if (kv_dtype == "bf16") return DType::kBf16;
   if (kv_dtype == "fp8") return DType::kFp8E4m3;
+  if (kv_dtype == "int8") return DType::kInt8;
   if (kv_dtype == "auto") return backend == "cpu" ? DType::kFp32 : DType::kBf16;
   return absl::InvalidArgumentError(absl::StrCat(
-      "EngineOptions::kv_dtype must be auto, bf16, fp32 or fp8, got \"", kv_dtype, "\""));
+      "EngineOptions::kv_dtype must be auto, bf16, fp32, fp8 or int8, got \"", kv_dtype, "\""));
 }
 
 namespace {
@@ -87,9 +88,9 @@ absl::StatusOr<std::vector<ShardPlan>> PlanShards(const EngineOptions& options, 
 
 absl::StatusOr<std::unique_ptr<Engine>> CreateCuda(const EngineOptions& options) {
   // Before the build and device checks: the option is wrong for this backend on any host.
-  if (options.kv_dtype == "fp8") {
-    return absl::InvalidArgumentError(
-        "EngineOptions::kv_dtype: fp8 KV is not yet supported on cuda; use bf16");
+  if (options.kv_dtype == "fp8" || options.kv_dtype == "int8") {
+    return absl::InvalidArgumentError(absl::StrCat("EngineOptions::kv_dtype: ", options.kv_dtype,
+                                                   " KV is not yet supported on cuda; use bf16"));
   }
   if (absl::Status built = CudaBuildStatus(); !built.ok()) return built;
   absl::StatusOr<DType> kv_dtype = ResolveKvDType(options.kv_dtype, "cuda");

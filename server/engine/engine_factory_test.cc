@@ -52,15 +52,22 @@ TEST(EngineFactoryTest, Bf16KvHalvesThePage) {
   EXPECT_EQ((*engine)->layout().num_pages, 64);
 }
 
-TEST(EngineFactoryTest, Fp8KvOnCpuFitsAboutTwiceTheBf16Tokens) {
+// fp8 and int8: one-byte codes and a scale per token and kv head, the cpu backend only.
+struct OneByteKv {
+  const char* flag;
+  DType dtype;
+};
+class OneByteKvTest : public ::testing::TestWithParam<OneByteKv> {};
+
+TEST_P(OneByteKvTest, OnCpuFitsAboutTwiceTheBf16Tokens) {
   // A page: 2 layers x (K + V) x 16 tokens x 2 heads x (64 codes + a 4-byte scale) = 8704 B;
   // 1 MiB holds 120 pages (bf16: 16384 B a page, 64 pages).
   EngineOptions o = Tiny();
-  o.kv_dtype = "fp8";
+  o.kv_dtype = GetParam().flag;
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->backend(), "cpu");
-  EXPECT_EQ((*engine)->layout().kv_dtype, DType::kFp8E4m3);
+  EXPECT_EQ((*engine)->layout().kv_dtype, GetParam().dtype);
   EXPECT_EQ((*engine)->layout().bytes_per_page(), 8704);
   EXPECT_EQ((*engine)->layout().num_pages, (1 << 20) / 8704);
   EXPECT_EQ((*engine)->layout().num_pages, 120);
@@ -69,26 +76,34 @@ TEST(EngineFactoryTest, Fp8KvOnCpuFitsAboutTwiceTheBf16Tokens) {
   engine = CreateEngine(o);
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->layout().num_pages, 120);
-  EXPECT_EQ((*engine)->layout().kv_dtype, DType::kFp8E4m3);
+  EXPECT_EQ((*engine)->layout().kv_dtype, GetParam().dtype);
 }
 
-TEST(EngineFactoryTest, CudaRefusesFp8KvOnEveryHost) {
+TEST_P(OneByteKvTest, CudaRefusesItOnEveryHost) {
   for (const char* device : {"cuda", "auto"}) {
     EngineOptions o = Tiny();
     o.device = device;
-    o.kv_dtype = "fp8";
+    o.kv_dtype = GetParam().flag;
     absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
     if (std::string(device) == "auto" && CudaDeviceCount() == 0) {
       ASSERT_TRUE(engine.ok()) << engine.status();  // auto without a GPU is the cpu backend
-      EXPECT_EQ((*engine)->layout().kv_dtype, DType::kFp8E4m3);
+      EXPECT_EQ((*engine)->layout().kv_dtype, GetParam().dtype);
       continue;
     }
     ASSERT_FALSE(engine.ok());
     EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(engine.status().message(),
-              "EngineOptions::kv_dtype: fp8 KV is not yet supported on cuda; use bf16");
+              absl::StrCat("EngineOptions::kv_dtype: ", GetParam().flag,
+                           " KV is not yet supported on cuda; use bf16"));
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Fp8AndInt8, OneByteKvTest,
+                         ::testing::Values(OneByteKv{"fp8", DType::kFp8E4m3},
+                                           OneByteKv{"int8", DType::kInt8}),
+                         [](const ::testing::TestParamInfo<OneByteKv>& info) {
+                           return std::string(info.param.flag);
+                         });
 
 TEST(EngineFactoryTest, CudaWithoutAGpuIsAClearStartupError) {
   EngineOptions o = Tiny();
@@ -145,14 +160,14 @@ TEST(EngineFactoryTest, BadOptionsNameTheFlag) {
   EXPECT_EQ(engine.status().message(),
             "EngineOptions::device must be auto, cpu or cuda, got \"tpu\"");
 
-  for (const char* bad : {"fp16", "int8", "FP8", "e4m3", ""}) {
+  for (const char* bad : {"fp16", "int4", "INT8", "FP8", "e4m3", "uint8", ""}) {
     o = Tiny();
     o.kv_dtype = bad;
     engine = CreateEngine(o);
     EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument) << bad;
-    EXPECT_EQ(
-        engine.status().message(),
-        absl::StrCat("EngineOptions::kv_dtype must be auto, bf16, fp32 or fp8, got \"", bad, "\""));
+    EXPECT_EQ(engine.status().message(),
+              absl::StrCat("EngineOptions::kv_dtype must be auto, bf16, fp32, fp8 or int8, got \"",
+                           bad, "\""));
   }
 
   o = Tiny();

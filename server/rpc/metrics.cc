@@ -384,7 +384,8 @@ absl::StatusOr<std::unique_ptr<AttndMetrics>> AttndMetrics::Create(const BuildIn
       m->kv_capacity_tokens,
       r.AddGauge("attnd_kv_capacity_tokens",
                  "Tokens the KV pool holds (pages x page size; per layer), labelled with the KV "
-                 "dtype (fp32, bf16, fp8_e4m3: fp8 holds about twice bf16's tokens).",
+                 "dtype (fp32, bf16, fp8_e4m3, int8: the one-byte dtypes hold about twice bf16's "
+                 "tokens).",
                  {"kv_dtype"}));
   ATTND_ASSIGN_OR_RETURN(
       m->kv_shard_pool_bytes,

@@ -25,7 +25,7 @@ struct ServerOptions {
   int32_t shards = 0;
   int64_t kv_cache_bytes = 0;      // 0 = the backend's default
   double kv_cache_fraction = 0.9;  // cuda with kv_cache_bytes 0: share of free device memory
-  std::string kv_dtype = "auto";   // auto | bf16 | fp32 | fp8 (auto: fp32 on cpu)
+  std::string kv_dtype = "auto";   // auto | bf16 | fp32 | fp8 | int8 (auto: fp32 on cpu)
   int32_t page_size = 16;          // tokens per page; must divide the DCA chunk length
   int64_t max_message_bytes = 512ll << 20;  // fits a 4096-token fp32 prefill of the 14B model
   int64_t max_sequence_length = 0;          // 0 = the model's max_position_embeddings

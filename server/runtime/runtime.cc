@@ -23,6 +23,7 @@ std::string ShapeString(absl::Span<const int64_t> shape) {
 std::string DTypeString(DType t) {
   if (IsKnownDType(t)) return std::string(DTypeName(t));
   const int raw = static_cast<int>(t);
+  if (IsKvDType(t)) return absl::StrCat(DTypeName(t), " (", raw, ", a KV cache dtype only)");
   return raw == 0 ? "unspecified (0)" : absl::StrCat("unknown (", raw, ")");
 }
 
