@@ -70,6 +70,10 @@ v1::DType ToProtoDType(DType dtype) {
       return v1::DTYPE_FP16;
     case DType::kFp32:
       return v1::DTYPE_FP32;
+    case DType::kFp8E4m3:  // KV cache dtypes: named in GetServerInfo, never a request tensor's
+      return v1::DTYPE_FP8_E4M3;
+    case DType::kInt8:
+      return v1::DTYPE_INT8;
   }
   return v1::DTYPE_UNSPECIFIED;
 }
