@@ -75,6 +75,9 @@ struct BenchOptions {
   int64_t ring_spin_us = 50;  // ring: how long the client spins before it sleeps
   int32_t ring_version = 2;   // ring: 2, binary frames; 1, SessionRequest protobufs
   int32_t cuda_device = -1;   // cuda-ipc, ring-cuda-ipc: the local device; -1 = the server's (UUID)
+  // ring-cuda-ipc: a device-ordered ring (RingOptions::device_events); each decode step is timed
+  // until the device has run it.
+  bool ring_device_events = false;
 };
 // The transports RunBench knows.
 bool IsBenchTransport(const std::string& name);

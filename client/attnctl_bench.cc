@@ -231,8 +231,17 @@ class Transport {
       absl::StatusOr<std::unique_ptr<RingClient>> r = RingClient::Open(client_, ring_options);
       if (!r.ok()) return r.status();
       ring_ = std::move(*r);
+      device_ordered_ = ring_options.device_events;
+      cuda_device_ = ring_options.cuda_device;
     }
     return absl::OkStatus();
+  }
+
+  // The end of a decode step: a device-ordered ring answers once attnd has queued the work, so the
+  // step is over when the stream has run it (timed: the step's figure includes the device's work).
+  absl::Status Settle() {
+    if (!device_ordered_) return absl::OkStatus();
+    return RingEvents::Synchronize(nullptr, cuda_device_);
   }
 
   bool staged() const { return staging_ != nullptr; }
@@ -346,6 +355,8 @@ class Transport {
   int64_t hq_, d_;
   std::unique_ptr<Session> session_;
   std::unique_ptr<RingClient> ring_;
+  bool device_ordered_ = false;
+  int cuda_device_ = 0;
   const Inputs::Prefill* staged_prefill_ = nullptr;
   bool decode_staged_ = false;
 };
@@ -377,6 +388,7 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(
   const bool cuda = name == "cuda-ipc" || name == "ring-cuda-ipc";
   const bool ring = name == "ring" || name == "ring-cuda-ipc";
   const bool regions = name == "shm" || cuda || (name == "ring" && options.ring_regions);
+  int cuda_device = 0;
   if (name == "session") carrier = Carrier::kSession;
   if (ring) carrier = Carrier::kRing;
   if (cuda && !ClientBuiltWithCuda()) {  // this binary cannot: a skip, as below
@@ -403,7 +415,8 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(
       *skip = absl::StrCat("the server (backend ", info.backend(), ") accepts no CUDA IPC regions");
       return nullptr;
     }
-    int device = options.cuda_device;
+    int& device = cuda_device;
+    device = options.cuda_device;
     if (device < 0) {
       device = 0;
       for (int i = 0; i < 64; ++i) {
@@ -433,7 +446,10 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(
     *description = absl::StrCat(
         "a shared-memory ring (version ", options.ring_version,
         options.ring_version == 1 ? " protobuf" : " frames", ", ", ring_half_bytes >> 10,
-        " KiB halves, client spin ", options.ring_spin_us, " us), ",
+        " KiB halves, client spin ", options.ring_spin_us, " us",
+        options.ring_device_events && cuda ? ", device-ordered: a step ends when the device ran it"
+                                           : "",
+        "), ",
         regions ? "q/k/v and o in " + staging->Describe() : std::string("tensor bytes inline"));
   } else if (regions) {
     *description = absl::StrCat("unary RPCs, q/k/v and o in ", staging->Describe());
@@ -444,6 +460,8 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(
   ring_options.half_bytes = ring_half_bytes;
   ring_options.spin = absl::Microseconds(options.ring_spin_us);
   ring_options.version = static_cast<uint32_t>(options.ring_version);
+  ring_options.device_events = options.ring_device_events && name == "ring-cuda-ipc";
+  ring_options.cuda_device = cuda_device;
   absl::Status s = t->Open(ring_options);
   if (!s.ok()) return s;
   return t;
@@ -601,6 +619,9 @@ int RunTransport(AttndClient& client, Transport& transport, const v1::GetServerI
         absl::StatusOr<std::vector<DecodeResult>> r = transport.Decode(layer, *entries);
         layer_us.push_back(Ms(Clock::now() - l0) * 1000);
         if (!r.ok()) failure = absl::StrCat("Decode: ", r.status().ToString());
+      }
+      if (absl::Status s = transport.Settle(); !s.ok() && failure.empty()) {
+        failure = absl::StrCat("waiting for the step on the device: ", s.ToString());
       }
       step_ms.push_back(Ms(Clock::now() - t0));
     }

@@ -552,13 +552,14 @@ absl::Status AttndClient::UnregisterRegion(const std::string& region_id) {
   return FromGrpc(stub_->UnregisterRegion(&context, request, &response));
 }
 
-absl::StatusOr<v1::OpenRingResponse> AttndClient::OpenRing(const std::string& name,
-                                                           uint64_t bytes) {
+absl::StatusOr<v1::OpenRingResponse> AttndClient::OpenRing(const std::string& name, uint64_t bytes,
+                                                           bool device_events) {
   grpc::ClientContext context;
   SetDeadline(&context);
   v1::OpenRingRequest request;
   request.set_name(name);
   request.set_byte_size(bytes);
+  request.set_device_events(device_events);
   v1::OpenRingResponse response;
   ATTND_RETURN_IF_ERROR(FromGrpc(stub_->OpenRing(&context, request, &response)));
   return response;

@@ -177,7 +177,8 @@ class AttndClient {
   absl::StatusOr<std::string> RegisterCudaIpc(const std::string& handle, uint64_t bytes);
   absl::Status UnregisterRegion(const std::string& region_id);
   // Rings (RingClient in client/regions.h lays one out and calls these).
-  absl::StatusOr<v1::OpenRingResponse> OpenRing(const std::string& name, uint64_t bytes);
+  absl::StatusOr<v1::OpenRingResponse> OpenRing(const std::string& name, uint64_t bytes,
+                                                bool device_events = false);
   absl::Status CloseRing(const std::string& ring_id);
 
   // The same calls on hand-built protos, for requests the typed API cannot express (tests of

@@ -3,8 +3,10 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace attnd {
 namespace client {
@@ -73,6 +75,52 @@ absl::StatusOr<std::string> DeviceBuffer::DeviceUuid(int device) {
                 u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
                 u[14], u[15]);
   return std::string(buf);
+}
+
+absl::StatusOr<std::unique_ptr<RingEvents>> RingEvents::Open(const std::string& ready_handle,
+                                                             const std::string& done_handle,
+                                                             int device) {
+  cudaIpcEventHandle_t handles[2];
+  if (ready_handle.size() != sizeof(handles[0]) || done_handle.size() != sizeof(handles[0])) {
+    return absl::InternalError(absl::StrCat("attnd sent event handles of ", ready_handle.size(),
+                                            " and ", done_handle.size(), " bytes; a ",
+                                            "cudaIpcEventHandle_t is ", sizeof(handles[0])));
+  }
+  std::memcpy(&handles[0], ready_handle.data(), sizeof(handles[0]));
+  std::memcpy(&handles[1], done_handle.data(), sizeof(handles[1]));
+  ATTND_RETURN_IF_ERROR(Check(cudaSetDevice(device), "cudaSetDevice"));
+  cudaEvent_t events[2] = {nullptr, nullptr};
+  for (int i = 0; i < 2; ++i) {
+    absl::Status s = Check(cudaIpcOpenEventHandle(&events[i], handles[i]),
+                           "cudaIpcOpenEventHandle (attnd must run on this host and GPU)");
+    if (!s.ok()) {
+      if (i == 1) cudaEventDestroy(events[0]);
+      return s;
+    }
+  }
+  return std::unique_ptr<RingEvents>(new RingEvents(events[0], events[1], device));
+}
+
+RingEvents::~RingEvents() {
+  cudaSetDevice(device_);
+  cudaEventDestroy(static_cast<cudaEvent_t>(ready_));
+  cudaEventDestroy(static_cast<cudaEvent_t>(done_));
+}
+
+absl::Status RingEvents::RecordReady(void* stream) {
+  return Check(cudaEventRecord(static_cast<cudaEvent_t>(ready_), static_cast<cudaStream_t>(stream)),
+               "recording the ring's ready event");
+}
+
+absl::Status RingEvents::WaitDone(void* stream) {
+  return Check(
+      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(done_), 0),
+      "waiting for the ring's done event");
+}
+
+absl::Status RingEvents::Synchronize(void* stream, int device) {
+  ATTND_RETURN_IF_ERROR(Check(cudaSetDevice(device), "cudaSetDevice"));
+  return Check(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
 }
 
 }  // namespace client

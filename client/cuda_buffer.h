@@ -43,6 +43,31 @@ class DeviceBuffer {
   int device_;
 };
 
+// The two CUDA events of a device-ordered ring (docs/regions.md, "Device-ordered rings"), opened
+// from the IPC handles attnd returned: the client records `ready` on its stream once the inputs are
+// written, and makes its stream wait for `done` before it reads the output.
+class RingEvents {
+ public:
+  static absl::StatusOr<std::unique_ptr<RingEvents>> Open(const std::string& ready_handle,
+                                                          const std::string& done_handle,
+                                                          int device = 0);
+  ~RingEvents();
+  RingEvents(const RingEvents&) = delete;
+  RingEvents& operator=(const RingEvents&) = delete;
+
+  // `stream` is a cudaStream_t (null: the legacy default stream).
+  absl::Status RecordReady(void* stream);
+  absl::Status WaitDone(void* stream);
+  // Waits on the host for everything queued on `stream` (the bench's end of a step).
+  static absl::Status Synchronize(void* stream, int device = 0);
+
+ private:
+  RingEvents(void* ready, void* done, int device) : ready_(ready), done_(done), device_(device) {}
+  void* ready_;  // cudaEvent_t
+  void* done_;
+  int device_;
+};
+
 }  // namespace client
 }  // namespace attnd
 

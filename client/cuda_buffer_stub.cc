@@ -20,5 +20,14 @@ absl::Status DeviceBuffer::Read(size_t, void*, size_t) const { return NoCuda(); 
 absl::StatusOr<std::string> DeviceBuffer::IpcHandle() const { return NoCuda(); }
 absl::StatusOr<std::string> DeviceBuffer::DeviceUuid(int) { return NoCuda(); }
 
+absl::StatusOr<std::unique_ptr<RingEvents>> RingEvents::Open(const std::string&, const std::string&,
+                                                             int) {
+  return NoCuda();
+}
+RingEvents::~RingEvents() = default;
+absl::Status RingEvents::RecordReady(void*) { return NoCuda(); }
+absl::Status RingEvents::WaitDone(void*) { return NoCuda(); }
+absl::Status RingEvents::Synchronize(void*, int) { return NoCuda(); }
+
 }  // namespace client
 }  // namespace attnd

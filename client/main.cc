@@ -62,6 +62,11 @@ ABSL_FLAG(
 ABSL_FLAG(int32_t, ring_version, 2,
           "bench --transport ring, ring-cuda-ipc: what the ring carries: 2, binary frames "
           "(proto/attnd/v1/ring_frame.h); 1, serialized SessionRequests (to compare)");
+ABSL_FLAG(
+    bool, ring_device_events, false,
+    "bench --transport ring-cuda-ipc: order each request on the GPU by the ring's CUDA events "
+    "instead of host waits (docs/regions.md, \"Device-ordered rings\"); a decode step is "
+    "timed until the device has run all its layers");
 ABSL_FLAG(int32_t, cuda_device, -1,
           "bench --transport cuda-ipc, ring-cuda-ipc: the local CUDA device (-1 = the one the "
           "server uses)");
@@ -244,6 +249,7 @@ int main(int argc, char** argv) {
   options.ring_regions = absl::GetFlag(FLAGS_ring_regions);
   options.ring_spin_us = absl::GetFlag(FLAGS_ring_spin_us);
   options.ring_version = absl::GetFlag(FLAGS_ring_version);
+  options.ring_device_events = absl::GetFlag(FLAGS_ring_device_events);
   options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   options.contexts.clear();
   for (const std::string& c : absl::GetFlag(FLAGS_context)) {

@@ -178,10 +178,16 @@ absl::StatusOr<std::unique_ptr<RingClient>> RingClient::Open(AttndClient& client
                                                              const RingOptions& options) {
   ATTND_ASSIGN_OR_RETURN(v1::GetServerInfoResponse info, client.Info());
   ATTND_ASSIGN_OR_RETURN(std::unique_ptr<RingClient> ring, Layout(options, ShmPrefixOf(info)));
-  ATTND_ASSIGN_OR_RETURN(v1::OpenRingResponse opened,
-                         client.OpenRing(ring->buffer_->name(), ring->buffer_->size()));
+  ATTND_ASSIGN_OR_RETURN(
+      v1::OpenRingResponse opened,
+      client.OpenRing(ring->buffer_->name(), ring->buffer_->size(), options.device_events));
   ring->client_ = &client;
   ring->ring_id_ = opened.ring_id();
+  if (options.device_events) {
+    ATTND_ASSIGN_OR_RETURN(
+        ring->events_,
+        RingEvents::Open(opened.ready_event(), opened.done_event(), options.cuda_device));
+  }
   return ring;
 }
 
@@ -522,6 +528,29 @@ absl::StatusOr<DType> ReplyDType(const v2::ResponseHeader& h) {
 
 }  // namespace
 
+template <typename Plan>
+absl::StatusOr<absl::string_view> RingClient::ExchangeFrame(Plan* plan) {
+  // Ordered on the device when every tensor is a region reference (CUDA IPC regions, as
+  // RingOptions::device_events requires): the stream's inputs are marked written by "ready"
+  // instead of a host synchronisation, and its later work waits for attnd's "done".
+  bool ordered = events_ != nullptr;
+  for (const FrameTensorSpec& t : plan->tensors) ordered = ordered && t.t.where == v2::kRegion;
+  if (ordered) plan->header.flags |= v2::kDeviceOrdered;
+  ATTND_RETURN_IF_ERROR(plan->Lay());
+  if (ordered) ATTND_RETURN_IF_ERROR(events_->RecordReady(options_.cuda_stream));
+  ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, Exchange(plan->size, [plan](uint8_t* at) {
+                           plan->Write(at);
+                           return absl::OkStatus();
+                         }));
+  if (ordered) {
+    // Whatever the answer, attnd's stream has passed "ready": waiting for "done" (its latest
+    // record) costs nothing when the request failed before queuing anything.
+    ATTND_RETURN_IF_ERROR(events_->WaitDone(options_.cuda_stream));
+    ++stats_.device_ordered;
+  }
+  return bytes;
+}
+
 absl::StatusOr<PrefillResult> RingClient::PrefillV2(const PrefillInput& input) {
   FramePlan plan;
   v2::RequestHeader& h = plan.header;
@@ -542,12 +571,8 @@ absl::StatusOr<PrefillResult> RingClient::PrefillV2(const PrefillInput& input) {
   if (input.output_region.has_value()) {
     SetRegion(*input.output_region, input.output_region->byte_size(), &plan.tensors[3]);
   }
-  ATTND_RETURN_IF_ERROR(plan.Lay());
-  ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, Exchange(plan.size, [&plan](uint8_t* at) {
-                           plan.Write(at);
-                           return absl::OkStatus();
-                         }));
-  ATTND_ASSIGN_OR_RETURN(FrameReply reply, ReadReply(bytes, h.tag, v2::kPrefill));
+  ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, ExchangeFrame(&plan));
+  ATTND_ASSIGN_OR_RETURN(FrameReply reply, ReadReply(bytes, h.tag, h.op));
   ATTND_ASSIGN_OR_RETURN(DType dtype, ReplyDType(reply.header));
   if (reply.lengths.size() != 1) {
     return absl::InternalError(
@@ -611,12 +636,8 @@ absl::StatusOr<std::vector<DecodeResult>> RingClient::DecodeV2(
       }
     }
   }
-  ATTND_RETURN_IF_ERROR(plan.Lay());
-  ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, Exchange(plan.size, [&plan](uint8_t* at) {
-                           plan.Write(at);
-                           return absl::OkStatus();
-                         }));
-  ATTND_ASSIGN_OR_RETURN(FrameReply reply, ReadReply(bytes, h.tag, v2::kDecode));
+  ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, ExchangeFrame(&plan));
+  ATTND_ASSIGN_OR_RETURN(FrameReply reply, ReadReply(bytes, h.tag, h.op));
   ATTND_ASSIGN_OR_RETURN(DType dtype, ReplyDType(reply.header));
   const v2::ResponseHeader& rh = reply.header;
   const size_t b = entries.size();

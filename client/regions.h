@@ -27,6 +27,7 @@
 #include "attnd/v1/ring_frame.h"
 #include "attnd/v1/shm_ring.h"
 #include "client/attnd_client.h"
+#include "client/cuda_buffer.h"
 
 namespace attnd {
 namespace client {
@@ -116,6 +117,15 @@ struct RingOptions {
   // Per round trip (waiting for the ring to be free, and for the answer); DEADLINE_EXCEEDED past
   // it.
   absl::Duration timeout = absl::Seconds(60);
+  // A device-ordered ring (version 2, attnd's CUDA backend on one GPU; docs/regions.md): a request
+  // whose q, k, v and output are all region references (which must then be CUDA IPC regions) is
+  // ordered with `cuda_stream` on `cuda_device` by the ring's events instead of the host: the
+  // stream records "ready" before the request is sent and waits for attnd's "done" after the
+  // answer, which comes once attnd has queued the work. The caller must have queued the inputs'
+  // writes on that stream (null: the legacy default stream, which cudaMemcpy uses).
+  bool device_events = false;
+  int cuda_device = 0;
+  void* cuda_stream = nullptr;  // a cudaStream_t
 };
 
 // Counters of how round trips were answered, for tests and the bench.
@@ -124,6 +134,7 @@ struct RingStats {
   int64_t answered_spinning = 0;  // the response arrived while the client spun
   int64_t answered_sleeping = 0;  // ... after it set client_sleeping
   int64_t server_wakes = 0;       // FutexWake calls on request_seq (server_sleeping was set)
+  int64_t device_ordered = 0;     // requests ordered on the device (RingOptions::device_events)
 };
 
 // A shared-memory ring: Prefill and Decode requests through shared memory, answered in order, one
@@ -183,6 +194,9 @@ class RingClient {
   // field): the response's bytes, in the response half (valid until the next request).
   template <typename Write>
   absl::StatusOr<absl::string_view> Exchange(uint64_t size, Write&& write);
+  // A version 2 frame's round trip (Lay, write, exchange), ordered on the device where it can be.
+  template <typename Plan>
+  absl::StatusOr<absl::string_view> ExchangeFrame(Plan* plan);
   absl::StatusOr<PrefillResult> PrefillV2(const PrefillInput& input);
   absl::StatusOr<std::vector<DecodeResult>> DecodeV2(int32_t layer,
                                                      const std::vector<DecodeInput>& entries);
@@ -191,6 +205,7 @@ class RingClient {
   RingOptions options_;
   AttndClient* client_ = nullptr;
   std::string ring_id_;
+  std::unique_ptr<RingEvents> events_;  // with RingOptions::device_events
   uint64_t next_tag_ = 1;
   std::string scratch_;  // the serialized request
   RingStats stats_;

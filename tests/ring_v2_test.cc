@@ -429,5 +429,23 @@ TEST_F(RingV2Test, OpenRingNamesTheVersionsItServes) {
   EXPECT_TRUE((*ring)->Prefill(Prefill(a, 4)).ok());
 }
 
+// A device-ordered ring needs attnd's CUDA backend on one GPU: the CPU daemon refuses the events
+// at OpenRing, saying what it needs, and keeps no ring.
+TEST_F(RingV2Test, DeviceEventsNeedTheCudaBackend) {
+  client::RingOptions options;
+  options.device_events = true;
+  absl::StatusOr<std::unique_ptr<RingClient>> ring = RingClient::Open(c(), options);
+  EXPECT_EQ(ring.status().code(), absl::StatusCode::kFailedPrecondition) << ring.status();
+  EXPECT_THAT(ring.status().message(), HasSubstr("device_events need attnd on one CUDA GPU"));
+  absl::StatusOr<v1::GetServerInfoResponse> info = c().Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_FALSE(info->regions().device_ordered_rings());
+  // A version 1 ring is refused for what it is first.
+  options.version = 1;
+  ring = RingClient::Open(c(), options);
+  EXPECT_EQ(ring.status().code(), absl::StatusCode::kInvalidArgument) << ring.status();
+  EXPECT_THAT(ring.status().message(), HasSubstr("device_events need a version 2 ring"));
+}
+
 }  // namespace
 }  // namespace attnd

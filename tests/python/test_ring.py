@@ -611,6 +611,24 @@ class LiveRingV2(LiveRing):
         with self.ring() as ring:
             self.assertEqual(struct.unpack_from("<I", ring._mm, 8)[0], 2)
 
+    def test_device_events_need_the_cuda_backend(self):
+        """The CPU daemon orders no ring on the device: the client says so from GetServerInfo before opening, and
+        the server itself refuses OpenRing(device_events) with what it needs."""
+        self.assertFalse(self.info.regions.device_ordered_rings)
+        with self.assertRaises(attnd.AttndError) as e:
+            self.client.ring(version=2, device_events=True)
+        self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("device_ordered_rings", e.exception.message)
+        with self.assertRaises(attnd.AttndError) as e:
+            self.client.ring(version=1, device_events=True)
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        with self.ring() as ring:  # a real ring object, opened again with device_events by hand
+            with self.assertRaises(grpc.RpcError) as e:
+                self.client._stub.OpenRing(pb.OpenRingRequest(name=ring.name, byte_size=ring.size,
+                                                              device_events=True))
+            self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("device_events need attnd on one CUDA GPU", e.exception.details())
+
     def test_packed_decode_with_region_references_and_output_region(self):
         n = 3
         a = [self.client.create_sequence() for _ in range(n)]
