@@ -986,8 +986,10 @@ TEST(RingSpinTest, ASleepingRingLeavesItsTurnToABusyOne) {
 
 // Device-ordered rings without a GPU: an opener that hands out made-up events shows what the ring
 // does with them. OpenRing creates a pair only where asked for, on a version 2 ring and an engine
-// with events; a frame flagged kDeviceOrdered reaches the handler with its ring's pair, and on a
-// ring without one it is refused before the handler; closing the ring destroys both.
+// with events; a frame flagged kDeviceOrdered waits on the host for its ring's "ready" event and
+// then reaches the handler with the "done" event, or is answered DEADLINE_EXCEEDED without
+// reaching it if "ready" never completes; on a ring without events it is refused before the
+// handler; closing the ring destroys both.
 class FakeEvents : public DeviceMemoryOpener {
  public:
   absl::StatusOr<Mapping> OpenIpcHandle(absl::string_view) override {
@@ -1005,6 +1007,21 @@ class FakeEvents : public DeviceMemoryOpener {
     MutexLock lock(&mu_);
     destroyed_.push_back(reinterpret_cast<uintptr_t>(event));
   }
+  // An event completes after `polls_to_complete` queries (never when negative).
+  absl::StatusOr<bool> IpcEventDone(void* event) override {
+    MutexLock lock(&mu_);
+    queried_.push_back(reinterpret_cast<uintptr_t>(event));
+    return polls_to_complete_ >= 0 && ++polls_ > polls_to_complete_;
+  }
+  void CompleteAfter(int polls) {
+    MutexLock lock(&mu_);
+    polls_to_complete_ = polls;
+    polls_ = 0;
+  }
+  std::vector<uintptr_t> queried() {
+    MutexLock lock(&mu_);
+    return queried_;
+  }
   std::vector<uintptr_t> destroyed() {
     MutexLock lock(&mu_);
     return destroyed_;
@@ -1014,6 +1031,9 @@ class FakeEvents : public DeviceMemoryOpener {
   Mutex mu_;
   int created_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<uintptr_t> destroyed_ ABSL_GUARDED_BY(mu_);
+  std::vector<uintptr_t> queried_ ABSL_GUARDED_BY(mu_);
+  int polls_to_complete_ ABSL_GUARDED_BY(mu_) = 0;
+  int polls_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // A decode frame of one sequence with 4-byte inline q, k, v (the parser judges bounds, not shapes).
@@ -1054,11 +1074,12 @@ int32_t ResponseCode(const std::string& response, std::string* message) {
 
 TEST(RingDeviceEventsTest, EventsAreCreatedOnlyWhereAskedAndReachTheHandler) {
   RegionRegistry registry(RegionRegistryOptions{}, nullptr, Clock::Real());
-  RingServer rings(&registry, RingOptions{});
+  RingOptions ring_options;
+  ring_options.ready_timeout = absl::Milliseconds(50);
+  RingServer rings(&registry, ring_options);
   FakeEvents events;
   struct Seen {
     bool ordered = false;
-    void* ready = nullptr;
     void* done = nullptr;
   };
   Mutex mu;
@@ -1070,7 +1091,7 @@ TEST(RingDeviceEventsTest, EventsAreCreatedOnlyWhereAskedAndReachTheHandler) {
                             std::function<void(absl::Status)> done) {
     {
       MutexLock lock(&mu);
-      seen.push_back({frame.device_ordered, frame.ready_event, frame.done_event});
+      seen.push_back({frame.device_ordered, frame.done_event});
     }
     done(absl::UnavailableError("the test's handler runs nothing"));
     return absl::OkStatus();
@@ -1095,17 +1116,31 @@ TEST(RingDeviceEventsTest, EventsAreCreatedOnlyWhereAskedAndReachTheHandler) {
   EXPECT_EQ(opened->ready_event, "event-1");
   EXPECT_EQ(opened->done_event, "event-2");
   std::string response, message;
+  events.CompleteAfter(3);  // the client's stream is still writing the inputs for 3 queries
   ASSERT_TRUE(v2_ring.RoundTrip(TinyDecodeFrame(ring::v2::kDeviceOrdered), &response, false));
   EXPECT_EQ(ResponseCode(response, &message), static_cast<int32_t>(absl::StatusCode::kUnavailable));
+  EXPECT_EQ(events.queried(), std::vector<uintptr_t>(4, 1u));  // "ready", until it completed
   ASSERT_TRUE(v2_ring.RoundTrip(TinyDecodeFrame(0), &response, false));
   {
     MutexLock lock(&mu);
     ASSERT_EQ(seen.size(), 2u);
     EXPECT_TRUE(seen[0].ordered);
-    EXPECT_EQ(seen[0].ready, reinterpret_cast<void*>(1));
     EXPECT_EQ(seen[0].done, reinterpret_cast<void*>(2));
     EXPECT_FALSE(seen[1].ordered);
-    EXPECT_EQ(seen[1].ready, nullptr);
+    EXPECT_EQ(seen[1].done, nullptr);
+  }
+  // A "ready" that never completes (the client's GPU work stuck): DEADLINE_EXCEEDED after
+  // ready_timeout, the handler never called, and the ring goes on.
+  events.CompleteAfter(-1);
+  ASSERT_TRUE(v2_ring.RoundTrip(TinyDecodeFrame(ring::v2::kDeviceOrdered), &response, false));
+  EXPECT_EQ(ResponseCode(response, &message),
+            static_cast<int32_t>(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_THAT(message, ::testing::HasSubstr("ready event did not complete within 50ms"));
+  events.CompleteAfter(0);
+  ASSERT_TRUE(v2_ring.RoundTrip(TinyDecodeFrame(ring::v2::kDeviceOrdered), &response, false));
+  {
+    MutexLock lock(&mu);
+    EXPECT_EQ(seen.size(), 3u);
   }
 
   // A ring opened without events: the flag is refused before the handler.
@@ -1120,7 +1155,7 @@ TEST(RingDeviceEventsTest, EventsAreCreatedOnlyWhereAskedAndReachTheHandler) {
   EXPECT_THAT(message, ::testing::HasSubstr("opened without device_events"));
   {
     MutexLock lock(&mu);
-    EXPECT_EQ(seen.size(), 2u);
+    EXPECT_EQ(seen.size(), 3u);
   }
 
   ASSERT_TRUE(rings.Close("", opened->ring_id).ok());

@@ -58,6 +58,11 @@ class DeviceMemoryOpener {
     return absl::FailedPreconditionError("this engine has no device events");
   }
   virtual void DestroyIpcEvent(void* /*event*/) {}
+  // Whether the work before the event's latest record has run (cudaEventQuery): true, false, or an
+  // error for a broken event or device.
+  virtual absl::StatusOr<bool> IpcEventDone(void* /*event*/) {
+    return absl::FailedPreconditionError("this engine has no device events");
+  }
 };
 
 // One registered region. Immutable after registration except the counters.

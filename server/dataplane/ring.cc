@@ -325,7 +325,7 @@ class RingServer::Ring {
             "the frame asks to be ordered on the device (flag kDeviceOrdered), but its ring was "
             "opened without device_events"));
       }
-      frame_.ready_event = events_.ready;
+      if (absl::Status s = WaitReady(); !s.ok()) return Answer(std::move(s));
       frame_.done_event = events_.done;
     }
     if (!server_->frame_handler_) {
@@ -338,6 +338,28 @@ class RingServer::Ring {
     });
     t_ring_state = 0;
     if (!s.ok()) Answer(std::move(s));
+  }
+
+  // Waits on the host until the client's stream has passed its latest "ready" record (its inputs
+  // are written). Never on attnd's own streams: a client whose GPU work never finishes would hold
+  // up every tenant's steps queued behind it. Spins a little (the inputs are usually written by
+  // the time the frame is read), then sleeps in short slices; bounded by ready_timeout.
+  absl::Status WaitReady() {
+    const absl::Time start = absl::Now();
+    for (int i = 0;; ++i) {
+      absl::StatusOr<bool> done = server_->events_->IpcEventDone(events_.ready);
+      if (!done.ok()) return done.status();
+      if (*done) return absl::OkStatus();
+      if (stop_.load()) return absl::UnavailableError("the ring is closing");
+      const absl::Duration waited = absl::Now() - start;
+      if (waited > server_->options_.ready_timeout) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "the client's ready event did not complete within ",
+            absl::FormatDuration(server_->options_.ready_timeout),
+            " (its stream must record it after writing the frame's inputs); nothing ran"));
+      }
+      if (waited > absl::Microseconds(100)) absl::SleepFor(absl::Microseconds(20));
+    }
   }
 
   // A private buffer of at least n bytes (contents undefined), taken from the request budget

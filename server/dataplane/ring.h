@@ -37,7 +37,10 @@ struct RingOptions {
   // this long for the answer before it sleeps: a sleeping thread wakes tens of microseconds late.
   absl::Duration answer_spin = absl::Milliseconds(2);
   absl::Duration idle_timeout = absl::Seconds(300);  // no request this long: closed (0 = never)
-  uint64_t max_ring_bytes = uint64_t{1} << 30;       // one ring's object at most
+  // A device-ordered frame waits this long at most for its client's "ready" event (its stream
+  // passing the inputs' writes) before it is answered DEADLINE_EXCEEDED.
+  absl::Duration ready_timeout = absl::Seconds(10);
+  uint64_t max_ring_bytes = uint64_t{1} << 30;  // one ring's object at most
   // Spinning costs a core while it lasts, so it is rationed: at most this many ring threads of
   // one tenant, and of all tenants together, spin at once (after a request, or for an answer);
   // the others sleep on the futex at once. 0 = none may spin.

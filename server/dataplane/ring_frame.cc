@@ -117,7 +117,7 @@ absl::Status ParseRequestFrame(absl::string_view frame, RequestFrame* out) {
   out->prompt_len.reset();
   if ((h.flags & v2::kHasPromptLen) != 0) out->prompt_len = h.prompt_len;
   out->device_ordered = (h.flags & v2::kDeviceOrdered) != 0;
-  out->ready_event = out->done_event = nullptr;
+  out->done_event = nullptr;
   out->sequence_ids.resize(n);
   for (uint32_t i = 0; i < n; ++i) {
     v2::StrRef ref;

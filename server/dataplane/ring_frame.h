@@ -42,9 +42,8 @@ struct RequestFrame {
   FrameTensor q, k, v;
   FrameTensor o;                // kAbsent or kRegion
   bool device_ordered = false;  // ring::v2::kDeviceOrdered
-  // With device_ordered, the ring's events (cudaEvent_t; RingServer sets them, the parser leaves
-  // them null): ready is the client's "inputs written", done attnd's "output written".
-  void* ready_event = nullptr;
+  // With device_ordered, the ring's "output written" event (cudaEvent_t) for the engine to record;
+  // RingServer sets it once the client's "ready" event has completed (the parser leaves it null).
   void* done_event = nullptr;
 };
 

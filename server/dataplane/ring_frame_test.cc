@@ -132,12 +132,11 @@ TEST(RingFrame, DecodeNamesEverySequenceAndNoPromptLen) {
   EXPECT_EQ(r.o.where, v2::kAbsent);
   EXPECT_FALSE(r.device_ordered);
   // The ring fills in its events for a device-ordered frame; a reused frame starts without them.
-  r.ready_event = r.done_event = &r;
+  r.done_event = &r;
   f.h.flags = v2::kDeviceOrdered;
   const std::string ordered = f.Bytes();
   ASSERT_TRUE(Parse(ordered, &r).ok());
   EXPECT_TRUE(r.device_ordered);
-  EXPECT_EQ(r.ready_event, nullptr);
   EXPECT_EQ(r.done_event, nullptr);
   f.h.flags = v2::kHasPromptLen;
   EXPECT_THAT(Parse(f.Bytes()).message(), HasSubstr("a decode carries no prompt_len"));

@@ -241,6 +241,7 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   absl::StatusOr<Mapping> OpenIpcHandle(absl::string_view handle) override;
   void CloseIpcHandle(void* device_ptr) override;
   absl::StatusOr<IpcEvent> CreateIpcEvent() override;
+  absl::StatusOr<bool> IpcEventDone(void* event) override;
   void DestroyIpcEvent(void* event) override;
 
  private:
@@ -772,13 +773,8 @@ absl::StatusOr<std::unique_ptr<PrefillRun>> CudaEngine::StartPrefill(const Prefi
   prefill_mu_.Lock();  // until the run ends
   std::unique_ptr<PrefillRun> run(new PrefillSteps(this, job));
   ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-  // A device-ordered decode may still be appending to pages this job now owns (decode_tail_), and
-  // the client's inputs are written when its event says so.
+  // A device-ordered decode may still be appending to pages this job now owns (decode_tail_).
   ATTND_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(prefill_stream_, decode_tail_, 0));
-  if (job.order != nullptr && job.order->wait != nullptr) {
-    ATTND_CUDA_RETURN_IF_ERROR(
-        cudaStreamWaitEvent(prefill_stream_, static_cast<cudaEvent_t>(job.order->wait), 0));
-  }
   std::memcpy(h_table_.get(), job.page_table, job.num_pages * 4);
   ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_table_.get(), h_table_.get(), job.num_pages * 4,
                                              cudaMemcpyHostToDevice, prefill_stream_));
@@ -1151,6 +1147,14 @@ void CudaEngine::CloseIpcHandle(void* device_ptr) {
   cudaIpcCloseMemHandle(device_ptr);
 }
 
+absl::StatusOr<bool> CudaEngine::IpcEventDone(void* event) {
+  const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (err == cudaSuccess) return true;
+  if (err == cudaErrorNotReady) return false;
+  cudaGetLastError();
+  return CudaStatus(err, "cudaEventQuery of the ring's ready event");
+}
+
 absl::StatusOr<DeviceMemoryOpener::IpcEvent> CudaEngine::CreateIpcEvent() {
   ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   cudaEvent_t event = nullptr;
@@ -1318,16 +1322,6 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
     for (int32_t i = 0; i < b; ++i) pack(i);
   }
   for (int32_t i = b; i < plan; ++i) rows[i] = DecodeStageRow();  // padding: length 0, skipped
-  // The clients' events: their inputs are written (device-ordered calls; a batch may merge several
-  // calls, each with its events, usually in runs).
-  const void* last = nullptr;
-  for (size_t i = first; i < first + count; ++i) {
-    const DeviceOrder* order = job.entries[i].order;
-    if (order == nullptr || order->wait == nullptr || order->wait == last) continue;
-    last = order->wait;
-    ATTND_CUDA_RETURN_IF_ERROR(
-        cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(order->wait), 0));
-  }
   // Inputs on another GPU: copied into the row's slots on the stream, ahead of the step.
   for (int32_t i = 0; i < b; ++i) {
     if (copy_in[i] == 0) continue;
@@ -1356,7 +1350,9 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
   } else {
     ATTND_RETURN_IF_ERROR(EnqueueDecodeStep(job.layer, b, plan));
   }
-  last = nullptr;
+  // The clients' events (device-ordered calls; a batch may merge several calls, each with its
+  // event, in runs).
+  const void* last = nullptr;
   for (size_t i = first; i < first + count; ++i) {
     const DeviceOrder* order = job.entries[i].order;
     if (order == nullptr || order->record == nullptr || order->record == last) continue;

@@ -68,14 +68,14 @@ void CopyRowsToDense(const TensorView& view, int64_t first_row, int64_t rows, vo
 // INVALID_ARGUMENT naming `name` unless the view has data and exactly `expected` elements.
 absl::Status CheckElements(absl::string_view name, const TensorView& view, int64_t expected);
 
-// Device-side ordering with a client's CUDA stream (docs/regions.md, "Device-ordered rings"): two
-// CUDA events (cudaEvent_t, opaque here) shared with the client by CUDA IPC. The engine's stream
-// waits for `wait` (recorded by the client after it wrote the inputs) before it reads a job's
-// device tensors, and records `record` (which the client's stream waits for) once the job's
-// outputs are written; a decode whose tensors are all device memory then returns as soon as its
-// step is queued, without waiting for the device. Null: the host orders the job, as for any other.
+// Device-side ordering with a client's CUDA stream (docs/regions.md, "Device-ordered rings"): the
+// engine records `record` (a cudaEvent_t shared with the client by CUDA IPC, opaque here; the
+// client's stream waits for it) once the job's outputs are written, and a decode whose outputs
+// are all device memory returns as soon as its step is queued, without waiting for the device.
+// (The client's own "inputs written" event never enters the engine's streams: the ring waits for
+// it on the host, so one client's stuck GPU work cannot hold up another tenant's steps.) Null: the
+// host orders the job, as for any other.
 struct DeviceOrder {
-  void* wait = nullptr;
   void* record = nullptr;
 };
 

@@ -851,7 +851,7 @@ absl::Status AttentionService::SubmitRingFrame(const RequestFrame& frame, absl::
       args.k_region = RefOf(frame.k, &refs[1]);
       args.v_region = RefOf(frame.v, &refs[2]);
       args.output_region = RefOf(frame.o, &refs[3]);
-      const DeviceOrder order{frame.ready_event, frame.done_event};
+      const DeviceOrder order{frame.done_event};
       if (frame.device_ordered) args.order = &order;
       OutputBufferFn output = [answer, &no_room](int64_t bytes) -> void* {
         absl::StatusOr<char*> buffer = answer->output_buffer(static_cast<uint64_t>(bytes), 1);
@@ -928,7 +928,7 @@ absl::Status AttentionService::SubmitFrameDecode(const RequestFrame& frame,
   std::shared_ptr<const DeviceOrder> order;  // lives until the call is answered
   if (frame.device_ordered) {
     ATTND_RETURN_IF_ERROR(CheckDeviceOrdered(q.on_device, k.on_device, v.on_device, out_on_device));
-    order = std::make_shared<const DeviceOrder>(DeviceOrder{frame.ready_event, frame.done_event});
+    order = std::make_shared<const DeviceOrder>(DeviceOrder{frame.done_event});
     for (DecodeCall::Entry& e : call.entries) e.order = order.get();
   }
   const bool in_region = output_region != nullptr;

@@ -279,10 +279,10 @@ class Ring:
       rpc_timeout: deadline of the OpenRing / CloseRing / GetServerInfo calls (None: the client's).
       device_events: (version 2, the CUDA backend on one GPU) attnd creates two CUDA events shared with this
         process; a request whose q, k, v and out are all tensors in CUDA regions is then ordered on the GPU:
-        the current stream records the "ready" event instead of being synchronized, attnd's stream waits for it,
-        and after attnd's answer (sent once its work is queued) the current stream waits for attnd's "done"
-        event. Nothing waits on the host, so the GPU never drains between the model's layers. Other requests
-        are synchronized as usual.
+        the current stream records the "ready" event instead of being synchronized (attnd waits for it), and
+        after attnd's answer (sent once its work is queued) the current stream waits for attnd's "done" event.
+        This process never waits for the GPU, so the GPU does not drain between the model's layers. Other
+        requests are synchronized as usual.
 
     Errors are AttndError, as Session's: the request's own code and message; UNAVAILABLE once attnd closed the
     ring (CloseRing, idle reclamation, shutdown); DEADLINE_EXCEEDED; INTERNAL for an answer that does not parse

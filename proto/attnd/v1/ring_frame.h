@@ -39,10 +39,11 @@ enum Op : uint16_t { kPrefill = 1, kDecode = 2 };
 enum Where : uint16_t { kAbsent = 0, kInline = 1, kRegion = 2 };
 // RequestHeader::flags.
 inline constexpr uint32_t kHasPromptLen = 1;
-// Ordered on the device with the client's CUDA stream by the ring's two events (OpenRingRequest
-// device_events; docs/regions.md, "Device-ordered rings"): attnd's stream waits for the ready event
-// before it reads q, k and v, and records the done event once o is written; q, k, v and o must be
-// CUDA IPC regions. attnd answers once the work is queued: o is there when the done event is.
+// Ordered with the client's CUDA stream by the ring's two events (OpenRingRequest device_events;
+// docs/regions.md, "Device-ordered rings"): attnd waits for the ready event (the client's stream
+// has written q, k and v) instead of the client synchronizing, and records the done event on its
+// stream once o is written; q, k, v and o must be CUDA IPC regions. attnd answers once the work is
+// queued: o is there when the done event is.
 inline constexpr uint32_t kDeviceOrdered = 2;
 // ResponseHeader::flags: o was written into the request's output region (no bytes in the frame).
 inline constexpr uint32_t kOutputInRegion = 1;
