@@ -6,21 +6,11 @@
 #include <random>
 #include <vector>
 
+#include "absl/base/casts.h"
 #include "gtest/gtest.h"
 
 namespace attnd {
 namespace {
-
-float FromBits(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-uint32_t ToBits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  return bits;
-}
 
 TEST(DTypeTest, NamesAndSizes) {
   EXPECT_EQ(DTypeName(DType::kBf16), "bf16");
@@ -46,7 +36,7 @@ TEST(DTypeTest, IsKnownDType) {
 TEST(Bf16Test, EveryBf16RoundTripsExactly) {
   for (uint32_t h = 0; h <= 0xffff; ++h) {
     const float f = Bf16ToFloat(static_cast<uint16_t>(h));
-    EXPECT_EQ(ToBits(f), h << 16);
+    EXPECT_EQ(absl::bit_cast<uint32_t>(f), h << 16);
     if (std::isnan(f)) {
       EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(f))));
     } else {
@@ -57,14 +47,14 @@ TEST(Bf16Test, EveryBf16RoundTripsExactly) {
 
 TEST(Bf16Test, RoundsToNearestEven) {
   // 1 + 2^-8 is exactly between bf16 1.0 (0x3f80) and 1 + 2^-7 (0x3f81): even mantissa wins.
-  EXPECT_EQ(FloatToBf16(FromBits(0x3f808000u)), 0x3f80);
+  EXPECT_EQ(FloatToBf16(absl::bit_cast<float>(0x3f808000u)), 0x3f80);
   // 1 + 3 * 2^-8 is between 0x3f81 and 0x3f82: rounds to the even 0x3f82.
-  EXPECT_EQ(FloatToBf16(FromBits(0x3f818000u)), 0x3f82);
+  EXPECT_EQ(FloatToBf16(absl::bit_cast<float>(0x3f818000u)), 0x3f82);
   // Just above / below the midpoint.
-  EXPECT_EQ(FloatToBf16(FromBits(0x3f808001u)), 0x3f81);
-  EXPECT_EQ(FloatToBf16(FromBits(0x3f807fffu)), 0x3f80);
+  EXPECT_EQ(FloatToBf16(absl::bit_cast<float>(0x3f808001u)), 0x3f81);
+  EXPECT_EQ(FloatToBf16(absl::bit_cast<float>(0x3f807fffu)), 0x3f80);
   // Negative values round the magnitude the same way.
-  EXPECT_EQ(FloatToBf16(FromBits(0xbf818000u)), 0xbf82);
+  EXPECT_EQ(FloatToBf16(absl::bit_cast<float>(0xbf818000u)), 0xbf82);
   // The largest finite float rounds up to infinity.
   EXPECT_EQ(FloatToBf16(std::numeric_limits<float>::max()), 0x7f80);
 }
@@ -73,7 +63,7 @@ TEST(Bf16Test, NanAndInf) {
   EXPECT_EQ(FloatToBf16(std::numeric_limits<float>::infinity()), 0x7f80);
   EXPECT_EQ(FloatToBf16(-std::numeric_limits<float>::infinity()), 0xff80);
   // A NaN whose payload sits only in the low 16 bits must not turn into Inf.
-  const uint16_t nan = FloatToBf16(FromBits(0x7f800001u));
+  const uint16_t nan = FloatToBf16(absl::bit_cast<float>(0x7f800001u));
   EXPECT_TRUE(std::isnan(Bf16ToFloat(nan)));
   EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(std::numeric_limits<float>::quiet_NaN()))));
 }
@@ -159,7 +149,7 @@ TEST(HalfTest, NanAndInf) {
   EXPECT_EQ(FloatToHalf(-std::numeric_limits<float>::infinity()), 0xfc00);
   EXPECT_EQ(FloatToHalf(1e30f), 0x7c00);
   // Payload below the bits fp16 keeps: must still be a NaN.
-  const uint16_t nan = FloatToHalf(FromBits(0x7f800001u));
+  const uint16_t nan = FloatToHalf(absl::bit_cast<float>(0x7f800001u));
   EXPECT_EQ(nan & 0x7c00, 0x7c00);
   EXPECT_NE(nan & 0x3ff, 0);
   EXPECT_TRUE(std::isinf(HalfToFloat(0x7c00)));

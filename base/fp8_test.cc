@@ -10,17 +10,12 @@
 #include <random>
 #include <vector>
 
+#include "absl/base/casts.h"
 #include "base/dtype.h"
 #include "gtest/gtest.h"
 
 namespace attnd {
 namespace {
-
-float FromBits(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 // The format's definition: (-1)^s 2^(e-7) (1 + m/8) for e in 1..15 (except e = 15, m = 7: NaN),
 // (-1)^s 2^-6 (m/8) for e = 0.
@@ -108,7 +103,7 @@ TEST(Fp8E4m3Test, MatchesBruteForceOverAGridOfFloats) {
   int64_t n = 0;
   for (uint32_t bits = 0; bits < 0x44100000u; bits += 4099) {
     for (uint32_t sign : {0u, 0x80000000u}) {
-      const float f = FromBits(bits | sign);
+      const float f = absl::bit_cast<float>(bits | sign);
       ASSERT_EQ(FloatToFp8E4m3(f), NearestCode(f)) << f;
       ++n;
     }
@@ -155,7 +150,8 @@ TEST(Fp8E4m3Test, SignedZeroAndNan) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   EXPECT_EQ(FloatToFp8E4m3(nan), 0x7f);
   EXPECT_EQ(FloatToFp8E4m3(-nan), 0xff);
-  EXPECT_EQ(FloatToFp8E4m3(FromBits(0x7f800001u)), 0x7f);  // a signalling NaN, low payload only
+  EXPECT_EQ(FloatToFp8E4m3(absl::bit_cast<float>(0x7f800001u)),
+            0x7f);  // a signalling NaN, low payload only
 }
 
 TEST(Fp8E4m3Test, DTypeConversionsUseTheCodes) {

@@ -11,17 +11,12 @@
 #include <random>
 #include <vector>
 
+#include "absl/base/casts.h"
 #include "base/dtype.h"
 #include "gtest/gtest.h"
 
 namespace attnd {
 namespace {
-
-float FromBits(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 // The format's rounding, independently: nearest integer, ties to even, then clamped.
 int Reference(double q) {
@@ -65,7 +60,7 @@ TEST(Int8KvTest, MatchesTheReferenceOverAGridOfFloats) {
   int64_t n = 0;
   for (uint32_t bits = 0; bits < 0x44000000u; bits += 127) {
     for (uint32_t sign : {0u, 0x80000000u}) {
-      const float f = FromBits(bits | sign);
+      const float f = absl::bit_cast<float>(bits | sign);
       const int8_t got = FloatToInt8Kv(f);
       if (got != Reference(f)) {
         ASSERT_EQ(got, Reference(f)) << f;
@@ -106,7 +101,7 @@ TEST(Int8KvTest, SignedZeroTinyValuesAndNan) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   EXPECT_EQ(FloatToInt8Kv(nan), 0);
   EXPECT_EQ(FloatToInt8Kv(-nan), 0);
-  EXPECT_EQ(FloatToInt8Kv(FromBits(0x7f800001u)), 0);  // a signalling NaN
+  EXPECT_EQ(FloatToInt8Kv(absl::bit_cast<float>(0x7f800001u)), 0);  // a signalling NaN
 }
 
 TEST(Int8KvTest, DTypeConversionsUseTheCodes) {
