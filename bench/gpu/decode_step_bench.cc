@@ -1,8 +1,10 @@
 // One decode step of one layer through the CUDA engine (server/engine/cuda_engine.h), CUDA graph
 // replay against eager launches, Qwen2.5-7B-1M geometry (28 q heads, 4 kv heads, head_dim 128),
-// bf16 KV, page_size 16, shuffled pages.
+// bf16 or int8 KV (--kv-dtype bf16,int8 times both on the same inputs and prints int8's speedup),
+// page_size 16, shuffled pages.
 //
 //   decode_step_bench [--context 4096] [--batches 1,8,32,128] [--iters 300] [--capture-layers 28]
+//                     [--kv-dtype bf16 | int8 | bf16,int8]
 //
 // A step is what the server's decode path costs a batch: Engine::Decode, host-timed from the call
 // to its return (copy the entries and page tables into pinned slots, then either one graph replay
@@ -28,6 +30,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "base/dtype.h"
 #include "bench/gpu/decode_bench_common.h"
 #include "kernels/dca.h"
@@ -40,6 +44,7 @@ ABSL_FLAG(int64_t, context, 4096, "tokens in each sequence at the timed decode s
 ABSL_FLAG(std::string, batches, "1,8,32,128", "decode batch sizes to time");
 ABSL_FLAG(int32_t, iters, 300, "timed steps per batch size and mode");
 ABSL_FLAG(int32_t, capture_layers, 28, "layers of the start-up cost engines (0 = skip)");
+ABSL_FLAG(std::string, kv_dtype, "bf16", "KV dtypes to time, comma-separated: bf16, int8");
 
 namespace attnd {
 namespace {
@@ -51,14 +56,15 @@ constexpr int kHq = kBenchHq, kHkv = kBenchHkv, kD = kBenchD, kPage = kBenchPage
   std::exit(1);
 }
 
-CudaEngineOptions Options(int32_t layers, int64_t pages, bool graphs) {
+CudaEngineOptions Options(int32_t layers, int64_t pages, bool graphs,
+                          DType kv_dtype = DType::kBf16) {
   CudaEngineOptions o;
   o.geometry = Qwen7bGeometry();
   o.layout.num_layers = layers;
   o.layout.num_kv_heads = kHkv;
   o.layout.head_dim = kD;
   o.layout.page_size = kPage;
-  o.layout.kv_dtype = DType::kBf16;
+  o.layout.kv_dtype = kv_dtype;
   o.layout.num_pages = pages;
   o.max_decode_batch = 256;
   o.cuda_graphs = graphs;
@@ -94,6 +100,15 @@ int Main() {
     return 2;
   }
   const std::vector<int32_t>& batches = *parsed;
+  std::vector<DType> dtypes;
+  for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_kv_dtype), ',')) {
+    if (name != "bf16" && name != "int8") {
+      std::fprintf(stderr, "decode_step_bench: --kv-dtype takes bf16 and/or int8, got \"%s\"\n",
+                   std::string(name).c_str());
+      return 2;
+    }
+    dtypes.push_back(name == "bf16" ? DType::kBf16 : DType::kInt8);
+  }
   const int32_t max_b = *std::max_element(batches.begin(), batches.end());
   const int64_t pages_per_seq = (context + kPage - 1) / kPage;
   const int64_t pages = max_b * pages_per_seq + 16;
@@ -118,66 +133,82 @@ int Main() {
 
   std::printf("decode_step_bench: context %lld, one layer, 7B geometry, %d steps per point\n",
               static_cast<long long>(context), iters);
-  std::printf("%-6s %-6s %12s %12s %14s\n", "batch", "mode", "p50_us", "p99_us", "tokens_per_s");
-  std::vector<Timing> results[2];
-  for (int mode = 0; mode < 2; ++mode) {
-    const bool graphs = mode == 0;
-    auto engine = CreateCudaEngine(Options(1, pages, graphs));
-    if (!engine.ok()) Die("create", engine.status());
-    std::vector<uint8_t> pout(static_cast<size_t>(prompt) * kHq * kD * 2);
-    for (int i = 0; i < max_b; ++i) {
-      PrefillJob job = EngineJobsForTesting::Prefill();
-      job.page_table = perm.data() + i * pages_per_seq;
-      job.num_pages = pages_per_seq;
-      job.num_tokens = prompt;
-      job.prompt_len = prompt;
-      job.q = TensorView{DType::kBf16, pq.data(), {prompt, kNumQueryVariants, kHq, kD}};
-      job.k = TensorView{DType::kBf16, pk.data(), {prompt, kHkv, kD}};
-      job.v = TensorView{DType::kBf16, pv.data(), {prompt, kHkv, kD}};
-      job.out = pout.data();
-      job.out_dtype = DType::kBf16;
-      if (absl::Status s = (*engine)->Prefill(job); !s.ok()) Die("prefill", s);
+  std::printf("%-6s %-6s %-5s %12s %12s %14s\n", "batch", "mode", "kv", "p50_us", "p99_us",
+              "tokens_per_s");
+  // results[dtype index][mode]
+  std::vector<std::vector<std::vector<Timing>>> results(dtypes.size(),
+                                                        std::vector<std::vector<Timing>>(2));
+  for (size_t di = 0; di < dtypes.size(); ++di)
+    for (int mode = 0; mode < 2; ++mode) {
+      const bool graphs = mode == 0;
+      auto engine = CreateCudaEngine(Options(1, pages, graphs, dtypes[di]));
+      if (!engine.ok()) Die("create", engine.status());
+      std::vector<uint8_t> pout(static_cast<size_t>(prompt) * kHq * kD * 2);
+      for (int i = 0; i < max_b; ++i) {
+        PrefillJob job = EngineJobsForTesting::Prefill();
+        job.page_table = perm.data() + i * pages_per_seq;
+        job.num_pages = pages_per_seq;
+        job.num_tokens = prompt;
+        job.prompt_len = prompt;
+        job.q = TensorView{DType::kBf16, pq.data(), {prompt, kNumQueryVariants, kHq, kD}};
+        job.k = TensorView{DType::kBf16, pk.data(), {prompt, kHkv, kD}};
+        job.v = TensorView{DType::kBf16, pv.data(), {prompt, kHkv, kD}};
+        job.out = pout.data();
+        job.out_dtype = DType::kBf16;
+        if (absl::Status s = (*engine)->Prefill(job); !s.ok()) Die("prefill", s);
+      }
+      for (int32_t b : batches) {
+        DecodeJob job = EngineJobsForTesting::Decode();
+        for (int i = 0; i < b; ++i) {
+          DecodeJob::Entry e;
+          e.page_table = perm.data() + i * pages_per_seq;
+          e.num_pages = pages_per_seq;
+          e.length = context;
+          e.q = TensorView{DType::kBf16, dq[i].data(), {3, kHq, kD}};
+          e.k = TensorView{DType::kBf16, dk[i].data(), {kHkv, kD}};
+          e.v = TensorView{DType::kBf16, dv[i].data(), {kHkv, kD}};
+          e.out = out.data() + static_cast<size_t>(i) * kHq * kD;
+          e.out_dtype = DType::kFp32;
+          job.entries.push_back(e);
+        }
+        std::vector<double> us;
+        bool replayed = false;
+        for (int it = 0; it < iters + 20; ++it) {
+          const auto t0 = std::chrono::steady_clock::now();
+          absl::StatusOr<DecodeStats> ran = (*engine)->Decode(job);
+          if (!ran.ok()) Die("decode", ran.status());
+          replayed = ran->graph_replays > 0;
+          const auto t1 = std::chrono::steady_clock::now();
+          if (it >= 20) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+        }
+        if (replayed != graphs) {
+          std::fprintf(stderr, "decode_step_bench: batch %d: replayed=%d with graphs=%d\n", b,
+                       replayed, graphs);
+          return 1;
+        }
+        const Timing t = Summarise(us);
+        results[di][mode].push_back(t);
+        std::printf("%-6d %-6s %-5s %12.1f %12.1f %14.0f\n", b, graphs ? "graph" : "eager",
+                    DTypeName(dtypes[di]), t.p50, t.p99, b * 1e6 / t.p50);
+        std::fflush(stdout);
+      }
     }
-    for (int32_t b : batches) {
-      DecodeJob job = EngineJobsForTesting::Decode();
-      for (int i = 0; i < b; ++i) {
-        DecodeJob::Entry e;
-        e.page_table = perm.data() + i * pages_per_seq;
-        e.num_pages = pages_per_seq;
-        e.length = context;
-        e.q = TensorView{DType::kBf16, dq[i].data(), {3, kHq, kD}};
-        e.k = TensorView{DType::kBf16, dk[i].data(), {kHkv, kD}};
-        e.v = TensorView{DType::kBf16, dv[i].data(), {kHkv, kD}};
-        e.out = out.data() + static_cast<size_t>(i) * kHq * kD;
-        e.out_dtype = DType::kFp32;
-        job.entries.push_back(e);
-      }
-      std::vector<double> us;
-      bool replayed = false;
-      for (int it = 0; it < iters + 20; ++it) {
-        const auto t0 = std::chrono::steady_clock::now();
-        absl::StatusOr<DecodeStats> ran = (*engine)->Decode(job);
-        if (!ran.ok()) Die("decode", ran.status());
-        replayed = ran->graph_replays > 0;
-        const auto t1 = std::chrono::steady_clock::now();
-        if (it >= 20) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-      }
-      if (replayed != graphs) {
-        std::fprintf(stderr, "decode_step_bench: batch %d: replayed=%d with graphs=%d\n", b,
-                     replayed, graphs);
-        return 1;
-      }
-      const Timing t = Summarise(us);
-      results[mode].push_back(t);
-      std::printf("%-6d %-6s %12.1f %12.1f %14.0f\n", b, graphs ? "graph" : "eager", t.p50, t.p99,
-                  b * 1e6 / t.p50);
-      std::fflush(stdout);
+  for (size_t di = 0; di < dtypes.size(); ++di) {
+    std::printf("\nsummary, %s KV (eager p50 / graph p50):\n", DTypeName(dtypes[di]));
+    for (size_t i = 0; i < batches.size(); ++i) {
+      std::printf("  batch %-4d graph %8.1f us  eager %8.1f us  speedup %.2fx\n", batches[i],
+                  results[di][0][i].p50, results[di][1][i].p50,
+                  results[di][1][i].p50 / results[di][0][i].p50);
     }
   }
-  std::printf("\nsummary (eager p50 / graph p50):\n");
-  for (size_t i = 0; i < batches.size(); ++i) {
-    std::printf("  batch %-4d graph %8.1f us  eager %8.1f us  speedup %.2fx\n", batches[i],
-                results[0][i].p50, results[1][i].p50, results[1][i].p50 / results[0][i].p50);
+  if (dtypes.size() == 2 && dtypes[0] != dtypes[1]) {
+    const size_t bf = dtypes[0] == DType::kBf16 ? 0 : 1, i8 = 1 - bf;
+    std::printf("\nint8 vs bf16 KV (graph p50; batch x context tokens):\n");
+    for (size_t i = 0; i < batches.size(); ++i) {
+      std::printf("  batch %-4d %9lld tokens  bf16 %8.1f us  int8 %8.1f us  int8 speedup %.2fx\n",
+                  batches[i], static_cast<long long>(batches[i] * context), results[bf][0][i].p50,
+                  results[i8][0][i].p50, results[bf][0][i].p50 / results[i8][0][i].p50);
+    }
   }
 
   const int32_t layers = absl::GetFlag(FLAGS_capture_layers);

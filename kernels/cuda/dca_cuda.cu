@@ -2,6 +2,7 @@
 // read once), size checks, the head_dim dispatch and the grids.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -63,18 +64,43 @@ absl::Status CheckWindowState(const CudaKernelPlan& plan, const CudaPrefillParam
 }
 // The decode kernel: 4 warps, 64-key tiles, a ring of Stages (2 or 3).
 constexpr int kDecodeWarps = 4;
-template <int D, int Stages>
+template <int D, int Stages, typename KvT = Bf16>
 constexpr auto DecodeKernel() {
-  return cuda_kernels::DcaDecodePipeKernel<D, kDecodeWarps, Stages>;
+  return cuda_kernels::DcaDecodePipeKernel<D, kDecodeWarps, Stages, KvT>;
 }
+template <typename KvT = Bf16>
 size_t DecodeSmemBytes(const DcaGeometry& g, int stages) {
+  if constexpr (std::is_same<KvT, Int8Kv>::value) {
+    return cuda_kernels::DecodePipeInt8SmemBytes(g.head_dim, kDecodeWarps, stages, g.group_size());
+  }
   return cuda_kernels::DecodePipeSmemBytes(g.head_dim, kDecodeWarps, stages, g.group_size());
 }
 
-// Sets the kernels' dynamic shared-memory limits on the current device and reads the decode
-// kernels' occupancy at this geometry (blocks per multiprocessor, ring depth 2 and 3).
+// The decode kernels' shared-memory limits for KvT, and their occupancy at this geometry (blocks
+// per multiprocessor, ring depth 2 and 3).
+template <int D, typename KvT>
+absl::Status PrepareDecodeKernels(const DcaGeometry& g, int32_t* blocks_s2, int32_t* blocks_s3) {
+  const size_t smem2 = DecodeSmemBytes<KvT>(g, 2), smem3 = DecodeSmemBytes<KvT>(g, 3);
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(DecodeKernel<D, 2, KvT>(),
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  static_cast<int>(smem2)));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(DecodeKernel<D, 3, KvT>(),
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  static_cast<int>(smem3)));
+  int n2 = 0, n3 = 0;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &n2, DecodeKernel<D, 2, KvT>(), 32 * kDecodeWarps, smem2));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &n3, DecodeKernel<D, 3, KvT>(), 32 * kDecodeWarps, smem3));
+  *blocks_s2 = std::max(1, n2);
+  *blocks_s3 = std::max(1, n3);
+  return absl::OkStatus();
+}
+
+// Sets the kernels' dynamic shared-memory limits on the current device (both decode kernels, so
+// either may be launched) and reads the occupancy of the decode kernel for kv_dtype.
 template <int D>
-absl::Status PrepareKernels(const DcaGeometry& g, bool wgmma, int32_t* blocks_s2,
+absl::Status PrepareKernels(const DcaGeometry& g, bool wgmma, DType kv_dtype, int32_t* blocks_s2,
                             int32_t* blocks_s3) {
   if (wgmma) {
     constexpr size_t smem = cuda_kernels::wgmma::PrefillSmemBytes<D>();
@@ -94,18 +120,13 @@ absl::Status PrepareKernels(const DcaGeometry& g, bool wgmma, int32_t* blocks_s2
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                     static_cast<int>(MmaPrefillSmemBytes<D>())));
   }
-  const size_t smem2 = DecodeSmemBytes(g, 2), smem3 = DecodeSmemBytes(g, 3);
-  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      DecodeKernel<D, 2>(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem2)));
-  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      DecodeKernel<D, 3>(), cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem3)));
-  int n2 = 0, n3 = 0;
-  ATTND_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &n2, DecodeKernel<D, 2>(), 32 * kDecodeWarps, smem2));
-  ATTND_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &n3, DecodeKernel<D, 3>(), 32 * kDecodeWarps, smem3));
-  *blocks_s2 = std::max(1, n2);
-  *blocks_s3 = std::max(1, n3);
+  int32_t int8_s2 = 1, int8_s3 = 1;
+  ATTND_RETURN_IF_ERROR((PrepareDecodeKernels<D, Int8Kv>(g, &int8_s2, &int8_s3)));
+  ATTND_RETURN_IF_ERROR((PrepareDecodeKernels<D, Bf16>(g, blocks_s2, blocks_s3)));
+  if (kv_dtype == DType::kInt8) {
+    *blocks_s2 = int8_s2;
+    *blocks_s3 = int8_s3;
+  }
   return absl::OkStatus();
 }
 
@@ -171,14 +192,14 @@ cudaError_t LaunchAfterPrevious(void (*kernel)(Params...), dim3 grid, dim3 block
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-template <int D, int Stages>
-absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParams& p,
+template <int D, int Stages, typename KvT>
+absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParamsOf<KvT>& p,
                                cudaStream_t stream) {
-  const cuda_kernels::DecodeArgs a = DecodeArgsFor(g, p);
-  const auto kernel = DecodeKernel<D, Stages>();
+  const cuda_kernels::DecodeArgsOf<KvT> a = DecodeArgsFor(g, p);
+  const auto kernel = DecodeKernel<D, Stages, KvT>();
   ATTND_CUDA_RETURN_IF_ERROR(
       LaunchAfterPrevious(kernel, dim3(p.max_splits, g.num_kv_heads, p.batch),
-                          dim3(32 * kDecodeWarps), DecodeSmemBytes(g, Stages), stream, a));
+                          dim3(32 * kDecodeWarps), DecodeSmemBytes<KvT>(g, Stages), stream, a));
   ATTND_CUDA_RETURN_IF_ERROR(LaunchAfterPrevious(
       cuda_kernels::DcaDecodeReduceKernel<D>, dim3(p.batch, g.num_q_heads), dim3(D), 0, stream,
       static_cast<const float*>(p.partial_out), static_cast<const float*>(p.partial_lse),
@@ -223,8 +244,13 @@ absl::StatusOr<CudaKernelPlan> CudaKernelPlan::Create(const DcaGeometry& g, int 
                                                    options.decode_stages,
                                                    " unsupported (0 = by batch, 2 or 3)"));
   }
+  if (options.kv_dtype != DType::kBf16 && options.kv_dtype != DType::kInt8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kernel plan: KV dtype ", DTypeName(options.kv_dtype), " unsupported (bf16 or int8)"));
+  }
   CudaKernelPlan plan;
   plan.geometry_ = g;
+  plan.kv_dtype_ = options.kv_dtype;
   plan.device_ = device;
   plan.decode_stages_ = options.decode_stages;
   CurrentDeviceGuard guard;
@@ -242,9 +268,10 @@ absl::StatusOr<CudaKernelPlan> CudaKernelPlan::Create(const DcaGeometry& g, int 
                       ? PrefillKernel::kWgmma
                       : PrefillKernel::kMmaSync;
   const bool wgmma = plan.prefill_ == PrefillKernel::kWgmma;
-  ATTND_RETURN_IF_ERROR(g.head_dim == 128
-                            ? PrepareKernels<128>(g, wgmma, &plan.blocks_s2_, &plan.blocks_s3_)
-                            : PrepareKernels<64>(g, wgmma, &plan.blocks_s2_, &plan.blocks_s3_));
+  ATTND_RETURN_IF_ERROR(
+      g.head_dim == 128
+          ? PrepareKernels<128>(g, wgmma, plan.kv_dtype_, &plan.blocks_s2_, &plan.blocks_s3_)
+          : PrepareKernels<64>(g, wgmma, plan.kv_dtype_, &plan.blocks_s2_, &plan.blocks_s3_));
   return plan;
 }
 
@@ -308,6 +335,77 @@ absl::Status LaunchAppendKv(const CudaAppendParams& p, cudaStream_t stream) {
   return absl::OkStatus();
 }
 
+absl::Status LaunchAppendKv(const CudaAppendParamsOf<Int8Kv>& p, cudaStream_t stream) {
+  if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.k_scale == nullptr ||
+      p.kv.v_scale == nullptr || p.kv.page_table == nullptr || p.k == nullptr || p.v == nullptr ||
+      !IsKnownDType(p.in_dtype) || HasRowScale(p.in_dtype) || p.start < 0 || p.num_tokens < 0 ||
+      p.start + p.num_tokens > kMaxPosition || (p.kv.head_dim != 64 && p.kv.head_dim != 128)) {
+    return absl::InvalidArgumentError(
+        "append (int8): bad params (null pointers or scales, input dtype, range, or head_dim not "
+        "64 or 128)");
+  }
+  if (p.num_tokens == 0) return absl::OkStatus();
+  const int64_t rows = p.num_tokens * p.kv.num_kv_heads;  // one warp each, 4 a block
+  const int64_t blocks = std::min<int64_t>((rows + 3) / 4, 65536);
+  const auto kernel = p.kv.head_dim == 128 ? cuda_kernels::AppendKvInt8Kernel<128>
+                                           : cuda_kernels::AppendKvInt8Kernel<64>;
+  kernel<<<static_cast<unsigned>(blocks), 128, 0, stream>>>(
+      p.kv, p.k, p.v, static_cast<int>(p.in_dtype), static_cast<int32_t>(p.start), rows,
+      p.key_scale);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("AppendKvInt8Kernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParamsOf<Int8Kv>& p, cudaStream_t stream) {
+  if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.k_scale == nullptr ||
+      p.kv.v_scale == nullptr || p.kv.page_tables == nullptr || p.lengths == nullptr ||
+      p.k == nullptr || p.v == nullptr || !IsKnownDType(p.in_dtype) || HasRowScale(p.in_dtype) ||
+      p.batch < 0 || (p.kv.head_dim != 64 && p.kv.head_dim != 128)) {
+    return absl::InvalidArgumentError("decode append (int8): bad params");
+  }
+  if (p.batch == 0) return absl::OkStatus();
+  const auto kernel = p.kv.head_dim == 128 ? cuda_kernels::DecodeAppendKvInt8Kernel<128>
+                                           : cuda_kernels::DecodeAppendKvInt8Kernel<64>;
+  kernel<<<p.batch, 128, 0, stream>>>(p.kv, p.lengths, p.k, p.v, static_cast<int>(p.in_dtype),
+                                      p.original_max_position_embeddings);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DecodeAppendKvInt8Kernel");
+  return absl::OkStatus();
+}
+
+absl::Status LaunchDecodeQuantizeRows(const CudaDecodeQuantizeRowsParams& p, cudaStream_t stream) {
+  if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.k_scale == nullptr ||
+      p.kv.v_scale == nullptr || p.kv.page_tables == nullptr || p.lengths == nullptr ||
+      p.kv_rows == nullptr || p.batch < 0 || p.batch > 65535 ||
+      (p.kv.head_dim != 64 && p.kv.head_dim != 128)) {
+    return absl::InvalidArgumentError("decode quantize rows: bad params");
+  }
+  if (p.batch == 0) return absl::OkStatus();
+  const auto kernel = p.kv.head_dim == 128 ? cuda_kernels::DecodeQuantizeRowsKernel<128>
+                                           : cuda_kernels::DecodeQuantizeRowsKernel<64>;
+  ATTND_CUDA_RETURN_IF_ERROR(
+      LaunchAfterPrevious(kernel, dim3(p.batch), dim3(128), 0, stream, p.kv, p.lengths, p.kv_rows));
+  return absl::OkStatus();
+}
+
+absl::Status LaunchDequantizeKv(const CudaDequantizeKvParams& p, cudaStream_t stream) {
+  if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.k_scale == nullptr ||
+      p.kv.v_scale == nullptr || p.kv.page_table == nullptr || p.k_out == nullptr ||
+      p.v_out == nullptr || p.num_tokens < 0 || p.num_tokens > kMaxPosition ||
+      p.kv.head_dim % 8 != 0 || reinterpret_cast<uintptr_t>(p.k_out) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(p.v_out) % 16 != 0) {
+    return absl::InvalidArgumentError(
+        "dequantize: bad params (null pointers or scales, 16-byte aligned outputs, head_dim a "
+        "multiple of 8)");
+  }
+  if (p.num_tokens == 0) return absl::OkStatus();
+  const int64_t pieces = p.num_tokens * p.kv.num_kv_heads * (p.kv.head_dim / 8);
+  const int64_t blocks = std::min<int64_t>((pieces + 255) / 256, 65536);
+  cuda_kernels::DequantizeKvKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      p.kv, p.k_out, p.v_out, pieces);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DequantizeKvKernel");
+  return absl::OkStatus();
+}
+
 absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParams& p, cudaStream_t stream) {
   if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.page_tables == nullptr ||
       p.lengths == nullptr || p.k == nullptr || p.v == nullptr || !IsKnownDType(p.in_dtype) ||
@@ -323,9 +421,11 @@ absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParams& p, cudaStream_t 
 
 absl::Status LaunchDecodeStage(const CudaDecodeStageParams& p, cudaStream_t stream) {
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.page_tables == nullptr ||
-      p.kv.page_table_stride < 4 || p.kv.page_table_stride % 4 != 0 || p.kv.head_dim % 8 != 0 ||
-      p.rows == nullptr || p.host_tables == nullptr || p.host_q == nullptr || p.host_k == nullptr ||
+  const bool float_rows = p.kv_rows != nullptr;
+  if ((!float_rows && (p.kv.k == nullptr || p.kv.v == nullptr)) || !aligned(p.kv_rows) ||
+      p.kv.page_tables == nullptr || p.kv.page_table_stride < 4 ||
+      p.kv.page_table_stride % 4 != 0 || p.kv.head_dim % 8 != 0 || p.rows == nullptr ||
+      p.host_tables == nullptr || p.host_q == nullptr || p.host_k == nullptr ||
       p.host_v == nullptr || p.lengths == nullptr || p.q == nullptr || !aligned(p.kv.page_tables) ||
       !aligned(p.host_tables) || !aligned(p.host_q) || !aligned(p.host_k) || !aligned(p.host_v) ||
       !aligned(p.q) || p.q_row_bytes % 16 != 0 || p.kv_row_bytes % 16 != 0 || p.num_q_heads < 1 ||
@@ -337,6 +437,15 @@ absl::Status LaunchDecodeStage(const CudaDecodeStageParams& p, cudaStream_t stre
         "multiple of 4, or row slots smaller than fp32 rows)");
   }
   if (p.batch == 0) return absl::OkStatus();
+  if (float_rows) {
+    ATTND_CUDA_RETURN_IF_ERROR(LaunchAfterPrevious(
+        cuda_kernels::DecodeStageFloatRowsKernel, dim3(cuda_kernels::kDecodeStageBlocks, p.batch),
+        dim3(cuda_kernels::kDecodeStageThreads), 0, stream, p.kv, p.rows, p.host_tables,
+        static_cast<const char*>(p.host_q), static_cast<const char*>(p.host_k),
+        static_cast<const char*>(p.host_v), p.q_row_bytes, p.kv_row_bytes, p.lengths, p.q,
+        p.row_outs, p.num_q_heads, p.original_max_position_embeddings, p.kv_rows));
+    return absl::OkStatus();
+  }
   ATTND_CUDA_RETURN_IF_ERROR(LaunchAfterPrevious(
       cuda_kernels::DecodeStageKernel, dim3(cuda_kernels::kDecodeStageBlocks, p.batch),
       dim3(cuda_kernels::kDecodeStageThreads), 0, stream, p.kv, p.rows, p.host_tables,
@@ -454,8 +563,11 @@ absl::Status LaunchDcaPrefillReference(const DcaGeometry& g, const CudaPrefillPa
   return absl::OkStatus();
 }
 
-absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParams& p,
-                             cudaStream_t stream) {
+namespace {
+
+template <typename KvT>
+absl::Status LaunchDcaDecodeOf(const CudaKernelPlan& plan, const CudaDecodeParamsOf<KvT>& p,
+                               cudaStream_t stream) {
   const DcaGeometry& g = plan.geometry();
   ATTND_RETURN_IF_ERROR(CheckDecode(g, p));
   if (p.max_splits < 1 || p.max_splits > 65535 || p.partial_out == nullptr ||
@@ -468,6 +580,18 @@ absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParams&
                  : LaunchDecodeTyped<128, 2>(g, p, stream);
   }
   return three ? LaunchDecodeTyped<64, 3>(g, p, stream) : LaunchDecodeTyped<64, 2>(g, p, stream);
+}
+
+}  // namespace
+
+absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParams& p,
+                             cudaStream_t stream) {
+  return LaunchDcaDecodeOf(plan, p, stream);
+}
+
+absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<Int8Kv>& p,
+                             cudaStream_t stream) {
+  return LaunchDcaDecodeOf(plan, p, stream);
 }
 
 absl::Status LaunchDcaDecodeReference(const DcaGeometry& g, const CudaDecodeParams& p,

@@ -8,7 +8,9 @@
 // INVALID_ARGUMENT for shapes outside the supported set (CheckCudaGeometry).
 //
 // Supported set (one dispatch per kernel family): head_dim 64 or 128; group size (Hq / Hkv) 1..16;
-// bf16 KV. Query tensors are bf16; outputs are bf16, fp16 or fp32.
+// bf16 KV, and int8 KV (base/int8_kv.h) for the appends, the decode kernel and the dequantisation
+// that feeds the bf16 prefill kernels (LaunchDequantizeKv). Query tensors are bf16; outputs are
+// bf16, fp16 or fp32.
 //
 // Only the kernels production runs live here: prefill's Hopper default and portable fallback, the
 // decode kernel (any GPU, ring depth 2 or 3), and a simple reference per family for tests; every
@@ -24,10 +26,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "base/dtype.h"
+#include "base/int8_kv.h"
 #include "kernels/dca.h"
 #include "kernels/paged_kv.h"
 
@@ -61,12 +65,47 @@ struct PagedKvBatch {
   }
 };
 
+// The same for an int8 pool: codes and the per-(token, kv head) fp32 scales of one layer
+// (kvcache/kv_layout.h's scale regions).
+struct PagedKvBatchInt8 {
+  Int8Kv* k = nullptr;                   // [num_pages, page_size, num_kv_heads, head_dim]
+  Int8Kv* v = nullptr;                   // [num_pages, page_size, num_kv_heads, head_dim]
+  float* k_scale = nullptr;              // [num_pages, page_size, num_kv_heads]
+  float* v_scale = nullptr;              // [num_pages, page_size, num_kv_heads]
+  const int32_t* page_tables = nullptr;  // [batch, page_table_stride]
+  int64_t page_table_stride = 0;
+  int32_t page_size = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+
+  ATTND_HOST_DEVICE PagedKv<Int8Kv> Seq(int64_t b) const {
+    PagedKv<Int8Kv> kv;
+    kv.k = k;
+    kv.v = v;
+    kv.k_scale = k_scale;
+    kv.v_scale = v_scale;
+    kv.page_table = page_tables + b * page_table_stride;
+    kv.page_size = page_size;
+    kv.num_kv_heads = num_kv_heads;
+    kv.head_dim = head_dim;
+    return kv;
+  }
+};
+
+// The batch view of a pool of KvT (Bf16 or Int8Kv).
+template <typename KvT>
+using PagedKvBatchOf =
+    std::conditional_t<std::is_same<KvT, Int8Kv>::value, PagedKvBatchInt8, PagedKvBatch>;
+
 // ---- KV append ---------------------------------------------------------------------------------
 
 // Prefill append: tokens start .. start+num_tokens-1 of one sequence; keys are stored as
-// key_scale * k, rounded once to bf16 (k/v may be bf16, fp16 or fp32).
-struct CudaAppendParams {
-  PagedKv<Bf16> kv;         // one layer; kv.page_table in device memory
+// key_scale * k, rounded once to bf16 (k/v may be bf16, fp16 or fp32). Into an int8 pool
+// (KvT = Int8Kv) each (token, kv head) row of key_scale * k, and of v, is quantised with
+// base/int8_kv.h's Int8QuantizeRow arithmetic, its codes and scale the CPU engine's bit for bit.
+template <typename KvT>
+struct CudaAppendParamsOf {
+  PagedKv<KvT> kv;          // one layer; kv.page_table in device memory (int8: and its scales)
   const void* k = nullptr;  // [num_tokens, num_kv_heads, head_dim] of in_dtype, unscaled
   const void* v = nullptr;  // [num_tokens, num_kv_heads, head_dim] of in_dtype
   DType in_dtype = DType::kBf16;
@@ -74,12 +113,16 @@ struct CudaAppendParams {
   int64_t num_tokens = 0;
   float key_scale = 1.f;  // s(prompt_len)
 };
+using CudaAppendParams = CudaAppendParamsOf<Bf16>;
 absl::Status LaunchAppendKv(const CudaAppendParams& params, cudaStream_t stream);
+absl::Status LaunchAppendKv(const CudaAppendParamsOf<Int8Kv>& params, cudaStream_t stream);
 
 // Decode append: one new token per sequence at position lengths[b] - 1, key stored as s(L) * k
-// with L = lengths[b] (computed on the device from original_max_position_embeddings).
-struct CudaDecodeAppendParams {
-  PagedKvBatch kv;
+// with L = lengths[b] (computed on the device from original_max_position_embeddings); into an
+// int8 pool quantised as LaunchAppendKv does.
+template <typename KvT>
+struct CudaDecodeAppendParamsOf {
+  PagedKvBatchOf<KvT> kv;
   const int32_t* lengths = nullptr;  // [batch] L including the new token; 0 = padding row, skipped
   const void* k = nullptr;           // [batch, num_kv_heads, head_dim] of in_dtype, unscaled
   const void* v = nullptr;           // [batch, num_kv_heads, head_dim] of in_dtype
@@ -87,7 +130,10 @@ struct CudaDecodeAppendParams {
   int32_t batch = 0;
   int64_t original_max_position_embeddings = 0;
 };
+using CudaDecodeAppendParams = CudaDecodeAppendParamsOf<Bf16>;
 absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParams& params, cudaStream_t stream);
+absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParamsOf<Int8Kv>& params,
+                                  cudaStream_t stream);
 
 // Decode staging: one kernel that takes a decode step's inputs straight from pinned host memory
 // (read over the bus through its mapped address: no copies to launch or wait for) and leaves what
@@ -153,8 +199,41 @@ struct CudaDecodeStageParams {
   int32_t num_q_heads = 0;
   int32_t batch = 0;
   int64_t original_max_position_embeddings = 0;
+  // Device [batch, 2, num_kv_heads, head_dim] fp32, or null. Set for an int8 pool: the stage does
+  // not append; it leaves row r's new key, length-scaled (s(L) * k, one fp32 product), in
+  // kv_rows[r][0] and its value in kv_rows[r][1], and LaunchDecodeQuantizeRows, next in the step,
+  // quantises them into the pool (a row needs all its values for its scale, which the stage's
+  // 16-byte pieces, spread over blocks, never hold together). kv.k / kv.v are then unused.
+  float* kv_rows = nullptr;
 };
 absl::Status LaunchDecodeStage(const CudaDecodeStageParams& params, cudaStream_t stream);
+
+// The int8 decode step's append: for each row r with lengths[r] >= 1, kv_rows[r][0] (the
+// length-scaled key) and kv_rows[r][1] (the value) of each kv head quantised (Int8QuantizeRow's
+// arithmetic, multiplier 1: the stage already scaled the key) into the pool at position
+// lengths[r] - 1 through row r of kv.page_tables. Launched after the stage kernel in the same
+// step (programmatic dependent launch; capturable).
+struct CudaDecodeQuantizeRowsParams {
+  PagedKvBatchInt8 kv;
+  const int32_t* lengths = nullptr;  // device [batch]; 0 = padding row, skipped
+  const float* kv_rows = nullptr;    // device [batch, 2, num_kv_heads, head_dim]
+  int32_t batch = 0;
+};
+absl::Status LaunchDecodeQuantizeRows(const CudaDecodeQuantizeRowsParams& params,
+                                      cudaStream_t stream);
+
+// Dequantises positions [0, num_tokens) of one sequence's int8 K/V (one layer) into bf16 rows
+// bf16(code * scale) (one fp32 multiply, rounded to nearest even) at k_out / v_out
+// [num_tokens, num_kv_heads, head_dim]: pages 0, 1, ... of page_size tokens, which a PagedKv<Bf16>
+// over an identity page table reads back as the sequence. This is how the bf16 prefill kernels
+// (dense and sparse) attend an int8 cache.
+struct CudaDequantizeKvParams {
+  PagedKv<Int8Kv> kv;     // one layer; kv.page_table in device memory
+  Bf16* k_out = nullptr;  // [num_tokens, num_kv_heads, head_dim]
+  Bf16* v_out = nullptr;  // [num_tokens, num_kv_heads, head_dim]
+  int64_t num_tokens = 0;
+};
+absl::Status LaunchDequantizeKv(const CudaDequantizeKvParams& params, cudaStream_t stream);
 
 // dst[i] = bf16(src[i]) for n elements (src bf16, fp16 or fp32).
 absl::Status LaunchConvertToBf16(const void* src, DType src_dtype, int64_t n, Bf16* dst,
@@ -179,6 +258,9 @@ struct CudaKernelPlanOptions {
   // K/V ring depth of the decode kernel: 0 = by batch (2 while every (sequence, kv head) block
   // fits one wave at the 2-deep ring's occupancy, 3 past it), else 2 or 3 for every batch.
   int32_t decode_stages = 0;
+  // The pool's element type, kBf16 or kInt8: the decode kernel whose occupancy sets the ring depth
+  // and split-K plan (the int8 kernel's shared memory differs).
+  DType kv_dtype = DType::kBf16;
 };
 
 // The split-K rule for `batch` sequences of up to max_length keys when `blocks_per_sm` decode
@@ -205,6 +287,8 @@ class CudaKernelPlan {
   int device() const { return device_; }
   int32_t num_sms() const { return num_sms_; }
   PrefillKernel prefill_kernel() const { return prefill_; }
+  // The pool element type the decode occupancy was read for (CudaKernelPlanOptions::kv_dtype).
+  DType kv_dtype() const { return kv_dtype_; }
   // Decode ring depth (2 or 3) for `batch` sequences; depends only on the batch, so a captured
   // graph keeps its kernel for any lengths.
   int32_t DecodeStages(int32_t batch) const;
@@ -223,6 +307,7 @@ class CudaKernelPlan {
   int32_t num_sms_ = 0;
   PrefillKernel prefill_ = PrefillKernel::kWgmma;
   int32_t decode_stages_ = 0;
+  DType kv_dtype_ = DType::kBf16;
   int32_t blocks_s2_ = 1;
   int32_t blocks_s3_ = 1;
 };
@@ -287,9 +372,11 @@ absl::Status LaunchDcaPrefillReference(const DcaGeometry& geometry, const CudaPr
 
 // One decode step for a batch of sequences of mixed lengths. Launch configuration depends only on
 // (batch, max_splits) and the plan: lengths are read from device memory, so a captured CUDA graph
-// can be replayed for other lengths up to the planned maximum.
-struct CudaDecodeParams {
-  PagedKvBatch kv;
+// can be replayed for other lengths up to the planned maximum. KvT = Int8Kv reads an int8 pool
+// (codes and scales) and dequantises each row as it lands in shared memory.
+template <typename KvT>
+struct CudaDecodeParamsOf {
+  PagedKvBatchOf<KvT> kv;
   const int32_t* lengths = nullptr;  // [batch] L incl. the new token (appended); 0 = padding, out 0
   const Bf16* q = nullptr;  // [batch, 3, num_q_heads, head_dim]: intra, succ, inter; unscaled
   void* out = nullptr;      // [batch, num_q_heads, head_dim] of out_dtype
@@ -306,12 +393,19 @@ struct CudaDecodeParams {
   // captured graph serves any mix). Ignored by the reference kernel.
   const DecodeRowOut* row_outs = nullptr;
 };
+using CudaDecodeParams = CudaDecodeParamsOf<Bf16>;
 
 // Split-K (flash-decoding) kernel, grid (max_splits, num_kv_heads, batch): each block walks its key
 // range (64-key tiles, page indices loaded a tile ahead, a plan.DecodeStages(batch)-deep cp.async
 // ring) with the group's q heads as the M dimension of mma tiles; then a reduction kernel, grid
 // (batch, num_q_heads), merges the splits by log-sum-exp.
+// The int8 kernel (plan built with kv_dtype kInt8) copies each tile's codes and scales with
+// cp.async (half the bytes of bf16), and each warp turns its 16 keys into bf16(code * scale) in
+// shared memory before the same mma code; its results equal the bf16 kernel's over a pool holding
+// those bf16 values, bit for bit.
 absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParams& params,
+                             cudaStream_t stream);
+absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<Int8Kv>& params,
                              cudaStream_t stream);
 // Simple reference kernel (one warp per (sequence, q head), scalar fp32). Ignores the workspace.
 absl::Status LaunchDcaDecodeReference(const DcaGeometry& geometry, const CudaDecodeParams& params,

@@ -14,6 +14,7 @@
 #include <math_constants.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/attention_tile.cuh"
 #include "kernels/cuda/dca_cuda.h"
@@ -492,8 +493,9 @@ __global__ void __launch_bounds__(Warps * 32) DcaPrefillKernel(const PrefillArgs
 // ---- split-K decode
 // ------------------------------------------------------------------------------
 
-struct DecodeArgs {
-  PagedKvBatch kv;
+template <typename KvT>
+struct DecodeArgsOf {
+  PagedKvBatchOf<KvT> kv;
   const int32_t* lengths;
   const Bf16* q;
   int32_t chunk_len;
@@ -505,6 +507,7 @@ struct DecodeArgs {
   float* partial_out;  // [batch, Hq, max_splits, D]
   float* partial_lse;  // [batch, Hq, max_splits], log2 domain; -inf = empty split
 };
+using DecodeArgs = DecodeArgsOf<Bf16>;
 
 // Keys per split of a row of L keys: ceil(L / max_splits), at least kMinSplitKeys, rounded up to
 // the kernel's tile. Splits are a prefix: split s has keys iff s < DecodeLiveSplits. The minimum
@@ -546,27 +549,78 @@ __host__ __device__ constexpr size_t DecodePipeSmemBytes(int d, int warps, int s
   return static_cast<size_t>(2 * stages * 16 * warps) * d * sizeof(Bf16) +
          static_cast<size_t>(3 * group + 1) * (d + 8) * sizeof(Bf16);
 }
+// The int8 instantiation's: a ring of codes (one byte an element) and scales, one bf16 K and V
+// tile that the warps dequantise into (each warp its own 16 rows), and Q.
+__host__ __device__ constexpr size_t DecodePipeInt8SmemBytes(int d, int warps, int stages,
+                                                             int group) {
+  return static_cast<size_t>(2 * stages * 16 * warps) * d +
+         static_cast<size_t>(2 * stages * 16 * warps) * sizeof(float) +
+         static_cast<size_t>(2 * 16 * warps) * d * sizeof(Bf16) +
+         static_cast<size_t>(3 * group + 1) * (d + 8) * sizeof(Bf16);
+}
 
-template <int D, int Warps, int Stages>
-__global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeArgs a) {
+// 4-byte global->shared copy (an int8 row's scale); when !valid the 4 bytes are zero-filled.
+__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool valid) {
+  const int src_size = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(SmemAddr(smem)), "l"(gmem),
+               "r"(src_size));
+}
+
+// One warp's 16 rows of an int8 ring slot (codes [16][D], scales [16]) to bf16(code * scale) in a
+// [16][D] tile with the bf16 ring's XOR swizzle (16-byte chunk c of row r at chunk c ^ (r & 7)),
+// so the bf16 kernel's ldmatrix addressing reads it unchanged. code * scale is one fp32 multiply,
+// base/int8_kv.h's Int8DequantizeRow, then rounded to nearest even.
+template <int D>
+__device__ __forceinline__ void DequantizeWarpRows(const int8_t* codes, const float* scales,
+                                                   Bf16* dst, int lane) {
+  constexpr int kPieces = D / 8;  // 8 codes (one 16-byte bf16 chunk) a piece
+#pragma unroll
+  for (int p = lane; p < 16 * kPieces; p += 32) {
+    const int r = p / kPieces, c = p % kPieces;
+    const uint2 w = *reinterpret_cast<const uint2*>(codes + r * D + c * 8);
+    const float sc = scales[r];
+    float x[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[i] = static_cast<float>(static_cast<int8_t>(w.x >> (8 * i))) * sc;
+      x[4 + i] = static_cast<float>(static_cast<int8_t>(w.y >> (8 * i))) * sc;
+    }
+    *reinterpret_cast<uint4*>(dst + r * D + ((c ^ (r & 7)) << 3)) = make_uint4(
+        PackBf16(x[0], x[1]), PackBf16(x[2], x[3]), PackBf16(x[4], x[5]), PackBf16(x[6], x[7]));
+  }
+}
+
+// KvT = Bf16: the bf16 pool. KvT = Int8Kv: an int8 pool; the ring holds codes and scales, and
+// each warp dequantises its 16 keys of a tile into its rows of one bf16 tile before the same mma
+// code (no other change: the bf16 instantiation compiles to the same code as without it).
+template <int D, int Warps, int Stages, typename KvT = Bf16>
+__global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeArgsOf<KvT> a) {
   cuda_common::StepKernelEntry();
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr bool kInt8 = std::is_same<KvT, Int8Kv>::value;
   constexpr int kT = Warps * 32;
   constexpr int BN = 16 * Warps;
   constexpr int kPitch = D;  // K/V row pitch in elements
   constexpr int kTile = BN * kPitch;
   constexpr int kKSteps = D / 16;
   constexpr int kDimBlocks = D / 8;
-  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  constexpr int kChunks = D * static_cast<int>(sizeof(KvT)) / 16;  // 16-byte chunks per row
   // cp.async loader: thread t copies chunk t % kChunks of rows t / kChunks + i * kRowsPerPass.
   constexpr int kRowsPerPass = kT / kChunks;
   constexpr int kPasses = BN / kRowsPerPass;
   constexpr int kPages = kPasses;  // page-table entries a thread holds for one tile
   static_assert(kRowsPerPass % 8 == 0 && BN % kRowsPerPass == 0, "loader shape");
 
-  Bf16* ks = reinterpret_cast<Bf16*>(smem_raw);  // [Stages][BN][kPitch]
-  Bf16* vs = ks + Stages * kTile;                // [Stages][BN][kPitch]
-  Bf16* qs = vs + Stages * kTile;                // [3 * group + 1][D + 8], last row zero
+  // bf16: ks, vs [Stages][BN][kPitch] bf16, then qs. int8: codes ks8, vs8 [Stages][BN][D], scales
+  // kss, vss [Stages][BN], the warps' dequantised tiles kd, vd [BN][D] bf16, then qs.
+  KvT* ks = reinterpret_cast<KvT*>(smem_raw);
+  KvT* vs = ks + Stages * kTile;
+  float* kss = reinterpret_cast<float*>(vs + Stages * kTile);
+  float* vss = kss + Stages * BN;
+  Bf16* kd = reinterpret_cast<Bf16*>(vss + Stages * BN);
+  Bf16* vd = kd + kTile;
+  Bf16* qs = kInt8 ? vd + kTile : reinterpret_cast<Bf16*>(vs + Stages * kTile);
+  // [3 * group + 1][D + 8], last row zero
   const int group = a.group;
 
   const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
@@ -588,8 +642,8 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   auto page_of = [&](uint32_t pos) { return pages.Page(pos); };
   auto in_page = [&](uint32_t pos) { return pages.Slot(pos); };
   const int64_t row_stride = static_cast<int64_t>(a.kv.num_kv_heads) * D;  // elements per token
-  const Bf16* kbase = a.kv.k + static_cast<int64_t>(kv_head) * D;
-  const Bf16* vbase = a.kv.v + static_cast<int64_t>(kv_head) * D;
+  const KvT* kbase = a.kv.k + static_cast<int64_t>(kv_head) * D;
+  const KvT* vbase = a.kv.v + static_cast<int64_t>(kv_head) * D;
   const int32_t cl = a.chunk_len;
   const int32_t prev = ((len - 1) / cl) * cl;  // the query is at position len - 1
   const float scale_log2 = a.scale_log2 * LengthScale(len, a.orig);
@@ -598,7 +652,9 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   // This thread's rows of a tile (relative to the tile's first key).
   const int ld_chunk = threadIdx.x % kChunks;
   const int ld_row0 = static_cast<int>(threadIdx.x) / kChunks;
-  const int ld_col = (ld_chunk ^ (ld_row0 & 7)) << 3;  // swizzled column in the tile
+  // bf16: the swizzled column in the tile; int8: the chunk's first code, unswizzled (the warps'
+  // dequantisation reads the codes as 8-byte pieces).
+  const int ld_col = kInt8 ? ld_chunk * 16 : (ld_chunk ^ (ld_row0 & 7)) << 3;
 
   // Page indices of this thread's rows of tile t (0 for rows past k_end: never dereferenced).
   auto load_pages = [&](int t, int32_t(&pg)[kPages]) {
@@ -618,10 +674,17 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
       const int32_t pos = k0 + row;
       const bool valid = pos < k_end;
       const int64_t tok = static_cast<int64_t>(pg[i]) * ps + in_page(static_cast<uint32_t>(pos));
-      const int64_t off = valid ? tok * row_stride + ld_chunk * 8 : 0;
+      const int64_t off = valid ? tok * row_stride + ld_chunk * (16 / sizeof(KvT)) : 0;
       const int so = slot * kTile + row * kPitch + ld_col;
       CpAsync16(ks + so, kbase + off, valid);
       CpAsync16(vs + so, vbase + off, valid);
+      if constexpr (kInt8) {
+        if (ld_chunk == 0) {  // the row's scales, in the same commit group
+          const int64_t sc = valid ? tok * a.kv.num_kv_heads + kv_head : 0;
+          CpAsync4(kss + slot * BN + row, a.kv.k_scale + sc, valid);
+          CpAsync4(vss + slot * BN + row, a.kv.v_scale + sc, valid);
+        }
+      }
     }
   };
 
@@ -672,10 +735,27 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
       CpAsyncCommit();
       if (t + 1 < n_tiles) load_pages(t + 1, pg);
     }
-    const Bf16* kt = ks + slot * kTile + warp * 16 * kPitch;  // this warp's 16 keys
-    const Bf16* vt = vs + slot * kTile + warp * 16 * kPitch;
+    Bf16* kt;  // this warp's 16 keys
+    Bf16* vt;
+    if constexpr (kInt8) {
+      kt = kd + warp * 16 * kPitch;
+      vt = vd + warp * 16 * kPitch;
+    } else {
+      kt = ks + slot * kTile + warp * 16 * kPitch;
+      vt = vs + slot * kTile + warp * 16 * kPitch;
+    }
     const int32_t kw = k_begin + j * BN + warp * 16;  // first key of this warp's slice
     if (kw < k_end) {
+      if constexpr (kInt8) {
+        // The barrier above ordered this warp's reads of its rows of kd / vd (the previous tile)
+        // before these writes; __syncwarp orders them before this tile's ldmatrix.
+        const int8_t* codes = reinterpret_cast<const int8_t*>(ks);
+        const int8_t* vcodes = reinterpret_cast<const int8_t*>(vs);
+        const int first_row = slot * BN + warp * 16;
+        DequantizeWarpRows<D>(codes + first_row * D, kss + first_row, kt, lane);
+        DequantizeWarpRows<D>(vcodes + first_row * D, vss + first_row, vt, lane);
+        __syncwarp();
+      }
       const int v_hi = VariantOfKey(kw, prev, cl);  // largest variant index
       const int v_lo = VariantOfKey(min(kw + 15, k_end - 1), prev, cl);
       float s[2][4];
@@ -723,9 +803,11 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   float* so = reinterpret_cast<float*>(smem_raw);  // [Warps][16][D]
   float* sm = so + Warps * 16 * D;                 // [Warps][16]
   float* sl = sm + Warps * 16;                     // [Warps][16]
-  static_assert(
-      (Warps * 16 * D + 2 * Warps * 16) * sizeof(float) <= 2 * Stages * BN * kPitch * sizeof(Bf16),
-      "merge scratch must fit in the K/V ring");
+  // (int8: the ring, its scales and the dequantised tiles, which lie before Q.)
+  static_assert((Warps * 16 * D + 2 * Warps * 16) * sizeof(float) <=
+                    2 * Stages * BN * kPitch * sizeof(KvT) +
+                        (kInt8 ? 2 * Stages * BN * sizeof(float) + 2 * kTile * sizeof(Bf16) : 0),
+                "merge scratch must fit in the K/V ring");
   __syncthreads();
 #pragma unroll
   for (int d = 0; d < kDimBlocks; ++d) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -17,9 +18,13 @@ namespace cuda_launch {
 
 inline constexpr int64_t kMaxPosition = (int64_t{1} << 31) - 1;
 
-inline absl::Status CheckKv(const DcaGeometry& g, const PagedKv<Bf16>& kv) {
+template <typename KvT>
+inline absl::Status CheckKv(const DcaGeometry& g, const PagedKv<KvT>& kv) {
   if (kv.k == nullptr || kv.v == nullptr || kv.page_table == nullptr || kv.page_size <= 0) {
     return absl::InvalidArgumentError("PagedKv: null pointer or page_size <= 0");
+  }
+  if (std::is_same<KvT, Int8Kv>::value && (kv.k_scale == nullptr || kv.v_scale == nullptr)) {
+    return absl::InvalidArgumentError("PagedKv: an int8 pool needs k_scale and v_scale");
   }
   if (kv.num_kv_heads != g.num_kv_heads || kv.head_dim != g.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat("PagedKv: ", kv.num_kv_heads, " kv heads x ",
@@ -83,8 +88,10 @@ inline absl::Status CheckPrefill(const DcaGeometry& g, const CudaPrefillParams& 
 }
 
 // The split kernels' arguments (both decode kernel families take the same).
-inline cuda_kernels::DecodeArgs DecodeArgsFor(const DcaGeometry& g, const CudaDecodeParams& p) {
-  cuda_kernels::DecodeArgs a;
+template <typename KvT>
+inline cuda_kernels::DecodeArgsOf<KvT> DecodeArgsFor(const DcaGeometry& g,
+                                                     const CudaDecodeParamsOf<KvT>& p) {
+  cuda_kernels::DecodeArgsOf<KvT> a;
   a.kv = p.kv;
   a.lengths = p.lengths;
   a.q = p.q;
@@ -99,7 +106,8 @@ inline cuda_kernels::DecodeArgs DecodeArgsFor(const DcaGeometry& g, const CudaDe
   return a;
 }
 
-inline absl::Status CheckDecode(const DcaGeometry& g, const CudaDecodeParams& p) {
+template <typename KvT>
+inline absl::Status CheckDecode(const DcaGeometry& g, const CudaDecodeParamsOf<KvT>& p) {
   if (absl::Status s = CheckCudaGeometry(g); !s.ok()) return s;
   if (absl::Status s = CheckKv(g, p.kv.Seq(0)); !s.ok()) return s;
   if (p.lengths == nullptr || p.q == nullptr || p.out == nullptr || !IsKnownDType(p.out_dtype)) {

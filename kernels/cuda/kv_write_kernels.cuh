@@ -31,6 +31,157 @@ __global__ void AppendKvKernel(PagedKv<Bf16> kv, const void* k, const void* v, i
   }
 }
 
+// ---- int8 rows
+// -------------------------------------------------------------------------------------
+//
+// One warp quantises one row of D values (one token, one kv head), lane l holding the D / 32
+// values [l * D / 32, (l + 1) * D / 32): base/int8_kv.h's Int8QuantizeRow step for step. The
+// largest |x| is exact whatever the order it is taken in, and a NaN sticks as it does there (a
+// comparison with NaN is false), so the scale, one IEEE division (nvcc's default -prec-div=true),
+// and every code are the CPU's bit for bit.
+template <int D>
+__device__ __forceinline__ void StoreInt8Row(const float (&x)[D / 32], Int8Kv* codes, float* scale,
+                                             int lane) {
+  constexpr int kPer = D / 32;
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const float a = fabsf(x[i]);
+    if (a > amax || a != a) amax = a;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    const float o = __shfl_xor_sync(0xffffffffu, amax, off);
+    if (o > amax || o != o) amax = o;
+  }
+  const float sc = amax / kInt8KvMax;
+  uint32_t packed = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int8_t c = sc == 0.f ? int8_t{0} : FloatToInt8Kv(x[i] / sc);
+    packed |= static_cast<uint32_t>(static_cast<uint8_t>(c)) << (8 * i);
+  }
+  if constexpr (kPer == 4) {
+    *reinterpret_cast<uint32_t*>(codes + lane * kPer) = packed;
+  } else {
+    static_assert(kPer == 2, "head_dim 64 or 128");
+    *reinterpret_cast<uint16_t*>(codes + lane * kPer) = static_cast<uint16_t>(packed);
+  }
+  if (lane == 0) *scale = sc;
+}
+
+// grid-stride, one warp per (token, kv head) row of one sequence's num_tokens new tokens.
+template <int D>
+__global__ void AppendKvInt8Kernel(PagedKv<Int8Kv> kv, const void* k, const void* v, int in_dtype,
+                                   int32_t start, int64_t rows, float key_scale) {
+  constexpr int kPer = D / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; r < rows;
+       r += warps) {
+    const int32_t t = static_cast<int32_t>(r / kv.num_kv_heads);
+    const int32_t h = static_cast<int32_t>(r % kv.num_kv_heads);
+    float xk[kPer], xv[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int64_t src = r * D + lane * kPer + i;
+      xk[i] = LoadAsFloat(k, in_dtype, src) * key_scale;
+      xv[i] = LoadAsFloat(v, in_dtype, src);
+    }
+    const int64_t off = kv.Offset32(start + t, h);
+    StoreInt8Row<D>(xk, kv.k + off, kv.k_scale + off / D, lane);
+    StoreInt8Row<D>(xv, kv.v + off, kv.v_scale + off / D, lane);
+  }
+}
+
+// grid (batch), block 128: sequence b's new token at lengths[b] - 1, one warp per kv head (K and
+// V); rows with length 0 are skipped.
+template <int D>
+__global__ void DecodeAppendKvInt8Kernel(PagedKvBatchInt8 kvb, const int32_t* lengths,
+                                         const void* k, const void* v, int in_dtype, int64_t orig) {
+  constexpr int kPer = D / 32;
+  const int32_t b = blockIdx.x;
+  const int32_t len = lengths[b];
+  if (len < 1) return;
+  const float key_scale = LengthScale(len, orig);
+  const PagedKv<Int8Kv> kv = kvb.Seq(b);
+  const int lane = threadIdx.x % 32;
+  for (int h = threadIdx.x / 32; h < kv.num_kv_heads; h += blockDim.x / 32) {
+    float xk[kPer], xv[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int64_t src = (static_cast<int64_t>(b) * kv.num_kv_heads + h) * D + lane * kPer + i;
+      xk[i] = LoadAsFloat(k, in_dtype, src) * key_scale;
+      xv[i] = LoadAsFloat(v, in_dtype, src);
+    }
+    const int64_t off = kv.Offset32(len - 1, h);
+    StoreInt8Row<D>(xk, kv.k + off, kv.k_scale + off / D, lane);
+    StoreInt8Row<D>(xv, kv.v + off, kv.v_scale + off / D, lane);
+  }
+}
+
+// grid (batch), block 128: the int8 decode step's append (CudaDecodeQuantizeRowsParams), after
+// the stage kernel left the rows (already length-scaled) in kv_rows; one warp per (K or V, kv
+// head) row.
+template <int D>
+__global__ void DecodeQuantizeRowsKernel(PagedKvBatchInt8 kvb, const int32_t* lengths,
+                                         const float* kv_rows) {
+  cuda_common::StepKernelEntry();
+  constexpr int kPer = D / 32;
+  const int32_t b = blockIdx.x;
+  const int32_t len = lengths[b];
+  if (len < 1) return;  // a padding row of a captured batch size
+  const PagedKv<Int8Kv> kv = kvb.Seq(b);
+  const int lane = threadIdx.x % 32;
+  const int64_t head0 = kv.Offset32(len - 1, 0);  // the token's first kv head
+  for (int row = threadIdx.x / 32; row < 2 * kv.num_kv_heads; row += blockDim.x / 32) {
+    const bool is_k = row < kv.num_kv_heads;
+    const int h = is_k ? row : row - kv.num_kv_heads;
+    const float* src = kv_rows +
+                       ((static_cast<int64_t>(b) * 2 + (is_k ? 0 : 1)) * kv.num_kv_heads + h) * D +
+                       lane * kPer;
+    float x[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) x[i] = src[i];
+    const int64_t off = head0 + int64_t{h} * D;
+    StoreInt8Row<D>(x, (is_k ? kv.k : kv.v) + off, (is_k ? kv.k_scale : kv.v_scale) + off / D,
+                    lane);
+  }
+}
+
+// grid-stride over 8-element pieces of positions [0, num_tokens) x kv heads: bf16(code * scale)
+// into dense [num_tokens, Hkv, D] rows (CudaDequantizeKvParams).
+__global__ void DequantizeKvKernel(PagedKv<Int8Kv> kv, Bf16* k_out, Bf16* v_out, int64_t pieces) {
+  const int per_row = kv.head_dim / 8;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < pieces;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / per_row;  // token * Hkv + head
+    const int c = static_cast<int>(i % per_row);
+    const int32_t t = static_cast<int32_t>(row / kv.num_kv_heads);
+    const int32_t h = static_cast<int32_t>(row % kv.num_kv_heads);
+    const int64_t off = kv.Offset32(t, h);
+    const int64_t so = off / kv.head_dim;
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {
+      const Int8Kv* codes = (part == 0 ? kv.k : kv.v) + off + c * 8;
+      const float sc = (part == 0 ? kv.k_scale : kv.v_scale)[so];
+      const uint2 w = *reinterpret_cast<const uint2*>(codes);
+      float x[8];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        x[e] = static_cast<float>(static_cast<int8_t>(w.x >> (8 * e))) * sc;
+        x[4 + e] = static_cast<float>(static_cast<int8_t>(w.y >> (8 * e))) * sc;
+      }
+      *reinterpret_cast<uint4*>((part == 0 ? k_out : v_out) + row * kv.head_dim + c * 8) =
+          make_uint4(PackBf16(x[0], x[1]), PackBf16(x[2], x[3]), PackBf16(x[4], x[5]),
+                     PackBf16(x[6], x[7]));
+    }
+  }
+}
+
+// ---- bf16 decode append
+// ----------------------------------------------------------------------------
+
 // grid (batch), block 128: sequence b's new token at lengths[b] - 1; rows with length 0 are
 // skipped.
 __global__ void DecodeAppendKvKernel(PagedKvBatch kvb, const int32_t* lengths, const void* k,
@@ -110,11 +261,16 @@ __device__ __forceinline__ uint4 LoadPiece(const char* src) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-__global__ void __launch_bounds__(kDecodeStageThreads)
-    DecodeStageKernel(PagedKvBatch kvb, const DecodeStageRow* rows, const int32_t* host_tables,
-                      const char* host_q, const char* host_k, const char* host_v,
-                      int64_t q_row_bytes, int64_t kv_row_bytes, int32_t* lengths, Bf16* q,
-                      DecodeRowOut* row_outs, int32_t num_q_heads, int64_t orig) {
+// kFloatRows: an int8 pool's stage (CudaDecodeStageParams::kv_rows): the new token's K/V rows go
+// to kv_rows as fp32 (the key length-scaled), not into the pool, and the new token's page id is
+// not read.
+template <bool kFloatRows>
+__device__ __forceinline__ void DecodeStage(PagedKvBatch kvb, const DecodeStageRow* rows,
+                                            const int32_t* host_tables, const char* host_q,
+                                            const char* host_k, const char* host_v,
+                                            int64_t q_row_bytes, int64_t kv_row_bytes,
+                                            int32_t* lengths, Bf16* q, DecodeRowOut* row_outs,
+                                            int32_t num_q_heads, int64_t orig, float* kv_rows) {
   cuda_common::StepKernelEntry();
   const int32_t r = blockIdx.y;
   __shared__ DecodeStageRow row;
@@ -184,7 +340,7 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
       }
       piece[u] = LoadPiece(src);
     }
-    if (appends) page = host_table[pages.Page(static_cast<uint32_t>(pos))];
+    if (!kFloatRows && appends) page = host_table[pages.Page(static_cast<uint32_t>(pos))];
       // Then the stores.
 #pragma unroll
     for (int u = 0; u < kDecodeStageUnroll; ++u) {
@@ -201,6 +357,16 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
         const bool is_k = i < n_q + n_t + n_k;
         const int n = PieceToFloats(piece[u], is_k ? k_dtype : row.v_dtype, x);
         const int64_t e = (is_k ? i - n_q - n_t : i - n_q - n_t - n_k) * n;  // first element
+        if constexpr (kFloatRows) {
+          float* dst = kv_rows + (int64_t{r} * 2 + (is_k ? 0 : 1)) * kv_elems + e;
+          const float sc = is_k ? key_scale : 1.f;
+          *reinterpret_cast<float4*>(dst) = make_float4(x[0] * sc, x[1] * sc, x[2] * sc, x[3] * sc);
+          if (n == 8) {
+            *reinterpret_cast<float4*>(dst + 4) =
+                make_float4(x[4] * sc, x[5] * sc, x[6] * sc, x[7] * sc);
+          }
+          continue;
+        }
         const int64_t off =
             ((int64_t{page} * ps + pages.Slot(static_cast<uint32_t>(pos))) * kvb.num_kv_heads +
              e / D) *
@@ -210,6 +376,24 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
       }
     }
   }
+}
+
+__global__ void __launch_bounds__(kDecodeStageThreads)
+    DecodeStageKernel(PagedKvBatch kvb, const DecodeStageRow* rows, const int32_t* host_tables,
+                      const char* host_q, const char* host_k, const char* host_v,
+                      int64_t q_row_bytes, int64_t kv_row_bytes, int32_t* lengths, Bf16* q,
+                      DecodeRowOut* row_outs, int32_t num_q_heads, int64_t orig) {
+  DecodeStage<false>(kvb, rows, host_tables, host_q, host_k, host_v, q_row_bytes, kv_row_bytes,
+                     lengths, q, row_outs, num_q_heads, orig, nullptr);
+}
+__global__ void __launch_bounds__(kDecodeStageThreads)
+    DecodeStageFloatRowsKernel(PagedKvBatch kvb, const DecodeStageRow* rows,
+                               const int32_t* host_tables, const char* host_q, const char* host_k,
+                               const char* host_v, int64_t q_row_bytes, int64_t kv_row_bytes,
+                               int32_t* lengths, Bf16* q, DecodeRowOut* row_outs,
+                               int32_t num_q_heads, int64_t orig, float* kv_rows) {
+  DecodeStage<true>(kvb, rows, host_tables, host_q, host_k, host_v, q_row_bytes, kv_row_bytes,
+                    lengths, q, row_outs, num_q_heads, orig, kv_rows);
 }
 
 __global__ void ConvertToBf16Kernel(const void* src, int dtype, int64_t n, Bf16* dst) {

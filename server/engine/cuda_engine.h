@@ -1,4 +1,5 @@
-// The CUDA backend: the KV pool is one cudaMalloc laid out as kvcache/kv_layout.h says (bf16 K/V),
+// The CUDA backend: the KV pool is one cudaMalloc laid out as kvcache/kv_layout.h says (bf16 or
+// int8 K/V; docs/kv_cache.md),
 // and attention runs on the kernels of kernels/cuda/dca_cuda.h on two CUDA streams: decode at the
 // device's highest priority, prefill at its lowest, so decode blocks are dispatched first.
 //
@@ -37,7 +38,7 @@ namespace attnd {
 
 struct CudaEngineOptions {
   DcaGeometry geometry;
-  KvLayout layout;                 // kv_dtype must be kBf16; pool_bytes() are cudaMalloc'ed at once
+  KvLayout layout;                 // kv_dtype kBf16 or kInt8; pool_bytes() cudaMalloc'ed at once
   int32_t device = 0;              // CUDA device ordinal
   int32_t max_decode_batch = 256;  // larger decode jobs run in batches of this many
   // Decode batch sizes with a captured CUDA graph (ascending; sizes above max_decode_batch are
@@ -71,9 +72,9 @@ struct CudaEngineOptions {
 };
 
 // INVALID_ARGUMENT for a geometry/layout the CUDA kernels do not support (kernels/cuda/dca_cuda.h:
-// head_dim 64/128, group size 1..16, bf16 KV); FAILED_PRECONDITION when no CUDA device is usable
-// (cudaGetDeviceCount() == 0 or no driver); RESOURCE_EXHAUSTED when the pool or staging buffers
-// cannot be allocated.
+// head_dim 64/128, group size 1..16, bf16 or int8 KV); FAILED_PRECONDITION when no CUDA device is
+// usable (cudaGetDeviceCount() == 0 or no driver); RESOURCE_EXHAUSTED when the pool or staging
+// buffers cannot be allocated.
 //
 // The engine serialises its jobs internally, per lane (decode and prefill: a stream and staging
 // buffers each, the decode stream at the higher priority): it is thread-safe, concurrent jobs of
@@ -83,6 +84,11 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCudaEngine(const CudaEngineOptions
 // OK when this binary contains the CUDA backend; FAILED_PRECONDITION, saying how to get it, when it
 // was built without a CUDA toolkit (cuda_engine_stub.cc, chosen by server/engine/BUILD).
 absl::Status CudaBuildStatus();
+
+// Tests only: the whole KV pool of an engine CreateCudaEngine made (layout().pool_bytes() bytes,
+// kvcache/kv_layout.h), copied to the host once the engine's queued work has finished.
+// INVALID_ARGUMENT for any other engine.
+absl::StatusOr<std::vector<uint8_t>> CopyCudaPoolForTesting(Engine& engine);
 
 // Usable CUDA devices: 0 without a driver or a GPU (never fails; clears the CUDA error it caused).
 int CudaDeviceCount();

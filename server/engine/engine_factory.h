@@ -28,9 +28,8 @@ struct EngineOptions {
   DcaGeometry geometry;
   int32_t num_layers = 0;
   int32_t page_size = 16;
-  std::string kv_dtype =
-      "auto";                  // auto | bf16 | fp32 | fp8 | int8 (fp8, int8: the cpu backend only)
-  int64_t kv_cache_bytes = 0;  // 0 = the backend's default; all shards together
+  std::string kv_dtype = "auto";  // auto | bf16 | fp32 | fp8 | int8 (fp8: the cpu backend only)
+  int64_t kv_cache_bytes = 0;     // 0 = the backend's default; all shards together
   // cuda, when kv_cache_bytes is 0: this fraction of the device's free memory (like vLLM's
   // gpu_memory_utilization, but of what is free at start-up).
   double kv_cache_fraction = 0.9;
