@@ -688,11 +688,13 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
     }
   };
 
-  // Stage Q: rows v * group + r, and the zero row 3 * group.
-  for (int c = threadIdx.x; c < 3 * group * kChunks; c += kT) {
-    const int row = c / kChunks;  // v * group + r
+  // Stage Q: rows v * group + r, and the zero row 3 * group. Q is bf16 whatever the pool holds, so
+  // its rows have D / 8 16-byte chunks (kChunks counts the pool's).
+  constexpr int kQChunks = D / 8;
+  for (int c = threadIdx.x; c < 3 * group * kQChunks; c += kT) {
+    const int row = c / kQChunks;  // v * group + r
     const int v = row / group, r = row % group;
-    const int col = (c % kChunks) * 8;
+    const int col = (c % kQChunks) * 8;
     const Bf16* src =
         a.q +
         ((static_cast<int64_t>(b) * kNumDecodeVariants + v) * a.num_q_heads + kv_head * group + r) *
@@ -700,7 +702,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
         col;
     CpAsync16(qs + row * (D + 8) + col, src, true);
   }
-  for (int c = threadIdx.x; c < kChunks; c += kT) {
+  for (int c = threadIdx.x; c < kQChunks; c += kT) {
     *reinterpret_cast<uint4*>(qs + 3 * group * (D + 8) + c * 8) = make_uint4(0, 0, 0, 0);
   }
 

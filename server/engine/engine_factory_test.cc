@@ -33,6 +33,10 @@ TEST(EngineFactoryTest, CpuAndAutoBuildACpuEngineWithTheRequestedPool) {
     o.device = device;
     absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
     ASSERT_TRUE(engine.ok()) << engine.status();
+    if (std::string(device) == "auto" && CudaBuildStatus().ok() && CudaDeviceCount() > 0) {
+      EXPECT_EQ((*engine)->backend(), "cuda");  // auto prefers a usable GPU
+      continue;
+    }
     EXPECT_EQ((*engine)->backend(), "cpu");
     const KvLayout& layout = (*engine)->layout();
     EXPECT_EQ(layout.kv_dtype, DType::kFp32);  // auto on cpu
@@ -63,6 +67,7 @@ TEST_P(OneByteKvTest, OnCpuFitsAboutTwiceTheBf16Tokens) {
   // A page: 2 layers x (K + V) x 16 tokens x 2 heads x (64 codes + a 4-byte scale) = 8704 B;
   // 1 MiB holds 120 pages (bf16: 16384 B a page, 64 pages).
   EngineOptions o = Tiny();
+  o.device = "cpu";
   o.kv_dtype = GetParam().flag;
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
   ASSERT_TRUE(engine.ok()) << engine.status();
