@@ -1027,8 +1027,56 @@ class FakeEvents : public DeviceMemoryOpener {
     return destroyed_;
   }
 
+  // Gates, where enabled: a word per slot (its "device address" is the host one); ArmGate stands
+  // for the gate's stream, writing the value at once while the client's stream "runs", never
+  // while it is stuck.
+  void EnableGates(uint64_t first_value) {
+    MutexLock lock(&mu_);
+    gates_ = true;
+    words_[0] = first_value;
+  }
+  void SetClientStuck(bool stuck) {
+    MutexLock lock(&mu_);
+    stuck_ = stuck;
+  }
+  absl::StatusOr<Gate> CreateGate() override {
+    MutexLock lock(&mu_);
+    if (!gates_) return absl::FailedPreconditionError("no gates in this test");
+    Gate g;
+    g.slot = 0;
+    g.stream = reinterpret_cast<void*>(uintptr_t{0x5eed});
+    g.word = &words_[0];
+    g.device_word = &words_[0];
+    g.value = __atomic_load_n(&words_[0], __ATOMIC_ACQUIRE);
+    return g;
+  }
+  absl::Status ArmGate(const Gate& gate, void* ready_event, uint64_t value) override {
+    MutexLock lock(&mu_);
+    arms_.push_back({reinterpret_cast<uintptr_t>(ready_event), value});
+    if (!stuck_) __atomic_store_n(gate.word, value, __ATOMIC_RELEASE);
+    return absl::OkStatus();
+  }
+  void DestroyGate(const Gate& gate, bool stuck) override {
+    MutexLock lock(&mu_);
+    destroyed_gates_.push_back({gate.slot, stuck});
+  }
+  uint64_t word() { return __atomic_load_n(&words_[0], __ATOMIC_ACQUIRE); }
+  std::vector<std::pair<uintptr_t, uint64_t>> arms() {
+    MutexLock lock(&mu_);
+    return arms_;
+  }
+  std::vector<std::pair<int32_t, bool>> destroyed_gates() {
+    MutexLock lock(&mu_);
+    return destroyed_gates_;
+  }
+
  private:
   Mutex mu_;
+  bool gates_ ABSL_GUARDED_BY(mu_) = false;
+  bool stuck_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t words_[1] = {0};
+  std::vector<std::pair<uintptr_t, uint64_t>> arms_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<int32_t, bool>> destroyed_gates_ ABSL_GUARDED_BY(mu_);
   int created_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<uintptr_t> destroyed_ ABSL_GUARDED_BY(mu_);
   std::vector<uintptr_t> queried_ ABSL_GUARDED_BY(mu_);
@@ -1159,6 +1207,89 @@ TEST(RingDeviceEventsTest, EventsAreCreatedOnlyWhereAskedAndReachTheHandler) {
   }
 
   ASSERT_TRUE(rings.Close("", opened->ring_id).ok());
+  EXPECT_THAT(events.destroyed(), ::testing::UnorderedElementsAre(1u, 2u));
+  rings.Shutdown();
+}
+
+// With gates (a device with stream memory operations), a device-ordered decode does not wait on
+// the host: the ring arms its gate with the client's "ready" event and the next value, and the
+// handler gets the gate's word and that value for the engine's stream to wait on. A prefill still
+// waits on the host. A client whose stream never reaches "ready": after ready_timeout the ring
+// writes the word itself (no step waits any longer), closes, and retires the gate as stuck.
+TEST(RingDeviceEventsTest, DecodesWaitBehindAGateAttndOpensWhenTheClientIsStuck) {
+  RegionRegistry registry(RegionRegistryOptions{}, nullptr, Clock::Real());
+  RingOptions ring_options;
+  ring_options.ready_timeout = absl::Milliseconds(50);
+  RingServer rings(&registry, ring_options);
+  FakeEvents events;
+  events.EnableGates(41);  // a slot a closed ring left at 41
+  rings.SetDeviceEvents(&events);
+  struct Seen {
+    ring::v2::Op op;
+    const void* word;
+    uint64_t value;
+  };
+  Mutex mu;
+  std::vector<Seen> seen;
+  rings.SetHandler(
+      [](const v1::SessionRequest&, absl::string_view, v1::SessionResponse*,
+         std::function<void(absl::Status)>) { return absl::UnimplementedError("version 1"); });
+  rings.SetFrameHandler([&](const RequestFrame& frame, absl::string_view, FrameAnswer*,
+                            std::function<void(absl::Status)> done) {
+    {
+      MutexLock lock(&mu);
+      seen.push_back({frame.op, frame.gate_word, frame.gate_value});
+    }
+    done(absl::OkStatus());
+    return absl::OkStatus();
+  });
+  HandRing r(64 * 1024);
+  r.header()->version = ring::v2::kVersion;
+  absl::StatusOr<RingServer::Opened> opened =
+      rings.Open("", r.name(), r.bytes(), /*device_events=*/true);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  std::string response, message;
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(r.RoundTrip(TinyDecodeFrame(ring::v2::kDeviceOrdered), &response, false));
+    EXPECT_EQ(ResponseCode(response, &message), 0) << message;
+  }
+  std::string prefill = TinyDecodeFrame(ring::v2::kDeviceOrdered);
+  reinterpret_cast<ring::v2::RequestHeader*>(prefill.data())->op = ring::v2::kPrefill;
+  ASSERT_TRUE(r.RoundTrip(prefill, &response, false));
+  EXPECT_TRUE(events.queried().size() >= 1u);  // the prefill's wait, on the host
+  {
+    MutexLock lock(&mu);
+    ASSERT_EQ(seen.size(), 3u);
+    EXPECT_EQ(seen[0].word, seen[1].word);
+    EXPECT_NE(seen[0].word, nullptr);
+    EXPECT_EQ(seen[0].value, 42u);
+    EXPECT_EQ(seen[1].value, 43u);
+    EXPECT_EQ(seen[2].op, ring::v2::kPrefill);
+    EXPECT_EQ(seen[2].word, nullptr);
+  }
+  EXPECT_EQ(events.arms(), (std::vector<std::pair<uintptr_t, uint64_t>>{{1u, 42u}, {1u, 43u}}));
+  EXPECT_EQ(events.word(), 43u);
+
+  // The client's stream stops: the next decode is armed, answered (its step queued behind the
+  // gate), and the word stays short of it until ready_timeout passes; then attnd writes it and
+  // the ring is closed.
+  events.SetClientStuck(true);
+  ASSERT_TRUE(r.RoundTrip(TinyDecodeFrame(ring::v2::kDeviceOrdered), &response, false));
+  EXPECT_EQ(ResponseCode(response, &message), 0) << message;
+  EXPECT_EQ(events.word(), 43u);
+  const absl::Time start = absl::Now();
+  while (events.word() != 44u && absl::Now() - start < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(events.word(), 44u);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(30));
+  // Broken: the idle sweep (any cutoff) reclaims it, and the gate goes back as stuck.
+  while (!r.header()->closed.load() && absl::Now() - start < absl::Seconds(10)) {
+    rings.ReclaimIdle();
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_TRUE(r.header()->closed.load());
+  EXPECT_EQ(events.destroyed_gates(), (std::vector<std::pair<int32_t, bool>>{{0, true}}));
   EXPECT_THAT(events.destroyed(), ::testing::UnorderedElementsAre(1u, 2u));
   rings.Shutdown();
 }

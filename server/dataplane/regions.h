@@ -63,6 +63,31 @@ class DeviceMemoryOpener {
   virtual absl::StatusOr<bool> IpcEventDone(void* /*event*/) {
     return absl::FailedPreconditionError("this engine has no device events");
   }
+
+  // A gate lets the engine's decode stream wait for a client's "ready" event without the client
+  // being able to hold it up for ever: a 64-bit word in pinned host memory that a stream of the
+  // gate's own writes once the event completes (ArmGate), and that the decode stream waits on
+  // (DeviceOrder::wait_word). The host can write the word itself (ring.cc does after
+  // RingOptions::ready_timeout), which releases the decode stream whatever the client's GPU does.
+  // Words only grow: a gate starts at its slot's current value and waits are "word >= value".
+  struct Gate {
+    int32_t slot = -1;
+    void* stream = nullptr;             // the gate's own stream (cudaStream_t)
+    uint64_t* word = nullptr;           // host address of the word
+    const void* device_word = nullptr;  // the device's address of it
+    uint64_t value = 0;                 // the word's value when the gate was made
+  };
+  // FAILED_PRECONDITION where the device has no stream memory operations: the ring then waits for
+  // "ready" on the host.
+  virtual absl::StatusOr<Gate> CreateGate() {
+    return absl::FailedPreconditionError("this engine has no device gates");
+  }
+  // Queues on the gate's stream: wait for `ready_event`'s latest record, then write `value`.
+  virtual absl::Status ArmGate(const Gate& /*gate*/, void* /*ready_event*/, uint64_t /*value*/) {
+    return absl::FailedPreconditionError("this engine has no device gates");
+  }
+  // Gives the gate back; `stuck`: its stream may never finish (its slot is not reused).
+  virtual void DestroyGate(const Gate& /*gate*/, bool /*stuck*/) {}
 };
 
 // One registered region. Immutable after registration except the counters.

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <new>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -25,6 +27,8 @@ constexpr int64_t kSleepSliceUs = 100000;
 // How long a ring waits with no request before it frees its copy buffer (the next request then
 // allocates one again): an active client keeps it, an idle one holds no request bytes.
 constexpr int64_t kKeepBufferNs = int64_t{1000} * 1000 * 1000;
+// Device-ordered steps of one ring that may wait for its client's stream at once.
+constexpr size_t kMaxPendingGates = 4096;
 
 struct WaitArgs {
   ring::Header* header;
@@ -170,10 +174,12 @@ absl::Status RunOnRingThreadOr(
 class RingServer::Ring {
  public:
   Ring(RingServer* server, std::string tenant, RegionLease lease, uint64_t half, uint32_t version,
-       RingEvents events)
+       RingEvents events, std::optional<DeviceMemoryOpener::Gate> gate)
       : server_(server),
         version_(version),
         events_(events),
+        gate_(gate),
+        gate_armed_(gate ? gate->value : 0),
         tenant_(std::move(tenant)),
         lease_(std::move(lease)),
         header_(reinterpret_cast<ring::Header*>(lease_->base)),
@@ -188,6 +194,13 @@ class RingServer::Ring {
 
   ~Ring() {
     Stop();
+    if (gate_) {
+      // No decode step may wait on the word after this; a gate whose client never completed keeps
+      // its slot (its stream may still write the word one day).
+      const bool stuck = gate_forced_ || GateWord() < gate_armed_;
+      ForceGate();
+      server_->events_->DestroyGate(*gate_, stuck);
+    }
     // Destroying an event with work still to record it is allowed: CUDA frees it afterwards.
     if (events_.ready != nullptr) server_->events_->DestroyIpcEvent(events_.ready);
     if (events_.done != nullptr) server_->events_->DestroyIpcEvent(events_.done);
@@ -220,8 +233,11 @@ class RingServer::Ring {
     while (true) {
       // Spinning is rationed (RingOptions::max_spinning*): the turn is held for the spin only,
       // and without one the thread sleeps at once.
-      WaitArgs wait{header_, last_seq_, 0,    true, in_.data != nullptr ? kKeepBufferNs : 0,
-                    &stop_,  0,         false};
+      int64_t give_up_ns = in_.data != nullptr ? kKeepBufferNs : 0;
+      if (const int64_t gate_ns = GateDeadlineNs(); gate_ns > 0) {
+        give_up_ns = give_up_ns > 0 ? std::min(give_up_ns, gate_ns) : gate_ns;
+      }
+      WaitArgs wait{header_, last_seq_, 0, true, give_up_ns, &stop_, 0, false};
       bool readable = true;
       if (spin_ns > 0 && server_->BeginSpin(tenant_)) {
         WaitArgs spin = wait;
@@ -236,6 +252,7 @@ class RingServer::Ring {
       if (!readable) return Broken("reading its header");
       if (stop_.load()) return AnswerLastAtStop();
       if (!wait.got) {  // idle: hold no copy buffer
+        if (GateOverdue()) return GateStuck();
         FreeBuffer();
         continue;
       }
@@ -325,7 +342,10 @@ class RingServer::Ring {
             "the frame asks to be ordered on the device (flag kDeviceOrdered), but its ring was "
             "opened without device_events"));
       }
-      if (absl::Status s = WaitReady(); !s.ok()) return Answer(std::move(s));
+      // A decode step waits for "ready" on the device, behind the ring's gate; anything else
+      // (a prefill: long enough that a host wait costs nothing) on the host.
+      absl::Status s = gate_ && frame_.op == ring::v2::kDecode ? ArmGate() : WaitReady();
+      if (!s.ok()) return Answer(std::move(s));
       frame_.done_event = events_.done;
     }
     if (!server_->frame_handler_) {
@@ -360,6 +380,67 @@ class RingServer::Ring {
       }
       if (waited > absl::Microseconds(100)) absl::SleepFor(absl::Microseconds(20));
     }
+  }
+
+  // The gate: arms it for this frame (the engine's step waits until the word reaches the value
+  // armed). Steps armed and not yet released are remembered with the time they were armed, so the
+  // ring can tell when the client's stream has held one up past ready_timeout.
+  absl::Status ArmGate() {
+    ReleasePassedGates();
+    if (GateOverdue()) {
+      GateStuck();
+      return absl::DeadlineExceededError(GateStuckMessage());
+    }
+    if (gate_pending_.size() >= kMaxPendingGates) {
+      return absl::UnavailableError(absl::StrCat(
+          kMaxPendingGates,
+          " device-ordered steps of this ring wait for its ready event already "
+          "(the client's stream has not reached them): wait for their outputs, then retry"));
+    }
+    const uint64_t value = gate_armed_ + 1;
+    ATTND_RETURN_IF_ERROR(server_->events_->ArmGate(*gate_, events_.ready, value));
+    gate_armed_ = value;
+    gate_pending_.push_back({value, absl::GetCurrentTimeNanos()});
+    frame_.gate_word = gate_->device_word;
+    frame_.gate_value = value;
+    return absl::OkStatus();
+  }
+  uint64_t GateWord() const { return __atomic_load_n(gate_->word, __ATOMIC_ACQUIRE); }
+  void ForceGate() { __atomic_store_n(gate_->word, gate_armed_, __ATOMIC_RELEASE); }
+  void ReleasePassedGates() {
+    if (gate_pending_.empty()) return;
+    const uint64_t word = GateWord();
+    while (!gate_pending_.empty() && gate_pending_.front().value <= word) gate_pending_.pop_front();
+  }
+  // Nanoseconds until the oldest waiting step passes ready_timeout (at least 1); 0: none waits.
+  int64_t GateDeadlineNs() {
+    ReleasePassedGates();
+    if (gate_pending_.empty()) return 0;
+    const int64_t left = gate_pending_.front().armed_ns +
+                         absl::ToInt64Nanoseconds(server_->options_.ready_timeout) -
+                         absl::GetCurrentTimeNanos();
+    return std::max<int64_t>(left, 1);
+  }
+  bool GateOverdue() {
+    ReleasePassedGates();
+    return !gate_pending_.empty() && absl::GetCurrentTimeNanos() - gate_pending_.front().armed_ns >
+                                         absl::ToInt64Nanoseconds(server_->options_.ready_timeout);
+  }
+  std::string GateStuckMessage() const {
+    return absl::StrCat("the client's ready event did not complete within ",
+                        absl::FormatDuration(server_->options_.ready_timeout),
+                        " of a device-ordered decode (its stream must record it after writing the "
+                        "frame's inputs); attnd released the waiting steps and closed the ring");
+  }
+  // The client's stream never reached a step's "ready": the word is written from here so that no
+  // decode step (of any tenant) waits any longer, and the ring is closed (its outputs since are
+  // not to be trusted).
+  void GateStuck() {
+    ForceGate();
+    gate_forced_ = true;
+    gate_pending_.clear();
+    broken_.store(true);
+    spdlog::warn("ring {} (tenant \"{}\"): {}", id(), tenant_, GateStuckMessage());
   }
 
   // A private buffer of at least n bytes (contents undefined), taken from the request budget
@@ -536,6 +617,15 @@ class RingServer::Ring {
   RingServer* const server_;
   const uint32_t version_;   // ring::kVersion (protobuf) or ring::v2::kVersion (frames)
   const RingEvents events_;  // owned: destroyed with the ring
+  // Device-ordered decodes wait behind it on the device; none: on the host. Owned.
+  const std::optional<DeviceMemoryOpener::Gate> gate_;
+  uint64_t gate_armed_ = 0;  // the last value armed
+  struct PendingGate {
+    uint64_t value;
+    int64_t armed_ns;
+  };
+  std::deque<PendingGate> gate_pending_;  // armed, the word not there yet; oldest first
+  bool gate_forced_ = false;              // attnd opened it: the client's stream is stuck
   const std::string tenant_;
   RegionLease lease_;
   ring::Header* const header_;
@@ -685,8 +775,20 @@ absl::StatusOr<RingServer::Opened> RingServer::Open(absl::string_view tenant,
     registry_->Unregister(tenant, region->id, /*ring=*/true).IgnoreError();
     return bad;
   }
+  // Without a gate (no stream memory operations, or every slot taken) the ring waits for its
+  // client's "ready" on the host: correct, a little slower.
+  std::optional<DeviceMemoryOpener::Gate> gate;
+  if (device_events) {
+    absl::StatusOr<DeviceMemoryOpener::Gate> made = events_->CreateGate();
+    if (made.ok()) {
+      gate = *made;
+    } else if (made.status().code() != absl::StatusCode::kFailedPrecondition) {
+      spdlog::warn("ring for tenant \"{}\": no device gate ({}); it waits on the host",
+                   std::string(tenant), made.status().ToString());
+    }
+  }
   auto ring = std::make_unique<Ring>(this, std::string(tenant), *std::move(lease), half,
-                                     header.version, events);
+                                     header.version, events, gate);
   opened.ring_id = ring->id();
   opened.request_capacity = ring->capacity();
   opened.response_capacity = ring->capacity();

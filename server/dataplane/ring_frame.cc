@@ -118,6 +118,8 @@ absl::Status ParseRequestFrame(absl::string_view frame, RequestFrame* out) {
   if ((h.flags & v2::kHasPromptLen) != 0) out->prompt_len = h.prompt_len;
   out->device_ordered = (h.flags & v2::kDeviceOrdered) != 0;
   out->done_event = nullptr;
+  out->gate_word = nullptr;
+  out->gate_value = 0;
   out->sequence_ids.resize(n);
   for (uint32_t i = 0; i < n; ++i) {
     v2::StrRef ref;

@@ -45,6 +45,11 @@ struct RequestFrame {
   // With device_ordered, the ring's "output written" event (cudaEvent_t) for the engine to record;
   // RingServer sets it once the client's "ready" event has completed (the parser leaves it null).
   void* done_event = nullptr;
+  // A device-ordered decode whose ring has a gate (DeviceMemoryOpener::Gate): the engine's stream
+  // waits until the word at gate_word (a device address) reaches gate_value; null: the ring has
+  // already waited for "ready" on the host.
+  const void* gate_word = nullptr;
+  uint64_t gate_value = 0;
 };
 
 // Reads `frame` (all of it: the bytes the length field names). Every offset and length is checked

@@ -133,11 +133,15 @@ TEST(RingFrame, DecodeNamesEverySequenceAndNoPromptLen) {
   EXPECT_FALSE(r.device_ordered);
   // The ring fills in its events for a device-ordered frame; a reused frame starts without them.
   r.done_event = &r;
+  r.gate_word = &r;
+  r.gate_value = 9;
   f.h.flags = v2::kDeviceOrdered;
   const std::string ordered = f.Bytes();
   ASSERT_TRUE(Parse(ordered, &r).ok());
   EXPECT_TRUE(r.device_ordered);
   EXPECT_EQ(r.done_event, nullptr);
+  EXPECT_EQ(r.gate_word, nullptr);
+  EXPECT_EQ(r.gate_value, 0u);
   f.h.flags = v2::kHasPromptLen;
   EXPECT_THAT(Parse(f.Bytes()).message(), HasSubstr("a decode carries no prompt_len"));
 }

@@ -245,6 +245,9 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   absl::StatusOr<IpcEvent> CreateIpcEvent() override;
   absl::StatusOr<bool> IpcEventDone(void* event) override;
   void DestroyIpcEvent(void* event) override;
+  absl::StatusOr<Gate> CreateGate() override;
+  absl::Status ArmGate(const Gate& gate, void* ready_event, uint64_t value) override;
+  void DestroyGate(const Gate& gate, bool stuck) override;
 
  private:
   explicit CudaEngine(const CudaEngineOptions& options)
@@ -376,6 +379,16 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   // host, every prefill on its stream, and closing a CUDA IPC mapping on the host. Created once.
   cudaEvent_t decode_tail_ = nullptr;
   bool decode_in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  // Device-ordered rings' gates (DeviceMemoryOpener::Gate): 64-bit words in one pinned block the
+  // device can read, made on the first gate; a slot given back keeps its word's value (words only
+  // grow, so a step of a closed ring still waiting on it is never held by the next ring's).
+  using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+  Mutex gates_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  uint64_t* gate_words_ ABSL_GUARDED_BY(gates_mu_) = nullptr;
+  std::vector<int32_t> free_gates_ ABSL_GUARDED_BY(gates_mu_);
+  std::optional<absl::Status> gates_status_ ABSL_GUARDED_BY(gates_mu_);  // set on the first gate
+  StreamValueFn wait_value_ = nullptr;   // cuStreamWaitValue64; set once gates_status_ is ok
+  StreamValueFn write_value_ = nullptr;  // cuStreamWriteValue64
   // Prefill steps (StartPrefill) wait for the one before last; blocking, so a waiting prefill
   // leaves the host's cores to the decode lane.
   cudaEvent_t prefill_done_[2] ABSL_GUARDED_BY(prefill_mu_) = {nullptr, nullptr};
@@ -689,6 +702,8 @@ CudaEngine::~CudaEngine() {
     cudaStreamDestroy(stream_);
   }
   if (decode_tail_ != nullptr) cudaEventDestroy(decode_tail_);
+  MutexLock gates(&gates_mu_);
+  if (gate_words_ != nullptr) cudaFreeHost(gate_words_);
 }
 
 absl::Status CudaEngine::CheckPages(int32_t layer, const int32_t* page_table, int64_t num_pages,
@@ -1263,6 +1278,98 @@ void CudaEngine::DestroyIpcEvent(void* event) {
   cudaEventDestroy(static_cast<cudaEvent_t>(event));
 }
 
+namespace {
+constexpr int32_t kGateSlots = 4096;  // open device-ordered rings at once, with a gate each
+}  // namespace
+
+absl::StatusOr<DeviceMemoryOpener::Gate> CudaEngine::CreateGate() {
+  MutexLock lock(&gates_mu_);
+  if (!gates_status_) {
+    gates_status_ = [&]() -> absl::Status {
+      ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+      using AttributeFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
+      const auto attribute = DriverFunction<AttributeFn>("cuDeviceGetAttribute", 12000);
+      int mem_ops = 0;
+      if (attribute == nullptr ||
+          attribute(&mem_ops, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device_) !=
+              CUDA_SUCCESS ||
+          mem_ops == 0) {
+        return absl::FailedPreconditionError(
+            "the device or driver has no 64-bit stream memory operations");
+      }
+      wait_value_ = DriverFunction<StreamValueFn>("cuStreamWaitValue64", CUDA_VERSION);
+      write_value_ = DriverFunction<StreamValueFn>("cuStreamWriteValue64", CUDA_VERSION);
+      if (wait_value_ == nullptr || write_value_ == nullptr) {
+        return absl::FailedPreconditionError("the driver has no cuStreamWaitValue64");
+      }
+      void* words = nullptr;
+      ATTND_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&words, kGateSlots * sizeof(uint64_t),
+                                               cudaHostAllocMapped | cudaHostAllocPortable));
+      std::memset(words, 0, kGateSlots * sizeof(uint64_t));
+      gate_words_ = static_cast<uint64_t*>(words);
+      for (int32_t i = kGateSlots - 1; i >= 0; --i) free_gates_.push_back(i);
+      return absl::OkStatus();
+    }();
+    if (gates_status_->ok()) {
+      spdlog::info(
+          "cuda engine: device-ordered rings wait for their clients on the device, behind "
+          "gates attnd can open itself");
+    } else {
+      spdlog::info("cuda engine: device-ordered rings wait for their clients on the host ({})",
+                   gates_status_->ToString());
+    }
+  }
+  ATTND_RETURN_IF_ERROR(*gates_status_);
+  if (free_gates_.empty()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("all ", kGateSlots, " device gates are in use"));
+  }
+  Gate gate;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  cudaStream_t stream = nullptr;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  gate.slot = free_gates_.back();
+  free_gates_.pop_back();
+  gate.stream = stream;
+  gate.word = gate_words_ + gate.slot;
+  void* device_word = nullptr;
+  if (cudaError_t err = cudaHostGetDevicePointer(&device_word, gate.word, 0); err != cudaSuccess) {
+    cudaStreamDestroy(stream);
+    free_gates_.push_back(gate.slot);
+    return CudaStatus(err, "cudaHostGetDevicePointer of a gate word");
+  }
+  gate.device_word = device_word;
+  gate.value = __atomic_load_n(gate.word, __ATOMIC_ACQUIRE);
+  return gate;
+}
+
+absl::Status CudaEngine::ArmGate(const Gate& gate, void* ready_event, uint64_t value) {
+  ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  const auto stream = static_cast<cudaStream_t>(gate.stream);
+  ATTND_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(ready_event), 0));
+  // The default write orders the client's writes (complete at its event) before the word.
+  if (CUresult r = write_value_(reinterpret_cast<CUstream>(stream),
+                                reinterpret_cast<CUdeviceptr>(gate.device_word), value, 0);
+      r != CUDA_SUCCESS) {
+    return absl::InternalError(
+        absl::StrCat("cuStreamWriteValue64 on a ring's gate failed (CUresult ", r, ")"));
+  }
+  return absl::OkStatus();
+}
+
+void CudaEngine::DestroyGate(const Gate& gate, bool stuck) {
+  cudaSetDevice(device_);
+  // A stream with work still queued is released once that work is done.
+  cudaStreamDestroy(static_cast<cudaStream_t>(gate.stream));
+  MutexLock lock(&gates_mu_);
+  if (stuck) {
+    spdlog::warn("cuda engine: gate {} retired: its client's stream never reached its event",
+                 gate.slot);
+    return;
+  }
+  free_gates_.push_back(gate.slot);
+}
+
 absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t plan) {
   const int64_t hq = geometry_.num_q_heads, d = geometry_.head_dim;
   PagedKvBatch kvb;
@@ -1447,6 +1554,21 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
     for (int32_t i = 0; i < b; ++i) pack(i);
   }
   for (int32_t i = b; i < plan; ++i) rows[i] = DecodeStageRow();  // padding: length 0, skipped
+  // Device-ordered rows behind a ring's gate: the step waits until the client's inputs are written
+  // (a batch may merge several calls, each with its gate, in runs).
+  const void* last_word = nullptr;
+  for (size_t i = first; i < first + count; ++i) {
+    const DeviceOrder* order = job.entries[i].order;
+    if (order == nullptr || order->wait_word == nullptr || order->wait_word == last_word) continue;
+    last_word = order->wait_word;
+    if (CUresult r = wait_value_(reinterpret_cast<CUstream>(stream_),
+                                 reinterpret_cast<CUdeviceptr>(order->wait_word), order->wait_value,
+                                 CU_STREAM_WAIT_VALUE_GEQ);
+        r != CUDA_SUCCESS) {
+      return absl::InternalError(
+          absl::StrCat("cuStreamWaitValue64 on a ring's gate failed (CUresult ", r, ")"));
+    }
+  }
   // Inputs on another GPU: copied into the row's slots on the stream, ahead of the step.
   for (int32_t i = 0; i < b; ++i) {
     if (copy_in[i] == 0) continue;

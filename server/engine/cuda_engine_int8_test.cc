@@ -103,8 +103,10 @@ size_t ExpectPoolRows(const std::vector<uint8_t>& pool, const KvLayout& layout,
   size_t mismatched = 0;
   for (const StoredRow& r : rows) {
     const float scale = Int8QuantizeRow(r.values.data(), r.multiplier, d, codes.data());
-    const int64_t index = (int64_t{r.page} * layout.page_size + r.slot) * layout.num_kv_heads + r.head;
-    const int64_t data = (r.is_key ? layout.k_offset(r.layer) : layout.v_offset(r.layer)) + index * d;
+    const int64_t index =
+        (int64_t{r.page} * layout.page_size + r.slot) * layout.num_kv_heads + r.head;
+    const int64_t data =
+        (r.is_key ? layout.k_offset(r.layer) : layout.v_offset(r.layer)) + index * d;
     const int64_t scale_at =
         (r.is_key ? layout.k_scale_offset(r.layer) : layout.v_scale_offset(r.layer)) + index * 4;
     float got_scale;
@@ -113,8 +115,8 @@ size_t ExpectPoolRows(const std::vector<uint8_t>& pool, const KvLayout& layout,
                       std::memcmp(pool.data() + data, codes.data(), d) == 0;
     if (!same && ++mismatched <= 5) {
       ADD_FAILURE() << (r.is_key ? "key" : "value") << " row layer " << r.layer << " page "
-                    << r.page << " slot " << r.slot << " head " << r.head << ": scale "
-                    << got_scale << " (want " << scale << ") or codes differ";
+                    << r.page << " slot " << r.slot << " head " << r.head << ": scale " << got_scale
+                    << " (want " << scale << ") or codes differ";
     }
   }
   EXPECT_EQ(mismatched, 0u);
@@ -145,7 +147,7 @@ TEST(CudaEngineInt8, MatchesTheCpuInt8EngineAndStoresItsCodes) {
   opts.layout.page_size = 16;
   opts.layout.kv_dtype = DType::kInt8;
   opts.layout.num_pages = 160;
-  opts.max_decode_batch = 2;                 // a 4-entry decode runs as 2 + 2
+  opts.max_decode_batch = 2;  // a 4-entry decode runs as 2 + 2
   opts.graph_batch_sizes = {1, 2};
   opts.staging_bytes = int64_t{90112} * 48;  // 48-token prefill chunks
   CudaEngineOptions eager = opts;
@@ -234,8 +236,8 @@ TEST(CudaEngineInt8, MatchesTheCpuInt8EngineAndStoresItsCodes) {
           const absl::Status st = e->Prefill(job);
           ASSERT_TRUE(st.ok()) << st;
         }
-        const std::string what = absl::StrCat("prefill seq", i, " layer", layer, " [", start, ",",
-                                              start + t, ")");
+        const std::string what =
+            absl::StrCat("prefill seq", i, " layer", layer, " [", start, ",", start + t, ")");
         EXPECT_EQ(std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * 4), 0)
             << what << ": graphs on and off differ";
         ExpectClose(outs[0], outs[2], what + " cuda vs cpu");
@@ -313,7 +315,7 @@ std::shared_ptr<const SparseAttentionConfig> Sparse(int64_t threshold) {
   sp->enabled = true;
   sp->threshold = threshold;
   sp->last_q = 64;
-  const VsBudget mix[] = {{1000, 6096}, {3500, 100}, {100, 60}, {15436, 20432},
+  const VsBudget mix[] = {{1000, 6096}, {3500, 100},  {100, 60}, {15436, 20432},
                           {50, 70},     {1000, 6096}, {130, 80}, {5096, 10192}};
   for (int h = 0; h < 28; ++h) sp->budgets.push_back(mix[h % 8]);
   return sp;
@@ -353,7 +355,7 @@ TEST(CudaEngineInt8, EqualsBf16OverTheDequantizedValuesBitForBit) {
   constexpr int kSteps = 2;
   std::vector<std::vector<int32_t>> pages(2);
   for (int32_t p = 0; p < layout.num_pages; ++p) pages[p % 2].push_back(p);  // interleaved
-  std::vector<Tensor> pq, pk, pv;          // prefill inputs per sequence
+  std::vector<Tensor> pq, pk, pv;  // prefill inputs per sequence
   std::vector<std::vector<Tensor>> dq(kSteps), dk(kSteps), dv(kSteps);
   for (int64_t prompt : prompts) {
     pq.push_back(RandomTensor({prompt, kNumQueryVariants, hq, d}, DType::kBf16, &rng));
@@ -419,9 +421,10 @@ TEST(CudaEngineInt8, EqualsBf16OverTheDequantizedValuesBitForBit) {
     for (int64_t h = 0; h < hkv; ++h) {
       const int64_t index = (page * ps + slot) * hkv + h;
       float scale;
-      std::memcpy(&scale, pool->data() + (key ? layout.k_scale_offset(0) : layout.v_scale_offset(0)) +
-                              index * 4,
-                  4);
+      std::memcpy(
+          &scale,
+          pool->data() + (key ? layout.k_scale_offset(0) : layout.v_scale_offset(0)) + index * 4,
+          4);
       const auto* codes = reinterpret_cast<const Int8Kv*>(
           pool->data() + (key ? layout.k_offset(0) : layout.v_offset(0)) + index * d);
       Int8DequantizeRow(codes, scale, d, row.data() + h * d);

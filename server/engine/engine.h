@@ -72,11 +72,15 @@ absl::Status CheckElements(absl::string_view name, const TensorView& view, int64
 // engine records `record` (a cudaEvent_t shared with the client by CUDA IPC, opaque here; the
 // client's stream waits for it) once the job's outputs are written, and a decode whose outputs
 // are all device memory returns as soon as its step is queued, without waiting for the device.
-// (The client's own "inputs written" event never enters the engine's streams: the ring waits for
-// it on the host, so one client's stuck GPU work cannot hold up another tenant's steps.) Null: the
-// host orders the job, as for any other.
+// With `wait_word`, the step first waits on the device until the 64-bit word there reaches
+// `wait_value` (the ring's gate, DeviceMemoryOpener::Gate: written once the client's inputs are,
+// or by attnd's host when the client's stream is stuck, so no client holds the stream for ever);
+// without it, the ring has waited on the host. The client's own event never enters the engine's
+// streams. Null: the host orders the job, as for any other.
 struct DeviceOrder {
   void* record = nullptr;
+  const void* wait_word = nullptr;
+  uint64_t wait_value = 0;
 };
 
 // Append num_tokens tokens to one layer of one sequence and compute their attention.

@@ -928,7 +928,8 @@ absl::Status AttentionService::SubmitFrameDecode(const RequestFrame& frame,
   std::shared_ptr<const DeviceOrder> order;  // lives until the call is answered
   if (frame.device_ordered) {
     ATTND_RETURN_IF_ERROR(CheckDeviceOrdered(q.on_device, k.on_device, v.on_device, out_on_device));
-    order = std::make_shared<const DeviceOrder>(DeviceOrder{frame.done_event});
+    order = std::make_shared<const DeviceOrder>(
+        DeviceOrder{frame.done_event, frame.gate_word, frame.gate_value});
     for (DecodeCall::Entry& e : call.entries) e.order = order.get();
   }
   const bool in_region = output_region != nullptr;
