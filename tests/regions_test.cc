@@ -1215,7 +1215,8 @@ TEST(RingDeviceEventsTest, EventsAreCreatedOnlyWhereAskedAndReachTheHandler) {
 // the host: the ring arms its gate with the client's "ready" event and the next value, and the
 // handler gets the gate's word and that value for the engine's stream to wait on. A prefill still
 // waits on the host. A client whose stream never reaches "ready": after ready_timeout the ring
-// writes the word itself (no step waits any longer), closes, and retires the gate as stuck.
+// writes the word itself (no step waits any longer), closes, and retires the gate as stuck; the
+// tenant's later rings get no gate.
 TEST(RingDeviceEventsTest, DecodesWaitBehindAGateAttndOpensWhenTheClientIsStuck) {
   RegionRegistry registry(RegionRegistryOptions{}, nullptr, Clock::Real());
   RingOptions ring_options;
@@ -1291,6 +1292,24 @@ TEST(RingDeviceEventsTest, DecodesWaitBehindAGateAttndOpensWhenTheClientIsStuck)
   EXPECT_TRUE(r.header()->closed.load());
   EXPECT_EQ(events.destroyed_gates(), (std::vector<std::pair<int32_t, bool>>{{0, true}}));
   EXPECT_THAT(events.destroyed(), ::testing::UnorderedElementsAre(1u, 2u));
+
+  // That tenant's next ring gets no gate: its decodes wait on the host, and cannot stall the
+  // shared stream again.
+  events.SetClientStuck(false);
+  events.CompleteAfter(0);
+  HandRing again(64 * 1024);
+  again.header()->version = ring::v2::kVersion;
+  opened = rings.Open("", again.name(), again.bytes(), /*device_events=*/true);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const size_t queries = events.queried().size();
+  ASSERT_TRUE(again.RoundTrip(TinyDecodeFrame(ring::v2::kDeviceOrdered), &response, false));
+  EXPECT_EQ(ResponseCode(response, &message), 0) << message;
+  EXPECT_GT(events.queried().size(), queries);  // "ready", polled on the host
+  EXPECT_EQ(events.arms().size(), 3u);          // no new arm
+  {
+    MutexLock lock(&mu);
+    EXPECT_EQ(seen.back().word, nullptr);
+  }
   rings.Shutdown();
 }
 

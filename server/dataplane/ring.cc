@@ -440,7 +440,9 @@ class RingServer::Ring {
     gate_forced_ = true;
     gate_pending_.clear();
     broken_.store(true);
-    spdlog::warn("ring {} (tenant \"{}\"): {}", id(), tenant_, GateStuckMessage());
+    server_->RevokeGates(tenant_);
+    spdlog::warn("ring {} (tenant \"{}\"): {}; the tenant's later rings wait on the host", id(),
+                 tenant_, GateStuckMessage());
   }
 
   // A private buffer of at least n bytes (contents undefined), taken from the request budget
@@ -778,7 +780,12 @@ absl::StatusOr<RingServer::Opened> RingServer::Open(absl::string_view tenant,
   // Without a gate (no stream memory operations, or every slot taken) the ring waits for its
   // client's "ready" on the host: correct, a little slower.
   std::optional<DeviceMemoryOpener::Gate> gate;
-  if (device_events) {
+  bool revoked = false;
+  {
+    MutexLock lock(&mu_);
+    revoked = gates_revoked_.contains(std::string(tenant));
+  }
+  if (device_events && !revoked) {
     absl::StatusOr<DeviceMemoryOpener::Gate> made = events_->CreateGate();
     if (made.ok()) {
       gate = *made;
@@ -804,6 +811,11 @@ absl::StatusOr<RingServer::Opened> RingServer::Open(absl::string_view tenant,
     started->Start(header.request_seq);
   }
   return opened;
+}
+
+void RingServer::RevokeGates(const std::string& tenant) {
+  MutexLock lock(&mu_);
+  gates_revoked_.insert(tenant);
 }
 
 absl::Status RingServer::CloseRing(std::unique_ptr<Ring> ring) {

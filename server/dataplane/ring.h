@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -150,6 +151,11 @@ class RingServer {
   mutable Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_map<std::string, std::unique_ptr<Ring>> rings_ ABSL_GUARDED_BY(mu_);
+  // Tenants one of whose rings held a gate shut until attnd opened it: every step on the shared
+  // decode stream waited that long, so their later rings wait for "ready" on the host (a client
+  // cannot stall the others again by opening another ring). For the daemon's life.
+  absl::flat_hash_set<std::string> gates_revoked_ ABSL_GUARDED_BY(mu_);
+  void RevokeGates(const std::string& tenant);
 };
 
 }  // namespace attnd
