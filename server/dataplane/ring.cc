@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "attnd/v1/ring_frame.h"
 #include "attnd/v1/shm_ring.h"
 #include "base/catch_all.h"
@@ -29,6 +30,8 @@ constexpr int64_t kSleepSliceUs = 100000;
 constexpr int64_t kKeepBufferNs = int64_t{1000} * 1000 * 1000;
 // Device-ordered steps of one ring that may wait for its client's stream at once.
 constexpr size_t kMaxPendingGates = 4096;
+// How long a closing ring waits for its client's stream to reach the last step it armed.
+constexpr absl::Duration kGateCloseGrace = absl::Milliseconds(100);
 
 struct WaitArgs {
   ring::Header* header;
@@ -196,7 +199,12 @@ class RingServer::Ring {
     Stop();
     if (gate_) {
       // No decode step may wait on the word after this; a gate whose client never completed keeps
-      // its slot (its stream may still write the word one day).
+      // its slot (its stream may still write the word one day). A client that closes right after
+      // its last frame may still be running up to it: it gets a moment.
+      const absl::Time give_up = absl::Now() + kGateCloseGrace;
+      while (!gate_forced_ && GateWord() < gate_armed_ && absl::Now() < give_up) {
+        absl::SleepFor(absl::Microseconds(200));
+      }
       const bool stuck = gate_forced_ || GateWord() < gate_armed_;
       ForceGate();
       server_->events_->DestroyGate(*gate_, stuck);
