@@ -189,12 +189,13 @@ int Main() {
         const Timing t = Summarise(us);
         results[di][mode].push_back(t);
         std::printf("%-6d %-6s %-5s %12.1f %12.1f %14.0f\n", b, graphs ? "graph" : "eager",
-                    DTypeName(dtypes[di]), t.p50, t.p99, b * 1e6 / t.p50);
+                    std::string(DTypeName(dtypes[di])).c_str(), t.p50, t.p99, b * 1e6 / t.p50);
         std::fflush(stdout);
       }
     }
   for (size_t di = 0; di < dtypes.size(); ++di) {
-    std::printf("\nsummary, %s KV (eager p50 / graph p50):\n", DTypeName(dtypes[di]));
+    std::printf("\nsummary, %s KV (eager p50 / graph p50):\n",
+                std::string(DTypeName(dtypes[di])).c_str());
     for (size_t i = 0; i < batches.size(); ++i) {
       std::printf("  batch %-4d graph %8.1f us  eager %8.1f us  speedup %.2fx\n", batches[i],
                   results[di][0][i].p50, results[di][1][i].p50,
