@@ -11,6 +11,7 @@
 #include "kernels/cuda/dca_cuda.h"
 #include "kernels/cuda/dca_cuda_kernels.cuh"
 #include "kernels/cuda/dca_cuda_launch.cuh"
+#include "kernels/cuda/head_dim.h"
 #include "kernels/cuda/kv_write_kernels.cuh"
 #include "kernels/cuda/prefill_wgmma.cuh"
 
@@ -39,7 +40,7 @@ size_t PrefillStateBlockBytes(const CudaKernelPlan& plan, int d) {
   namespace wg = cuda_kernels::wgmma;
   if (plan.prefill_kernel() == PrefillKernel::kWgmma) {
     return sizeof(float) * wg::kThreads *
-           (d == 128 ? wg::kPrefillStateFields<128> : wg::kPrefillStateFields<64>);
+           WithHeadDim(d, [](auto dim) { return wg::kPrefillStateFields<decltype(dim)::value>; });
   }
   return sizeof(float) * 32 * kMmaWarps * cuda_kernels::PrefillStateFields(d, kMmaTiles);
 }
@@ -268,10 +269,10 @@ absl::StatusOr<CudaKernelPlan> CudaKernelPlan::Create(const DcaGeometry& g, int 
                       ? PrefillKernel::kWgmma
                       : PrefillKernel::kMmaSync;
   const bool wgmma = plan.prefill_ == PrefillKernel::kWgmma;
-  ATTND_RETURN_IF_ERROR(
-      g.head_dim == 128
-          ? PrepareKernels<128>(g, wgmma, plan.kv_dtype_, &plan.blocks_s2_, &plan.blocks_s3_)
-          : PrepareKernels<64>(g, wgmma, plan.kv_dtype_, &plan.blocks_s2_, &plan.blocks_s3_));
+  ATTND_RETURN_IF_ERROR(WithHeadDim(g.head_dim, [&](auto dim) {
+    return PrepareKernels<decltype(dim)::value>(g, wgmma, plan.kv_dtype_, &plan.blocks_s2_,
+                                                &plan.blocks_s3_);
+  }));
   return plan;
 }
 
@@ -303,9 +304,9 @@ size_t CudaKernelPlan::DecodeWorkspaceFloats(int32_t batch, int32_t max_splits) 
 }
 
 absl::Status CheckCudaGeometry(const DcaGeometry& g) {
-  if (g.head_dim != 64 && g.head_dim != 128) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda: head_dim ", g.head_dim, " unsupported (supported: 64, 128)"));
+  if (!SupportedHeadDim(g.head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda: head_dim ", g.head_dim, " unsupported (supported: ", kSupportedHeadDims, ")"));
   }
   if (g.num_kv_heads < 1 || g.num_q_heads < g.num_kv_heads || g.num_q_heads % g.num_kv_heads != 0 ||
       g.group_size() > 16) {
@@ -339,7 +340,7 @@ absl::Status LaunchAppendKv(const CudaAppendParamsOf<Int8Kv>& p, cudaStream_t st
   if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.k_scale == nullptr ||
       p.kv.v_scale == nullptr || p.kv.page_table == nullptr || p.k == nullptr || p.v == nullptr ||
       !IsKnownDType(p.in_dtype) || HasRowScale(p.in_dtype) || p.start < 0 || p.num_tokens < 0 ||
-      p.start + p.num_tokens > kMaxPosition || (p.kv.head_dim != 64 && p.kv.head_dim != 128)) {
+      p.start + p.num_tokens > kMaxPosition || !SupportedHeadDim(p.kv.head_dim)) {
     return absl::InvalidArgumentError(
         "append (int8): bad params (null pointers or scales, input dtype, range, or head_dim not "
         "64 or 128)");
@@ -347,11 +348,12 @@ absl::Status LaunchAppendKv(const CudaAppendParamsOf<Int8Kv>& p, cudaStream_t st
   if (p.num_tokens == 0) return absl::OkStatus();
   const int64_t rows = p.num_tokens * p.kv.num_kv_heads;  // one warp each, 4 a block
   const int64_t blocks = std::min<int64_t>((rows + 3) / 4, 65536);
-  const auto kernel = p.kv.head_dim == 128 ? cuda_kernels::AppendKvInt8Kernel<128>
-                                           : cuda_kernels::AppendKvInt8Kernel<64>;
-  kernel<<<static_cast<unsigned>(blocks), 128, 0, stream>>>(
-      p.kv, p.k, p.v, static_cast<int>(p.in_dtype), static_cast<int32_t>(p.start), rows,
-      p.key_scale);
+  WithHeadDim(p.kv.head_dim, [&](auto dim) {
+    cuda_kernels::AppendKvInt8Kernel<decltype(dim)::value>
+        <<<static_cast<unsigned>(blocks), 128, 0, stream>>>(
+            p.kv, p.k, p.v, static_cast<int>(p.in_dtype), static_cast<int32_t>(p.start), rows,
+            p.key_scale);
+  });
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("AppendKvInt8Kernel");
   return absl::OkStatus();
 }
@@ -360,14 +362,15 @@ absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParamsOf<Int8Kv>& p, cud
   if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.k_scale == nullptr ||
       p.kv.v_scale == nullptr || p.kv.page_tables == nullptr || p.lengths == nullptr ||
       p.k == nullptr || p.v == nullptr || !IsKnownDType(p.in_dtype) || HasRowScale(p.in_dtype) ||
-      p.batch < 0 || (p.kv.head_dim != 64 && p.kv.head_dim != 128)) {
+      p.batch < 0 || !SupportedHeadDim(p.kv.head_dim)) {
     return absl::InvalidArgumentError("decode append (int8): bad params");
   }
   if (p.batch == 0) return absl::OkStatus();
-  const auto kernel = p.kv.head_dim == 128 ? cuda_kernels::DecodeAppendKvInt8Kernel<128>
-                                           : cuda_kernels::DecodeAppendKvInt8Kernel<64>;
-  kernel<<<p.batch, 128, 0, stream>>>(p.kv, p.lengths, p.k, p.v, static_cast<int>(p.in_dtype),
+  WithHeadDim(p.kv.head_dim, [&](auto dim) {
+    cuda_kernels::DecodeAppendKvInt8Kernel<decltype(dim)::value>
+        <<<p.batch, 128, 0, stream>>>(p.kv, p.lengths, p.k, p.v, static_cast<int>(p.in_dtype),
                                       p.original_max_position_embeddings);
+  });
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DecodeAppendKvInt8Kernel");
   return absl::OkStatus();
 }
@@ -375,15 +378,14 @@ absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParamsOf<Int8Kv>& p, cud
 absl::Status LaunchDecodeQuantizeRows(const CudaDecodeQuantizeRowsParams& p, cudaStream_t stream) {
   if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.k_scale == nullptr ||
       p.kv.v_scale == nullptr || p.kv.page_tables == nullptr || p.lengths == nullptr ||
-      p.kv_rows == nullptr || p.batch < 0 || p.batch > 65535 ||
-      (p.kv.head_dim != 64 && p.kv.head_dim != 128)) {
+      p.kv_rows == nullptr || p.batch < 0 || p.batch > 65535 || !SupportedHeadDim(p.kv.head_dim)) {
     return absl::InvalidArgumentError("decode quantize rows: bad params");
   }
   if (p.batch == 0) return absl::OkStatus();
-  const auto kernel = p.kv.head_dim == 128 ? cuda_kernels::DecodeQuantizeRowsKernel<128>
-                                           : cuda_kernels::DecodeQuantizeRowsKernel<64>;
-  ATTND_CUDA_RETURN_IF_ERROR(
-      LaunchAfterPrevious(kernel, dim3(p.batch), dim3(128), 0, stream, p.kv, p.lengths, p.kv_rows));
+  ATTND_CUDA_RETURN_IF_ERROR(WithHeadDim(p.kv.head_dim, [&](auto dim) {
+    return LaunchAfterPrevious(cuda_kernels::DecodeQuantizeRowsKernel<decltype(dim)::value>,
+                               dim3(p.batch), dim3(128), 0, stream, p.kv, p.lengths, p.kv_rows);
+  }));
   return absl::OkStatus();
 }
 
@@ -536,13 +538,12 @@ absl::Status LaunchDcaPrefill(const CudaKernelPlan& plan, const CudaPrefillParam
         "prefill: the ", PrefillKernelName(plan.prefill_kernel()),
         " kernel takes no key tile window (expected key_tile_begin 0 and key_tile_end 0)"));
   }
-  const bool d128 = g.head_dim == 128;
-  if (plan.prefill_kernel() == PrefillKernel::kWgmma) {
-    return d128 ? LaunchWgmmaPrefill<128>(plan, p, windowed, stream)
-                : LaunchWgmmaPrefill<64>(plan, p, windowed, stream);
-  }
-  return d128 ? LaunchMmaPrefill<128>(plan, p, windowed, stream)
-              : LaunchMmaPrefill<64>(plan, p, windowed, stream);
+  return WithHeadDim(g.head_dim, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    return plan.prefill_kernel() == PrefillKernel::kWgmma
+               ? LaunchWgmmaPrefill<D>(plan, p, windowed, stream)
+               : LaunchMmaPrefill<D>(plan, p, windowed, stream);
+  });
 }
 
 absl::Status LaunchDcaPrefillReference(const DcaGeometry& g, const CudaPrefillParams& p,
@@ -552,13 +553,10 @@ absl::Status LaunchDcaPrefillReference(const DcaGeometry& g, const CudaPrefillPa
   const int out = static_cast<int>(p.out_dtype);
   const auto start = static_cast<int32_t>(p.start);
   const auto cl = static_cast<int32_t>(g.chunk_len);
-  if (g.head_dim == 128) {
-    cuda_kernels::DcaPrefillReferenceKernel<128><<<grid, 32, 0, stream>>>(
+  WithHeadDim(g.head_dim, [&](auto dim) {
+    cuda_kernels::DcaPrefillReferenceKernel<decltype(dim)::value><<<grid, 32, 0, stream>>>(
         p.kv, p.q, p.out, out, start, cl, g.num_q_heads, g.group_size(), p.softmax_scale);
-  } else {
-    cuda_kernels::DcaPrefillReferenceKernel<64><<<grid, 32, 0, stream>>>(
-        p.kv, p.q, p.out, out, start, cl, g.num_q_heads, g.group_size(), p.softmax_scale);
-  }
+  });
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaPrefillReferenceKernel");
   return absl::OkStatus();
 }
@@ -575,11 +573,10 @@ absl::Status LaunchDcaDecodeOf(const CudaKernelPlan& plan, const CudaDecodeParam
     return absl::InvalidArgumentError("decode: bad max_splits or null workspace");
   }
   const bool three = plan.DecodeStages(p.planned_batch > 0 ? p.planned_batch : p.batch) == 3;
-  if (g.head_dim == 128) {
-    return three ? LaunchDecodeTyped<128, 3>(g, p, stream)
-                 : LaunchDecodeTyped<128, 2>(g, p, stream);
-  }
-  return three ? LaunchDecodeTyped<64, 3>(g, p, stream) : LaunchDecodeTyped<64, 2>(g, p, stream);
+  return WithHeadDim(g.head_dim, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    return three ? LaunchDecodeTyped<D, 3>(g, p, stream) : LaunchDecodeTyped<D, 2>(g, p, stream);
+  });
 }
 
 }  // namespace
@@ -600,15 +597,11 @@ absl::Status LaunchDcaDecodeReference(const DcaGeometry& g, const CudaDecodePara
   const dim3 grid(p.batch, g.num_q_heads);
   const int out = static_cast<int>(p.out_dtype);
   const auto cl = static_cast<int32_t>(g.chunk_len);
-  if (g.head_dim == 128) {
-    cuda_kernels::DcaDecodeReferenceKernel<128><<<grid, 32, 0, stream>>>(
+  WithHeadDim(g.head_dim, [&](auto dim) {
+    cuda_kernels::DcaDecodeReferenceKernel<decltype(dim)::value><<<grid, 32, 0, stream>>>(
         p.kv, p.lengths, p.q, p.out, out, cl, g.num_q_heads, g.group_size(), g.softmax_scale,
         g.original_max_position_embeddings);
-  } else {
-    cuda_kernels::DcaDecodeReferenceKernel<64><<<grid, 32, 0, stream>>>(
-        p.kv, p.lengths, p.q, p.out, out, cl, g.num_q_heads, g.group_size(), g.softmax_scale,
-        g.original_max_position_embeddings);
-  }
+  });
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReferenceKernel");
   return absl::OkStatus();
 }

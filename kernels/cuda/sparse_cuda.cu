@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/head_dim.h"
 #include "kernels/cuda/sparse_cuda.h"
 #include "kernels/cuda/sparse_cuda_kernels.cuh"
 
@@ -399,10 +400,10 @@ absl::Status LaunchSparsePrefillTimed(const DcaGeometry& g, const SparsePrefillP
   int convert_index = 0;
   for (size_t i = 0; i < pieces.size(); ++i) {
     const int pi = static_cast<int>(i);
-    absl::Status s = g.head_dim == 128
-                         ? LaunchPiece<128>(g, sp, l, pieces[i], timers, pi, &convert_index, stream)
-                         : LaunchPiece<64>(g, sp, l, pieces[i], timers, pi, &convert_index, stream);
-    if (!s.ok()) return s;
+    ATTND_RETURN_IF_ERROR(WithHeadDim(g.head_dim, [&](auto dim) {
+      return LaunchPiece<decltype(dim)::value>(g, sp, l, pieces[i], timers, pi, &convert_index,
+                                               stream);
+    }));
   }
   return absl::OkStatus();
 }
@@ -419,8 +420,9 @@ absl::Status LaunchSparseEstimate(const DcaGeometry& g, const SparsePrefillParam
   ATTND_RETURN_IF_ERROR(CheckStep(g, sp, piece, piece.end - n_est, n_est, &l));
   const PiecePlan plan = PlanPiece(g, sp.budgets, piece, sp.row_block_slice);
   const sk::PieceArgs a = MakePieceArgs(g, sp, l, plan, piece, SparsePrefillTimers{});
-  return g.head_dim == 128 ? LaunchEstimate<128>(g, l, a, SparsePrefillTimers{}, 0, stream)
-                           : LaunchEstimate<64>(g, l, a, SparsePrefillTimers{}, 0, stream);
+  return WithHeadDim(g.head_dim, [&](auto dim) {
+    return LaunchEstimate<decltype(dim)::value>(g, l, a, SparsePrefillTimers{}, 0, stream);
+  });
 }
 
 absl::Status LaunchSparseAttendRows(const DcaGeometry& g, const SparsePrefillParams& sp,
@@ -440,10 +442,10 @@ absl::Status LaunchSparseAttendRows(const DcaGeometry& g, const SparsePrefillPar
   const int64_t rb_begin = first_row / sk::kRows;
   const int64_t rb_end = (first_row + num_rows + sk::kRows - 1) / sk::kRows;
   int convert_index = 0;
-  return g.head_dim == 128 ? LaunchAttend<128>(g, plan, a, rb_begin, rb_end, SparsePrefillTimers{},
-                                               &convert_index, stream)
-                           : LaunchAttend<64>(g, plan, a, rb_begin, rb_end, SparsePrefillTimers{},
+  return WithHeadDim(g.head_dim, [&](auto dim) {
+    return LaunchAttend<decltype(dim)::value>(g, plan, a, rb_begin, rb_end, SparsePrefillTimers{},
                                               &convert_index, stream);
+  });
 }
 
 SparseDebugView SparseDebugViewOf(const DcaGeometry& g, const SparsePrefillParams& sp) {
