@@ -75,6 +75,17 @@ class TensorConversion(unittest.TestCase):
         a = np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2]
         t, _ = attnd._tensors.to_proto(a, "q")
         np.testing.assert_array_equal(np.frombuffer(t.data, "<f4").reshape(4, 3), a)
+        # int16 holding bf16 bits: sent as the same bits, answered as int16
+        signed = bits.view(np.int16)
+        t, like = attnd._tensors.to_proto(signed, "k")
+        self.assertEqual(t.dtype, pb.DTYPE_BF16)
+        self.assertEqual(t.data, bits.astype("<u2").tobytes())
+        back = attnd._tensors.from_proto(t, like)
+        self.assertEqual(back.dtype, np.int16)
+        np.testing.assert_array_equal(back, signed)
+        # the array a decode loop passes is taken as it is, not copied
+        a = np.zeros((2, 3), np.float32)
+        self.assertIs(attnd._tensors.to_numpy(a, "q")[0], a)
 
     def test_unsupported_dtype_is_invalid_argument(self):
         with self.assertRaises(attnd.AttndError) as ctx:

@@ -156,6 +156,18 @@ _V2_RESPONSE = struct.Struct("<IiQHHiIIQQQQQ4q")  # ResponseHeader: 104 bytes
 _V2_OPS = {_V2_PREFILL: "prefill", _V2_DECODE: "decode"}
 
 
+_CLIENT = []
+
+
+def _client_module():
+    """attnd._client, which imports this module (so it is not imported at the top); looked up once, not
+    per call."""
+    if not _CLIENT:
+        from . import _client
+        _CLIENT.append(_client)
+    return _CLIENT[0]
+
+
 def _align64(n):
     return (n + 63) & ~63
 
@@ -514,7 +526,8 @@ class Ring:
     def _v2(self, op, layer, seqs, q, k, v, q_layout, out, prompt_len):
         """One version 2 frame: q, k, v inline or as references into registered regions, o back inline or into
         `out`'s region. -> (output, lengths)."""
-        from ._client import _out_ref, _q_layout, _sync, _tensor_arg  # _client imports this module
+        c = _client_module()
+        _out_ref, _q_layout, _sync, _tensor_arg = c._out_ref, c._q_layout, c._sync, c._tensor_arg
         layer = int(layer)
         seqs = list(seqs)
         # The unary client's checks and messages, so a call fails the same way on either.
@@ -613,9 +626,8 @@ class Ring:
             return out, lengths
         if flags & _V2_OUTPUT_IN_REGION or rank > _V2_MAX_RANK or not inside(o_off, o_bytes):
             raise _fail(grpc.StatusCode.INTERNAL, "the ring's answer has no output bytes where it says")
-        from ._tensors import from_bytes
         data = bytes(mv[start + o_off:start + o_off + o_bytes])
-        return from_bytes(data, dtype, list(shape[:rank]), like), lengths
+        return _tensors.from_bytes(data, dtype, list(shape[:rank]), like), lengths
 
     def _lengths(self, mv, p, end, b):
         if p < end and mv[p] == _LENGTHS_KEY:

@@ -37,8 +37,18 @@ class Like:
         self.kind, self.np_dtype, self.torch_dtype, self.device = kind, np_dtype, torch_dtype, device
 
 
+# The numpy dtypes taken as they are (what a decode loop passes call after call): looked up by dtype, which
+# is cheaper than the general path's dtype.name / kind checks.
+_FAST_NP = {np.dtype("<f4"): pb.DTYPE_FP32, np.dtype("<f2"): pb.DTYPE_FP16, np.dtype("<u2"): pb.DTYPE_BF16}
+_U2 = np.dtype("<u2")
+
+
 def to_numpy(x, name):
     """Returns (little-endian C-contiguous numpy array, DType, Like)."""
+    if type(x) is np.ndarray and x.flags.c_contiguous:
+        dtype = _FAST_NP.get(x.dtype)
+        if dtype is not None:
+            return x, dtype, Like("numpy", np_dtype=x.dtype)
     if is_torch_tensor(x):
         torch = _torch()
         t = x.detach()
@@ -133,7 +143,7 @@ def from_bytes(data, dtype, shape, like):
             out = out.to(like.device)
         return out
     a = np.frombuffer(data, dtype=_NP_BY_DTYPE[dtype]).reshape(tuple(shape))
-    if dtype == pb.DTYPE_BF16 and like.np_dtype is not None:
+    if dtype == pb.DTYPE_BF16 and like.np_dtype is not None and like.np_dtype != _U2:
         if like.np_dtype.name == "bfloat16":
             a = a.view(like.np_dtype)
         elif like.np_dtype.kind == "i":
