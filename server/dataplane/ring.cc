@@ -158,19 +158,7 @@ void ReadHeader(void* p) {
 
 void WakeServer(void* p) { ring::FutexWake(&static_cast<ring::Header*>(p)->request_seq); }
 
-// 1: this thread is a ring's, handing a request over; 2: it is running inline work.
-thread_local int t_ring_state = 0;
-
 }  // namespace
-
-absl::Status RunOnRingThreadOr(
-    std::function<void()> fn, const std::function<absl::Status(std::function<void()>)>& elsewhere) {
-  if (t_ring_state != 1) return elsewhere(std::move(fn));
-  t_ring_state = 2;  // work that fn itself starts goes elsewhere
-  fn();
-  t_ring_state = 1;
-  return absl::OkStatus();
-}
 
 // One open ring and its thread. The request and response objects belong to the request in
 // flight (at most one: the thread takes the next only after the answer is written).
@@ -316,12 +304,10 @@ class RingServer::Ring {
           "cannot parse attnd.v1.SessionRequest from the ring's request half"));
     }
     response_.set_tag(request_.tag());
-    t_ring_state = 1;
     absl::Status s = CatchAll("the ring's request", [&] {
       return server_->handler_(request_, tenant_, &response_,
                                [this](absl::Status st) { Answer(std::move(st)); });
     });
-    t_ring_state = 0;
     if (!s.ok()) Answer(std::move(s));
   }
 
@@ -359,12 +345,10 @@ class RingServer::Ring {
     if (!server_->frame_handler_) {
       return Answer(absl::UnimplementedError("this server reads no version 2 ring frames"));
     }
-    t_ring_state = 1;
     absl::Status s = CatchAll("the ring's request", [&] {
       return server_->frame_handler_(frame_, tenant_, &answer_,
                                      [this](absl::Status st) { Answer(std::move(st)); });
     });
-    t_ring_state = 0;
     if (!s.ok()) Answer(std::move(s));
   }
 

@@ -57,17 +57,11 @@ struct RingSpinStats {
   int64_t spins_refused = 0;                 // spins refused by the limits (the thread slept)
 };
 
-// On a ring's server thread while it hands a request to the handler (and not inside work that
-// this already runs inline), runs fn right here and returns OK: the thread would only wait for the
-// answer, and waking a worker costs tens of microseconds on a VM. Anywhere else (and for nested
-// work, such as a batch launched from inside one) hands fn to `elsewhere` and returns its status.
-absl::Status RunOnRingThreadOr(std::function<void()> fn,
-                               const std::function<absl::Status(std::function<void()>)>& elsewhere);
-
 class RingServer {
  public:
   // Runs one request as `tenant`; calls done exactly once (after filling response) unless it
-  // returns an error.
+  // returns an error. Called on the ring's own thread, which then only waits for done: the
+  // handler may run the work right there.
   using Handler = std::function<absl::Status(
       const v1::SessionRequest& request, absl::string_view tenant, v1::SessionResponse* response,
       std::function<void(absl::Status)> done)>;

@@ -626,13 +626,9 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     WorkQueue* workers = work_queue_.get();
     absl::StatusOr<std::unique_ptr<BatchingDecodeQueue>> batcher = BatchingDecodeQueue::Create(
         *batcher_options, decode_executor_.get(),
-        [workers](std::function<void()> fn) {
-          // A batch launched by a ring's own request runs on that ring's thread, which would
-          // only wait for it (docs/regions.md, "Rings"); every other batch on a worker.
-          return RunOnRingThreadOr(std::move(fn), [workers](std::function<void()> f) {
-            return workers->Submit(std::move(f));
-          });
-        },
+        // A batch a ring's own request launches runs on that ring's thread instead
+        // (RequestContext::run_on_caller, docs/regions.md, "Rings").
+        [workers](std::function<void()> fn) { return workers->Submit(std::move(fn)); },
         Clock::Real(), /*start_timer=*/true);
     if (!batcher.ok()) return batcher.status();
     batcher_ = batcher->get();
@@ -675,12 +671,14 @@ absl::Status AttndServerImpl::Init(const ServerOptions& options) {
     rings_->SetHandler([service = service_.get()](
                            const v1::SessionRequest& request, absl::string_view tenant,
                            v1::SessionResponse* response, std::function<void(absl::Status)> done) {
-      return service->SubmitSessionRequest(request, tenant, response, std::move(done));
+      return service->SubmitSessionRequest(request, tenant, response, std::move(done),
+                                           /*on_caller=*/true);
     });
     rings_->SetFrameHandler(
         [service = service_.get()](const RequestFrame& frame, absl::string_view tenant,
                                    FrameAnswer* answer, std::function<void(absl::Status)> done) {
-          return service->SubmitRingFrame(frame, tenant, answer, std::move(done));
+          return service->SubmitRingFrame(frame, tenant, answer, std::move(done),
+                                          /*on_caller=*/true);
         });
   }
   service_for_metrics_.store(service_.get());

@@ -749,7 +749,8 @@ void AttentionService::ServeCloseRing(grpc::CallbackServerContext* context,
 absl::Status AttentionService::SubmitSessionRequest(const v1::SessionRequest& request,
                                                     absl::string_view tenant,
                                                     v1::SessionResponse* response,
-                                                    std::function<void(absl::Status)> done) {
+                                                    std::function<void(absl::Status)> done,
+                                                    bool on_caller) {
   const bool prefill = request.request_case() == v1::SessionRequest::kPrefill;
   auto scope = std::make_shared<RequestScope>(this, prefill ? "Ring.Prefill" : "Ring.Decode",
                                               SizeOf(request));
@@ -765,16 +766,18 @@ absl::Status AttentionService::SubmitSessionRequest(const v1::SessionRequest& re
         scope->End(s, 0);
         done(std::move(s));
       };
-      return SubmitWork(std::move(run));
+      return RunHereOrQueue(on_caller, std::move(run));
     }
-    case v1::SessionRequest::kDecode:
-      return SubmitDecode(request.decode(), scope->tenant(), RequestContext(),
-                          response->mutable_decode(),
+    case v1::SessionRequest::kDecode: {
+      RequestContext context;
+      context.run_on_caller = on_caller;
+      return SubmitDecode(request.decode(), scope->tenant(), context, response->mutable_decode(),
                           [scope, done = std::move(done)](absl::Status s) {
                             scope->clock()->finished = absl::Now();
                             scope->End(s, 0);
                             done(std::move(s));
                           });
+    }
     default:
       return absl::InvalidArgumentError(
           "a session request must hold a prefill or a decode request");
@@ -815,7 +818,8 @@ PackedTensor Packed(const FrameTensor& t, v1::RegionRef* ref) {
 
 absl::Status AttentionService::SubmitRingFrame(const RequestFrame& frame, absl::string_view tenant,
                                                FrameAnswer* answer,
-                                               std::function<void(absl::Status)> done) {
+                                               std::function<void(absl::Status)> done,
+                                               bool on_caller) {
   const bool prefill = frame.op == ring::v2::kPrefill;
   auto scope = std::make_shared<RequestScope>(this, prefill ? "Ring.Prefill" : "Ring.Decode",
                                               static_cast<int64_t>(frame.bytes));
@@ -826,7 +830,7 @@ absl::Status AttentionService::SubmitRingFrame(const RequestFrame& frame, absl::
                                    : static_cast<int64_t>(frame.sequence_ids.size());
   if (!prefill) {
     return CatchAll("the decode", [&] {
-      return SubmitFrameDecode(frame, scope->tenant(), answer,
+      return SubmitFrameDecode(frame, scope->tenant(), answer, on_caller,
                                [scope, done = std::move(done)](absl::Status s) {
                                  scope->clock()->finished = absl::Now();
                                  scope->End(s, 0);
@@ -879,11 +883,12 @@ absl::Status AttentionService::SubmitRingFrame(const RequestFrame& frame, absl::
     scope->End(s, 0);
     done(std::move(s));
   };
-  return SubmitWork(std::move(run));
+  return RunHereOrQueue(on_caller, std::move(run));
 }
 
 absl::Status AttentionService::SubmitFrameDecode(const RequestFrame& frame,
                                                  absl::string_view tenant, FrameAnswer* answer,
+                                                 bool on_caller,
                                                  std::function<void(absl::Status)> done) {
   // The references live as long as the call (RegionTensors keeps none of them).
   auto refs = std::make_shared<std::array<v1::RegionRef, 4>>();
@@ -933,8 +938,10 @@ absl::Status AttentionService::SubmitFrameDecode(const RequestFrame& frame,
     for (DecodeCall::Entry& e : call.entries) e.order = order.get();
   }
   const bool in_region = output_region != nullptr;
+  RequestContext context;
+  context.run_on_caller = on_caller;
   return decode_queue_->Submit(
-      std::move(call), RequestContext(),
+      std::move(call), context,
       [this, b, answer, regions, refs, order, in_region,
        done = std::move(done)](absl::StatusOr<DecodeResult> result) {
         if (!DecodeSettled(regions.get(), b, result)) {
@@ -1373,11 +1380,10 @@ absl::Status AttentionService::SubmitDecodeUnsafe(const v1::DecodeRequest& reque
                                });
 }
 
-absl::Status AttentionService::SubmitWork(std::function<void()> run) {
-  // A ring's thread would only wait for it: it runs there (server/dataplane/ring.h).
-  return RunOnRingThreadOr(std::move(run), [this](std::function<void()> fn) {
-    return work_queue_->Submit(std::move(fn));
-  });
+absl::Status AttentionService::RunHereOrQueue(bool here, std::function<void()> run) {
+  if (!here) return work_queue_->Submit(std::move(run));
+  run();
+  return absl::OkStatus();
 }
 
 bool AttentionService::DecodeSettled(RegionTensors* regions, int64_t entries,

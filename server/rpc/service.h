@@ -106,20 +106,22 @@ class AttentionService : public AttentionServiceBase {
                    RegionRegistry* regions = nullptr, RingServer* rings = nullptr,
                    std::shared_ptr<wire::BufferPool> buffers = nullptr);
 
-  // Runs one request of a Session stream or a ring (as `tenant`, with no client deadline): a
-  // prefill on the work queue, a decode through the decode queue. done gets its status after
-  // `response` is filled; request and response must stay valid until then. An error returned
-  // here means done is never called.
+  // Runs one request of a ring (as `tenant`, with no client deadline): a prefill on the work
+  // queue, a decode through the decode queue. done gets its status after `response` is filled;
+  // request and response must stay valid until then. An error returned here means done is never
+  // called. on_caller: the calling thread only waits for done (a ring's own thread), so the
+  // prefill, or a decode batch this request completes, runs on it instead of on a worker.
   absl::Status SubmitSessionRequest(const v1::SessionRequest& request, absl::string_view tenant,
                                     v1::SessionResponse* response,
-                                    std::function<void(absl::Status)> done);
+                                    std::function<void(absl::Status)> done, bool on_caller = false);
 
   // Runs one version 2 ring frame (server/dataplane/ring_frame.h) as `tenant`, as
   // SubmitSessionRequest runs the same request: the same checks (a decode is the packed form, its
   // q, k and v inline or in regions), engine calls and records, with the tensors viewed in the
   // frame and an inline output written by the engine into answer's buffer. The same contract.
   absl::Status SubmitRingFrame(const RequestFrame& frame, absl::string_view tenant,
-                               FrameAnswer* answer, std::function<void(absl::Status)> done);
+                               FrameAnswer* answer, std::function<void(absl::Status)> done,
+                               bool on_caller = false);
 
   // Sessions waiting for their next request end now with UNAVAILABLE; busy ones end after the
   // response they are computing. Call before grpc::Server::Shutdown so idle streams do not hold
@@ -200,13 +202,15 @@ class AttentionService : public AttentionServiceBase {
                                                std::function<absl::Status()> keep_going);
   // SubmitRingFrame's decode (without CatchAll).
   absl::Status SubmitFrameDecode(const RequestFrame& frame, absl::string_view tenant,
-                                 FrameAnswer* answer, std::function<void(absl::Status)> done);
+                                 FrameAnswer* answer, bool on_caller,
+                                 std::function<void(absl::Status)> done);
   absl::Status SubmitDecodeUnsafe(const v1::DecodeRequest& request, absl::string_view tenant,
                                   const RequestContext& context, v1::DecodeResponse* response,
                                   std::function<void(absl::Status)> done);  // without CatchAll
   // SubmitDecodeUnsafe for the packed form (server/rpc/packed_decode.h).
-  // Runs a prefill's work on the calling ring's thread, or queues it for a worker.
-  absl::Status SubmitWork(std::function<void()> run);
+  // Runs `run` right here (a ring's thread, which would only wait for it), or queues it for a
+  // worker.
+  absl::Status RunHereOrQueue(bool here, std::function<void()> run);
   // The start of every decode's completion: the regions' leases (may be null) end before the
   // answer reaches the client, and without the batcher one request is one executed batch (the
   // batcher observes its merged batches itself). Returns result.ok().

@@ -123,7 +123,7 @@ absl::Status BatchingDecodeQueue::Submit(DecodeCall call, const RequestContext& 
     auto it = keys_.find(key);
     if (it != keys_.end()) WakeTimerLocked(std::min(deadline, PlanLocked(it->second, now).wake));
   }
-  Deliver(std::move(answers), std::move(batches));
+  Deliver(std::move(answers), std::move(batches), context.run_on_caller);
   return absl::OkStatus();
 }
 
@@ -245,9 +245,13 @@ void BatchingDecodeQueue::FinishBatchLocked(const Batch& batch) {
 }
 
 void BatchingDecodeQueue::Deliver(std::vector<Answer> answers,
-                                  std::vector<std::shared_ptr<Batch>> batches) {
+                                  std::vector<std::shared_ptr<Batch>> batches, bool here) {
   for (Answer& a : answers) a.first(absl::StatusOr<DecodeResult>(std::move(a.second)));
   for (std::shared_ptr<Batch>& batch : batches) {
+    if (here) {
+      RunBatch(batch);
+      continue;
+    }
     absl::Status s = dispatch_([this, batch] { RunBatch(batch); });
     if (s.ok()) continue;
     {

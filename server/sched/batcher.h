@@ -199,7 +199,10 @@ class BatchingDecodeQueue : public DecodeQueue {
                      std::vector<std::shared_ptr<Batch>>* batches)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers dropped calls and dispatches batches (a refused batch's calls get the refusal).
-  void Deliver(std::vector<Answer> answers, std::vector<std::shared_ptr<Batch>> batches);
+  // Answers the dropped calls and starts the batches: on the workers (dispatch_), or here, one
+  // after the other, when `here` (RequestContext::run_on_caller).
+  void Deliver(std::vector<Answer> answers, std::vector<std::shared_ptr<Batch>> batches,
+               bool here = false);
   // On a worker: executes the batch, frees its slot, then runs the key's next due batch on this
   // same thread (which is also how calls queued behind it drain at shutdown). The executed
   // batch's replies go to other workers when a next batch follows, so serialising them never

@@ -322,6 +322,32 @@ TEST_F(BatcherTest, FlushesAtOnceOnReachingACapturedSize) {
   EXPECT_EQ(queue_->Stats().padding_entries, 0);  // the engine (here: eager) pads, not the batcher
 }
 
+// A call whose submitter only waits for it (a ring's thread: RequestContext::run_on_caller) runs
+// the batch it completes right there, merged calls and all, before Submit returns; the next batch
+// that batch makes due goes to the dispatcher as usual.
+TEST_F(BatcherTest, ABatchTheCallersCallCompletesRunsOnTheCaller) {
+  DecodeBatcherOptions o;
+  o.flush_batch_sizes = {2};
+  o.max_inflight_batches = 1;
+  Make(o);
+  Reply* a = Submit({"a"});
+  RequestContext here;
+  here.run_on_caller = true;
+  Reply* b = Submit({"b"}, 0, here);
+  EXPECT_TRUE(dispatcher_.held.empty());  // nothing handed to a worker
+  EXPECT_THAT(exec_.Batches(), ElementsAre("a,b"));
+  EXPECT_EQ(a->Summary(), "a@1");
+  EXPECT_EQ(b->Summary(), "b@1");
+  // Without it, the same completes on a worker.
+  Reply* c = Submit({"c"});
+  Reply* d = Submit({"d"});
+  EXPECT_EQ(dispatcher_.held.size(), 1u);
+  EXPECT_EQ(d->Summary(), "pending");
+  dispatcher_.RunAll();
+  EXPECT_THAT(exec_.Batches(), ElementsAre("a,b", "c,d"));
+  EXPECT_EQ(c->Summary(), "c@1");
+}
+
 TEST_F(BatcherTest, FlushesWhenTheNextCallWouldPassTheLimit) {
   DecodeBatcherOptions o = NoSizeFlush();
   o.max_decode_batch = 4;
