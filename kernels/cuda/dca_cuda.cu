@@ -546,21 +546,6 @@ absl::Status LaunchDcaPrefill(const CudaKernelPlan& plan, const CudaPrefillParam
   });
 }
 
-absl::Status LaunchDcaPrefillReference(const DcaGeometry& g, const CudaPrefillParams& p,
-                                       cudaStream_t stream) {
-  if (absl::Status s = CheckPrefill(g, p); !s.ok()) return s;
-  const dim3 grid(static_cast<unsigned>(p.num_tokens), g.num_q_heads);
-  const int out = static_cast<int>(p.out_dtype);
-  const auto start = static_cast<int32_t>(p.start);
-  const auto cl = static_cast<int32_t>(g.chunk_len);
-  WithHeadDim(g.head_dim, [&](auto dim) {
-    cuda_kernels::DcaPrefillReferenceKernel<decltype(dim)::value><<<grid, 32, 0, stream>>>(
-        p.kv, p.q, p.out, out, start, cl, g.num_q_heads, g.group_size(), p.softmax_scale);
-  });
-  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaPrefillReferenceKernel");
-  return absl::OkStatus();
-}
-
 namespace {
 
 template <typename KvT>
@@ -589,21 +574,6 @@ absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParams&
 absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<Int8Kv>& p,
                              cudaStream_t stream) {
   return LaunchDcaDecodeOf(plan, p, stream);
-}
-
-absl::Status LaunchDcaDecodeReference(const DcaGeometry& g, const CudaDecodeParams& p,
-                                      cudaStream_t stream) {
-  if (absl::Status s = CheckDecode(g, p); !s.ok()) return s;
-  const dim3 grid(p.batch, g.num_q_heads);
-  const int out = static_cast<int>(p.out_dtype);
-  const auto cl = static_cast<int32_t>(g.chunk_len);
-  WithHeadDim(g.head_dim, [&](auto dim) {
-    cuda_kernels::DcaDecodeReferenceKernel<decltype(dim)::value><<<grid, 32, 0, stream>>>(
-        p.kv, p.lengths, p.q, p.out, out, cl, g.num_q_heads, g.group_size(), g.softmax_scale,
-        g.original_max_position_embeddings);
-  });
-  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReferenceKernel");
-  return absl::OkStatus();
 }
 
 }  // namespace attnd

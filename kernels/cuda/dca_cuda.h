@@ -364,9 +364,6 @@ int32_t PrefillKeyTileKeys(const CudaKernelPlan& plan);
 // over starts); 0 when the plan's kernel takes no windows.
 size_t PrefillWindowStateBytes(const CudaKernelPlan& plan, const DcaGeometry& geometry,
                                int64_t num_tokens);
-// Simple reference kernel (one warp per query row, scalar fp32, no tiling). Slow; for tests.
-absl::Status LaunchDcaPrefillReference(const DcaGeometry& geometry, const CudaPrefillParams& params,
-                                       cudaStream_t stream);
 
 // ---- Decode ------------------------------------------------------------------------------------
 
@@ -407,9 +404,6 @@ absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParams&
                              cudaStream_t stream);
 absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<Int8Kv>& params,
                              cudaStream_t stream);
-// Simple reference kernel (one warp per (sequence, q head), scalar fp32). Ignores the workspace.
-absl::Status LaunchDcaDecodeReference(const DcaGeometry& geometry, const CudaDecodeParams& params,
-                                      cudaStream_t stream);
 
 }  // namespace attnd
 

@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda/testing/gpu_test.h"
 #include "kernels/cuda/testing/kernels_under_test.h"
+#include "kernels/cuda/testing/reference_cuda.h"
 #include "kernels/dca.h"
 #include "kernels/paged_kv.h"
 
