@@ -33,57 +33,16 @@
 #include "server/engine/cuda_engine.h"
 #include "server/engine/engine.h"
 #include "server/engine/engine_jobs_for_testing.h"
+#include "server/engine/engine_tensors_for_testing.h"
 #include "server/engine/kv_golden_replay_for_testing.h"
 
 namespace attnd {
 namespace {
 
-// A request tensor in `dtype` plus the fp32 values it holds exactly.
-struct Tensor {
-  DType dtype;
-  std::vector<uint8_t> bytes;
-  std::vector<float> values;
-  std::vector<int64_t> shape;
-  TensorView view() const { return TensorView{dtype, bytes.data(), shape}; }
-};
-
-Tensor FromValues(std::vector<int64_t> shape, DType dtype, const std::vector<float>& raw) {
-  Tensor t{dtype, std::vector<uint8_t>(raw.size() * ElementSize(dtype)),
-           std::vector<float>(raw.size()), shape};
-  ConvertFromFloat(raw.data(), raw.size(), dtype, t.bytes.data());
-  ConvertToFloat(t.bytes.data(), dtype, raw.size(), t.values.data());
-  return t;
-}
-
-Tensor RandomTensor(std::vector<int64_t> shape, DType dtype, std::mt19937* rng) {
-  const int64_t n = std::accumulate(shape.begin(), shape.end(), int64_t{1},
-                                    [](int64_t a, int64_t b) { return a * b; });
-  std::normal_distribution<float> dist(0.f, 1.f);
-  std::vector<float> raw(n);
-  for (float& x : raw) x = dist(*rng);
-  return FromValues(std::move(shape), dtype, raw);
-}
-
-void ExpectClose(const std::vector<float>& got, const std::vector<float>& want,
-                 const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  double max_abs = 0, sum_abs = 0;
-  size_t bad = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) {
-      ++bad;
-      continue;
-    }
-    const double e = std::fabs(static_cast<double>(got[i]) - want[i]);
-    max_abs = std::max(max_abs, e);
-    sum_abs += e;
-  }
-  EXPECT_EQ(bad, 0u) << what << ": non-finite outputs";
-  EXPECT_LE(max_abs, 2e-2) << what;
-  EXPECT_LE(sum_abs / want.size(), 2e-3) << what;
-  std::printf("  %-44s n=%zu max_abs=%.3g mean_abs=%.3g\n", what.c_str(), want.size(), max_abs,
-              sum_abs / want.size());
-}
+using engine_testing::ExpectClose;
+using engine_testing::FromValues;
+using engine_testing::RandomTensor;
+using engine_testing::Tensor;
 
 // One stored row: the fp32 values the engine was given and the multiplier it applies (s(L) for a
 // key, 1 for a value), and where it lives.

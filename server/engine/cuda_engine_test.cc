@@ -25,6 +25,7 @@
 #include "kvcache/kv_layout.h"
 #include "server/engine/engine.h"
 #include "server/engine/engine_jobs_for_testing.h"
+#include "server/engine/engine_tensors_for_testing.h"
 
 namespace attnd {
 namespace {
@@ -88,48 +89,9 @@ TEST(CudaEngineOptions, NoDeviceIsFailedPrecondition) {
       << e.status();
 }
 
-// A request tensor in `dtype` plus the fp32 values it holds exactly.
-struct Tensor {
-  DType dtype;
-  std::vector<uint8_t> bytes;
-  std::vector<float> values;
-  std::vector<int64_t> shape;
-  TensorView view() const { return TensorView{dtype, bytes.data(), shape}; }
-};
-
-Tensor RandomTensor(std::vector<int64_t> shape, DType dtype, std::mt19937* rng) {
-  const int64_t n = std::accumulate(shape.begin(), shape.end(), int64_t{1},
-                                    [](int64_t a, int64_t b) { return a * b; });
-  std::normal_distribution<float> dist(0.f, 1.f);
-  std::vector<float> raw(n);
-  for (float& x : raw) x = dist(*rng);
-  Tensor t{dtype, std::vector<uint8_t>(n * ElementSize(dtype)), std::vector<float>(n), shape};
-  ConvertFromFloat(raw.data(), n, dtype, t.bytes.data());
-  ConvertToFloat(t.bytes.data(), dtype, n, t.values.data());
-  return t;
-}
-
-void ExpectClose(const std::vector<uint8_t>& got_bytes, DType dtype, const std::vector<float>& want,
-                 const std::string& what) {
-  std::vector<float> got(want.size());
-  ConvertToFloat(got_bytes.data(), dtype, want.size(), got.data());
-  double max_abs = 0, sum_abs = 0;
-  size_t bad = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) {
-      ++bad;
-      continue;
-    }
-    const double e = std::fabs(static_cast<double>(got[i]) - want[i]);
-    max_abs = std::max(max_abs, e);
-    sum_abs += e;
-  }
-  EXPECT_EQ(bad, 0u) << what << ": non-finite outputs";
-  EXPECT_LE(max_abs, 2e-2) << what;
-  EXPECT_LE(sum_abs / want.size(), 2e-3) << what;
-  std::printf("  %-40s n=%zu max_abs=%.3g mean_abs=%.3g\n", what.c_str(), want.size(), max_abs,
-              sum_abs / want.size());
-}
+using engine_testing::ExpectClose;
+using engine_testing::RandomTensor;
+using engine_testing::Tensor;
 
 TEST(CudaEngine, PrefillAndDecodeMatchReference) {
   REQUIRE_GPU();
