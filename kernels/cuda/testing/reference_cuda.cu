@@ -1,5 +1,3 @@
-#include "kernels/cuda/testing/reference_cuda.h"
-
 #include <math_constants.h>
 
 #include <cstdint>
@@ -8,6 +6,7 @@
 #include "kernels/cuda/dca_cuda_kernels.cuh"
 #include "kernels/cuda/dca_cuda_launch.cuh"
 #include "kernels/cuda/head_dim.h"
+#include "kernels/cuda/testing/reference_cuda.h"
 
 namespace attnd {
 namespace cuda_kernels {

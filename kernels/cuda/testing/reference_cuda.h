@@ -1,5 +1,5 @@
-// Simple reference kernels of the CUDA DCA attention, for the kernels' tests: one warp per query row
-// (prefill) or per (sequence, q head) (decode), scalar fp32 with an online softmax, no tiling.
+// Simple reference kernels of the CUDA DCA attention, for the kernels' tests: one warp per query
+// row (prefill) or per (sequence, q head) (decode), scalar fp32 with an online softmax, no tiling.
 // Slow. They read the product's layouts (CudaPrefillParams, CudaDecodeParams) so a test runs them
 // on the same buffers as the kernels it checks; nothing in the daemon links them.
 #ifndef ATTND_KERNELS_CUDA_TESTING_REFERENCE_CUDA_H_
