@@ -358,8 +358,8 @@ def part_million(args):
     --million-chunk-token forwards, then 32 decode steps; model and attnd on one GPU."""
     config = config_json("qwen2.5-7b-instruct-1m")
     n, chunk, steps = args.million_tokens, args.million_chunk, 32
-    d = Daemon(args.attnd, config, "bf16", args.million_kv_bytes, sparse_from="qwen2.5-7b-instruct-1m",
-               extra=("--max-sequence-length", str(n + 64), "--ring-spin-us", str(args.ring_spin_us)))
+    d = Daemon(args.attnd, config, args.million_kv_dtype, args.million_kv_bytes,
+               sparse_from="qwen2.5-7b-instruct-1m", extra=("--max-sequence-length", str(n + 64), "--ring-spin-us", str(args.ring_spin_us)))
     try:
         layers = args.million_layers or config["num_hidden_layers"]
         model = hf_model(config, layers, torch.bfloat16)
@@ -381,7 +381,8 @@ def part_million(args):
         prefill = time.perf_counter() - t0
         used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader"],
                               capture_output=True, text=True).stdout.strip()
-        log("million", "7b-%dlayers bf16" % layers, "prompt %d tokens in %d-token forwards" % (n, chunk),
+        log("million", "7b-%dlayers bf16, %s KV" % (layers, args.million_kv_dtype),
+            "prompt %d tokens in %d-token forwards" % (n, chunk),
             "prefill %.1f s = attnd %.1f s (%d calls) + rest %.1f s" % (
                 prefill, cache.stats.prefill_seconds, cache.stats.prefill_calls,
                 prefill - cache.stats.prefill_seconds),
@@ -457,6 +458,8 @@ def main():
     ap.add_argument("--million-tokens", type=int, default=1010000)
     ap.add_argument("--million-chunk", type=int, default=16384)
     ap.add_argument("--million-kv-bytes", type=int, default=int(54.5 * 2**30))
+    ap.add_argument("--million-kv-dtype", default="bf16",
+                    help="attnd --kv-dtype of the million part (int8: half the pool for the same tokens)")
     ap.add_argument("--million-layers", type=int, default=0,
                     help="layers of the million part (0: all 28); random weights make every vertical-slash call "
                          "about dense, so all 28 layers take longer than one 10-minute device call")
