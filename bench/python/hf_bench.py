@@ -359,7 +359,8 @@ def part_million(args):
     config = config_json("qwen2.5-7b-instruct-1m")
     n, chunk, steps = args.million_tokens, args.million_chunk, 32
     d = Daemon(args.attnd, config, args.million_kv_dtype, args.million_kv_bytes,
-               sparse_from="qwen2.5-7b-instruct-1m", extra=("--max-sequence-length", str(n + 64), "--ring-spin-us", str(args.ring_spin_us)))
+               sparse_from="qwen2.5-7b-instruct-1m",
+               extra=("--max-sequence-length", str(n + 64), "--ring-spin-us", str(args.ring_spin_us)))
     try:
         layers = args.million_layers or config["num_hidden_layers"]
         model = hf_model(config, layers, torch.bfloat16)
