@@ -1120,30 +1120,50 @@ int32_t ResponseCode(const std::string& response, std::string* message) {
   return r.code;
 }
 
+// Installs handlers on `rings` that answer every frame with `answer` (version 1 requests with
+// UNIMPLEMENTED) and remember what each frame carried for the device.
+class FrameRecorder {
+ public:
+  struct Seen {
+    ring::v2::Op op;
+    bool ordered;
+    void* done;
+    const void* word;
+    uint64_t value;
+  };
+  FrameRecorder(RingServer* rings, absl::Status answer) : answer_(std::move(answer)) {
+    rings->SetHandler(
+        [](const v1::SessionRequest&, absl::string_view, v1::SessionResponse*,
+           std::function<void(absl::Status)>) { return absl::UnimplementedError("version 1"); });
+    rings->SetFrameHandler([this](const RequestFrame& frame, absl::string_view, FrameAnswer*,
+                                  std::function<void(absl::Status)> done) {
+      {
+        MutexLock lock(&mu_);
+        seen_.push_back(
+            {frame.op, frame.device_ordered, frame.done_event, frame.gate_word, frame.gate_value});
+      }
+      done(answer_);
+      return absl::OkStatus();
+    });
+  }
+  std::vector<Seen> seen() {
+    MutexLock lock(&mu_);
+    return seen_;
+  }
+
+ private:
+  const absl::Status answer_;
+  Mutex mu_;
+  std::vector<Seen> seen_ ABSL_GUARDED_BY(mu_);
+};
+
 TEST(RingDeviceEventsTest, EventsAreCreatedOnlyWhereAskedAndReachTheHandler) {
   RegionRegistry registry(RegionRegistryOptions{}, nullptr, Clock::Real());
   RingOptions ring_options;
   ring_options.ready_timeout = absl::Milliseconds(50);
   RingServer rings(&registry, ring_options);
   FakeEvents events;
-  struct Seen {
-    bool ordered = false;
-    void* done = nullptr;
-  };
-  Mutex mu;
-  std::vector<Seen> seen;
-  rings.SetHandler(
-      [](const v1::SessionRequest&, absl::string_view, v1::SessionResponse*,
-         std::function<void(absl::Status)>) { return absl::UnimplementedError("version 1"); });
-  rings.SetFrameHandler([&](const RequestFrame& frame, absl::string_view, FrameAnswer*,
-                            std::function<void(absl::Status)> done) {
-    {
-      MutexLock lock(&mu);
-      seen.push_back({frame.device_ordered, frame.done_event});
-    }
-    done(absl::UnavailableError("the test's handler runs nothing"));
-    return absl::OkStatus();
-  });
+  FrameRecorder recorder(&rings, absl::UnavailableError("the test's handler runs nothing"));
 
   HandRing v2_ring(64 * 1024);
   v2_ring.header()->version = ring::v2::kVersion;
@@ -1170,7 +1190,7 @@ TEST(RingDeviceEventsTest, EventsAreCreatedOnlyWhereAskedAndReachTheHandler) {
   EXPECT_EQ(events.queried(), std::vector<uintptr_t>(4, 1u));  // "ready", until it completed
   ASSERT_TRUE(v2_ring.RoundTrip(TinyDecodeFrame(0), &response, false));
   {
-    MutexLock lock(&mu);
+    const std::vector<FrameRecorder::Seen> seen = recorder.seen();
     ASSERT_EQ(seen.size(), 2u);
     EXPECT_TRUE(seen[0].ordered);
     EXPECT_EQ(seen[0].done, reinterpret_cast<void*>(2));
@@ -1187,7 +1207,7 @@ TEST(RingDeviceEventsTest, EventsAreCreatedOnlyWhereAskedAndReachTheHandler) {
   events.CompleteAfter(0);
   ASSERT_TRUE(v2_ring.RoundTrip(TinyDecodeFrame(ring::v2::kDeviceOrdered), &response, false));
   {
-    MutexLock lock(&mu);
+    const std::vector<FrameRecorder::Seen> seen = recorder.seen();
     EXPECT_EQ(seen.size(), 3u);
   }
 
@@ -1202,7 +1222,7 @@ TEST(RingDeviceEventsTest, EventsAreCreatedOnlyWhereAskedAndReachTheHandler) {
             static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(message, ::testing::HasSubstr("opened without device_events"));
   {
-    MutexLock lock(&mu);
+    const std::vector<FrameRecorder::Seen> seen = recorder.seen();
     EXPECT_EQ(seen.size(), 3u);
   }
 
@@ -1225,25 +1245,7 @@ TEST(RingDeviceEventsTest, DecodesWaitBehindAGateAttndOpensWhenTheClientIsStuck)
   FakeEvents events;
   events.EnableGates(41);  // a slot a closed ring left at 41
   rings.SetDeviceEvents(&events);
-  struct Seen {
-    ring::v2::Op op;
-    const void* word;
-    uint64_t value;
-  };
-  Mutex mu;
-  std::vector<Seen> seen;
-  rings.SetHandler(
-      [](const v1::SessionRequest&, absl::string_view, v1::SessionResponse*,
-         std::function<void(absl::Status)>) { return absl::UnimplementedError("version 1"); });
-  rings.SetFrameHandler([&](const RequestFrame& frame, absl::string_view, FrameAnswer*,
-                            std::function<void(absl::Status)> done) {
-    {
-      MutexLock lock(&mu);
-      seen.push_back({frame.op, frame.gate_word, frame.gate_value});
-    }
-    done(absl::OkStatus());
-    return absl::OkStatus();
-  });
+  FrameRecorder recorder(&rings, absl::OkStatus());
   HandRing r(64 * 1024);
   r.header()->version = ring::v2::kVersion;
   absl::StatusOr<RingServer::Opened> opened =
@@ -1259,7 +1261,7 @@ TEST(RingDeviceEventsTest, DecodesWaitBehindAGateAttndOpensWhenTheClientIsStuck)
   ASSERT_TRUE(r.RoundTrip(prefill, &response, false));
   EXPECT_TRUE(events.queried().size() >= 1u);  // the prefill's wait, on the host
   {
-    MutexLock lock(&mu);
+    const std::vector<FrameRecorder::Seen> seen = recorder.seen();
     ASSERT_EQ(seen.size(), 3u);
     EXPECT_EQ(seen[0].word, seen[1].word);
     EXPECT_NE(seen[0].word, nullptr);
@@ -1307,7 +1309,7 @@ TEST(RingDeviceEventsTest, DecodesWaitBehindAGateAttndOpensWhenTheClientIsStuck)
   EXPECT_GT(events.queried().size(), queries);  // "ready", polled on the host
   EXPECT_EQ(events.arms().size(), 3u);          // no new arm
   {
-    MutexLock lock(&mu);
+    const std::vector<FrameRecorder::Seen> seen = recorder.seen();
     EXPECT_EQ(seen.back().word, nullptr);
   }
   rings.Shutdown();

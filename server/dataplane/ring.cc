@@ -378,7 +378,6 @@ class RingServer::Ring {
   // armed). Steps armed and not yet released are remembered with the time they were armed, so the
   // ring can tell when the client's stream has held one up past ready_timeout.
   absl::Status ArmGate() {
-    ReleasePassedGates();
     if (GateOverdue()) {
       GateStuck();
       return absl::DeadlineExceededError(GateStuckMessage());
@@ -404,19 +403,22 @@ class RingServer::Ring {
     const uint64_t word = GateWord();
     while (!gate_pending_.empty() && gate_pending_.front().value <= word) gate_pending_.pop_front();
   }
-  // Nanoseconds until the oldest waiting step passes ready_timeout (at least 1); 0: none waits.
-  int64_t GateDeadlineNs() {
+  // Nanoseconds until the oldest waiting step passes ready_timeout (negative once it has);
+  // nullopt: none waits.
+  std::optional<int64_t> GateLeftNs() {
     ReleasePassedGates();
-    if (gate_pending_.empty()) return 0;
-    const int64_t left = gate_pending_.front().armed_ns +
-                         absl::ToInt64Nanoseconds(server_->options_.ready_timeout) -
-                         absl::GetCurrentTimeNanos();
-    return std::max<int64_t>(left, 1);
+    if (gate_pending_.empty()) return std::nullopt;
+    return gate_pending_.front().armed_ns +
+           absl::ToInt64Nanoseconds(server_->options_.ready_timeout) - absl::GetCurrentTimeNanos();
+  }
+  // For the idle wait: when to look again (at least 1 ns); 0: no step waits.
+  int64_t GateDeadlineNs() {
+    const std::optional<int64_t> left = GateLeftNs();
+    return left ? std::max<int64_t>(*left, 1) : 0;
   }
   bool GateOverdue() {
-    ReleasePassedGates();
-    return !gate_pending_.empty() && absl::GetCurrentTimeNanos() - gate_pending_.front().armed_ns >
-                                         absl::ToInt64Nanoseconds(server_->options_.ready_timeout);
+    const std::optional<int64_t> left = GateLeftNs();
+    return left && *left < 0;
   }
   std::string GateStuckMessage() const {
     return absl::StrCat("the client's ready event did not complete within ",
