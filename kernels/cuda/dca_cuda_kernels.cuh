@@ -570,6 +570,16 @@ __device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool vali
 // [16][D] tile with the bf16 ring's XOR swizzle (16-byte chunk c of row r at chunk c ^ (r & 7)),
 // so the bf16 kernel's ldmatrix addressing reads it unchanged. code * scale is one fp32 multiply,
 // base/int8_kv.h's Int8DequantizeRow, then rounded to nearest even.
+// Byte i of `word` as a signed code, converted to float exactly without the conversion unit (a
+// quarter-rate I2F per code bounds the int8 decode otherwise): the biased byte c + 128 goes into
+// the mantissa of 2^23 (one byte permute), and one add removes 2^23 + 128. Every code in [-128,
+// 127] is exact in both steps, so the value is static_cast<float>(c) bit for bit.
+__device__ __forceinline__ float Int8ToFloat(uint32_t word, int i) {
+  const uint32_t biased = word ^ 0x80808080u;  // each byte c + 128, as unsigned
+  const uint32_t bits = __byte_perm(biased, 0x4B000000u, 0x7540u | static_cast<uint32_t>(i));
+  return __uint_as_float(bits) - 8388736.0f;  // 2^23 + 128
+}
+
 template <int D>
 __device__ __forceinline__ void DequantizeWarpRows(const int8_t* codes, const float* scales,
                                                    Bf16* dst, int lane) {
@@ -582,8 +592,8 @@ __device__ __forceinline__ void DequantizeWarpRows(const int8_t* codes, const fl
     float x[8];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      x[i] = static_cast<float>(static_cast<int8_t>(w.x >> (8 * i))) * sc;
-      x[4 + i] = static_cast<float>(static_cast<int8_t>(w.y >> (8 * i))) * sc;
+      x[i] = Int8ToFloat(w.x, i) * sc;
+      x[4 + i] = Int8ToFloat(w.y, i) * sc;
     }
     *reinterpret_cast<uint4*>(dst + r * D + ((c ^ (r & 7)) << 3)) = make_uint4(
         PackBf16(x[0], x[1]), PackBf16(x[2], x[3]), PackBf16(x[4], x[5]), PackBf16(x[6], x[7]));
