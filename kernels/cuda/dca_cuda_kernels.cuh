@@ -549,14 +549,16 @@ __host__ __device__ constexpr size_t DecodePipeSmemBytes(int d, int warps, int s
   return static_cast<size_t>(2 * stages * 16 * warps) * d * sizeof(Bf16) +
          static_cast<size_t>(3 * group + 1) * (d + 8) * sizeof(Bf16);
 }
-// The int8 instantiation's: a ring of codes (one byte an element) and scales, one bf16 K and V
-// tile that the warps dequantise into (each warp its own 16 rows), and Q.
+// The int8 instantiation's: a ring of codes (one byte an element) and scales, one fp16 V tile that
+// the warps convert codes into (each warp its own 16 rows), per mma row and variant the query's
+// power-of-two factor, and the query as fp16 mma fragments.
 __host__ __device__ constexpr size_t DecodePipeInt8SmemBytes(int d, int warps, int stages,
                                                              int group) {
+  (void)group;  // the query's fragments have 16 rows whatever the group
   return static_cast<size_t>(2 * stages * 16 * warps) * d +
          static_cast<size_t>(2 * stages * 16 * warps) * sizeof(float) +
-         static_cast<size_t>(2 * 16 * warps) * d * sizeof(Bf16) +
-         static_cast<size_t>(3 * group + 1) * (d + 8) * sizeof(Bf16);
+         static_cast<size_t>(16 * warps) * d * sizeof(Bf16) + 3 * 16 * sizeof(float) +
+         static_cast<size_t>(3 * (d / 16) * 32) * 16;
 }
 
 // 4-byte global->shared copy (an int8 row's scale); when !valid the 4 bytes are zero-filled.
@@ -566,43 +568,167 @@ __device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool vali
                "r"(src_size));
 }
 
-// One warp's 16 rows of an int8 ring slot (codes [16][D], scales [16]) to bf16(code * scale) in a
-// [16][D] tile with the bf16 ring's XOR swizzle (16-byte chunk c of row r at chunk c ^ (r & 7)),
-// so the bf16 kernel's ldmatrix addressing reads it unchanged. code * scale is one fp32 multiply,
-// base/int8_kv.h's Int8DequantizeRow, then rounded to nearest even.
-// Byte i of `word` as a signed code, converted to float exactly without the conversion unit (a
-// quarter-rate I2F per code bounds the int8 decode otherwise): the biased byte c + 128 goes into
-// the mantissa of 2^23 (one byte permute), and one add removes 2^23 + 128. Every code in [-128,
-// 127] is exact in both steps, so the value is static_cast<float>(c) bit for bit.
-__device__ __forceinline__ float Int8ToFloat(uint32_t word, int i) {
-  const uint32_t biased = word ^ 0x80808080u;  // each byte c + 128, as unsigned
-  const uint32_t bits = __byte_perm(biased, 0x4B000000u, 0x7540u | static_cast<uint32_t>(i));
-  return __uint_as_float(bits) - 8388736.0f;  // 2^23 + 128
+// The int8 ring's swizzle: 16-byte chunk c of row r lies at chunk c ^ Int8RingSwizzle<D>(r). A
+// lane reads the 16-byte chunk 4g + tig of key row gid (QkFromCodes): rows 2p and 2p + 1 share a
+// quarter-warp, and with 128-byte rows (D = 128) both would sit on the same 16 banks unless odd
+// rows move by 4 chunks; 64-byte rows (D = 64) already fall on different banks.
+template <int D>
+__device__ __forceinline__ int Int8RingSwizzle(int r) {
+  return D >= 128 ? (r & 1) << 2 : 0;
 }
 
+// Codes to exact fp16 without the conversion unit: the biased byte c + 128 goes into the mantissa
+// of 1024 (fp16 0x6400: integers exact up to 2048) by one byte permute, and one half2 subtract
+// removes 1152 = 1024 + 128. `biased` holds four codes each XORed with 0x80; returns codes 0, 1
+// (low) or 2, 3 (high) as a half2, the lower code in the low half.
+__device__ __forceinline__ uint32_t CodesToHalf2(uint32_t biased, bool high) {
+  const uint32_t h = __byte_perm(biased, 0x64646464u, high ? 0x4342u : 0x4140u);
+  const __half2 v =
+      __hsub2(*reinterpret_cast<const __half2*>(&h), __half2half2(__ushort_as_half(0x6480u)));
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// One warp's 16 rows of V codes in an int8 ring slot (Int8RingSwizzle) to their exact fp16 values
+// in a [16][D] tile with the bf16 ring's XOR swizzle (16-byte chunk c of row r at chunk c ^ (r &
+// 7)), so the bf16 kernel's ldmatrix addressing reads it unchanged. The scales stay out: each
+// key's V scale multiplies its softmax weight instead.
 template <int D>
-__device__ __forceinline__ void DequantizeWarpRows(const int8_t* codes, const float* scales,
-                                                   Bf16* dst, int lane) {
-  constexpr int kPieces = D / 8;  // 8 codes (one 16-byte bf16 chunk) a piece
+__device__ __forceinline__ void CodesToHalfRows(const int8_t* codes, uint16_t* dst, int lane) {
+  constexpr int kPieces = D / 8;  // 8 codes (one 16-byte fp16 chunk) a piece
 #pragma unroll
   for (int p = lane; p < 16 * kPieces; p += 32) {
     const int r = p / kPieces, c = p % kPieces;
-    const uint2 w = *reinterpret_cast<const uint2*>(codes + r * D + c * 8);
-    const float sc = scales[r];
-    float x[8];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      x[i] = Int8ToFloat(w.x, i) * sc;
-      x[4 + i] = Int8ToFloat(w.y, i) * sc;
-    }
-    *reinterpret_cast<uint4*>(dst + r * D + ((c ^ (r & 7)) << 3)) = make_uint4(
-        PackBf16(x[0], x[1]), PackBf16(x[2], x[3]), PackBf16(x[4], x[5]), PackBf16(x[6], x[7]));
+    const int src = r * D + (((c >> 1) ^ Int8RingSwizzle<D>(r)) << 4) + (c & 1) * 8;
+    const uint2 w = *reinterpret_cast<const uint2*>(codes + src);
+    const uint32_t x = w.x ^ 0x80808080u, y = w.y ^ 0x80808080u;
+    *reinterpret_cast<uint4*>(dst + r * D + ((c ^ (r & 7)) << 3)) =
+        make_uint4(CodesToHalf2(x, false), CodesToHalf2(x, true), CodesToHalf2(y, false),
+                   CodesToHalf2(y, true));
   }
 }
 
-// KvT = Bf16: the bf16 pool. KvT = Int8Kv: an int8 pool; the ring holds codes and scales, and
-// each warp dequantises its 16 keys of a tile into its rows of one bf16 tile before the same mma
-// code (no other change: the bf16 instantiation compiles to the same code as without it).
+// The query of the int8 decode as fp16 A fragments of Q K^T, in shared memory as qf[v][kk][lane]
+// (one uint4 each: a lane's four registers), and per mma row r and variant v the factor qinv[v *
+// 16 + r] that undoes its scaling. Each row is scaled by a power of two that puts its largest
+// magnitude in [2^14, 2^15), so any bf16 query fits fp16's range and keeps 11 significant bits.
+// The head dimension is permuted, as the K side reads it (QkFromCodes): in k-step kk = 4g + i a
+// lane with tig t holds dimensions 16 (4g + t) + 4i + {0, 1} (k slots 2t, 2t + 1) and + {2, 3}
+// (slots 2t + 8, 2t + 9), so its K operand is four consecutive codes of one row. Warp w builds
+// variants w, w + Warps, ...; rows >= group are zero.
+template <int D, int Warps>
+__device__ __forceinline__ void StageInt8Query(const Bf16* q, int64_t q_head0_row, int group,
+                                               int num_q_heads, int warp, int lane, uint4* qf,
+                                               float* qinv) {
+  constexpr int kKSteps = D / 16;
+  const int gid = lane / 4, tig = lane % 4;
+  for (int v = warp; v < kNumDecodeVariants; v += Warps) {
+    uint2 raw[kKSteps][2];
+    float mx[2] = {0.f, 0.f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = gid + 8 * r;
+      const Bf16* src = q + (q_head0_row + static_cast<int64_t>(v) * num_q_heads + row) * D;
+#pragma unroll
+      for (int kk = 0; kk < kKSteps; ++kk) {
+        const int dim = 16 * (4 * (kk / 4) + tig) + 4 * (kk % 4);
+        raw[kk][r] = row < group ? *reinterpret_cast<const uint2*>(src + dim) : make_uint2(0, 0);
+        const float2 lo =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[kk][r].x));
+        const float2 hi =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[kk][r].y));
+        mx[r] =
+            fmaxf(mx[r], fmaxf(fmaxf(fabsf(lo.x), fabsf(lo.y)), fmaxf(fabsf(hi.x), fabsf(hi.y))));
+      }
+    }
+    float f[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      const int e = mx[r] > 0.f ? ilogbf(mx[r]) : 0;  // 2^e <= max < 2^(e + 1)
+      f[r] = exp2f(static_cast<float>(14 - e));
+      if (tig == 0) qinv[v * 16 + gid + 8 * r] = exp2f(static_cast<float>(e - 14));
+    }
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      uint32_t a[4];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float2 lo =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[kk][r].x));
+        const float2 hi =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[kk][r].y));
+        a[r] = cuda_common::PackF16(lo.x * f[r], lo.y * f[r]);      // rows gid, gid + 8: slots 2t..
+        a[2 + r] = cuda_common::PackF16(hi.x * f[r], hi.y * f[r]);  // slots 2t + 8..
+      }
+      qf[(v * kKSteps + kk) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
+    }
+  }
+}
+
+// Q K^T of a warp's 16 keys (rows `codes`, [16][D] of an int8 ring slot, Int8RingSwizzle) for the
+// variants v_lo..v_hi, in fp16 on the exact codes: s[nb][e] becomes the score of key kw + nb * 8 +
+// 2 tig + (e & 1) with the variant of that key, for mma row gid (e < 2) or gid + 8, times the key's
+// K scale and the row's query factor (StageInt8Query); s is left alone for keys of other variants.
+// A lane's K operand for k-step 4g + i is word i of chunk 4g + tig of its key row (the dimension
+// order StageInt8Query gives the query), so the codes go from one 16-byte load to the mma.
+template <int D>
+__device__ __forceinline__ void QkFromCodes(const int8_t* codes, const uint4* qf, const float* qinv,
+                                            const float* kscale, int32_t kw, int32_t prev,
+                                            int32_t cl, int v_lo, int v_hi, int lane,
+                                            float (&s)[2][4]) {
+  constexpr int kKSteps = D / 16, kGroups = D / 64;
+  const int gid = lane / 4, tig = lane % 4;
+  uint4 kc[2][kGroups];
+  float ksc[2][2];
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb) {
+    const int row = nb * 8 + gid;
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      uint4 w = *reinterpret_cast<const uint4*>(codes + row * D +
+                                                (((4 * g + tig) ^ Int8RingSwizzle<D>(row)) << 4));
+      w.x ^= 0x80808080u;
+      w.y ^= 0x80808080u;
+      w.z ^= 0x80808080u;
+      w.w ^= 0x80808080u;
+      kc[nb][g] = w;
+    }
+    ksc[nb][0] = kscale[nb * 8 + 2 * tig];
+    ksc[nb][1] = kscale[nb * 8 + 2 * tig + 1];
+  }
+  for (int v = v_lo; v <= v_hi; ++v) {  // usually one variant; two or three at a boundary
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      const uint4 q4 = qf[(v * kKSteps + kk) * 32 + lane];
+      const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+        const uint4& w = kc[nb][kk / 4];
+        const int i = kk % 4;
+        const uint32_t word = i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;
+        cuda_common::Mma16816F16(acc[nb], qa, CodesToHalf2(word, false), CodesToHalf2(word, true));
+      }
+    }
+    const float row_factor[2] = {qinv[v * 16 + gid], qinv[v * 16 + gid + 8]};
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int32_t key = kw + nb * 8 + tig * 2 + (e & 1);
+        if (VariantOfKey(key, prev, cl) == v) {
+          s[nb][e] = acc[nb][e] * ksc[nb][e & 1] * row_factor[e >> 1];
+        }
+      }
+  }
+}
+
+// KvT = Bf16: the bf16 pool. KvT = Int8Kv: an int8 pool; the ring holds codes and scales. Q K^T
+// runs in fp16 on the exact codes read straight from the ring into registers (QkFromCodes), each
+// key's K scale and the row's query factor multiply its score after the mma; each warp turns its
+// 16 rows of V codes into exact fp16 in a tile that P V reads as the bf16 kernel does, with each
+// key's V scale folded into its weight (fp16). The bf16 instantiation is the code it was.
 template <int D, int Warps, int Stages, typename KvT = Bf16>
 __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeArgsOf<KvT> a) {
   cuda_common::StepKernelEntry();
@@ -621,15 +747,17 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   constexpr int kPages = kPasses;  // page-table entries a thread holds for one tile
   static_assert(kRowsPerPass % 8 == 0 && BN % kRowsPerPass == 0, "loader shape");
 
-  // bf16: ks, vs [Stages][BN][kPitch] bf16, then qs. int8: codes ks8, vs8 [Stages][BN][D], scales
-  // kss, vss [Stages][BN], the warps' dequantised tiles kd, vd [BN][D] bf16, then qs.
+  // bf16: ks, vs [Stages][BN][kPitch] bf16, then qs. int8: codes ks, vs [Stages][BN][D], scales
+  // kss, vss [Stages][BN], the warps' fp16 V tile vh [BN][D], then qinv [3][16] and qf
+  // (StageInt8Query).
   KvT* ks = reinterpret_cast<KvT*>(smem_raw);
   KvT* vs = ks + Stages * kTile;
   float* kss = reinterpret_cast<float*>(vs + Stages * kTile);
   float* vss = kss + Stages * BN;
-  Bf16* kd = reinterpret_cast<Bf16*>(vss + Stages * BN);
-  Bf16* vd = kd + kTile;
-  Bf16* qs = kInt8 ? vd + kTile : reinterpret_cast<Bf16*>(vs + Stages * kTile);
+  uint16_t* vh = reinterpret_cast<uint16_t*>(vss + Stages * BN);
+  float* qinv = reinterpret_cast<float*>(vh + kTile);
+  uint4* qf = reinterpret_cast<uint4*>(qinv + kNumDecodeVariants * 16);
+  Bf16* qs = reinterpret_cast<Bf16*>(vs + Stages * kTile);
   // [3 * group + 1][D + 8], last row zero
   const int group = a.group;
 
@@ -662,9 +790,10 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   // This thread's rows of a tile (relative to the tile's first key).
   const int ld_chunk = threadIdx.x % kChunks;
   const int ld_row0 = static_cast<int>(threadIdx.x) / kChunks;
-  // bf16: the swizzled column in the tile; int8: the chunk's first code, unswizzled (the warps'
-  // dequantisation reads the codes as 8-byte pieces).
-  const int ld_col = kInt8 ? ld_chunk * 16 : (ld_chunk ^ (ld_row0 & 7)) << 3;
+  // The swizzled column in the tile: bf16's XOR of the row's low 3 bits, int8's Int8RingSwizzle
+  // (rows ld_row0 + i * kRowsPerPass share both, kRowsPerPass being a multiple of 8).
+  const int ld_col =
+      kInt8 ? (ld_chunk ^ Int8RingSwizzle<D>(ld_row0)) << 4 : (ld_chunk ^ (ld_row0 & 7)) << 3;
 
   // Page indices of this thread's rows of tile t (0 for rows past k_end: never dereferenced).
   auto load_pages = [&](int t, int32_t(&pg)[kPages]) {
@@ -698,10 +827,11 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
     }
   };
 
-  // Stage Q: rows v * group + r, and the zero row 3 * group. Q is bf16 whatever the pool holds, so
-  // its rows have D / 8 16-byte chunks (kChunks counts the pool's).
+  // Stage Q (bf16): rows v * group + r, and the zero row 3 * group. Q is bf16 whatever the pool
+  // holds, so its rows have D / 8 16-byte chunks (kChunks counts the pool's). The int8 kernel
+  // builds its fp16 fragments once the first tiles are on their way.
   constexpr int kQChunks = D / 8;
-  for (int c = threadIdx.x; c < 3 * group * kQChunks; c += kT) {
+  for (int c = threadIdx.x; !kInt8 && c < 3 * group * kQChunks; c += kT) {
     const int row = c / kQChunks;  // v * group + r
     const int v = row / group, r = row % group;
     const int col = (c % kQChunks) * 8;
@@ -712,7 +842,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
         col;
     CpAsync16(qs + row * (D + 8) + col, src, true);
   }
-  for (int c = threadIdx.x; c < kQChunks; c += kT) {
+  for (int c = threadIdx.x; !kInt8 && c < kQChunks; c += kT) {
     *reinterpret_cast<uint4*>(qs + 3 * group * (D + 8) + c * 8) = make_uint4(0, 0, 0, 0);
   }
 
@@ -728,6 +858,11 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gid = lane / 4, tig = lane % 4;
+  if constexpr (kInt8) {  // visible to every warp after the loop's first barrier
+    StageInt8Query<D, Warps>(
+        a.q, static_cast<int64_t>(b) * kNumDecodeVariants * a.num_q_heads + kv_head * group, group,
+        a.num_q_heads, warp, lane, qf, qinv);
+  }
   // This lane's ldmatrix row of Q for variant v: row (lane & 15) of the mma tile, or the zero row.
   const int q_lane_row = lane & 15;
   const bool q_lane_valid = q_lane_row < group;
@@ -747,63 +882,85 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
       CpAsyncCommit();
       if (t + 1 < n_tiles) load_pages(t + 1, pg);
     }
-    Bf16* kt;  // this warp's 16 keys
-    Bf16* vt;
     if constexpr (kInt8) {
-      kt = kd + warp * 16 * kPitch;
-      vt = vd + warp * 16 * kPitch;
-    } else {
-      kt = ks + slot * kTile + warp * 16 * kPitch;
-      vt = vs + slot * kTile + warp * 16 * kPitch;
-    }
-    const int32_t kw = k_begin + j * BN + warp * 16;  // first key of this warp's slice
-    if (kw < k_end) {
-      if constexpr (kInt8) {
-        // The barrier above ordered this warp's reads of its rows of kd / vd (the previous tile)
-        // before these writes; __syncwarp orders them before this tile's ldmatrix.
-        const int8_t* codes = reinterpret_cast<const int8_t*>(ks);
-        const int8_t* vcodes = reinterpret_cast<const int8_t*>(vs);
+      const int32_t kw = k_begin + j * BN + warp * 16;  // first key of this warp's slice
+      if (kw < k_end) {
         const int first_row = slot * BN + warp * 16;
-        DequantizeWarpRows<D>(codes + first_row * D, kss + first_row, kt, lane);
-        DequantizeWarpRows<D>(vcodes + first_row * D, vss + first_row, vt, lane);
+        uint16_t* vt = vh + warp * 16 * kPitch;
+        // The barrier above ordered this warp's reads of its rows of vh (the previous tile) before
+        // these writes; __syncwarp orders them before this tile's ldmatrix.
+        CodesToHalfRows<D>(reinterpret_cast<const int8_t*>(vs) + first_row * D, vt, lane);
         __syncwarp();
-      }
-      const int v_hi = VariantOfKey(kw, prev, cl);  // largest variant index
-      const int v_lo = VariantOfKey(min(kw + 15, k_end - 1), prev, cl);
-      float s[2][4];
+        float s[2][4];
 #pragma unroll
-      for (int nb = 0; nb < 2; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
-      for (int v = v_lo; v <= v_hi; ++v) {  // usually one variant; two or three at a boundary
-        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        const Bf16* qrow = qs + (q_lane_valid ? v * group + q_lane_row : 3 * group) * (D + 8);
+        for (int nb = 0; nb < 2; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+        QkFromCodes<D>(reinterpret_cast<const int8_t*>(ks) + first_row * D, qf, qinv,
+                       kss + first_row, kw, prev, cl,
+                       VariantOfKey(min(kw + 15, k_end - 1), prev, cl), VariantOfKey(kw, prev, cl),
+                       lane, s);
+        float alpha[2];
+        cuda_common::ApplyMask(cuda_common::Flat(s), tig, RangeMask(kw, k_end, false, 0, 0));
+        softmax.Update(cuda_common::Flat(s), scale_log2, alpha);
+        cuda_common::RescaleRows(cuda_common::Flat(o), alpha);
+        // P V with each key's V scale in its weight: fp16 weights over the exact fp16 codes.
+        const float* vsc = vss + first_row + 2 * tig;  // keys 2 tig, 2 tig + 1, then + 8
+        uint32_t pa[4];
+        pa[0] = cuda_common::PackF16(s[0][0] * vsc[0], s[0][1] * vsc[1]);
+        pa[1] = cuda_common::PackF16(s[0][2] * vsc[0], s[0][3] * vsc[1]);
+        pa[2] = cuda_common::PackF16(s[1][0] * vsc[8], s[1][1] * vsc[9]);
+        pa[3] = cuda_common::PackF16(s[1][2] * vsc[8], s[1][3] * vsc[9]);
 #pragma unroll
-        for (int kk = 0; kk < kKSteps; ++kk) {
-          uint32_t qa[4], kb[4];
-          LdMatrixX4(qa, qrow + kk * 16 + (lane >> 4) * 8);
-          const int kr = (lane & 7) + ((lane >> 4) << 3);
-          const int kc = kk * 2 + ((lane >> 3) & 1);
-          LdMatrixX4(kb, kt + kr * kPitch + ((kc ^ (kr & 7)) << 3));
-          Mma16816(acc[0], qa, kb[0], kb[1]);
-          Mma16816(acc[1], qa, kb[2], kb[3]);
+        for (int dp = 0; dp < D / 16; ++dp) {
+          uint32_t vb[4];
+          const int vr = (lane & 7) + (((lane >> 3) & 1) << 3);
+          const int vc = dp * 2 + (lane >> 4);
+          LdMatrixX4Trans(vb, vt + vr * kPitch + ((vc ^ (vr & 7)) << 3));
+          cuda_common::Mma16816F16(o[2 * dp], pa, vb[0], vb[1]);
+          cuda_common::Mma16816F16(o[2 * dp + 1], pa, vb[2], vb[3]);
         }
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int32_t key = kw + nb * 8 + tig * 2 + (e & 1);
-            if (VariantOfKey(key, prev, cl) == v) s[nb][e] = acc[nb][e];
-          }
       }
-      uint32_t pa[1][4];
-      SoftmaxTile(s, tig, RangeMask(kw, k_end, false, 0, 0), scale_log2, softmax, o, pa);
+    } else {
+      Bf16* kt = ks + slot * kTile + warp * 16 * kPitch;  // this warp's 16 keys
+      Bf16* vt = vs + slot * kTile + warp * 16 * kPitch;
+      const int32_t kw = k_begin + j * BN + warp * 16;  // first key of this warp's slice
+      if (kw < k_end) {
+        const int v_hi = VariantOfKey(kw, prev, cl);  // largest variant index
+        const int v_lo = VariantOfKey(min(kw + 15, k_end - 1), prev, cl);
+        float s[2][4];
 #pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t vb[4];
-        const int vr = (lane & 7) + (((lane >> 3) & 1) << 3);
-        const int vc = dp * 2 + (lane >> 4);
-        LdMatrixX4Trans(vb, vt + vr * kPitch + ((vc ^ (vr & 7)) << 3));
-        Mma16816(o[2 * dp], pa[0], vb[0], vb[1]);
-        Mma16816(o[2 * dp + 1], pa[0], vb[2], vb[3]);
+        for (int nb = 0; nb < 2; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+        for (int v = v_lo; v <= v_hi; ++v) {  // usually one variant; two or three at a boundary
+          float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+          const Bf16* qrow = qs + (q_lane_valid ? v * group + q_lane_row : 3 * group) * (D + 8);
+#pragma unroll
+          for (int kk = 0; kk < kKSteps; ++kk) {
+            uint32_t qa[4], kb[4];
+            LdMatrixX4(qa, qrow + kk * 16 + (lane >> 4) * 8);
+            const int kr = (lane & 7) + ((lane >> 4) << 3);
+            const int kc = kk * 2 + ((lane >> 3) & 1);
+            LdMatrixX4(kb, kt + kr * kPitch + ((kc ^ (kr & 7)) << 3));
+            Mma16816(acc[0], qa, kb[0], kb[1]);
+            Mma16816(acc[1], qa, kb[2], kb[3]);
+          }
+#pragma unroll
+          for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int32_t key = kw + nb * 8 + tig * 2 + (e & 1);
+              if (VariantOfKey(key, prev, cl) == v) s[nb][e] = acc[nb][e];
+            }
+        }
+        uint32_t pa[1][4];
+        SoftmaxTile(s, tig, RangeMask(kw, k_end, false, 0, 0), scale_log2, softmax, o, pa);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          uint32_t vb[4];
+          const int vr = (lane & 7) + (((lane >> 3) & 1) << 3);
+          const int vc = dp * 2 + (lane >> 4);
+          LdMatrixX4Trans(vb, vt + vr * kPitch + ((vc ^ (vr & 7)) << 3));
+          Mma16816(o[2 * dp], pa[0], vb[0], vb[1]);
+          Mma16816(o[2 * dp + 1], pa[0], vb[2], vb[3]);
+        }
       }
     }
   }
@@ -815,10 +972,10 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   float* so = reinterpret_cast<float*>(smem_raw);  // [Warps][16][D]
   float* sm = so + Warps * 16 * D;                 // [Warps][16]
   float* sl = sm + Warps * 16;                     // [Warps][16]
-  // (int8: the ring, its scales and the dequantised tiles, which lie before Q.)
+  // (int8: the ring, its scales and the fp16 V tile, which lie before the query's fragments.)
   static_assert((Warps * 16 * D + 2 * Warps * 16) * sizeof(float) <=
                     2 * Stages * BN * kPitch * sizeof(KvT) +
-                        (kInt8 ? 2 * Stages * BN * sizeof(float) + 2 * kTile * sizeof(Bf16) : 0),
+                        (kInt8 ? 2 * Stages * BN * sizeof(float) + kTile * sizeof(uint16_t) : 0),
                 "merge scratch must fit in the K/V ring");
   __syncthreads();
 #pragma unroll

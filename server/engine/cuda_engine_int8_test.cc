@@ -6,9 +6,9 @@
 //    base/int8_kv.h's Int8QuantizeRow of the same fp32 rows, bit for bit;
 //  - CUDA graphs on and off: outputs and pools bit for bit;
 //  - against a bf16 CUDA engine fed the int8 pool's dequantised values bf16(code * scale) (no
-//    length scaling, so the bf16 pool stores them as they are): dense and sparse prefill and
-//    decode bit for bit, which pins the int8 paths (prefill scratch, decode dequantisation) to the
-//    bf16 kernels' results;
+//    length scaling, so the bf16 pool stores them as they are): dense and sparse prefill bit for
+//    bit, which pins the prefill scratch to the bf16 kernels' results; decode (fp16 on the exact
+//    codes, the scales applied to scores and weights) within the bf16 kernels' bar;
 //  - the golden DCA cases at the CPU int8 test's bars (cpu_engine_kv_accuracy_test.cc).
 // Skips without a GPU.
 #include <algorithm>
@@ -280,7 +280,7 @@ std::shared_ptr<const SparseAttentionConfig> Sparse(int64_t threshold) {
   return sp;
 }
 
-TEST(CudaEngineInt8, EqualsBf16OverTheDequantizedValuesBitForBit) {
+TEST(CudaEngineInt8, EqualsBf16OverTheDequantizedValues) {
   REQUIRE_GPU();
   CudaEngineOptions opts;
   opts.geometry.num_q_heads = 28;
@@ -410,10 +410,105 @@ TEST(CudaEngineInt8, EqualsBf16OverTheDequantizedValuesBitForBit) {
   }
   const std::vector<float> want = run(**bf16_engine, qk, qv, sk, sv);
   ASSERT_EQ(got.size(), want.size());
+  const size_t prefill_outputs =
+      static_cast<size_t>(std::accumulate(prompts.begin(), prompts.end(), int64_t{0}) * hq * d);
   size_t differ = 0;
-  for (size_t i = 0; i < got.size(); ++i) differ += std::memcmp(&got[i], &want[i], 4) != 0;
-  EXPECT_EQ(differ, 0u) << "of " << got.size() << " outputs";
+  for (size_t i = 0; i < prefill_outputs; ++i) differ += std::memcmp(&got[i], &want[i], 4) != 0;
+  EXPECT_EQ(differ, 0u) << "of " << prefill_outputs << " prefill outputs";
   for (float x : got) ASSERT_TRUE(std::isfinite(x));
+  ExpectClose(std::vector<float>(got.begin() + prefill_outputs, got.end()),
+              std::vector<float>(want.begin() + prefill_outputs, want.end()),
+              "decode vs bf16 over the dequantised values");
+}
+
+// The int8 decode's fp16 paths at their edges, against the CPU int8 engine: a GQA group of 16 (the
+// mma rows 8..15 carry heads), head_dim 64, steps crossing DCA chunks (every variant), and queries
+// far outside fp16's range (|q| up to ~2.6e5, the softmax scale shrunk to match), which the
+// kernel's per-row power-of-two factor must bring into range: without it they overflow to inf.
+TEST(CudaEngineInt8, DecodeOfAWideGroupAndLargeQueriesMatchesTheCpu) {
+  REQUIRE_GPU();
+  constexpr float kQueryGain = 65536.f;
+  CudaEngineOptions opts;
+  opts.geometry.num_q_heads = 32;
+  opts.geometry.num_kv_heads = 2;
+  opts.geometry.head_dim = 64;
+  opts.geometry.chunk_len = 64;
+  opts.geometry.chunk_size = 80;
+  opts.geometry.original_max_position_embeddings = 100;
+  opts.geometry.softmax_scale = 0.125f / kQueryGain;
+  opts.layout.num_layers = 1;
+  opts.layout.num_kv_heads = 2;
+  opts.layout.head_dim = 64;
+  opts.layout.page_size = 16;
+  opts.layout.kv_dtype = DType::kInt8;
+  opts.layout.num_pages = 64;
+  opts.max_decode_batch = 2;
+  auto cuda = CreateCudaEngine(opts);
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  CpuEngineOptions cpu_opts;
+  cpu_opts.geometry = opts.geometry;
+  cpu_opts.layout = opts.layout;
+  cpu_opts.compute_threads = 2;
+  auto cpu = CpuEngine::Create(cpu_opts);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const int64_t hq = 32, hkv = 2, d = 64;
+  std::mt19937 rng(5);
+  auto large = [&](std::vector<int64_t> shape) {
+    Tensor t = RandomTensor(shape, DType::kBf16, &rng);
+    for (float& x : t.values) x *= kQueryGain;
+    return FromValues(std::move(shape), DType::kBf16, t.values);
+  };
+  const std::vector<int64_t> prompts = {300, 129};
+  std::vector<std::vector<int32_t>> pages(2);
+  for (int32_t p = 0; p < 44; ++p) pages[p % 2].push_back(p);
+  Engine* engines[] = {cuda->get(), cpu->get()};
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const Tensor q = RandomTensor({prompts[i], kNumQueryVariants, hq, d}, DType::kBf16, &rng);
+    const Tensor k = RandomTensor({prompts[i], hkv, d}, DType::kBf16, &rng);
+    const Tensor v = RandomTensor({prompts[i], hkv, d}, DType::kBf16, &rng);
+    for (Engine* e : engines) {
+      std::vector<float> out(prompts[i] * hq * d);
+      PrefillJob job = EngineJobsForTesting::Prefill();
+      job.page_table = pages[i].data();
+      job.num_pages = static_cast<int64_t>(pages[i].size());
+      job.num_tokens = prompts[i];
+      job.prompt_len = prompts[i];
+      job.q = q.view();
+      job.k = k.view();
+      job.v = v.view();
+      job.out = out.data();
+      job.out_dtype = DType::kFp32;
+      ASSERT_TRUE(e->Prefill(job).ok());
+    }
+  }
+  for (int step = 0; step < 3; ++step) {
+    std::vector<Tensor> qs, ks, vs;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      qs.push_back(large({kNumQueryVariants, hq, d}));
+      ks.push_back(RandomTensor({hkv, d}, DType::kBf16, &rng));
+      vs.push_back(RandomTensor({hkv, d}, DType::kBf16, &rng));
+    }
+    std::vector<std::vector<float>> outs;
+    for (Engine* e : engines) {
+      outs.emplace_back(prompts.size() * hq * d, std::nanf(""));
+      DecodeJob job = EngineJobsForTesting::Decode();
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        DecodeJob::Entry en;
+        en.page_table = pages[i].data();
+        en.num_pages = static_cast<int64_t>(pages[i].size());
+        en.length = prompts[i] + step + 1;
+        en.q = qs[i].view();
+        en.k = ks[i].view();
+        en.v = vs[i].view();
+        en.out = outs.back().data() + i * hq * d;
+        en.out_dtype = DType::kFp32;
+        job.entries.push_back(en);
+      }
+      const absl::Status st = e->Decode(job).status();
+      ASSERT_TRUE(st.ok()) << st;
+    }
+    ExpectClose(outs[0], outs[1], absl::StrCat("group 16, |q| ~ 2^16, decode step ", step));
+  }
 }
 
 // The golden cases through the CUDA engine with int8 KV, held to the CPU int8 test's bars.
