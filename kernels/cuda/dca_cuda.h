@@ -397,9 +397,12 @@ using CudaDecodeParams = CudaDecodeParamsOf<Bf16>;
 // ring) with the group's q heads as the M dimension of mma tiles; then a reduction kernel, grid
 // (batch, num_q_heads), merges the splits by log-sum-exp.
 // The int8 kernel (plan built with kv_dtype kInt8) copies each tile's codes and scales with
-// cp.async (half the bytes of bf16), and each warp turns its 16 keys into bf16(code * scale) in
-// shared memory before the same mma code; its results equal the bf16 kernel's over a pool holding
-// those bf16 values, bit for bit.
+// cp.async (half the bytes of bf16) and computes on the exact codes in fp16: Q K^T with the query
+// in fp16 (each row scaled by a power of two into fp16's range) and each key's K scale applied to
+// its score after the mma; P V over the codes with each key's V scale folded into its fp16 weight.
+// So it rounds q and the weights to fp16 (11 bits) where the bf16 kernel rounds q, K, V and the
+// weights to bf16 (8 bits): it is closer to the CPU int8 engine's fp32 than bf16 over the
+// dequantised values is. V scales are bounded by fp16's range: |v| up to about 8e6 (65504 * 127).
 absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParams& params,
                              cudaStream_t stream);
 absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<Int8Kv>& params,
