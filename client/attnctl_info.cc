@@ -102,6 +102,14 @@ int RunInfo(AttndClient& client, std::ostream& out, std::ostream& err) {
                        Bytes(s.pool_bytes()), ", used ", Bytes(s.bytes_used())));
     }
   }
+  // Same-host GPU clients (docs/operations.md): whether their device-ordered rings are fast.
+  if (info->regions().device_ordered_rings()) {
+    lines.emplace_back("device-ordered rings",
+                       info->regions().cuda_mps()
+                           ? std::string("yes, under CUDA MPS")
+                           : std::string("yes; not under CUDA MPS: each ordered step waits for a "
+                                         "GPU time slice between processes (docs/operations.md)"));
+  }
   if (!info->instance().name().empty()) {  // a fleet member (docs/fleet.md)
     const std::string& at = info->instance().advertise_address();
     lines.emplace_back("instance", at.empty() ? info->instance().name()

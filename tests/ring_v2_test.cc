@@ -440,6 +440,7 @@ TEST_F(RingV2Test, DeviceEventsNeedTheCudaBackend) {
   absl::StatusOr<v1::GetServerInfoResponse> info = c().Info();
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_FALSE(info->regions().device_ordered_rings());
+  EXPECT_FALSE(info->regions().cuda_mps());  // no CUDA context at all
   // A version 1 ring is refused for what it is first.
   options.version = 1;
   ring = RingClient::Open(c(), options);

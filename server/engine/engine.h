@@ -224,6 +224,8 @@ class Engine {
   // The GPU's UUID ("GPU-..."), for clients deciding whether CUDA IPC can reach this engine's
   // device; "" for engines without one.
   virtual std::string device_uuid() const { return ""; }
+  // Whether the engine's CUDA context is a CUDA MPS client (false without a GPU).
+  virtual bool cuda_mps() const { return false; }
   // Opens CUDA IPC handles on this engine's device, for CUDA IPC regions; null when the engine
   // cannot (the CPU engine). Lives as long as the engine.
   virtual DeviceMemoryOpener* device_memory_opener() { return nullptr; }

@@ -176,6 +176,7 @@ class ShardedEngine : public Engine {
   // CUDA IPC regions are opened on the first shard's device; shards on other devices of the host
   // read them through peer access (cudaIpcMemLazyEnablePeerAccess).
   std::string device_uuid() const override { return shards_[0]->device_uuid(); }
+  bool cuda_mps() const override { return shards_[0]->cuda_mps(); }
   DeviceMemoryOpener* device_memory_opener() override { return shards_[0]->device_memory_opener(); }
 
   std::vector<EngineShard> shards() const override {

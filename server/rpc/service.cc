@@ -1046,6 +1046,7 @@ void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
     r->set_idle_timeout_seconds(absl::ToInt64Seconds(regions_->options().idle_timeout));
     r->set_rings(rings_ != nullptr);
     r->set_device_ordered_rings(rings_ != nullptr && rings_->device_events());
+    r->set_cuda_mps(runtime_->engine().cuda_mps());
     r->set_shm_name_prefix(ShmNamePrefix(*tenant));
   }
   if (batcher_ != nullptr) {

@@ -615,6 +615,7 @@ class LiveRingV2(LiveRing):
         """The CPU daemon orders no ring on the device: the client says so from GetServerInfo before opening, and
         the server itself refuses OpenRing(device_events) with what it needs."""
         self.assertFalse(self.info.regions.device_ordered_rings)
+        self.assertFalse(self.info.regions.cuda_mps)
         with self.assertRaises(attnd.AttndError) as e:
             self.client.ring(version=2, device_events=True)
         self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)

@@ -10,6 +10,9 @@ import os
 import sys
 import types
 import unittest
+import warnings
+
+import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attnd_testing as at  # noqa: E402
@@ -242,3 +245,41 @@ class TransformersAdapter(at.DaemonTestCase, unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@unittest.skipIf(torch is None, "torch is not importable (Debian: apt-get install python3-torch)")
+class DeviceOrderedWithoutMps(unittest.TestCase):
+    """Choosing device-ordered calls against an attnd that is not under CUDA MPS warns with what to do; under MPS,
+    or with a server that orders nothing on the device, it does not. (The ring and the CUDA region fail here, no
+    GPU: the adapter falls back to gRPC calls as it does on any host where they fail.)"""
+
+    class Client:
+        def ring(self, **kwargs):
+            raise attnd.AttndError(grpc.StatusCode.FAILED_PRECONDITION, "no ring in this test")
+
+        def max_prefill_tokens(self, **kwargs):
+            return 1000
+
+    def transport_warnings(self, device_ordered_rings, cuda_mps):
+        info = types.SimpleNamespace(regions=types.SimpleNamespace(device_ordered_rings=device_ordered_rings,
+                                                                   cuda_mps=cuda_mps))
+        geometry = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 64}
+        staging = hf._CudaStaging
+        hf._CudaStaging = lambda *args: (_ for _ in ()).throw(RuntimeError("no GPU in this test"))
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                hf._open_transport(self.Client(), info, geometry, torch.device("cuda"), torch.float32, "auto", 1000,
+                                   50)
+        finally:
+            hf._CudaStaging = staging
+        return [str(w.message) for w in caught]
+
+    def test_warns_without_mps(self):
+        got = self.transport_warnings(True, False)
+        self.assertTrue(any("not under CUDA MPS" in m and "operations.md" in m for m in got), got)
+
+    def test_quiet_under_mps_or_without_ordering(self):
+        for ordered, mps in ((True, True), (False, False)):
+            got = self.transport_warnings(ordered, mps)
+            self.assertFalse(any("MPS" in m for m in got), (ordered, mps, got))

@@ -233,6 +233,10 @@ def _open_transport(client, info, geometry, device, dtype, transport, max_tokens
     if want_ring:
         # With the staging buffer in a CUDA region, a ring ordered on the device: no host synchronisation per call.
         ordered = device_events and want_cuda and info.regions.device_ordered_rings
+        if ordered and not info.regions.cuda_mps:
+            warnings.warn("attnd.transformers: attnd is not under CUDA MPS, so this process and attnd take turns on "
+                          "the GPU and every device-ordered layer call waits for a time slice (about 0.3 ms on an "
+                          "H100); run both under MPS (docs/operations.md, 'Device-ordered rings need CUDA MPS')")
         try:
             ring = client.ring(half_bytes=_RING_HALF_BYTES, spin_us=spin_us, version=2, device_events=ordered)
         except (AttndError, OSError) as err:
