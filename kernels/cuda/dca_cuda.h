@@ -2,7 +2,8 @@
 // paged decode over one layer of a bf16 paged KV pool (kvcache/kv_layout.h, kernels/paged_kv.h).
 // Semantics: docs/DCA.md ("Dense prefill", "Decode", "Length scaling").
 //
-// Plain C++ header: device code lives in dca_cuda_kernels.cuh, included by dca_cuda.cu only.
+// Plain C++ header: device code lives in dca_cuda_kernels.cuh and kv_write_kernels.cuh, included by
+// the family files only (dca_prefill.cu, dca_decode.cu, kv_write.cu; dca_plan.cu prepares them).
 // Every pointer in these Params structs is DEVICE memory unless it says otherwise. Launch functions
 // only enqueue work on `stream` (no host synchronisation) and return INTERNAL when a launch fails,
 // INVALID_ARGUMENT for shapes outside the supported set (CheckCudaGeometry).

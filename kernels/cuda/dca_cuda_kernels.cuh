@@ -1,4 +1,5 @@
-// Device code for dca_cuda.h. Included by dca_cuda.cu only.
+// Device code for dca_cuda.h: the prefill and decode kernels. Included by the .cu files of
+// //kernels/cuda (its kernels are templates, instantiated where launched).
 //
 // Fragment conventions (mma.sync.m16n8k16.row.col bf16, fp32 accumulate), lane = 4 * gid + tig:
 //   A 16x16: a0 (row gid, k 2tig..+1), a1 (row gid+8), a2 (row gid, k+8), a3 (row gid+8, k+8)

@@ -1,12 +1,15 @@
-// Host side of the DCA kernel launches that the product (dca_cuda.cu) and the tuning lab
+// Host side of the DCA kernel launches that the product (dca_*.cu, kv_write.cu) and the tuning lab
 // (bench/gpu/lab/) share: parameter checks and the kernels' argument structs. Included by .cu files
 // only, after dca_cuda_kernels.cuh.
 #ifndef ATTND_KERNELS_CUDA_DCA_CUDA_LAUNCH_CUH_
 #define ATTND_KERNELS_CUDA_DCA_CUDA_LAUNCH_CUH_
 
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -117,6 +120,37 @@ inline absl::Status CheckDecode(const DcaGeometry& g, const CudaDecodeParamsOf<K
     return absl::InvalidArgumentError(absl::StrCat("decode: batch ", p.batch, " not in 1..65535"));
   }
   return absl::OkStatus();
+}
+
+// Launches a kernel of a decode step after the step's previous kernel on `stream`, with
+// programmatic dependent launch on sm_90+ (the kernel starts with StepKernelEntry): its blocks are
+// queued while the previous kernel runs, at the stream's priority, so a lower-priority stream's
+// blocks cannot take the multiprocessors in between. Elsewhere a plain launch.
+template <typename... Params, typename... Args>
+cudaError_t LaunchAfterPrevious(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                cudaStream_t stream, Args&&... args) {
+  thread_local int last_device = -1, last_major = 0;
+  int device = 0;
+  if (cudaGetDevice(&device) == cudaSuccess && device != last_device) {
+    last_major = 0;
+    cudaDeviceGetAttribute(&last_major, cudaDevAttrComputeCapabilityMajor, device);
+    last_device = device;
+  }
+  if (last_major < 9) {
+    kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace cuda_launch

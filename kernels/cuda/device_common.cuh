@@ -139,7 +139,7 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
 }
 
 // The kernels of one decode step, launched with programmatic dependent launch
-// (LaunchAfterPrevious in dca_cuda.cu), call this first: it lets the step's next kernel be
+// (LaunchAfterPrevious in dca_cuda_launch.cuh), call this first: it lets the step's next kernel be
 // dispatched as soon as every block of this one has started, so that blocks of a lower-priority
 // stream (a prefill) never take the multiprocessors between two kernels of the step, then waits
 // until the kernel before this one has finished and its writes are visible. Both are no-ops for

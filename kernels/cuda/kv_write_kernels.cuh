@@ -1,5 +1,6 @@
 // Device code of the KV writes and conversions in dca_cuda.h (prefill append, decode append, the
-// decode staging kernel, bf16 conversion). Included by dca_cuda.cu only.
+// decode staging kernel, bf16 conversion). Included by kv_write.cu only (its kernels are not
+// templates: a second includer would define them twice).
 #ifndef ATTND_KERNELS_CUDA_KV_WRITE_KERNELS_CUH_
 #define ATTND_KERNELS_CUDA_KV_WRITE_KERNELS_CUH_
 

@@ -1,8 +1,8 @@
 // Hopper (sm_90a) fused DCA prefill on wgmma, the default prefill kernel: the same contract and
 // grid as DcaPrefillKernel in dca_cuda_kernels.cuh (one launch covers every piece and the three
 // stages, one online softmax per row, K/V read through the page table, each K/V tile serves the
-// whole GQA group). Included by dca_cuda.cu only. How it was chosen over the alternatives, and the
-// alternatives themselves, are in the tuning lab (bench/gpu/lab/, bench/gpu/NOTES.md).
+// whole GQA group). Included by dca_prefill.cu only. How it was chosen over the alternatives, and
+// the alternatives themselves, are in the tuning lab (bench/gpu/lab/, bench/gpu/NOTES.md).
 //
 // Block: three warpgroups. Warpgroups 0 and 1 consume: 128 query rows = (token, q head of the kv
 // head's group) pairs, warpgroup w owns rows [64w, 64w + 64). Per K/V tile of kBlockN keys:

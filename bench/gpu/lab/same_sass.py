@@ -7,7 +7,11 @@ cubins byte for byte and prints ptxas' registers and spills for both. A refactor
 every kernel's bytes the same cannot change its speed or its results, so it needs no device run;
 one that changes them needs the before/after run of product_compare.sh.
 
-  bench/gpu/lab/same_sass.py [--base REV] [--arch sm_90a] kernels/cuda/dca_cuda.cu ...
+  bench/gpu/lab/same_sass.py [--base REV] [--arch sm_90a] kernels/cuda/dca_decode.cu ...
+
+A source may name a file that the change split: OLD=NEW1+NEW2+... compiles OLD at the base and the
+NEW files in the working tree, and compares the union of their kernels (each kernel in one of
+them), e.g. kernels/cuda/dca_cuda.cu=kernels/cuda/dca_prefill.cu+kernels/cuda/dca_decode.cu.
 
 REV defaults to HEAD (so: what the uncommitted change does). Exit status 0 when every kernel of
 every file is the same, 1 when some differ, 2 on a usage or build error. Needs nvcc (the CUDA
@@ -64,6 +68,22 @@ def compile_cu(tree, source, arch, cubin):
     return usage
 
 
+def compile_all(tree, sources, arch, tmp):
+    """compile_cu of each source; the union of their usage and of their kernels' sections (a kernel
+    in two of them is a ValueError: one file each)."""
+    usage, text = {}, {}
+    for i, source in enumerate(sources):
+        cubin = os.path.join(tmp, f"{os.path.basename(tree)}_{i}.cubin")
+        usage.update(compile_cu(tree, source, arch, cubin))
+        for name, data in sections(cubin).items():
+            if not name.startswith(".text."):
+                continue
+            if name in text:
+                raise ValueError(f"{name[len('.text.'):]} is in more than one of {sources}")
+            text[name] = data
+    return usage, text
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", default="HEAD", help="the revision to compare against")
@@ -79,11 +99,9 @@ def main():
                         args.base], check=True)
         try:
             for source in args.sources:
-                before = os.path.join(tmp, "before.cubin")
-                after = os.path.join(tmp, "after.cubin")
-                use_before = compile_cu(base_tree, source, args.arch, before)
-                use_after = compile_cu(root, source, args.arch, after)
-                a, b = sections(before), sections(after)
+                old, _, new = source.partition("=")
+                use_before, a = compile_all(base_tree, [old], args.arch, tmp)
+                use_after, b = compile_all(root, new.split("+") if new else [old], args.arch, tmp)
                 kernels = sorted(n for n in set(a) | set(b) if n.startswith(".text."))
                 print(f"{source} ({args.base} -> working tree, {args.arch}): {len(kernels)} kernels")
                 for name in kernels:
