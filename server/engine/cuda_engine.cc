@@ -120,6 +120,19 @@ Fn DriverFunction(const char* name, int version) {
   return reinterpret_cast<Fn>(f);
 }
 
+// A device attribute that the runtime API does not offer, through the driver: false when the driver
+// lacks the function or the attribute (an older driver answers an error for an attribute it does
+// not know).
+bool DriverDeviceAttribute(int device, CUdevice_attribute attribute, int* value) {
+  using DeviceGetFn = CUresult (*)(CUdevice*, int);
+  using AttributeFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
+  const auto device_get = DriverFunction<DeviceGetFn>("cuDeviceGet", 2000);
+  const auto get = DriverFunction<AttributeFn>("cuDeviceGetAttribute", 12000);
+  CUdevice dev = 0;
+  return device_get != nullptr && get != nullptr && device_get(&dev, device) == CUDA_SUCCESS &&
+         get(value, attribute, dev) == CUDA_SUCCESS;
+}
+
 // A green context of all but `reserved` SMs of `device` (rounded to the device's partition
 // granularity) and a stream in it at `priority`: work on the stream runs on those SMs only.
 struct GreenLane {
@@ -520,16 +533,8 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   device_name_ = prop.name;
   device_uuid_ = FormatUuid(prop.uuid);
   {
-    using AttributeFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
-    const auto attribute = DriverFunction<AttributeFn>("cuDeviceGetAttribute", 12000);
-    CUdevice dev = 0;
-    using DeviceGetFn = CUresult (*)(CUdevice*, int);
-    const auto device_get = DriverFunction<DeviceGetFn>("cuDeviceGet", 2000);
     int mps = 0;
-    // A driver without the attribute answers an error: then not known to be MPS.
-    cuda_mps_ = attribute != nullptr && device_get != nullptr &&
-                device_get(&dev, device_) == CUDA_SUCCESS &&
-                attribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED, dev) == CUDA_SUCCESS && mps != 0;
+    cuda_mps_ = DriverDeviceAttribute(device_, CU_DEVICE_ATTRIBUTE_MPS_ENABLED, &mps) && mps != 0;
     spdlog::info("cuda engine: {} ({}), {}", device_name_, device_uuid_,
                  cuda_mps_ ? "a CUDA MPS client: processes under the same MPS daemon share the GPU"
                            : "not under CUDA MPS");
@@ -1304,12 +1309,9 @@ absl::StatusOr<DeviceMemoryOpener::Gate> CudaEngine::CreateGate() {
   if (!gates_status_) {
     gates_status_ = [&]() -> absl::Status {
       ATTND_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-      using AttributeFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
-      const auto attribute = DriverFunction<AttributeFn>("cuDeviceGetAttribute", 12000);
       int mem_ops = 0;
-      if (attribute == nullptr ||
-          attribute(&mem_ops, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device_) !=
-              CUDA_SUCCESS ||
+      if (!DriverDeviceAttribute(device_, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
+                                 &mem_ops) ||
           mem_ops == 0) {
         return absl::FailedPreconditionError(
             "the device or driver has no 64-bit stream memory operations");

@@ -177,9 +177,6 @@ int64_t SizeOf(const google::protobuf::Message& m) {
 
 }  // namespace
 
-// One Session stream: read a request, run it, write its response, read the next. Exactly one
-// request is in flight per stream, which is what keeps responses in request order. Every path ends
-// in exactly one Finish; the reactor deletes itself in OnDone.
 // One request's passage through the front end, whatever carried it (a unary call, the wire
 // prefill, a ring): its clock (which the queue tells when a worker starts it), its tenant, its
 // share of --max-inflight-request-bytes and its one record in the request log and the metrics.
@@ -234,6 +231,9 @@ class RequestScope {
   bool ended_ = false;
 };
 
+// One Session stream: read a request, run it, write its response, read the next. Exactly one
+// request is in flight per stream, which is what keeps responses in request order. Every path ends
+// in exactly one Finish; the reactor deletes itself in OnDone.
 class SessionReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   // Registers before taking mu_: BeginShutdown takes the service's lock, then each session's.
