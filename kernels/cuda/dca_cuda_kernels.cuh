@@ -646,7 +646,9 @@ __device__ __forceinline__ void StageInt8Query(const Bf16* q, int64_t q_head0_ro
     for (int r = 0; r < 2; ++r) {
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const int e = mx[r] > 0.f ? ilogbf(mx[r]) : 0;  // 2^e <= max < 2^(e + 1)
+      // 2^e <= max < 2^(e + 1); a row below 2^-100 (scores of ~0 whatever its factor) keeps
+      // 2^114 so that the factor stays finite in fp32.
+      const int e = mx[r] > 0.f ? max(ilogbf(mx[r]), -100) : 0;
       f[r] = exp2f(static_cast<float>(14 - e));
       if (tig == 0) qinv[v * 16 + gid + 8 * r] = exp2f(static_cast<float>(e - 14));
     }

@@ -424,7 +424,8 @@ TEST(CudaEngineInt8, EqualsBf16OverTheDequantizedValues) {
 // The int8 decode's fp16 paths at their edges, against the CPU int8 engine: a GQA group of 16 (the
 // mma rows 8..15 carry heads), head_dim 64, steps crossing DCA chunks (every variant), and queries
 // far outside fp16's range (|q| up to ~2.6e5, the softmax scale shrunk to match), which the
-// kernel's per-row power-of-two factor must bring into range: without it they overflow to inf.
+// kernel's per-row power-of-two factor must bring into range: without it they overflow to inf;
+// then queries of ~1e-35 (a factor for them alone would overflow fp32; their scores are ~0).
 TEST(CudaEngineInt8, DecodeOfAWideGroupAndLargeQueriesMatchesTheCpu) {
   REQUIRE_GPU();
   constexpr float kQueryGain = 65536.f;
@@ -453,9 +454,9 @@ TEST(CudaEngineInt8, DecodeOfAWideGroupAndLargeQueriesMatchesTheCpu) {
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   const int64_t hq = 32, hkv = 2, d = 64;
   std::mt19937 rng(5);
-  auto large = [&](std::vector<int64_t> shape) {
+  auto scaled = [&](std::vector<int64_t> shape, float gain) {
     Tensor t = RandomTensor(shape, DType::kBf16, &rng);
-    for (float& x : t.values) x *= kQueryGain;
+    for (float& x : t.values) x *= gain;
     return FromValues(std::move(shape), DType::kBf16, t.values);
   };
   const std::vector<int64_t> prompts = {300, 129};
@@ -481,10 +482,11 @@ TEST(CudaEngineInt8, DecodeOfAWideGroupAndLargeQueriesMatchesTheCpu) {
       ASSERT_TRUE(e->Prefill(job).ok());
     }
   }
-  for (int step = 0; step < 3; ++step) {
+  const float gains[] = {kQueryGain, kQueryGain, kQueryGain, 1e-35f};
+  for (int step = 0; step < 4; ++step) {
     std::vector<Tensor> qs, ks, vs;
     for (size_t i = 0; i < prompts.size(); ++i) {
-      qs.push_back(large({kNumQueryVariants, hq, d}));
+      qs.push_back(scaled({kNumQueryVariants, hq, d}, gains[step]));
       ks.push_back(RandomTensor({hkv, d}, DType::kBf16, &rng));
       vs.push_back(RandomTensor({hkv, d}, DType::kBf16, &rng));
     }
@@ -507,7 +509,8 @@ TEST(CudaEngineInt8, DecodeOfAWideGroupAndLargeQueriesMatchesTheCpu) {
       const absl::Status st = e->Decode(job).status();
       ASSERT_TRUE(st.ok()) << st;
     }
-    ExpectClose(outs[0], outs[1], absl::StrCat("group 16, |q| ~ 2^16, decode step ", step));
+    ExpectClose(outs[0], outs[1],
+                absl::StrCat("group 16, |q| ~ ", gains[step], ", decode step ", step));
   }
 }
 
