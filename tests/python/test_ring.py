@@ -655,6 +655,37 @@ class LiveRingV2(LiveRing):
             for s in a + b:
                 self.client.release(s)
 
+    def test_a_decode_loop_of_one_shape_sends_each_steps_data(self):
+        """A decode loop's calls after the first are twins (same ids, shapes and dtypes): the client skips to
+        writing the frame, and each step's answer is still that step's (equal to unary). Inputs the client
+        reinterprets (bf16 bits as int16, viewed as uint16) never take that shortcut, and a call that differs
+        from its twin only by a bad id is still refused."""
+        n = 3
+        a = [self.client.create_sequence() for _ in range(n)]
+        b = [self.client.create_sequence() for _ in range(n)]
+        try:
+            with self.ring() as ring:
+                for i in range(n):
+                    q, k, v = self.tokens(4)
+                    ring.prefill(a[i], 0, q, k, v)
+                    self.client.prefill(b[i], 0, q, k, v)
+                for step in range(4):
+                    q, k, v = self.tokens(None, 3, lead=(n,))
+                    if step >= 2:
+                        q, k, v = (attnd.float32_to_bf16(x).view(np.int16) for x in (q, k, v))
+                    got = ring.decode(0, a, q, k, v)
+                    np.testing.assert_array_equal(got, self.client.decode(0, b, q, k, v), "step %d" % step)
+                    if step == 1:
+                        self.assertIsNotNone(ring._v2_last, "a plain call is remembered for its twin")
+                self.assertEqual(ring._v2_last[0][5], np.float32, "reinterpreted inputs are never remembered")
+                q, k, v = self.tokens(None, 3, lead=(n,))
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    ring.decode(0, a[:2] + [7], q, k, v)
+                self.assertIs(ctx.exception.code, SC.INVALID_ARGUMENT)
+        finally:
+            for s in a + b:
+                self.client.release(s)
+
     def test_mixed_layouts_are_refused_by_the_client(self):
         seq = self.client.create_sequence()
         try:
