@@ -44,6 +44,42 @@ using engine_testing::FromValues;
 using engine_testing::RandomTensor;
 using engine_testing::Tensor;
 
+// A prefill of tokens [start, start + q's tokens) of one sequence on `pages`, fp32 output.
+PrefillJob PrefillOf(const std::vector<int32_t>& pages, int64_t start, int64_t prompt_len,
+                     const Tensor& q, const Tensor& k, const Tensor& v, float* out,
+                     QLayout layout = QLayout::kVariants) {
+  PrefillJob job = EngineJobsForTesting::Prefill();
+  job.page_table = pages.data();
+  job.num_pages = static_cast<int64_t>(pages.size());
+  job.start = start;
+  job.num_tokens = k.shape[0];
+  job.prompt_len = prompt_len;
+  job.q_layout = layout;
+  job.q = q.view();
+  job.k = k.view();
+  job.v = v.view();
+  job.out = out;
+  job.out_dtype = DType::kFp32;
+  return job;
+}
+
+// A decode entry of one sequence on `pages` at `length` (the new token included), fp32 output.
+DecodeJob::Entry DecodeOf(const std::vector<int32_t>& pages, int64_t length, const Tensor& q,
+                          const Tensor& k, const Tensor& v, float* out,
+                          QLayout layout = QLayout::kVariants) {
+  DecodeJob::Entry en;
+  en.page_table = pages.data();
+  en.num_pages = static_cast<int64_t>(pages.size());
+  en.length = length;
+  en.q_layout = layout;
+  en.q = q.view();
+  en.k = k.view();
+  en.v = v.view();
+  en.out = out;
+  en.out_dtype = DType::kFp32;
+  return en;
+}
+
 // One stored row: the fp32 values the engine was given and the multiplier it applies (s(L) for a
 // key, 1 for a value), and where it lives.
 struct StoredRow {
@@ -179,19 +215,9 @@ TEST(CudaEngineInt8, MatchesTheCpuInt8EngineAndStoresItsCodes) {
         std::vector<std::vector<float>> outs;
         for (Engine* e : engines) {
           outs.emplace_back(t * hq * d, std::nanf(""));
-          PrefillJob job = EngineJobsForTesting::Prefill();
+          PrefillJob job = PrefillOf(s.pages, start, prompt, q, k, v, outs.back().data(),
+                                     s.pre_rotary ? QLayout::kPreRotary : QLayout::kVariants);
           job.layer = layer;
-          job.page_table = s.pages.data();
-          job.num_pages = static_cast<int64_t>(s.pages.size());
-          job.start = start;
-          job.num_tokens = t;
-          job.prompt_len = prompt;
-          job.q_layout = s.pre_rotary ? QLayout::kPreRotary : QLayout::kVariants;
-          job.q = q.view();
-          job.k = k.view();
-          job.v = v.view();
-          job.out = outs.back().data();
-          job.out_dtype = DType::kFp32;
           const absl::Status st = e->Prefill(job);
           ASSERT_TRUE(st.ok()) << st;
         }
@@ -226,17 +252,10 @@ TEST(CudaEngineInt8, MatchesTheCpuInt8EngineAndStoresItsCodes) {
         DecodeJob job = EngineJobsForTesting::Decode();
         job.layer = layer;
         for (size_t i = 0; i < seqs.size(); ++i) {
-          DecodeJob::Entry en;
-          en.page_table = seqs[i].pages.data();
-          en.num_pages = static_cast<int64_t>(seqs[i].pages.size());
-          en.length = seqs[i].length + step + 1;
-          en.q_layout = seqs[i].pre_rotary ? QLayout::kPreRotary : QLayout::kVariants;
-          en.q = qs[i].view();
-          en.k = ks[i].view();
-          en.v = vs[i].view();
-          en.out = outs.back().data() + i * hq * d;
-          en.out_dtype = DType::kFp32;
-          job.entries.push_back(en);
+          job.entries.push_back(
+              DecodeOf(seqs[i].pages, seqs[i].length + step + 1, qs[i], ks[i], vs[i],
+                       outs.back().data() + i * hq * d,
+                       seqs[i].pre_rotary ? QLayout::kPreRotary : QLayout::kVariants));
         }
         const absl::Status st = e->Decode(job).status();
         ASSERT_TRUE(st.ok()) << st;
@@ -335,17 +354,8 @@ TEST(CudaEngineInt8, EqualsBf16OverTheDequantizedValues) {
     std::vector<float> all;
     for (size_t i = 0; i < prompts.size(); ++i) {
       std::vector<float> out(prompts[i] * hq * d, std::nanf(""));
-      PrefillJob job = EngineJobsForTesting::Prefill();
-      job.page_table = pages[i].data();
-      job.num_pages = static_cast<int64_t>(pages[i].size());
-      job.num_tokens = prompts[i];
-      job.prompt_len = prompts[i];
-      job.q = pq[i].view();
-      job.k = ks[i].view();
-      job.v = vs[i].view();
-      job.out = out.data();
-      job.out_dtype = DType::kFp32;
-      const absl::Status st = e.Prefill(job);
+      const absl::Status st =
+          e.Prefill(PrefillOf(pages[i], 0, prompts[i], pq[i], ks[i], vs[i], out.data()));
       EXPECT_TRUE(st.ok()) << st;
       all.insert(all.end(), out.begin(), out.end());
     }
@@ -353,16 +363,8 @@ TEST(CudaEngineInt8, EqualsBf16OverTheDequantizedValues) {
       std::vector<float> out(prompts.size() * hq * d, std::nanf(""));
       DecodeJob job = EngineJobsForTesting::Decode();
       for (size_t i = 0; i < prompts.size(); ++i) {
-        DecodeJob::Entry en;
-        en.page_table = pages[i].data();
-        en.num_pages = static_cast<int64_t>(pages[i].size());
-        en.length = prompts[i] + s + 1;
-        en.q = dq[s][i].view();
-        en.k = step_k[s][i].view();
-        en.v = step_v[s][i].view();
-        en.out = out.data() + i * hq * d;
-        en.out_dtype = DType::kFp32;
-        job.entries.push_back(en);
+        job.entries.push_back(DecodeOf(pages[i], prompts[i] + s + 1, dq[s][i], step_k[s][i],
+                                       step_v[s][i], out.data() + i * hq * d));
       }
       const absl::Status st = e.Decode(job).status();
       EXPECT_TRUE(st.ok()) << st;
@@ -469,17 +471,7 @@ TEST(CudaEngineInt8, DecodeOfAWideGroupAndLargeQueriesMatchesTheCpu) {
     const Tensor v = RandomTensor({prompts[i], hkv, d}, DType::kBf16, &rng);
     for (Engine* e : engines) {
       std::vector<float> out(prompts[i] * hq * d);
-      PrefillJob job = EngineJobsForTesting::Prefill();
-      job.page_table = pages[i].data();
-      job.num_pages = static_cast<int64_t>(pages[i].size());
-      job.num_tokens = prompts[i];
-      job.prompt_len = prompts[i];
-      job.q = q.view();
-      job.k = k.view();
-      job.v = v.view();
-      job.out = out.data();
-      job.out_dtype = DType::kFp32;
-      ASSERT_TRUE(e->Prefill(job).ok());
+      ASSERT_TRUE(e->Prefill(PrefillOf(pages[i], 0, prompts[i], q, k, v, out.data())).ok());
     }
   }
   const float gains[] = {kQueryGain, kQueryGain, kQueryGain, 1e-35f};
@@ -495,16 +487,8 @@ TEST(CudaEngineInt8, DecodeOfAWideGroupAndLargeQueriesMatchesTheCpu) {
       outs.emplace_back(prompts.size() * hq * d, std::nanf(""));
       DecodeJob job = EngineJobsForTesting::Decode();
       for (size_t i = 0; i < prompts.size(); ++i) {
-        DecodeJob::Entry en;
-        en.page_table = pages[i].data();
-        en.num_pages = static_cast<int64_t>(pages[i].size());
-        en.length = prompts[i] + step + 1;
-        en.q = qs[i].view();
-        en.k = ks[i].view();
-        en.v = vs[i].view();
-        en.out = outs.back().data() + i * hq * d;
-        en.out_dtype = DType::kFp32;
-        job.entries.push_back(en);
+        job.entries.push_back(DecodeOf(pages[i], prompts[i] + step + 1, qs[i], ks[i], vs[i],
+                                       outs.back().data() + i * hq * d));
       }
       const absl::Status st = e->Decode(job).status();
       ASSERT_TRUE(st.ok()) << st;
