@@ -1,10 +1,11 @@
 // One decode step of one layer through the CUDA engine (server/engine/cuda_engine.h), CUDA graph
 // replay against eager launches, Qwen2.5-7B-1M geometry (28 q heads, 4 kv heads, head_dim 128),
-// bf16 or int8 KV (--kv-dtype bf16,int8 times both on the same inputs and prints int8's speedup),
+// bf16, int8 or fp8 KV (--kv-dtype bf16,int8,fp8 times each on the same inputs and prints each
+// one-byte dtype's speedup over bf16),
 // page_size 16, shuffled pages.
 //
 //   decode_step_bench [--context 4096] [--batches 1,8,32,128] [--iters 300] [--capture-layers 28]
-//                     [--kv-dtype bf16 | int8 | bf16,int8]
+//                     [--kv-dtype bf16 | int8 | fp8 | bf16,int8,fp8]
 //
 // A step is what the server's decode path costs a batch: Engine::Decode, host-timed from the call
 // to its return (copy the entries and page tables into pinned slots, then either one graph replay
@@ -44,7 +45,7 @@ ABSL_FLAG(int64_t, context, 4096, "tokens in each sequence at the timed decode s
 ABSL_FLAG(std::string, batches, "1,8,32,128", "decode batch sizes to time");
 ABSL_FLAG(int32_t, iters, 300, "timed steps per batch size and mode");
 ABSL_FLAG(int32_t, capture_layers, 28, "layers of the start-up cost engines (0 = skip)");
-ABSL_FLAG(std::string, kv_dtype, "bf16", "KV dtypes to time, comma-separated: bf16, int8");
+ABSL_FLAG(std::string, kv_dtype, "bf16", "KV dtypes to time, comma-separated: bf16, int8, fp8");
 
 namespace attnd {
 namespace {
@@ -102,12 +103,14 @@ int Main() {
   const std::vector<int32_t>& batches = *parsed;
   std::vector<DType> dtypes;
   for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_kv_dtype), ',')) {
-    if (name != "bf16" && name != "int8") {
-      std::fprintf(stderr, "decode_step_bench: --kv-dtype takes bf16 and/or int8, got \"%s\"\n",
+    if (name != "bf16" && name != "int8" && name != "fp8") {
+      std::fprintf(stderr, "decode_step_bench: --kv-dtype takes bf16, int8 and fp8, got \"%s\"\n",
                    std::string(name).c_str());
       return 2;
     }
-    dtypes.push_back(name == "bf16" ? DType::kBf16 : DType::kInt8);
+    dtypes.push_back(name == "bf16"   ? DType::kBf16
+                     : name == "int8" ? DType::kInt8
+                                      : DType::kFp8E4m3);
   }
   const int32_t max_b = *std::max_element(batches.begin(), batches.end());
   const int64_t pages_per_seq = (context + kPage - 1) / kPage;
@@ -202,13 +205,17 @@ int Main() {
                   results[di][1][i].p50 / results[di][0][i].p50);
     }
   }
-  if (dtypes.size() == 2 && dtypes[0] != dtypes[1]) {
-    const size_t bf = dtypes[0] == DType::kBf16 ? 0 : 1, i8 = 1 - bf;
-    std::printf("\nint8 vs bf16 KV (graph p50; batch x context tokens):\n");
+  const auto bf = std::find(dtypes.begin(), dtypes.end(), DType::kBf16);
+  for (size_t di = 0; bf != dtypes.end() && di < dtypes.size(); ++di) {
+    if (dtypes[di] == DType::kBf16) continue;
+    const size_t b16 = static_cast<size_t>(bf - dtypes.begin());
+    const std::string name(DTypeName(dtypes[di]));
+    std::printf("\n%s vs bf16 KV (graph p50; batch x context tokens):\n", name.c_str());
     for (size_t i = 0; i < batches.size(); ++i) {
-      std::printf("  batch %-4d %9lld tokens  bf16 %8.1f us  int8 %8.1f us  int8 speedup %.2fx\n",
-                  batches[i], static_cast<long long>(batches[i] * context), results[bf][0][i].p50,
-                  results[i8][0][i].p50, results[bf][0][i].p50 / results[i8][0][i].p50);
+      std::printf("  batch %-4d %9lld tokens  bf16 %8.1f us  %s %8.1f us  %s speedup %.2fx\n",
+                  batches[i], static_cast<long long>(batches[i] * context), results[b16][0][i].p50,
+                  name.c_str(), results[di][0][i].p50, name.c_str(),
+                  results[b16][0][i].p50 / results[di][0][i].p50);
     }
   }
 

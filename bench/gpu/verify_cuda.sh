@@ -5,14 +5,14 @@
 #     //kernels/cuda:attention_tile_test \
 #     //bench/gpu/lab:lab_test //kernels/cuda:rotary_cuda_test //kernels/cuda:sparse_cuda_test \
 #     //server/engine:cuda_engine_test //server/engine:sharded_engine_cuda_test \
-#     //server/engine:cuda_engine_sparse_test //server/engine:cuda_engine_int8_test \
+#     //server/engine:cuda_engine_sparse_test //server/engine:cuda_engine_one_byte_kv_test \
 #     //server/engine:engine_factory_test //tests:golden_cuda_test //tests:sparse_golden_cuda_test
 #   script/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl \
 #     bazel-bin/kernels/cuda/dca_cuda_test bazel-bin/kernels/cuda/attention_tile_test \
 #     bazel-bin/bench/gpu/lab/lab_test \
 #     bazel-bin/kernels/cuda/rotary_cuda_test bazel-bin/kernels/cuda/sparse_cuda_test \
 #     bazel-bin/server/engine/cuda_engine_test bazel-bin/server/engine/sharded_engine_cuda_test \
-#     bazel-bin/server/engine/cuda_engine_sparse_test bazel-bin/server/engine/cuda_engine_int8_test \
+#     bazel-bin/server/engine/cuda_engine_sparse_test bazel-bin/server/engine/cuda_engine_one_byte_kv_test \
 #     bazel-bin/server/engine/engine_factory_test bazel-bin/tests/golden_cuda_test \
 #     bazel-bin/tests/sparse_golden_cuda_test
 #   strip .gpu/bin/*   (the bundle carries the golden cases; env.sh points the tests at them)
@@ -25,7 +25,7 @@ logs=$(mktemp -d)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 status=0
 for t in attention_tile_test dca_cuda_test lab_test rotary_cuda_test sparse_cuda_test \
-  cuda_engine_test sharded_engine_cuda_test cuda_engine_sparse_test cuda_engine_int8_test \
+  cuda_engine_test sharded_engine_cuda_test cuda_engine_sparse_test cuda_engine_one_byte_kv_test \
   engine_factory_test sparse_golden_cuda_test; do
   "$t" >"$logs/$t.log" 2>&1
   rc=$?

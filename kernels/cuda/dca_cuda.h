@@ -9,9 +9,9 @@
 // INVALID_ARGUMENT for shapes outside the supported set (CheckCudaGeometry).
 //
 // Supported set (one dispatch per kernel family): head_dim 64 or 128; group size (Hq / Hkv) 1..16;
-// bf16 KV, and int8 KV (base/int8_kv.h) for the appends, the decode kernel and the dequantisation
-// that feeds the bf16 prefill kernels (LaunchDequantizeKv). Query tensors are bf16; outputs are
-// bf16, fp16 or fp32.
+// bf16 KV, and the scaled one-byte KV dtypes, int8 (base/int8_kv.h) and fp8 E4M3 (base/fp8.h), for
+// the appends, the decode kernel and the dequantisation that feeds the bf16 prefill kernels
+// (LaunchDequantizeKv). Query tensors are bf16; outputs are bf16, fp16 or fp32.
 //
 // Only the kernels production runs live here: prefill's Hopper default and portable fallback, the
 // decode kernel (any GPU, ring depth 2 or 3), and a simple reference per family for tests; every
@@ -32,6 +32,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "base/dtype.h"
+#include "base/fp8.h"
 #include "base/int8_kv.h"
 #include "kernels/dca.h"
 #include "kernels/paged_kv.h"
@@ -66,11 +67,19 @@ struct PagedKvBatch {
   }
 };
 
-// The same for an int8 pool: codes and the per-(token, kv head) fp32 scales of one layer
-// (kvcache/kv_layout.h's scale regions).
-struct PagedKvBatchInt8 {
-  Int8Kv* k = nullptr;                   // [num_pages, page_size, num_kv_heads, head_dim]
-  Int8Kv* v = nullptr;                   // [num_pages, page_size, num_kv_heads, head_dim]
+// KV element types stored as one-byte codes with an fp32 scale per (token, kv head) row: int8 and
+// fp8 E4M3. Every launcher below that takes one has an overload for each.
+template <typename KvT>
+inline constexpr bool kScaledKv =
+    std::is_same<KvT, Int8Kv>::value || std::is_same<KvT, Fp8E4m3>::value;
+
+// The same for a pool of scaled codes (CodeT = Int8Kv or Fp8E4m3): codes and the per-(token, kv
+// head) fp32 scales of one layer (kvcache/kv_layout.h's scale regions).
+template <typename CodeT>
+struct PagedKvBatchScaled {
+  static_assert(kScaledKv<CodeT>, "int8 or fp8 codes");
+  CodeT* k = nullptr;                    // [num_pages, page_size, num_kv_heads, head_dim]
+  CodeT* v = nullptr;                    // [num_pages, page_size, num_kv_heads, head_dim]
   float* k_scale = nullptr;              // [num_pages, page_size, num_kv_heads]
   float* v_scale = nullptr;              // [num_pages, page_size, num_kv_heads]
   const int32_t* page_tables = nullptr;  // [batch, page_table_stride]
@@ -79,8 +88,8 @@ struct PagedKvBatchInt8 {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
 
-  ATTND_HOST_DEVICE PagedKv<Int8Kv> Seq(int64_t b) const {
-    PagedKv<Int8Kv> kv;
+  ATTND_HOST_DEVICE PagedKv<CodeT> Seq(int64_t b) const {
+    PagedKv<CodeT> kv;
     kv.k = k;
     kv.v = v;
     kv.k_scale = k_scale;
@@ -92,21 +101,22 @@ struct PagedKvBatchInt8 {
     return kv;
   }
 };
+using PagedKvBatchInt8 = PagedKvBatchScaled<Int8Kv>;
 
-// The batch view of a pool of KvT (Bf16 or Int8Kv).
+// The batch view of a pool of KvT (Bf16, Int8Kv or Fp8E4m3).
 template <typename KvT>
-using PagedKvBatchOf =
-    std::conditional_t<std::is_same<KvT, Int8Kv>::value, PagedKvBatchInt8, PagedKvBatch>;
+using PagedKvBatchOf = std::conditional_t<kScaledKv<KvT>, PagedKvBatchScaled<KvT>, PagedKvBatch>;
 
 // ---- KV append ---------------------------------------------------------------------------------
 
 // Prefill append: tokens start .. start+num_tokens-1 of one sequence; keys are stored as
-// key_scale * k, rounded once to bf16 (k/v may be bf16, fp16 or fp32). Into an int8 pool
-// (KvT = Int8Kv) each (token, kv head) row of key_scale * k, and of v, is quantised with
-// base/int8_kv.h's Int8QuantizeRow arithmetic, its codes and scale the CPU engine's bit for bit.
+// key_scale * k, rounded once to bf16 (k/v may be bf16, fp16 or fp32). Into a pool of scaled codes
+// (KvT = Int8Kv or Fp8E4m3) each (token, kv head) row of key_scale * k, and of v, is quantised with
+// base/int8_kv.h's Int8QuantizeRow or base/fp8.h's Fp8QuantizeRow arithmetic, its codes and scale
+// the CPU engine's bit for bit.
 template <typename KvT>
 struct CudaAppendParamsOf {
-  PagedKv<KvT> kv;          // one layer; kv.page_table in device memory (int8: and its scales)
+  PagedKv<KvT> kv;          // one layer; kv.page_table in device memory (codes: and the scales)
   const void* k = nullptr;  // [num_tokens, num_kv_heads, head_dim] of in_dtype, unscaled
   const void* v = nullptr;  // [num_tokens, num_kv_heads, head_dim] of in_dtype
   DType in_dtype = DType::kBf16;
@@ -117,10 +127,11 @@ struct CudaAppendParamsOf {
 using CudaAppendParams = CudaAppendParamsOf<Bf16>;
 absl::Status LaunchAppendKv(const CudaAppendParams& params, cudaStream_t stream);
 absl::Status LaunchAppendKv(const CudaAppendParamsOf<Int8Kv>& params, cudaStream_t stream);
+absl::Status LaunchAppendKv(const CudaAppendParamsOf<Fp8E4m3>& params, cudaStream_t stream);
 
 // Decode append: one new token per sequence at position lengths[b] - 1, key stored as s(L) * k
-// with L = lengths[b] (computed on the device from original_max_position_embeddings); into an
-// int8 pool quantised as LaunchAppendKv does.
+// with L = lengths[b] (computed on the device from original_max_position_embeddings); into a pool
+// of scaled codes quantised as LaunchAppendKv does.
 template <typename KvT>
 struct CudaDecodeAppendParamsOf {
   PagedKvBatchOf<KvT> kv;
@@ -134,6 +145,8 @@ struct CudaDecodeAppendParamsOf {
 using CudaDecodeAppendParams = CudaDecodeAppendParamsOf<Bf16>;
 absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParams& params, cudaStream_t stream);
 absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParamsOf<Int8Kv>& params,
+                                  cudaStream_t stream);
+absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParamsOf<Fp8E4m3>& params,
                                   cudaStream_t stream);
 
 // Decode staging: one kernel that takes a decode step's inputs straight from pinned host memory
@@ -200,7 +213,8 @@ struct CudaDecodeStageParams {
   int32_t num_q_heads = 0;
   int32_t batch = 0;
   int64_t original_max_position_embeddings = 0;
-  // Device [batch, 2, num_kv_heads, head_dim] fp32, or null. Set for an int8 pool: the stage does
+  // Device [batch, 2, num_kv_heads, head_dim] fp32, or null. Set for a pool of scaled codes (int8,
+  // fp8): the stage does
   // not append; it leaves row r's new key, length-scaled (s(L) * k, one fp32 product), in
   // kv_rows[r][0] and its value in kv_rows[r][1], and LaunchDecodeQuantizeRows, next in the step,
   // quantises them into the pool (a row needs all its values for its scale, which the stage's
@@ -209,32 +223,40 @@ struct CudaDecodeStageParams {
 };
 absl::Status LaunchDecodeStage(const CudaDecodeStageParams& params, cudaStream_t stream);
 
-// The int8 decode step's append: for each row r with lengths[r] >= 1, kv_rows[r][0] (the
-// length-scaled key) and kv_rows[r][1] (the value) of each kv head quantised (Int8QuantizeRow's
-// arithmetic, multiplier 1: the stage already scaled the key) into the pool at position
-// lengths[r] - 1 through row r of kv.page_tables. Launched after the stage kernel in the same
-// step (programmatic dependent launch; capturable).
-struct CudaDecodeQuantizeRowsParams {
-  PagedKvBatchInt8 kv;
+// The append of a decode step over scaled codes: for each row r with lengths[r] >= 1,
+// kv_rows[r][0] (the length-scaled key) and kv_rows[r][1] (the value) of each kv head quantised
+// (Int8QuantizeRow's or Fp8QuantizeRow's arithmetic, multiplier 1: the stage already scaled the
+// key) into the pool at position lengths[r] - 1 through row r of kv.page_tables. Launched after
+// the stage kernel in the same step (programmatic dependent launch; capturable).
+template <typename CodeT>
+struct CudaDecodeQuantizeRowsParamsOf {
+  PagedKvBatchScaled<CodeT> kv;
   const int32_t* lengths = nullptr;  // device [batch]; 0 = padding row, skipped
   const float* kv_rows = nullptr;    // device [batch, 2, num_kv_heads, head_dim]
   int32_t batch = 0;
 };
-absl::Status LaunchDecodeQuantizeRows(const CudaDecodeQuantizeRowsParams& params,
+absl::Status LaunchDecodeQuantizeRows(const CudaDecodeQuantizeRowsParamsOf<Int8Kv>& params,
+                                      cudaStream_t stream);
+absl::Status LaunchDecodeQuantizeRows(const CudaDecodeQuantizeRowsParamsOf<Fp8E4m3>& params,
                                       cudaStream_t stream);
 
-// Dequantises positions [0, num_tokens) of one sequence's int8 K/V (one layer) into bf16 rows
+// Dequantises positions [0, num_tokens) of one sequence's scaled K/V codes (one layer, CodeT =
+// Int8Kv or Fp8E4m3) into bf16 rows
 // bf16(code * scale) (one fp32 multiply, rounded to nearest even) at k_out / v_out
 // [num_tokens, num_kv_heads, head_dim]: pages 0, 1, ... of page_size tokens, which a PagedKv<Bf16>
 // over an identity page table reads back as the sequence. This is how the bf16 prefill kernels
-// (dense and sparse) attend an int8 cache.
-struct CudaDequantizeKvParams {
-  PagedKv<Int8Kv> kv;     // one layer; kv.page_table in device memory
+// (dense and sparse) attend an int8 or fp8 cache.
+template <typename CodeT>
+struct CudaDequantizeKvParamsOf {
+  PagedKv<CodeT> kv;      // one layer; kv.page_table in device memory
   Bf16* k_out = nullptr;  // [num_tokens, num_kv_heads, head_dim]
   Bf16* v_out = nullptr;  // [num_tokens, num_kv_heads, head_dim]
   int64_t num_tokens = 0;
 };
-absl::Status LaunchDequantizeKv(const CudaDequantizeKvParams& params, cudaStream_t stream);
+absl::Status LaunchDequantizeKv(const CudaDequantizeKvParamsOf<Int8Kv>& params,
+                                cudaStream_t stream);
+absl::Status LaunchDequantizeKv(const CudaDequantizeKvParamsOf<Fp8E4m3>& params,
+                                cudaStream_t stream);
 
 // dst[i] = bf16(src[i]) for n elements (src bf16, fp16 or fp32).
 absl::Status LaunchConvertToBf16(const void* src, DType src_dtype, int64_t n, Bf16* dst,
@@ -259,8 +281,8 @@ struct CudaKernelPlanOptions {
   // K/V ring depth of the decode kernel: 0 = by batch (2 while every (sequence, kv head) block
   // fits one wave at the 2-deep ring's occupancy, 3 past it), else 2 or 3 for every batch.
   int32_t decode_stages = 0;
-  // The pool's element type, kBf16 or kInt8: the decode kernel whose occupancy sets the ring depth
-  // and split-K plan (the int8 kernel's shared memory differs).
+  // The pool's element type, kBf16, kInt8 or kFp8E4m3: the decode kernel whose occupancy sets the
+  // ring depth and split-K plan (the one-byte kernels' shared memory differs).
   DType kv_dtype = DType::kBf16;
 };
 
@@ -370,8 +392,8 @@ size_t PrefillWindowStateBytes(const CudaKernelPlan& plan, const DcaGeometry& ge
 
 // One decode step for a batch of sequences of mixed lengths. Launch configuration depends only on
 // (batch, max_splits) and the plan: lengths are read from device memory, so a captured CUDA graph
-// can be replayed for other lengths up to the planned maximum. KvT = Int8Kv reads an int8 pool
-// (codes and scales) and dequantises each row as it lands in shared memory.
+// can be replayed for other lengths up to the planned maximum. KvT = Int8Kv or Fp8E4m3 reads a
+// pool of scaled codes (codes and scales).
 template <typename KvT>
 struct CudaDecodeParamsOf {
   PagedKvBatchOf<KvT> kv;
@@ -397,16 +419,21 @@ using CudaDecodeParams = CudaDecodeParamsOf<Bf16>;
 // range (64-key tiles, page indices loaded a tile ahead, a plan.DecodeStages(batch)-deep cp.async
 // ring) with the group's q heads as the M dimension of mma tiles; then a reduction kernel, grid
 // (batch, num_q_heads), merges the splits by log-sum-exp.
-// The int8 kernel (plan built with kv_dtype kInt8) copies each tile's codes and scales with
-// cp.async (half the bytes of bf16) and computes on the exact codes in fp16: Q K^T with the query
-// in fp16 (each row scaled by a power of two into fp16's range) and each key's K scale applied to
-// its score after the mma; P V over the codes with each key's V scale folded into its fp16 weight.
-// So it rounds q and the weights to fp16 (11 bits) where the bf16 kernel rounds q, K, V and the
-// weights to bf16 (8 bits): it is closer to the CPU int8 engine's fp32 than bf16 over the
-// dequantised values is. V scales are bounded by fp16's range: |v| up to about 8e6 (65504 * 127).
+// The int8 and fp8 kernels (plan built with that kv_dtype) copy each tile's codes and scales with
+// cp.async (half the bytes of bf16) and compute on the codes' exact values in fp16 (every int8 and
+// every E4M3 value is an fp16): Q K^T with the query in fp16 (each row scaled by a power of two
+// into fp16's range) and each key's K scale applied to its score after the mma; P V over the codes
+// with each key's V scale folded into its fp16 weight (fp8: the codes times 2^-6, exact, and the
+// weights times 2^6, which keeps weights of small V scales out of fp16's subnormals). So they round
+// q and the weights to fp16 (11 bits) where the bf16 kernel rounds q, K, V and the weights to bf16
+// (8 bits): closer to the CPU engine's fp32 over the same codes than bf16 over the dequantised
+// values is. V scales are bounded by fp16's range: |v| up to about 8e6 (65504 * 127) for int8,
+// 4.5e5 (65504 * 448 / 64) for fp8.
 absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParams& params,
                              cudaStream_t stream);
 absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<Int8Kv>& params,
+                             cudaStream_t stream);
+absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<Fp8E4m3>& params,
                              cudaStream_t stream);
 
 }  // namespace attnd

@@ -550,11 +550,11 @@ __host__ __device__ constexpr size_t DecodePipeSmemBytes(int d, int warps, int s
   return static_cast<size_t>(2 * stages * 16 * warps) * d * sizeof(Bf16) +
          static_cast<size_t>(3 * group + 1) * (d + 8) * sizeof(Bf16);
 }
-// The int8 instantiation's: a ring of codes (one byte an element) and scales, one fp16 V tile that
-// the warps convert codes into (each warp its own 16 rows), per mma row and variant the query's
-// power-of-two factor, and the query as fp16 mma fragments.
-__host__ __device__ constexpr size_t DecodePipeInt8SmemBytes(int d, int warps, int stages,
-                                                             int group) {
+// The int8 and fp8 instantiations': a ring of codes (one byte an element) and scales, one fp16 V
+// tile that the warps convert codes into (each warp its own 16 rows), per mma row and variant the
+// query's power-of-two factor, and the query as fp16 mma fragments.
+__host__ __device__ constexpr size_t DecodePipeCodesSmemBytes(int d, int warps, int stages,
+                                                              int group) {
   (void)group;  // the query's fragments have 16 rows whatever the group
   return static_cast<size_t>(2 * stages * 16 * warps) * d +
          static_cast<size_t>(2 * stages * 16 * warps) * sizeof(float) +
@@ -562,19 +562,19 @@ __host__ __device__ constexpr size_t DecodePipeInt8SmemBytes(int d, int warps, i
          static_cast<size_t>(3 * (d / 16) * 32) * 16;
 }
 
-// 4-byte global->shared copy (an int8 row's scale); when !valid the 4 bytes are zero-filled.
+// 4-byte global->shared copy (a row's scale); when !valid the 4 bytes are zero-filled.
 __device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool valid) {
   const int src_size = valid ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(SmemAddr(smem)), "l"(gmem),
                "r"(src_size));
 }
 
-// The int8 ring's swizzle: 16-byte chunk c of row r lies at chunk c ^ Int8RingSwizzle<D>(r). A
+// The code ring's swizzle: 16-byte chunk c of row r lies at chunk c ^ CodeRingSwizzle<D>(r). A
 // lane reads the 16-byte chunk 4g + tig of key row gid (QkFromCodes): rows 2p and 2p + 1 share a
 // quarter-warp, and with 128-byte rows (D = 128) both would sit on the same 16 banks unless odd
 // rows move by 4 chunks; 64-byte rows (D = 64) already fall on different banks.
 template <int D>
-__device__ __forceinline__ int Int8RingSwizzle(int r) {
+__device__ __forceinline__ int CodeRingSwizzle(int r) {
   return D >= 128 ? (r & 1) << 2 : 0;
 }
 
@@ -589,33 +589,60 @@ __device__ __forceinline__ uint32_t CodesToHalf2(uint32_t biased, bool high) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// One warp's 16 rows of V codes in an int8 ring slot (Int8RingSwizzle) to their exact fp16 values
-// in a [16][D] tile with the bf16 ring's XOR swizzle (16-byte chunk c of row r at chunk c ^ (r &
-// 7)), so the bf16 kernel's ldmatrix addressing reads it unchanged. The scales stay out: each
-// key's V scale multiplies its softmax weight instead.
-template <int D>
-__device__ __forceinline__ void CodesToHalfRows(const int8_t* codes, uint16_t* dst, int lane) {
+// Two E4M3 codes (the low or the high 16 bits of `codes`) to their exact fp16 values, the lower
+// code in the low half: every E4M3 value is an fp16 (3 mantissa bits, magnitudes 2^-9 to 448).
+// One conversion instruction on compute capability 8.9 and newer.
+__device__ __forceinline__ uint32_t Fp8ToHalf2(uint32_t codes, bool high) {
+  const uint16_t pair = static_cast<uint16_t>(high ? codes >> 16 : codes & 0xffffu);
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(pair));
+  return h;
+}
+
+// The fp8 kernel's V tile holds each code's value times 2^-6 (exact: the smallest E4M3 step, 2^-9,
+// becomes 2^-15, above fp16's 2^-24) and its weights carry the 2^6, so that the weights of rows
+// with small scales stay clear of fp16's subnormals.
+inline constexpr float kFp8VShift = 64.f;
+__device__ __forceinline__ uint32_t Fp8ToShiftedHalf2(uint32_t codes, bool high) {
+  const uint32_t h = Fp8ToHalf2(codes, high);
+  const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&h),
+                            __half2half2(__float2half_rn(1.f / kFp8VShift)));
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// One warp's 16 rows of V codes in a code ring slot (CodeRingSwizzle) to their exact fp16 values
+// (fp8: times 2^-6, Fp8ToShiftedHalf2) in a [16][D] tile with the bf16 ring's XOR swizzle (16-byte
+// chunk c of row r at chunk c ^ (r & 7)), so the bf16 kernel's ldmatrix addressing reads it
+// unchanged. The scales stay out: each key's V scale multiplies its softmax weight instead.
+template <int D, typename CodeT>
+__device__ __forceinline__ void CodesToHalfRows(const uint8_t* codes, uint16_t* dst, int lane) {
   constexpr int kPieces = D / 8;  // 8 codes (one 16-byte fp16 chunk) a piece
 #pragma unroll
   for (int p = lane; p < 16 * kPieces; p += 32) {
     const int r = p / kPieces, c = p % kPieces;
-    const int src = r * D + (((c >> 1) ^ Int8RingSwizzle<D>(r)) << 4) + (c & 1) * 8;
+    const int src = r * D + (((c >> 1) ^ CodeRingSwizzle<D>(r)) << 4) + (c & 1) * 8;
     const uint2 w = *reinterpret_cast<const uint2*>(codes + src);
-    const uint32_t x = w.x ^ 0x80808080u, y = w.y ^ 0x80808080u;
-    *reinterpret_cast<uint4*>(dst + r * D + ((c ^ (r & 7)) << 3)) =
-        make_uint4(CodesToHalf2(x, false), CodesToHalf2(x, true), CodesToHalf2(y, false),
-                   CodesToHalf2(y, true));
+    uint4 h;
+    if constexpr (std::is_same<CodeT, Int8Kv>::value) {
+      const uint32_t x = w.x ^ 0x80808080u, y = w.y ^ 0x80808080u;
+      h = make_uint4(CodesToHalf2(x, false), CodesToHalf2(x, true), CodesToHalf2(y, false),
+                     CodesToHalf2(y, true));
+    } else {
+      h = make_uint4(Fp8ToShiftedHalf2(w.x, false), Fp8ToShiftedHalf2(w.x, true),
+                     Fp8ToShiftedHalf2(w.y, false), Fp8ToShiftedHalf2(w.y, true));
+    }
+    *reinterpret_cast<uint4*>(dst + r * D + ((c ^ (r & 7)) << 3)) = h;
   }
 }
 
-// The query of the int8 decode as fp16 A fragments of Q K^T, in shared memory as qf[v][kk][lane]
-// (one uint4 each: a lane's four registers), and per mma row r and variant v the factor qinv[v *
-// 16 + r] that undoes its scaling. Each row is scaled by a power of two that puts its largest
-// magnitude in [2^14, 2^15), so any bf16 query fits fp16's range and keeps 11 significant bits.
-// The head dimension is permuted, as the K side reads it (QkFromCodes): in k-step kk = 4g + i a
-// lane with tig t holds dimensions 16 (4g + t) + 4i + {0, 1} (k slots 2t, 2t + 1) and + {2, 3}
-// (slots 2t + 8, 2t + 9), so its K operand is four consecutive codes of one row. Warp w builds
-// variants w, w + Warps, ...; rows >= group are zero.
+// The query of the int8 and fp8 decode as fp16 A fragments of Q K^T, in shared memory as
+// qf[v][kk][lane] (one uint4 each: a lane's four registers), and per mma row r and variant v the
+// factor qinv[v * 16 + r] that undoes its scaling. Each row is scaled by a power of two that puts
+// its largest magnitude in [2^14, 2^15), so any bf16 query fits fp16's range and keeps 11
+// significant bits. The head dimension is permuted, as the K side reads it (QkFromCodes): in k-step
+// kk = 4g + i a lane with tig t holds dimensions 16 (4g + t) + 4i + {0, 1} (k slots 2t, 2t + 1) and
+// + {2, 3} (slots 2t + 8, 2t + 9), so its K operand is four consecutive codes of one row. Warp w
+// builds variants w, w + Warps, ...; rows >= group are zero.
 template <int D, int Warps>
 __device__ __forceinline__ void StageInt8Query(const Bf16* q, int64_t q_head0_row, int group,
                                                int num_q_heads, int warp, int lane, uint4* qf,
@@ -669,16 +696,17 @@ __device__ __forceinline__ void StageInt8Query(const Bf16* q, int64_t q_head0_ro
   }
 }
 
-// Q K^T of a warp's 16 keys (rows `codes`, [16][D] of an int8 ring slot, Int8RingSwizzle) for the
-// variants v_lo..v_hi, in fp16 on the exact codes: s[nb][e] becomes the score of key kw + nb * 8 +
-// 2 tig + (e & 1) with the variant of that key, for mma row gid (e < 2) or gid + 8, times the key's
-// K scale and the row's query factor (StageInt8Query); s is left alone for keys of other variants.
-// A lane's K operand for k-step 4g + i is word i of chunk 4g + tig of its key row (the dimension
-// order StageInt8Query gives the query), so the codes go from one 16-byte load to the mma.
-template <int D>
-__device__ __forceinline__ void QkFromCodes(const int8_t* codes, const uint4* qf, const float* qinv,
-                                            const float* kscale, int32_t kw, int32_t prev,
-                                            int32_t cl, int v_lo, int v_hi, int lane,
+// Q K^T of a warp's 16 keys (rows `codes`, [16][D] of a code ring slot, CodeRingSwizzle) for the
+// variants v_lo..v_hi, in fp16 on the codes' exact values: s[nb][e] becomes the score of key kw +
+// nb * 8 + 2 tig + (e & 1) with the variant of that key, for mma row gid (e < 2) or gid + 8, times
+// the key's K scale and the row's query factor (StageInt8Query); s is left alone for keys of other
+// variants. A lane's K operand for k-step 4g + i is word i of chunk 4g + tig of its key row (the
+// dimension order StageInt8Query gives the query), so the codes go from one 16-byte load to the
+// mma.
+template <int D, typename CodeT>
+__device__ __forceinline__ void QkFromCodes(const uint8_t* codes, const uint4* qf,
+                                            const float* qinv, const float* kscale, int32_t kw,
+                                            int32_t prev, int32_t cl, int v_lo, int v_hi, int lane,
                                             float (&s)[2][4]) {
   constexpr int kKSteps = D / 16, kGroups = D / 64;
   const int gid = lane / 4, tig = lane % 4;
@@ -690,11 +718,13 @@ __device__ __forceinline__ void QkFromCodes(const int8_t* codes, const uint4* qf
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
       uint4 w = *reinterpret_cast<const uint4*>(codes + row * D +
-                                                (((4 * g + tig) ^ Int8RingSwizzle<D>(row)) << 4));
-      w.x ^= 0x80808080u;
-      w.y ^= 0x80808080u;
-      w.z ^= 0x80808080u;
-      w.w ^= 0x80808080u;
+                                                (((4 * g + tig) ^ CodeRingSwizzle<D>(row)) << 4));
+      if constexpr (std::is_same<CodeT, Int8Kv>::value) {
+        w.x ^= 0x80808080u;
+        w.y ^= 0x80808080u;
+        w.z ^= 0x80808080u;
+        w.w ^= 0x80808080u;
+      }
       kc[nb][g] = w;
     }
     ksc[nb][0] = kscale[nb * 8 + 2 * tig];
@@ -711,7 +741,12 @@ __device__ __forceinline__ void QkFromCodes(const int8_t* codes, const uint4* qf
         const uint4& w = kc[nb][kk / 4];
         const int i = kk % 4;
         const uint32_t word = i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;
-        cuda_common::Mma16816F16(acc[nb], qa, CodesToHalf2(word, false), CodesToHalf2(word, true));
+        if constexpr (std::is_same<CodeT, Int8Kv>::value) {
+          cuda_common::Mma16816F16(acc[nb], qa, CodesToHalf2(word, false),
+                                   CodesToHalf2(word, true));
+        } else {
+          cuda_common::Mma16816F16(acc[nb], qa, Fp8ToHalf2(word, false), Fp8ToHalf2(word, true));
+        }
       }
     }
     const float row_factor[2] = {qinv[v * 16 + gid], qinv[v * 16 + gid + 8]};
@@ -727,16 +762,18 @@ __device__ __forceinline__ void QkFromCodes(const int8_t* codes, const uint4* qf
   }
 }
 
-// KvT = Bf16: the bf16 pool. KvT = Int8Kv: an int8 pool; the ring holds codes and scales. Q K^T
-// runs in fp16 on the exact codes read straight from the ring into registers (QkFromCodes), each
-// key's K scale and the row's query factor multiply its score after the mma; each warp turns its
-// 16 rows of V codes into exact fp16 in a tile that P V reads as the bf16 kernel does, with each
-// key's V scale folded into its weight (fp16). The bf16 instantiation is the code it was.
+// KvT = Bf16: the bf16 pool. KvT = Int8Kv or Fp8E4m3: a pool of scaled codes; the ring holds
+// codes and scales. Q K^T runs in fp16 on the codes' exact values read straight from the ring into
+// registers (QkFromCodes), each key's K scale and the row's query factor multiply its score after
+// the mma; each warp turns its 16 rows of V codes into fp16 in a tile that P V reads as the bf16
+// kernel does, with each key's V scale folded into its weight (fp16).
 template <int D, int Warps, int Stages, typename KvT = Bf16>
 __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeArgsOf<KvT> a) {
   cuda_common::StepKernelEntry();
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  constexpr bool kInt8 = std::is_same<KvT, Int8Kv>::value;
+  constexpr bool kInt8 = kScaledKv<KvT>;  // int8 or fp8: one-byte codes and row scales
+  // fp8: the V tile's values are the codes' times 2^-6 (CodesToHalfRows), so the weights carry 2^6.
+  constexpr float kVShift = std::is_same<KvT, Fp8E4m3>::value ? kFp8VShift : 1.f;
   constexpr int kT = Warps * 32;
   constexpr int BN = 16 * Warps;
   constexpr int kPitch = D;  // K/V row pitch in elements
@@ -793,10 +830,10 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   // This thread's rows of a tile (relative to the tile's first key).
   const int ld_chunk = threadIdx.x % kChunks;
   const int ld_row0 = static_cast<int>(threadIdx.x) / kChunks;
-  // The swizzled column in the tile: bf16's XOR of the row's low 3 bits, int8's Int8RingSwizzle
+  // The swizzled column in the tile: bf16's XOR of the row's low 3 bits, int8's CodeRingSwizzle
   // (rows ld_row0 + i * kRowsPerPass share both, kRowsPerPass being a multiple of 8).
   const int ld_col =
-      kInt8 ? (ld_chunk ^ Int8RingSwizzle<D>(ld_row0)) << 4 : (ld_chunk ^ (ld_row0 & 7)) << 3;
+      kInt8 ? (ld_chunk ^ CodeRingSwizzle<D>(ld_row0)) << 4 : (ld_chunk ^ (ld_row0 & 7)) << 3;
 
   // Page indices of this thread's rows of tile t (0 for rows past k_end: never dereferenced).
   auto load_pages = [&](int t, int32_t(&pg)[kPages]) {
@@ -892,15 +929,15 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
         uint16_t* vt = vh + warp * 16 * kPitch;
         // The barrier above ordered this warp's reads of its rows of vh (the previous tile) before
         // these writes; __syncwarp orders them before this tile's ldmatrix.
-        CodesToHalfRows<D>(reinterpret_cast<const int8_t*>(vs) + first_row * D, vt, lane);
+        CodesToHalfRows<D, KvT>(reinterpret_cast<const uint8_t*>(vs) + first_row * D, vt, lane);
         __syncwarp();
         float s[2][4];
 #pragma unroll
         for (int nb = 0; nb < 2; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
-        QkFromCodes<D>(reinterpret_cast<const int8_t*>(ks) + first_row * D, qf, qinv,
-                       kss + first_row, kw, prev, cl,
-                       VariantOfKey(min(kw + 15, k_end - 1), prev, cl), VariantOfKey(kw, prev, cl),
-                       lane, s);
+        QkFromCodes<D, KvT>(reinterpret_cast<const uint8_t*>(ks) + first_row * D, qf, qinv,
+                            kss + first_row, kw, prev, cl,
+                            VariantOfKey(min(kw + 15, k_end - 1), prev, cl),
+                            VariantOfKey(kw, prev, cl), lane, s);
         float alpha[2];
         cuda_common::ApplyMask(cuda_common::Flat(s), tig, RangeMask(kw, k_end, false, 0, 0));
         softmax.Update(cuda_common::Flat(s), scale_log2, alpha);
@@ -908,10 +945,19 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
         // P V with each key's V scale in its weight: fp16 weights over the exact fp16 codes.
         const float* vsc = vss + first_row + 2 * tig;  // keys 2 tig, 2 tig + 1, then + 8
         uint32_t pa[4];
-        pa[0] = cuda_common::PackF16(s[0][0] * vsc[0], s[0][1] * vsc[1]);
-        pa[1] = cuda_common::PackF16(s[0][2] * vsc[0], s[0][3] * vsc[1]);
-        pa[2] = cuda_common::PackF16(s[1][0] * vsc[8], s[1][1] * vsc[9]);
-        pa[3] = cuda_common::PackF16(s[1][2] * vsc[8], s[1][3] * vsc[9]);
+        if constexpr (kVShift == 1.f) {
+          pa[0] = cuda_common::PackF16(s[0][0] * vsc[0], s[0][1] * vsc[1]);
+          pa[1] = cuda_common::PackF16(s[0][2] * vsc[0], s[0][3] * vsc[1]);
+          pa[2] = cuda_common::PackF16(s[1][0] * vsc[8], s[1][1] * vsc[9]);
+          pa[3] = cuda_common::PackF16(s[1][2] * vsc[8], s[1][3] * vsc[9]);
+        } else {
+          const float w[4] = {vsc[0] * kVShift, vsc[1] * kVShift, vsc[8] * kVShift,
+                              vsc[9] * kVShift};
+          pa[0] = cuda_common::PackF16(s[0][0] * w[0], s[0][1] * w[1]);
+          pa[1] = cuda_common::PackF16(s[0][2] * w[0], s[0][3] * w[1]);
+          pa[2] = cuda_common::PackF16(s[1][0] * w[2], s[1][1] * w[3]);
+          pa[3] = cuda_common::PackF16(s[1][2] * w[2], s[1][3] * w[3]);
+        }
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           uint32_t vb[4];

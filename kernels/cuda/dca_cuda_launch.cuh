@@ -26,8 +26,8 @@ inline absl::Status CheckKv(const DcaGeometry& g, const PagedKv<KvT>& kv) {
   if (kv.k == nullptr || kv.v == nullptr || kv.page_table == nullptr || kv.page_size <= 0) {
     return absl::InvalidArgumentError("PagedKv: null pointer or page_size <= 0");
   }
-  if (std::is_same<KvT, Int8Kv>::value && (kv.k_scale == nullptr || kv.v_scale == nullptr)) {
-    return absl::InvalidArgumentError("PagedKv: an int8 pool needs k_scale and v_scale");
+  if (kScaledKv<KvT> && (kv.k_scale == nullptr || kv.v_scale == nullptr)) {
+    return absl::InvalidArgumentError("PagedKv: an int8 or fp8 pool needs k_scale and v_scale");
   }
   if (kv.num_kv_heads != g.num_kv_heads || kv.head_dim != g.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat("PagedKv: ", kv.num_kv_heads, " kv heads x ",

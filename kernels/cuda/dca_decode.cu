@@ -1,5 +1,5 @@
-// The decode launchers of dca_cuda.h: the split-K kernel (bf16 and int8 pools) and its reduction,
-// their shared-memory limits and occupancy.
+// The decode launchers of dca_cuda.h: the split-K kernel (bf16, int8 and fp8 pools) and its
+// reduction, their shared-memory limits and occupancy.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -29,8 +29,8 @@ constexpr auto DecodeKernel() {
 }
 template <typename KvT = Bf16>
 size_t DecodeSmemBytes(const DcaGeometry& g, int stages) {
-  if constexpr (std::is_same<KvT, Int8Kv>::value) {
-    return cuda_kernels::DecodePipeInt8SmemBytes(g.head_dim, kDecodeWarps, stages, g.group_size());
+  if constexpr (kScaledKv<KvT>) {
+    return cuda_kernels::DecodePipeCodesSmemBytes(g.head_dim, kDecodeWarps, stages, g.group_size());
   }
   return cuda_kernels::DecodePipeSmemBytes(g.head_dim, kDecodeWarps, stages, g.group_size());
 }
@@ -80,12 +80,18 @@ absl::Status PrepareDecodeKernels(const DcaGeometry& g, DType kv_dtype, int32_t*
                                   int32_t* blocks_s3) {
   return WithHeadDim(g.head_dim, [&](auto dim) -> absl::Status {
     constexpr int D = decltype(dim)::value;
-    int32_t int8_s2 = 1, int8_s3 = 1;
+    // Every kernel is prepared (any may be launched on this plan's geometry); the plan's dtype
+    // gives the occupancy.
+    int32_t int8_s2 = 1, int8_s3 = 1, fp8_s2 = 1, fp8_s3 = 1;
     ATTND_RETURN_IF_ERROR((PrepareDecodeKernelsFor<D, Int8Kv>(g, &int8_s2, &int8_s3)));
+    ATTND_RETURN_IF_ERROR((PrepareDecodeKernelsFor<D, Fp8E4m3>(g, &fp8_s2, &fp8_s3)));
     ATTND_RETURN_IF_ERROR((PrepareDecodeKernelsFor<D, Bf16>(g, blocks_s2, blocks_s3)));
     if (kv_dtype == DType::kInt8) {
       *blocks_s2 = int8_s2;
       *blocks_s3 = int8_s3;
+    } else if (kv_dtype == DType::kFp8E4m3) {
+      *blocks_s2 = fp8_s2;
+      *blocks_s3 = fp8_s3;
     }
     return absl::OkStatus();
   });
@@ -119,6 +125,11 @@ absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParams&
 }
 
 absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<Int8Kv>& p,
+                             cudaStream_t stream) {
+  return LaunchDcaDecodeOf(plan, p, stream);
+}
+
+absl::Status LaunchDcaDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<Fp8E4m3>& p,
                              cudaStream_t stream) {
   return LaunchDcaDecodeOf(plan, p, stream);
 }

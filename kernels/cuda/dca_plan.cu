@@ -55,9 +55,11 @@ absl::StatusOr<CudaKernelPlan> CudaKernelPlan::Create(const DcaGeometry& g, int 
                                                    options.decode_stages,
                                                    " unsupported (0 = by batch, 2 or 3)"));
   }
-  if (options.kv_dtype != DType::kBf16 && options.kv_dtype != DType::kInt8) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kernel plan: KV dtype ", DTypeName(options.kv_dtype), " unsupported (bf16 or int8)"));
+  if (options.kv_dtype != DType::kBf16 && options.kv_dtype != DType::kInt8 &&
+      options.kv_dtype != DType::kFp8E4m3) {
+    return absl::InvalidArgumentError(absl::StrCat("kernel plan: KV dtype ",
+                                                   DTypeName(options.kv_dtype),
+                                                   " unsupported (bf16, int8 or fp8_e4m3)"));
   }
   CudaKernelPlan plan;
   plan.geometry_ = g;

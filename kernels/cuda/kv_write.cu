@@ -1,5 +1,5 @@
-// The KV writes and conversions of dca_cuda.h: prefill and decode appends (bf16 and int8), the
-// decode step's staging and quantisation, the int8 pool's dequantisation and bf16 conversion.
+// The KV writes and conversions of dca_cuda.h: prefill and decode appends (bf16, int8 and fp8), the
+// decode step's staging and quantisation, the scaled pools' dequantisation and bf16 conversion.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -33,46 +33,60 @@ absl::Status LaunchAppendKv(const CudaAppendParams& p, cudaStream_t stream) {
   return absl::OkStatus();
 }
 
-absl::Status LaunchAppendKv(const CudaAppendParamsOf<Int8Kv>& p, cudaStream_t stream) {
+namespace {
+
+// The name of a scaled code type in launch errors.
+template <typename CodeT>
+constexpr const char* CodeName() {
+  return std::is_same<CodeT, Int8Kv>::value ? "int8" : "fp8";
+}
+
+template <typename CodeT>
+absl::Status LaunchAppendCodes(const CudaAppendParamsOf<CodeT>& p, cudaStream_t stream) {
   if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.k_scale == nullptr ||
       p.kv.v_scale == nullptr || p.kv.page_table == nullptr || p.k == nullptr || p.v == nullptr ||
       !IsKnownDType(p.in_dtype) || HasRowScale(p.in_dtype) || p.start < 0 || p.num_tokens < 0 ||
       p.start + p.num_tokens > kMaxPosition || !SupportedHeadDim(p.kv.head_dim)) {
-    return absl::InvalidArgumentError(
-        "append (int8): bad params (null pointers or scales, input dtype, range, or head_dim not "
-        "64 or 128)");
+    return absl::InvalidArgumentError(absl::StrCat(
+        "append (", CodeName<CodeT>(),
+        "): bad params (null pointers or scales, input dtype, range, or head_dim not 64 or 128)"));
   }
   if (p.num_tokens == 0) return absl::OkStatus();
   const int64_t rows = p.num_tokens * p.kv.num_kv_heads;  // one warp each, 4 a block
   const int64_t blocks = std::min<int64_t>((rows + 3) / 4, 65536);
   WithHeadDim(p.kv.head_dim, [&](auto dim) {
-    cuda_kernels::AppendKvInt8Kernel<decltype(dim)::value>
+    cuda_kernels::AppendKvCodesKernel<decltype(dim)::value, CodeT>
         <<<static_cast<unsigned>(blocks), 128, 0, stream>>>(
             p.kv, p.k, p.v, static_cast<int>(p.in_dtype), static_cast<int32_t>(p.start), rows,
             p.key_scale);
   });
-  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("AppendKvInt8Kernel");
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("AppendKvCodesKernel");
   return absl::OkStatus();
 }
 
-absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParamsOf<Int8Kv>& p, cudaStream_t stream) {
+template <typename CodeT>
+absl::Status LaunchDecodeAppendCodes(const CudaDecodeAppendParamsOf<CodeT>& p,
+                                     cudaStream_t stream) {
   if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.k_scale == nullptr ||
       p.kv.v_scale == nullptr || p.kv.page_tables == nullptr || p.lengths == nullptr ||
       p.k == nullptr || p.v == nullptr || !IsKnownDType(p.in_dtype) || HasRowScale(p.in_dtype) ||
       p.batch < 0 || !SupportedHeadDim(p.kv.head_dim)) {
-    return absl::InvalidArgumentError("decode append (int8): bad params");
+    return absl::InvalidArgumentError(
+        absl::StrCat("decode append (", CodeName<CodeT>(), "): bad params"));
   }
   if (p.batch == 0) return absl::OkStatus();
   WithHeadDim(p.kv.head_dim, [&](auto dim) {
-    cuda_kernels::DecodeAppendKvInt8Kernel<decltype(dim)::value>
+    cuda_kernels::DecodeAppendKvCodesKernel<decltype(dim)::value, CodeT>
         <<<p.batch, 128, 0, stream>>>(p.kv, p.lengths, p.k, p.v, static_cast<int>(p.in_dtype),
                                       p.original_max_position_embeddings);
   });
-  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DecodeAppendKvInt8Kernel");
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DecodeAppendKvCodesKernel");
   return absl::OkStatus();
 }
 
-absl::Status LaunchDecodeQuantizeRows(const CudaDecodeQuantizeRowsParams& p, cudaStream_t stream) {
+template <typename CodeT>
+absl::Status LaunchDecodeQuantizeRowsOf(const CudaDecodeQuantizeRowsParamsOf<CodeT>& p,
+                                        cudaStream_t stream) {
   if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.k_scale == nullptr ||
       p.kv.v_scale == nullptr || p.kv.page_tables == nullptr || p.lengths == nullptr ||
       p.kv_rows == nullptr || p.batch < 0 || p.batch > 65535 || !SupportedHeadDim(p.kv.head_dim)) {
@@ -80,13 +94,14 @@ absl::Status LaunchDecodeQuantizeRows(const CudaDecodeQuantizeRowsParams& p, cud
   }
   if (p.batch == 0) return absl::OkStatus();
   ATTND_CUDA_RETURN_IF_ERROR(WithHeadDim(p.kv.head_dim, [&](auto dim) {
-    return LaunchAfterPrevious(cuda_kernels::DecodeQuantizeRowsKernel<decltype(dim)::value>,
+    return LaunchAfterPrevious(cuda_kernels::DecodeQuantizeRowsKernel<decltype(dim)::value, CodeT>,
                                dim3(p.batch), dim3(128), 0, stream, p.kv, p.lengths, p.kv_rows);
   }));
   return absl::OkStatus();
 }
 
-absl::Status LaunchDequantizeKv(const CudaDequantizeKvParams& p, cudaStream_t stream) {
+template <typename CodeT>
+absl::Status LaunchDequantizeKvOf(const CudaDequantizeKvParamsOf<CodeT>& p, cudaStream_t stream) {
   if (p.kv.k == nullptr || p.kv.v == nullptr || p.kv.k_scale == nullptr ||
       p.kv.v_scale == nullptr || p.kv.page_table == nullptr || p.k_out == nullptr ||
       p.v_out == nullptr || p.num_tokens < 0 || p.num_tokens > kMaxPosition ||
@@ -99,10 +114,39 @@ absl::Status LaunchDequantizeKv(const CudaDequantizeKvParams& p, cudaStream_t st
   if (p.num_tokens == 0) return absl::OkStatus();
   const int64_t pieces = p.num_tokens * p.kv.num_kv_heads * (p.kv.head_dim / 8);
   const int64_t blocks = std::min<int64_t>((pieces + 255) / 256, 65536);
-  cuda_kernels::DequantizeKvKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-      p.kv, p.k_out, p.v_out, pieces);
+  cuda_kernels::DequantizeKvKernel<CodeT>
+      <<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p.kv, p.k_out, p.v_out, pieces);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DequantizeKvKernel");
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status LaunchAppendKv(const CudaAppendParamsOf<Int8Kv>& p, cudaStream_t stream) {
+  return LaunchAppendCodes(p, stream);
+}
+absl::Status LaunchAppendKv(const CudaAppendParamsOf<Fp8E4m3>& p, cudaStream_t stream) {
+  return LaunchAppendCodes(p, stream);
+}
+absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParamsOf<Int8Kv>& p, cudaStream_t stream) {
+  return LaunchDecodeAppendCodes(p, stream);
+}
+absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParamsOf<Fp8E4m3>& p, cudaStream_t stream) {
+  return LaunchDecodeAppendCodes(p, stream);
+}
+absl::Status LaunchDecodeQuantizeRows(const CudaDecodeQuantizeRowsParamsOf<Int8Kv>& p,
+                                      cudaStream_t stream) {
+  return LaunchDecodeQuantizeRowsOf(p, stream);
+}
+absl::Status LaunchDecodeQuantizeRows(const CudaDecodeQuantizeRowsParamsOf<Fp8E4m3>& p,
+                                      cudaStream_t stream) {
+  return LaunchDecodeQuantizeRowsOf(p, stream);
+}
+absl::Status LaunchDequantizeKv(const CudaDequantizeKvParamsOf<Int8Kv>& p, cudaStream_t stream) {
+  return LaunchDequantizeKvOf(p, stream);
+}
+absl::Status LaunchDequantizeKv(const CudaDequantizeKvParamsOf<Fp8E4m3>& p, cudaStream_t stream) {
+  return LaunchDequantizeKvOf(p, stream);
 }
 
 absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParams& p, cudaStream_t stream) {

@@ -32,35 +32,58 @@ __global__ void AppendKvKernel(PagedKv<Bf16> kv, const void* k, const void* v, i
   }
 }
 
-// ---- int8 rows
-// -------------------------------------------------------------------------------------
+// ---- rows of scaled codes (int8, fp8)
+// ---------------------------------------------------------------------
 //
+// How each code type quantises a row, as its base/ header's QuantizeRow does: the largest code
+// magnitude, one value's code, a code's value, and whether a NaN in the row becomes its max (int8:
+// yes, so the row's scale is NaN; fp8: no, the NaN keeps its own code).
+template <typename CodeT>
+struct ScaledCode;
+template <>
+struct ScaledCode<Int8Kv> {
+  static constexpr float kMax = kInt8KvMax;
+  static constexpr bool kNanSticks = true;
+  __device__ static uint8_t Encode(float q) { return static_cast<uint8_t>(FloatToInt8Kv(q)); }
+  __device__ static float Decode(uint32_t c) {
+    return static_cast<float>(static_cast<int8_t>(c & 0xffu));
+  }
+};
+template <>
+struct ScaledCode<Fp8E4m3> {
+  static constexpr float kMax = kFp8E4m3Max;
+  static constexpr bool kNanSticks = false;
+  __device__ static uint8_t Encode(float q) { return FloatToFp8E4m3(q); }
+  __device__ static float Decode(uint32_t c) { return Fp8E4m3ToFloat(c & 0xffu); }
+};
+
 // One warp quantises one row of D values (one token, one kv head), lane l holding the D / 32
-// values [l * D / 32, (l + 1) * D / 32): base/int8_kv.h's Int8QuantizeRow step for step. The
-// largest |x| is exact whatever the order it is taken in, and a NaN sticks as it does there (a
-// comparison with NaN is false), so the scale, one IEEE division (nvcc's default -prec-div=true),
-// and every code are the CPU's bit for bit.
-template <int D>
-__device__ __forceinline__ void StoreInt8Row(const float (&x)[D / 32], Int8Kv* codes, float* scale,
+// values [l * D / 32, (l + 1) * D / 32): Int8QuantizeRow (base/int8_kv.h) or Fp8QuantizeRow
+// (base/fp8.h) step for step. The largest |x| is exact whatever the order it is taken in, and NaN
+// takes part in it as it does there (a comparison with NaN is false), so the scale, one IEEE
+// division (nvcc's default -prec-div=true), and every code are the CPU's bit for bit.
+template <int D, typename CodeT>
+__device__ __forceinline__ void StoreCodeRow(const float (&x)[D / 32], CodeT* codes, float* scale,
                                              int lane) {
+  using Code = ScaledCode<CodeT>;
   constexpr int kPer = D / 32;
   float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const float a = fabsf(x[i]);
-    if (a > amax || a != a) amax = a;
+    if (a > amax || (Code::kNanSticks && a != a)) amax = a;
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) {
     const float o = __shfl_xor_sync(0xffffffffu, amax, off);
-    if (o > amax || o != o) amax = o;
+    if (o > amax || (Code::kNanSticks && o != o)) amax = o;
   }
-  const float sc = amax / kInt8KvMax;
+  const float sc = amax / Code::kMax;
   uint32_t packed = 0;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
-    const int8_t c = sc == 0.f ? int8_t{0} : FloatToInt8Kv(x[i] / sc);
-    packed |= static_cast<uint32_t>(static_cast<uint8_t>(c)) << (8 * i);
+    const uint8_t c = sc == 0.f ? uint8_t{0} : Code::Encode(x[i] / sc);
+    packed |= static_cast<uint32_t>(c) << (8 * i);
   }
   if constexpr (kPer == 4) {
     *reinterpret_cast<uint32_t*>(codes + lane * kPer) = packed;
@@ -72,9 +95,9 @@ __device__ __forceinline__ void StoreInt8Row(const float (&x)[D / 32], Int8Kv* c
 }
 
 // grid-stride, one warp per (token, kv head) row of one sequence's num_tokens new tokens.
-template <int D>
-__global__ void AppendKvInt8Kernel(PagedKv<Int8Kv> kv, const void* k, const void* v, int in_dtype,
-                                   int32_t start, int64_t rows, float key_scale) {
+template <int D, typename CodeT>
+__global__ void AppendKvCodesKernel(PagedKv<CodeT> kv, const void* k, const void* v, int in_dtype,
+                                    int32_t start, int64_t rows, float key_scale) {
   constexpr int kPer = D / 32;
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -90,22 +113,23 @@ __global__ void AppendKvInt8Kernel(PagedKv<Int8Kv> kv, const void* k, const void
       xv[i] = LoadAsFloat(v, in_dtype, src);
     }
     const int64_t off = kv.Offset32(start + t, h);
-    StoreInt8Row<D>(xk, kv.k + off, kv.k_scale + off / D, lane);
-    StoreInt8Row<D>(xv, kv.v + off, kv.v_scale + off / D, lane);
+    StoreCodeRow<D>(xk, kv.k + off, kv.k_scale + off / D, lane);
+    StoreCodeRow<D>(xv, kv.v + off, kv.v_scale + off / D, lane);
   }
 }
 
 // grid (batch), block 128: sequence b's new token at lengths[b] - 1, one warp per kv head (K and
 // V); rows with length 0 are skipped.
-template <int D>
-__global__ void DecodeAppendKvInt8Kernel(PagedKvBatchInt8 kvb, const int32_t* lengths,
-                                         const void* k, const void* v, int in_dtype, int64_t orig) {
+template <int D, typename CodeT>
+__global__ void DecodeAppendKvCodesKernel(PagedKvBatchScaled<CodeT> kvb, const int32_t* lengths,
+                                          const void* k, const void* v, int in_dtype,
+                                          int64_t orig) {
   constexpr int kPer = D / 32;
   const int32_t b = blockIdx.x;
   const int32_t len = lengths[b];
   if (len < 1) return;
   const float key_scale = LengthScale(len, orig);
-  const PagedKv<Int8Kv> kv = kvb.Seq(b);
+  const PagedKv<CodeT> kv = kvb.Seq(b);
   const int lane = threadIdx.x % 32;
   for (int h = threadIdx.x / 32; h < kv.num_kv_heads; h += blockDim.x / 32) {
     float xk[kPer], xv[kPer];
@@ -116,23 +140,23 @@ __global__ void DecodeAppendKvInt8Kernel(PagedKvBatchInt8 kvb, const int32_t* le
       xv[i] = LoadAsFloat(v, in_dtype, src);
     }
     const int64_t off = kv.Offset32(len - 1, h);
-    StoreInt8Row<D>(xk, kv.k + off, kv.k_scale + off / D, lane);
-    StoreInt8Row<D>(xv, kv.v + off, kv.v_scale + off / D, lane);
+    StoreCodeRow<D>(xk, kv.k + off, kv.k_scale + off / D, lane);
+    StoreCodeRow<D>(xv, kv.v + off, kv.v_scale + off / D, lane);
   }
 }
 
-// grid (batch), block 128: the int8 decode step's append (CudaDecodeQuantizeRowsParams), after
-// the stage kernel left the rows (already length-scaled) in kv_rows; one warp per (K or V, kv
-// head) row.
-template <int D>
-__global__ void DecodeQuantizeRowsKernel(PagedKvBatchInt8 kvb, const int32_t* lengths,
+// grid (batch), block 128: the append of a decode step over scaled codes
+// (CudaDecodeQuantizeRowsParamsOf), after the stage kernel left the rows (already length-scaled)
+// in kv_rows; one warp per (K or V, kv head) row.
+template <int D, typename CodeT>
+__global__ void DecodeQuantizeRowsKernel(PagedKvBatchScaled<CodeT> kvb, const int32_t* lengths,
                                          const float* kv_rows) {
   cuda_common::StepKernelEntry();
   constexpr int kPer = D / 32;
   const int32_t b = blockIdx.x;
   const int32_t len = lengths[b];
   if (len < 1) return;  // a padding row of a captured batch size
-  const PagedKv<Int8Kv> kv = kvb.Seq(b);
+  const PagedKv<CodeT> kv = kvb.Seq(b);
   const int lane = threadIdx.x % 32;
   const int64_t head0 = kv.Offset32(len - 1, 0);  // the token's first kv head
   for (int row = threadIdx.x / 32; row < 2 * kv.num_kv_heads; row += blockDim.x / 32) {
@@ -145,14 +169,15 @@ __global__ void DecodeQuantizeRowsKernel(PagedKvBatchInt8 kvb, const int32_t* le
 #pragma unroll
     for (int i = 0; i < kPer; ++i) x[i] = src[i];
     const int64_t off = head0 + int64_t{h} * D;
-    StoreInt8Row<D>(x, (is_k ? kv.k : kv.v) + off, (is_k ? kv.k_scale : kv.v_scale) + off / D,
+    StoreCodeRow<D>(x, (is_k ? kv.k : kv.v) + off, (is_k ? kv.k_scale : kv.v_scale) + off / D,
                     lane);
   }
 }
 
 // grid-stride over 8-element pieces of positions [0, num_tokens) x kv heads: bf16(code * scale)
-// into dense [num_tokens, Hkv, D] rows (CudaDequantizeKvParams).
-__global__ void DequantizeKvKernel(PagedKv<Int8Kv> kv, Bf16* k_out, Bf16* v_out, int64_t pieces) {
+// into dense [num_tokens, Hkv, D] rows (CudaDequantizeKvParamsOf).
+template <typename CodeT>
+__global__ void DequantizeKvKernel(PagedKv<CodeT> kv, Bf16* k_out, Bf16* v_out, int64_t pieces) {
   const int per_row = kv.head_dim / 8;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < pieces;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -164,14 +189,14 @@ __global__ void DequantizeKvKernel(PagedKv<Int8Kv> kv, Bf16* k_out, Bf16* v_out,
     const int64_t so = off / kv.head_dim;
 #pragma unroll
     for (int part = 0; part < 2; ++part) {
-      const Int8Kv* codes = (part == 0 ? kv.k : kv.v) + off + c * 8;
+      const CodeT* codes = (part == 0 ? kv.k : kv.v) + off + c * 8;
       const float sc = (part == 0 ? kv.k_scale : kv.v_scale)[so];
       const uint2 w = *reinterpret_cast<const uint2*>(codes);
       float x[8];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        x[e] = static_cast<float>(static_cast<int8_t>(w.x >> (8 * e))) * sc;
-        x[4 + e] = static_cast<float>(static_cast<int8_t>(w.y >> (8 * e))) * sc;
+        x[e] = ScaledCode<CodeT>::Decode(w.x >> (8 * e)) * sc;
+        x[4 + e] = ScaledCode<CodeT>::Decode(w.y >> (8 * e)) * sc;
       }
       *reinterpret_cast<uint4*>((part == 0 ? k_out : v_out) + row * kv.head_dim + c * 8) =
           make_uint4(PackBf16(x[0], x[1]), PackBf16(x[2], x[3]), PackBf16(x[4], x[5]),
@@ -262,9 +287,9 @@ __device__ __forceinline__ uint4 LoadPiece(const char* src) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// kFloatRows: an int8 pool's stage (CudaDecodeStageParams::kv_rows): the new token's K/V rows go
-// to kv_rows as fp32 (the key length-scaled), not into the pool, and the new token's page id is
-// not read.
+// kFloatRows: the stage of a pool of scaled codes (CudaDecodeStageParams::kv_rows): the new token's
+// K/V rows go to kv_rows as fp32 (the key length-scaled), not into the pool, and the new token's
+// page id is not read.
 template <bool kFloatRows>
 __device__ __forceinline__ void DecodeStage(PagedKvBatch kvb, const DecodeStageRow* rows,
                                             const int32_t* host_tables, const char* host_q,

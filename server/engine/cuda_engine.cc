@@ -300,18 +300,24 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
                           int64_t length) const;
   // OK for kVariants, and for kPreRotary when the geometry has a rotary.
   absl::Status CheckLayout(QLayout layout) const;
-  // The layer's pool as KvT (Bf16, or Int8Kv with the layer's scale regions).
+  // The layer's pool as KvT (Bf16, or Int8Kv / Fp8E4m3 with the layer's scale regions).
   template <typename KvT>
   PagedKv<KvT> LayerView(int32_t layer, const int32_t* device_page_table) const;
-  // What the bf16 prefill kernels read: the layer's pool (bf16), or for an int8 pool the dequant
-  // scratch after DequantizePrefix.
+  // What the bf16 prefill kernels read: the layer's pool (bf16), or for a pool of scaled codes
+  // (int8, fp8) the dequant scratch after DequantizePrefix.
   PagedKv<Bf16> PrefillView(int32_t layer, const int32_t* device_page_table) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(prefill_mu_);
-  // int8 pool: bf16(code * scale) of the layer's positions [0, length) of the prefill's sequence
-  // (d_table_) into the scratch, pages 0, 1, ... in order; nothing for bf16.
+  // Scaled pool: bf16(code's value * scale) of the layer's positions [0, length) of the prefill's
+  // sequence (d_table_) into the scratch, pages 0, 1, ... in order; nothing for bf16.
   absl::Status DequantizePrefix(int32_t layer, int64_t length)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(prefill_mu_);
-  bool int8_kv() const { return layout_.kv_dtype == DType::kInt8; }
+  // The pool holds one-byte codes and row scales (int8 or fp8) rather than bf16.
+  bool scaled_kv() const { return HasRowScale(layout_.kv_dtype); }
+  // f(CodeT{}) with the scaled pool's code type, Int8Kv or Fp8E4m3.
+  template <typename F>
+  auto WithCodes(F&& f) const {
+    return layout_.kv_dtype == DType::kFp8E4m3 ? f(Fp8E4m3{}) : f(Int8Kv{});
+  }
   // The engine's checks of a prefill job (what the kernels cannot survive).
   absl::Status CheckPrefillJob(const PrefillJob& job) const;
   class PrefillSteps;
@@ -429,7 +435,7 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   DevicePtr d_window_state_ ABSL_GUARDED_BY(prefill_mu_);
   size_t sparse_workspace_bytes_ = 0;
   DevicePtr d_sparse_workspace_ ABSL_GUARDED_BY(prefill_mu_);  // when sparse_ is set
-  // int8 pool: K then V, each [max_length_, Hkv, D] bf16, dequantised from the pool for the
+  // Scaled pool: K then V, each [max_length_, Hkv, D] bf16, dequantised from the pool for the
   // prefill kernels (DequantizePrefix); the identity page table [num_pages] they read it through.
   DevicePtr d_dequant_ ABSL_GUARDED_BY(prefill_mu_);
   DevicePtr d_identity_;
@@ -457,7 +463,7 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   // Device rows (CUDA IPC regions): their q/k/v/out addresses go in their DecodeStageRow, and the
   // stage kernel leaves each row's output address here for the reduction (DecodeRowOut [B]).
   DevicePtr d_row_outs_ ABSL_GUARDED_BY(mu_);
-  // int8 pool: the step's new K/V rows, fp32 [B, 2, Hkv, D], between the stage kernel and the
+  // Scaled pool: the step's new K/V rows, fp32 [B, 2, Hkv, D], between the stage kernel and the
   // quantiser (CudaDecodeStageParams::kv_rows).
   DevicePtr d_kv_rows_ ABSL_GUARDED_BY(mu_);
   int visible_devices_ = 0;  // cudaGetDeviceCount at creation
@@ -484,10 +490,10 @@ absl::StatusOr<std::unique_ptr<Engine>> CudaEngine::Create(const CudaEngineOptio
         "cuda engine: KV layout [", layout.num_kv_heads, " kv heads, head_dim ", layout.head_dim,
         "] does not match the model [", g.num_kv_heads, ", ", g.head_dim, "]"));
   }
-  if (layout.kv_dtype != DType::kBf16 && layout.kv_dtype != DType::kInt8) {
+  if (layout.kv_dtype != DType::kBf16 && !HasRowScale(layout.kv_dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("cuda engine: KV dtype ",
                                                    DTypeName(layout.kv_dtype),
-                                                   " is not supported; use bf16 or int8"));
+                                                   " is not supported; use bf16, int8 or fp8"));
   }
   if (layout.num_layers <= 0 || layout.page_size <= 0 || layout.num_pages <= 0) {
     return absl::InvalidArgumentError("cuda engine: the KV layout has no layers, pages or slots");
@@ -627,22 +633,24 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   const int64_t b = max_decode_batch_;
   table_stride_ = (layout_.num_pages + 3) / 4 * 4;  // the stage kernel copies 4 ids at a time
   max_length_ = layout_.num_pages * layout_.page_size;
-  if (int8_kv()) {
+  if (scaled_kv()) {
     // The prefill kernels read bf16: a call's keys [0, start + tokens) are dequantised into this
     // scratch first (DequantizePrefix), sized for the longest sequence the pool holds, and read
-    // through an identity page table. Decode reads the int8 pool itself; its new rows pass
+    // through an identity page table. Decode reads the pool's codes itself; its new rows pass
     // through d_kv_rows_ on their way to the quantiser.
     const int64_t row_elems = max_length_ * hkv * d;
-    ATTND_ASSIGN_OR_RETURN(d_dequant_, DeviceAlloc(2 * row_elems * 2, "the int8 prefill scratch"));
+    ATTND_ASSIGN_OR_RETURN(d_dequant_,
+                           DeviceAlloc(2 * row_elems * 2, "the scaled KV's prefill scratch"));
     std::vector<int32_t> identity(layout_.num_pages);
     std::iota(identity.begin(), identity.end(), 0);
     ATTND_ASSIGN_OR_RETURN(d_identity_, DeviceAlloc(identity.size() * 4, "the scratch pages"));
     ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_identity_.get(), identity.data(), identity.size() * 4,
                                           cudaMemcpyHostToDevice));
-    ATTND_ASSIGN_OR_RETURN(d_kv_rows_, DeviceAlloc(b * 2 * hkv * d * 4, "decode int8 rows"));
+    ATTND_ASSIGN_OR_RETURN(d_kv_rows_, DeviceAlloc(b * 2 * hkv * d * 4, "decode rows to quantise"));
     spdlog::info(
-        "cuda engine: int8 KV; the prefill kernels read a bf16 scratch of {:.1f} MiB ({} tokens, "
-        "the longest sequence the pool holds), refilled from the int8 pool per prefill chunk",
+        "cuda engine: {} KV; the prefill kernels read a bf16 scratch of {:.1f} MiB ({} tokens, "
+        "the longest sequence the pool holds), refilled from the pool per prefill chunk",
+        std::string(DTypeName(layout_.kv_dtype)),
         static_cast<double>(2 * row_elems * 2) / 1048576.0, max_length_);
   }
   q_slot_ = AlignUp(kNumDecodeVariants * hq * d * 4);
@@ -775,7 +783,7 @@ PagedKv<KvT> CudaEngine::LayerView(int32_t layer, const int32_t* device_page_tab
 }
 
 PagedKv<Bf16> CudaEngine::PrefillView(int32_t layer, const int32_t* device_page_table) const {
-  if (!int8_kv()) return LayerView<Bf16>(layer, device_page_table);
+  if (!scaled_kv()) return LayerView<Bf16>(layer, device_page_table);
   PagedKv<Bf16> kv;
   kv.k = static_cast<Bf16*>(d_dequant_.get());
   kv.v = kv.k + max_length_ * layout_.num_kv_heads * layout_.head_dim;
@@ -787,14 +795,17 @@ PagedKv<Bf16> CudaEngine::PrefillView(int32_t layer, const int32_t* device_page_
 }
 
 absl::Status CudaEngine::DequantizePrefix(int32_t layer, int64_t length) {
-  if (!int8_kv()) return absl::OkStatus();
+  if (!scaled_kv()) return absl::OkStatus();
   const PagedKv<Bf16> scratch = PrefillView(layer, nullptr);
-  CudaDequantizeKvParams dp;
-  dp.kv = LayerView<Int8Kv>(layer, static_cast<const int32_t*>(d_table_.get()));
-  dp.k_out = scratch.k;
-  dp.v_out = scratch.v;
-  dp.num_tokens = length;
-  return LaunchDequantizeKv(dp, prefill_stream_);
+  return WithCodes([&](auto code) {
+    using CodeT = decltype(code);
+    CudaDequantizeKvParamsOf<CodeT> dp;
+    dp.kv = LayerView<CodeT>(layer, static_cast<const int32_t*>(d_table_.get()));
+    dp.k_out = scratch.k;
+    dp.v_out = scratch.v;
+    dp.num_tokens = length;
+    return LaunchDequantizeKv(dp, prefill_stream_);
+  });
 }
 
 absl::Status CudaEngine::CheckPrefillJob(const PrefillJob& job) const {
@@ -906,8 +917,8 @@ absl::Status CudaEngine::PrefillStep(const PrefillJob& job, float s, bool sparse
   if (cursor->window < 0) {
     ATTND_RETURN_IF_ERROR(StageQueries(job, first, count));
     ATTND_RETURN_IF_ERROR(AppendKeys(job, first, count, s));
-    // int8: every key this chunk attends, its own included, as the bf16 kernels read them; the
-    // chunk's windows share it (the lane is this run's until it ends).
+    // Scaled pool: every key this chunk attends, its own included, as the bf16 kernels read them;
+    // the chunk's windows share it (the lane is this run's until it ends).
     ATTND_RETURN_IF_ERROR(DequantizePrefix(job.layer, job.start + first + count));
     cursor->window = 0;
   }
@@ -1023,16 +1034,19 @@ absl::Status CudaEngine::AppendKeys(const PrefillJob& job, int64_t first, int64_
                                                kv_n * 4, cudaMemcpyHostToDevice, prefill_stream_));
     ap.in_dtype = DType::kFp32;
   }
-  if (int8_kv()) {  // the same rows, quantised (base/int8_kv.h) as the CPU engine stores them
-    CudaAppendParamsOf<Int8Kv> a8;
-    a8.kv = LayerView<Int8Kv>(job.layer, ap.kv.page_table);
-    a8.k = ap.k;
-    a8.v = ap.v;
-    a8.in_dtype = ap.in_dtype;
-    a8.start = ap.start;
-    a8.num_tokens = ap.num_tokens;
-    a8.key_scale = ap.key_scale;
-    return LaunchAppendKv(a8, prefill_stream_);
+  if (scaled_kv()) {  // the same rows, quantised (base/int8_kv.h, base/fp8.h) as the CPU engine
+    return WithCodes([&](auto code) {
+      using CodeT = decltype(code);
+      CudaAppendParamsOf<CodeT> ac;
+      ac.kv = LayerView<CodeT>(job.layer, ap.kv.page_table);
+      ac.k = ap.k;
+      ac.v = ap.v;
+      ac.in_dtype = ap.in_dtype;
+      ac.start = ap.start;
+      ac.num_tokens = ap.num_tokens;
+      ac.key_scale = ap.key_scale;
+      return LaunchAppendKv(ac, prefill_stream_);
+    });
   }
   return LaunchAppendKv(ap, prefill_stream_);
 }
@@ -1093,7 +1107,8 @@ absl::Status CudaEngine::PrefillSparse(const PrefillJob& job, float s) {
       ATTND_RETURN_IF_ERROR(wait());
       ATTND_RETURN_IF_ERROR(AppendKeys(job, begin + first, std::min(max_chunk_, rows - first), s));
     }
-    // int8: the keys the piece's estimate and attention read, [0, piece end), into the scratch.
+    // Scaled pool: the keys the piece's estimate and attention read, [0, piece end), into the
+    // scratch.
     ATTND_RETURN_IF_ERROR(DequantizePrefix(job.layer, piece.end));
     // Attention chunks: the whole piece when the buffers hold it, else the fewest chunks of whole
     // row blocks, of even size (no small tail launch). The last one first, so that the estimate
@@ -1399,7 +1414,7 @@ void CudaEngine::DestroyGate(const Gate& gate, bool stuck) {
 absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t plan) {
   const int64_t hq = geometry_.num_q_heads, d = geometry_.head_dim;
   PagedKvBatch kvb;
-  if (!int8_kv()) {  // an int8 step's stage leaves the new rows in d_kv_rows_ instead
+  if (!scaled_kv()) {  // a scaled pool's stage leaves the new rows in d_kv_rows_ instead
     kvb.k = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.k_offset(layer));
     kvb.v = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.v_offset(layer));
   }
@@ -1426,20 +1441,7 @@ absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t 
   sp.num_q_heads = geometry_.num_q_heads;
   sp.batch = rows;
   sp.original_max_position_embeddings = geometry_.original_max_position_embeddings;
-  PagedKvBatchInt8 kvb8;
-  if (int8_kv()) {
-    const PagedKv<Int8Kv> view = LayerView<Int8Kv>(layer, nullptr);
-    kvb8.k = view.k;
-    kvb8.v = view.v;
-    kvb8.k_scale = view.k_scale;
-    kvb8.v_scale = view.v_scale;
-    kvb8.page_tables = kvb.page_tables;
-    kvb8.page_table_stride = kvb.page_table_stride;
-    kvb8.page_size = kvb.page_size;
-    kvb8.num_kv_heads = kvb.num_kv_heads;
-    kvb8.head_dim = kvb.head_dim;
-    sp.kv_rows = static_cast<float*>(d_kv_rows_.get());
-  }
+  if (scaled_kv()) sp.kv_rows = static_cast<float*>(d_kv_rows_.get());
   if (d_inv_freq_ != nullptr) {  // the model has a rotary: pre-rotary rows may come
     CudaDecodeRotaryParams rp;
     rp.rows = sp.rows;
@@ -1453,14 +1455,6 @@ absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t 
     ATTND_RETURN_IF_ERROR(LaunchDecodeRotary(geometry_, rp, stream_));
   }
   ATTND_RETURN_IF_ERROR(LaunchDecodeStage(sp, stream_));
-  if (int8_kv()) {
-    CudaDecodeQuantizeRowsParams qp;
-    qp.kv = kvb8;
-    qp.lengths = d_len;
-    qp.kv_rows = sp.kv_rows;
-    qp.batch = rows;
-    ATTND_RETURN_IF_ERROR(LaunchDecodeQuantizeRows(qp, stream_));
-  }
 
   CudaDecodeParams dp;
   dp.kv = kvb;
@@ -1479,22 +1473,41 @@ absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t 
   dp.partial_out = static_cast<float*>(d_workspace_.get());
   dp.partial_lse = dp.partial_out + static_cast<size_t>(rows) * hq * dp.max_splits * d;
   dp.row_outs = sp.row_outs;
-  if (int8_kv()) {
-    CudaDecodeParamsOf<Int8Kv> dp8;
-    dp8.kv = kvb8;
-    dp8.lengths = dp.lengths;
-    dp8.q = dp.q;
-    dp8.out = dp.out;
-    dp8.out_dtype = dp.out_dtype;
-    dp8.batch = dp.batch;
-    dp8.max_splits = dp.max_splits;
-    dp8.planned_batch = dp.planned_batch;
-    dp8.partial_out = dp.partial_out;
-    dp8.partial_lse = dp.partial_lse;
-    dp8.row_outs = dp.row_outs;
-    return LaunchDcaDecode(*kernel_plan_, dp8, stream_);
-  }
-  return LaunchDcaDecode(*kernel_plan_, dp, stream_);
+  if (!scaled_kv()) return LaunchDcaDecode(*kernel_plan_, dp, stream_);
+  return WithCodes([&](auto code) -> absl::Status {
+    using CodeT = decltype(code);
+    // The quantiser stores the stage's new rows, then the decode reads the codes.
+    const PagedKv<CodeT> view = LayerView<CodeT>(layer, nullptr);
+    PagedKvBatchScaled<CodeT> kvc;
+    kvc.k = view.k;
+    kvc.v = view.v;
+    kvc.k_scale = view.k_scale;
+    kvc.v_scale = view.v_scale;
+    kvc.page_tables = kvb.page_tables;
+    kvc.page_table_stride = kvb.page_table_stride;
+    kvc.page_size = kvb.page_size;
+    kvc.num_kv_heads = kvb.num_kv_heads;
+    kvc.head_dim = kvb.head_dim;
+    CudaDecodeQuantizeRowsParamsOf<CodeT> qp;
+    qp.kv = kvc;
+    qp.lengths = d_len;
+    qp.kv_rows = sp.kv_rows;
+    qp.batch = rows;
+    ATTND_RETURN_IF_ERROR(LaunchDecodeQuantizeRows(qp, stream_));
+    CudaDecodeParamsOf<CodeT> dc;
+    dc.kv = kvc;
+    dc.lengths = dp.lengths;
+    dc.q = dp.q;
+    dc.out = dp.out;
+    dc.out_dtype = dp.out_dtype;
+    dc.batch = dp.batch;
+    dc.max_splits = dp.max_splits;
+    dc.planned_batch = dp.planned_batch;
+    dc.partial_out = dp.partial_out;
+    dc.partial_lse = dp.partial_lse;
+    dc.row_outs = dp.row_outs;
+    return LaunchDcaDecode(*kernel_plan_, dc, stream_);
+  });
 }
 
 absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t count,

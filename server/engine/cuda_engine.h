@@ -1,5 +1,5 @@
-// The CUDA backend: the KV pool is one cudaMalloc laid out as kvcache/kv_layout.h says (bf16 or
-// int8 K/V; docs/kv_cache.md),
+// The CUDA backend: the KV pool is one cudaMalloc laid out as kvcache/kv_layout.h says (bf16, int8
+// or fp8 K/V; docs/kv_cache.md),
 // and attention runs on the kernels of kernels/cuda/dca_cuda.h on two CUDA streams: decode at the
 // device's highest priority, prefill at its lowest, so decode blocks are dispatched first.
 //
@@ -38,8 +38,8 @@ namespace attnd {
 
 struct CudaEngineOptions {
   DcaGeometry geometry;
-  KvLayout layout;                 // kv_dtype kBf16 or kInt8; pool_bytes() cudaMalloc'ed at once
-  int32_t device = 0;              // CUDA device ordinal
+  KvLayout layout;     // kv_dtype kBf16, kInt8 or kFp8E4m3; pool_bytes() cudaMalloc'ed at once
+  int32_t device = 0;  // CUDA device ordinal
   int32_t max_decode_batch = 256;  // larger decode jobs run in batches of this many
   // Decode batch sizes with a captured CUDA graph (ascending; sizes above max_decode_batch are
   // dropped). A batch of n entries is planned as the smallest size >= n (its split-K layout is
@@ -72,8 +72,8 @@ struct CudaEngineOptions {
 };
 
 // INVALID_ARGUMENT for a geometry/layout the CUDA kernels do not support (kernels/cuda/dca_cuda.h:
-// head_dim 64/128, group size 1..16, bf16 or int8 KV); FAILED_PRECONDITION when no CUDA device is
-// usable (cudaGetDeviceCount() == 0 or no driver); RESOURCE_EXHAUSTED when the pool or staging
+// head_dim 64/128, group size 1..16, bf16, int8 or fp8 KV); FAILED_PRECONDITION when no CUDA device
+// is usable (cudaGetDeviceCount() == 0 or no driver); RESOURCE_EXHAUSTED when the pool or staging
 // buffers cannot be allocated.
 //
 // The engine serialises its jobs internally, per lane (decode and prefill: a stream and staging

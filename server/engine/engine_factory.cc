@@ -87,18 +87,13 @@ absl::StatusOr<std::vector<ShardPlan>> PlanShards(const EngineOptions& options, 
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> CreateCuda(const EngineOptions& options) {
-  // Before the build and device checks: the option is wrong for this backend on any host.
-  if (options.kv_dtype == "fp8") {
-    return absl::InvalidArgumentError(absl::StrCat("EngineOptions::kv_dtype: ", options.kv_dtype,
-                                                   " KV is not yet supported on cuda; use bf16"));
-  }
   if (absl::Status built = CudaBuildStatus(); !built.ok()) return built;
   absl::StatusOr<DType> kv_dtype = ResolveKvDType(options.kv_dtype, "cuda");
   if (!kv_dtype.ok()) return kv_dtype.status();
-  if (*kv_dtype != DType::kBf16 && *kv_dtype != DType::kInt8) {
+  if (*kv_dtype != DType::kBf16 && !HasRowScale(*kv_dtype)) {
     return absl::InvalidArgumentError(
-        "EngineOptions::kv_dtype: the cuda backend stores K/V as bf16 or int8; use auto, bf16 or "
-        "int8");
+        "EngineOptions::kv_dtype: the cuda backend stores K/V as bf16, int8 or fp8; use auto, "
+        "bf16, int8 or fp8");
   }
   const int count = CudaDeviceCount();
   if (count == 0) {
@@ -137,11 +132,12 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateCuda(const EngineOptions& options)
     // Each device's fraction of free memory is split among its shards; every shard holds every
     // page, so the device with the least room per shard sets the page count. The engines' own
     // staging and workspace buffers come out of the remainder.
-    // An int8 engine also keeps a bf16 copy of one layer of the longest sequence for its prefill
-    // kernels (CudaEngine's prefill scratch, 4 bytes a token per kv head and head_dim element
-    // pair, K and V): the fraction covers pool and scratch together, split by their bytes a token.
+    // An int8 or fp8 engine also keeps a bf16 copy of one layer of the longest sequence for its
+    // prefill kernels (CudaEngine's prefill scratch, 4 bytes a token per kv head and head_dim
+    // element pair, K and V): the fraction covers pool and scratch together, split by their bytes a
+    // token.
     double pool_share = 1.0;
-    if (*kv_dtype == DType::kInt8) {
+    if (HasRowScale(*kv_dtype)) {
       const double pool_token =
           static_cast<double>(KvLayout{options.num_layers, shard_geometry.num_kv_heads,
                                        shard_geometry.head_dim, options.page_size, *kv_dtype, 0}

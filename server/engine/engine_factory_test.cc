@@ -56,7 +56,7 @@ TEST(EngineFactoryTest, Bf16KvHalvesThePage) {
   EXPECT_EQ((*engine)->layout().num_pages, 64);
 }
 
-// fp8 and int8: one-byte codes and a scale per token and kv head (cuda: int8 only, below).
+// fp8 and int8: one-byte codes and a scale per token and kv head, on either backend.
 struct OneByteKv {
   const char* flag;
   DType dtype;
@@ -84,30 +84,12 @@ TEST_P(OneByteKvTest, OnCpuFitsAboutTwiceTheBf16Tokens) {
   EXPECT_EQ((*engine)->layout().kv_dtype, GetParam().dtype);
 }
 
-TEST(EngineFactoryTest, CudaRefusesFp8OnEveryHost) {
-  for (const char* device : {"cuda", "auto"}) {
-    EngineOptions o = Tiny();
-    o.device = device;
-    o.kv_dtype = "fp8";
-    absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
-    if (std::string(device) == "auto" && CudaDeviceCount() == 0) {
-      ASSERT_TRUE(engine.ok()) << engine.status();  // auto without a GPU is the cpu backend
-      EXPECT_EQ((*engine)->layout().kv_dtype, DType::kFp8E4m3);
-      continue;
-    }
-    ASSERT_FALSE(engine.ok());
-    EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_EQ(engine.status().message(),
-              "EngineOptions::kv_dtype: fp8 KV is not yet supported on cuda; use bf16");
-  }
-}
-
-TEST(EngineFactoryTest, CudaTakesInt8) {
+TEST_P(OneByteKvTest, OnCudaTakesTheSamePool) {
   // The pool of the cpu test above: 120 pages of 8704 B in 1 MiB (kv_cache_bytes is the pool's
   // own size; the engine's prefill scratch comes on top).
   EngineOptions o = Tiny();
   o.device = "cuda";
-  o.kv_dtype = "int8";
+  o.kv_dtype = GetParam().flag;
   absl::StatusOr<std::unique_ptr<Engine>> engine = CreateEngine(o);
   if (!CudaBuildStatus().ok()) {  // no CUDA backend in this build: that is reported first
     EXPECT_EQ(engine.status(), CudaBuildStatus());
@@ -122,7 +104,7 @@ TEST(EngineFactoryTest, CudaTakesInt8) {
   }
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->backend(), "cuda");
-  EXPECT_EQ((*engine)->layout().kv_dtype, DType::kInt8);
+  EXPECT_EQ((*engine)->layout().kv_dtype, GetParam().dtype);
   EXPECT_EQ((*engine)->layout().bytes_per_page(), 8704);
   EXPECT_EQ((*engine)->layout().num_pages, 120);
 }
@@ -167,7 +149,7 @@ TEST(EngineFactoryTest, AutoPicksCudaOnlyWithAGpu) {
   EXPECT_EQ((*engine)->backend(), CudaDeviceCount() > 0 ? "cuda" : "cpu");
 }
 
-TEST(EngineFactoryTest, CudaKeepsKvInBf16) {
+TEST(EngineFactoryTest, CudaRefusesFp32Kv) {
   EngineOptions o = Tiny();
   o.device = "cuda";
   o.kv_dtype = "fp32";
@@ -178,8 +160,8 @@ TEST(EngineFactoryTest, CudaKeepsKvInBf16) {
   }
   EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(engine.status().message(),
-            "EngineOptions::kv_dtype: the cuda backend stores K/V as bf16 or int8; use auto, bf16 "
-            "or int8");
+            "EngineOptions::kv_dtype: the cuda backend stores K/V as bf16, int8 or fp8; use auto, "
+            "bf16, int8 or fp8");
 }
 
 TEST(EngineFactoryTest, BadOptionsNameTheFlag) {

@@ -1,6 +1,6 @@
 // The golden DCA cases (tests/testdata/dca) replayed through an engine, for the KV accuracy tests
-// of both backends (cpu_engine_kv_accuracy_test.cc, cuda_engine_int8_test.cc): the case's steps
-// as prefill and decode jobs, every output beside the reference's, and the error measures the
+// of both backends (cpu_engine_kv_accuracy_test.cc, cuda_engine_one_byte_kv_test.cc): the case's
+// steps as prefill and decode jobs, every output beside the reference's, and the error measures the
 // one-byte KV target is stated in (docs/kv_cache.md).
 #ifndef ATTND_SERVER_ENGINE_KV_GOLDEN_REPLAY_FOR_TESTING_H_
 #define ATTND_SERVER_ENGINE_KV_GOLDEN_REPLAY_FOR_TESTING_H_
