@@ -73,7 +73,7 @@ std::unique_ptr<Engine> Make(int32_t shards, std::shared_ptr<const SparseAttenti
   EngineOptions o;
   o.device = "cpu";
   o.shards = shards;
-  if (kOnCuda) {  // K/V in bf16 whatever the test asks
+  if (kOnCuda) {  // K/V in bf16 where the test asks for fp32
     o.device = "cuda";
     o.shards = 0;
     // ATTND_TEST_DEVICES (e.g. "0,1" on a two-GPU machine) used in turn; else every shard on GPU 0.
@@ -83,12 +83,15 @@ std::unique_ptr<Engine> Make(int32_t shards, std::shared_ptr<const SparseAttenti
     EXPECT_TRUE(listed.ok()) << listed.status();
     if (!listed.ok() || listed->empty()) return nullptr;
     for (int32_t i = 0; i < shards; ++i) o.devices.push_back((*listed)[i % listed->size()]);
-    kv_dtype = DType::kBf16;
+    if (kv_dtype == DType::kFp32) kv_dtype = DType::kBf16;
   }
   o.geometry = Geometry();
   o.num_layers = kLayers;
   o.page_size = kPageSize;
-  o.kv_dtype = kv_dtype == DType::kFp32 ? "fp32" : "bf16";
+  o.kv_dtype = kv_dtype == DType::kFp32      ? "fp32"
+               : kv_dtype == DType::kInt8    ? "int8"
+               : kv_dtype == DType::kFp8E4m3 ? "fp8"
+                                             : "bf16";
   o.kv_cache_bytes = kPages * KvLayout{kLayers, kHkv, kD, kPageSize, kv_dtype, 1}.bytes_per_page();
   o.compute_threads = 2;
   o.sparse = std::move(sparse);
@@ -249,8 +252,11 @@ TEST(ShardedEngineTest, ReportsShardsAndOnePageCount) {
 
 TEST(ShardedEngineTest, DensePrefillAndDecodeMatchTheUnshardedEngine) {
   SKIP_WITHOUT_DEVICE();
-  for (DType kv : kOnCuda ? std::vector<DType>{DType::kBf16}
-                          : std::vector<DType>{DType::kFp32, DType::kBf16}) {
+  // One-byte KV too: each shard quantises and scales its own heads' rows, as the whole would.
+  for (DType kv :
+       kOnCuda ? std::vector<DType>{DType::kBf16, DType::kInt8, DType::kFp8E4m3}
+               : std::vector<DType>{DType::kFp32, DType::kBf16, DType::kInt8, DType::kFp8E4m3}) {
+    SCOPED_TRACE(DTypeName(kv));
     std::unique_ptr<Engine> one = Make(1, nullptr, kv), two = Make(2, nullptr, kv),
                             four = Make(4, nullptr, kv);
     ASSERT_TRUE(one && two && four);
