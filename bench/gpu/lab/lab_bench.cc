@@ -3,7 +3,7 @@
 // (28 q heads, 4 kv heads, head_dim 128), bf16 paged KV with page_size 16 and shuffled pages.
 //
 //   lab_bench [--quick] [--prefill-only | --decode-only] [--configs 5,13|none]
-//             [--decode-configs 2,3|none] [--out FILE]
+//             [--decode-configs 2,3|none] [--one-byte] [--out FILE]
 //
 // Rows "product ..." are the product's launches; the others are lab configurations by index
 // (default: all of them). --configs none / --decode-configs none: the product's rows only.
@@ -16,6 +16,8 @@
 // sequence of the batch has the same length. Bytes = K + V read once = B * L * Hkv * D * 2 * 2
 // (q, out and page tables are < 1% and not counted). Small cases rotate over several disjoint page
 // sets (>= 1 GiB of KV in total) so that repeated runs do not measure the 50 MB L2.
+// --one-byte: the product's decode over int8 and fp8 pools of the same cases beside bf16 (bytes =
+// the codes and their fp32 scales, B * L * Hkv * (D + 4) * 2), with each one's speedup over bf16.
 // Also a device-to-device copy (bytes = read + write) as the bandwidth ceiling.
 // Timing: CUDA events around each launch after warm-up; the median of N runs.
 #include <cuda_runtime_api.h>
@@ -72,6 +74,25 @@ void FillRandomBf16(void* dst, size_t bytes) {
   for (size_t off = 0; off < bytes; off += kBlockElems * 2) {
     CHECK_CUDA(cudaMemcpy(static_cast<char*>(dst) + off, d_block,
                           std::min(kBlockElems * 2, bytes - off), cudaMemcpyDeviceToDevice));
+  }
+}
+
+// Fills `bytes` of device memory with a tiled block of random one-byte codes that are finite both
+// as int8 and as E4M3 (magnitude bits below 0x7e: no NaN code, |int8| <= 125).
+void FillRandomCodes(void* dst, size_t bytes) {
+  static void* d_block = nullptr;
+  constexpr size_t kBlockBytes = size_t{32} << 20;
+  if (d_block == nullptr) {
+    std::mt19937 rng(43);
+    std::uniform_int_distribution<int> magnitude(0, 0x7d), sign(0, 1);
+    std::vector<uint8_t> block(kBlockBytes);
+    for (auto& c : block) c = static_cast<uint8_t>(magnitude(rng) | (sign(rng) << 7));
+    CHECK_CUDA(cudaMalloc(&d_block, kBlockBytes));
+    CHECK_CUDA(cudaMemcpy(d_block, block.data(), kBlockBytes, cudaMemcpyHostToDevice));
+  }
+  for (size_t off = 0; off < bytes; off += kBlockBytes) {
+    CHECK_CUDA(cudaMemcpy(static_cast<char*>(dst) + off, d_block,
+                          std::min(kBlockBytes, bytes - off), cudaMemcpyDeviceToDevice));
   }
 }
 
@@ -232,21 +253,29 @@ std::string DecodeVariantLabel(int v) {
 // for the largest case); each case rotates over disjoint page sets of >= 1 GiB in total. Prints a
 // line per (case, variant) and then a compact table (GB/s, % of copy; the best per row marked).
 // max_diff: largest |out - out of the first variant| on the case's last run (bf16 outputs).
-void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& variants) {
-  struct Case {
-    int batch;
-    int64_t ctx;
-  };
-  std::vector<Case> cases;
+struct DecodeCase {
+  int batch;
+  int64_t ctx;
+};
+std::vector<DecodeCase> DecodeCases(bool quick) {
+  if (quick) return {{1, 4096}, {8, 32768}, {32, 32768}};
+  std::vector<DecodeCase> cases;
   for (int b : {1, 8, 32, 128})
     for (int64_t ctx : {4096, 32768, 131072}) cases.push_back({b, ctx});
   cases.push_back({1, 1 << 20});
-  if (quick) cases = {{1, 4096}, {8, 32768}, {32, 32768}};
+  return cases;
+}
+// Disjoint page sets a case rotates over: >= 1 GiB of bf16 KV in all.
+int DecodeSets(const DecodeCase& c) {
+  const double step_bytes = 2.0 * c.batch * c.ctx * kHkv * kD * 2;
+  return static_cast<int>(std::max(1.0, std::ceil((1 << 30) / step_bytes)));
+}
+
+void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& variants) {
+  using Case = DecodeCase;
+  const std::vector<Case> cases = DecodeCases(quick);
   const DcaGeometry g = Geometry(kRealChunkLen);
-  auto sets_of = [](const Case& c) {
-    const double step_bytes = 2.0 * c.batch * c.ctx * kHkv * kD * 2;
-    return static_cast<int>(std::max(1.0, std::ceil((1 << 30) / step_bytes)));
-  };
+  const auto sets_of = DecodeSets;
   int64_t pool_pages = 0;
   for (const Case& c : cases) {
     pool_pages = std::max<int64_t>(pool_pages, c.ctx / kPageSize * c.batch * sets_of(c));
@@ -383,11 +412,141 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
   }
 }
 
+// The product's decode kernel over a bf16 pool and over int8 and fp8 pools of the same shape (one
+// plan per KV dtype, as the engine builds it), every case of BenchDecodeVariants on the same page
+// sets. Values are random (codes finite in both formats, scales 1/64): the kernels' work does not
+// depend on them.
+void BenchDecodeOneByte(bool quick, double copy_gbs) {
+  const std::vector<DecodeCase> cases = DecodeCases(quick);
+  const DcaGeometry g = Geometry(kRealChunkLen);
+  int64_t pool_pages = 0;
+  for (const DecodeCase& c : cases) {
+    pool_pages = std::max<int64_t>(pool_pages, c.ctx / kPageSize * c.batch * DecodeSets(c));
+  }
+  const size_t elems = static_cast<size_t>(pool_pages) * kPageSize * kHkv * kD;
+  const size_t rows = static_cast<size_t>(pool_pages) * kPageSize * kHkv;
+  void *k16, *v16, *k8, *v8, *ks, *vs;
+  CHECK_CUDA(cudaMalloc(&k16, elems * 2));
+  CHECK_CUDA(cudaMalloc(&v16, elems * 2));
+  CHECK_CUDA(cudaMalloc(&k8, elems));
+  CHECK_CUDA(cudaMalloc(&v8, elems));
+  CHECK_CUDA(cudaMalloc(&ks, rows * 4));
+  CHECK_CUDA(cudaMalloc(&vs, rows * 4));
+  FillRandomBf16(k16, elems * 2);
+  FillRandomBf16(v16, elems * 2);
+  FillRandomCodes(k8, elems);
+  FillRandomCodes(v8, elems);
+  const std::vector<float> scales(rows, 1.f / 64);
+  CHECK_CUDA(cudaMemcpy(ks, scales.data(), rows * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(vs, scales.data(), rows * 4, cudaMemcpyHostToDevice));
+  const DType dtypes[] = {DType::kBf16, DType::kInt8, DType::kFp8E4m3};
+  std::vector<CudaKernelPlan> plans;
+  for (DType dt : dtypes) {
+    CudaKernelPlanOptions o;
+    o.kv_dtype = dt;
+    plans.push_back(CHECK_OK_VALUE(CudaKernelPlan::Create(g, 0, o)));
+  }
+  Emit(
+      "\n## Decode over one-byte KV: the product's kernel, bf16 / int8 / fp8 pools (median of "
+      "30)\n");
+  Emit(
+      "bytes: bf16 B*ctx*Hkv*D*2*2B; int8, fp8 B*ctx*Hkv*(D+4)*2 (codes and scales); blocks/SM "
+      "(ring 2/3): bf16 %d/%d, int8 %d/%d, fp8 %d/%d\n",
+      plans[0].DecodeBlocksPerSm(2), plans[0].DecodeBlocksPerSm(3), plans[1].DecodeBlocksPerSm(2),
+      plans[1].DecodeBlocksPerSm(3), plans[2].DecodeBlocksPerSm(2), plans[2].DecodeBlocksPerSm(3));
+  Emit("%-11s %-5s %9s %7s %9s %7s %7s %9s %7s %7s\n", "batch x ctx", "sets", "bf16_us", "%copy",
+       "int8_us", "%copy", "speedup", "fp8_us", "%copy", "speedup");
+  for (size_t ci = 0; ci < cases.size(); ++ci) {
+    const DecodeCase& c = cases[ci];
+    const int64_t pages_per_seq = c.ctx / kPageSize;
+    const int sets = DecodeSets(c);
+    std::vector<int32_t> perm(pool_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937(2 + ci));
+    perm.resize(pages_per_seq * c.batch * sets);
+    void *q, *out, *tables, *lengths, *ws;
+    const size_t q_bytes = static_cast<size_t>(c.batch) * kNumDecodeVariants * kHq * kD * 2;
+    const size_t out_elems = static_cast<size_t>(c.batch) * kHq * kD;
+    CHECK_CUDA(cudaMalloc(&q, q_bytes));
+    FillRandomBf16(q, q_bytes);
+    CHECK_CUDA(cudaMalloc(&out, out_elems * 2));
+    CHECK_CUDA(cudaMalloc(&tables, perm.size() * 4));
+    CHECK_CUDA(cudaMemcpy(tables, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<int32_t> lens(c.batch, static_cast<int32_t>(c.ctx));
+    CHECK_CUDA(cudaMalloc(&lengths, c.batch * 4));
+    CHECK_CUDA(cudaMemcpy(lengths, lens.data(), c.batch * 4, cudaMemcpyHostToDevice));
+    size_t ws_floats = 0;
+    for (const CudaKernelPlan& plan : plans) {
+      ws_floats = std::max(ws_floats,
+                           plan.DecodeWorkspaceFloats(c.batch, plan.DecodeSplits(c.batch, c.ctx)));
+    }
+    CHECK_CUDA(cudaMalloc(&ws, ws_floats * 4));
+    // The fields every dtype's params share, for page set `set`.
+    auto fill = [&](auto& p, const CudaKernelPlan& plan, int set) {
+      const int32_t splits = plan.DecodeSplits(c.batch, c.ctx);
+      p.kv.page_tables =
+          static_cast<int32_t*>(tables) + static_cast<int64_t>(set) * c.batch * pages_per_seq;
+      p.kv.page_table_stride = pages_per_seq;
+      p.kv.page_size = kPageSize;
+      p.kv.num_kv_heads = kHkv;
+      p.kv.head_dim = kD;
+      p.lengths = static_cast<int32_t*>(lengths);
+      p.q = static_cast<Bf16*>(q);
+      p.out = out;
+      p.out_dtype = DType::kBf16;
+      p.batch = c.batch;
+      p.max_splits = splits;
+      p.partial_out = static_cast<float*>(ws);
+      p.partial_lse = p.partial_out + static_cast<size_t>(c.batch) * kHq * splits * kD;
+    };
+    double us[3];
+    for (int di = 0; di < 3; ++di) {
+      const CudaKernelPlan& plan = plans[di];
+      const double ms = MedianMs(3, 30, [&](int i) {
+        if (dtypes[di] == DType::kBf16) {
+          CudaDecodeParams p;
+          fill(p, plan, i % sets);
+          p.kv.k = static_cast<Bf16*>(k16);
+          p.kv.v = static_cast<Bf16*>(v16);
+          CHECK_OK(LaunchDcaDecode(plan, p, nullptr));
+        } else if (dtypes[di] == DType::kInt8) {
+          CudaDecodeParamsOf<Int8Kv> p;
+          fill(p, plan, i % sets);
+          p.kv.k = static_cast<Int8Kv*>(k8);
+          p.kv.v = static_cast<Int8Kv*>(v8);
+          p.kv.k_scale = static_cast<float*>(ks);
+          p.kv.v_scale = static_cast<float*>(vs);
+          CHECK_OK(LaunchDcaDecode(plan, p, nullptr));
+        } else {
+          CudaDecodeParamsOf<Fp8E4m3> p;
+          fill(p, plan, i % sets);
+          p.kv.k = static_cast<Fp8E4m3*>(k8);
+          p.kv.v = static_cast<Fp8E4m3*>(v8);
+          p.kv.k_scale = static_cast<float*>(ks);
+          p.kv.v_scale = static_cast<float*>(vs);
+          CHECK_OK(LaunchDcaDecode(plan, p, nullptr));
+        }
+      });
+      us[di] = ms * 1e3;
+    }
+    const double tokens = static_cast<double>(c.batch) * c.ctx * kHkv * 2;
+    const double pct16 = 100.0 * tokens * kD * 2 / (us[0] * 1e-6) / 1e9 / copy_gbs;
+    const double pct8[2] = {100.0 * tokens * (kD + 4) / (us[1] * 1e-6) / 1e9 / copy_gbs,
+                            100.0 * tokens * (kD + 4) / (us[2] * 1e-6) / 1e9 / copy_gbs};
+    char name[24];
+    std::snprintf(name, sizeof(name), "%d x %lldK", c.batch, static_cast<long long>(c.ctx / 1024));
+    Emit("%-11s %-5d %9.1f %6.0f%% %9.1f %6.0f%% %6.2fx %9.1f %6.0f%% %6.2fx\n", name, sets, us[0],
+         pct16, us[1], pct8[0], us[0] / us[1], us[2], pct8[1], us[0] / us[2]);
+    for (void* p : {q, out, tables, lengths, ws}) CHECK_CUDA(cudaFree(p));
+  }
+  for (void* p : {k16, v16, k8, v8, ks, vs}) CHECK_CUDA(cudaFree(p));
+}
+
 }  // namespace
 }  // namespace attnd
 
 int main(int argc, char** argv) {
-  bool quick = false, prefill_only = false, decode_only = false;
+  bool quick = false, prefill_only = false, decode_only = false, one_byte = false;
   // --configs 5,13: lab prefill configurations beside the product's rows (default all; none).
   std::vector<int> configs, decode_configs;
   for (int v = 0; v < attnd::lab::kNumPrefillConfigs; ++v) configs.push_back(v);
@@ -405,6 +564,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--prefill-only") == 0) prefill_only = true;
     if (std::strcmp(argv[i], "--decode-only") == 0) decode_only = true;
+    if (std::strcmp(argv[i], "--one-byte") == 0) one_byte = true;
     if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc)
       attnd::g_out = std::fopen(argv[++i], "w");
     if (std::strcmp(argv[i], "--configs") == 0 && i + 1 < argc) parse_list(argv[++i], &configs);
@@ -440,6 +600,7 @@ int main(int argc, char** argv) {
   attnd::Emit("D2D copy bandwidth (4 GiB, read+write): %.0f GB/s\n", copy);
   if (!decode_only) attnd::BenchPrefill(quick, configs);
   if (!prefill_only) attnd::BenchDecodeVariants(quick, copy, decode_configs);
+  if (!prefill_only && one_byte) attnd::BenchDecodeOneByte(quick, copy);
   if (attnd::g_out) std::fclose(attnd::g_out);
   return 0;
 }
