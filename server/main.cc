@@ -37,9 +37,10 @@ ABSL_FLAG(attnd::ByteSize, kv_cache_bytes, attnd::ByteSize{0},
 ABSL_FLAG(double, kv_cache_fraction, 0.9,
           "cuda only, when --kv-cache-bytes is 0: the share of the GPU's free memory at start-up "
           "that becomes the KV pool");
-ABSL_FLAG(std::string, kv_dtype, "auto",
-          "auto | bf16 | fp32 | fp8 | int8 (auto: fp32 on cpu, bf16 on cuda; fp8: E4M3, int8: "
-          "symmetric int8, each with a scale per token and kv head; cuda takes bf16 and int8)");
+ABSL_FLAG(
+    std::string, kv_dtype, "auto",
+    "auto | bf16 | fp32 | fp8 | int8 (auto: fp32 on cpu, bf16 on cuda; fp8: E4M3, int8: "
+    "symmetric int8, each with a scale per token and kv head; cuda takes bf16, int8 and fp8)");
 ABSL_FLAG(int32_t, page_size, 16, "tokens per KV page; must divide the DCA chunk length");
 ABSL_FLAG(attnd::ByteSize, max_message_bytes, attnd::ByteSize{512ll << 20},
           "largest request or response (bytes, or 512Mi, 1Gi, ...)");

@@ -8,6 +8,7 @@
 //
 //   sparse_bench [--sizes 131072,262144,524288,1048576] [--layers 17,0,8] [--dense 1]
 //                [--band smooth|rope] [--config FILE] [--out FILE] [--chunk N]
+//                [--kv-dtype int8|fp8]
 // --chunk N times only the last N tokens of each size, as one call of a chunked prefill sees them
 // (the keys before them already cached), against the dense kernels on the same chunk.
 //
@@ -17,6 +18,10 @@
 // dense causal work) and its rate, the workspace bytes, dense time (one run
 // after a warm-up at the smallest size) and the sparse output's error vs dense on the same data:
 // ||sparse - dense||_2 / ||dense||_2 and max abs, both bf16 outputs.
+// --kv-dtype int8 or fp8: also the cost of a one-byte cache in accuracy, as the engine runs it: the
+// same K/V quantised into a pool of that dtype (LaunchAppendKv, the CPU's codes), dequantised into
+// a bf16 scratch (LaunchDequantizeKv), and the sparse prefill run over the scratch; its output
+// against the sparse output over the bf16 pool (relative L2 and max abs).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -69,6 +74,40 @@ float ElapsedMs(cudaEvent_t a, cudaEvent_t b) {
   return ms;
 }
 
+// What a pool of CodeT gives the prefill kernels for the same tokens: k_bf16 / v_bf16 hold them in
+// order ([len, Hkv, D], identity pages); they are quantised into a pool of CodeT as the engine's
+// appends do and come back dequantised, bf16(value * scale), as the engine's prefill scratch.
+template <typename CodeT>
+void QuantizeIntoScratch(Bf16* k_bf16, Bf16* v_bf16, const int32_t* identity, int64_t len,
+                         size_t kv_elems) {
+  const size_t rows = kv_elems / kD;
+  CodeT *k8 = nullptr, *v8 = nullptr;
+  float *ks = nullptr, *vs = nullptr;
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&k8), kv_elems));
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&v8), kv_elems));
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&ks), rows * 4));
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&vs), rows * 4));
+  PagedKv<CodeT> pool{k8, v8, identity, kPage, kHkv, kD, ks, vs};
+  CudaAppendParamsOf<CodeT> a;
+  a.kv = pool;
+  a.k = k_bf16;
+  a.v = v_bf16;
+  a.in_dtype = DType::kBf16;
+  a.num_tokens = len;
+  CHECK_OK(LaunchAppendKv(a, nullptr));
+  CudaDequantizeKvParamsOf<CodeT> d;
+  d.kv = pool;
+  d.k_out = k_bf16;
+  d.v_out = v_bf16;
+  d.num_tokens = len;
+  CHECK_OK(LaunchDequantizeKv(d, nullptr));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  for (void* p : {static_cast<void*>(k8), static_cast<void*>(v8), static_cast<void*>(ks),
+                  static_cast<void*>(vs)}) {
+    CHECK_CUDA(cudaFree(p));
+  }
+}
+
 int Main(int argc, char** argv) {
   std::vector<int64_t> sizes = {131072, 262144, 524288, 1048576};
   std::vector<int64_t> layers = {17, 0, 8};
@@ -76,6 +115,7 @@ int Main(int argc, char** argv) {
   std::string band = "smooth";
   std::string config = "configs/qwen2.5-7b-instruct-1m/sparse_attention_config.json";
   int64_t chunk = 0;  // 0: the whole size in one call
+  std::string kv_dtype = "bf16";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--sizes" && i + 1 < argc)
@@ -90,12 +130,18 @@ int Main(int argc, char** argv) {
       band = argv[++i];
     else if (a == "--chunk" && i + 1 < argc)
       chunk = std::atoll(argv[++i]);
+    else if (a == "--kv-dtype" && i + 1 < argc)
+      kv_dtype = argv[++i];
     else if (a == "--out" && i + 1 < argc)
       g_out = std::fopen(argv[++i], "w");
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 2;
     }
+  }
+  if (kv_dtype != "bf16" && kv_dtype != "int8" && kv_dtype != "fp8") {
+    std::fprintf(stderr, "--kv-dtype bf16|int8|fp8\n");
+    return 2;
   }
   std::ifstream cf(config);
   const nlohmann::json cfg = nlohmann::json::parse(cf, nullptr, false);
@@ -154,6 +200,25 @@ int Main(int argc, char** argv) {
   }
   bench::FillSyntheticKv(k, v, d_table, kPage, max_len, shape, nullptr);
   bench::FillSyntheticQ(q, max_len, shape, nullptr);
+  // One-byte KV: the same tokens in order (identity pages), quantised and dequantised in place.
+  Bf16 *kq = nullptr, *vq = nullptr, *out_q = nullptr;
+  int32_t* d_identity = nullptr;
+  if (kv_dtype != "bf16") {
+    CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&kq), kv_elems * sizeof(Bf16)));
+    CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&vq), kv_elems * sizeof(Bf16)));
+    CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&out_q), out_elems * sizeof(Bf16)));
+    std::vector<int32_t> identity(pages);
+    std::iota(identity.begin(), identity.end(), 0);
+    CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&d_identity), pages * sizeof(int32_t)));
+    CHECK_CUDA(
+        cudaMemcpy(d_identity, identity.data(), pages * sizeof(int32_t), cudaMemcpyHostToDevice));
+    bench::FillSyntheticKv(kq, vq, d_identity, kPage, max_len, shape, nullptr);
+    if (kv_dtype == "int8") {
+      QuantizeIntoScratch<Int8Kv>(kq, vq, d_identity, max_len, kv_elems);
+    } else {
+      QuantizeIntoScratch<Fp8E4m3>(kq, vq, d_identity, max_len, kv_elems);
+    }
+  }
   CHECK_CUDA(cudaDeviceSynchronize());
   Emit(
       "synthetic data '%s': noise %.2f band %.2f (64 dims, periods %.0f..%.0f) sinks %d (key "
@@ -310,6 +375,20 @@ int Main(int argc, char** argv) {
       if (!per_head.empty()) {
         Emit("  per-head rel. L2 error, L %ld layer %ld (vertical/slash budget):%s\n",
              static_cast<long>(len), static_cast<long>(layer), per_head.c_str());
+      }
+      if (kq != nullptr) {  // the same call over the one-byte pool's scratch
+        SparsePrefillParams sq = sp;
+        sq.prefill.kv = PagedKv<Bf16>{kq, vq, d_identity, kPage, kHkv, kD};
+        sq.prefill.out = out_q;
+        CHECK_OK(LaunchSparsePrefill(g, sq, nullptr));
+        bench::RelativeError(out_q, out_sparse, rows * kHq * kD, kHq, kD, d_err, nullptr);
+        double h[3];
+        CHECK_CUDA(cudaMemcpy(h, d_err, sizeof(h), cudaMemcpyDeviceToHost));
+        Emit(
+            "  %s KV, L %ld layer %ld: sparse output vs the bf16 pool's sparse output: rel. L2 "
+            "%.4f, max abs %.4f\n",
+            kv_dtype.c_str(), static_cast<long>(len), static_cast<long>(layer),
+            std::sqrt(h[0] / h[1]), h[2]);
       }
       CHECK_CUDA(cudaFree(sp.workspace));
     }
