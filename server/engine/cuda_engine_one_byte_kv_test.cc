@@ -250,7 +250,14 @@ TEST_P(CudaEngineOneByteKv, MatchesTheCpuEngineAndStoresItsCodes) {
             absl::StrCat("prefill seq", i, " layer", layer, " [", start, ",", start + t, ")");
         EXPECT_EQ(std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * 4), 0)
             << what << ": graphs on and off differ";
-        ExpectClose(outs[0], outs[2], what + " cuda vs cpu");
+        // A pre-rotary key is rotated by each backend's own arithmetic (fp32, different
+        // order), so an element near a rounding boundary can take the neighbouring code: 1/127 of
+        // the row's largest value for int8, but up to 1/16 of the element for E4M3, which then
+        // differs like fp8 against exact keys. Those prefills get fp8's golden envelope on
+        // dense_pre_rotary (cpu_engine_kv_accuracy_test.cc); every other output the bf16 bar.
+        const bool flips = s.pre_rotary && GetParam() == DType::kFp8E4m3;
+        ExpectClose(outs[0], outs[2], what + " cuda vs cpu", flips ? 0.15 : 2e-2,
+                    flips ? 6e-3 : 2e-3);
         const float key_scale = LengthScale(prompt, g.original_max_position_embeddings);
         for (int64_t j = 0; j < t; ++j) {
           record(s, layer, start + j, k.values.data() + j * hkv * d, v.values.data() + j * hkv * d,

@@ -49,9 +49,9 @@ inline Tensor RandomTensor(std::vector<int64_t> shape, DType dtype, std::mt19937
 }
 
 // The bf16 kernels' bar: every output finite, max abs <= 2e-2 and mean abs <= 2e-3 against
-// `want`; prints both errors under `what`.
+// `want` (or the bars given); prints both errors under `what`.
 inline void ExpectClose(const std::vector<float>& got, const std::vector<float>& want,
-                        const std::string& what) {
+                        const std::string& what, double max_bar = 2e-2, double mean_bar = 2e-3) {
   ASSERT_EQ(got.size(), want.size()) << what;
   double max_abs = 0, sum_abs = 0;
   size_t bad = 0;
@@ -65,8 +65,8 @@ inline void ExpectClose(const std::vector<float>& got, const std::vector<float>&
     sum_abs += e;
   }
   EXPECT_EQ(bad, 0u) << what << ": non-finite outputs";
-  EXPECT_LE(max_abs, 2e-2) << what;
-  EXPECT_LE(sum_abs / want.size(), 2e-3) << what;
+  EXPECT_LE(max_abs, max_bar) << what;
+  EXPECT_LE(sum_abs / want.size(), mean_bar) << what;
   std::printf("  %-44s n=%zu max_abs=%.3g mean_abs=%.3g\n", what.c_str(), want.size(), max_abs,
               sum_abs / want.size());
 }
