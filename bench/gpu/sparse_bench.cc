@@ -20,8 +20,9 @@
 // ||sparse - dense||_2 / ||dense||_2 and max abs, both bf16 outputs.
 // --kv-dtype int8 or fp8: also the cost of a one-byte cache in accuracy, as the engine runs it: the
 // same K/V quantised into a pool of that dtype (LaunchAppendKv, the CPU's codes), dequantised into
-// a bf16 scratch (LaunchDequantizeKv), and the sparse prefill run over the scratch; its output
-// against the sparse output over the bf16 pool (relative L2 and max abs).
+// a bf16 scratch (LaunchDequantizeKv), and the sparse prefill (with --dense 1 the dense one too)
+// run over the scratch; each output against the same kernel's over the bf16 pool (relative L2, max
+// abs).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -285,6 +286,19 @@ int Main(int argc, char** argv) {
       CHECK_CUDA(cudaEventRecord(e1));
       CHECK_CUDA(cudaEventSynchronize(e1));
       dense_ms = ElapsedMs(e0, e1);
+      if (kq != nullptr) {  // the dense prefill over the one-byte pool's scratch: the format alone
+        CudaPrefillParams pq = p;
+        pq.kv = PagedKv<Bf16>{kq, vq, d_identity, kPage, kHkv, kD};
+        pq.out = out_q;
+        CHECK_OK(LaunchDcaPrefill(plan, pq, nullptr));
+        bench::RelativeError(out_q, out_dense, rows * kHq * kD, kHq, kD, d_err, nullptr);
+        double h[3];
+        CHECK_CUDA(cudaMemcpy(h, d_err, sizeof(h), cudaMemcpyDeviceToHost));
+        Emit(
+            "  %s KV, L %ld: dense output vs the bf16 pool's dense output: rel. L2 %.4f, max abs "
+            "%.4f\n",
+            kv_dtype.c_str(), static_cast<long>(len), std::sqrt(h[0] / h[1]), h[2]);
+      }
     }
     for (int64_t layer : layers) {
       const std::vector<VsBudget> budgets = LayerBudgets(cfg, static_cast<int>(layer));
