@@ -55,12 +55,12 @@ expect_fail "attnd --drain-timeout=thirty" "expected a duration: a number of sec
 expect_fail "attnd 2Mi/1Mi" "ServerOptions::max_inflight_request_bytes \(1048576\) must be at least ServerOptions::max_message_bytes \(2097152\)" \
   "$attnd" --max-message-bytes=2Mi --max-inflight-request-bytes=1Mi --metrics-listen=
 expect_fail "attnd --drain-timeout=-5" "--drain-timeout must be >= 0, got -5s" "$attnd" --drain-timeout=-5
-# KV dtypes: fp8 is the cpu backend's (the cuda refusal comes before any GPU check; int8 runs on
-# both, so its cuda start-up depends on the host: server/engine:engine_factory_test covers it),
-# and names outside auto|bf16|fp32|fp8|int8 are refused.
-expect_fail "attnd --device cuda --kv-dtype fp8" \
-  "EngineOptions::kv_dtype: fp8 KV is not yet supported on cuda; use bf16" \
-  "$attnd" --listen 127.0.0.1:0 --device cuda --kv-dtype fp8
+# KV dtypes: fp32 is the cpu backend's (the cuda refusal comes before any GPU check; bf16, int8 and
+# fp8 run on both, so their cuda start-up depends on the host: server/engine:engine_factory_test
+# covers it), and names outside auto|bf16|fp32|fp8|int8 are refused.
+expect_fail "attnd --device cuda --kv-dtype fp32" \
+  "EngineOptions::kv_dtype: the cuda backend stores K/V as bf16, int8 or fp8; use auto, bf16, int8 or fp8" \
+  "$attnd" --listen 127.0.0.1:0 --device cuda --kv-dtype fp32
 expect_fail "attnd --kv-dtype int4" "EngineOptions::kv_dtype must be auto, bf16, fp32, fp8 or int8, got \"int4\"" \
   "$attnd" --listen 127.0.0.1:0 --device cpu --kv-dtype int4
 expect_fail "attnctl --max-message-bytes=3Gi" "max_message_bytes must be in \[1, 2\^31\), got 3221225472" \
