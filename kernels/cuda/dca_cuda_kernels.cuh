@@ -762,13 +762,30 @@ __device__ __forceinline__ void QkFromCodes(const uint8_t* codes, const uint4* q
   }
 }
 
+// Where a decode block's warps spend their cycles, for the tuning lab: the kernel's body calls
+// probe.Mark(phase) as each phase of a tile ends (and once before the loop and once at the end);
+// the product's kernel passes NoDecodeProbe, whose calls compile to nothing.
+enum DecodeProbePhase : int {
+  kProbePrologue = 0,  // Q staging, the first tiles' copies issued
+  kProbeWait = 1,      // waiting for tile j (cp.async + barrier), issuing tile j + Stages - 1
+  kProbeConvert = 2,   // one-byte pools: V codes to the fp16 tile
+  kProbeQk = 3,        // Q K^T
+  kProbeSoftmax = 4,   // mask, online softmax, the weights
+  kProbePv = 5,        // P V
+  kProbeMerge = 6,     // the warps' merge and the partial's store
+  kNumProbePhases = 7
+};
+struct NoDecodeProbe {
+  __device__ __forceinline__ void Mark(int) {}
+};
+
 // KvT = Bf16: the bf16 pool. KvT = Int8Kv or Fp8E4m3: a pool of scaled codes; the ring holds
 // codes and scales. Q K^T runs in fp16 on the codes' exact values read straight from the ring into
 // registers (QkFromCodes), each key's K scale and the row's query factor multiply its score after
 // the mma; each warp turns its 16 rows of V codes into fp16 in a tile that P V reads as the bf16
 // kernel does, with each key's V scale folded into its weight (fp16).
-template <int D, int Warps, int Stages, typename KvT = Bf16>
-__global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeArgsOf<KvT> a) {
+template <int D, int Warps, int Stages, typename KvT, typename Probe>
+__device__ __forceinline__ void DcaDecodePipeBody(const DecodeArgsOf<KvT> a, Probe& probe) {
   cuda_common::StepKernelEntry();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr bool kInt8 = kScaledKv<KvT>;  // int8 or fp8: one-byte codes and row scales
@@ -911,6 +928,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   for (int d = 0; d < kDimBlocks; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
   SoftmaxState softmax;
   softmax.Init();
+  probe.Mark(kProbePrologue);
 
   for (int j = 0; j < n_tiles; ++j) {
     const int slot = j % Stages;
@@ -922,6 +940,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
       CpAsyncCommit();
       if (t + 1 < n_tiles) load_pages(t + 1, pg);
     }
+    probe.Mark(kProbeWait);
     if constexpr (kInt8) {
       const int32_t kw = k_begin + j * BN + warp * 16;  // first key of this warp's slice
       if (kw < k_end) {
@@ -931,6 +950,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
         // these writes; __syncwarp orders them before this tile's ldmatrix.
         CodesToHalfRows<D, KvT>(reinterpret_cast<const uint8_t*>(vs) + first_row * D, vt, lane);
         __syncwarp();
+        probe.Mark(kProbeConvert);
         float s[2][4];
 #pragma unroll
         for (int nb = 0; nb < 2; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
@@ -938,6 +958,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
                             kss + first_row, kw, prev, cl,
                             VariantOfKey(min(kw + 15, k_end - 1), prev, cl),
                             VariantOfKey(kw, prev, cl), lane, s);
+        probe.Mark(kProbeQk);
         float alpha[2];
         cuda_common::ApplyMask(cuda_common::Flat(s), tig, RangeMask(kw, k_end, false, 0, 0));
         softmax.Update(cuda_common::Flat(s), scale_log2, alpha);
@@ -958,6 +979,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
           pa[2] = cuda_common::PackF16(s[1][0] * w[2], s[1][1] * w[3]);
           pa[3] = cuda_common::PackF16(s[1][2] * w[2], s[1][3] * w[3]);
         }
+        probe.Mark(kProbeSoftmax);
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           uint32_t vb[4];
@@ -967,6 +989,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
           cuda_common::Mma16816F16(o[2 * dp], pa, vb[0], vb[1]);
           cuda_common::Mma16816F16(o[2 * dp + 1], pa, vb[2], vb[3]);
         }
+        probe.Mark(kProbePv);
       }
     } else {
       Bf16* kt = ks + slot * kTile + warp * 16 * kPitch;  // this warp's 16 keys
@@ -999,8 +1022,10 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
               if (VariantOfKey(key, prev, cl) == v) s[nb][e] = acc[nb][e];
             }
         }
+        probe.Mark(kProbeQk);
         uint32_t pa[1][4];
         SoftmaxTile(s, tig, RangeMask(kw, k_end, false, 0, 0), scale_log2, softmax, o, pa);
+        probe.Mark(kProbeSoftmax);
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           uint32_t vb[4];
@@ -1010,6 +1035,7 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
           Mma16816(o[2 * dp], pa[0], vb[0], vb[1]);
           Mma16816(o[2 * dp + 1], pa[0], vb[2], vb[3]);
         }
+        probe.Mark(kProbePv);
       }
     }
   }
@@ -1068,6 +1094,13 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
         make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
     if (d4 == 0) a.partial_lse[slot] = lsum > 0.f ? mx + log2f(lsum) : -CUDART_INF_F;
   }
+  probe.Mark(kProbeMerge);
+}
+
+template <int D, int Warps, int Stages, typename KvT = Bf16>
+__global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeArgsOf<KvT> a) {
+  NoDecodeProbe probe;
+  DcaDecodePipeBody<D, Warps, Stages, KvT>(a, probe);
 }
 
 // grid (batch, num_q_heads), block D threads: out = sum_s w_s * partial_out_s with

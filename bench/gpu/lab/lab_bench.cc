@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "base/dtype.h"
 #include "bench/gpu/bench_util.h"
 #include "bench/gpu/lab/lab_kernels.h"
@@ -440,6 +441,10 @@ void BenchDecodeOneByte(bool quick, double copy_gbs) {
   CHECK_CUDA(cudaMemcpy(ks, scales.data(), rows * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(vs, scales.data(), rows * 4, cudaMemcpyHostToDevice));
   const DType dtypes[] = {DType::kBf16, DType::kInt8, DType::kFp8E4m3};
+  unsigned long long* cycles = nullptr;
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&cycles),
+                        lab::kDecodeProbeSlots * sizeof(unsigned long long)));
+  std::vector<std::string> probes;
   std::vector<CudaKernelPlan> plans;
   for (DType dt : dtypes) {
     CudaKernelPlanOptions o;
@@ -499,35 +504,57 @@ void BenchDecodeOneByte(bool quick, double copy_gbs) {
       p.partial_out = static_cast<float*>(ws);
       p.partial_lse = p.partial_out + static_cast<size_t>(c.batch) * kHq * splits * kD;
     };
+    // launch(plan, params) with dtype di's params over page set `set`.
+    auto with_params = [&](int di, int set, auto&& launch) {
+      const CudaKernelPlan& plan = plans[di];
+      if (dtypes[di] == DType::kBf16) {
+        CudaDecodeParams p;
+        fill(p, plan, set);
+        p.kv.k = static_cast<Bf16*>(k16);
+        p.kv.v = static_cast<Bf16*>(v16);
+        CHECK_OK(launch(plan, p));
+      } else if (dtypes[di] == DType::kInt8) {
+        CudaDecodeParamsOf<Int8Kv> p;
+        fill(p, plan, set);
+        p.kv.k = static_cast<Int8Kv*>(k8);
+        p.kv.v = static_cast<Int8Kv*>(v8);
+        p.kv.k_scale = static_cast<float*>(ks);
+        p.kv.v_scale = static_cast<float*>(vs);
+        CHECK_OK(launch(plan, p));
+      } else {
+        CudaDecodeParamsOf<Fp8E4m3> p;
+        fill(p, plan, set);
+        p.kv.k = static_cast<Fp8E4m3*>(k8);
+        p.kv.v = static_cast<Fp8E4m3*>(v8);
+        p.kv.k_scale = static_cast<float*>(ks);
+        p.kv.v_scale = static_cast<float*>(vs);
+        CHECK_OK(launch(plan, p));
+      }
+    };
     double us[3];
     for (int di = 0; di < 3; ++di) {
-      const CudaKernelPlan& plan = plans[di];
       const double ms = MedianMs(3, 30, [&](int i) {
-        if (dtypes[di] == DType::kBf16) {
-          CudaDecodeParams p;
-          fill(p, plan, i % sets);
-          p.kv.k = static_cast<Bf16*>(k16);
-          p.kv.v = static_cast<Bf16*>(v16);
-          CHECK_OK(LaunchDcaDecode(plan, p, nullptr));
-        } else if (dtypes[di] == DType::kInt8) {
-          CudaDecodeParamsOf<Int8Kv> p;
-          fill(p, plan, i % sets);
-          p.kv.k = static_cast<Int8Kv*>(k8);
-          p.kv.v = static_cast<Int8Kv*>(v8);
-          p.kv.k_scale = static_cast<float*>(ks);
-          p.kv.v_scale = static_cast<float*>(vs);
-          CHECK_OK(LaunchDcaDecode(plan, p, nullptr));
-        } else {
-          CudaDecodeParamsOf<Fp8E4m3> p;
-          fill(p, plan, i % sets);
-          p.kv.k = static_cast<Fp8E4m3*>(k8);
-          p.kv.v = static_cast<Fp8E4m3*>(v8);
-          p.kv.k_scale = static_cast<float*>(ks);
-          p.kv.v_scale = static_cast<float*>(vs);
-          CHECK_OK(LaunchDcaDecode(plan, p, nullptr));
-        }
+        with_params(di, i % sets, [](const CudaKernelPlan& plan, const auto& p) {
+          return LaunchDcaDecode(plan, p, nullptr);
+        });
       });
       us[di] = ms * 1e3;
+      // One more run with the clock probes: each phase's cycles per warp tile.
+      CHECK_CUDA(cudaMemset(cycles, 0, lab::kDecodeProbeSlots * sizeof(unsigned long long)));
+      with_params(di, 0, [&](const CudaKernelPlan& plan, const auto& p) {
+        return lab::LaunchProbedDecode(plan, p, cycles, nullptr);
+      });
+      CHECK_CUDA(cudaDeviceSynchronize());
+      unsigned long long got[lab::kDecodeProbeSlots];
+      CHECK_CUDA(cudaMemcpy(got, cycles, sizeof(got), cudaMemcpyDeviceToHost));
+      std::string line;
+      const double tiles = static_cast<double>(std::max(1ull, got[lab::kDecodeProbeTiles]));
+      for (int ph = 0; ph < lab::kDecodeProbeTiles; ++ph) {
+        line += absl::StrFormat(" %s %.0f", lab::DecodeProbePhaseName(ph), got[ph] / tiles);
+      }
+      probes.push_back(absl::StrFormat("%d x %lldK %s (%.0f warp tiles):%s", c.batch,
+                                       static_cast<long long>(c.ctx / 1024),
+                                       std::string(DTypeName(dtypes[di])).c_str(), tiles, line));
     }
     const double tokens = static_cast<double>(c.batch) * c.ctx * kHkv * 2;
     const double pct16 = 100.0 * tokens * kD * 2 / (us[0] * 1e-6) / 1e9 / copy_gbs;
@@ -539,7 +566,11 @@ void BenchDecodeOneByte(bool quick, double copy_gbs) {
          pct16, us[1], pct8[0], us[0] / us[1], us[2], pct8[1], us[0] / us[2]);
     for (void* p : {q, out, tables, lengths, ws}) CHECK_CUDA(cudaFree(p));
   }
-  for (void* p : {k16, v16, k8, v8, ks, vs}) CHECK_CUDA(cudaFree(p));
+  Emit(
+      "\nclock cycles per warp tile by phase (the product's kernel with probes, one run on page "
+      "set 0; the prologue and merge are once a warp, spread over its tiles):\n");
+  for (const std::string& line : probes) Emit("  %s\n", line.c_str());
+  for (void* p : {k16, v16, k8, v8, ks, vs, static_cast<void*>(cycles)}) CHECK_CUDA(cudaFree(p));
 }
 
 }  // namespace

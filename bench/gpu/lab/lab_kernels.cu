@@ -12,6 +12,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/dca_cuda_kernels.cuh"
 #include "kernels/cuda/dca_cuda_launch.cuh"
+#include "kernels/cuda/head_dim.h"
 
 namespace attnd {
 namespace lab {
@@ -239,6 +240,86 @@ absl::Status LaunchLabDecode(const DcaGeometry& g, const CudaDecodeParams& p, in
   return g.head_dim == 128 ? DispatchDecode<128>(g, p, config, stream, kAll)
                            : DispatchDecode<64>(g, p, config, stream, kAll);
 }
+
+namespace {
+
+// Clock cycles of each phase of a warp, added into the global counters by its lane 0 at the end.
+struct ClockDecodeProbe {
+  unsigned long long* cycles;
+  uint32_t last = 0, tiles = 0;
+  uint32_t acc[ck::kNumProbePhases] = {};
+  __device__ __forceinline__ void Start() { last = static_cast<uint32_t>(clock()); }
+  __device__ __forceinline__ void Mark(int phase) {
+    const uint32_t now = static_cast<uint32_t>(clock());
+    acc[phase] += now - last;
+    last = now;
+    if (phase == ck::kProbePv) ++tiles;
+  }
+  __device__ __forceinline__ void Flush() {
+    if (threadIdx.x % 32 != 0) return;
+#pragma unroll
+    for (int p = 0; p < ck::kNumProbePhases; ++p) atomicAdd(cycles + p, acc[p]);
+    atomicAdd(cycles + ck::kNumProbePhases, tiles);
+  }
+};
+static_assert(kDecodeProbeTiles == ck::kNumProbePhases, "one counter per phase, then the tiles");
+
+constexpr int kProductDecodeWarps = 4;
+
+template <int D, int Stages, typename KvT>
+__global__ void __launch_bounds__(kProductDecodeWarps * 32)
+    ProbedDecodeKernel(const ck::DecodeArgsOf<KvT> a, unsigned long long* cycles) {
+  ClockDecodeProbe probe{cycles};
+  probe.Start();
+  ck::DcaDecodePipeBody<D, kProductDecodeWarps, Stages, KvT>(a, probe);
+  probe.Flush();
+}
+
+template <int D, int Stages, typename KvT>
+absl::Status LaunchProbed(const DcaGeometry& g, const CudaDecodeParamsOf<KvT>& p,
+                          unsigned long long* cycles, cudaStream_t stream) {
+  const size_t smem =
+      kScaledKv<KvT> ? ck::DecodePipeCodesSmemBytes(D, kProductDecodeWarps, Stages, g.group_size())
+                     : ck::DecodePipeSmemBytes(D, kProductDecodeWarps, Stages, g.group_size());
+  const auto kernel = ProbedDecodeKernel<D, Stages, KvT>;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<dim3(p.max_splits, g.num_kv_heads, p.batch), kProductDecodeWarps * 32, smem, stream>>>(
+      cuda_launch::DecodeArgsFor(g, p), cycles);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("ProbedDecodeKernel");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+const char* DecodeProbePhaseName(int phase) {
+  static constexpr const char* kNames[] = {"prologue", "wait", "convert", "qk",
+                                           "softmax",  "pv",   "merge"};
+  return phase >= 0 && phase < ck::kNumProbePhases ? kNames[phase] : "?";
+}
+
+template <typename KvT>
+absl::Status LaunchProbedDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<KvT>& p,
+                                unsigned long long* cycles, cudaStream_t stream) {
+  const DcaGeometry& g = plan.geometry();
+  ATTND_RETURN_IF_ERROR(cuda_launch::CheckDecode(g, p));
+  if (p.max_splits < 1 || p.max_splits > 65535 || p.partial_out == nullptr ||
+      p.partial_lse == nullptr || cycles == nullptr) {
+    return absl::InvalidArgumentError("probed decode: bad max_splits, workspace or counters");
+  }
+  const bool three = plan.DecodeStages(p.batch) == 3;
+  return WithHeadDim(g.head_dim, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    return three ? LaunchProbed<D, 3>(g, p, cycles, stream)
+                 : LaunchProbed<D, 2>(g, p, cycles, stream);
+  });
+}
+template absl::Status LaunchProbedDecode(const CudaKernelPlan&, const CudaDecodeParamsOf<Bf16>&,
+                                         unsigned long long*, cudaStream_t);
+template absl::Status LaunchProbedDecode(const CudaKernelPlan&, const CudaDecodeParamsOf<Int8Kv>&,
+                                         unsigned long long*, cudaStream_t);
+template absl::Status LaunchProbedDecode(const CudaKernelPlan&, const CudaDecodeParamsOf<Fp8E4m3>&,
+                                         unsigned long long*, cudaStream_t);
 
 }  // namespace lab
 }  // namespace attnd

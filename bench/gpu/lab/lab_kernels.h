@@ -105,6 +105,18 @@ int32_t LabDecodeSplits(const DcaGeometry& geometry, int32_t batch, int64_t max_
 absl::Status LaunchLabDecode(const DcaGeometry& geometry, const CudaDecodeParams& params,
                              int config, cudaStream_t stream);
 
+// The product's split-K decode kernel (as plan launches it for params.batch) with a clock probe
+// at each phase's end (cuda_kernels::DecodeProbePhase): each warp adds its cycles of phase p to
+// cycles[p] and the tiles it computed to cycles[kDecodeProbeTiles]; cycles must hold
+// kDecodeProbeSlots zeroed counters. No reduction: the partials are the only output. For finding
+// where a tile's time goes; the probes themselves cost a few cycles each.
+inline constexpr int kDecodeProbeTiles = 7;  // cuda_kernels::kNumProbePhases
+inline constexpr int kDecodeProbeSlots = kDecodeProbeTiles + 1;
+const char* DecodeProbePhaseName(int phase);
+template <typename KvT>
+absl::Status LaunchProbedDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<KvT>& params,
+                                unsigned long long* cycles, cudaStream_t stream);
+
 }  // namespace lab
 }  // namespace attnd
 
