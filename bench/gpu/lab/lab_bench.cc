@@ -272,15 +272,74 @@ int DecodeSets(const DecodeCase& c) {
   return static_cast<int>(std::max(1.0, std::ceil((1 << 30) / step_bytes)));
 }
 
+// Largest pool (in pages) the cases need: each case's sets of its batch's sequences.
+int64_t DecodePoolPages(const std::vector<DecodeCase>& cases) {
+  int64_t pages = 0;
+  for (const DecodeCase& c : cases) {
+    pages = std::max<int64_t>(pages, c.ctx / kPageSize * c.batch * DecodeSets(c));
+  }
+  return pages;
+}
+
+// Case `ci`'s device buffers: random q, the output, the page tables of its sets (disjoint pages of
+// a pool of pool_pages, shuffled), the lengths and a split-K workspace of ws_floats floats.
+struct DecodeCaseBuffers {
+  DecodeCase c;
+  int64_t pages_per_seq;
+  size_t out_elems;
+  void *q = nullptr, *out = nullptr, *tables = nullptr, *lengths = nullptr, *ws = nullptr;
+
+  DecodeCaseBuffers(const DecodeCase& dc, size_t ci, int64_t pool_pages, size_t ws_floats)
+      : c(dc),
+        pages_per_seq(dc.ctx / kPageSize),
+        out_elems(static_cast<size_t>(dc.batch) * kHq * kD) {
+    std::vector<int32_t> perm(pool_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937(2 + ci));
+    perm.resize(pages_per_seq * c.batch * DecodeSets(c));
+    const size_t q_bytes = static_cast<size_t>(c.batch) * kNumDecodeVariants * kHq * kD * 2;
+    CHECK_CUDA(cudaMalloc(&q, q_bytes));
+    FillRandomBf16(q, q_bytes);
+    CHECK_CUDA(cudaMalloc(&out, out_elems * 2));
+    CHECK_CUDA(cudaMalloc(&tables, perm.size() * 4));
+    CHECK_CUDA(cudaMemcpy(tables, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<int32_t> lens(c.batch, static_cast<int32_t>(c.ctx));
+    CHECK_CUDA(cudaMalloc(&lengths, c.batch * 4));
+    CHECK_CUDA(cudaMemcpy(lengths, lens.data(), c.batch * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMalloc(&ws, ws_floats * 4));
+  }
+  ~DecodeCaseBuffers() {
+    for (void* p : {q, out, tables, lengths, ws}) CHECK_CUDA(cudaFree(p));
+  }
+  DecodeCaseBuffers(const DecodeCaseBuffers&) = delete;
+  DecodeCaseBuffers& operator=(const DecodeCaseBuffers&) = delete;
+
+  // Every field of p but the pool's data pointers, for page set `set` and `splits` splits.
+  template <typename Params>
+  void Fill(Params& p, int set, int32_t splits) const {
+    p.kv.page_tables =
+        static_cast<int32_t*>(tables) + static_cast<int64_t>(set) * c.batch * pages_per_seq;
+    p.kv.page_table_stride = pages_per_seq;
+    p.kv.page_size = kPageSize;
+    p.kv.num_kv_heads = kHkv;
+    p.kv.head_dim = kD;
+    p.lengths = static_cast<int32_t*>(lengths);
+    p.q = static_cast<Bf16*>(q);
+    p.out = out;
+    p.out_dtype = DType::kBf16;
+    p.batch = c.batch;
+    p.max_splits = splits;
+    p.partial_out = static_cast<float*>(ws);
+    p.partial_lse = p.partial_out + static_cast<size_t>(c.batch) * kHq * splits * kD;
+  }
+};
+
 void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& variants) {
   using Case = DecodeCase;
   const std::vector<Case> cases = DecodeCases(quick);
   const DcaGeometry g = Geometry(kRealChunkLen);
   const auto sets_of = DecodeSets;
-  int64_t pool_pages = 0;
-  for (const Case& c : cases) {
-    pool_pages = std::max<int64_t>(pool_pages, c.ctx / kPageSize * c.batch * sets_of(c));
-  }
+  const int64_t pool_pages = DecodePoolPages(cases);
   const size_t kv_bytes = static_cast<size_t>(pool_pages) * kPageSize * kHkv * kD * 2;
   void *k, *v;
   CHECK_CUDA(cudaMalloc(&k, kv_bytes));
@@ -314,53 +373,25 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
   std::vector<std::vector<double>> table(cases.size(), std::vector<double>(variants.size(), 0));
   for (size_t ci = 0; ci < cases.size(); ++ci) {
     const Case& c = cases[ci];
-    const int64_t pages_per_seq = c.ctx / kPageSize;
     const double step_bytes = 2.0 * c.batch * c.ctx * kHkv * kD * 2;
     const int sets = sets_of(c);
-    const int64_t pages = pages_per_seq * c.batch * sets;
-    std::vector<int32_t> perm(pool_pages);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), std::mt19937(2 + ci));
-    perm.resize(pages);
-    void *q, *out, *tables, *lengths, *ws;
-    const size_t q_bytes = static_cast<size_t>(c.batch) * kNumDecodeVariants * kHq * kD * 2;
-    const size_t out_elems = static_cast<size_t>(c.batch) * kHq * kD;
-    CHECK_CUDA(cudaMalloc(&q, q_bytes));
-    FillRandomBf16(q, q_bytes);
-    CHECK_CUDA(cudaMalloc(&out, out_elems * 2));
-    CHECK_CUDA(cudaMalloc(&tables, pages * 4));
-    CHECK_CUDA(cudaMemcpy(tables, perm.data(), pages * 4, cudaMemcpyHostToDevice));
-    std::vector<int32_t> lens(c.batch, static_cast<int32_t>(c.ctx));
-    CHECK_CUDA(cudaMalloc(&lengths, c.batch * 4));
-    CHECK_CUDA(cudaMemcpy(lengths, lens.data(), c.batch * 4, cudaMemcpyHostToDevice));
     size_t ws_floats = 0;
     for (int vi : variants) {
       ws_floats =
           std::max(ws_floats, plan.DecodeWorkspaceFloats(c.batch, splits_of(vi, c.batch, c.ctx)));
     }
-    CHECK_CUDA(cudaMalloc(&ws, ws_floats * 4));
+    const DecodeCaseBuffers buf(c, ci, pool_pages, ws_floats);
+    void* const out = buf.out;
+    const size_t out_elems = buf.out_elems;
     std::vector<uint16_t> first(out_elems), got(out_elems);
     for (size_t vj = 0; vj < variants.size(); ++vj) {
       const int vi = variants[vj];
       const int32_t splits = splits_of(vi, c.batch, c.ctx);
       auto params = [&](int set) {
         CudaDecodeParams p;
+        buf.Fill(p, set, splits);
         p.kv.k = static_cast<Bf16*>(k);
         p.kv.v = static_cast<Bf16*>(v);
-        p.kv.page_tables =
-            static_cast<int32_t*>(tables) + static_cast<int64_t>(set) * c.batch * pages_per_seq;
-        p.kv.page_table_stride = pages_per_seq;
-        p.kv.page_size = kPageSize;
-        p.kv.num_kv_heads = kHkv;
-        p.kv.head_dim = kD;
-        p.lengths = static_cast<int32_t*>(lengths);
-        p.q = static_cast<Bf16*>(q);
-        p.out = out;
-        p.out_dtype = DType::kBf16;
-        p.batch = c.batch;
-        p.max_splits = splits;
-        p.partial_out = static_cast<float*>(ws);
-        p.partial_lse = p.partial_out + static_cast<size_t>(c.batch) * kHq * splits * kD;
         return p;
       };
       CHECK_CUDA(cudaMemset(out, 0xff, out_elems * 2));  // NaN: an unwritten output shows
@@ -386,7 +417,6 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
            static_cast<long long>(c.ctx), DecodeVariantLabel(vi).c_str(), splits, sets, ms * 1e3,
            gbs, 100.0 * gbs / copy_gbs, max_diff);
     }
-    for (void* p : {q, out, tables, lengths, ws}) CHECK_CUDA(cudaFree(p));
   }
   CHECK_CUDA(cudaFree(k));
   CHECK_CUDA(cudaFree(v));
@@ -420,10 +450,7 @@ void BenchDecodeVariants(bool quick, double copy_gbs, const std::vector<int>& va
 void BenchDecodeOneByte(bool quick, double copy_gbs) {
   const std::vector<DecodeCase> cases = DecodeCases(quick);
   const DcaGeometry g = Geometry(kRealChunkLen);
-  int64_t pool_pages = 0;
-  for (const DecodeCase& c : cases) {
-    pool_pages = std::max<int64_t>(pool_pages, c.ctx / kPageSize * c.batch * DecodeSets(c));
-  }
+  const int64_t pool_pages = DecodePoolPages(cases);
   const size_t elems = static_cast<size_t>(pool_pages) * kPageSize * kHkv * kD;
   const size_t rows = static_cast<size_t>(pool_pages) * kPageSize * kHkv;
   void *k16, *v16, *k8, *v8, *ks, *vs;
@@ -463,46 +490,26 @@ void BenchDecodeOneByte(bool quick, double copy_gbs) {
        "int8_us", "%copy", "speedup", "fp8_us", "%copy", "speedup");
   for (size_t ci = 0; ci < cases.size(); ++ci) {
     const DecodeCase& c = cases[ci];
-    const int64_t pages_per_seq = c.ctx / kPageSize;
     const int sets = DecodeSets(c);
-    std::vector<int32_t> perm(pool_pages);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), std::mt19937(2 + ci));
-    perm.resize(pages_per_seq * c.batch * sets);
-    void *q, *out, *tables, *lengths, *ws;
-    const size_t q_bytes = static_cast<size_t>(c.batch) * kNumDecodeVariants * kHq * kD * 2;
-    const size_t out_elems = static_cast<size_t>(c.batch) * kHq * kD;
-    CHECK_CUDA(cudaMalloc(&q, q_bytes));
-    FillRandomBf16(q, q_bytes);
-    CHECK_CUDA(cudaMalloc(&out, out_elems * 2));
-    CHECK_CUDA(cudaMalloc(&tables, perm.size() * 4));
-    CHECK_CUDA(cudaMemcpy(tables, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
-    std::vector<int32_t> lens(c.batch, static_cast<int32_t>(c.ctx));
-    CHECK_CUDA(cudaMalloc(&lengths, c.batch * 4));
-    CHECK_CUDA(cudaMemcpy(lengths, lens.data(), c.batch * 4, cudaMemcpyHostToDevice));
     size_t ws_floats = 0;
     for (const CudaKernelPlan& plan : plans) {
       ws_floats = std::max(ws_floats,
                            plan.DecodeWorkspaceFloats(c.batch, plan.DecodeSplits(c.batch, c.ctx)));
     }
-    CHECK_CUDA(cudaMalloc(&ws, ws_floats * 4));
-    // The fields every dtype's params share, for page set `set`.
+    const DecodeCaseBuffers buf(c, ci, pool_pages, ws_floats);
     auto fill = [&](auto& p, const CudaKernelPlan& plan, int set) {
-      const int32_t splits = plan.DecodeSplits(c.batch, c.ctx);
-      p.kv.page_tables =
-          static_cast<int32_t*>(tables) + static_cast<int64_t>(set) * c.batch * pages_per_seq;
-      p.kv.page_table_stride = pages_per_seq;
-      p.kv.page_size = kPageSize;
-      p.kv.num_kv_heads = kHkv;
-      p.kv.head_dim = kD;
-      p.lengths = static_cast<int32_t*>(lengths);
-      p.q = static_cast<Bf16*>(q);
-      p.out = out;
-      p.out_dtype = DType::kBf16;
-      p.batch = c.batch;
-      p.max_splits = splits;
-      p.partial_out = static_cast<float*>(ws);
-      p.partial_lse = p.partial_out + static_cast<size_t>(c.batch) * kHq * splits * kD;
+      buf.Fill(p, set, plan.DecodeSplits(c.batch, c.ctx));
+    };
+    // The params over the one-byte pool, its codes read as CodeT.
+    auto codes = [&](auto code, const CudaKernelPlan& plan, int set) {
+      using CodeT = decltype(code);
+      CudaDecodeParamsOf<CodeT> p;
+      fill(p, plan, set);
+      p.kv.k = static_cast<CodeT*>(k8);
+      p.kv.v = static_cast<CodeT*>(v8);
+      p.kv.k_scale = static_cast<float*>(ks);
+      p.kv.v_scale = static_cast<float*>(vs);
+      return p;
     };
     // launch(plan, params) with dtype di's params over page set `set`.
     auto with_params = [&](int di, int set, auto&& launch) {
@@ -514,21 +521,9 @@ void BenchDecodeOneByte(bool quick, double copy_gbs) {
         p.kv.v = static_cast<Bf16*>(v16);
         CHECK_OK(launch(plan, p));
       } else if (dtypes[di] == DType::kInt8) {
-        CudaDecodeParamsOf<Int8Kv> p;
-        fill(p, plan, set);
-        p.kv.k = static_cast<Int8Kv*>(k8);
-        p.kv.v = static_cast<Int8Kv*>(v8);
-        p.kv.k_scale = static_cast<float*>(ks);
-        p.kv.v_scale = static_cast<float*>(vs);
-        CHECK_OK(launch(plan, p));
+        CHECK_OK(launch(plan, codes(Int8Kv{}, plan, set)));
       } else {
-        CudaDecodeParamsOf<Fp8E4m3> p;
-        fill(p, plan, set);
-        p.kv.k = static_cast<Fp8E4m3*>(k8);
-        p.kv.v = static_cast<Fp8E4m3*>(v8);
-        p.kv.k_scale = static_cast<float*>(ks);
-        p.kv.v_scale = static_cast<float*>(vs);
-        CHECK_OK(launch(plan, p));
+        CHECK_OK(launch(plan, codes(Fp8E4m3{}, plan, set)));
       }
     };
     double us[3];
@@ -564,7 +559,6 @@ void BenchDecodeOneByte(bool quick, double copy_gbs) {
     std::snprintf(name, sizeof(name), "%d x %lldK", c.batch, static_cast<long long>(c.ctx / 1024));
     Emit("%-11s %-5d %9.1f %6.0f%% %9.1f %6.0f%% %6.2fx %9.1f %6.0f%% %6.2fx\n", name, sets, us[0],
          pct16, us[1], pct8[0], us[0] / us[1], us[2], pct8[1], us[0] / us[2]);
-    for (void* p : {q, out, tables, lengths, ws}) CHECK_CUDA(cudaFree(p));
   }
   Emit(
       "\nclock cycles per warp tile by phase (the product's kernel with probes, one run on page "
