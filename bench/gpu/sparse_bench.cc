@@ -37,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "bench/gpu/bench_util.h"
 #include "bench/gpu/sparse_bench_data.h"
 #include "kernels/cuda/dca_cuda.h"
@@ -260,6 +261,15 @@ int Main(int argc, char** argv) {
       "| attn TFLOP/s | workspace GB | dense ms | speedup | rel. L2 err | max abs err |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   const CudaKernelPlan plan = CHECK_OK_VALUE(CudaKernelPlan::Create(g, 0));
+  // out_q (a kernel's output over the one-byte scratch) against `want` (the same kernel's over the
+  // bf16 pool), `rows` query rows.
+  auto report_one_byte = [&](const Bf16* want, int64_t rows, const std::string& what) {
+    bench::RelativeError(out_q, want, rows * kHq * kD, kHq, kD, d_err, nullptr);
+    double h[3];
+    CHECK_CUDA(cudaMemcpy(h, d_err, sizeof(h), cudaMemcpyDeviceToHost));
+    Emit("  %s KV, %s output vs the bf16 pool's: rel. L2 %.4f, max abs %.4f\n", kv_dtype.c_str(),
+         what.c_str(), std::sqrt(h[0] / h[1]), h[2]);
+  };
   for (int64_t len : sizes) {
     CudaPrefillParams p;
     p.kv = kv;
@@ -291,13 +301,7 @@ int Main(int argc, char** argv) {
         pq.kv = PagedKv<Bf16>{kq, vq, d_identity, kPage, kHkv, kD};
         pq.out = out_q;
         CHECK_OK(LaunchDcaPrefill(plan, pq, nullptr));
-        bench::RelativeError(out_q, out_dense, rows * kHq * kD, kHq, kD, d_err, nullptr);
-        double h[3];
-        CHECK_CUDA(cudaMemcpy(h, d_err, sizeof(h), cudaMemcpyDeviceToHost));
-        Emit(
-            "  %s KV, L %ld: dense output vs the bf16 pool's dense output: rel. L2 %.4f, max abs "
-            "%.4f\n",
-            kv_dtype.c_str(), static_cast<long>(len), std::sqrt(h[0] / h[1]), h[2]);
+        report_one_byte(out_dense, rows, absl::StrFormat("L %ld: dense", static_cast<long>(len)));
       }
     }
     for (int64_t layer : layers) {
@@ -395,14 +399,9 @@ int Main(int argc, char** argv) {
         sq.prefill.kv = PagedKv<Bf16>{kq, vq, d_identity, kPage, kHkv, kD};
         sq.prefill.out = out_q;
         CHECK_OK(LaunchSparsePrefill(g, sq, nullptr));
-        bench::RelativeError(out_q, out_sparse, rows * kHq * kD, kHq, kD, d_err, nullptr);
-        double h[3];
-        CHECK_CUDA(cudaMemcpy(h, d_err, sizeof(h), cudaMemcpyDeviceToHost));
-        Emit(
-            "  %s KV, L %ld layer %ld: sparse output vs the bf16 pool's sparse output: rel. L2 "
-            "%.4f, max abs %.4f\n",
-            kv_dtype.c_str(), static_cast<long>(len), static_cast<long>(layer),
-            std::sqrt(h[0] / h[1]), h[2]);
+        report_one_byte(out_sparse, rows,
+                        absl::StrFormat("L %ld layer %ld: sparse", static_cast<long>(len),
+                                        static_cast<long>(layer)));
       }
       CHECK_CUDA(cudaFree(sp.workspace));
     }
