@@ -22,6 +22,7 @@
 #include "base/thread_pool.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/dca_cuda.h"
+#include "kernels/cuda/decode_step.h"
 #include "kernels/cuda/rotary_cuda.h"
 #include "kernels/cuda/sparse_cuda.h"
 #include "kernels/dual_chunk_rotary.h"
@@ -446,19 +447,16 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   DevicePtr d_inv_freq_ ABSL_GUARDED_BY(prefill_mu_);
 
   // Decode: the host writes each row's inputs in their own dtype into fixed slots of pinned
-  // memory (h_decode_: DecodeStageRow [B] | q [B, q slot] | k [B, kv slot] | v [B, kv slot]) and
-  // its page table into h_tables_ at a fixed stride (the pool's page count, rounded up to a
-  // multiple of 4); the stage kernel reads them through their mapped addresses. The device keeps
-  // lengths [B] and bf16 q [B, 3, Hq, D] (d_decode_) and the tables (d_tables_); the reduction
-  // writes h_decode_out_. Every address and stride is fixed, so captured kernels never change.
-  int64_t table_stride_ = 0;
+  // memory (h_decode_) and its page table into h_tables_ at a fixed stride; the stage kernel reads
+  // them through their mapped addresses and fills d_decode_ (lengths, bf16 q) and d_tables_; the
+  // reduction writes h_decode_out_. step_ lays them out (kernels/cuda/decode_step.h): every
+  // address and stride is fixed, so captured kernels never change.
+  CudaDecodeStepLayout step_;
   int64_t max_length_ = 0;  // the most tokens one sequence can hold: split-K plans for this
-  size_t q_slot_ = 0, kv_slot_ = 0;  // bytes per row: 3 query variants / one K or V, as fp32
-  size_t h_q_off_ = 0, h_k_off_ = 0, h_v_off_ = 0, d_q_off_ = 0;
   PinnedPtr h_decode_ ABSL_GUARDED_BY(mu_);
   DevicePtr d_decode_ ABSL_GUARDED_BY(mu_);
-  PinnedPtr h_tables_ ABSL_GUARDED_BY(mu_);      // [B, table_stride_]
-  DevicePtr d_tables_ ABSL_GUARDED_BY(mu_);      // [B, table_stride_]
+  PinnedPtr h_tables_ ABSL_GUARDED_BY(mu_);      // [B, step_.table_stride]
+  DevicePtr d_tables_ ABSL_GUARDED_BY(mu_);      // [B, step_.table_stride]
   PinnedPtr h_decode_out_ ABSL_GUARDED_BY(mu_);  // [B, Hq, D] fp32, written by the device
   // Device rows (CUDA IPC regions): their q/k/v/out addresses go in their DecodeStageRow, and the
   // stage kernel leaves each row's output address here for the reduction (DecodeRowOut [B]).
@@ -471,7 +469,6 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   // DecodeFinish converts and copies there (its fp32 output lands in h_decode_out_ as a host
   // row's).
   std::vector<uint8_t> copy_out_ ABSL_GUARDED_BY(mu_);
-  size_t workspace_floats_ = 0;
   DevicePtr d_workspace_ ABSL_GUARDED_BY(mu_);
   std::vector<float> scratch_ ABSL_GUARDED_BY(prefill_mu_);
   ThreadPool copy_pool_{kCopyThreads};  // DecodeBatch's row copies for large batches
@@ -631,8 +628,9 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   }
 
   const int64_t b = max_decode_batch_;
-  table_stride_ = (layout_.num_pages + 3) / 4 * 4;  // the stage kernel copies 4 ids at a time
-  max_length_ = layout_.num_pages * layout_.page_size;
+  step_ = CudaDecodeStepLayout::For(*kernel_plan_, static_cast<int32_t>(b), layout_.num_pages,
+                                    layout_.page_size);
+  max_length_ = step_.max_length;
   if (scaled_kv()) {
     // The prefill kernels read bf16: a call's keys [0, start + tokens) are dequantised into this
     // scratch first (DequantizePrefix), sized for the longest sequence the pool holds, and read
@@ -653,27 +651,15 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
         std::string(DTypeName(layout_.kv_dtype)),
         static_cast<double>(2 * row_elems * 2) / 1048576.0, max_length_);
   }
-  q_slot_ = AlignUp(kNumDecodeVariants * hq * d * 4);
-  kv_slot_ = AlignUp(hkv * d * 4);
-  h_q_off_ = AlignUp(b * sizeof(DecodeStageRow));
-  h_k_off_ = h_q_off_ + b * q_slot_;
-  h_v_off_ = h_k_off_ + b * kv_slot_;
-  d_q_off_ = AlignUp(b * 4);
-  ATTND_ASSIGN_OR_RETURN(h_decode_, PinnedAlloc(h_v_off_ + b * kv_slot_, "decode staging"));
-  ATTND_ASSIGN_OR_RETURN(
-      d_decode_, DeviceAlloc(d_q_off_ + b * kNumDecodeVariants * hq * d * 2, "decode inputs"));
-  ATTND_ASSIGN_OR_RETURN(h_tables_, PinnedAlloc(b * table_stride_ * 4, "decode page tables"));
-  ATTND_ASSIGN_OR_RETURN(d_tables_, DeviceAlloc(b * table_stride_ * 4, "decode page tables"));
-  ATTND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_tables_.get(), 0, b * table_stride_ * 4, stream_));
-  ATTND_ASSIGN_OR_RETURN(h_decode_out_, PinnedAlloc(b * hq * d * 4, "decode output"));
+  ATTND_ASSIGN_OR_RETURN(h_decode_, PinnedAlloc(step_.host_bytes, "decode staging"));
+  ATTND_ASSIGN_OR_RETURN(d_decode_, DeviceAlloc(step_.device_bytes, "decode inputs"));
+  ATTND_ASSIGN_OR_RETURN(h_tables_, PinnedAlloc(step_.table_bytes, "decode page tables"));
+  ATTND_ASSIGN_OR_RETURN(d_tables_, DeviceAlloc(step_.table_bytes, "decode page tables"));
+  ATTND_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_tables_.get(), 0, step_.table_bytes, stream_));
+  ATTND_ASSIGN_OR_RETURN(h_decode_out_, PinnedAlloc(step_.output_bytes, "decode output"));
   ATTND_ASSIGN_OR_RETURN(d_row_outs_, DeviceAlloc(b * sizeof(DecodeRowOut), "decode row outputs"));
   ATTND_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&visible_devices_));
-  for (int32_t batch = 1; batch <= max_decode_batch_; ++batch) {
-    const int32_t splits = kernel_plan_->DecodeSplits(batch, max_length_);
-    workspace_floats_ =
-        std::max(workspace_floats_, kernel_plan_->DecodeWorkspaceFloats(batch, splits));
-  }
-  ATTND_ASSIGN_OR_RETURN(d_workspace_, DeviceAlloc(workspace_floats_ * 4, "decode workspace"));
+  ATTND_ASSIGN_OR_RETURN(d_workspace_, DeviceAlloc(step_.workspace_floats * 4, "decode workspace"));
   ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   if (use_graphs_ && !sizes_.empty()) ATTND_RETURN_IF_ERROR(CaptureDecodeGraphs());
   return absl::OkStatus();
@@ -1412,102 +1398,28 @@ void CudaEngine::DestroyGate(const Gate& gate, bool stuck) {
 }
 
 absl::Status CudaEngine::EnqueueDecodeStep(int32_t layer, int32_t rows, int32_t plan) {
-  const int64_t hq = geometry_.num_q_heads, d = geometry_.head_dim;
-  PagedKvBatch kvb;
-  if (!scaled_kv()) {  // a scaled pool's stage leaves the new rows in d_kv_rows_ instead
-    kvb.k = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.k_offset(layer));
-    kvb.v = reinterpret_cast<Bf16*>(static_cast<char*>(pool_.get()) + layout_.v_offset(layer));
+  char* base = static_cast<char*>(pool_.get());
+  CudaDecodeStepParams p;
+  p.kv_dtype = layout_.kv_dtype;
+  p.k = base + layout_.k_offset(layer);
+  p.v = base + layout_.v_offset(layer);
+  if (scaled_kv()) {
+    p.k_scale = reinterpret_cast<float*>(base + layout_.k_scale_offset(layer));
+    p.v_scale = reinterpret_cast<float*>(base + layout_.v_scale_offset(layer));
+    p.kv_rows = static_cast<float*>(d_kv_rows_.get());
   }
-  kvb.page_tables = static_cast<const int32_t*>(d_tables_.get());
-  kvb.page_table_stride = table_stride_;
-  kvb.page_size = layout_.page_size;
-  kvb.num_kv_heads = layout_.num_kv_heads;
-  kvb.head_dim = layout_.head_dim;
-  int32_t* d_len = static_cast<int32_t*>(d_decode_.get());
-  Bf16* d_q = reinterpret_cast<Bf16*>(At(d_decode_, d_q_off_));
-
-  CudaDecodeStageParams sp;
-  sp.kv = kvb;
-  sp.rows = static_cast<const DecodeStageRow*>(h_decode_.get());
-  sp.host_tables = static_cast<const int32_t*>(h_tables_.get());
-  sp.host_q = At(h_decode_, h_q_off_);
-  sp.host_k = At(h_decode_, h_k_off_);
-  sp.host_v = At(h_decode_, h_v_off_);
-  sp.q_row_bytes = static_cast<int64_t>(q_slot_);
-  sp.kv_row_bytes = static_cast<int64_t>(kv_slot_);
-  sp.lengths = d_len;
-  sp.q = d_q;
-  sp.row_outs = static_cast<DecodeRowOut*>(d_row_outs_.get());
-  sp.num_q_heads = geometry_.num_q_heads;
-  sp.batch = rows;
-  sp.original_max_position_embeddings = geometry_.original_max_position_embeddings;
-  if (scaled_kv()) sp.kv_rows = static_cast<float*>(d_kv_rows_.get());
-  if (d_inv_freq_ != nullptr) {  // the model has a rotary: pre-rotary rows may come
-    CudaDecodeRotaryParams rp;
-    rp.rows = sp.rows;
-    rp.host_q = sp.host_q;
-    rp.host_k = At(h_decode_, h_k_off_);
-    rp.q_row_bytes = sp.q_row_bytes;
-    rp.kv_row_bytes = sp.kv_row_bytes;
-    rp.q = d_q;
-    rp.inv_freq = static_cast<const float*>(d_inv_freq_.get());
-    rp.batch = rows;
-    ATTND_RETURN_IF_ERROR(LaunchDecodeRotary(geometry_, rp, stream_));
-  }
-  ATTND_RETURN_IF_ERROR(LaunchDecodeStage(sp, stream_));
-
-  CudaDecodeParams dp;
-  dp.kv = kvb;
-  dp.lengths = d_len;
-  dp.q = d_q;
-  dp.out = h_decode_out_.get();  // pinned: the reduction writes the host's buffer directly
-  dp.out_dtype = DType::kFp32;
-  dp.batch = rows;
-  // Planned for the batch's captured size and the longest sequence the pool holds: the same
-  // split layout whether this step is replayed or launched, whatever the lengths are.
-  dp.planned_batch = plan;
-  dp.max_splits = kernel_plan_->DecodeSplits(plan, max_length_);
-  if (kernel_plan_->DecodeWorkspaceFloats(rows, dp.max_splits) > workspace_floats_) {
-    return absl::InternalError("cuda engine: decode workspace too small");
-  }
-  dp.partial_out = static_cast<float*>(d_workspace_.get());
-  dp.partial_lse = dp.partial_out + static_cast<size_t>(rows) * hq * dp.max_splits * d;
-  dp.row_outs = sp.row_outs;
-  if (!scaled_kv()) return LaunchDcaDecode(*kernel_plan_, dp, stream_);
-  return WithCodes([&](auto code) -> absl::Status {
-    using CodeT = decltype(code);
-    // The quantiser stores the stage's new rows, then the decode reads the codes.
-    const PagedKv<CodeT> view = LayerView<CodeT>(layer, nullptr);
-    PagedKvBatchScaled<CodeT> kvc;
-    kvc.k = view.k;
-    kvc.v = view.v;
-    kvc.k_scale = view.k_scale;
-    kvc.v_scale = view.v_scale;
-    kvc.page_tables = kvb.page_tables;
-    kvc.page_table_stride = kvb.page_table_stride;
-    kvc.page_size = kvb.page_size;
-    kvc.num_kv_heads = kvb.num_kv_heads;
-    kvc.head_dim = kvb.head_dim;
-    CudaDecodeQuantizeRowsParamsOf<CodeT> qp;
-    qp.kv = kvc;
-    qp.lengths = d_len;
-    qp.kv_rows = sp.kv_rows;
-    qp.batch = rows;
-    ATTND_RETURN_IF_ERROR(LaunchDecodeQuantizeRows(qp, stream_));
-    CudaDecodeParamsOf<CodeT> dc;
-    dc.kv = kvc;
-    dc.lengths = dp.lengths;
-    dc.q = dp.q;
-    dc.out = dp.out;
-    dc.out_dtype = dp.out_dtype;
-    dc.batch = dp.batch;
-    dc.max_splits = dp.max_splits;
-    dc.planned_batch = dp.planned_batch;
-    dc.partial_out = dp.partial_out;
-    dc.partial_lse = dp.partial_lse;
-    dc.row_outs = dp.row_outs;
-    return LaunchDcaDecode(*kernel_plan_, dc, stream_);
-  });
+  p.page_size = layout_.page_size;
+  p.host = h_decode_.get();
+  p.host_tables = static_cast<const int32_t*>(h_tables_.get());
+  p.device_tables = static_cast<int32_t*>(d_tables_.get());
+  p.device = d_decode_.get();
+  p.out = static_cast<float*>(h_decode_out_.get());
+  p.workspace = static_cast<float*>(d_workspace_.get());
+  p.row_outs = static_cast<DecodeRowOut*>(d_row_outs_.get());
+  p.inv_freq = static_cast<const float*>(d_inv_freq_.get());  // null: no rotary in the model
+  p.rows = rows;
+  p.planned_batch = plan;
+  return LaunchDecodeStep(*kernel_plan_, step_, p, stream_);
 }
 
 absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t count,
@@ -1552,7 +1464,7 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
     row.v_dtype = static_cast<int32_t>(e.v.dtype);
     if (!e.q.on_device) {
       CopyRowsToDense(e.q, 0, rotary ? 1 : kNumDecodeVariants,
-                      At(h_decode_, h_q_off_ + i * q_slot_));
+                      At(h_decode_, step_.host_q + i * step_.q_slot));
     } else if (OnThisDevice(e.q.data)) {
       row.q = e.q.data;
       row.q_pitch = RowPitch(e.q);
@@ -1560,14 +1472,16 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
       copy_in[i] |= 1;
     }
     if (!e.k.on_device) {
-      std::memcpy(At(h_decode_, h_k_off_ + i * kv_slot_), e.k.data, kv_n * ElementSize(e.k.dtype));
+      std::memcpy(At(h_decode_, step_.host_k + i * step_.kv_slot), e.k.data,
+                  kv_n * ElementSize(e.k.dtype));
     } else if (OnThisDevice(e.k.data)) {
       row.k = e.k.data;
     } else {
       copy_in[i] |= 2;
     }
     if (!e.v.on_device) {
-      std::memcpy(At(h_decode_, h_v_off_ + i * kv_slot_), e.v.data, kv_n * ElementSize(e.v.dtype));
+      std::memcpy(At(h_decode_, step_.host_v + i * step_.kv_slot), e.v.data,
+                  kv_n * ElementSize(e.v.dtype));
     } else if (OnThisDevice(e.v.data)) {
       row.v = e.v.data;
     } else {
@@ -1580,7 +1494,7 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
       copy_out_[i] = 1;
     }
     rows[i] = row;
-    std::memcpy(tables + i * table_stride_, e.page_table, e.num_pages * 4);
+    std::memcpy(tables + i * step_.table_stride, e.page_table, e.num_pages * 4);
   };
   int32_t host_rows = 0;
   for (size_t i = first; i < first + count; ++i) {
@@ -1614,19 +1528,19 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
     const DecodeJob::Entry& e = job.entries[first + i];
     if (copy_in[i] & 1) {
       const int64_t n = e.q_layout == QLayout::kPreRotary ? 1 : kNumDecodeVariants;
-      ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(At(h_decode_, h_q_off_ + i * q_slot_),
+      ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(At(h_decode_, step_.host_q + i * step_.q_slot),
                                                    RowBytes(e.q), e.q.data, RowPitch(e.q),
                                                    RowBytes(e.q), n, cudaMemcpyDefault, stream_));
     }
     if (copy_in[i] & 2) {
-      ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(h_decode_, h_k_off_ + i * kv_slot_), e.k.data,
-                                                 kv_n * ElementSize(e.k.dtype), cudaMemcpyDefault,
-                                                 stream_));
+      ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(h_decode_, step_.host_k + i * step_.kv_slot),
+                                                 e.k.data, kv_n * ElementSize(e.k.dtype),
+                                                 cudaMemcpyDefault, stream_));
     }
     if (copy_in[i] & 4) {
-      ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(h_decode_, h_v_off_ + i * kv_slot_), e.v.data,
-                                                 kv_n * ElementSize(e.v.dtype), cudaMemcpyDefault,
-                                                 stream_));
+      ATTND_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(At(h_decode_, step_.host_v + i * step_.kv_slot),
+                                                 e.v.data, kv_n * ElementSize(e.v.dtype),
+                                                 cudaMemcpyDefault, stream_));
     }
   }
   if (replay) {
