@@ -762,6 +762,59 @@ __device__ __forceinline__ void QkFromCodes(const uint8_t* codes, const uint4* q
   }
 }
 
+// P V of a warp's 16 keys straight from their V codes (rows `codes`, [16][D] of a code ring slot,
+// CodeRingSwizzle) without an fp16 tile: each lane loads the codes of keys 2 tig, 2 tig + 1,
+// 2 tig + 8 and 2 tig + 9 at dims [gid * D / 8, (gid + 1) * D / 8) and pairs them into its B
+// fragments itself (a byte permute, then the codes' fp16 values as CodesToHalfRows gives them), so
+// column n of n-block j is dim n * D / 8 + j: o[j] holds that permuted block. The tuning lab's
+// candidate for the one-byte kernels (DcaDecodePipeBody with VRegs); pa: the weights' A fragment.
+template <int D, typename CodeT>
+__device__ __forceinline__ void PvFromCodes(const uint8_t* codes, const uint32_t (&pa)[4], int lane,
+                                            float (&o)[D / 8][4]) {
+  constexpr int kDims = D / 8;       // dims of one lane: 16 (D = 128) or 8 (D = 64)
+  constexpr int kWords = kDims / 4;  // 32-bit words of them per key
+  const int gid = lane / 4, tig = lane % 4;
+  const int byte = gid * kDims;
+  uint32_t w[4][kWords];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int row = 2 * tig + (r & 1) + (r >> 1) * 8;
+    const uint8_t* src =
+        codes + row * D + (((byte >> 4) ^ CodeRingSwizzle<D>(row)) << 4) + (byte & 15);
+    if constexpr (kWords == 4) {
+      const uint4 x = *reinterpret_cast<const uint4*>(src);
+      w[r][0] = x.x;
+      w[r][1] = x.y;
+      w[r][2] = x.z;
+      w[r][3] = x.w;
+    } else {
+      const uint2 x = *reinterpret_cast<const uint2*>(src);
+      w[r][0] = x.x;
+      w[r][1] = x.y;
+    }
+  }
+  auto half2_of = [](uint32_t pair_codes, bool high) {
+    if constexpr (std::is_same<CodeT, Int8Kv>::value) {
+      return CodesToHalf2(pair_codes ^ 0x80808080u, high);
+    } else {
+      return Fp8ToShiftedHalf2(pair_codes, high);
+    }
+  };
+#pragma unroll
+  for (int q = 0; q < kWords; ++q) {
+    // Keys (2 tig, 2 tig + 1) and (2 tig + 8, 2 tig + 9) interleaved: dims 4q, 4q + 1 | 4q + 2, 4q
+    // + 3.
+    const uint32_t lo = __byte_perm(w[0][q], w[1][q], 0x5140),
+                   hi = __byte_perm(w[0][q], w[1][q], 0x7362);
+    const uint32_t lo8 = __byte_perm(w[2][q], w[3][q], 0x5140),
+                   hi8 = __byte_perm(w[2][q], w[3][q], 0x7362);
+    cuda_common::Mma16816F16(o[4 * q], pa, half2_of(lo, false), half2_of(lo8, false));
+    cuda_common::Mma16816F16(o[4 * q + 1], pa, half2_of(lo, true), half2_of(lo8, true));
+    cuda_common::Mma16816F16(o[4 * q + 2], pa, half2_of(hi, false), half2_of(hi8, false));
+    cuda_common::Mma16816F16(o[4 * q + 3], pa, half2_of(hi, true), half2_of(hi8, true));
+  }
+}
+
 // Where a decode block's warps spend their cycles, for the tuning lab: the kernel's body calls
 // probe.Mark(phase) as each phase of a tile ends (and once before the loop and once at the end);
 // the product's kernel passes NoDecodeProbe, whose calls compile to nothing.
@@ -783,12 +836,14 @@ struct NoDecodeProbe {
 // codes and scales. Q K^T runs in fp16 on the codes' exact values read straight from the ring into
 // registers (QkFromCodes), each key's K scale and the row's query factor multiply its score after
 // the mma; each warp turns its 16 rows of V codes into fp16 in a tile that P V reads as the bf16
-// kernel does, with each key's V scale folded into its weight (fp16).
-template <int D, int Warps, int Stages, typename KvT, typename Probe>
+// kernel does, with each key's V scale folded into its weight (fp16). VRegs (one-byte pools, the
+// tuning lab's candidate): P V from the codes in registers (PvFromCodes), no fp16 V tile.
+template <int D, int Warps, int Stages, typename KvT, typename Probe, bool VRegs = false>
 __device__ __forceinline__ void DcaDecodePipeBody(const DecodeArgsOf<KvT> a, Probe& probe) {
   cuda_common::StepKernelEntry();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr bool kInt8 = kScaledKv<KvT>;  // int8 or fp8: one-byte codes and row scales
+  static_assert(kInt8 || !VRegs, "P V from registers reads one-byte codes");
   // fp8: the V tile's values are the codes' times 2^-6 (CodesToHalfRows), so the weights carry 2^6.
   constexpr float kVShift = std::is_same<KvT, Fp8E4m3>::value ? kFp8VShift : 1.f;
   constexpr int kT = Warps * 32;
@@ -812,7 +867,7 @@ __device__ __forceinline__ void DcaDecodePipeBody(const DecodeArgsOf<KvT> a, Pro
   float* kss = reinterpret_cast<float*>(vs + Stages * kTile);
   float* vss = kss + Stages * BN;
   uint16_t* vh = reinterpret_cast<uint16_t*>(vss + Stages * BN);
-  float* qinv = reinterpret_cast<float*>(vh + kTile);
+  float* qinv = reinterpret_cast<float*>(vh + (VRegs ? 0 : kTile));
   uint4* qf = reinterpret_cast<uint4*>(qinv + kNumDecodeVariants * 16);
   Bf16* qs = reinterpret_cast<Bf16*>(vs + Stages * kTile);
   // [3 * group + 1][D + 8], last row zero
@@ -946,10 +1001,12 @@ __device__ __forceinline__ void DcaDecodePipeBody(const DecodeArgsOf<KvT> a, Pro
       if (kw < k_end) {
         const int first_row = slot * BN + warp * 16;
         uint16_t* vt = vh + warp * 16 * kPitch;
-        // The barrier above ordered this warp's reads of its rows of vh (the previous tile) before
-        // these writes; __syncwarp orders them before this tile's ldmatrix.
-        CodesToHalfRows<D, KvT>(reinterpret_cast<const uint8_t*>(vs) + first_row * D, vt, lane);
-        __syncwarp();
+        if constexpr (!VRegs) {
+          // The barrier above ordered this warp's reads of its rows of vh (the previous tile)
+          // before these writes; __syncwarp orders them before this tile's ldmatrix.
+          CodesToHalfRows<D, KvT>(reinterpret_cast<const uint8_t*>(vs) + first_row * D, vt, lane);
+          __syncwarp();
+        }
         probe.Mark(kProbeConvert);
         float s[2][4];
 #pragma unroll
@@ -980,14 +1037,18 @@ __device__ __forceinline__ void DcaDecodePipeBody(const DecodeArgsOf<KvT> a, Pro
           pa[3] = cuda_common::PackF16(s[1][2] * w[2], s[1][3] * w[3]);
         }
         probe.Mark(kProbeSoftmax);
+        if constexpr (VRegs) {
+          PvFromCodes<D, KvT>(reinterpret_cast<const uint8_t*>(vs) + first_row * D, pa, lane, o);
+        } else {
 #pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-          uint32_t vb[4];
-          const int vr = (lane & 7) + (((lane >> 3) & 1) << 3);
-          const int vc = dp * 2 + (lane >> 4);
-          LdMatrixX4Trans(vb, vt + vr * kPitch + ((vc ^ (vr & 7)) << 3));
-          cuda_common::Mma16816F16(o[2 * dp], pa, vb[0], vb[1]);
-          cuda_common::Mma16816F16(o[2 * dp + 1], pa, vb[2], vb[3]);
+          for (int dp = 0; dp < D / 16; ++dp) {
+            uint32_t vb[4];
+            const int vr = (lane & 7) + (((lane >> 3) & 1) << 3);
+            const int vc = dp * 2 + (lane >> 4);
+            LdMatrixX4Trans(vb, vt + vr * kPitch + ((vc ^ (vr & 7)) << 3));
+            cuda_common::Mma16816F16(o[2 * dp], pa, vb[0], vb[1]);
+            cuda_common::Mma16816F16(o[2 * dp + 1], pa, vb[2], vb[3]);
+          }
         }
         probe.Mark(kProbePv);
       }
@@ -1048,17 +1109,30 @@ __device__ __forceinline__ void DcaDecodePipeBody(const DecodeArgsOf<KvT> a, Pro
   float* sm = so + Warps * 16 * D;                 // [Warps][16]
   float* sl = sm + Warps * 16;                     // [Warps][16]
   // (int8: the ring, its scales and the fp16 V tile, which lie before the query's fragments.)
-  static_assert((Warps * 16 * D + 2 * Warps * 16) * sizeof(float) <=
-                    2 * Stages * BN * kPitch * sizeof(KvT) +
-                        (kInt8 ? 2 * Stages * BN * sizeof(float) + kTile * sizeof(uint16_t) : 0),
-                "merge scratch must fit in the K/V ring");
+  static_assert(
+      (Warps * 16 * D + 2 * Warps * 16) * sizeof(float) <=
+          2 * Stages * BN * kPitch * sizeof(KvT) +
+              (kInt8 ? 2 * Stages * BN * sizeof(float) + (VRegs ? 0 : kTile) * sizeof(uint16_t)
+                     : 0),
+      "merge scratch must fit in the K/V ring");
   __syncthreads();
+  if constexpr (VRegs) {  // block j's columns n are dims n * D / 8 + j (PvFromCodes)
 #pragma unroll
-  for (int d = 0; d < kDimBlocks; ++d) {
-    const int col = d * 8 + tig * 2;
-    *reinterpret_cast<float2*>(&so[(warp * 16 + gid) * D + col]) = make_float2(o[d][0], o[d][1]);
-    *reinterpret_cast<float2*>(&so[(warp * 16 + gid + 8) * D + col]) =
-        make_float2(o[d][2], o[d][3]);
+    for (int d = 0; d < kDimBlocks; ++d) {
+      const int c0 = (2 * tig) * kDimBlocks + d, c1 = c0 + kDimBlocks;
+      so[(warp * 16 + gid) * D + c0] = o[d][0];
+      so[(warp * 16 + gid) * D + c1] = o[d][1];
+      so[(warp * 16 + gid + 8) * D + c0] = o[d][2];
+      so[(warp * 16 + gid + 8) * D + c1] = o[d][3];
+    }
+  } else {
+#pragma unroll
+    for (int d = 0; d < kDimBlocks; ++d) {
+      const int col = d * 8 + tig * 2;
+      *reinterpret_cast<float2*>(&so[(warp * 16 + gid) * D + col]) = make_float2(o[d][0], o[d][1]);
+      *reinterpret_cast<float2*>(&so[(warp * 16 + gid + 8) * D + col]) =
+          make_float2(o[d][2], o[d][3]);
+    }
   }
   if (tig == 0) {  // maxima to the log2 domain of the partials' log-sum-exp
     sm[warp * 16 + gid] = softmax.m[0] * scale_log2;

@@ -31,6 +31,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -468,17 +469,23 @@ void BenchDecodeOneByte(bool quick, double copy_gbs) {
   CHECK_CUDA(cudaMemcpy(ks, scales.data(), rows * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(vs, scales.data(), rows * 4, cudaMemcpyHostToDevice));
   // The product's plan for each dtype, then fp8 with the ring depth forced (2, 3) at every batch,
-  // against the plan's rule (depth 3 once the blocks of a 2-deep ring overflow one wave).
+  // against the plan's rule (depth 3 once the blocks of a 2-deep ring overflow one wave), then the
+  // lab's P V from registers (LaunchVRegsDecode) for both one-byte dtypes, whose outputs are
+  // compared with the product's for the same dtype (`same` names that column).
   struct Column {
     DType dtype;
     int32_t stages;
     const char* label;
+    bool v_regs = false;
+    int same = -1;
   };
   const Column columns[] = {{DType::kBf16, 0, "bf16"},
                             {DType::kInt8, 0, "int8"},
                             {DType::kFp8E4m3, 0, "fp8"},
                             {DType::kFp8E4m3, 2, "fp8 ring 2"},
-                            {DType::kFp8E4m3, 3, "fp8 ring 3"}};
+                            {DType::kFp8E4m3, 3, "fp8 ring 3"},
+                            {DType::kInt8, 0, "int8 v-regs", true, 1},
+                            {DType::kFp8E4m3, 0, "fp8 v-regs", true, 2}};
   constexpr int kColumns = sizeof(columns) / sizeof(columns[0]);
   unsigned long long* cycles = nullptr;
   CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&cycles),
@@ -542,17 +549,38 @@ void BenchDecodeOneByte(bool quick, double copy_gbs) {
       }
     };
     double us[kColumns];
+    std::vector<std::vector<uint16_t>> outs(kColumns);
+    std::string diffs;
     for (int di = 0; di < kColumns; ++di) {
-      const double ms = MedianMs(3, 30, [&](int i) {
-        with_params(di, i % sets, [](const CudaKernelPlan& plan, const auto& p) {
-          return LaunchDcaDecode(plan, p, nullptr);
-        });
-      });
+      auto launch = [&](const CudaKernelPlan& plan, const auto& p) -> absl::Status {
+        using P = std::decay_t<decltype(p)>;
+        if constexpr (!std::is_same<P, CudaDecodeParams>::value) {
+          if (columns[di].v_regs) return lab::LaunchVRegsDecode(plan, p, nullptr);
+        }
+        return LaunchDcaDecode(plan, p, nullptr);
+      };
+      const double ms = MedianMs(3, 30, [&](int i) { with_params(di, i % sets, launch); });
       us[di] = ms * 1e3;
+      // One more run on set 0 for the outputs (bf16), compared where a column names its twin.
+      CHECK_CUDA(cudaMemset(buf.out, 0xff, buf.out_elems * 2));
+      with_params(di, 0, launch);
+      CHECK_CUDA(cudaDeviceSynchronize());
+      outs[di].resize(buf.out_elems);
+      CHECK_CUDA(cudaMemcpy(outs[di].data(), buf.out, buf.out_elems * 2, cudaMemcpyDeviceToHost));
+      if (columns[di].same >= 0) {
+        double max_diff = 0;
+        for (size_t e = 0; e < buf.out_elems; ++e) {
+          const double d = std::fabs(static_cast<double>(Bf16ToFloat(outs[di][e])) -
+                                     Bf16ToFloat(outs[columns[di].same][e]));
+          max_diff = std::isfinite(d) ? std::max(max_diff, d) : INFINITY;
+        }
+        diffs += absl::StrFormat("  %s vs %s: max abs %.3g", columns[di].label,
+                                 columns[columns[di].same].label, max_diff);
+      }
       // One more run with the clock probes: each phase's cycles per warp tile.
       CHECK_CUDA(cudaMemset(cycles, 0, lab::kDecodeProbeSlots * sizeof(unsigned long long)));
       with_params(di, 0, [&](const CudaKernelPlan& plan, const auto& p) {
-        return lab::LaunchProbedDecode(plan, p, cycles, nullptr);
+        return lab::LaunchProbedDecode(plan, p, cycles, nullptr, columns[di].v_regs);
       });
       CHECK_CUDA(cudaDeviceSynchronize());
       unsigned long long got[lab::kDecodeProbeSlots];
@@ -577,7 +605,7 @@ void BenchDecodeOneByte(bool quick, double copy_gbs) {
            di == 0 ? absl::StrFormat("%.1f (%.0f%%)", us[di], pct).c_str()
                    : absl::StrFormat("%.1f (%.0f%%) %.2fx", us[di], pct, us[0] / us[di]).c_str());
     }
-    Emit("\n");
+    Emit("%s\n", diffs.c_str());
   }
   Emit(
       "\nclock cycles per warp tile by phase (the product's kernel with probes, one run on page "

@@ -266,27 +266,69 @@ static_assert(kDecodeProbeTiles == ck::kNumProbePhases, "one counter per phase, 
 
 constexpr int kProductDecodeWarps = 4;
 
-template <int D, int Stages, typename KvT>
+template <int D, int Stages, typename KvT, bool VRegs>
 __global__ void __launch_bounds__(kProductDecodeWarps * 32)
     ProbedDecodeKernel(const ck::DecodeArgsOf<KvT> a, unsigned long long* cycles) {
   ClockDecodeProbe probe{cycles};
   probe.Start();
-  ck::DcaDecodePipeBody<D, kProductDecodeWarps, Stages, KvT>(a, probe);
+  ck::DcaDecodePipeBody<D, kProductDecodeWarps, Stages, KvT, ClockDecodeProbe, VRegs>(a, probe);
   probe.Flush();
 }
 
 template <int D, int Stages, typename KvT>
+__global__ void __launch_bounds__(kProductDecodeWarps * 32)
+    VRegsDecodeKernel(const ck::DecodeArgsOf<KvT> a) {
+  ck::NoDecodeProbe probe;
+  ck::DcaDecodePipeBody<D, kProductDecodeWarps, Stages, KvT, ck::NoDecodeProbe, true>(a, probe);
+}
+
+// Shared memory of the product's body for KvT (VRegs: without the fp16 V tile).
+template <int D, int Stages, typename KvT, bool VRegs>
+size_t BodySmemBytes(const DcaGeometry& g) {
+  if constexpr (kScaledKv<KvT>) {
+    return ck::DecodePipeCodesSmemBytes(D, kProductDecodeWarps, Stages, g.group_size()) -
+           (VRegs ? size_t{16} * kProductDecodeWarps * D * sizeof(uint16_t) : 0);
+  }
+  return ck::DecodePipeSmemBytes(D, kProductDecodeWarps, Stages, g.group_size());
+}
+
+template <int D, int Stages, typename KvT, bool VRegs>
 absl::Status LaunchProbed(const DcaGeometry& g, const CudaDecodeParamsOf<KvT>& p,
                           unsigned long long* cycles, cudaStream_t stream) {
-  const size_t smem =
-      kScaledKv<KvT> ? ck::DecodePipeCodesSmemBytes(D, kProductDecodeWarps, Stages, g.group_size())
-                     : ck::DecodePipeSmemBytes(D, kProductDecodeWarps, Stages, g.group_size());
-  const auto kernel = ProbedDecodeKernel<D, Stages, KvT>;
+  const size_t smem = BodySmemBytes<D, Stages, KvT, VRegs>(g);
+  const auto kernel = ProbedDecodeKernel<D, Stages, KvT, VRegs>;
   ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   kernel<<<dim3(p.max_splits, g.num_kv_heads, p.batch), kProductDecodeWarps * 32, smem, stream>>>(
       cuda_launch::DecodeArgsFor(g, p), cycles);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("ProbedDecodeKernel");
+  return absl::OkStatus();
+}
+
+template <int D, int Stages, typename KvT>
+absl::Status LaunchVRegs(const DcaGeometry& g, const CudaDecodeParamsOf<KvT>& p,
+                         cudaStream_t stream) {
+  const size_t smem = BodySmemBytes<D, Stages, KvT, true>(g);
+  const auto kernel = VRegsDecodeKernel<D, Stages, KvT>;
+  ATTND_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<dim3(p.max_splits, g.num_kv_heads, p.batch), kProductDecodeWarps * 32, smem, stream>>>(
+      cuda_launch::DecodeArgsFor(g, p));
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("VRegsDecodeKernel");
+  ck::DcaDecodeReduceKernel<D><<<dim3(p.batch, g.num_q_heads), D, 0, stream>>>(
+      p.partial_out, p.partial_lse, p.lengths, p.max_splits, 16 * kProductDecodeWarps, p.out,
+      static_cast<int>(p.out_dtype), p.row_outs);
+  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReduceKernel");
+  return absl::OkStatus();
+}
+
+template <typename KvT>
+absl::Status CheckProbedParams(const DcaGeometry& g, const CudaDecodeParamsOf<KvT>& p) {
+  ATTND_RETURN_IF_ERROR(cuda_launch::CheckDecode(g, p));
+  if (p.max_splits < 1 || p.max_splits > 65535 || p.partial_out == nullptr ||
+      p.partial_lse == nullptr) {
+    return absl::InvalidArgumentError("lab decode: bad max_splits or null workspace");
+  }
   return absl::OkStatus();
 }
 
@@ -300,26 +342,49 @@ const char* DecodeProbePhaseName(int phase) {
 
 template <typename KvT>
 absl::Status LaunchProbedDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<KvT>& p,
-                                unsigned long long* cycles, cudaStream_t stream) {
+                                unsigned long long* cycles, cudaStream_t stream,
+                                bool v_in_registers) {
   const DcaGeometry& g = plan.geometry();
-  ATTND_RETURN_IF_ERROR(cuda_launch::CheckDecode(g, p));
-  if (p.max_splits < 1 || p.max_splits > 65535 || p.partial_out == nullptr ||
-      p.partial_lse == nullptr || cycles == nullptr) {
-    return absl::InvalidArgumentError("probed decode: bad max_splits, workspace or counters");
+  ATTND_RETURN_IF_ERROR(CheckProbedParams(g, p));
+  if (cycles == nullptr || (v_in_registers && !kScaledKv<KvT>)) {
+    return absl::InvalidArgumentError(
+        "probed decode: null counters, or P V from registers over a pool that is not one-byte");
   }
   const bool three = plan.DecodeStages(p.batch) == 3;
-  return WithHeadDim(g.head_dim, [&](auto dim) {
+  return WithHeadDim(g.head_dim, [&](auto dim) -> absl::Status {
     constexpr int D = decltype(dim)::value;
-    return three ? LaunchProbed<D, 3>(g, p, cycles, stream)
-                 : LaunchProbed<D, 2>(g, p, cycles, stream);
+    if constexpr (kScaledKv<KvT>) {
+      if (v_in_registers) {
+        return three ? LaunchProbed<D, 3, KvT, true>(g, p, cycles, stream)
+                     : LaunchProbed<D, 2, KvT, true>(g, p, cycles, stream);
+      }
+    }
+    return three ? LaunchProbed<D, 3, KvT, false>(g, p, cycles, stream)
+                 : LaunchProbed<D, 2, KvT, false>(g, p, cycles, stream);
   });
 }
 template absl::Status LaunchProbedDecode(const CudaKernelPlan&, const CudaDecodeParamsOf<Bf16>&,
-                                         unsigned long long*, cudaStream_t);
+                                         unsigned long long*, cudaStream_t, bool);
 template absl::Status LaunchProbedDecode(const CudaKernelPlan&, const CudaDecodeParamsOf<Int8Kv>&,
-                                         unsigned long long*, cudaStream_t);
+                                         unsigned long long*, cudaStream_t, bool);
 template absl::Status LaunchProbedDecode(const CudaKernelPlan&, const CudaDecodeParamsOf<Fp8E4m3>&,
-                                         unsigned long long*, cudaStream_t);
+                                         unsigned long long*, cudaStream_t, bool);
+
+template <typename KvT>
+absl::Status LaunchVRegsDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<KvT>& p,
+                               cudaStream_t stream) {
+  const DcaGeometry& g = plan.geometry();
+  ATTND_RETURN_IF_ERROR(CheckProbedParams(g, p));
+  const bool three = plan.DecodeStages(p.batch) == 3;
+  return WithHeadDim(g.head_dim, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    return three ? LaunchVRegs<D, 3>(g, p, stream) : LaunchVRegs<D, 2>(g, p, stream);
+  });
+}
+template absl::Status LaunchVRegsDecode(const CudaKernelPlan&, const CudaDecodeParamsOf<Int8Kv>&,
+                                        cudaStream_t);
+template absl::Status LaunchVRegsDecode(const CudaKernelPlan&, const CudaDecodeParamsOf<Fp8E4m3>&,
+                                        cudaStream_t);
 
 }  // namespace lab
 }  // namespace attnd

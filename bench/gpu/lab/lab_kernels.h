@@ -113,9 +113,19 @@ absl::Status LaunchLabDecode(const DcaGeometry& geometry, const CudaDecodeParams
 inline constexpr int kDecodeProbeTiles = 7;  // cuda_kernels::kNumProbePhases
 inline constexpr int kDecodeProbeSlots = kDecodeProbeTiles + 1;
 const char* DecodeProbePhaseName(int phase);
+// v_in_registers (one-byte pools): the LaunchVRegsDecode kernel's body instead of the product's.
 template <typename KvT>
 absl::Status LaunchProbedDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<KvT>& params,
-                                unsigned long long* cycles, cudaStream_t stream);
+                                unsigned long long* cycles, cudaStream_t stream,
+                                bool v_in_registers = false);
+
+// The product's decode over a one-byte pool (split kernel and reduction, as plan launches them)
+// with P V read from the code ring straight into mma registers (cuda_kernels::PvFromCodes): no
+// fp16 V tile in shared memory (16 KB less a block), no __syncwarp, no ldmatrix. KvT = Int8Kv or
+// Fp8E4m3; the same results as LaunchDcaDecode up to the order of fp32 sums.
+template <typename KvT>
+absl::Status LaunchVRegsDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<KvT>& params,
+                               cudaStream_t stream);
 
 }  // namespace lab
 }  // namespace attnd
