@@ -513,15 +513,24 @@ void BenchDecodeOneByte(bool quick, double copy_gbs) {
   for (size_t ci = 0; ci < cases.size(); ++ci) {
     const DecodeCase& c = cases[ci];
     const int sets = DecodeSets(c);
+    // Each column's splits: the plan's, or the lab kernel's at its own occupancy.
+    int32_t splits[kColumns];
     size_t ws_floats = 0;
-    for (const CudaKernelPlan& plan : plans) {
-      ws_floats = std::max(ws_floats,
-                           plan.DecodeWorkspaceFloats(c.batch, plan.DecodeSplits(c.batch, c.ctx)));
+    for (int di = 0; di < kColumns; ++di) {
+      const CudaKernelPlan& plan = plans[di];
+      splits[di] = !columns[di].v_regs ? plan.DecodeSplits(c.batch, c.ctx)
+                   : columns[di].dtype == DType::kInt8
+                       ? lab::VRegsDecodeSplits<Int8Kv>(plan, c.batch, c.ctx)
+                       : lab::VRegsDecodeSplits<Fp8E4m3>(plan, c.batch, c.ctx);
+      if (splits[di] < 1) {
+        std::fprintf(stderr, "lab_bench: no split plan for %s\n", columns[di].label);
+        std::exit(1);
+      }
+      ws_floats = std::max(ws_floats, plan.DecodeWorkspaceFloats(c.batch, splits[di]));
     }
     const DecodeCaseBuffers buf(c, ci, pool_pages, ws_floats);
-    auto fill = [&](auto& p, const CudaKernelPlan& plan, int set) {
-      buf.Fill(p, set, plan.DecodeSplits(c.batch, c.ctx));
-    };
+    int column = 0;  // the column `fill` is building params for
+    auto fill = [&](auto& p, const CudaKernelPlan&, int set) { buf.Fill(p, set, splits[column]); };
     // The params over the one-byte pool, its codes read as CodeT.
     auto codes = [&](auto code, const CudaKernelPlan& plan, int set) {
       using CodeT = decltype(code);
@@ -536,6 +545,7 @@ void BenchDecodeOneByte(bool quick, double copy_gbs) {
     // launch(plan, params) with dtype di's params over page set `set`.
     auto with_params = [&](int di, int set, auto&& launch) {
       const CudaKernelPlan& plan = plans[di];
+      column = di;
       if (columns[di].dtype == DType::kBf16) {
         CudaDecodeParams p;
         fill(p, plan, set);

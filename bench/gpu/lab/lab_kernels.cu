@@ -386,5 +386,31 @@ template absl::Status LaunchVRegsDecode(const CudaKernelPlan&, const CudaDecodeP
 template absl::Status LaunchVRegsDecode(const CudaKernelPlan&, const CudaDecodeParamsOf<Fp8E4m3>&,
                                         cudaStream_t);
 
+template <typename KvT>
+int32_t VRegsDecodeSplits(const CudaKernelPlan& plan, int32_t batch, int64_t max_length) {
+  const DcaGeometry& g = plan.geometry();
+  const bool three = plan.DecodeStages(batch) == 3;
+  int blocks = 0;
+  const cudaError_t err = WithHeadDim(g.head_dim, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    auto occupancy = [&](auto kernel, size_t smem) {
+      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+      if (e != cudaSuccess) return e;
+      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel,
+                                                           kProductDecodeWarps * 32, smem);
+    };
+    return three ? occupancy(VRegsDecodeKernel<D, 3, KvT>, BodySmemBytes<D, 3, KvT, true>(g))
+                 : occupancy(VRegsDecodeKernel<D, 2, KvT>, BodySmemBytes<D, 2, KvT, true>(g));
+  });
+  if (err != cudaSuccess || blocks < 1) {
+    cudaGetLastError();
+    return 0;
+  }
+  return DecodeSplitsFor(g, plan.num_sms(), blocks, batch, max_length);
+}
+template int32_t VRegsDecodeSplits<Int8Kv>(const CudaKernelPlan&, int32_t, int64_t);
+template int32_t VRegsDecodeSplits<Fp8E4m3>(const CudaKernelPlan&, int32_t, int64_t);
+
 }  // namespace lab
 }  // namespace attnd

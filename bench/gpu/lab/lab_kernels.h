@@ -126,6 +126,10 @@ absl::Status LaunchProbedDecode(const CudaKernelPlan& plan, const CudaDecodePara
 template <typename KvT>
 absl::Status LaunchVRegsDecode(const CudaKernelPlan& plan, const CudaDecodeParamsOf<KvT>& params,
                                cudaStream_t stream);
+// Its split-K plan for `batch` rows: the product's rule at its own occupancy (the smaller shared
+// memory fits more blocks) and the plan's ring depth; 0 when the device cannot be read.
+template <typename KvT>
+int32_t VRegsDecodeSplits(const CudaKernelPlan& plan, int32_t batch, int64_t max_length);
 
 }  // namespace lab
 }  // namespace attnd
