@@ -436,7 +436,7 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   DevicePtr d_window_state_ ABSL_GUARDED_BY(prefill_mu_);
   size_t sparse_workspace_bytes_ = 0;
   DevicePtr d_sparse_workspace_ ABSL_GUARDED_BY(prefill_mu_);  // when sparse_ is set
-  // Scaled pool: K then V, each [max_length_, Hkv, D] bf16, dequantised from the pool for the
+  // Scaled pool: K then V, each [step_.max_length, Hkv, D] bf16, dequantised from the pool for the
   // prefill kernels (DequantizePrefix); the identity page table [num_pages] they read it through.
   DevicePtr d_dequant_ ABSL_GUARDED_BY(prefill_mu_);
   DevicePtr d_identity_;
@@ -452,7 +452,6 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   // reduction writes h_decode_out_. step_ lays them out (kernels/cuda/decode_step.h): every
   // address and stride is fixed, so captured kernels never change.
   CudaDecodeStepLayout step_;
-  int64_t max_length_ = 0;  // the most tokens one sequence can hold: split-K plans for this
   PinnedPtr h_decode_ ABSL_GUARDED_BY(mu_);
   DevicePtr d_decode_ ABSL_GUARDED_BY(mu_);
   PinnedPtr h_tables_ ABSL_GUARDED_BY(mu_);      // [B, step_.table_stride]
@@ -630,13 +629,12 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   const int64_t b = max_decode_batch_;
   step_ = CudaDecodeStepLayout::For(*kernel_plan_, static_cast<int32_t>(b), layout_.num_pages,
                                     layout_.page_size);
-  max_length_ = step_.max_length;
   if (scaled_kv()) {
     // The prefill kernels read bf16: a call's keys [0, start + tokens) are dequantised into this
     // scratch first (DequantizePrefix), sized for the longest sequence the pool holds, and read
     // through an identity page table. Decode reads the pool's codes itself; its new rows pass
     // through d_kv_rows_ on their way to the quantiser.
-    const int64_t row_elems = max_length_ * hkv * d;
+    const int64_t row_elems = step_.max_length * hkv * d;
     ATTND_ASSIGN_OR_RETURN(d_dequant_,
                            DeviceAlloc(2 * row_elems * 2, "the scaled KV's prefill scratch"));
     std::vector<int32_t> identity(layout_.num_pages);
@@ -649,7 +647,7 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
         "cuda engine: {} KV; the prefill kernels read a bf16 scratch of {:.1f} MiB ({} tokens, "
         "the longest sequence the pool holds), refilled from the pool per prefill chunk",
         std::string(DTypeName(layout_.kv_dtype)),
-        static_cast<double>(2 * row_elems * 2) / 1048576.0, max_length_);
+        static_cast<double>(2 * row_elems * 2) / 1048576.0, step_.max_length);
   }
   ATTND_ASSIGN_OR_RETURN(h_decode_, PinnedAlloc(step_.host_bytes, "decode staging"));
   ATTND_ASSIGN_OR_RETURN(d_decode_, DeviceAlloc(step_.device_bytes, "decode inputs"));
@@ -772,7 +770,7 @@ PagedKv<Bf16> CudaEngine::PrefillView(int32_t layer, const int32_t* device_page_
   if (!scaled_kv()) return LayerView<Bf16>(layer, device_page_table);
   PagedKv<Bf16> kv;
   kv.k = static_cast<Bf16*>(d_dequant_.get());
-  kv.v = kv.k + max_length_ * layout_.num_kv_heads * layout_.head_dim;
+  kv.v = kv.k + step_.max_length * layout_.num_kv_heads * layout_.head_dim;
   kv.page_table = static_cast<const int32_t*>(d_identity_.get());
   kv.page_size = layout_.page_size;
   kv.num_kv_heads = layout_.num_kv_heads;
