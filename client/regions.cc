@@ -164,7 +164,7 @@ absl::StatusOr<std::unique_ptr<RingClient>> RingClient::Layout(const RingOptions
   ring::Header* h = reinterpret_cast<ring::Header*>(buffer->data());
   h->magic = ring::kMagic;
   h->version = options.version;
-  h->reserved = 0;
+  h->slots = 0;
   h->half_bytes = options.half_bytes;
   std::atomic_thread_fence(std::memory_order_seq_cst);
   return std::unique_ptr<RingClient>(new RingClient(std::move(buffer), options));

@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "attnd/v1/shm_ring.h"
 #include "base/catch_all.h"
 #include "base/status_macros.h"
 #include "server/rpc/auth.h"
@@ -1046,6 +1047,7 @@ void AttentionService::ServeGetServerInfo(grpc::CallbackServerContext* context,
     r->set_idle_timeout_seconds(absl::ToInt64Seconds(regions_->options().idle_timeout));
     r->set_rings(rings_ != nullptr);
     r->set_device_ordered_rings(rings_ != nullptr && rings_->device_events());
+    if (rings_ != nullptr) r->set_max_ring_slots(static_cast<int32_t>(ring::kMaxSlots));
     r->set_cuda_mps(runtime_->engine().cuda_mps());
     r->set_shm_name_prefix(ShmNamePrefix(*tenant));
   }

@@ -1,7 +1,7 @@
 // The layout of a shared-memory ring (OpenRing in attention.proto; docs/regions.md, "Rings"): the
 // part of attnd's API that is not a protobuf message. A client creates a POSIX shm object of
-// kHeaderBytes + 2 * half_bytes bytes, writes the header's first fields, and opens it with
-// OpenRing. Then, one request at a time:
+// kHeaderBytes + 2 * slots * half_bytes bytes, writes the header's first fields, and opens it
+// with OpenRing. Then, with one slot (the default), one request at a time:
 //
 //   client: waits until response_seq == request_seq (nothing in flight), writes a serialized
 //           attnd.v1.SessionRequest into the request half (its length first), then
@@ -12,6 +12,15 @@
 //           writes the serialized attnd.v1.SessionResponse into the response half, sets
 //           response_seq = request_seq (release) and, if client_sleeping, futex-wakes response_seq.
 //   client: spins on response_seq, or sets client_sleeping and futex-waits on it.
+//
+// With `slots` S > 1 (a power of two up to kMaxSlots; version 2 frames only, no device events),
+// up to S requests are in flight at once: request n (the value request_seq takes when the client
+// posts it) lives in slot n % S, whose request half and response half it uses; the client may post
+// request n once n - response_seq <= S (unsigned, wrapping), and attnd answers in the order
+// posted: response_seq = n says requests up to n are answered, request n's in slot n % S's
+// response half, which stays as written until the client posts request n + S. A client that posts
+// more than S unanswered requests breaks the protocol: attnd closes the ring. (With one slot a
+// client that bumps request_seq by more than one is answered once, for the latest.)
 //
 // attnd sets `closed` (and wakes both words) when the ring is closed, reclaimed or the server
 // stops. The sequence words wrap at 2^32. Every field is little-endian (the host's order: the ring
@@ -33,6 +42,8 @@ namespace attnd::ring {
 
 inline constexpr uint64_t kMagic = 0x31474e52444e5441ull;  // "ATNDRNG1" read as little-endian
 inline constexpr uint32_t kVersion = 1;
+// The most requests one ring may hold in flight (Header::slots).
+inline constexpr uint32_t kMaxSlots = 16;
 inline constexpr size_t kHeaderBytes = 4096;  // the halves start at page boundaries
 // A half starts with the message's length as a uint64, then the message.
 inline constexpr size_t kLengthBytes = 8;
@@ -41,8 +52,10 @@ struct Header {
   // Written by the client before OpenRing; attnd checks them and never writes them.
   uint64_t magic;
   uint32_t version;
-  uint32_t reserved;
-  uint64_t half_bytes;  // each half's size: kHeaderBytes + 2 * half_bytes == the object's size
+  // Requests in flight at once: 0 or 1 (one), else a power of two up to kMaxSlots.
+  uint32_t slots;
+  // Each half's size: kHeaderBytes + 2 * max(slots, 1) * half_bytes == the object's size.
+  uint64_t half_bytes;
   // One cache line per word the two sides write, so they do not share lines.
   alignas(64) std::atomic<uint32_t> request_seq;      // the client's: requests written
   alignas(64) std::atomic<uint32_t> response_seq;     // attnd's: requests answered
@@ -58,8 +71,21 @@ static_assert(offsetof(Header, server_sleeping) == 192);
 static_assert(offsetof(Header, client_sleeping) == 256);
 static_assert(offsetof(Header, closed) == 320);
 
-inline constexpr size_t RequestOffset() { return kHeaderBytes; }
-inline constexpr size_t ResponseOffset(uint64_t half_bytes) { return kHeaderBytes + half_bytes; }
+// Slot s's halves: its request half, then its response half.
+inline constexpr size_t RequestOffset(uint64_t half_bytes = 0, uint32_t slot = 0) {
+  return kHeaderBytes + 2 * uint64_t{slot} * half_bytes;
+}
+inline constexpr size_t ResponseOffset(uint64_t half_bytes, uint32_t slot = 0) {
+  return RequestOffset(half_bytes, slot) + half_bytes;
+}
+// How many slots a header's `slots` field means, and the slot request `seq` uses.
+inline constexpr uint32_t SlotCount(uint32_t slots) { return slots > 1 ? slots : 1; }
+inline constexpr uint32_t SlotOf(uint32_t seq, uint32_t slots) {
+  return seq & (SlotCount(slots) - 1);
+}
+inline constexpr bool ValidSlots(uint32_t slots) {
+  return slots <= kMaxSlots && (slots & (slots - 1)) == 0;
+}
 // The largest message a half holds.
 inline constexpr uint64_t Capacity(uint64_t half_bytes) {
   return half_bytes > kLengthBytes ? half_bytes - kLengthBytes : 0;
