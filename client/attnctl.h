@@ -78,6 +78,9 @@ struct BenchOptions {
   // ring-cuda-ipc: a device-ordered ring (RingOptions::device_events); each decode step is timed
   // until the device has run it.
   bool ring_device_events = false;
+  // ring, ring-cuda-ipc: a ring of this many slots (version 2); each decode step's batch goes as
+  // that many micro-batches in flight at once (SubmitDecode, then AwaitDecode for each).
+  int32_t ring_slots = 1;
 };
 // The transports RunBench knows.
 bool IsBenchTransport(const std::string& name);

@@ -231,6 +231,7 @@ class Transport {
       absl::StatusOr<std::unique_ptr<RingClient>> r = RingClient::Open(client_, ring_options);
       if (!r.ok()) return r.status();
       ring_ = std::move(*r);
+      ring_slots_ = static_cast<int32_t>(ring_options.slots);
       device_ordered_ = ring_options.device_events;
       cuda_device_ = ring_options.cuda_device;
     }
@@ -330,9 +331,42 @@ class Transport {
       case Carrier::kSession:
         return session_->Decode(layer, entries);
       case Carrier::kRing:
+        if (ring_slots_ > 1 && entries.size() > 1) return MicroBatchDecode(layer, entries);
         return ring_->Decode(layer, entries);
     }
     return absl::InternalError("unknown carrier");
+  }
+
+  // The batch as up to ring_slots_ micro-batches of consecutive entries (their region
+  // references stay back to back), all submitted before the first is collected.
+  absl::StatusOr<std::vector<DecodeResult>> MicroBatchDecode(
+      int32_t layer, const std::vector<DecodeInput>& entries) {
+    const size_t parts = std::min<size_t>(static_cast<size_t>(ring_slots_), entries.size());
+    size_t begin = 0;
+    for (size_t p = 0; p < parts; ++p) {
+      const size_t end = begin + (entries.size() - begin) / (parts - p);
+      absl::Status s = ring_->SubmitDecode(
+          layer, std::vector<DecodeInput>(entries.begin() + static_cast<std::ptrdiff_t>(begin),
+                                          entries.begin() + static_cast<std::ptrdiff_t>(end)));
+      if (!s.ok()) {
+        for (size_t i = 0; i < p; ++i) ring_->AwaitDecode().IgnoreError();
+        return s;
+      }
+      begin = end;
+    }
+    std::vector<DecodeResult> results;
+    results.reserve(entries.size());
+    absl::Status first = absl::OkStatus();
+    for (size_t p = 0; p < parts; ++p) {
+      absl::StatusOr<std::vector<DecodeResult>> part = ring_->AwaitDecode();
+      if (!part.ok()) {
+        first.Update(part.status());
+        continue;
+      }
+      for (DecodeResult& r : *part) results.push_back(std::move(r));
+    }
+    if (!first.ok()) return first;
+    return results;
   }
 
   // An output's bytes: from the region it went to, or from the reply.
@@ -356,6 +390,7 @@ class Transport {
   std::unique_ptr<Session> session_;
   std::unique_ptr<RingClient> ring_;
   bool device_ordered_ = false;
+  int32_t ring_slots_ = 1;
   int cuda_device_ = 0;
   const Inputs::Prefill* staged_prefill_ = nullptr;
   bool decode_staged_ = false;
@@ -449,6 +484,10 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(
         " KiB halves, client spin ", options.ring_spin_us, " us",
         options.ring_device_events && cuda ? ", device-ordered: a step ends when the device ran it"
                                            : "",
+        options.ring_slots > 1 ? absl::StrCat(", ", options.ring_slots,
+                                              " slots: each batch as that many micro-batches "
+                                              "in flight")
+                               : std::string(),
         "), ",
         regions ? "q/k/v and o in " + staging->Describe() : std::string("tensor bytes inline"));
   } else if (regions) {
@@ -462,6 +501,7 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(
   ring_options.version = static_cast<uint32_t>(options.ring_version);
   ring_options.device_events = options.ring_device_events && name == "ring-cuda-ipc";
   ring_options.cuda_device = cuda_device;
+  ring_options.slots = static_cast<uint32_t>(options.ring_slots);
   absl::Status s = t->Open(ring_options);
   if (!s.ok()) return s;
   return t;

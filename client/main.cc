@@ -67,6 +67,10 @@ ABSL_FLAG(
     "bench --transport ring-cuda-ipc: order each request on the GPU by the ring's CUDA events "
     "instead of host waits (docs/regions.md, \"Device-ordered rings\"); a decode step is "
     "timed until the device has run all its layers");
+ABSL_FLAG(int32_t, ring_slots, 1,
+          "bench --transport ring, ring-cuda-ipc: a ring of this many slots (1, 2, 4, 8 or 16; "
+          "version 2); each decode step's batch goes as that many micro-batches in flight at "
+          "once");
 ABSL_FLAG(int32_t, cuda_device, -1,
           "bench --transport cuda-ipc, ring-cuda-ipc: the local CUDA device (-1 = the one the "
           "server uses)");
@@ -250,6 +254,7 @@ int main(int argc, char** argv) {
   options.ring_spin_us = absl::GetFlag(FLAGS_ring_spin_us);
   options.ring_version = absl::GetFlag(FLAGS_ring_version);
   options.ring_device_events = absl::GetFlag(FLAGS_ring_device_events);
+  options.ring_slots = absl::GetFlag(FLAGS_ring_slots);
   options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   options.contexts.clear();
   for (const std::string& c : absl::GetFlag(FLAGS_context)) {

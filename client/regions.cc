@@ -152,19 +152,40 @@ absl::StatusOr<std::unique_ptr<ShmBuffer>> ShmBuffer::CreateFor(AttndClient& cli
 
 // ---- RingClient ----
 
-absl::StatusOr<std::unique_ptr<RingClient>> RingClient::Layout(const RingOptions& options,
-                                                               absl::string_view prefix) {
+absl::Status RingClient::CheckOptions(const RingOptions& options) {
   if (options.half_bytes <= ring::kLengthBytes || options.half_bytes % 4096 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "ring half_bytes must be a positive multiple of 4096, got ", options.half_bytes));
   }
-  ATTND_ASSIGN_OR_RETURN(std::unique_ptr<ShmBuffer> buffer,
-                         ShmBuffer::Create(ring::kHeaderBytes + 2 * options.half_bytes, prefix));
+  if (options.slots == 0 || !ring::ValidSlots(options.slots)) {
+    return absl::InvalidArgumentError(absl::StrCat("ring slots must be a power of two from 1 to ",
+                                                   ring::kMaxSlots, ", got ", options.slots));
+  }
+  if (options.slots > 1 && options.version != ring::v2::kVersion) {
+    return absl::InvalidArgumentError(absl::StrCat("a ring of ", options.slots,
+                                                   " slots needs version ", ring::v2::kVersion,
+                                                   " frames (RingOptions::version)"));
+  }
+  if (options.slots > 1 && options.device_events) {
+    return absl::InvalidArgumentError(
+        "a device-ordered ring holds one request at a time: open one ring per micro-batch, or "
+        "leave device_events off to use slots");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<RingClient>> RingClient::Layout(const RingOptions& options,
+                                                               absl::string_view prefix) {
+  ATTND_RETURN_IF_ERROR(CheckOptions(options));
+  ATTND_ASSIGN_OR_RETURN(
+      std::unique_ptr<ShmBuffer> buffer,
+      ShmBuffer::Create(ring::kHeaderBytes + 2 * uint64_t{options.slots} * options.half_bytes,
+                        prefix));
   // The mapping is zero-filled: every sequence word starts at 0 and nothing is in flight.
   ring::Header* h = reinterpret_cast<ring::Header*>(buffer->data());
   h->magic = ring::kMagic;
   h->version = options.version;
-  h->slots = 0;
+  h->slots = options.slots;
   h->half_bytes = options.half_bytes;
   std::atomic_thread_fence(std::memory_order_seq_cst);
   return std::unique_ptr<RingClient>(new RingClient(std::move(buffer), options));
@@ -176,7 +197,16 @@ absl::StatusOr<std::unique_ptr<RingClient>> RingClient::CreateUnopened(const Rin
 
 absl::StatusOr<std::unique_ptr<RingClient>> RingClient::Open(AttndClient& client,
                                                              const RingOptions& options) {
+  ATTND_RETURN_IF_ERROR(CheckOptions(options));
   ATTND_ASSIGN_OR_RETURN(v1::GetServerInfoResponse info, client.Info());
+  if (options.slots > 1 && options.slots > static_cast<uint32_t>(info.regions().max_ring_slots())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("this attnd holds at most ", std::max(info.regions().max_ring_slots(), 1),
+                     " request(s) in flight per ring (GetServerInfo().regions.max_ring_slots); "
+                     "RingOptions::slots "
+                     "is ",
+                     options.slots));
+  }
   ATTND_ASSIGN_OR_RETURN(std::unique_ptr<RingClient> ring, Layout(options, ShmPrefixOf(info)));
   ATTND_ASSIGN_OR_RETURN(
       v1::OpenRingResponse opened,
@@ -202,7 +232,9 @@ absl::Status RingClient::Close() {
 
 absl::Status RingClient::WaitResponse(uint32_t want, absl::Time deadline, bool count) {
   ring::Header* h = header();
-  auto answered = [&] { return h->response_seq.load(std::memory_order_acquire) == want; };
+  // Reached, with the words wrapping at 2^32: at most 2^31 behind.
+  const auto reached = [want](uint32_t seen) { return static_cast<int32_t>(seen - want) >= 0; };
+  auto answered = [&] { return reached(h->response_seq.load(std::memory_order_acquire)); };
   if (answered()) {
     if (count) ++stats_.answered_spinning;
     return absl::OkStatus();
@@ -223,7 +255,7 @@ absl::Status RingClient::WaitResponse(uint32_t want, absl::Time deadline, bool c
   absl::Status result = absl::OkStatus();
   while (true) {
     const uint32_t seen = h->response_seq.load(std::memory_order_seq_cst);
-    if (seen == want) {
+    if (reached(seen)) {
       if (count) ++stats_.answered_sleeping;
       break;
     }
@@ -249,9 +281,8 @@ absl::Status RingClient::WaitResponse(uint32_t want, absl::Time deadline, bool c
 }
 
 template <typename Write>
-absl::StatusOr<absl::string_view> RingClient::Exchange(uint64_t size, Write&& write) {
+absl::StatusOr<uint32_t> RingClient::Post(uint64_t size, absl::Time deadline, Write&& write) {
   ring::Header* h = header();
-  const absl::Time deadline = absl::Now() + options_.timeout;
   if (h->closed.load(std::memory_order_acquire) != 0) {
     return absl::UnavailableError("the ring was closed by the server");
   }
@@ -259,24 +290,28 @@ absl::StatusOr<absl::string_view> RingClient::Exchange(uint64_t size, Write&& wr
     return absl::ResourceExhaustedError(
         absl::StrCat("request of ", size, " bytes exceeds the ring's ", capacity(), "-byte half"));
   }
-  // 1. Nothing in flight: a request abandoned past its deadline must be answered first.
-  const uint32_t seq = h->request_seq.load(std::memory_order_relaxed);
-  ATTND_RETURN_IF_ERROR(WaitResponse(seq, deadline, /*count=*/false));
+  // 1. Room: the slot's previous request answered (one abandoned past its deadline too).
+  const uint32_t next = h->request_seq.load(std::memory_order_relaxed) + 1;  // wraps at 2^32
+  ATTND_RETURN_IF_ERROR(WaitResponse(next - slot_count(), deadline, /*count=*/false));
   // 2. The request, its length first.
-  uint8_t* half = buffer_->data() + ring::RequestOffset();
+  uint8_t* half = buffer_->data() +
+                  ring::RequestOffset(options_.half_bytes, ring::SlotOf(next, options_.slots));
   const uint64_t length = size;
   std::memcpy(half, &length, sizeof(length));
   ATTND_RETURN_IF_ERROR(write(half + ring::kLengthBytes));
-  const uint32_t next = seq + 1;  // wraps at 2^32
   h->request_seq.store(next, std::memory_order_seq_cst);
   if (h->server_sleeping.load(std::memory_order_seq_cst) != 0) {
     ring::FutexWake(&h->request_seq);
     ++stats_.server_wakes;
   }
   ++stats_.round_trips;
-  // 3. The answer.
-  ATTND_RETURN_IF_ERROR(WaitResponse(next, deadline, /*count=*/true));
-  const uint8_t* out = buffer_->data() + ring::ResponseOffset(options_.half_bytes);
+  return next;
+}
+
+absl::StatusOr<absl::string_view> RingClient::Await(uint32_t seq, absl::Time deadline) {
+  ATTND_RETURN_IF_ERROR(WaitResponse(seq, deadline, /*count=*/true));
+  const uint8_t* out = buffer_->data() +
+                       ring::ResponseOffset(options_.half_bytes, ring::SlotOf(seq, options_.slots));
   uint64_t out_length;
   std::memcpy(&out_length, out, sizeof(out_length));
   if (out_length > capacity()) {
@@ -286,7 +321,22 @@ absl::StatusOr<absl::string_view> RingClient::Exchange(uint64_t size, Write&& wr
   return absl::string_view(reinterpret_cast<const char*>(out + ring::kLengthBytes), out_length);
 }
 
+template <typename Write>
+absl::StatusOr<absl::string_view> RingClient::Exchange(uint64_t size, Write&& write) {
+  const absl::Time deadline = absl::Now() + options_.timeout;
+  ATTND_ASSIGN_OR_RETURN(uint32_t seq, Post(size, deadline, std::forward<Write>(write)));
+  return Await(seq, deadline);
+}
+
+absl::Status RingClient::NothingSubmitted(absl::string_view call) const {
+  if (pending_.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat(call, " waits for its own answer, which would come after the ", pending_.size(),
+                   " submitted decode(s): collect them with AwaitDecode first"));
+}
+
 absl::StatusOr<v1::SessionResponse> RingClient::RoundTrip(const v1::SessionRequest& request) {
+  ATTND_RETURN_IF_ERROR(NothingSubmitted("RoundTrip"));
   if (options_.version == ring::v2::kVersion) {
     return absl::FailedPreconditionError(
         "RoundTrip sends a SessionRequest, which a version 1 ring carries; this ring carries "
@@ -529,20 +579,31 @@ absl::StatusOr<DType> ReplyDType(const v2::ResponseHeader& h) {
 }  // namespace
 
 template <typename Plan>
-absl::StatusOr<absl::string_view> RingClient::ExchangeFrame(Plan* plan) {
+absl::StatusOr<RingClient::Pending> RingClient::PostFrame(Plan* plan) {
   // Ordered on the device when every tensor is a region reference (CUDA IPC regions, as
   // RingOptions::device_events requires): the stream's inputs are marked written by "ready"
   // instead of a host synchronisation, and its later work waits for attnd's "done".
-  bool ordered = events_ != nullptr;
-  for (const FrameTensorSpec& t : plan->tensors) ordered = ordered && t.t.where == v2::kRegion;
-  if (ordered) plan->header.flags |= v2::kDeviceOrdered;
+  Pending pending;
+  pending.ordered = events_ != nullptr;
+  for (const FrameTensorSpec& t : plan->tensors) {
+    pending.ordered = pending.ordered && t.t.where == v2::kRegion;
+  }
+  if (pending.ordered) plan->header.flags |= v2::kDeviceOrdered;
   ATTND_RETURN_IF_ERROR(plan->Lay());
-  if (ordered) ATTND_RETURN_IF_ERROR(events_->RecordReady(options_.cuda_stream));
-  ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, Exchange(plan->size, [plan](uint8_t* at) {
+  if (pending.ordered) ATTND_RETURN_IF_ERROR(events_->RecordReady(options_.cuda_stream));
+  pending.deadline = absl::Now() + options_.timeout;
+  pending.tag = plan->header.tag;
+  pending.op = plan->header.op;
+  ATTND_ASSIGN_OR_RETURN(pending.seq, Post(plan->size, pending.deadline, [plan](uint8_t* at) {
                            plan->Write(at);
                            return absl::OkStatus();
                          }));
-  if (ordered) {
+  return pending;
+}
+
+absl::StatusOr<absl::string_view> RingClient::AwaitFrame(const Pending& pending) {
+  ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, Await(pending.seq, pending.deadline));
+  if (pending.ordered) {
     // Whatever the answer, attnd's stream has passed "ready": waiting for "done" (its latest
     // record) costs nothing when the request failed before queuing anything.
     ATTND_RETURN_IF_ERROR(events_->WaitDone(options_.cuda_stream));
@@ -571,7 +632,8 @@ absl::StatusOr<PrefillResult> RingClient::PrefillV2(const PrefillInput& input) {
   if (input.output_region.has_value()) {
     SetRegion(*input.output_region, input.output_region->byte_size(), &plan.tensors[3]);
   }
-  ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, ExchangeFrame(&plan));
+  ATTND_ASSIGN_OR_RETURN(Pending pending, PostFrame(&plan));
+  ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, AwaitFrame(pending));
   ATTND_ASSIGN_OR_RETURN(FrameReply reply, ReadReply(bytes, h.tag, h.op));
   ATTND_ASSIGN_OR_RETURN(DType dtype, ReplyDType(reply.header));
   if (reply.lengths.size() != 1) {
@@ -591,8 +653,17 @@ absl::StatusOr<PrefillResult> RingClient::PrefillV2(const PrefillInput& input) {
   return result;
 }
 
-absl::StatusOr<std::vector<DecodeResult>> RingClient::DecodeV2(
-    int32_t layer, const std::vector<DecodeInput>& entries) {
+absl::Status RingClient::SubmitDecode(int32_t layer, const std::vector<DecodeInput>& entries) {
+  if (options_.version != ring::v2::kVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SubmitDecode needs a version ", ring::v2::kVersion, " ring (RingOptions::version)"));
+  }
+  if (pending_.size() >= slot_count()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(pending_.size(),
+                     " submitted decode(s) are uncollected, as many as the ring's slots "
+                     "(RingOptions::slots): collect the oldest with AwaitDecode first"));
+  }
   FramePlan plan;
   v2::RequestHeader& h = plan.header;
   const v1::QLayout layout = entries.empty() ? v1::Q_LAYOUT_VARIANTS : entries[0].q_layout;
@@ -636,11 +707,22 @@ absl::StatusOr<std::vector<DecodeResult>> RingClient::DecodeV2(
       }
     }
   }
-  ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, ExchangeFrame(&plan));
-  ATTND_ASSIGN_OR_RETURN(FrameReply reply, ReadReply(bytes, h.tag, h.op));
+  ATTND_ASSIGN_OR_RETURN(Pending pending, PostFrame(&plan));
+  pending.outputs.reserve(entries.size());
+  for (const DecodeInput& e : entries) pending.outputs.push_back(e.output_region);
+  pending_.push_back(std::move(pending));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<DecodeResult>> RingClient::AwaitDecode() {
+  if (pending_.empty()) return absl::FailedPreconditionError("no decode is submitted");
+  const Pending pending = std::move(pending_.front());
+  pending_.pop_front();
+  ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, AwaitFrame(pending));
+  ATTND_ASSIGN_OR_RETURN(FrameReply reply, ReadReply(bytes, pending.tag, pending.op));
   ATTND_ASSIGN_OR_RETURN(DType dtype, ReplyDType(reply.header));
   const v2::ResponseHeader& rh = reply.header;
-  const size_t b = entries.size();
+  const size_t b = pending.outputs.size();
   // o is [B, Hq, D]: row i is entry i's.
   if (reply.lengths.size() != b || rh.rank != 3 || rh.shape[0] != static_cast<int64_t>(b) ||
       rh.shape[1] < 0 || rh.shape[2] < 0) {
@@ -660,7 +742,7 @@ absl::StatusOr<std::vector<DecodeResult>> RingClient::DecodeV2(
     r.o.dtype = dtype;
     r.o.shape = {rh.shape[1], rh.shape[2]};
     if (in_region) {
-      r.o_region = entries[i].output_region;
+      r.o_region = pending.outputs[i];
     } else {
       r.o.data.assign(reply.o.data() + i * row, row);  // the one copy out of the ring
     }
@@ -670,6 +752,7 @@ absl::StatusOr<std::vector<DecodeResult>> RingClient::DecodeV2(
 }
 
 absl::StatusOr<PrefillResult> RingClient::Prefill(const PrefillInput& input) {
+  ATTND_RETURN_IF_ERROR(NothingSubmitted("Prefill"));
   if (options_.version == ring::v2::kVersion) return PrefillV2(input);
   v1::SessionRequest request;
   request.set_tag(next_tag_++);
@@ -701,7 +784,11 @@ absl::StatusOr<PrefillResult> RingClient::Prefill(const std::string& sequence_id
 
 absl::StatusOr<std::vector<DecodeResult>> RingClient::Decode(
     int32_t layer, const std::vector<DecodeInput>& entries) {
-  if (options_.version == ring::v2::kVersion) return DecodeV2(layer, entries);
+  ATTND_RETURN_IF_ERROR(NothingSubmitted("Decode"));
+  if (options_.version == ring::v2::kVersion) {
+    ATTND_RETURN_IF_ERROR(SubmitDecode(layer, entries));
+    return AwaitDecode();
+  }
   v1::SessionRequest request;
   request.set_tag(next_tag_++);
   internal::BuildDecode(layer, entries, request.mutable_decode());

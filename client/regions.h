@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -110,6 +111,10 @@ struct RingOptions {
   // Each half's size: the largest request (and response) is half_bytes - 8 bytes. Decode requests
   // with inline bytes are small; prefills with inline bytes need T * (5 Hq + 2 Hkv) * D * dtype.
   uint64_t half_bytes = 8ull << 20;
+  // Requests in flight at once (version 2 only, not with device_events): 1, or a power of two up
+  // to ring::kMaxSlots (GetServerInfo().regions.max_ring_slots). The object then holds that many
+  // pairs of halves; SubmitDecode posts without waiting, AwaitDecode collects in order.
+  uint32_t slots = 1;
   // After writing a request, spin this long on response_seq before sleeping on its futex.
   absl::Duration spin = absl::Microseconds(50);
   // One futex wait's timeout: the sleeping client re-checks `closed` and the deadline this often.
@@ -138,8 +143,8 @@ struct RingStats {
 };
 
 // A shared-memory ring: Prefill and Decode requests through shared memory, answered in order, one
-// at a time (docs/regions.md, "Rings"), as version 2 frames or (RingOptions::version 1)
-// SessionRequests.
+// at a time or (RingOptions::slots) several decodes in flight (docs/regions.md, "Rings"), as
+// version 2 frames or (RingOptions::version 1) SessionRequests.
 class RingClient {
  public:
   // Creates the shm object, lays out the header and opens it with OpenRing. The AttndClient must
@@ -174,6 +179,17 @@ class RingClient {
   absl::StatusOr<std::vector<DecodeResult>> Decode(int32_t layer,
                                                    const std::vector<DecodeInput>& entries);
 
+  // A decode posted without waiting for its answer (a version 2 ring; the entries as Decode's,
+  // copied into the ring before it returns): up to RingOptions::slots at once, collected with
+  // AwaitDecode in the order submitted. FAILED_PRECONDITION when as many as the ring's slots are
+  // uncollected already, or on a version 1 ring. While decodes are uncollected, Decode and
+  // Prefill are refused (FAILED_PRECONDITION): their answers would come after them.
+  absl::Status SubmitDecode(int32_t layer, const std::vector<DecodeInput>& entries);
+  // The oldest submitted decode's answer, waiting for it (as Decode's result). FAILED_PRECONDITION
+  // when none is submitted.
+  absl::StatusOr<std::vector<DecodeResult>> AwaitDecode();
+  size_t submitted() const { return pending_.size(); }
+
   // CloseRing now (the destructor then does nothing); the server sets `closed`.
   absl::Status Close();
 
@@ -186,20 +202,40 @@ class RingClient {
  private:
   RingClient(std::unique_ptr<ShmBuffer> buffer, const RingOptions& options)
       : buffer_(std::move(buffer)), options_(options) {}
+  // INVALID_ARGUMENT for options no server takes.
+  static absl::Status CheckOptions(const RingOptions& options);
   static absl::StatusOr<std::unique_ptr<RingClient>> Layout(const RingOptions& options,
                                                             absl::string_view prefix);
-  // Waits until response_seq == `want`; the status says why not.
+  // A frame posted and not yet collected.
+  struct Pending {
+    uint32_t seq = 0;
+    uint64_t tag = 0;
+    uint16_t op = 0;
+    bool ordered = false;  // on the device: its stream waits for "done" once answered
+    absl::Time deadline;
+    std::vector<std::optional<v1::RegionRef>> outputs;  // a decode's entries' output regions
+  };
+  uint32_t slot_count() const { return ring::SlotCount(options_.slots); }
+  // Waits until response_seq has reached `want` (wrapping); the status says why not.
   absl::Status WaitResponse(uint32_t want, absl::Time deadline, bool count);
-  // One round trip of `size` bytes that `write` puts into the request half (after the length
-  // field): the response's bytes, in the response half (valid until the next request).
+  // Posts `size` bytes that `write` puts into the next request's slot (after the length field),
+  // once that slot's previous request is answered: the request's number.
+  template <typename Write>
+  absl::StatusOr<uint32_t> Post(uint64_t size, absl::Time deadline, Write&& write);
+  // Request `seq`'s answer: its bytes, in its slot's response half (valid until the slot's next
+  // request).
+  absl::StatusOr<absl::string_view> Await(uint32_t seq, absl::Time deadline);
+  // One round trip: Post, then Await.
   template <typename Write>
   absl::StatusOr<absl::string_view> Exchange(uint64_t size, Write&& write);
-  // A version 2 frame's round trip (Lay, write, exchange), ordered on the device where it can be.
+  // A version 2 frame posted (Lay, write), ordered on the device where it can be; AwaitFrame
+  // collects its answer.
   template <typename Plan>
-  absl::StatusOr<absl::string_view> ExchangeFrame(Plan* plan);
+  absl::StatusOr<Pending> PostFrame(Plan* plan);
+  absl::StatusOr<absl::string_view> AwaitFrame(const Pending& pending);
+  // FAILED_PRECONDITION while submitted decodes are uncollected.
+  absl::Status NothingSubmitted(absl::string_view call) const;
   absl::StatusOr<PrefillResult> PrefillV2(const PrefillInput& input);
-  absl::StatusOr<std::vector<DecodeResult>> DecodeV2(int32_t layer,
-                                                     const std::vector<DecodeInput>& entries);
 
   std::unique_ptr<ShmBuffer> buffer_;
   RingOptions options_;
@@ -207,7 +243,8 @@ class RingClient {
   std::string ring_id_;
   std::unique_ptr<RingEvents> events_;  // with RingOptions::device_events
   uint64_t next_tag_ = 1;
-  std::string scratch_;  // the serialized request
+  std::string scratch_;          // the serialized request
+  std::deque<Pending> pending_;  // submitted decodes, oldest first
   RingStats stats_;
 };
 

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "attnd/v1/attention.grpc.pb.h"
@@ -339,16 +340,44 @@ TEST_F(RegionsTest, IdleRegionsAreReclaimed) {
 // The client's half of the ring protocol, written from shm_ring.h alone.
 class HandRing {
  public:
-  explicit HandRing(uint64_t half, const std::string& prefix = "/attnd-")
-      : half_(half), shm_(ring::kHeaderBytes + 2 * half, prefix) {
+  // slots > 1: a version 2 ring with that many pairs of halves.
+  explicit HandRing(uint64_t half, const std::string& prefix = "/attnd-", uint32_t slots = 1)
+      : half_(half), slots_(slots), shm_(ring::kHeaderBytes + 2 * slots * half, prefix) {
     auto* h = header();
     h->magic = ring::kMagic;
-    h->version = ring::kVersion;
+    h->version = slots > 1 ? ring::v2::kVersion : ring::kVersion;
+    h->slots = slots > 1 ? slots : 0;
     h->half_bytes = half;
   }
   ring::Header* header() { return reinterpret_cast<ring::Header*>(shm_.base()); }
   const std::string& name() const { return shm_.name(); }
-  uint64_t bytes() const { return ring::kHeaderBytes + 2 * half_; }
+  uint64_t bytes() const { return ring::kHeaderBytes + 2 * slots_ * half_; }
+
+  // Writes request `seq` into its slot.
+  void Write(uint32_t seq, const std::string& request) {
+    char* half = shm_.base() + ring::kHeaderBytes + 2 * (seq % slots_) * half_;
+    const uint64_t n = request.size();
+    std::memcpy(half, &n, 8);
+    std::memcpy(half + 8, request.data(), n);
+  }
+  // Sets request_seq and rings.
+  void Publish(uint32_t seq) {
+    ring::Header* h = header();
+    h->request_seq.store(seq, std::memory_order_seq_cst);
+    ring::FutexWake(&h->request_seq);
+  }
+  // Both, without waiting for anything.
+  void Post(uint32_t seq, const std::string& request) {
+    Write(seq, request);
+    Publish(seq);
+  }
+  // What request `seq`'s slot's response half holds.
+  std::string Response(uint32_t seq) {
+    const char* half = shm_.base() + ring::kHeaderBytes + (2 * (seq % slots_) + 1) * half_;
+    uint64_t n;
+    std::memcpy(&n, half, 8);
+    return std::string(half + 8, std::min<uint64_t>(n, half_ - 8));
+  }
 
   // Writes raw request bytes, rings, waits (spin then futex) for the answer. `claimed`: the
   // length field to write instead of the request's size (a hostile client's).
@@ -396,6 +425,7 @@ class HandRing {
 
  private:
   uint64_t half_;
+  uint32_t slots_;
   Shm shm_;
 };
 
@@ -1312,6 +1342,155 @@ TEST(RingDeviceEventsTest, DecodesWaitBehindAGateAttndOpensWhenTheClientIsStuck)
     const std::vector<FrameRecorder::Seen> seen = recorder.seen();
     EXPECT_EQ(seen.back().word, nullptr);
   }
+  rings.Shutdown();
+}
+
+// A frame with this tag (TinyDecodeFrame's, retagged).
+std::string TaggedFrame(uint64_t tag) {
+  std::string frame = TinyDecodeFrame(0);
+  std::memcpy(frame.data() + offsetof(ring::v2::RequestHeader, tag), &tag, sizeof(tag));
+  return frame;
+}
+
+uint64_t ResponseTag(const std::string& response) {
+  ring::v2::ResponseHeader r{};
+  std::memcpy(&r, response.data(), std::min(response.size(), sizeof(r)));
+  return r.tag;
+}
+
+// Holds every frame's completion until the test releases it, in any order.
+class HeldFrames {
+ public:
+  explicit HeldFrames(RingServer* rings) {
+    rings->SetFrameHandler([this](const RequestFrame& frame, absl::string_view, FrameAnswer*,
+                                  std::function<void(absl::Status)> done) {
+      MutexLock lock(&mu_);
+      held_[frame.tag] = std::move(done);
+      return absl::OkStatus();
+    });
+  }
+  bool WaitHeld(size_t n) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < deadline) {
+      {
+        MutexLock lock(&mu_);
+        if (held_.size() >= n) return true;
+      }
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    return false;
+  }
+  // Answers the frame tagged `tag` with a code that names it (tag 3: NOT_FOUND, 5).
+  void Release(uint64_t tag) {
+    std::function<void(absl::Status)> done;
+    {
+      MutexLock lock(&mu_);
+      done = std::move(held_[tag]);
+      held_.erase(tag);
+    }
+    done(absl::Status(static_cast<absl::StatusCode>(tag + 2), absl::StrCat("frame ", tag)));
+  }
+
+ private:
+  Mutex mu_;
+  absl::flat_hash_map<uint64_t, std::function<void(absl::Status)>> held_ ABSL_GUARDED_BY(mu_);
+};
+
+// A ring of 4 slots takes 4 requests before any answer, each from its own slot; answers
+// completed in reverse order are published in the order posted (response_seq never passes an
+// unanswered request), each in its own slot's response half. A client that then posts more
+// unanswered requests than the ring has slots has broken the protocol: the ring is closed and
+// the extra requests never reach the handler.
+TEST(RingSlotsTest, SeveralRequestsInFlightAreAnsweredInTheOrderPosted) {
+  RegionRegistry registry(RegionRegistryOptions{}, nullptr, Clock::Real());
+  RingOptions ring_options;
+  ring_options.spin = absl::ZeroDuration();
+  RingServer rings(&registry, ring_options);
+  rings.SetHandler(
+      [](const v1::SessionRequest&, absl::string_view, v1::SessionResponse*,
+         std::function<void(absl::Status)>) { return absl::UnimplementedError("version 1"); });
+  HeldFrames held(&rings);
+  HandRing hand(16 * 1024, "/attnd-", 4);
+  absl::StatusOr<RingServer::Opened> opened = rings.Open("", hand.name(), hand.bytes());
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_EQ(opened->request_capacity, 16 * 1024 - 8u);
+  ring::Header* h = hand.header();
+  for (uint32_t seq = 1; seq <= 4; ++seq) hand.Post(seq, TaggedFrame(seq));
+  ASSERT_TRUE(held.WaitHeld(4));
+  for (uint64_t tag : {4, 3, 2}) {
+    held.Release(tag);
+    EXPECT_EQ(h->response_seq.load(), 0u) << "published past unanswered request 1";
+  }
+  held.Release(1);
+  EXPECT_EQ(h->response_seq.load(), 4u);
+  for (uint32_t seq = 1; seq <= 4; ++seq) {
+    std::string message;
+    const std::string response = hand.Response(seq);
+    EXPECT_EQ(ResponseTag(response), seq);
+    EXPECT_EQ(ResponseCode(response, &message), static_cast<int32_t>(seq + 2));
+    EXPECT_EQ(message, absl::StrCat("frame ", seq));
+  }
+  // Slot 1 again (request 5), while the others stay free.
+  hand.Post(5, TaggedFrame(5));
+  ASSERT_TRUE(held.WaitHeld(1));
+  held.Release(5);
+  EXPECT_EQ(h->response_seq.load(), 5u);
+  EXPECT_EQ(ResponseTag(hand.Response(5)), 5u);
+
+  // 5 unanswered on 4 slots (request_seq jumps from 5 to 10): closed, and none of them reaches
+  // the handler.
+  for (uint32_t seq = 6; seq <= 10; ++seq) hand.Write(seq, TaggedFrame(seq));
+  hand.Publish(10);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (rings.ReclaimIdle() == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_TRUE(hand.WaitClosed(absl::Seconds(1)));
+  EXPECT_EQ(rings.open_rings(), 0);
+  EXPECT_FALSE(held.WaitHeld(1)) << "a request of the overrun reached the handler";
+  rings.Shutdown();
+}
+
+// What a ring's header may say about slots, judged at OpenRing with messages that say what is
+// allowed: slots other than a power of two up to kMaxSlots, several slots on a version 1 ring or
+// with device events, and an object whose size does not match its slots and halves.
+TEST(RingSlotsTest, BadSlotsAreRefusedAtOpenRing) {
+  RegionRegistry registry(RegionRegistryOptions{}, nullptr, Clock::Real());
+  RingServer rings(&registry, RingOptions{});
+  FakeEvents events;
+  rings.SetDeviceEvents(&events);
+  HeldFrames held(&rings);
+  rings.SetHandler(
+      [](const v1::SessionRequest&, absl::string_view, v1::SessionResponse*,
+         std::function<void(absl::Status)>) { return absl::UnimplementedError("version 1"); });
+  struct Case {
+    uint32_t slots;
+    uint32_t version;
+    bool device_events;
+    uint64_t half_bytes;  // what the header says; the object holds 4 halves of 8192
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {3, 2, false, 8192,
+       "says slots 3; a ring holds 0 or 1 (one request at a time) or a power of two up to 16"},
+      {32, 2, false, 8192, "says slots 32"},
+      {2, 1, false, 8192, "a ring of 2 slots needs version 2 frames; this one is version 1"},
+      {2, 2, true, 8192, "a device-ordered ring holds one request at a time"},
+      {4, 2, false, 7168,
+       "says half_bytes 7168 and slots 4, so byte_size must be 4096 + 8 * half_bytes; it is "
+       "69632"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.message);
+    HandRing hand(8192, "/attnd-", 4);
+    hand.header()->slots = c.slots;
+    hand.header()->version = c.version;
+    hand.header()->half_bytes = c.half_bytes;
+    absl::StatusOr<RingServer::Opened> opened =
+        rings.Open("", hand.name(), hand.bytes(), c.device_events);
+    EXPECT_EQ(opened.status().code(), absl::StatusCode::kInvalidArgument) << opened.status();
+    EXPECT_THAT(std::string(opened.status().message()), ::testing::HasSubstr(c.message));
+    EXPECT_EQ(rings.open_rings(), 0);
+  }
+  EXPECT_TRUE(events.destroyed().empty());
   rings.Shutdown();
 }
 

@@ -429,6 +429,97 @@ TEST_F(RingV2Test, OpenRingNamesTheVersionsItServes) {
   EXPECT_TRUE((*ring)->Prefill(Prefill(a, 4)).ok());
 }
 
+// A ring of 4 slots holds 4 micro-batches in flight: each submitted decode is answered with the
+// Session's bytes for the same entries, collected in the order submitted, and the slots are
+// reused step after step. A fifth submit, or a Decode or Prefill that would wait behind the
+// uncollected ones, is refused and changes nothing.
+TEST_F(RingV2Test, SlotsHoldSeveralMicroBatchesInFlight) {
+  absl::StatusOr<v1::GetServerInfoResponse> info = c().Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->regions().max_ring_slots(), 16);
+  client::RingOptions options;
+  options.half_bytes = 256 << 10;
+  options.slots = 4;
+  absl::StatusOr<std::unique_ptr<RingClient>> opened = RingClient::Open(c(), options);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  RingClient& ring = **opened;
+  EXPECT_EQ(ring.buffer().size(), 4096 + 8 * (256u << 10));
+  constexpr int kBatches = 4, kRows = 2;
+  std::vector<std::string> ids, twins;
+  for (int i = 0; i < kBatches * kRows; ++i) {
+    ids.push_back(NewSeq());
+    twins.push_back(NewSeq());
+    PrefillInput in = Prefill(ids.back(), 5 + i);
+    absl::StatusOr<client::PrefillResult> prefilled = ring.Prefill(in);
+    ASSERT_TRUE(prefilled.ok()) << prefilled.status();
+    in.sequence_id = twins.back();
+    ASSERT_TRUE(session_->Send(SessionPrefill(in)).ok());
+  }
+  for (int step = 0; step < 3; ++step) {
+    std::vector<std::vector<DecodeInput>> batches(kBatches);
+    for (int b = 0; b < kBatches; ++b) {
+      for (int r = 0; r < kRows; ++r) batches[b].push_back(Entry(ids[b * kRows + r]));
+      ASSERT_TRUE(ring.SubmitDecode(1, batches[b]).ok()) << step << " " << b;
+    }
+    EXPECT_EQ(ring.submitted(), 4u);
+    const std::pair<int64_t, int64_t> held = Held();
+    absl::Status refused = ring.SubmitDecode(1, {Entry(ids[0])});
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+    EXPECT_THAT(refused.message(), HasSubstr("4 submitted decode(s) are uncollected"));
+    refused = ring.Decode(1, {Entry(ids[0])}).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+    EXPECT_THAT(refused.message(), HasSubstr("collect them with AwaitDecode first"));
+    EXPECT_EQ(ring.Prefill(Prefill(ids[0], 1)).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    for (int b = 0; b < kBatches; ++b) {
+      absl::StatusOr<std::vector<client::DecodeResult>> got = ring.AwaitDecode();
+      std::vector<DecodeInput> twin = batches[b];
+      for (int r = 0; r < kRows; ++r) twin[r].sequence_id = twins[b * kRows + r];
+      absl::StatusOr<v1::SessionResponse> want = session_->Send(PackedDecode(1, twin));
+      ASSERT_TRUE(got.ok() && want.ok()) << got.status() << want.status();
+      ASSERT_EQ(got->size(), size_t{kRows});
+      const std::string& o = want->decode().o().data();
+      const size_t row = o.size() / kRows;
+      for (int r = 0; r < kRows; ++r) {
+        EXPECT_EQ((*got)[r].length, 5 + b * kRows + r + 1 + step);
+        EXPECT_TRUE((*got)[r].o.data == o.substr(r * row, row)) << step << " " << b << " " << r;
+      }
+    }
+    EXPECT_EQ(Held(), held) << "the refused calls changed what the daemon holds";
+    EXPECT_EQ(ring.AwaitDecode().status().code(), absl::StatusCode::kFailedPrecondition);
+  }
+  EXPECT_EQ(ring.stats().round_trips, kBatches * kRows + 3 * kBatches);
+}
+
+// What a client asks of slots is judged before anything is created: a power of two up to 16,
+// version 2 frames, no device events, and no more than the server's max_ring_slots.
+TEST_F(RingV2Test, BadSlotOptionsAreRefusedBeforeTheRingExists) {
+  struct Case {
+    uint32_t slots, version;
+    bool device_events;
+    absl::StatusCode code;
+    std::string message;
+  };
+  for (const Case& k : std::vector<Case>{
+           {0, 2, false, absl::StatusCode::kInvalidArgument, "from 1 to 16, got 0"},
+           {6, 2, false, absl::StatusCode::kInvalidArgument, "from 1 to 16, got 6"},
+           {32, 2, false, absl::StatusCode::kInvalidArgument, "from 1 to 16, got 32"},
+           {2, 1, false, absl::StatusCode::kInvalidArgument, "a ring of 2 slots needs version 2"},
+           {2, 2, true, absl::StatusCode::kInvalidArgument, "one ring per micro-batch"},
+       }) {
+    client::RingOptions options;
+    options.slots = k.slots;
+    options.version = k.version;
+    options.device_events = k.device_events;
+    absl::StatusOr<std::unique_ptr<RingClient>> ring = RingClient::Open(c(), options);
+    EXPECT_EQ(ring.status().code(), k.code) << ring.status();
+    EXPECT_THAT(ring.status().message(), HasSubstr(k.message));
+  }
+  absl::StatusOr<v1::GetServerInfoResponse> info = c().Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->regions().rings(), true);
+}
+
 // A device-ordered ring needs attnd's CUDA backend on one GPU: the CPU daemon refuses the events
 // at OpenRing, saying what it needs, and keeps no ring.
 TEST_F(RingV2Test, DeviceEventsNeedTheCudaBackend) {

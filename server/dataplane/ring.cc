@@ -89,10 +89,8 @@ void ReadBytes(void* p) {
 }
 
 struct WriteArgs {
-  ring::Header* header;
   char* half;
   const std::string* message;
-  uint32_t seq;
 };
 
 void WriteResponse(void* p) {
@@ -100,22 +98,16 @@ void WriteResponse(void* p) {
   const uint64_t n = a->message->size();
   std::memcpy(a->half, &n, sizeof(n));
   std::memcpy(a->half + ring::kLengthBytes, a->message->data(), n);
-  a->header->response_seq.store(a->seq, std::memory_order_seq_cst);
-  if (a->header->client_sleeping.load(std::memory_order_seq_cst) != 0) {
-    ring::FutexWake(&a->header->response_seq);
-  }
 }
 
 // A version 2 answer: the head (header, lengths, message) and o's bytes from the ring's output
 // buffer, the one copy of the output into the half.
 struct WriteFrameArgs {
-  ring::Header* header;
   char* half;
   const std::string* head;
   const char* output;
   uint64_t output_offset;
   uint64_t output_bytes;
-  uint32_t seq;
 };
 
 void WriteFrameResponse(void* p) {
@@ -126,6 +118,16 @@ void WriteFrameResponse(void* p) {
   if (a->output_bytes > 0) {
     std::memcpy(a->half + ring::kLengthBytes + a->output_offset, a->output, a->output_bytes);
   }
+}
+
+// Requests up to seq are answered: response_seq, then the client's doorbell if it sleeps.
+struct PublishArgs {
+  ring::Header* header;
+  uint32_t seq;
+};
+
+void PublishResponse(void* p) {
+  auto* a = static_cast<PublishArgs*>(p);
   a->header->response_seq.store(a->seq, std::memory_order_seq_cst);
   if (a->header->client_sleeping.load(std::memory_order_seq_cst) != 0) {
     ring::FutexWake(&a->header->response_seq);
@@ -143,6 +145,7 @@ struct HeaderArgs {
   const ring::Header* header;
   uint64_t magic = 0;
   uint32_t version = 0;
+  uint32_t slots = 0;
   uint64_t half_bytes = 0;
   uint32_t request_seq = 0, response_seq = 0;
 };
@@ -151,6 +154,7 @@ void ReadHeader(void* p) {
   auto* a = static_cast<HeaderArgs*>(p);
   a->magic = a->header->magic;
   a->version = a->header->version;
+  a->slots = a->header->slots;
   a->half_bytes = a->header->half_bytes;
   a->request_seq = a->header->request_seq.load();
   a->response_seq = a->header->response_seq.load();
@@ -160,27 +164,35 @@ void WakeServer(void* p) { ring::FutexWake(&static_cast<ring::Header*>(p)->reque
 
 }  // namespace
 
-// One open ring and its thread. The request and response objects belong to the request in
-// flight (at most one: the thread takes the next only after the answer is written).
+// One open ring and its thread. A ring has one slot or several (its header's `slots`): each
+// slot's objects (the request's copy, its parse, its answer) belong to the request in that slot,
+// and the thread takes a request into a slot only once the slot's previous request is answered
+// and published. Answers are published in the order the requests were posted, whichever thread
+// completes them.
 class RingServer::Ring {
  public:
   Ring(RingServer* server, std::string tenant, RegionLease lease, uint64_t half, uint32_t version,
-       RingEvents events, std::optional<DeviceMemoryOpener::Gate> gate)
+       uint32_t slots, RingEvents events, std::optional<DeviceMemoryOpener::Gate> gate)
       : server_(server),
         version_(version),
+        slot_count_(ring::SlotCount(slots)),
         events_(events),
         gate_(gate),
         gate_armed_(gate ? gate->value : 0),
         tenant_(std::move(tenant)),
         lease_(std::move(lease)),
         header_(reinterpret_cast<ring::Header*>(lease_->base)),
-        request_half_(lease_->base + ring::RequestOffset()),
-        response_half_(lease_->base + ring::ResponseOffset(half)),
         capacity_(ring::Capacity(half)),
+        slots_(new Slot[slot_count_]),
         last_active_us_(absl::ToUnixMicros(absl::Now())) {
-    answer_.output_buffer = [this](uint64_t bytes, uint64_t num_lengths) {
-      return OutputBuffer(bytes, num_lengths);
-    };
+    for (uint32_t i = 0; i < slot_count_; ++i) {
+      Slot* slot = &slots_[i];
+      slot->request_half = lease_->base + ring::RequestOffset(half, i);
+      slot->response_half = lease_->base + ring::ResponseOffset(half, i);
+      slot->answer.output_buffer = [this, slot](uint64_t bytes, uint64_t num_lengths) {
+        return OutputBuffer(slot, bytes, num_lengths);
+      };
+    }
   }
 
   ~Ring() {
@@ -206,15 +218,21 @@ class RingServer::Ring {
   const std::string& tenant() const { return tenant_; }
   uint64_t capacity() const { return capacity_; }
   bool idle_since(int64_t cutoff_us) const {
-    return broken_.load() || (!inflight_.load() && last_active_us_.load() < cutoff_us);
+    return broken_.load() || (inflight_.load() == 0 && last_active_us_.load() < cutoff_us);
   }
 
   void Start(uint32_t first_seq) {
-    last_seq_ = first_seq;
-    thread_ = std::thread([this] { Run(); });
+    taken_ = first_seq;
+    published_.store(first_seq);
+    thread_ = std::thread([this] {
+      Serve();
+      // Requests in flight are answered on other threads, which touch this ring until they
+      // publish: the thread ends after them.
+      WaitInflightBelow(1, /*spin=*/false);
+    });
   }
 
-  // Waits for the request in flight, stops the thread, tells the client.
+  // Waits for the requests in flight, stops the thread, tells the client.
   void Stop() {
     if (!thread_.joinable()) return;
     stop_.store(true);
@@ -224,16 +242,21 @@ class RingServer::Ring {
   }
 
  private:
-  void Run() {
+  // A slot's request in flight and what it needs until its answer is published.
+  struct Slot;
+
+  void Serve() {
     const int64_t spin_ns = absl::ToInt64Nanoseconds(server_->options_.spin);
     while (true) {
+      // With every slot in flight the next request has nowhere to go: wait for an answer.
+      if (slot_count_ > 1) WaitInflightBelow(slot_count_, /*spin=*/true);
       // Spinning is rationed (RingOptions::max_spinning*): the turn is held for the spin only,
       // and without one the thread sleeps at once.
-      int64_t give_up_ns = in_.data != nullptr ? kKeepBufferNs : 0;
+      int64_t give_up_ns = HoldsBuffers() ? kKeepBufferNs : 0;
       if (const int64_t gate_ns = GateDeadlineNs(); gate_ns > 0) {
         give_up_ns = give_up_ns > 0 ? std::min(give_up_ns, gate_ns) : gate_ns;
       }
-      WaitArgs wait{header_, last_seq_, 0, true, give_up_ns, &stop_, 0, false};
+      WaitArgs wait{header_, taken_, 0, true, give_up_ns, &stop_, 0, false};
       bool readable = true;
       if (spin_ns > 0 && server_->BeginSpin(tenant_)) {
         WaitArgs spin = wait;
@@ -246,110 +269,139 @@ class RingServer::Ring {
       }
       if (readable && !wait.got && !stop_.load()) readable = RunGuarded(WaitForRequest, &wait);
       if (!readable) return Broken("reading its header");
-      if (stop_.load()) return AnswerLastAtStop();
+      if (stop_.load()) return AnswerPostedAtStop();
       if (!wait.got) {  // idle: hold no copy buffer
         if (GateOverdue()) return GateStuck();
-        FreeBuffer();
+        FreeBuffers();
         continue;
       }
-      last_seq_ = wait.seq;
+      // One slot: a client that bumped request_seq by more than one is answered once, for the
+      // latest. Several: each request in turn, and no more unanswered than there are slots.
+      uint32_t seq = wait.seq;
+      if (slot_count_ > 1) {
+        const uint32_t unanswered = wait.seq - published_.load();
+        if (unanswered > slot_count_) return Overrun(unanswered);
+        seq = taken_ + 1;
+      }
+      taken_ = seq;
       last_active_us_.store(absl::ToUnixMicros(absl::Now()));
-      Serve();
-      WaitAnswered();
+      ServeOne(SlotOf(seq), seq);
+      if (slot_count_ == 1) WaitInflightBelow(1, /*spin=*/true);
       if (broken_.load()) return;
       last_active_us_.store(absl::ToUnixMicros(absl::Now()));
     }
   }
 
-  // Reads the request at last_seq_ and runs it; Answer (here or on the thread that completes it)
-  // writes its response.
-  void Serve() {
-    std::pair<const char*, uint64_t> length{request_half_, 0};
+  Slot* SlotOf(uint32_t seq) { return &slots_[ring::SlotOf(seq, slot_count_)]; }
+
+  // Marks request `seq` in flight in `slot` and clears what its previous request left there.
+  void Take(Slot* slot, uint32_t seq) {
+    slot->seq = seq;
+    slot->request.Clear();
+    slot->response.Clear();
+    slot->answer.Clear();
+    slot->frame_tag = 0;
+    slot->frame_op = 0;
+    MutexLock lock(&mu_);
+    inflight_.fetch_add(1);
+  }
+
+  // Reads request `seq` out of `slot` and runs it; Answer (here or on the thread that completes
+  // it) writes its response.
+  void ServeOne(Slot* slot, uint32_t seq) {
+    Take(slot, seq);
+    std::pair<const char*, uint64_t> length{slot->request_half, 0};
     if (!RunGuarded(ReadLength, &length)) {
       Broken("reading a request");
-      return AnswerBroken();
+      return AnswerBroken(slot);
     }
     const uint64_t n = length.second;
-    request_.Clear();
-    response_.Clear();
-    answer_.Clear();
-    frame_tag_ = 0;
-    frame_op_ = 0;
-    inflight_.store(true);
-    if (version_ == ring::v2::kVersion && !ReadFrameStart(n)) {
+    if (version_ == ring::v2::kVersion && !ReadFrameStart(slot, n)) {
       Broken("reading a request");
-      return AnswerBroken();
+      return AnswerBroken(slot);
     }
     if (n > capacity_) {
-      return Answer(absl::InvalidArgumentError(
-          absl::StrCat("the request's length field says ", n,
-                       " bytes, more than the ring's request half holds (", capacity_, ")")));
+      return Answer(slot,
+                    absl::InvalidArgumentError(absl::StrCat(
+                        "the request's length field says ", n,
+                        " bytes, more than the ring's request half holds (", capacity_, ")")));
     }
     const int64_t max = server_->max_request_bytes_;
     if (max > 0 && n > static_cast<uint64_t>(max)) {
-      return Answer(absl::ResourceExhaustedError(
-          absl::StrCat("the request is ", n, " bytes, more than --max-message-bytes (", max,
-                       ") allows one request")));
+      return Answer(slot, absl::ResourceExhaustedError(absl::StrCat("the request is ", n,
+                                                                    " bytes, more than "
+                                                                    "--max-message-bytes (",
+                                                                    max, ") allows one request")));
     }
-    if (absl::Status s = GrowBuffer(n); !s.ok()) return Answer(std::move(s));
-    // Nothing to copy for 0 bytes (in_ may not exist: memcpy's pointers must not be null).
-    ReadArgs read{request_half_ + ring::kLengthBytes, in_.data.get(), n};
+    if (absl::Status s = Grow(&slot->in, n, "to copy the ring's request"); !s.ok()) {
+      return Answer(slot, std::move(s));
+    }
+    // Nothing to copy for 0 bytes (the buffer may not exist: memcpy's pointers must not be null).
+    ReadArgs read{slot->request_half + ring::kLengthBytes, slot->in.data.get(), n};
     if (n > 0 && !RunGuarded(ReadBytes, &read)) {
       Broken("reading a request");
-      return AnswerBroken();
+      return AnswerBroken(slot);
     }
-    if (version_ == ring::v2::kVersion) return ServeFrame(absl::string_view(in_.data.get(), n));
-    if (!request_.ParseFromArray(in_.data.get(), static_cast<int>(n))) {
-      return Answer(absl::InvalidArgumentError(
-          "cannot parse attnd.v1.SessionRequest from the ring's request half"));
+    if (version_ == ring::v2::kVersion) {
+      return ServeFrame(slot, absl::string_view(slot->in.data.get(), n));
     }
-    response_.set_tag(request_.tag());
+    if (!slot->request.ParseFromArray(slot->in.data.get(), static_cast<int>(n))) {
+      return Answer(slot, absl::InvalidArgumentError(
+                              "cannot parse attnd.v1.SessionRequest from the ring's request half"));
+    }
+    slot->response.set_tag(slot->request.tag());
     absl::Status s = CatchAll("the ring's request", [&] {
-      return server_->handler_(request_, tenant_, &response_,
-                               [this](absl::Status st) { Answer(std::move(st)); });
+      return server_->handler_(slot->request, tenant_, &slot->response,
+                               [this, slot](absl::Status st) { Answer(slot, std::move(st)); });
     });
-    if (!s.ok()) Answer(std::move(s));
+    if (!s.ok()) Answer(slot, std::move(s));
   }
 
   // A version 2 frame's tag and op, read in place: a frame refused before it is copied (too
   // long, no memory) is still answered with them. False when the object shrank.
-  bool ReadFrameStart(uint64_t n) {
+  bool ReadFrameStart(Slot* slot, uint64_t n) {
     char start[16];
     const uint64_t readable = std::min<uint64_t>({n, sizeof(start), capacity_});
-    ReadArgs read{request_half_ + ring::kLengthBytes, start, readable};
+    ReadArgs read{slot->request_half + ring::kLengthBytes, start, readable};
     if (readable > 0 && !RunGuarded(ReadBytes, &read)) return false;
-    frame_tag_ = FrameTag(absl::string_view(start, readable));
+    slot->frame_tag = FrameTag(absl::string_view(start, readable));
     if (readable >= 8) {
-      std::memcpy(&frame_op_, start + offsetof(ring::v2::RequestHeader, op), sizeof(frame_op_));
+      std::memcpy(&slot->frame_op, start + offsetof(ring::v2::RequestHeader, op),
+                  sizeof(slot->frame_op));
     }
     return true;
   }
 
-  // A version 2 frame, copied out into in_: parsed, then handed to the frame handler.
-  void ServeFrame(absl::string_view frame) {
-    frame_tag_ = FrameTag(frame);
-    if (absl::Status s = ParseRequestFrame(frame, &frame_); !s.ok()) return Answer(std::move(s));
-    frame_op_ = frame_.op;
-    if (frame_.device_ordered) {
+  // A version 2 frame, copied out into the slot's buffer: parsed, then handed to the frame
+  // handler.
+  void ServeFrame(Slot* slot, absl::string_view bytes) {
+    RequestFrame& frame = slot->frame;
+    slot->frame_tag = FrameTag(bytes);
+    if (absl::Status s = ParseRequestFrame(bytes, &frame); !s.ok()) {
+      return Answer(slot, std::move(s));
+    }
+    slot->frame_op = frame.op;
+    if (frame.device_ordered) {
       if (events_.ready == nullptr) {
-        return Answer(absl::InvalidArgumentError(
-            "the frame asks to be ordered on the device (flag kDeviceOrdered), but its ring was "
-            "opened without device_events"));
+        return Answer(slot, absl::InvalidArgumentError(
+                                "the frame asks to be ordered on the device (flag kDeviceOrdered), "
+                                "but its ring was opened without device_events"));
       }
       // A decode step waits for "ready" on the device, behind the ring's gate; anything else
       // (a prefill: long enough that a host wait costs nothing) on the host.
-      absl::Status s = gate_ && frame_.op == ring::v2::kDecode ? ArmGate() : WaitReady();
-      if (!s.ok()) return Answer(std::move(s));
-      frame_.done_event = events_.done;
+      absl::Status s = gate_ && frame.op == ring::v2::kDecode ? ArmGate(&frame) : WaitReady();
+      if (!s.ok()) return Answer(slot, std::move(s));
+      frame.done_event = events_.done;
     }
     if (!server_->frame_handler_) {
-      return Answer(absl::UnimplementedError("this server reads no version 2 ring frames"));
+      return Answer(slot, absl::UnimplementedError("this server reads no version 2 ring frames"));
     }
     absl::Status s = CatchAll("the ring's request", [&] {
-      return server_->frame_handler_(frame_, tenant_, &answer_,
-                                     [this](absl::Status st) { Answer(std::move(st)); });
+      return server_->frame_handler_(frame, tenant_, &slot->answer, [this, slot](absl::Status st) {
+        Answer(slot, std::move(st));
+      });
     });
-    if (!s.ok()) Answer(std::move(s));
+    if (!s.ok()) Answer(slot, std::move(s));
   }
 
   // Waits on the host until the client's stream has passed its latest "ready" record (its inputs
@@ -377,7 +429,7 @@ class RingServer::Ring {
   // The gate: arms it for this frame (the engine's step waits until the word reaches the value
   // armed). Steps armed and not yet released are remembered with the time they were armed, so the
   // ring can tell when the client's stream has held one up past ready_timeout.
-  absl::Status ArmGate() {
+  absl::Status ArmGate(RequestFrame* frame) {
     if (GateOverdue()) {
       GateStuck();
       return absl::DeadlineExceededError(GateStuckMessage());
@@ -392,10 +444,11 @@ class RingServer::Ring {
     ATTND_RETURN_IF_ERROR(server_->events_->ArmGate(*gate_, events_.ready, value));
     gate_armed_ = value;
     gate_pending_.push_back({value, absl::GetCurrentTimeNanos()});
-    frame_.gate_word = gate_->device_word;
-    frame_.gate_value = value;
+    frame->gate_word = gate_->device_word;
+    frame->gate_value = value;
     return absl::OkStatus();
   }
+
   uint64_t GateWord() const { return __atomic_load_n(gate_->word, __ATOMIC_ACQUIRE); }
   void ForceGate() { __atomic_store_n(gate_->word, gate_armed_, __ATOMIC_RELEASE); }
   void ReleasePassedGates() {
@@ -472,17 +525,25 @@ class RingServer::Ring {
     b->bytes.Reset();
   }
 
-  // The copy buffer holds at least n bytes.
-  absl::Status GrowBuffer(uint64_t n) { return Grow(&in_, n, "to copy the ring's request"); }
-
-  void FreeBuffer() {
-    Free(&in_);
-    Free(&out_buffer_);
+  // Idle: no request for a while, none in flight (answers on other threads may still write a
+  // slot's output buffer while one is).
+  void FreeBuffers() {
+    if (inflight_.load() != 0) return;
+    for (uint32_t i = 0; i < slot_count_; ++i) {
+      Free(&slots_[i].in);
+      Free(&slots_[i].out_buffer);
+    }
+  }
+  bool HoldsBuffers() const {
+    for (uint32_t i = 0; i < slot_count_; ++i) {
+      if (slots_[i].in.data != nullptr) return true;
+    }
+    return false;
   }
 
   // FrameAnswer::output_buffer: where the engine writes a version 2 inline output, checked
   // against the response half before anything runs.
-  absl::StatusOr<char*> OutputBuffer(uint64_t bytes, uint64_t num_lengths) {
+  absl::StatusOr<char*> OutputBuffer(Slot* slot, uint64_t bytes, uint64_t num_lengths) {
     const uint64_t need = ResponseBytes(num_lengths, 0, bytes);
     if (need > capacity_) {
       return absl::ResourceExhaustedError(
@@ -490,81 +551,85 @@ class RingServer::Ring {
                        capacity_, " bytes): open a larger ring, or name an output region"));
     }
     ATTND_RETURN_IF_ERROR(
-        Grow(&out_buffer_, std::max<uint64_t>(bytes, 1), "for the ring's response"));
-    return out_buffer_.data.get();
+        Grow(&slot->out_buffer, std::max<uint64_t>(bytes, 1), "for the ring's response"));
+    return slot->out_buffer.data.get();
   }
 
   // The ring's memory shrank under a request: it cannot be answered; the client is told the ring
   // is closed (MarkClosed, by the reclaim that closes a broken ring).
-  void AnswerBroken() {
-    MutexLock lock(&mu_);
-    inflight_.store(false);
-    answered_.SignalAll();
-  }
+  void AnswerBroken(Slot* slot) { Publish(slot); }
 
-  // Stopping (CloseRing, shutdown, idle reclaim): a request the client posted that this thread has
-  // not taken yet is answered UNAVAILABLE rather than left to the client's timeout.
-  void AnswerLastAtStop() {
+  // Stopping (CloseRing, shutdown, idle reclaim): requests the client posted that this thread has
+  // not taken yet are answered UNAVAILABLE rather than left to the client's timeout, after the
+  // ones in flight (answers are published in order).
+  void AnswerPostedAtStop() {
+    WaitInflightBelow(1, /*spin=*/false);
     HeaderArgs header{header_};
-    if (!RunGuarded(ReadHeader, &header) || header.request_seq == last_seq_) return FreeBuffer();
-    last_seq_ = header.request_seq;
-    request_.Clear();
-    response_.Clear();
-    answer_.Clear();
-    frame_tag_ = 0;
-    frame_op_ = 0;
-    inflight_.store(true);
-    std::pair<const char*, uint64_t> length{request_half_, 0};
-    if (RunGuarded(ReadLength, &length) && length.second <= capacity_ &&
-        GrowBuffer(length.second).ok()) {
-      ReadArgs read{request_half_ + ring::kLengthBytes, in_.data.get(), length.second};
-      if (read.n > 0 && RunGuarded(ReadBytes, &read)) {
-        const absl::string_view bytes(in_.data.get(), read.n);
-        if (version_ == ring::v2::kVersion) {
-          frame_tag_ = FrameTag(bytes);
-          if (ParseRequestFrame(bytes, &frame_).ok()) frame_op_ = frame_.op;
-        } else if (request_.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
-          response_.set_tag(request_.tag());
+    if (!RunGuarded(ReadHeader, &header) || header.request_seq == taken_ || broken_.load()) {
+      return FreeBuffers();
+    }
+    uint32_t last = header.request_seq;
+    if (slot_count_ > 1 && last - taken_ > slot_count_) last = taken_ + slot_count_;
+    for (uint32_t seq = slot_count_ > 1 ? taken_ + 1 : last;; ++seq) {
+      Slot* slot = SlotOf(seq);
+      Take(slot, seq);
+      std::pair<const char*, uint64_t> length{slot->request_half, 0};
+      if (RunGuarded(ReadLength, &length) && length.second <= capacity_ &&
+          Grow(&slot->in, length.second, "to copy the ring's request").ok()) {
+        ReadArgs read{slot->request_half + ring::kLengthBytes, slot->in.data.get(), length.second};
+        if (read.n > 0 && RunGuarded(ReadBytes, &read)) {
+          const absl::string_view bytes(slot->in.data.get(), read.n);
+          if (version_ == ring::v2::kVersion) {
+            slot->frame_tag = FrameTag(bytes);
+            if (ParseRequestFrame(bytes, &slot->frame).ok()) slot->frame_op = slot->frame.op;
+          } else if (slot->request.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+            slot->response.set_tag(slot->request.tag());
+          }
         }
       }
+      Answer(slot, absl::UnavailableError("the server is shutting down or closed this ring"));
+      if (seq == last) break;
     }
-    Answer(absl::UnavailableError("the server is shutting down or closed this ring"));
-    FreeBuffer();
+    taken_ = last;
+    FreeBuffers();
   }
 
-  // On the thread that completed the request: the response into the ring, the client's doorbell.
-  void Answer(absl::Status status) {
-    if (version_ == ring::v2::kVersion) return AnswerFrame(std::move(status));
+  // On the thread that completed the request: the response into its slot, then published.
+  void Answer(Slot* slot, absl::Status status) {
+    if (version_ == ring::v2::kVersion) return AnswerFrame(slot, std::move(status));
+    v1::SessionResponse& response = slot->response;
     if (!status.ok()) {
-      response_.clear_response();
-      response_.set_code(static_cast<int32_t>(status.code()));
-      response_.set_message(std::string(status.message()));
+      response.clear_response();
+      response.set_code(static_cast<int32_t>(status.code()));
+      response.set_message(std::string(status.message()));
     }
-    out_.clear();
-    response_.SerializeToString(&out_);
-    if (out_.size() > capacity_) {
-      const size_t bytes = out_.size();
-      response_.clear_response();
-      response_.set_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
-      response_.set_message(absl::StrCat(
+    std::string& out = slot->out;
+    out.clear();
+    response.SerializeToString(&out);
+    if (out.size() > capacity_) {
+      const size_t bytes = out.size();
+      response.clear_response();
+      response.set_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
+      response.set_message(absl::StrCat(
           "the response (", bytes, " bytes) does not fit the ring's response half (", capacity_,
           " bytes): open a larger ring, or name an "
           "output region"));
-      out_.clear();
-      response_.SerializeToString(&out_);
+      out.clear();
+      response.SerializeToString(&out);
     }
-    WriteArgs write{header_, response_half_, &out_, last_seq_};
+    WriteArgs write{slot->response_half, &out};
     if (!RunGuarded(WriteResponse, &write)) broken_.store(true);
-    Answered();
+    Publish(slot);
   }
 
   // Answer for a version 2 ring: the response frame, o copied once from the output buffer.
-  void AnswerFrame(absl::Status status) {
-    std::string head = EncodeResponseHead(frame_tag_, frame_op_, status, answer_);
-    const bool inline_output = status.ok() && !answer_.output_in_region && answer_.output_bytes > 0;
-    const uint64_t lengths = status.ok() ? answer_.lengths.size() : 0;
+  void AnswerFrame(Slot* slot, absl::Status status) {
+    const FrameAnswer& answer = slot->answer;
+    std::string head = EncodeResponseHead(slot->frame_tag, slot->frame_op, status, answer);
+    const bool inline_output = status.ok() && !answer.output_in_region && answer.output_bytes > 0;
+    const uint64_t lengths = status.ok() ? answer.lengths.size() : 0;
     const uint64_t output_offset = inline_output ? ResponseOutputOffset(lengths, 0) : 0;
-    const uint64_t bytes = inline_output ? output_offset + answer_.output_bytes : head.size();
+    const uint64_t bytes = inline_output ? output_offset + answer.output_bytes : head.size();
     if (bytes > capacity_) {  // only an error's long message: OutputBuffer checked the rest
       absl::Status cut(status.code(), status.message().substr(0, capacity_ / 2));
       if (status.ok()) {
@@ -572,34 +637,49 @@ class RingServer::Ring {
             absl::StrCat("the response (", bytes, " bytes) does not fit the ring's response half (",
                          capacity_, " bytes): open a larger ring, or name an output region"));
       }
-      return AnswerFrame(std::move(cut));
+      return AnswerFrame(slot, std::move(cut));
     }
-    WriteFrameArgs write{header_,        response_half_, &head,
-                         answer_.output, output_offset,  inline_output ? answer_.output_bytes : 0,
-                         last_seq_};
+    WriteFrameArgs write{slot->response_half, &head, answer.output, output_offset,
+                         inline_output ? answer.output_bytes : 0};
     if (!RunGuarded(WriteFrameResponse, &write)) broken_.store(true);
-    Answered();
+    Publish(slot);
   }
 
-  void Answered() {
-    // Under the lock, the signal too: once the ring's thread sees the answer, it may destroy the
-    // ring (Close), and this thread must not touch it after unlocking.
+  // The slot's response is written: response_seq moves past every answered request in posting
+  // order, and the client's doorbell rings. Under the lock, the signal too: once the ring's
+  // thread sees nothing in flight, it may destroy the ring (Close), and this thread must not
+  // touch it after unlocking.
+  void Publish(Slot* slot) {
     MutexLock lock(&mu_);
-    inflight_.store(false);
+    slot->answered = true;
+    while (inflight_.load() > 0) {
+      Slot* next = SlotOf(published_.load() + 1);
+      if (slot_count_ == 1) next = &slots_[0];
+      if (!next->answered) break;
+      next->answered = false;
+      published_.store(next->seq);
+      inflight_.fetch_sub(1);
+      if (!broken_.load()) {
+        PublishArgs publish{header_, next->seq};
+        if (!RunGuarded(PublishResponse, &publish)) broken_.store(true);
+      }
+    }
     answered_.SignalAll();
   }
 
-  void WaitAnswered() {
-    if (inflight_.load() && server_->options_.answer_spin > absl::ZeroDuration() &&
+  // Until fewer than n requests are in flight; with spin, spinning first (rationed) for the
+  // answer another thread is about to publish: a sleeping thread wakes tens of microseconds late.
+  void WaitInflightBelow(uint32_t n, bool spin) {
+    if (spin && inflight_.load() >= n && server_->options_.answer_spin > absl::ZeroDuration() &&
         server_->BeginSpin(tenant_)) {
       const int64_t spin_until =
           absl::GetCurrentTimeNanos() + absl::ToInt64Nanoseconds(server_->options_.answer_spin);
-      while (inflight_.load() && absl::GetCurrentTimeNanos() < spin_until) {
+      while (inflight_.load() >= n && absl::GetCurrentTimeNanos() < spin_until) {
       }
       server_->EndSpin(tenant_);
     }
     MutexLock lock(&mu_);
-    while (inflight_.load()) answered_.Wait(&mu_);
+    while (inflight_.load() >= n) answered_.Wait(&mu_);
   }
 
   void Broken(absl::string_view doing) {
@@ -610,8 +690,37 @@ class RingServer::Ring {
         id(), tenant_, std::string(doing));
   }
 
+  // The client posted more requests than the ring has slots before their answers: it broke the
+  // protocol (proto/attnd/v1/shm_ring.h), and its slots' contents are not to be trusted.
+  void Overrun(uint32_t unanswered) {
+    broken_.store(true);
+    spdlog::warn(
+        "ring {} (tenant \"{}\"): the client posted {} unanswered requests into a ring of {} "
+        "slots; the ring is closed",
+        id(), tenant_, unanswered, slot_count_);
+  }
+
+  struct Slot {
+    char* request_half = nullptr;
+    char* response_half = nullptr;
+    uint32_t seq = 0;       // the request in it (request_seq's value when it was posted)
+    bool answered = false;  // its response is written, not yet published (guarded by mu_)
+    Buffer in;              // the request copied out of the ring
+    // Version 1: the parsed request and its response, serialized into out.
+    v1::SessionRequest request;
+    v1::SessionResponse response;
+    std::string out;
+    // Version 2: the parsed frame (views into in), its answer and the inline output's buffer.
+    RequestFrame frame;
+    FrameAnswer answer;
+    uint64_t frame_tag = 0;
+    uint16_t frame_op = 0;
+    Buffer out_buffer;
+  };
+
   RingServer* const server_;
-  const uint32_t version_;   // ring::kVersion (protobuf) or ring::v2::kVersion (frames)
+  const uint32_t version_;  // ring::kVersion (protobuf) or ring::v2::kVersion (frames)
+  const uint32_t slot_count_;
   const RingEvents events_;  // owned: destroyed with the ring
   // Device-ordered decodes wait behind it on the device; none: on the host. Owned.
   const std::optional<DeviceMemoryOpener::Gate> gate_;
@@ -625,26 +734,18 @@ class RingServer::Ring {
   const std::string tenant_;
   RegionLease lease_;
   ring::Header* const header_;
-  char* const request_half_;
-  char* const response_half_;
   const uint64_t capacity_;
+  const std::unique_ptr<Slot[]> slots_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> broken_{false};
-  std::atomic<bool> inflight_{false};
+  // Requests taken and not yet published (changed under mu_); the last one taken (the ring's
+  // thread's own) and the last one published.
+  std::atomic<uint32_t> inflight_{0};
+  uint32_t taken_ = 0;
+  std::atomic<uint32_t> published_{0};
   std::atomic<int64_t> last_active_us_;
   Mutex mu_;
   CondVar answered_;
-  uint32_t last_seq_ = 0;
-  Buffer in_;  // the request copied out of the ring
-  std::string out_;
-  v1::SessionRequest request_;
-  v1::SessionResponse response_;
-  // Version 2: the parsed frame (views into in_), its answer and the inline output's buffer.
-  RequestFrame frame_;
-  FrameAnswer answer_;
-  uint64_t frame_tag_ = 0;
-  uint16_t frame_op_ = 0;
-  Buffer out_buffer_;
   std::thread thread_;
 };
 
@@ -711,7 +812,6 @@ absl::StatusOr<RingServer::Opened> RingServer::Open(absl::string_view tenant,
                                                    "-byte header and two equal halves: byte_size ",
                                                    bytes, " leaves an odd remainder"));
   }
-  const uint64_t half = (bytes - ring::kHeaderBytes) / 2;
   ATTND_ASSIGN_OR_RETURN(std::shared_ptr<const Region> region,
                          registry_->RegisterShm(tenant, name, 0, bytes, RegionKind::kRing));
   absl::StatusOr<RegionLease> lease = registry_->AcquireRing(tenant, region->id);
@@ -734,10 +834,29 @@ absl::StatusOr<RingServer::Opened> RingServer::Open(absl::string_view tenant,
         frame_handler_ ? absl::StrCat(" and version ", ring::v2::kVersion,
                                       " (binary frames, proto/attnd/v1/ring_frame.h)")
                        : std::string()));
-  } else if (header.half_bytes != half) {
+  } else if (!ring::ValidSlots(header.slots)) {
+    bad = absl::InvalidArgumentError(absl::StrCat(
+        "the ring's header says slots ", header.slots,
+        "; a ring holds 0 or 1 (one request at a time) or a power of two up to ", ring::kMaxSlots));
+  } else if (header.slots > 1 && header.version != ring::v2::kVersion) {
+    bad = absl::InvalidArgumentError(absl::StrCat("a ring of ", header.slots,
+                                                  " slots needs version ", ring::v2::kVersion,
+                                                  " frames; this one is version ", header.version));
+  } else if (header.slots > 1 && device_events) {
+    bad = absl::InvalidArgumentError(absl::StrCat(
+        "a device-ordered ring holds one request at a time (its one pair of events orders one "
+        "frame after another), but its header says slots ",
+        header.slots, ": open one ring per micro-batch"));
+  } else if (const uint64_t halves = 2 * uint64_t{ring::SlotCount(header.slots)};
+             (bytes - ring::kHeaderBytes) % halves != 0 ||
+             header.half_bytes != (bytes - ring::kHeaderBytes) / halves) {
     bad = absl::InvalidArgumentError(absl::StrCat("the ring's header says half_bytes ",
-                                                  header.half_bytes, ", but byte_size ", bytes,
-                                                  " gives halves of ", half, " bytes"));
+                                                  header.half_bytes, " and slots ", header.slots,
+                                                  ", so byte_size must be ", ring::kHeaderBytes,
+                                                  " + ", halves, " * half_bytes; it is ", bytes));
+  } else if (header.half_bytes < 4096) {
+    bad = absl::InvalidArgumentError(absl::StrCat(
+        "each half of a ring is at least 4096 bytes; its header says ", header.half_bytes));
   } else if (header.request_seq != header.response_seq) {
     bad = absl::InvalidArgumentError(
         "the ring's request_seq and response_seq differ: open a ring with no request in it");
@@ -788,8 +907,8 @@ absl::StatusOr<RingServer::Opened> RingServer::Open(absl::string_view tenant,
                    std::string(tenant), made.status().ToString());
     }
   }
-  auto ring = std::make_unique<Ring>(this, std::string(tenant), *std::move(lease), half,
-                                     header.version, events, gate);
+  auto ring = std::make_unique<Ring>(this, std::string(tenant), *std::move(lease),
+                                     header.half_bytes, header.version, header.slots, events, gate);
   opened.ring_id = ring->id();
   opened.request_capacity = ring->capacity();
   opened.response_capacity = ring->capacity();
