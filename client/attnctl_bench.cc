@@ -338,22 +338,19 @@ class Transport {
   }
 
   // The batch as up to ring_slots_ micro-batches of consecutive entries (their region
-  // references stay back to back), all submitted before the first is collected.
+  // references stay back to back), posted together before the first is collected.
   absl::StatusOr<std::vector<DecodeResult>> MicroBatchDecode(
       int32_t layer, const std::vector<DecodeInput>& entries) {
     const size_t parts = std::min<size_t>(static_cast<size_t>(ring_slots_), entries.size());
+    std::vector<std::vector<DecodeInput>> micro(parts);
     size_t begin = 0;
     for (size_t p = 0; p < parts; ++p) {
       const size_t end = begin + (entries.size() - begin) / (parts - p);
-      absl::Status s = ring_->SubmitDecode(
-          layer, std::vector<DecodeInput>(entries.begin() + static_cast<std::ptrdiff_t>(begin),
-                                          entries.begin() + static_cast<std::ptrdiff_t>(end)));
-      if (!s.ok()) {
-        for (size_t i = 0; i < p; ++i) ring_->AwaitDecode().IgnoreError();
-        return s;
-      }
+      micro[p].assign(entries.begin() + static_cast<std::ptrdiff_t>(begin),
+                      entries.begin() + static_cast<std::ptrdiff_t>(end));
       begin = end;
     }
+    if (absl::Status s = ring_->SubmitDecodes(layer, micro); !s.ok()) return s;
     std::vector<DecodeResult> results;
     results.reserve(entries.size());
     absl::Status first = absl::OkStatus();

@@ -281,7 +281,8 @@ absl::Status RingClient::WaitResponse(uint32_t want, absl::Time deadline, bool c
 }
 
 template <typename Write>
-absl::StatusOr<uint32_t> RingClient::Post(uint64_t size, absl::Time deadline, Write&& write) {
+absl::StatusOr<uint32_t> RingClient::Post(uint64_t size, absl::Time deadline, Write&& write,
+                                          uint32_t ahead, bool publish) {
   ring::Header* h = header();
   if (h->closed.load(std::memory_order_acquire) != 0) {
     return absl::UnavailableError("the ring was closed by the server");
@@ -291,7 +292,7 @@ absl::StatusOr<uint32_t> RingClient::Post(uint64_t size, absl::Time deadline, Wr
         absl::StrCat("request of ", size, " bytes exceeds the ring's ", capacity(), "-byte half"));
   }
   // 1. Room: the slot's previous request answered (one abandoned past its deadline too).
-  const uint32_t next = h->request_seq.load(std::memory_order_relaxed) + 1;  // wraps at 2^32
+  const uint32_t next = h->request_seq.load(std::memory_order_relaxed) + 1 + ahead;  // wraps
   ATTND_RETURN_IF_ERROR(WaitResponse(next - slot_count(), deadline, /*count=*/false));
   // 2. The request, its length first.
   uint8_t* half = buffer_->data() +
@@ -299,12 +300,13 @@ absl::StatusOr<uint32_t> RingClient::Post(uint64_t size, absl::Time deadline, Wr
   const uint64_t length = size;
   std::memcpy(half, &length, sizeof(length));
   ATTND_RETURN_IF_ERROR(write(half + ring::kLengthBytes));
+  ++stats_.round_trips;
+  if (!publish) return next;
   h->request_seq.store(next, std::memory_order_seq_cst);
   if (h->server_sleeping.load(std::memory_order_seq_cst) != 0) {
     ring::FutexWake(&h->request_seq);
     ++stats_.server_wakes;
   }
-  ++stats_.round_trips;
   return next;
 }
 
@@ -579,7 +581,8 @@ absl::StatusOr<DType> ReplyDType(const v2::ResponseHeader& h) {
 }  // namespace
 
 template <typename Plan>
-absl::StatusOr<RingClient::Pending> RingClient::PostFrame(Plan* plan) {
+absl::StatusOr<RingClient::Pending> RingClient::PostFrame(Plan* plan, uint32_t ahead,
+                                                          bool publish) {
   // Ordered on the device when every tensor is a region reference (CUDA IPC regions, as
   // RingOptions::device_events requires): the stream's inputs are marked written by "ready"
   // instead of a host synchronisation, and its later work waits for attnd's "done".
@@ -594,10 +597,13 @@ absl::StatusOr<RingClient::Pending> RingClient::PostFrame(Plan* plan) {
   pending.deadline = absl::Now() + options_.timeout;
   pending.tag = plan->header.tag;
   pending.op = plan->header.op;
-  ATTND_ASSIGN_OR_RETURN(pending.seq, Post(plan->size, pending.deadline, [plan](uint8_t* at) {
-                           plan->Write(at);
-                           return absl::OkStatus();
-                         }));
+  ATTND_ASSIGN_OR_RETURN(pending.seq, Post(
+                                          plan->size, pending.deadline,
+                                          [plan](uint8_t* at) {
+                                            plan->Write(at);
+                                            return absl::OkStatus();
+                                          },
+                                          ahead, publish));
   return pending;
 }
 
@@ -653,19 +659,12 @@ absl::StatusOr<PrefillResult> RingClient::PrefillV2(const PrefillInput& input) {
   return result;
 }
 
-absl::Status RingClient::SubmitDecode(int32_t layer, const std::vector<DecodeInput>& entries) {
-  if (options_.version != ring::v2::kVersion) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "SubmitDecode needs a version ", ring::v2::kVersion, " ring (RingOptions::version)"));
-  }
-  if (pending_.size() >= slot_count()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(pending_.size(),
-                     " submitted decode(s) are uncollected, as many as the ring's slots "
-                     "(RingOptions::slots): collect the oldest with AwaitDecode first"));
-  }
-  FramePlan plan;
-  v2::RequestHeader& h = plan.header;
+namespace {
+
+// A decode batch's frame, its entries packed (RingClient::Decode says how they must look).
+absl::Status PlanDecodeFrame(int32_t layer, const std::vector<DecodeInput>& entries, uint64_t tag,
+                             FramePlan* plan) {
+  v2::RequestHeader& h = plan->header;
   const v1::QLayout layout = entries.empty() ? v1::Q_LAYOUT_VARIANTS : entries[0].q_layout;
   for (size_t i = 1; i < entries.size(); ++i) {
     if (entries[i].q_layout != layout) return Unpackable("one q_layout for every entry", i);
@@ -673,22 +672,22 @@ absl::Status RingClient::SubmitDecode(int32_t layer, const std::vector<DecodeInp
   h.magic = v2::kRequestMagic;
   h.op = v2::kDecode;
   h.q_layout = static_cast<uint16_t>(layout);
-  h.tag = next_tag_++;
+  h.tag = tag;
   h.layer = layer;
   h.num_sequences = static_cast<uint32_t>(entries.size());
-  for (const DecodeInput& e : entries) plan.ids.push_back(&e.sequence_id);
+  for (const DecodeInput& e : entries) plan->ids.push_back(&e.sequence_id);
   ATTND_RETURN_IF_ERROR(Pack(
       "q", entries, [](const DecodeInput& e) -> const HostTensor& { return e.q; },
       [](const DecodeInput& e) -> const std::optional<TensorRef>& { return e.q_ref; },
-      &plan.tensors[0]));
+      &plan->tensors[0]));
   ATTND_RETURN_IF_ERROR(Pack(
       "k", entries, [](const DecodeInput& e) -> const HostTensor& { return e.k; },
       [](const DecodeInput& e) -> const std::optional<TensorRef>& { return e.k_ref; },
-      &plan.tensors[1]));
+      &plan->tensors[1]));
   ATTND_RETURN_IF_ERROR(Pack(
       "v", entries, [](const DecodeInput& e) -> const HostTensor& { return e.v; },
       [](const DecodeInput& e) -> const std::optional<TensorRef>& { return e.v_ref; },
-      &plan.tensors[2]));
+      &plan->tensors[2]));
   const bool out_region = !entries.empty() && entries[0].output_region.has_value();
   if (out_region) {
     const v1::RegionRef& o0 = *entries[0].output_region;
@@ -699,7 +698,7 @@ absl::Status RingClient::SubmitDecode(int32_t layer, const std::vector<DecodeInp
         return Unpackable("output regions in every entry, back to back in one region", i);
       }
     }
-    SetRegion(o0, entries.size() * o0.byte_size(), &plan.tensors[3]);
+    SetRegion(o0, entries.size() * o0.byte_size(), &plan->tensors[3]);
   } else {
     for (size_t i = 1; i < entries.size(); ++i) {
       if (entries[i].output_region.has_value()) {
@@ -707,10 +706,45 @@ absl::Status RingClient::SubmitDecode(int32_t layer, const std::vector<DecodeInp
       }
     }
   }
-  ATTND_ASSIGN_OR_RETURN(Pending pending, PostFrame(&plan));
-  pending.outputs.reserve(entries.size());
-  for (const DecodeInput& e : entries) pending.outputs.push_back(e.output_region);
-  pending_.push_back(std::move(pending));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status RingClient::SubmitDecode(int32_t layer, const std::vector<DecodeInput>& entries) {
+  return SubmitDecodes(layer, {entries});
+}
+
+absl::Status RingClient::SubmitDecodes(int32_t layer,
+                                       const std::vector<std::vector<DecodeInput>>& micro_batches) {
+  if (options_.version != ring::v2::kVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SubmitDecode needs a version ", ring::v2::kVersion, " ring (RingOptions::version)"));
+  }
+  if (pending_.size() + micro_batches.size() > slot_count()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(pending_.size(), " submitted decode(s) are uncollected; ",
+                     micro_batches.size(), " more would pass the ring's ", slot_count(),
+                     " slots (RingOptions::slots): collect the oldest with AwaitDecode first"));
+  }
+  std::vector<FramePlan> plans(micro_batches.size());
+  for (size_t i = 0; i < plans.size(); ++i) {
+    ATTND_RETURN_IF_ERROR(PlanDecodeFrame(layer, micro_batches[i], next_tag_ + i, &plans[i]));
+  }
+  next_tag_ += plans.size();
+  for (size_t i = 0; i < plans.size(); ++i) {
+    // Posted together: the last one moves request_seq past them all, so a failure before it
+    // leaves none of them posted.
+    absl::StatusOr<Pending> pending = PostFrame(&plans[i], static_cast<uint32_t>(i),
+                                                /*publish=*/i + 1 == plans.size());
+    if (!pending.ok()) {
+      pending_.resize(pending_.size() - i);
+      return pending.status();
+    }
+    pending->outputs.reserve(micro_batches[i].size());
+    for (const DecodeInput& e : micro_batches[i]) pending->outputs.push_back(e.output_region);
+    pending_.push_back(*std::move(pending));
+  }
   return absl::OkStatus();
 }
 

@@ -185,6 +185,11 @@ class RingClient {
   // uncollected already, or on a version 1 ring. While decodes are uncollected, Decode and
   // Prefill are refused (FAILED_PRECONDITION): their answers would come after them.
   absl::Status SubmitDecode(int32_t layer, const std::vector<DecodeInput>& entries);
+  // Several micro-batches of one layer at once: all are checked first (nothing is sent when one
+  // is refused), then written into their slots and posted together, so attnd takes them as one
+  // batch where they fit. At most RingOptions::slots uncollected in all.
+  absl::Status SubmitDecodes(int32_t layer,
+                             const std::vector<std::vector<DecodeInput>>& micro_batches);
   // The oldest submitted decode's answer, waiting for it (as Decode's result). FAILED_PRECONDITION
   // when none is submitted.
   absl::StatusOr<std::vector<DecodeResult>> AwaitDecode();
@@ -218,10 +223,12 @@ class RingClient {
   uint32_t slot_count() const { return ring::SlotCount(options_.slots); }
   // Waits until response_seq has reached `want` (wrapping); the status says why not.
   absl::Status WaitResponse(uint32_t want, absl::Time deadline, bool count);
-  // Posts `size` bytes that `write` puts into the next request's slot (after the length field),
-  // once that slot's previous request is answered: the request's number.
+  // Writes `size` bytes that `write` puts into the slot of request request_seq + 1 + ahead (after
+  // the length field), once that slot's previous request is answered, and with `publish` moves
+  // request_seq to it (posting every request written before it too): the request's number.
   template <typename Write>
-  absl::StatusOr<uint32_t> Post(uint64_t size, absl::Time deadline, Write&& write);
+  absl::StatusOr<uint32_t> Post(uint64_t size, absl::Time deadline, Write&& write,
+                                uint32_t ahead = 0, bool publish = true);
   // Request `seq`'s answer: its bytes, in its slot's response half (valid until the slot's next
   // request).
   absl::StatusOr<absl::string_view> Await(uint32_t seq, absl::Time deadline);
@@ -231,7 +238,7 @@ class RingClient {
   // A version 2 frame posted (Lay, write), ordered on the device where it can be; AwaitFrame
   // collects its answer.
   template <typename Plan>
-  absl::StatusOr<Pending> PostFrame(Plan* plan);
+  absl::StatusOr<Pending> PostFrame(Plan* plan, uint32_t ahead = 0, bool publish = true);
   absl::StatusOr<absl::string_view> AwaitFrame(const Pending& pending);
   // FAILED_PRECONDITION while submitted decodes are uncollected.
   absl::Status NothingSubmitted(absl::string_view call) const;

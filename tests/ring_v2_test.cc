@@ -431,8 +431,9 @@ TEST_F(RingV2Test, OpenRingNamesTheVersionsItServes) {
 
 // A ring of 4 slots holds 4 micro-batches in flight: each submitted decode is answered with the
 // Session's bytes for the same entries, collected in the order submitted, and the slots are
-// reused step after step. A fifth submit, or a Decode or Prefill that would wait behind the
-// uncollected ones, is refused and changes nothing.
+// reused step after step; posted together (SubmitDecodes), they run as one merged batch. A fifth
+// submit, or a Decode or Prefill that would wait behind the uncollected ones, is refused and
+// changes nothing.
 TEST_F(RingV2Test, SlotsHoldSeveralMicroBatchesInFlight) {
   absl::StatusOr<v1::GetServerInfoResponse> info = c().Info();
   ASSERT_TRUE(info.ok()) << info.status();
@@ -456,10 +457,19 @@ TEST_F(RingV2Test, SlotsHoldSeveralMicroBatchesInFlight) {
     ASSERT_TRUE(session_->Send(SessionPrefill(in)).ok());
   }
   for (int step = 0; step < 3; ++step) {
+    absl::StatusOr<v1::GetServerInfoResponse> before = c().Info();
+    ASSERT_TRUE(before.ok()) << before.status();
     std::vector<std::vector<DecodeInput>> batches(kBatches);
     for (int b = 0; b < kBatches; ++b) {
       for (int r = 0; r < kRows; ++r) batches[b].push_back(Entry(ids[b * kRows + r]));
-      ASSERT_TRUE(ring.SubmitDecode(1, batches[b]).ok()) << step << " " << b;
+    }
+    // One at a time (the server may take the first before the next is posted), or together.
+    if (step == 0) {
+      for (int b = 0; b < kBatches; ++b) {
+        ASSERT_TRUE(ring.SubmitDecode(1, batches[b]).ok()) << b;
+      }
+    } else {
+      ASSERT_TRUE(ring.SubmitDecodes(1, batches).ok());
     }
     EXPECT_EQ(ring.submitted(), 4u);
     const std::pair<int64_t, int64_t> held = Held();
@@ -486,6 +496,17 @@ TEST_F(RingV2Test, SlotsHoldSeveralMicroBatchesInFlight) {
       }
     }
     EXPECT_EQ(Held(), held) << "the refused calls changed what the daemon holds";
+    absl::StatusOr<v1::GetServerInfoResponse> after = c().Info();
+    ASSERT_TRUE(after.ok()) << after.status();
+    ASSERT_TRUE(after->decode_batching().enabled());
+    // Posted together, the ring's four micro-batches run as one batch (the Session twins'
+    // decodes are one each).
+    if (step > 0) {
+      EXPECT_EQ(after->decode_batching().batches() - before->decode_batching().batches(),
+                1 + kBatches);
+    }
+    EXPECT_EQ(after->decode_batching().entries() - before->decode_batching().entries(),
+              2 * kBatches * kRows);
     EXPECT_EQ(ring.AwaitDecode().status().code(), absl::StatusCode::kFailedPrecondition);
   }
   EXPECT_EQ(ring.stats().round_trips, kBatches * kRows + 3 * kBatches);

@@ -285,7 +285,8 @@ class RingServer::Ring {
       }
       taken_ = seq;
       last_active_us_.store(absl::ToUnixMicros(absl::Now()));
-      ServeOne(SlotOf(seq), seq);
+      // Requests the client posted behind this one run with it where they can (one batch).
+      ServeOne(SlotOf(seq), seq, /*more_follow=*/seq != wait.seq);
       if (slot_count_ == 1) WaitInflightBelow(1, /*spin=*/true);
       if (broken_.load()) return;
       last_active_us_.store(absl::ToUnixMicros(absl::Now()));
@@ -308,7 +309,7 @@ class RingServer::Ring {
 
   // Reads request `seq` out of `slot` and runs it; Answer (here or on the thread that completes
   // it) writes its response.
-  void ServeOne(Slot* slot, uint32_t seq) {
+  void ServeOne(Slot* slot, uint32_t seq, bool more_follow) {
     Take(slot, seq);
     std::pair<const char*, uint64_t> length{slot->request_half, 0};
     if (!RunGuarded(ReadLength, &length)) {
@@ -343,7 +344,7 @@ class RingServer::Ring {
       return AnswerBroken(slot);
     }
     if (version_ == ring::v2::kVersion) {
-      return ServeFrame(slot, absl::string_view(slot->in.data.get(), n));
+      return ServeFrame(slot, absl::string_view(slot->in.data.get(), n), more_follow);
     }
     if (!slot->request.ParseFromArray(slot->in.data.get(), static_cast<int>(n))) {
       return Answer(slot, absl::InvalidArgumentError(
@@ -374,12 +375,13 @@ class RingServer::Ring {
 
   // A version 2 frame, copied out into the slot's buffer: parsed, then handed to the frame
   // handler.
-  void ServeFrame(Slot* slot, absl::string_view bytes) {
+  void ServeFrame(Slot* slot, absl::string_view bytes, bool more_follow) {
     RequestFrame& frame = slot->frame;
     slot->frame_tag = FrameTag(bytes);
     if (absl::Status s = ParseRequestFrame(bytes, &frame); !s.ok()) {
       return Answer(slot, std::move(s));
     }
+    frame.more_follow = more_follow;
     slot->frame_op = frame.op;
     if (frame.device_ordered) {
       if (events_.ready == nullptr) {

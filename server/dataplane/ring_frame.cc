@@ -119,6 +119,7 @@ absl::Status ParseRequestFrame(absl::string_view frame, RequestFrame* out) {
   out->device_ordered = (h.flags & v2::kDeviceOrdered) != 0;
   out->done_event = nullptr;
   out->gate_word = nullptr;
+  out->more_follow = false;
   out->gate_value = 0;
   out->sequence_ids.resize(n);
   for (uint32_t i = 0; i < n; ++i) {

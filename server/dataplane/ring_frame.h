@@ -50,6 +50,9 @@ struct RequestFrame {
   // already waited for "ready" on the host.
   const void* gate_word = nullptr;
   uint64_t gate_value = 0;
+  // RingServer sets it when the client has posted more requests behind this one (a ring of
+  // several slots): a decode then waits in the batcher for them (RequestContext::more_follow).
+  bool more_follow = false;
 };
 
 // Reads `frame` (all of it: the bytes the length field names). Every offset and length is checked

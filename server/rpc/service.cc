@@ -941,6 +941,7 @@ absl::Status AttentionService::SubmitFrameDecode(const RequestFrame& frame,
   const bool in_region = output_region != nullptr;
   RequestContext context;
   context.run_on_caller = on_caller;
+  context.more_follow = frame.more_follow;
   return decode_queue_->Submit(
       std::move(call), context,
       [this, b, answer, regions, refs, order, in_region,

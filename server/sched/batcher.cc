@@ -10,6 +10,14 @@
 #include "absl/strings/strip.h"
 
 namespace attnd {
+namespace {
+
+// How long a call submitted with RequestContext::more_follow, due at once, waits for the calls
+// behind it before the timer launches it alone: they are already posted, so they come within
+// microseconds unless the submitter failed to read them.
+constexpr absl::Duration kWaitForFollowers = absl::Microseconds(500);
+
+}  // namespace
 
 const int64_t DecodeBatchingStats::kDelayBucketUpperUs[DecodeBatchingStats::kNumDelayBuckets] = {
     10,   25,   50,    100,   250,   500,    1000,
@@ -113,6 +121,7 @@ absl::Status BatchingDecodeQueue::Submit(DecodeCall call, const RequestContext& 
     pending->context = context;
     pending->done = std::move(done);
     pending->arrival = now;
+    if (context.more_follow) pending->hold_until = now + kWaitForFollowers;
     Key key(pending->call.layer, std::string(pending->call.tenant));
     KeyState& state = keys_[key];
     const absl::Time deadline = pending->context.deadline;
@@ -170,10 +179,13 @@ BatchingDecodeQueue::Plan BatchingDecodeQueue::PlanLocked(const KeyState& state,
   plan.num_calls = i;
   if (i == 0) return plan;  // the head waits for a batch in flight (same sequence)
   const absl::Time due = state.queue.front()->arrival + options_.max_queue_delay;
+  // The batch's last call has more calls of its submitter right behind it: they join it.
+  const absl::Time held = closed ? absl::InfinitePast() : state.queue[i - 1]->hold_until;
   plan.launch =
-      closed || !accepting_ || now >= due ||
-      std::binary_search(flush_sizes_.begin(), flush_sizes_.end(), static_cast<int32_t>(n));
-  if (!plan.launch) plan.wake = due;
+      closed || !accepting_ ||
+      (now >= held && (now >= due || std::binary_search(flush_sizes_.begin(), flush_sizes_.end(),
+                                                        static_cast<int32_t>(n))));
+  if (!plan.launch) plan.wake = now < held ? held : due;
   return plan;
 }
 

@@ -348,6 +348,43 @@ TEST_F(BatcherTest, ABatchTheCallersCallCompletesRunsOnTheCaller) {
   EXPECT_EQ(c->Summary(), "c@1");
 }
 
+// Calls submitted with RequestContext::more_follow (a ring's micro-batches, posted together)
+// wait for the call behind them, even where each alone would launch at once (its size is a
+// captured one), and go with it as one batch; a held call whose follower never comes launches
+// alone when the timer looks next, 500 us later.
+TEST_F(BatcherTest, CallsWithMoreToFollowWaitForTheNextOne) {
+  DecodeBatcherOptions o;
+  o.flush_batch_sizes = {1, 2, 4};
+  o.max_inflight_batches = 1;
+  Make(o);
+  RequestContext held;
+  held.more_follow = true;
+  Reply* a = Submit({"a"}, 0, held);
+  Reply* b = Submit({"b"}, 0, held);
+  EXPECT_TRUE(dispatcher_.held.empty());
+  Reply* c = Submit({"c", "d"});
+  dispatcher_.RunAll();
+  EXPECT_THAT(exec_.Batches(), ElementsAre("a,b,c,d"));
+  EXPECT_EQ(a->Summary(), "a@1");
+  EXPECT_EQ(b->Summary(), "b@1");
+  EXPECT_EQ(c->Summary(), "c@1,d@1");
+  // Without it, the first call of size 1 would have gone at once.
+  Reply* e = Submit({"e"});
+  dispatcher_.RunAll();
+  EXPECT_EQ(e->Summary(), "e@1");
+  // A held call alone: still queued just before the wait ends, launched once it has.
+  Reply* f = Submit({"f"}, 0, held);
+  clock_.Advance(absl::Microseconds(499));
+  queue_->Poll();
+  dispatcher_.RunAll();
+  EXPECT_EQ(f->Summary(), "pending");
+  clock_.Advance(absl::Microseconds(1));
+  queue_->Poll();
+  dispatcher_.RunAll();
+  EXPECT_EQ(f->Summary(), "f@1");
+  EXPECT_THAT(exec_.Batches(), ElementsAre("a,b,c,d", "e", "f"));
+}
+
 TEST_F(BatcherTest, FlushesWhenTheNextCallWouldPassTheLimit) {
   DecodeBatcherOptions o = NoSizeFlush();
   o.max_decode_batch = 4;

@@ -38,6 +38,10 @@ struct RequestContext {
   // that its Submit launches runs right there instead of waking a worker (tens of microseconds on
   // a VM). Work that batch starts in turn goes to the workers.
   bool run_on_caller = false;
+  // The submitter has more calls right behind this one (a ring's micro-batches, posted together):
+  // the batcher queues it without launching anything, so that the next call's Submit launches
+  // them as one batch where they fit; if none comes, the timer launches it a moment later.
+  bool more_follow = false;
 
   bool IsCancelled() const {
     return cancelled != nullptr && cancelled->load(std::memory_order_acquire);
