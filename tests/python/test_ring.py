@@ -4,10 +4,15 @@ Without a daemon: the header the client lays out (proto/attnd/v1/shm_ring.h), th
 byte for byte against the general encoder and the protobuf library, a request larger than the half refused
 before anything is written, and the doorbell protocol against a server played by a thread of this test (answers
 while the client spins and while it sleeps, the server's futex wake, a wrong tag, `closed`, a timeout and the
-late answer after it). Against a live attnd (CPU backend): the golden dense case (fp32, bf16 bits, fp16),
+late answer after it). A version 2 ring with slots against attnd's side of shm_ring.h played by a thread: each
+slot's halves where the layout puts them, every slot posted before any answer, results read in any order, the
+(S+1)th request waiting for the oldest answer, blocking calls between pending ones, a closed ring failing every
+pending request, a timeout, a wrong tag or an error failing only its own, bad `slots` refused before anything is
+created. Against a live attnd (CPU backend): the golden dense case (fp32, bf16 bits, fp16),
 packed batches of both layouts equal to the fp64 reference and bit for bit to unary calls on twin sequences,
 pre-rotary golden replay, region references, every bad input with the same code and message as unary, and
-UNAVAILABLE once attnd closed the ring (CloseRing, idle reclamation, shutdown)."""
+UNAVAILABLE once attnd closed the ring (CloseRing, idle reclamation, shutdown); with slots (skipped by an attnd
+that takes one request at a time), decodes in flight together equal to unary calls on twin sequences."""
 import ctypes
 import os
 import shutil
@@ -40,15 +45,17 @@ HEADER = 4096
 
 
 class FakeClient:
-    """Answers GetServerInfo and OpenRing/CloseRing as attnd would, recording the calls."""
+    """Answers GetServerInfo and OpenRing/CloseRing as attnd would, recording the calls (GetServerInfo too)."""
 
-    def __init__(self, rings=True, boot_id=""):
+    def __init__(self, rings=True, boot_id="", max_ring_slots=0):
         self._regions = []
         self.calls = []
         self._stub = type("Stub", (), {"OpenRing": "OpenRing", "CloseRing": "CloseRing"})()
-        self._info = pb.GetServerInfoResponse(regions=pb.RegionSupport(rings=rings, host_boot_id=boot_id))
+        self._info = pb.GetServerInfoResponse(regions=pb.RegionSupport(rings=rings, host_boot_id=boot_id,
+                                                                       max_ring_slots=max_ring_slots))
 
     def info(self, timeout=None):
+        self.calls.append(("GetServerInfo", None))
         return self._info
 
     def _call(self, method, request, timeout):
@@ -155,7 +162,8 @@ class Layout(unittest.TestCase):
                 self.assertEqual(word(ring, off), 0)
             self.assertTrue(ring.name.startswith("/attnd-"))
             self.assertEqual(len(ring.name), len("/attnd-") + 32)
-            method, request = client.calls[0]
+            self.assertEqual(client.calls[0][0], "GetServerInfo")
+            method, request = client.calls[1]
             self.assertEqual(method, "OpenRing")
             self.assertEqual((request.name, request.byte_size), (ring.name, ring.size))
             self.assertEqual(ring.capacity, 3 * 4096 - 8)
@@ -376,6 +384,448 @@ class Doorbell(unittest.TestCase):
                 self.assertEqual(word(ring, REQUEST_SEQ), 0)
                 self.assertEqual(bytes(ring._mm[HEADER:HEADER + 4096]), bytes(4096), "nothing was written")
                 self.assertEqual(ring.stats.round_trips, 0)
+
+
+# Version 2 frames, written out here from proto/attnd/v1/ring_frame.h (not taken from the module under test).
+REQUEST_MAGIC, RESPONSE_MAGIC = 0x32514652, 0x32524652
+FRAME_HEAD = struct.Struct("<IHHQiIIIqQ")  # RequestHeader up to its tensors: 48 bytes
+FRAME_TENSOR = struct.Struct("<HHiQQII4q")  # Tensor: 64 bytes
+RESPONSE_HEAD = struct.Struct("<IiQHHiIIQQQQQ4q")  # ResponseHeader: 104 bytes
+NP_DTYPE = {pb.DTYPE_FP32: np.float32, pb.DTYPE_FP16: np.float16, pb.DTYPE_BF16: np.uint16}
+SEQ_MASK = 0xFFFFFFFF
+
+
+def slot_request_offset(half, slots, n):
+    """Where request n's request half starts (shm_ring.h: slot n % S, its halves after the header, in pairs)."""
+    return HEADER + 2 * (n % slots) * half
+
+
+def read_frame(mm, at):
+    """The request frame in the half at `at`: its header's fields, its ids and q (inline) as numpy."""
+    length = struct.unpack_from("<Q", mm, at)[0]
+    frame = bytes(mm[at + 8:at + 8 + length])
+    magic, op, layout, tag, layer, num, flags, _, prompt_len, ids_off = FRAME_HEAD.unpack_from(frame, 0)
+    where, rank, dtype, off, nbytes, _, _, *shape = FRAME_TENSOR.unpack_from(frame, FRAME_HEAD.size)
+    ids = []
+    for i in range(num):
+        o, n = struct.unpack_from("<II", frame, ids_off + 8 * i)
+        ids.append(frame[o:o + n].decode())
+    q = np.frombuffer(frame, NP_DTYPE[dtype], nbytes // np.dtype(NP_DTYPE[dtype]).itemsize, off).reshape(
+        shape[:rank]) if where == 1 else None
+    return dict(magic=magic, op=op, tag=tag, layer=layer, ids=ids, q=q, dtype=dtype)
+
+
+def frame_lengths(n, b):
+    """The lengths the played server answers request n with: they name the request."""
+    return [1000 * n + i for i in range(b)]
+
+
+def frame_answer(n, req, tag_delta=0, code=0, message=""):
+    """attnd's answer frame to a decode: o = q's first variant [B, Hq, D], lengths frame_lengths(n, B); or an
+    error with `code` and `message`."""
+    tag = req["tag"] + tag_delta
+    if code:
+        msg = message.encode()
+        return RESPONSE_HEAD.pack(RESPONSE_MAGIC, code, tag, req["op"], 0, 0, 0, 0, RESPONSE_HEAD.size, len(msg),
+                                  0, 0, 0, 0, 0, 0, 0) + msg
+    q = req["q"]
+    o = q[:, 0] if q.ndim == 4 else q
+    b = len(req["ids"])
+    lengths_off = RESPONSE_HEAD.size
+    o_off = (lengths_off + 8 * b + 63) // 64 * 64
+    head = RESPONSE_HEAD.pack(RESPONSE_MAGIC, 0, tag, req["op"], o.ndim, req["dtype"], b, 0, 0, 0, o_off, o.nbytes,
+                              lengths_off, *(list(o.shape) + [0] * (4 - o.ndim)))
+    body = bytearray(o_off + o.nbytes)
+    body[:len(head)] = head
+    body[lengths_off:lengths_off + 8 * b] = np.array(frame_lengths(n, b), np.int64).tobytes()
+    body[o_off:] = o.tobytes()
+    return bytes(body)
+
+
+class PlayedSlotServer(PlayedServer):
+    """attnd's side of a version 2 ring with `slots` S, played by a thread as shm_ring.h says: request n is read
+    from slot n % S's request half when request_seq passes it and answered, in order, in that slot's response
+    half (answer(n, request) -> the frame, or None: no answer). With `hold`, an answer waits for a release();
+    `violations` records every request_seq more than S ahead of response_seq."""
+
+    def __init__(self, ring, slots, answer=frame_answer, hold=False, delay=0.0):
+        self.slots, self.half = slots, ring.half_bytes
+        self.gate = threading.Semaphore(0) if hold else None
+        self.violations = []
+        self.seen = []  # (n, request) in the order read
+        super().__init__(ring, answer, delay)
+
+    def release(self, count=1):
+        for _ in range(count):
+            self.gate.release()
+
+    def run(self):
+        try:
+            self.serve()
+        except (TypeError, ValueError):  # the client unmapped the ring (close() once it read what it was owed)
+            pass
+
+    def serve(self):
+        answered = word(self.ring, RESPONSE_SEQ)
+        while not self.stop:
+            seq = word(self.ring, REQUEST_SEQ)
+            if seq == answered:
+                set_word(self.ring, SERVER_SLEEPING, 1)
+                if word(self.ring, REQUEST_SEQ) == answered:
+                    self.futex_wait(REQUEST_SEQ, answered, 0.05)
+                set_word(self.ring, SERVER_SLEEPING, 0)
+                continue
+            if (seq - word(self.ring, RESPONSE_SEQ)) & SEQ_MASK > self.slots:
+                self.violations.append((seq, word(self.ring, RESPONSE_SEQ)))
+            n = (answered + 1) & SEQ_MASK
+            at = slot_request_offset(self.half, self.slots, n)
+            request = read_frame(self.ring._mm, at)
+            self.seen.append((n, request))
+            while self.gate is not None and not self.gate.acquire(timeout=0.05):
+                if self.stop:
+                    return
+            time.sleep(self.delay)
+            body = self.answer(n, request)
+            answered = n
+            if body is None:
+                continue
+            off = at + self.half
+            struct.pack_into("<Q", self.ring._mm, off, len(body))
+            self.ring._mm[off + 8:off + 8 + len(body)] = body
+            set_word(self.ring, RESPONSE_SEQ, n)
+            if word(self.ring, CLIENT_SLEEPING):
+                self.futex_wake(RESPONSE_SEQ)
+
+
+class Slots(unittest.TestCase):
+    """A version 2 ring with several slots against attnd's side played by a thread."""
+
+    def setUp(self):
+        self.client = FakeClient(max_ring_slots=16)
+        self.rng = np.random.default_rng(9)
+        self.seqs = ["%032x" % 1, "%032x" % 2]
+        self.kv = self.rng.standard_normal((2, 2, 8)).astype(np.float32)
+
+    def q(self):
+        return self.rng.standard_normal((2, 3, 4, 8)).astype(np.float32)
+
+    def submit(self, ring, q, **kwargs):
+        return ring.submit_decode(0, self.seqs, q, self.kv, self.kv, return_lengths=True, **kwargs)
+
+    def assert_answer(self, pending, q, n):
+        out, lengths = pending.result()
+        np.testing.assert_array_equal(out, q[:, 0])
+        self.assertEqual(lengths, frame_lengths(n, 2))
+
+    def test_one_slot_is_todays_layout(self):
+        with _ring.Ring(self.client, half_bytes=2 * 4096, version=2) as ring:
+            self.assertEqual(ring.slots, 1)
+            self.assertEqual(ring.size, 4096 + 2 * 2 * 4096)
+            self.assertEqual(struct.unpack_from("<QIIQ", ring._mm, 0), (MAGIC, 2, 0, 2 * 4096))
+            self.assertEqual(self.client.calls[1][1].byte_size, 4096 + 2 * 2 * 4096)
+
+    def test_each_slots_halves(self):
+        half, slots = 2 * 4096, 4
+        with _ring.Ring(self.client, half_bytes=half, version=2, slots=slots) as ring:
+            self.assertEqual(ring.size, 4096 + 2 * slots * half)
+            self.assertEqual(os.stat("/dev/shm" + ring.name).st_size, ring.size)
+            self.assertEqual(struct.unpack_from("<QIIQ", ring._mm, 0), (MAGIC, 2, slots, half))
+            self.assertEqual((self.client.calls[1][0], self.client.calls[1][1].byte_size), ("OpenRing", ring.size))
+            server = PlayedSlotServer(ring, slots, hold=True)
+            try:
+                qs = [self.q() for _ in range(slots + 2)]
+                pending = [self.submit(ring, q) for q in qs[:slots]]
+                self.assertEqual(word(ring, REQUEST_SEQ), slots)
+                for n in range(1, slots + 1):  # request n in slot n % S: 1, 2, 3, then 4 in slot 0
+                    req = read_frame(ring._mm, HEADER + 2 * (n % slots) * half)
+                    self.assertEqual((req["magic"], req["tag"], req["ids"]), (REQUEST_MAGIC, n, self.seqs))
+                    np.testing.assert_array_equal(req["q"], qs[n - 1])
+                server.release(slots)
+                for n, p in enumerate(pending, 1):
+                    self.assert_answer(p, qs[n - 1], n)
+                    resp = HEADER + (2 * (n % slots) + 1) * half  # each answer in its slot's response half
+                    self.assertEqual(struct.unpack_from("<IiQ", ring._mm, resp + 8), (RESPONSE_MAGIC, 0, n))
+                # Requests 5 and 6 reuse slots 1 and 2.
+                server.release(2)
+                for n in (5, 6):
+                    self.assert_answer(self.submit(ring, qs[n - 1]), qs[n - 1], n)
+                    req = read_frame(ring._mm, HEADER + 2 * (n % slots) * half)
+                    self.assertEqual(req["tag"], n)
+                self.assertEqual(server.violations, [])
+            finally:
+                server.close()
+
+    def test_posts_every_slot_before_any_answer_and_reads_in_any_order(self):
+        slots = 4
+        with _ring.Ring(self.client, version=2, slots=slots) as ring:
+            server = PlayedSlotServer(ring, slots, hold=True)
+            try:
+                qs = [self.q() for _ in range(slots)]
+                pending = [self.submit(ring, q) for q in qs]
+                deadline = time.monotonic() + 5
+                while len(server.seen) < 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                self.assertEqual(word(ring, REQUEST_SEQ), slots, "every slot posted before any answer")
+                self.assertEqual(word(ring, RESPONSE_SEQ), 0)
+                self.assertFalse(any(p.done() for p in pending))
+                server.release(slots)
+                for i in (2, 0, 3, 1):  # reading the third reads (and keeps) the first two on the way
+                    self.assert_answer(pending[i], qs[i], i + 1)
+                    if i == 2:
+                        self.assertEqual([p.done() for p in pending], [True, True, True, False])
+                self.assertEqual(ring.stats.round_trips, slots)
+                self.assertEqual(server.violations, [])
+            finally:
+                server.close()
+
+    def test_one_more_than_the_slots_waits_for_the_oldest(self):
+        slots = 2
+        with _ring.Ring(self.client, version=2, slots=slots, spin_us=0) as ring:
+            server = PlayedSlotServer(ring, slots, hold=True)
+            try:
+                qs = [self.q() for _ in range(slots + 1)]
+                pending = [self.submit(ring, q) for q in qs[:slots]]
+                seq_at_release = []
+
+                def release_one():
+                    seq_at_release.append(word(ring, REQUEST_SEQ))
+                    server.release()
+                timer = threading.Timer(0.3, release_one)
+                start = time.monotonic()
+                timer.start()
+                pending.append(self.submit(ring, qs[slots]))  # waits for request 1's answer
+                waited = time.monotonic() - start
+                timer.join()
+                self.assertGreaterEqual(waited, 0.25)
+                self.assertEqual(seq_at_release, [slots], "the third was posted only after the first answer")
+                self.assertEqual(word(ring, REQUEST_SEQ), slots + 1)
+                self.assertEqual([p.done() for p in pending], [True, False, False], "the oldest was read and kept")
+                server.release(2)
+                for i in (2, 1, 0):
+                    self.assert_answer(pending[i], qs[i], i + 1)
+                self.assertEqual(server.violations, [])
+            finally:
+                server.close()
+
+    def test_blocking_calls_beside_pending_ones(self):
+        """decode() and prefill() wait for their own answer; earlier pending results stay readable, also after
+        their slots were reused (each answer was copied out of its slot before the slot's next request)."""
+        slots = 2
+        with _ring.Ring(self.client, version=2, slots=slots) as ring:
+            server = PlayedSlotServer(ring, slots)
+            try:
+                qs = [self.q() for _ in range(6)]
+                first = [self.submit(ring, q) for q in qs[:2]]
+                out, lengths = ring.decode(0, self.seqs, qs[2], self.kv, self.kv, return_lengths=True)  # request 3
+                np.testing.assert_array_equal(out, qs[2][:, 0])
+                self.assertEqual(lengths, frame_lengths(3, 2))
+                self.assertTrue(first[0].done(), "request 3 reused request 1's slot: its answer was read first")
+                self.assertFalse(first[1].done())
+                for n in (4, 5, 6):  # every slot reused again
+                    np.testing.assert_array_equal(ring.decode(0, self.seqs, qs[n - 1], self.kv, self.kv),
+                                                  qs[n - 1][:, 0])
+                for n in (2, 1):
+                    self.assert_answer(first[n - 1], qs[n - 1], n)
+                self.assertEqual(server.violations, [])
+            finally:
+                server.close()
+
+    def test_one_slot_submit_then_decode(self):
+        with _ring.Ring(self.client, version=2) as ring:
+            server = PlayedSlotServer(ring, 1)
+            try:
+                qs = [self.q() for _ in range(4)]
+                p = self.submit(ring, qs[0])
+                for n in (2, 3):  # the twin shortcut, after the submit's answer was read
+                    np.testing.assert_array_equal(ring.decode(0, self.seqs, qs[n - 1], self.kv, self.kv),
+                                                  qs[n - 1][:, 0])
+                self.assertIsNotNone(ring._v2_last)
+                p4 = self.submit(ring, qs[3])
+                self.assert_answer(p4, qs[3], 4)
+                self.assert_answer(p, qs[0], 1)
+                self.assertEqual(server.violations, [])
+            finally:
+                server.close()
+
+    def test_a_closed_ring_fails_every_pending_request(self):
+        slots = 4
+
+        def answer_once(n, req):
+            if n == 1:
+                return frame_answer(n, req)
+            set_word(ring, CLOSED, 1)
+            server.futex_wake(RESPONSE_SEQ)
+            return None
+        with _ring.Ring(self.client, version=2, slots=slots, spin_us=0) as ring:
+            server = PlayedSlotServer(ring, slots, answer=answer_once, hold=True)
+            try:
+                qs = [self.q() for _ in range(slots)]
+                pending = [self.submit(ring, q) for q in qs]
+                server.release(slots)
+                start = time.monotonic()
+                for p in pending[:0:-1]:
+                    with self.assertRaises(attnd.AttndError) as ctx:
+                        p.result()
+                    self.assertIs(ctx.exception.code, SC.UNAVAILABLE)
+                    self.assertEqual(ctx.exception.message, "the ring was closed by the server")
+                self.assertLess(time.monotonic() - start, 5)
+                self.assert_answer(pending[0], qs[0], 1)  # answered before the ring closed
+                before = word(ring, REQUEST_SEQ)
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    self.submit(ring, qs[0])
+                self.assertIs(ctx.exception.code, SC.UNAVAILABLE)
+                self.assertEqual(word(ring, REQUEST_SEQ), before, "nothing posted on a closed ring")
+            finally:
+                server.close()
+
+    def test_timeout_fails_its_pending_and_later_ones_still_land(self):
+        slots = 2
+        with _ring.Ring(self.client, version=2, slots=slots, timeout=0.2) as ring:
+            server = PlayedSlotServer(ring, slots, hold=True)
+            try:
+                qs = [self.q() for _ in range(4)]
+                pending = [self.submit(ring, q) for q in qs[:2]]
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    pending[0].result()
+                self.assertIs(ctx.exception.code, SC.DEADLINE_EXCEEDED)
+                self.assertIn("no answer in the ring within 0.2s", ctx.exception.message)
+                self.assertTrue(pending[0].done())
+                server.release(2)
+                deadline = time.monotonic() + 5
+                while word(ring, RESPONSE_SEQ) != 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                self.assert_answer(pending[1], qs[1], 2)
+                ring.timeout = 5.0
+                server.release(2)
+                for n in (3, 4):  # request 3 reuses the abandoned request's slot
+                    self.assert_answer(self.submit(ring, qs[n - 1]), qs[n - 1], n)
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    pending[0].result()  # its failure stays
+                self.assertIs(ctx.exception.code, SC.DEADLINE_EXCEEDED)
+                self.assertEqual(server.violations, [])
+            finally:
+                server.close()
+
+    def test_a_wrong_tag_or_an_error_fails_only_its_own_request(self):
+        slots = 4
+
+        def answer(n, req):
+            if n == 2:
+                return frame_answer(n, req, tag_delta=5)
+            if n == 3:
+                return frame_answer(n, req, code=5, message="seq gone")
+            return frame_answer(n, req)
+        with _ring.Ring(self.client, version=2, slots=slots) as ring:
+            server = PlayedSlotServer(ring, slots, answer=answer)
+            try:
+                qs = [self.q() for _ in range(slots)]
+                pending = [self.submit(ring, q) for q in qs]
+                self.assert_answer(pending[3], qs[3], 4)
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    pending[1].result()
+                self.assertIs(ctx.exception.code, SC.INTERNAL)
+                self.assertEqual(ctx.exception.message, "the ring answered tag 7 (magic 0x32524652) for request tag 2")
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    pending[2].result()
+                self.assertIs(ctx.exception.code, SC.NOT_FOUND)
+                self.assertEqual(ctx.exception.message, "seq gone")
+                self.assert_answer(pending[0], qs[0], 1)
+            finally:
+                server.close()
+
+    def test_close_reads_what_is_owed_and_an_exception_cancels_it(self):
+        slots = 4
+        ring = _ring.Ring(self.client, version=2, slots=slots)
+        server = PlayedSlotServer(ring, slots, delay=0.02)
+        try:
+            qs = [self.q() for _ in range(3)]
+            pending = [self.submit(ring, q) for q in qs]
+            ring.close()
+        finally:
+            server.close()
+        for n, p in enumerate(pending, 1):
+            self.assertTrue(p.done())
+            self.assert_answer(p, qs[n - 1], n)
+        with self.assertRaises(ZeroDivisionError):
+            with _ring.Ring(self.client, version=2, slots=slots) as ring:
+                server = PlayedSlotServer(ring, slots, hold=True)
+                try:
+                    p = self.submit(ring, qs[0])
+                    1 / 0
+                finally:
+                    server.close()
+        with self.assertRaises(attnd.AttndError) as ctx:
+            p.result()
+        self.assertIs(ctx.exception.code, SC.CANCELLED)
+        self.assertIn("closed on an exception", ctx.exception.message)
+
+    def test_bad_slots_are_refused_before_anything_is_created(self):
+        created = []
+        shm_create = attnd._regions.shm_create
+
+        def counting(*args):
+            created.append(args)
+            return shm_create(*args)
+        attnd._regions.shm_create = counting
+        try:
+            cases = [  # (kwargs, server's max_ring_slots, code, message)
+                (dict(slots=s), 16, SC.INVALID_ARGUMENT,
+                 "ring slots must be a power of two from 1 to 16 (requests in flight), got %r" % (s,))
+                for s in (0, -1, 3, 6, 17, 32, True, 2.0, "4", None)
+            ] + [
+                (dict(slots=2, version=1), 16, SC.INVALID_ARGUMENT,
+                 "ring slots > 1 need a version 2 ring (binary frames); a version 1 ring carries one request at a "
+                 "time"),
+                (dict(slots=4, device_events=True), 16, SC.INVALID_ARGUMENT,
+                 "a ring with device_events carries one request at a time: open it with slots=1 (got slots=4)"),
+                (dict(slots=8), 4, SC.FAILED_PRECONDITION,
+                 "this server takes at most 4 requests in flight per ring (GetServerInfo().regions.max_ring_slots), "
+                 "not slots=8: open the ring with slots=4 or fewer"),
+                (dict(slots=2), 0, SC.FAILED_PRECONDITION,
+                 "this server takes one request at a time per ring (GetServerInfo().regions.max_ring_slots is 0: an "
+                 "attnd that predates ring slots), not slots=2: open the ring with slots=1, or upgrade attnd"),
+            ]
+            for kwargs, most, code, message in cases:
+                with self.subTest(kwargs=kwargs, max_ring_slots=most):
+                    client = FakeClient(max_ring_slots=most)
+                    kwargs.setdefault("version", 2)
+                    with self.assertRaises(attnd.AttndError) as ctx:
+                        _ring.Ring(client, **kwargs)
+                    self.assertIs(ctx.exception.code, code)
+                    self.assertEqual(ctx.exception.message, message)
+                    self.assertEqual(created, [])
+                    want = [("GetServerInfo", None)] if code is SC.FAILED_PRECONDITION else []
+                    self.assertEqual(client.calls, want, "refused before OpenRing (bad arguments before asking)")
+            with _ring.Ring(FakeClient(max_ring_slots=4), version=2, slots=4) as ring:  # the server's most
+                self.assertEqual(ring.slots, 4)
+            with _ring.Ring(FakeClient(), version=2, slots=1):  # an old server: one slot
+                pass
+        finally:
+            attnd._regions.shm_create = shm_create
+        with _ring.Ring(FakeClient(), version=1) as ring:
+            with self.assertRaises(attnd.AttndError) as ctx:
+                ring.submit_decode(0, self.seqs, self.q(), self.kv, self.kv)
+            self.assertIs(ctx.exception.code, SC.FAILED_PRECONDITION)
+            self.assertIn("submit_decode needs a version 2 ring", ctx.exception.message)
+            self.assertEqual(word(ring, REQUEST_SEQ), 0)
+
+    def test_sequence_words_wrap(self):
+        slots = 4
+        with _ring.Ring(self.client, version=2, slots=slots) as ring:
+            set_word(ring, REQUEST_SEQ, SEQ_MASK - 1)
+            set_word(ring, RESPONSE_SEQ, SEQ_MASK - 1)
+            server = PlayedSlotServer(ring, slots, hold=True)
+            try:
+                qs = [self.q() for _ in range(6)]
+                pending = [self.submit(ring, q) for q in qs[:4]]  # requests 2^32 - 1, 0, 1, 2
+                self.assertEqual(word(ring, REQUEST_SEQ), 2)
+                server.release(6)
+                pending += [self.submit(ring, q) for q in qs[4:]]
+                for i in (5, 0, 3, 1, 4, 2):
+                    self.assert_answer(pending[i], qs[i], (SEQ_MASK - 1 + i + 1) & SEQ_MASK)
+                self.assertEqual(server.violations, [])
+            finally:
+                server.close()
 
 
 class RingAdapter:
@@ -698,6 +1148,106 @@ class LiveRingV2(LiveRing):
                 self.assertEqual(ring.stats.round_trips, 0)
         finally:
             self.client.release(seq)
+
+
+class LiveRingSlots(at.DaemonTestCase, unittest.TestCase):
+    """Version 2 rings with several slots against attnd: decodes in flight together (through layers and steps,
+    read in any order) equal bit for bit to unary calls made in the same order on twin sequences, a failing
+    request among them failing alone, blocking calls between pending ones. Skipped by an attnd that takes one
+    request at a time per ring."""
+
+    def setUp(self):
+        most = self.info.regions.max_ring_slots
+        if most < 2:
+            self.skipTest("this attnd takes one request at a time per ring (GetServerInfo().regions.max_ring_slots "
+                          "is %d)" % most)
+        self.slots = min(4, most)
+        # An attnd whose GetServerInfo says slots but whose OpenRing still reads a one-slot layout (its byte_size
+        # then gives halves S times too large) cannot serve these tests either.
+        try:
+            self.client.ring(version=2, slots=2, half_bytes=4096).close()
+        except attnd.AttndError as err:
+            if err.code is SC.INVALID_ARGUMENT and "says half_bytes" in err.message:
+                self.skipTest("this attnd says max_ring_slots %d but its OpenRing reads a one-slot layout (%s)"
+                              % (most, err.message))
+            raise
+        m = self.info.model
+        self.h, self.hkv, self.d, self.layers = m.num_q_heads, m.num_kv_heads, m.head_dim, m.num_layers
+        self.rng = np.random.default_rng(13)
+        self.made = []
+
+    def tearDown(self):
+        for s in self.made:
+            self.client.release(s)
+
+    def twins(self, n, tokens=5):
+        """n sequences for the ring and n for unary, every layer prefilled with the same tokens."""
+        a = [self.client.create_sequence() for _ in range(n)]
+        b = [self.client.create_sequence() for _ in range(n)]
+        self.made += a + b
+        for i in range(n):
+            for layer in range(self.layers):
+                q, k, v = self.tokens((tokens,), 5)
+                self.client.prefill(a[i], layer, q, k, v)
+                self.client.prefill(b[i], layer, q, k, v)
+        return a, b
+
+    def tokens(self, lead, variants):
+        r = self.rng
+        return (at.random_bf16_exact(r, lead + (variants, self.h, self.d)),
+                at.random_bf16_exact(r, lead + (self.hkv, self.d)), at.random_bf16_exact(r, lead + (self.hkv, self.d)))
+
+    def test_decodes_in_flight_equal_unary(self):
+        n = 3
+        a, b = self.twins(n)
+        with self.client.ring(version=2, slots=self.slots) as ring:
+            calls = [(step, layer) + self.tokens((n,), 3) for step in range(3) for layer in range(self.layers)]
+            pending = [ring.submit_decode(layer, a, q, k, v, return_lengths=True) for _, layer, q, k, v in calls]
+            self.assertGreater(len(calls), self.slots, "more requests than slots: some submits waited")
+            want = [self.client.decode(layer, b, q, k, v, return_lengths=True) for _, layer, q, k, v in calls]
+            for i in reversed(range(len(calls))):
+                got, lengths = pending[i].result()
+                np.testing.assert_array_equal(got, want[i][0], "call %d" % i)
+                self.assertEqual(lengths, want[i][1])
+                self.assertEqual(lengths, [5 + calls[i][0] + 1] * n)
+            self.assertEqual(ring.stats.round_trips, len(calls))
+
+    def test_a_failing_request_fails_alone_and_blocking_calls_go_between(self):
+        n = 2
+        a, b = self.twins(n)
+        unknown = "0123456789abcdef0123456789abcdef"
+        with self.client.ring(version=2, slots=self.slots) as ring:
+            q, k, v = self.tokens((n,), 5)
+            first = ring.submit_decode(0, a, q, k, v)
+            bad = ring.submit_decode(0, [a[0], unknown], q, k, v)
+            got = ring.decode(1, a, q, k, v)  # waits for its own answer only
+            np.testing.assert_array_equal(got, self.client.decode(1, b, q, k, v))
+            pq, pk, pv = self.tokens((2,), 5)
+            got = ring.prefill(a[0], 1, pq, pk, pv)
+            np.testing.assert_array_equal(got, self.client.prefill(b[0], 1, pq, pk, pv))
+            with self.assertRaises(attnd.AttndError) as ctx:
+                bad.result()
+            with self.assertRaises(attnd.AttndError) as unary:
+                self.client.decode(0, [b[0], unknown], q, k, v)
+            self.assertIs(ctx.exception.code, SC.NOT_FOUND)
+            self.assertEqual(ctx.exception.message, unary.exception.message.replace(b[0], a[0]))
+            np.testing.assert_array_equal(first.result(), self.client.decode(0, b, q, k, v))
+            # The failed decode changed nothing: both layers are as long in the ring's sequences as in unary's.
+            q, k, v = self.tokens((n,), 3)
+            for layer in range(self.layers):
+                got, lengths = ring.decode(layer, a, q, k, v, return_lengths=True)
+                want, want_lengths = self.client.decode(layer, b, q, k, v, return_lengths=True)
+                np.testing.assert_array_equal(got, want)
+                self.assertEqual(lengths, want_lengths)
+
+    def test_more_slots_than_the_server_takes_are_refused(self):
+        most = self.info.regions.max_ring_slots
+        if most * 2 > 16:
+            self.skipTest("this attnd takes %d slots: the client refuses more than 16 itself" % most)
+        with self.assertRaises(attnd.AttndError) as ctx:
+            self.client.ring(version=2, slots=most * 2)
+        self.assertIs(ctx.exception.code, SC.FAILED_PRECONDITION)
+        self.assertIn("open the ring with slots=%d or fewer" % most, ctx.exception.message)
 
 
 class RingClosedByTheDaemon(unittest.TestCase):

@@ -22,11 +22,11 @@ from ._errors import AttndError  # noqa: E402
 from ._client import Client, Pending, Session  # noqa: E402
 from ._fleet import FleetClient  # noqa: E402
 from ._regions import CudaRegion, ShmRegion  # noqa: E402
-from ._ring import Ring  # noqa: E402
+from ._ring import Ring, RingPending  # noqa: E402
 from ._tensors import bf16_to_float32, float32_to_bf16  # noqa: E402
 from ._proto import pb as proto  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["AttndError", "Client", "CudaRegion", "FleetClient", "Pending", "Ring", "Session", "ShmRegion", "bf16_to_float32", "float32_to_bf16", "proto",
+__all__ = ["AttndError", "Client", "CudaRegion", "FleetClient", "Pending", "Ring", "RingPending", "Session", "ShmRegion", "bf16_to_float32", "float32_to_bf16", "proto",
            "__version__"]

@@ -383,7 +383,7 @@ class Client:
         self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id), timeout)
 
     def ring(self, half_bytes=8 << 20, spin_us=50, sleep_slice=0.01, timeout=60.0, rpc_timeout=None, version=1,
-             device_events=False):
+             device_events=False, slots=1):
         """A shared-memory ring to attnd on this host (docs/regions.md, "Rings"): a Ring (a context manager) whose
         prefill()/decode() are Session's through shared memory with a futex doorbell, no gRPC call per request.
         half_bytes: the largest request and answer (minus 8 bytes); spin_us: how long to spin on the answer
@@ -391,8 +391,11 @@ class Client:
         2 binary frames (one frame per request, built once per request shape; region references and out= in
         the packed decode form); device_events (version 2, CUDA backend): requests whose q, k, v and out all
         lie in CUDA regions are ordered on the GPU with the current stream instead of by host synchronisation
-        (docs/regions.md, "Device-ordered rings"). x86-64 only."""
-        return _ring.Ring(self, half_bytes, spin_us, sleep_slice, timeout, rpc_timeout, version, device_events)
+        (docs/regions.md, "Device-ordered rings"); slots (version 2, a power of two up to 16, at most
+        info().regions.max_ring_slots): requests in flight at once, ring.submit_decode() posting without waiting.
+        x86-64 only."""
+        return _ring.Ring(self, half_bytes, spin_us, sleep_slice, timeout, rpc_timeout, version, device_events,
+                          slots)
 
     # -- streaming --
     def session(self, timeout=None):

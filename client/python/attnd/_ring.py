@@ -1,9 +1,10 @@
 """The shared-memory ring from Python (docs/regions.md, "Rings"; the layout is proto/attnd/v1/shm_ring.h).
 
-A Ring carries Prefill and Decode requests as serialized SessionRequests through a POSIX shm object that this
-process creates and attnd maps (OpenRing), one request at a time, with a futex doorbell: no gRPC call, no
-extension module. The request is written from the arrays' buffers straight into the ring's request half; the
-answer is parsed where it lies in the response half and the output copied out once (the next request overwrites
+A Ring carries Prefill and Decode requests as serialized SessionRequests (version 1) or binary frames (version
+2) through a POSIX shm object that this process creates and attnd maps (OpenRing), with a futex doorbell: no gRPC
+call, no extension module. One request at a time, or with `slots` S > 1 (version 2) up to S in flight, request n
+in slot n % S. The request is written from the arrays' buffers straight into its slot's request half; the answer
+is parsed where it lies in the slot's response half and the output copied out once (request n + S overwrites
 the half).
 
 Memory ordering. The header's words are std::atomic<uint32_t> on attnd's side; here they are read and written
@@ -21,6 +22,7 @@ releasing an uncontended lock: acquiring a lock is an atomic read-modify-write, 
 instruction is LOCK-prefixed, which orders all earlier stores before all later loads. Other architectures are
 refused with FAILED_PRECONDITION (their plain accesses are not ordered; use Session or regions there).
 """
+import collections
 import ctypes
 import ctypes.util
 import mmap
@@ -42,6 +44,7 @@ from . import _regions, _tensors, _wire
 MAGIC = 0x31474E52444E5441  # "ATNDRNG1" read as little-endian
 VERSION = 1
 HEADER_BYTES = 4096  # the halves start at page boundaries
+MAX_SLOTS = 16  # kMaxSlots: the most requests one ring holds in flight
 LENGTH_BYTES = 8  # a half starts with the message's length as a uint64
 # The header's words, as indices of uint32 (byte offset / 4).
 _REQUEST_SEQ = 64 // 4
@@ -90,8 +93,8 @@ def _fail(code, message):
 
 
 _U64 = struct.Struct("<Q")
-# Tags cycle through 1..127 (one-byte varints, precomputed): one request is in flight at a time, so an answer
-# for any other request still shows as another tag.
+# Tags cycle through 1..127 (one-byte varints, precomputed): at most MAX_SLOTS requests are in flight, so an
+# answer for any other request (a late one left in the slot, say) still shows as another tag.
 _TAG_CYCLE = 127
 _TAG_FIELDS = [b""] + [_wire._key(_wire.SQ_TAG, _wire._VARINT) + _wire.varint(t) for t in range(1, _TAG_CYCLE + 1)]
 _DECODE_KEY = _wire.SR_DECODE << 3 | _wire._LEN
@@ -273,12 +276,47 @@ class RingStats:
                                         self.server_wakes, self.device_ordered))
 
 
+class RingPending:
+    """A request submit_decode() posted whose answer may not be read yet. result() waits for it (reading the
+    answers of earlier pending requests of the ring first, in order, and keeping them for their own result())."""
+    __slots__ = ("_ring", "_return_lengths", "_n", "_deadline", "_answer", "_done", "_value", "_error")
+
+    def __init__(self, ring, return_lengths):
+        self._ring, self._return_lengths = ring, return_lengths
+        self._n = self._deadline = self._answer = None
+        self._done, self._value, self._error = False, None, None
+
+    def _posted(self, n, deadline, answer):
+        """Request number n (the request_seq it was posted as), read by Ring._v2_answer(*answer)."""
+        self._n, self._deadline, self._answer = n, deadline, answer
+
+    def done(self):
+        """True once its answer (or its failure) has been read."""
+        return self._done
+
+    def result(self):
+        """What decode() returns: the output, or (output, lengths) with return_lengths; raises its AttndError."""
+        while not self._done:
+            self._ring._collect()
+        if self._error is not None:
+            raise self._error
+        value, lengths = self._value
+        return (value, lengths) if self._return_lengths else value
+
+    def _fail(self, err):
+        self._done, self._error, self._answer = True, err, None
+
+
 class Ring:
     """A shared-memory ring to attnd: prefill() and decode() as Session's, through shared memory.
 
         with client.ring() as ring:
             out = ring.prefill(seq, layer, q, k, v)
             out = ring.decode(layer, seqs, q, k, v)
+
+        with client.ring(version=2, slots=4) as ring:  # up to 4 decodes in flight
+            pending = [ring.submit_decode(layer, seqs, q, k, v) for layer in range(4)]
+            outs = [p.result() for p in pending]
 
     Args (Client.ring passes them):
       half_bytes: each half's size, a positive multiple of 4096; the largest request (and answer) is
@@ -294,24 +332,42 @@ class Ring:
         the current stream records the "ready" event instead of being synchronized (attnd waits for it), and
         after attnd's answer (sent once its work is queued) the current stream waits for attnd's "done" event.
         This process never waits for the GPU, so the GPU does not drain between the model's layers. Other
-        requests are synchronized as usual.
+        requests are synchronized as usual. Only with one slot.
+      slots: (version 2) how many requests the ring holds in flight: a power of two from 1 to MAX_SLOTS, at
+        most the server's GetServerInfo().regions.max_ring_slots. The shm object is 4096 + 2 * slots *
+        half_bytes bytes (each slot its own request and response half). submit_decode() posts without waiting;
+        prefill() and decode() post and wait for their own answer. With slots=1 the layout and the protocol
+        are the one-at-a-time ring's.
 
     Errors are AttndError, as Session's: the request's own code and message; UNAVAILABLE once attnd closed the
     ring (CloseRing, idle reclamation, shutdown); DEADLINE_EXCEEDED; INTERNAL for an answer that does not parse
     or carries another tag. numpy outputs are fresh arrays (copied out of the ring; writable), torch outputs
-    fresh tensors. Not thread safe: one request at a time, from one thread at a time (one ring per thread).
+    fresh tensors. Not thread safe: one thread at a time (one ring per thread).
     Close it (or leave the `with` block): CloseRing, then the memory is unmapped and its name unlinked.
     """
 
     def __init__(self, client, half_bytes=8 << 20, spin_us=50, sleep_slice=0.01, timeout=60.0, rpc_timeout=None,
-                 version=1, device_events=False):
+                 version=1, device_events=False, slots=1):
         check_architecture()
         if version not in (VERSION, VERSION_FRAMES):
             raise invalid_argument("ring version must be %d (protobuf) or %d (binary frames), got %r"
                                    % (VERSION, VERSION_FRAMES, version))
         if device_events and version != VERSION_FRAMES:
             raise invalid_argument("device_events need a version %d ring" % VERSION_FRAMES)
+        if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or not 1 <= slots <= MAX_SLOTS or \
+                slots & (slots - 1):
+            raise invalid_argument("ring slots must be a power of two from 1 to %d (requests in flight), got %r"
+                                   % (MAX_SLOTS, slots))
+        slots = int(slots)
+        if slots > 1 and version != VERSION_FRAMES:
+            raise invalid_argument("ring slots > 1 need a version %d ring (binary frames); a version %d ring "
+                                   "carries one request at a time" % (VERSION_FRAMES, version))
+        if slots > 1 and device_events:
+            raise invalid_argument("a ring with device_events carries one request at a time: open it with "
+                                   "slots=1 (got slots=%d)" % slots)
         self.version = version
+        self.slots = slots
+        self._pending = collections.deque()  # RingPending posted by submit_decode, not read yet, oldest first
         self._events = None  # (ready, done): torch CUDA events opened from attnd's handles
         self._frames = {}  # _Frame by the request's shape (version 2)
         # The last plain version 2 call (inline numpy tensors, no regions): (its signature, its frame, dtypes),
@@ -326,7 +382,14 @@ class Ring:
         self._client = client
         self.half_bytes = half_bytes
         self.capacity = half_bytes - LENGTH_BYTES
-        self.size = HEADER_BYTES + 2 * half_bytes
+        self.size = HEADER_BYTES + 2 * slots * half_bytes
+        # Slot s's request half starts at _request_offs[s], its response half half_bytes later.
+        self._request_offs = [HEADER_BYTES + 2 * s * half_bytes for s in range(slots)]
+        self._slot_mask = slots - 1
+        # _wait's test, response_seq - want (wrapping) < _reach: equal with one slot (one request in flight);
+        # with several, at or past want (later requests may be answered too; the words are compared in the
+        # half range of their wrap).
+        self._reach = 1 if slots == 1 else 0x80000000
         self._spin = spin_us * 1e-6
         self._slice = float(sleep_slice)
         self.timeout = float(timeout)
@@ -344,6 +407,16 @@ class Ring:
             raise _fail(grpc.StatusCode.FAILED_PRECONDITION,
                         "this server serves no rings (GetServerInfo().regions.rings is false: its backend or "
                         "--max-regions-per-tenant); use Client.session()")
+        if slots > max(info.max_ring_slots, 1):
+            if info.max_ring_slots:
+                raise _fail(grpc.StatusCode.FAILED_PRECONDITION,
+                            "this server takes at most %d requests in flight per ring "
+                            "(GetServerInfo().regions.max_ring_slots), not slots=%d: open the ring with slots=%d "
+                            "or fewer" % (info.max_ring_slots, slots, info.max_ring_slots))
+            raise _fail(grpc.StatusCode.FAILED_PRECONDITION,
+                        "this server takes one request at a time per ring (GetServerInfo().regions.max_ring_slots "
+                        "is 0: an attnd that predates ring slots), not slots=%d: open the ring with slots=1, or "
+                        "upgrade attnd" % slots)
         torch = None
         if device_events:
             if not info.device_ordered_rings:
@@ -366,7 +439,8 @@ class Ring:
             finally:
                 os.close(fd)  # the mapping keeps the object
             # The mapping is zero-filled: every word starts at 0, nothing is in flight. The fields attnd checks:
-            struct.pack_into("<QIIQ", self._mm, 0, MAGIC, version, 0, half_bytes)
+            # `slots` is 0 for one slot, as a ring laid out before slots existed.
+            struct.pack_into("<QIIQ", self._mm, 0, MAGIC, version, slots if slots > 1 else 0, half_bytes)
             self._mv = memoryview(self._mm)
             self._words = self._mv[:HEADER_BYTES].cast("I")
             # Addresses for the futex calls: the mapping stays put until close(), which stops using them.
@@ -397,7 +471,10 @@ class Ring:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:  # the block failed: its pending requests' answers are not waited for
+            self._fail_pending(_fail(grpc.StatusCode.CANCELLED, "the ring was closed on an exception before this "
+                                     "request's answer was read"))
         self.close()
 
     @property
@@ -407,9 +484,12 @@ class Ring:
         return self._mm is None or self._words[_CLOSED] != 0
 
     def close(self, timeout=None):
-        """CloseRing (errors are dropped: attnd may have reclaimed the ring already), then unmaps the memory and
-        unlinks its name. Idempotent."""
+        """Reads the answers still owed to submit_decode()'s pending requests (each within its own deadline; a
+        failure stays with its pending), then CloseRing (errors are dropped: attnd may have reclaimed the ring
+        already), unmaps the memory and unlinks its name. Idempotent."""
         try:
+            while self._pending:
+                self._collect()
             if self.ring_id is not None:
                 rid, self.ring_id = self.ring_id, None
                 try:
@@ -465,6 +545,21 @@ class Ring:
         result, lengths = _decode_output(mv, span[0], span[1], like, out)
         result = self._own(result)
         return (result, lengths) if return_lengths else result
+
+    def submit_decode(self, layer, seqs, q, k, v, return_lengths=False, q_layout="variants", out=None):
+        """As decode(), without waiting for the answer (version 2): posts the request and returns a RingPending,
+        whose result() is what decode() returns. Up to `slots` requests are in flight; submitting one more
+        first waits for the oldest's answer and keeps it for its result() (so with one slot, each submit waits
+        for the previous answer). Answers land in request order; results may be read in any order. Raises at
+        once what decode() raises before sending (bad arguments, a request larger than the half, a closed ring,
+        DEADLINE_EXCEEDED while a request abandoned past its deadline still holds the slot)."""
+        if self.version != VERSION_FRAMES:
+            raise _fail(grpc.StatusCode.FAILED_PRECONDITION,
+                        "submit_decode needs a version %d ring (binary frames); this ring is version %d: open it "
+                        "with client.ring(version=%d, slots=...)" % (VERSION_FRAMES, self.version, VERSION_FRAMES))
+        if isinstance(seqs, str):
+            seqs = [seqs]
+        return self._v2(_V2_DECODE, layer, seqs, q, k, v, q_layout, out, None, RingPending(self, return_lengths))
 
     def _decode_packed(self, layer, seqs, q, k, v, return_lengths, q_layout):
         """The common decode (numpy q, k, v of one wire dtype, C-contiguous, [B, ...]; B equal-length ASCII ids;
@@ -526,9 +621,9 @@ class Ring:
                 return (o, lengths) if return_lengths else o
         return self._answer_generic("decode", tag, start, n, plan, q, return_lengths)
 
-    def _v2(self, op, layer, seqs, q, k, v, q_layout, out, prompt_len):
+    def _v2(self, op, layer, seqs, q, k, v, q_layout, out, prompt_len, pending=None):
         """One version 2 frame: q, k, v inline or as references into registered regions, o back inline or into
-        `out`'s region. -> (output, lengths)."""
+        `out`'s region. -> (output, lengths), or `pending` once posted (_v2_send)."""
         layer = int(layer)
         seqs = tuple(seqs)
         plain = out is None and not self._client._regions and type(q) is np.ndarray and \
@@ -539,7 +634,8 @@ class Ring:
             last = self._v2_last
             if last is not None and last[0] == sig:
                 frame, (qdt, kdt, vdt), like = last[1], last[2], last[3]
-                return self._v2_send(op, layer, seqs, frame, ((q, qdt), (k, kdt), (v, vdt)), None, False, like)
+                return self._v2_send(op, layer, seqs, frame, ((q, qdt), (k, kdt), (v, vdt)), None, False, like,
+                                     None, pending)
         c = _client_module()
         _out_ref, _q_layout, _sync, _tensor_arg = c._out_ref, c._q_layout, c._sync, c._tensor_arg
         # The unary client's checks and messages, so a call fails the same way on either.
@@ -598,15 +694,18 @@ class Ring:
         else:
             stream = None
             _sync(used)
-        return self._v2_send(op, layer, seqs, frame, tensors, out, ordered, like, stream)
+        return self._v2_send(op, layer, seqs, frame, tensors, out, ordered, like, stream, pending)
 
-    def _v2_send(self, op, layer, seqs, frame, tensors, out, ordered, like, stream=None):
-        """Writes the frame's request (its cached head, the tag, the layer and the inline tensors' bytes), posts
-        it and reads the answer. -> (output, lengths)."""
+    def _v2_send(self, op, layer, seqs, frame, tensors, out, ordered, like, stream=None, pending=None):
+        """Writes the frame's request (its cached head, the tag, the layer and the inline tensors' bytes) into
+        its slot's request half and posts it; reads the answer -> (output, lengths), or with `pending` (a
+        RingPending) queues it to be read later and returns it."""
         tag, size, seq, deadline = self._start(lambda _: frame.size)
-        base = HEADER_BYTES + LENGTH_BYTES
+        nxt = (seq + 1) & _SEQ_MASK
+        half = self._request_offs[nxt & self._slot_mask]
+        base = half + LENGTH_BYTES
         mv = self._mv
-        _U64.pack_into(self._mm, HEADER_BYTES, size)
+        _U64.pack_into(self._mm, half, size)
         mv[base:base + len(frame.head)] = frame.head
         struct.pack_into("<Q", self._mm, base + _V2_TAG_AT, tag)
         struct.pack_into("<i", self._mm, base + _V2_LAYER_AT, int(layer))
@@ -615,7 +714,20 @@ class Ring:
             if not isinstance(t, _wire.RegionTensor):
                 pos, n = next(inline)
                 mv[base + pos:base + pos + n] = memoryview(t[0]).cast("B")
-        start, n = self._exchange(seq, deadline)
+        self._post(nxt)
+        half += self.half_bytes  # the slot's response half
+        if pending is not None:
+            pending._posted(nxt, deadline, (op, tag, len(seqs), out, ordered, like, stream, half))
+            self._pending.append(pending)
+            return pending
+        self._wait(nxt, deadline, True)
+        return self._v2_answer(op, tag, len(seqs), out, ordered, like, stream, half)
+
+    def _v2_answer(self, op, tag, num_seqs, out, ordered, like, stream, half):
+        """The answer in the response half at offset `half` to the request of `tag`. -> (output, lengths)."""
+        mv = self._mv
+        start = half + LENGTH_BYTES
+        n = _U64.unpack_from(self._mm, half)[0]
         if n > self.capacity or n < _V2_RESPONSE.size:
             raise _fail(grpc.StatusCode.INTERNAL, "the ring's response claims %d bytes; a frame is %d to %d"
                         % (n, _V2_RESPONSE.size, self.capacity))
@@ -632,9 +744,9 @@ class Ring:
             message = bytes(mv[start + msg_off:start + msg_off + msg_bytes]).decode("utf-8", "replace") \
                 if inside(msg_off, msg_bytes) else ""
             raise AttndError(code, message)
-        if got_op != op or not inside(lengths_off, 8 * num_lengths) or num_lengths != len(seqs):
+        if got_op != op or not inside(lengths_off, 8 * num_lengths) or num_lengths != num_seqs:
             raise _fail(grpc.StatusCode.INTERNAL, "the ring answered a %s with %d lengths to a %s of %d sequences"
-                        % (_V2_OPS.get(got_op, got_op), num_lengths, _V2_OPS[op], len(seqs)))
+                        % (_V2_OPS.get(got_op, got_op), num_lengths, _V2_OPS[op], num_seqs))
         lengths = np.frombuffer(self._mm, np.int64, num_lengths, start + lengths_off).tolist()
         if ordered:  # attnd queued the work: the output is there once its event is
             stream.wait_event(self._events[1])
@@ -680,23 +792,56 @@ class Ring:
         return (result, lengths) if return_lengths else result
 
     def _start(self, size_of):
-        """The start of every round trip: the ring must be open on both sides; the next tag is taken for a
-        request of size_of(tag) bytes, refused when larger than the half; and a request abandoned past its
-        deadline must be answered first, so nothing is in flight. -> (tag, size, request_seq, deadline)."""
+        """The start of every request: the ring must be open on both sides; the next tag is taken for a
+        request of size_of(tag) bytes, refused when larger than the half; a pending request whose slot this
+        request takes has its answer read (and kept for its result()) first, with those before it; and the
+        request must fit in flight: with one slot, a request abandoned past its deadline is answered first, so
+        nothing is; with S, request n waits until response_seq reaches n - S. -> (tag, size, request_seq,
+        deadline)."""
         if self._mm is None:
             raise _fail(grpc.StatusCode.FAILED_PRECONDITION, "the ring is closed")
-        w = self._words
-        if w[_CLOSED]:
-            raise _fail(grpc.StatusCode.UNAVAILABLE, "the ring was closed by the server")
         tag = self._next_tag
         size = size_of(tag)
         if size > self.capacity:
             raise self._too_large(size)
+        w = self._words
+        seq = w[_REQUEST_SEQ]
+        while self._pending and (seq + 1 - self._pending[0]._n) & _SEQ_MASK >= self.slots:
+            self._collect()  # a pending request's slot is about to be reused
+        if w[_CLOSED]:
+            raise _fail(grpc.StatusCode.UNAVAILABLE, "the ring was closed by the server")
         self._next_tag = tag % _TAG_CYCLE + 1
         deadline = time.monotonic() + self.timeout
-        seq = w[_REQUEST_SEQ]
-        self._wait(seq, deadline, False)
+        self._wait((seq + 1 - self.slots) & _SEQ_MASK, deadline, False)
         return tag, size, seq, deadline
+
+    def _collect(self):
+        """Reads the oldest pending request's answer into it (waiting for it until its deadline): its output
+        copied out of the response half, or its error. A closed ring fails it and every later one with
+        UNAVAILABLE (answers land in order: none of them can come)."""
+        p = self._pending[0]
+        if self._mm is None:
+            self._fail_pending(_fail(grpc.StatusCode.FAILED_PRECONDITION, "the ring is closed"))
+            return
+        try:
+            self._wait(p._n, p._deadline, True)
+        except AttndError as err:
+            if err.code is grpc.StatusCode.UNAVAILABLE:
+                self._fail_pending(err)
+            else:  # DEADLINE_EXCEEDED: abandoned; the next request's _start waits for its late answer
+                self._pending.popleft()._fail(err)
+            return
+        self._pending.popleft()
+        try:
+            p._value = self._v2_answer(*p._answer)
+        except AttndError as err:
+            p._error = err
+        p._done = True
+        p._answer = None
+
+    def _fail_pending(self, err):
+        while self._pending:
+            self._pending.popleft()._fail(err)
 
     def _too_large(self, size):
         return _fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -778,9 +923,11 @@ class Ring:
         self._fence_lock.release()
 
     def _wait(self, want, deadline, count):
-        """Waits until response_seq == want: spins self._spin seconds, then sleeps on the futex in slices."""
+        """Waits until response_seq reaches `want` (see _reach): spins self._spin seconds, then sleeps on the
+        futex in slices."""
         w = self._words
-        if w[_RESPONSE_SEQ] == want:
+        reach = self._reach
+        if (w[_RESPONSE_SEQ] - want) & _SEQ_MASK < reach:
             if count:
                 self.stats.answered_spinning += 1
             return
@@ -788,7 +935,7 @@ class Ring:
         spin_end = clock() + self._spin
         i = 0
         while True:
-            if w[_RESPONSE_SEQ] == want:
+            if (w[_RESPONSE_SEQ] - want) & _SEQ_MASK < reach:
                 if count:
                     self.stats.answered_spinning += 1
                 return
@@ -805,7 +952,7 @@ class Ring:
         try:
             while True:
                 seen = w[_RESPONSE_SEQ]
-                if seen == want:
+                if (seen - want) & _SEQ_MASK < reach:
                     if count:
                         self.stats.answered_sleeping += 1
                     return
@@ -824,6 +971,6 @@ class Ring:
         finally:
             w[_CLIENT_SLEEPING] = 0
         # Closed, but the answer may have landed just before: prefer it.
-        if error.code is grpc.StatusCode.UNAVAILABLE and w[_RESPONSE_SEQ] == want:
+        if error.code is grpc.StatusCode.UNAVAILABLE and (w[_RESPONSE_SEQ] - want) & _SEQ_MASK < reach:
             return
         raise error
