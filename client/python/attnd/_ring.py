@@ -93,6 +93,7 @@ def _fail(code, message):
 
 
 _U64 = struct.Struct("<Q")
+_I32 = struct.Struct("<i")
 # Tags cycle through 1..127 (one-byte varints, precomputed): at most MAX_SLOTS requests are in flight, so an
 # answer for any other request (a late one left in the slot, say) still shows as another tag.
 _TAG_CYCLE = 127
@@ -384,12 +385,9 @@ class Ring:
         self.capacity = half_bytes - LENGTH_BYTES
         self.size = HEADER_BYTES + 2 * slots * half_bytes
         # Slot s's request half starts at _request_offs[s], its response half half_bytes later.
+        # NOTE: a Ring keeps fewer than 30 instance attributes: from 30 on, CPython 3.11 stops sharing the
+        # instance's dict keys and every attribute load on the per-call path gets slower.
         self._request_offs = [HEADER_BYTES + 2 * s * half_bytes for s in range(slots)]
-        self._slot_mask = slots - 1
-        # _wait's test, response_seq - want (wrapping) < _reach: equal with one slot (one request in flight);
-        # with several, at or past want (later requests may be answered too; the words are compared in the
-        # half range of their wrap).
-        self._reach = 1 if slots == 1 else 0x80000000
         self._spin = spin_us * 1e-6
         self._slice = float(sleep_slice)
         self.timeout = float(timeout)
@@ -443,12 +441,10 @@ class Ring:
             struct.pack_into("<QIIQ", self._mm, 0, MAGIC, version, slots if slots > 1 else 0, half_bytes)
             self._mv = memoryview(self._mm)
             self._words = self._mv[:HEADER_BYTES].cast("I")
-            # Addresses for the futex calls: the mapping stays put until close(), which stops using them.
+            # The mapping's address, for the futex calls: it stays put until close(), which stops using it.
             probe = ctypes.c_char.from_buffer(self._mm)
             base = ctypes.addressof(probe)
             del probe
-            self._addr_request_seq = base + 4 * _REQUEST_SEQ
-            self._addr_response_seq = base + 4 * _RESPONSE_SEQ
             self._response_off = HEADER_BYTES + half_bytes
             self._base = base
             opened = client._call(client._stub.OpenRing, pb.OpenRingRequest(
@@ -702,13 +698,13 @@ class Ring:
         RingPending) queues it to be read later and returns it."""
         tag, size, seq, deadline = self._start(lambda _: frame.size)
         nxt = (seq + 1) & _SEQ_MASK
-        half = self._request_offs[nxt & self._slot_mask]
+        half = self._request_offs[nxt & (self.slots - 1)]
         base = half + LENGTH_BYTES
         mv = self._mv
         _U64.pack_into(self._mm, half, size)
         mv[base:base + len(frame.head)] = frame.head
-        struct.pack_into("<Q", self._mm, base + _V2_TAG_AT, tag)
-        struct.pack_into("<i", self._mm, base + _V2_LAYER_AT, int(layer))
+        _U64.pack_into(self._mm, base + _V2_TAG_AT, tag)
+        _I32.pack_into(self._mm, base + _V2_LAYER_AT, int(layer))
         inline = iter(frame.inline)
         for t in tensors:
             if not isinstance(t, _wire.RegionTensor):
@@ -733,18 +729,15 @@ class Ring:
                         % (n, _V2_RESPONSE.size, self.capacity))
         (magic, code, got_tag, got_op, rank, dtype, num_lengths, flags, msg_off, msg_bytes, o_off, o_bytes,
          lengths_off, *shape) = _V2_RESPONSE.unpack_from(self._mm, start)
-
-        def inside(at, count):
-            return at <= n and count <= n - at
-
         if magic != _V2_RESPONSE_MAGIC or got_tag != tag:
             raise _fail(grpc.StatusCode.INTERNAL, "the ring answered tag %d (magic %#x) for request tag %d"
                         % (got_tag, magic, tag))
+        # Every [offset, offset + bytes) must lie inside the frame's n bytes (checked without overflow).
         if code != 0:
             message = bytes(mv[start + msg_off:start + msg_off + msg_bytes]).decode("utf-8", "replace") \
-                if inside(msg_off, msg_bytes) else ""
+                if msg_off <= n and msg_bytes <= n - msg_off else ""
             raise AttndError(code, message)
-        if got_op != op or not inside(lengths_off, 8 * num_lengths) or num_lengths != num_seqs:
+        if got_op != op or lengths_off > n or 8 * num_lengths > n - lengths_off or num_lengths != num_seqs:
             raise _fail(grpc.StatusCode.INTERNAL, "the ring answered a %s with %d lengths to a %s of %d sequences"
                         % (_V2_OPS.get(got_op, got_op), num_lengths, _V2_OPS[op], num_seqs))
         lengths = np.frombuffer(self._mm, np.int64, num_lengths, start + lengths_off).tolist()
@@ -756,7 +749,7 @@ class Ring:
                 raise _fail(grpc.StatusCode.INTERNAL, "server returned the output's bytes instead of writing the "
                             "output region")
             return out, lengths
-        if flags & _V2_OUTPUT_IN_REGION or rank > _V2_MAX_RANK or not inside(o_off, o_bytes):
+        if flags & _V2_OUTPUT_IN_REGION or rank > _V2_MAX_RANK or o_off > n or o_bytes > n - o_off:
             raise _fail(grpc.StatusCode.INTERNAL, "the ring's answer has no output bytes where it says")
         data = bytes(mv[start + o_off:start + o_off + o_bytes])
         return _tensors.from_bytes(data, dtype, list(shape[:rank]), like), lengths
@@ -812,7 +805,8 @@ class Ring:
             raise _fail(grpc.StatusCode.UNAVAILABLE, "the ring was closed by the server")
         self._next_tag = tag % _TAG_CYCLE + 1
         deadline = time.monotonic() + self.timeout
-        self._wait((seq + 1 - self.slots) & _SEQ_MASK, deadline, False)
+        if w[_RESPONSE_SEQ] != seq:  # requests in flight (or abandoned): wait until this one fits
+            self._wait((seq + 1 - self.slots) & _SEQ_MASK, deadline, False)
         return tag, size, seq, deadline
 
     def _collect(self):
@@ -854,7 +848,7 @@ class Ring:
         w[_REQUEST_SEQ] = nxt  # release (x86-TSO): the request's bytes are visible before it
         self._fence()  # the store above before the load below (attnd stores server_sleeping, then loads ours)
         if w[_SERVER_SLEEPING]:
-            self._futex(_SYS_FUTEX, self._addr_request_seq, _FUTEX_WAKE, _INT32_MAX, None, None, 0)
+            self._futex(_SYS_FUTEX, self._base + 4 * _REQUEST_SEQ, _FUTEX_WAKE, _INT32_MAX, None, None, 0)
             self.stats.server_wakes += 1
         self.stats.round_trips += 1
 
@@ -923,10 +917,12 @@ class Ring:
         self._fence_lock.release()
 
     def _wait(self, want, deadline, count):
-        """Waits until response_seq reaches `want` (see _reach): spins self._spin seconds, then sleeps on the
-        futex in slices."""
+        """Waits until response_seq reaches `want`: spins self._spin seconds, then sleeps on the futex in slices.
+        Reached: response_seq - want (wrapping) < reach; with one slot (one request in flight) equal, with several
+        at or past want (later requests may be answered too; the words are compared in the half range of their
+        wrap)."""
         w = self._words
-        reach = self._reach
+        reach = 1 if self.slots == 1 else 0x80000000
         if (w[_RESPONSE_SEQ] - want) & _SEQ_MASK < reach:
             if count:
                 self.stats.answered_spinning += 1
@@ -966,7 +962,7 @@ class Ring:
                     break
                 us = max(1, int(min(self._slice, deadline - now) * 1e6))
                 self._ts.tv_sec, self._ts.tv_nsec = us // 1000000, (us % 1000000) * 1000
-                self._futex(_SYS_FUTEX, self._addr_response_seq, _FUTEX_WAIT, seen, ctypes.byref(self._ts),
+                self._futex(_SYS_FUTEX, self._base + 4 * _RESPONSE_SEQ, _FUTEX_WAIT, seen, ctypes.byref(self._ts),
                             None, 0)
         finally:
             w[_CLIENT_SLEEPING] = 0
