@@ -316,7 +316,7 @@ class Ring:
             out = ring.decode(layer, seqs, q, k, v)
 
         with client.ring(version=2, slots=4) as ring:  # up to 4 decodes in flight
-            pending = [ring.submit_decode(layer, seqs, q, k, v) for layer in range(4)]
+            pending = [ring.submit_decode(layer, b.seqs, b.q, b.k, b.v) for b in micro_batches]
             outs = [p.result() for p in pending]
 
     Args (Client.ring passes them):
