@@ -285,8 +285,9 @@ class RingServer::Ring {
       }
       taken_ = seq;
       last_active_us_.store(absl::ToUnixMicros(absl::Now()));
-      // Requests the client posted behind this one run with it where they can (one batch).
-      ServeOne(SlotOf(seq), seq, /*more_follow=*/seq != wait.seq);
+      // A decode the client posted another of the same layer behind runs with it where they fit
+      // (one batch).
+      ServeOne(SlotOf(seq), seq, seq != wait.seq ? PeekDecodeLayer(seq + 1) : std::nullopt);
       if (slot_count_ == 1) WaitInflightBelow(1, /*spin=*/true);
       if (broken_.load()) return;
       last_active_us_.store(absl::ToUnixMicros(absl::Now()));
@@ -294,6 +295,7 @@ class RingServer::Ring {
   }
 
   Slot* SlotOf(uint32_t seq) { return &slots_[ring::SlotOf(seq, slot_count_)]; }
+  const Slot* SlotOf(uint32_t seq) const { return &slots_[ring::SlotOf(seq, slot_count_)]; }
 
   // Marks request `seq` in flight in `slot` and clears what its previous request left there.
   void Take(Slot* slot, uint32_t seq) {
@@ -309,7 +311,28 @@ class RingServer::Ring {
 
   // Reads request `seq` out of `slot` and runs it; Answer (here or on the thread that completes
   // it) writes its response.
-  void ServeOne(Slot* slot, uint32_t seq, bool more_follow) {
+  // The layer of request `seq` if it is a decode frame, read in place before it is taken: a hint
+  // only (the client may still be writing it; what runs is what is copied out later).
+  std::optional<int32_t> PeekDecodeLayer(uint32_t seq) {
+    const Slot* slot = SlotOf(seq);
+    constexpr size_t kStart = offsetof(ring::v2::RequestHeader, layer) + sizeof(int32_t);
+    std::pair<const char*, uint64_t> length{slot->request_half, 0};
+    if (!RunGuarded(ReadLength, &length) || length.second < kStart || length.second > capacity_) {
+      return std::nullopt;
+    }
+    char start[kStart];
+    ReadArgs read{slot->request_half + ring::kLengthBytes, start, kStart};
+    if (!RunGuarded(ReadBytes, &read)) return std::nullopt;
+    uint16_t op;
+    int32_t layer;
+    std::memcpy(&op, start + offsetof(ring::v2::RequestHeader, op), sizeof(op));
+    std::memcpy(&layer, start + offsetof(ring::v2::RequestHeader, layer), sizeof(layer));
+    if (op != ring::v2::kDecode) return std::nullopt;
+    return layer;
+  }
+
+  // next_decode_layer: the layer of the decode the client posted right behind this request.
+  void ServeOne(Slot* slot, uint32_t seq, std::optional<int32_t> next_decode_layer) {
     Take(slot, seq);
     std::pair<const char*, uint64_t> length{slot->request_half, 0};
     if (!RunGuarded(ReadLength, &length)) {
@@ -344,7 +367,7 @@ class RingServer::Ring {
       return AnswerBroken(slot);
     }
     if (version_ == ring::v2::kVersion) {
-      return ServeFrame(slot, absl::string_view(slot->in.data.get(), n), more_follow);
+      return ServeFrame(slot, absl::string_view(slot->in.data.get(), n), next_decode_layer);
     }
     if (!slot->request.ParseFromArray(slot->in.data.get(), static_cast<int>(n))) {
       return Answer(slot, absl::InvalidArgumentError(
@@ -375,13 +398,13 @@ class RingServer::Ring {
 
   // A version 2 frame, copied out into the slot's buffer: parsed, then handed to the frame
   // handler.
-  void ServeFrame(Slot* slot, absl::string_view bytes, bool more_follow) {
+  void ServeFrame(Slot* slot, absl::string_view bytes, std::optional<int32_t> next_decode_layer) {
     RequestFrame& frame = slot->frame;
     slot->frame_tag = FrameTag(bytes);
     if (absl::Status s = ParseRequestFrame(bytes, &frame); !s.ok()) {
       return Answer(slot, std::move(s));
     }
-    frame.more_follow = more_follow;
+    frame.more_follow = frame.op == ring::v2::kDecode && next_decode_layer == frame.layer;
     slot->frame_op = frame.op;
     if (frame.device_ordered) {
       if (events_.ready == nullptr) {

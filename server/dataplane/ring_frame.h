@@ -50,8 +50,9 @@ struct RequestFrame {
   // already waited for "ready" on the host.
   const void* gate_word = nullptr;
   uint64_t gate_value = 0;
-  // RingServer sets it when the client has posted more requests behind this one (a ring of
-  // several slots): a decode then waits in the batcher for them (RequestContext::more_follow).
+  // RingServer sets it on a decode when the client has posted a decode of the same layer right
+  // behind it (a ring of several slots): it then waits in the batcher for that one
+  // (RequestContext::more_follow).
   bool more_follow = false;
 };
 

@@ -1162,15 +1162,6 @@ class LiveRingSlots(at.DaemonTestCase, unittest.TestCase):
             self.skipTest("this attnd takes one request at a time per ring (GetServerInfo().regions.max_ring_slots "
                           "is %d)" % most)
         self.slots = min(4, most)
-        # An attnd whose GetServerInfo says slots but whose OpenRing still reads a one-slot layout (its byte_size
-        # then gives halves S times too large) cannot serve these tests either.
-        try:
-            self.client.ring(version=2, slots=2, half_bytes=4096).close()
-        except attnd.AttndError as err:
-            if err.code is SC.INVALID_ARGUMENT and "says half_bytes" in err.message:
-                self.skipTest("this attnd says max_ring_slots %d but its OpenRing reads a one-slot layout (%s)"
-                              % (most, err.message))
-            raise
         m = self.info.model
         self.h, self.hkv, self.d, self.layers = m.num_q_heads, m.num_kv_heads, m.head_dim, m.num_layers
         self.rng = np.random.default_rng(13)
