@@ -1231,6 +1231,51 @@ class LiveRingSlots(at.DaemonTestCase, unittest.TestCase):
                 np.testing.assert_array_equal(got, want)
                 self.assertEqual(lengths, want_lengths)
 
+    def test_micro_batches_posted_together_run_as_one_batch(self):
+        rows, parts = 2, 4
+        a, b = self.twins(rows * parts)
+        with self.client.ring(version=2, slots=self.slots) as ring:
+            for step in range(2):
+                calls = [(a[i * rows:(i + 1) * rows],) + self.tokens((rows,), 3) for i in range(parts)]
+                before = self.client.info().decode_batching
+                pending = ring.submit_decodes(1, calls, return_lengths=True)
+                self.assertEqual(len(pending), parts)
+                got = [p.result() for p in pending]
+                after = self.client.info().decode_batching
+                self.assertEqual(after.batches - before.batches, 1, "the micro-batches ran apart")
+                self.assertEqual(after.entries - before.entries, rows * parts)
+                for i, (seqs, q, k, v) in enumerate(calls):
+                    want = self.client.decode(1, b[i * rows:(i + 1) * rows], q, k, v, return_lengths=True)
+                    np.testing.assert_array_equal(got[i][0], want[0], "step %d micro-batch %d" % (step, i))
+                    self.assertEqual(got[i][1], want[1])
+                    self.assertEqual(got[i][1], [5 + step + 1] * rows)
+            self.assertEqual(ring.stats.round_trips, 2 * parts)
+
+    def test_submit_decodes_posts_all_or_nothing(self):
+        rows = 2
+        a, b = self.twins(rows * 2)
+        with self.client.ring(version=2, slots=self.slots) as ring:
+            good = (a[:rows],) + self.tokens((rows,), 3)
+            q, k, v = self.tokens((rows,), 3)
+            bad = (a[rows:], q[:1], k, v)  # one q row for two sequences: refused before sending
+            posted = ring._words[0x40 // 4]
+            with self.assertRaises(attnd.AttndError) as ctx:
+                ring.submit_decodes(1, [good, bad])
+            self.assertIs(ctx.exception.code, SC.INVALID_ARGUMENT)
+            self.assertEqual(ring._words[0x40 // 4], posted, "a refused micro-batch left the others posted")
+            self.assertEqual(ring.stats.round_trips, 0)
+            for refused in ([], [good] * (self.slots + 1), [("only seqs",)]):
+                with self.assertRaises(attnd.AttndError) as ctx:
+                    ring.submit_decodes(1, refused)
+                self.assertIs(ctx.exception.code, SC.INVALID_ARGUMENT)
+            # Nothing ran: the next decode finds every sequence where its unary twin is.
+            q, k, v = self.tokens((2 * rows,), 3)
+            got, lengths = ring.decode(1, a, q, k, v, return_lengths=True)
+            want, want_lengths = self.client.decode(1, b, q, k, v, return_lengths=True)
+            np.testing.assert_array_equal(got, want)
+            self.assertEqual(lengths, want_lengths)
+            self.assertEqual(lengths, [5 + 1] * (2 * rows))
+
     def test_more_slots_than_the_server_takes_are_refused(self):
         most = self.info.regions.max_ring_slots
         if most * 2 > 16:

@@ -369,6 +369,8 @@ class Ring:
         self.version = version
         self.slots = slots
         self._pending = collections.deque()  # RingPending posted by submit_decode, not read yet, oldest first
+        # While submit_decodes writes its micro-batches: the last one written, not yet posted (else None).
+        self._unposted = None
         self._events = None  # (ready, done): torch CUDA events opened from attnd's handles
         self._frames = {}  # _Frame by the request's shape (version 2)
         # The last plain version 2 call (inline numpy tensors, no regions): (its signature, its frame, dtypes),
@@ -556,6 +558,42 @@ class Ring:
         if isinstance(seqs, str):
             seqs = [seqs]
         return self._v2(_V2_DECODE, layer, seqs, q, k, v, q_layout, out, None, RingPending(self, return_lengths))
+
+    def submit_decodes(self, layer, batches, return_lengths=False, q_layout="variants"):
+        """Several micro-batches of one layer posted together (version 2): each of `batches` is (seqs, q, k, v) or
+        (seqs, q, k, v, out) as submit_decode() takes them. All are written into their slots first and then
+        posted with one store, so attnd runs them as one batch where they fit (micro-batches posted one by one
+        may start apart). At most `slots` of them; the oldest pending answers are read first as far as room
+        needs. A micro-batch refused before sending (bad arguments, too large) raises and leaves none of them
+        posted. -> [RingPending], one per micro-batch."""
+        if self.version != VERSION_FRAMES:
+            raise _fail(grpc.StatusCode.FAILED_PRECONDITION,
+                        "submit_decodes needs a version %d ring (binary frames); this ring is version %d"
+                        % (VERSION_FRAMES, self.version))
+        batches = list(batches)
+        if not 1 <= len(batches) <= self.slots:
+            raise invalid_argument("submit_decodes takes 1 to %d micro-batches (the ring's slots), got %d"
+                                   % (self.slots, len(batches)))
+        while len(self._pending) + len(batches) > self.slots:
+            self._collect()
+        made = []
+        self._unposted = self._words[_REQUEST_SEQ]
+        try:
+            for b in batches:
+                if not isinstance(b, (tuple, list)) or len(b) not in (4, 5):
+                    raise invalid_argument("a micro-batch is (seqs, q, k, v) or (seqs, q, k, v, out), got %r"
+                                           % (type(b).__name__,))
+                out = b[4] if len(b) == 5 else None
+                made.append(self.submit_decode(layer, b[0], b[1], b[2], b[3], return_lengths, q_layout, out))
+        except BaseException:
+            for _ in made:  # written, never posted: their slots are written over by the next requests
+                self._pending.pop()
+            self.stats.round_trips -= len(made)
+            self._unposted = None
+            raise
+        last, self._unposted = self._unposted, None
+        self._publish(last)
+        return made
 
     def _decode_packed(self, layer, seqs, q, k, v, return_lengths, q_layout):
         """The common decode (numpy q, k, v of one wire dtype, C-contiguous, [B, ...]; B equal-length ASCII ids;
@@ -798,7 +836,7 @@ class Ring:
         if size > self.capacity:
             raise self._too_large(size)
         w = self._words
-        seq = w[_REQUEST_SEQ]
+        seq = w[_REQUEST_SEQ] if self._unposted is None else self._unposted
         while self._pending and (seq + 1 - self._pending[0]._n) & _SEQ_MASK >= self.slots:
             self._collect()  # a pending request's slot is about to be reused
         if w[_CLOSED]:
@@ -843,14 +881,21 @@ class Ring:
                      "a prefill needs about T * (5 Hq + 2 Hkv) * D * dtype bytes)" % (size, self.capacity))
 
     def _post(self, nxt):
-        """Publishes request `nxt` and rings the doorbell if attnd sleeps."""
+        """Publishes request `nxt` (or, inside submit_decodes, leaves it for one store after the last)."""
+        self.stats.round_trips += 1
+        if self._unposted is not None:
+            self._unposted = nxt
+            return
+        self._publish(nxt)
+
+    def _publish(self, nxt):
+        """request_seq = nxt (posting every request written up to it); rings the doorbell if attnd sleeps."""
         w = self._words
         w[_REQUEST_SEQ] = nxt  # release (x86-TSO): the request's bytes are visible before it
         self._fence()  # the store above before the load below (attnd stores server_sleeping, then loads ours)
         if w[_SERVER_SLEEPING]:
             self._futex(_SYS_FUTEX, self._base + 4 * _REQUEST_SEQ, _FUTEX_WAKE, _INT32_MAX, None, None, 0)
             self.stats.server_wakes += 1
-        self.stats.round_trips += 1
 
     def _own(self, result):
         """A numpy output that is a view of the response half, copied out (the next request overwrites it)."""
