@@ -750,7 +750,7 @@ absl::Status RingClient::SubmitDecodes(int32_t layer,
 
 absl::StatusOr<std::vector<DecodeResult>> RingClient::AwaitDecode() {
   if (pending_.empty()) return absl::FailedPreconditionError("no decode is submitted");
-  const Pending pending = std::move(pending_.front());
+  Pending pending = std::move(pending_.front());
   pending_.pop_front();
   ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, AwaitFrame(pending));
   ATTND_ASSIGN_OR_RETURN(FrameReply reply, ReadReply(bytes, pending.tag, pending.op));
@@ -776,7 +776,7 @@ absl::StatusOr<std::vector<DecodeResult>> RingClient::AwaitDecode() {
     r.o.dtype = dtype;
     r.o.shape = {rh.shape[1], rh.shape[2]};
     if (in_region) {
-      r.o_region = pending.outputs[i];
+      r.o_region = std::move(pending.outputs[i]);
     } else {
       r.o.data.assign(reply.o.data() + i * row, row);  // the one copy out of the ring
     }
