@@ -1276,15 +1276,6 @@ class LiveRingSlots(at.DaemonTestCase, unittest.TestCase):
             self.assertEqual(lengths, want_lengths)
             self.assertEqual(lengths, [5 + 1] * (2 * rows))
 
-    def test_more_slots_than_the_server_takes_are_refused(self):
-        most = self.info.regions.max_ring_slots
-        if most * 2 > 16:
-            self.skipTest("this attnd takes %d slots: the client refuses more than 16 itself" % most)
-        with self.assertRaises(attnd.AttndError) as ctx:
-            self.client.ring(version=2, slots=most * 2)
-        self.assertIs(ctx.exception.code, SC.FAILED_PRECONDITION)
-        self.assertIn("open the ring with slots=%d or fewer" % most, ctx.exception.message)
-
 
 class RingClosedByTheDaemon(unittest.TestCase):
     """A daemon that reclaims idle rings after a second, then stops: UNAVAILABLE both times."""
