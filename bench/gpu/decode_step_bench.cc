@@ -6,6 +6,7 @@
 //
 //   decode_step_bench [--context 4096] [--batches 1,8,32,128] [--iters 300] [--capture-layers 28]
 //                     [--kv-dtype bf16 | int8 | fp8 | bf16,int8,fp8]
+//                     [--inputs host | device] [--q-layout variants | pre_rotary]
 //
 // A step is what the server's decode path costs a batch: Engine::Decode, host-timed from the call
 // to its return (copy the entries and page tables into pinned slots, then either one graph replay
@@ -15,9 +16,16 @@
 // rewrites the same KV slot), so lengths stay fixed. Median and p99 of --iters steps after a
 // warm-up. Two engines: graphs on and off (--disable-cuda-graphs), same inputs.
 //
+// --inputs device puts every entry's q, k, v and output in device memory of the engine's GPU, as a
+// client's CUDA IPC regions reach the engine: the step is then the kernels alone (no host staging,
+// no copy back), so the difference to --inputs host is what staging costs. --q-layout pre_rotary
+// sends q [Hq, D] and k before the rotary, as a model runtime does (the engine rotates them).
+//
 // Also the start-up cost of graphs at the full model depth: engines with --capture-layers layers
 // created with and without graphs (wall time, and the engine's own log line with the graph count,
 // capture time and device memory).
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -46,6 +54,9 @@ ABSL_FLAG(std::string, batches, "1,8,32,128", "decode batch sizes to time");
 ABSL_FLAG(int32_t, iters, 300, "timed steps per batch size and mode");
 ABSL_FLAG(int32_t, capture_layers, 28, "layers of the start-up cost engines (0 = skip)");
 ABSL_FLAG(std::string, kv_dtype, "bf16", "KV dtypes to time, comma-separated: bf16, int8, fp8");
+ABSL_FLAG(std::string, inputs, "host",
+          "where the decode entries' q, k, v and outputs live: host or device (the engine's GPU)");
+ABSL_FLAG(std::string, q_layout, "variants", "decode q layout: variants or pre_rotary");
 
 namespace attnd {
 namespace {
@@ -57,10 +68,14 @@ constexpr int kHq = kBenchHq, kHkv = kBenchHkv, kD = kBenchD, kPage = kBenchPage
   std::exit(1);
 }
 
-CudaEngineOptions Options(int32_t layers, int64_t pages, bool graphs,
-                          DType kv_dtype = DType::kBf16) {
+CudaEngineOptions Options(int32_t layers, int64_t pages, bool graphs, DType kv_dtype = DType::kBf16,
+                          bool rotary = false) {
   CudaEngineOptions o;
   o.geometry = Qwen7bGeometry();
+  if (rotary) {  // Qwen2.5-7B-1M's (rope_theta 1e7 on every dim): the engine takes pre-rotary rows
+    o.geometry.rope_theta = 10000000.0;
+    o.geometry.rotary_dim = kD;
+  }
   o.layout.num_layers = layers;
   o.layout.num_kv_heads = kHkv;
   o.layout.head_dim = kD;
@@ -112,6 +127,19 @@ int Main() {
                      : name == "int8" ? DType::kInt8
                                       : DType::kFp8E4m3);
   }
+  const std::string inputs = absl::GetFlag(FLAGS_inputs);
+  const std::string q_layout_name = absl::GetFlag(FLAGS_q_layout);
+  if ((inputs != "host" && inputs != "device") ||
+      (q_layout_name != "variants" && q_layout_name != "pre_rotary")) {
+    std::fprintf(stderr,
+                 "decode_step_bench: --inputs takes host or device and --q-layout variants or "
+                 "pre_rotary, got \"%s\" and \"%s\"\n",
+                 inputs.c_str(), q_layout_name.c_str());
+    return 2;
+  }
+  const bool on_device = inputs == "device";
+  const bool pre_rotary = q_layout_name == "pre_rotary";
+  const int64_t q_rows = pre_rotary ? 1 : 3;
   const int32_t max_b = *std::max_element(batches.begin(), batches.end());
   const int64_t pages_per_seq = (context + kPage - 1) / kPage;
   const int64_t pages = max_b * pages_per_seq + 16;
@@ -128,14 +156,38 @@ int Main() {
   const std::vector<uint16_t> pv = RandomBf16(prompt * kHkv * kD, &rng);
   std::vector<std::vector<uint16_t>> dq, dk, dv;
   for (int i = 0; i < max_b; ++i) {
-    dq.push_back(RandomBf16(3 * kHq * kD, &rng));
+    dq.push_back(RandomBf16(q_rows * kHq * kD, &rng));
     dk.push_back(RandomBf16(kHkv * kD, &rng));
     dv.push_back(RandomBf16(kHkv * kD, &rng));
   }
   std::vector<float> out(static_cast<size_t>(max_b) * kHq * kD);
+  // --inputs device: the same values in one device buffer per tensor kind, entry i at row i.
+  const int64_t q_n = q_rows * kHq * kD, kv_n = int64_t{kHkv} * kD;
+  uint16_t *d_q = nullptr, *d_k = nullptr, *d_v = nullptr;
+  float* d_out = nullptr;
+  if (on_device) {
+    const auto device_copy = [&](const std::vector<std::vector<uint16_t>>& rows, int64_t n,
+                                 uint16_t** dst) {
+      if (cudaMalloc(dst, static_cast<size_t>(max_b) * n * 2) != cudaSuccess) return false;
+      for (int i = 0; i < max_b; ++i) {
+        if (cudaMemcpy(*dst + i * n, rows[i].data(), n * 2, cudaMemcpyHostToDevice) != cudaSuccess)
+          return false;
+      }
+      return true;
+    };
+    if (!device_copy(dq, q_n, &d_q) || !device_copy(dk, kv_n, &d_k) ||
+        !device_copy(dv, kv_n, &d_v) ||
+        cudaMalloc(&d_out, out.size() * sizeof(float)) != cudaSuccess) {
+      std::fprintf(stderr, "decode_step_bench: device inputs: %s\n",
+                   cudaGetErrorString(cudaGetLastError()));
+      return 1;
+    }
+  }
 
-  std::printf("decode_step_bench: context %lld, one layer, 7B geometry, %d steps per point\n",
-              static_cast<long long>(context), iters);
+  std::printf(
+      "decode_step_bench: context %lld, one layer, 7B geometry, %d steps per point, %s inputs, "
+      "%s q\n",
+      static_cast<long long>(context), iters, inputs.c_str(), q_layout_name.c_str());
   std::printf("%-6s %-6s %-5s %12s %12s %14s\n", "batch", "mode", "kv", "p50_us", "p99_us",
               "tokens_per_s");
   // results[dtype index][mode]
@@ -144,7 +196,7 @@ int Main() {
   for (size_t di = 0; di < dtypes.size(); ++di)
     for (int mode = 0; mode < 2; ++mode) {
       const bool graphs = mode == 0;
-      auto engine = CreateCudaEngine(Options(1, pages, graphs, dtypes[di]));
+      auto engine = CreateCudaEngine(Options(1, pages, graphs, dtypes[di], pre_rotary));
       if (!engine.ok()) Die("create", engine.status());
       std::vector<uint8_t> pout(static_cast<size_t>(prompt) * kHq * kD * 2);
       for (int i = 0; i < max_b; ++i) {
@@ -167,11 +219,22 @@ int Main() {
           e.page_table = perm.data() + i * pages_per_seq;
           e.num_pages = pages_per_seq;
           e.length = context;
-          e.q = TensorView{DType::kBf16, dq[i].data(), {3, kHq, kD}};
-          e.k = TensorView{DType::kBf16, dk[i].data(), {kHkv, kD}};
-          e.v = TensorView{DType::kBf16, dv[i].data(), {kHkv, kD}};
-          e.out = out.data() + static_cast<size_t>(i) * kHq * kD;
+          const std::vector<int64_t> q_shape =
+              pre_rotary ? std::vector<int64_t>{kHq, kD} : std::vector<int64_t>{3, kHq, kD};
+          if (on_device) {
+            e.q = TensorView{DType::kBf16, d_q + i * q_n, q_shape, true};
+            e.k = TensorView{DType::kBf16, d_k + i * kv_n, {kHkv, kD}, true};
+            e.v = TensorView{DType::kBf16, d_v + i * kv_n, {kHkv, kD}, true};
+            e.out = d_out + static_cast<size_t>(i) * kHq * kD;
+            e.out_on_device = true;
+          } else {
+            e.q = TensorView{DType::kBf16, dq[i].data(), q_shape};
+            e.k = TensorView{DType::kBf16, dk[i].data(), {kHkv, kD}};
+            e.v = TensorView{DType::kBf16, dv[i].data(), {kHkv, kD}};
+            e.out = out.data() + static_cast<size_t>(i) * kHq * kD;
+          }
           e.out_dtype = DType::kFp32;
+          e.q_layout = pre_rotary ? QLayout::kPreRotary : QLayout::kVariants;
           job.entries.push_back(e);
         }
         std::vector<double> us;
