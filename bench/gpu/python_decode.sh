@@ -5,6 +5,7 @@
 # 32 and 4K context timed end to end from Python (bench/python/encode_bench.py: Client.decode, the
 # bare gRPC call, the entries form) and from attnctl bench in the same run. Target
 # (docs/BENCHMARKS.md): encoding <= 100 us at batch 32; Python unary decode <= 1.2x the C++ client's.
+# Both clients send the same call: q [B, 3, Hq, D] (the variants a decode reads), k and v [B, Hkv, D].
 # Build and bundle here:
 #   bazel build //server:attnd //client:attnctl
 #   script/gpu-bundle .gpu bazel-bin/server/attnd bazel-bin/client/attnctl

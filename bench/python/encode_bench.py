@@ -2,10 +2,14 @@
 """Python client cost of a decode call: encoding the request and decoding the answer per call, in the entries
 form (one DecodeEntry / DecodeOutput per sequence, built in a Python loop) and the packed form that
 Client.decode sends (one q, k, v and o tensor per batch), at batch 1, 16, 32, 128, 7B geometry (28 q / 4 kv
-heads, head_dim 128, bf16, 5 variants); with --target, unary Client.decode timed end to end against a running
-attnd at --batch (its geometry).
+heads, head_dim 128, bf16, --variants query variants); with --target, unary Client.decode timed end to end
+against a running attnd at --batch (its geometry).
 
     python3 bench/python/encode_bench.py [--target HOST:PORT] [--batch 32] [--context 256] [--calls 200]
+                                         [--variants 3]
+
+--variants: the query variants each decode entry carries, 3 (what a decode reads, and what attnctl bench sends:
+the same call as the C++ client's) or 5 (the prefill layout, which decode also accepts).
 
 Runs from a source checkout (stubs generated as the tests do, or ATTND_PYTHON_STUBS from a GPU bundle).
 Compare the end-to-end figure with the C++ client's on the same daemon:
@@ -37,19 +41,19 @@ def per_call_us(fn, min_seconds=0.5):
             return elapsed / n * 1e6
 
 
-def encode_table(hq=28, hkv=4, d=128):
+def encode_table(variants, hq=28, hkv=4, d=128):
     from attnd._client import _decode_output
     from attnd._tensors import Like
     rng = np.random.default_rng(1)
     bf = pb.DTYPE_BF16
     like = Like("numpy", np_dtype=np.dtype(np.uint16))
-    print("one Decode call's client work, 7B geometry bf16 (q [B, 5, %d, %d], k/v [B, %d, %d]), us per call:" %
-          (hq, d, hkv, d))
+    print("one Decode call's client work, 7B geometry bf16 (q [B, %d, %d, %d], k/v [B, %d, %d]), us per call:" %
+          (variants, hq, d, hkv, d))
     print("encode (to the bytes gRPC sends) and decode of the answer, entries form (a per-entry loop) and")
     print("packed form (one tensor per kind)")
     print("%6s %14s %14s %14s %14s" % ("batch", "encode loop", "encode packed", "decode loop", "decode packed"))
     for n in (1, 16, 32, 128):
-        q = rng.integers(0, 1 << 16, (n, 5, hq, d)).astype(np.uint16)
+        q = rng.integers(0, 1 << 16, (n, variants, hq, d)).astype(np.uint16)
         k = rng.integers(0, 1 << 16, (n, hkv, d)).astype(np.uint16)
         v = rng.integers(0, 1 << 16, (n, hkv, d)).astype(np.uint16)
         o = rng.integers(0, 1 << 16, (n, hq, d)).astype(np.uint16)
@@ -84,7 +88,7 @@ def encode_table(hq=28, hkv=4, d=128):
                                                    per_call_us(parse(packed_resp))))
 
 
-def end_to_end(target, batch, context, calls):
+def end_to_end(target, batch, context, calls, variants):
     client = attnd.Client(target, timeout=120)
     info = client.info()
     m = info.model
@@ -97,7 +101,7 @@ def end_to_end(target, batch, context, calls):
             for start in range(0, context, 4096):
                 t = min(4096, context - start)
                 client.prefill(s, 0, bits((t, 5, h, d)), bits((t, hkv, d)), bits((t, hkv, d)), prompt_len=context)
-        q, k, v = bits((batch, 5, h, d)), bits((batch, hkv, d)), bits((batch, hkv, d))
+        q, k, v = bits((batch, variants, h, d)), bits((batch, hkv, d)), bits((batch, hkv, d))
         from attnd._client import _decode_request, _decode_output
         bf = pb.DTYPE_BF16
         packed_body = _decode_request(0, seqs, q, k, v)[0].tobytes()
@@ -121,8 +125,8 @@ def end_to_end(target, batch, context, calls):
                 times.append(time.perf_counter() - t0)
             return np.array(times) * 1e3
 
-        print("end to end (%s, %s, %s): unary Decode, batch %d, context %d, %d calls, layer 0, bf16" %
-              (target, info.backend, "%d/%d/%d heads/kv/dim" % (h, hkv, d), batch, context, calls))
+        print("end to end (%s, %s, %s): unary Decode, batch %d, context %d, %d calls, layer 0, bf16, q [B, %d, %d, %d]" %
+              (target, info.backend, "%d/%d/%d heads/kv/dim" % (h, hkv, d), batch, context, calls, variants, h, d))
         for name, fn in (("Client.decode (packed)", lambda: client.decode(0, seqs, q, k, v)),
                          ("gRPC call alone (packed bytes)", lambda: client._call(client._decode, packed_body, None)),
                          ("entries form (per-entry loop)", entries_decode)):
@@ -142,10 +146,12 @@ def main():
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--variants", type=int, choices=(3, 5), default=3,
+                   help="query variants per decode entry (3: what a decode reads and attnctl bench sends)")
     args = p.parse_args()
-    encode_table()
+    encode_table(args.variants)
     if args.target:
-        end_to_end(args.target, args.batch, args.context, args.calls)
+        end_to_end(args.target, args.batch, args.context, args.calls, args.variants)
 
 
 if __name__ == "__main__":
