@@ -291,8 +291,10 @@ absl::StatusOr<uint32_t> RingClient::Post(uint64_t size, absl::Time deadline, Wr
     return absl::ResourceExhaustedError(
         absl::StrCat("request of ", size, " bytes exceeds the ring's ", capacity(), "-byte half"));
   }
-  // 1. Room: the slot's previous request answered (one abandoned past its deadline too).
+  // 1. Room: the slot's previous request answered (one abandoned past its deadline too), and
+  // read out if it is a submitted decode (its answer's half is the next one's).
   const uint32_t next = h->request_seq.load(std::memory_order_relaxed) + 1 + ahead;  // wraps
+  KeepAnswersOfSlot(next);
   ATTND_RETURN_IF_ERROR(WaitResponse(next - slot_count(), deadline, /*count=*/false));
   // 2. The request, its length first.
   uint8_t* half = buffer_->data() +
@@ -330,15 +332,17 @@ absl::StatusOr<absl::string_view> RingClient::Exchange(uint64_t size, Write&& wr
   return Await(seq, deadline);
 }
 
-absl::Status RingClient::NothingSubmitted(absl::string_view call) const {
-  if (pending_.empty()) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat(call, " waits for its own answer, which would come after the ", pending_.size(),
-                   " submitted decode(s): collect them with AwaitDecode first"));
+void RingClient::KeepAnswersOfSlot(uint32_t next) {
+  for (Pending& p : pending_) {
+    // Posted at least a ring's worth of slots before `next` (wrapping): in next's slot or older.
+    if (p.result.has_value() ||
+        static_cast<int32_t>(next - p.seq) < static_cast<int32_t>(slot_count()))
+      continue;
+    p.result = CollectDecode(p);
+  }
 }
 
 absl::StatusOr<v1::SessionResponse> RingClient::RoundTrip(const v1::SessionRequest& request) {
-  ATTND_RETURN_IF_ERROR(NothingSubmitted("RoundTrip"));
   if (options_.version == ring::v2::kVersion) {
     return absl::FailedPreconditionError(
         "RoundTrip sends a SessionRequest, which a version 1 ring carries; this ring carries "
@@ -752,6 +756,11 @@ absl::StatusOr<std::vector<DecodeResult>> RingClient::AwaitDecode() {
   if (pending_.empty()) return absl::FailedPreconditionError("no decode is submitted");
   Pending pending = std::move(pending_.front());
   pending_.pop_front();
+  if (pending.result.has_value()) return *std::move(pending.result);
+  return CollectDecode(pending);
+}
+
+absl::StatusOr<std::vector<DecodeResult>> RingClient::CollectDecode(Pending& pending) {
   ATTND_ASSIGN_OR_RETURN(absl::string_view bytes, AwaitFrame(pending));
   ATTND_ASSIGN_OR_RETURN(FrameReply reply, ReadReply(bytes, pending.tag, pending.op));
   ATTND_ASSIGN_OR_RETURN(DType dtype, ReplyDType(reply.header));
@@ -786,7 +795,6 @@ absl::StatusOr<std::vector<DecodeResult>> RingClient::AwaitDecode() {
 }
 
 absl::StatusOr<PrefillResult> RingClient::Prefill(const PrefillInput& input) {
-  ATTND_RETURN_IF_ERROR(NothingSubmitted("Prefill"));
   if (options_.version == ring::v2::kVersion) return PrefillV2(input);
   v1::SessionRequest request;
   request.set_tag(next_tag_++);
@@ -818,10 +826,13 @@ absl::StatusOr<PrefillResult> RingClient::Prefill(const std::string& sequence_id
 
 absl::StatusOr<std::vector<DecodeResult>> RingClient::Decode(
     int32_t layer, const std::vector<DecodeInput>& entries) {
-  ATTND_RETURN_IF_ERROR(NothingSubmitted("Decode"));
   if (options_.version == ring::v2::kVersion) {
-    ATTND_RETURN_IF_ERROR(SubmitDecode(layer, entries));
-    return AwaitDecode();
+    FramePlan plan;
+    ATTND_RETURN_IF_ERROR(PlanDecodeFrame(layer, entries, next_tag_++, &plan));
+    ATTND_ASSIGN_OR_RETURN(Pending pending, PostFrame(&plan));
+    pending.outputs.reserve(entries.size());
+    for (const DecodeInput& e : entries) pending.outputs.push_back(e.output_region);
+    return CollectDecode(pending);
   }
   v1::SessionRequest request;
   request.set_tag(next_tag_++);

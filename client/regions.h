@@ -182,16 +182,18 @@ class RingClient {
   // A decode posted without waiting for its answer (a version 2 ring; the entries as Decode's,
   // copied into the ring before it returns): up to RingOptions::slots at once, collected with
   // AwaitDecode in the order submitted. FAILED_PRECONDITION when as many as the ring's slots are
-  // uncollected already, or on a version 1 ring. While decodes are uncollected, Decode and
-  // Prefill are refused (FAILED_PRECONDITION): their answers would come after them.
+  // uncollected already, or on a version 1 ring. Decode and Prefill may run while decodes are
+  // uncollected (a prefill beside a decode step, as continuous batching does): each waits for its
+  // own answer, and a submitted decode whose slot it needs is read out first and kept for
+  // AwaitDecode.
   absl::Status SubmitDecode(int32_t layer, const std::vector<DecodeInput>& entries);
   // Several micro-batches of one layer at once: all are checked first (nothing is sent when one
   // is refused), then written into their slots and posted together, so attnd takes them as one
   // batch where they fit. At most RingOptions::slots uncollected in all.
   absl::Status SubmitDecodes(int32_t layer,
                              const std::vector<std::vector<DecodeInput>>& micro_batches);
-  // The oldest submitted decode's answer, waiting for it (as Decode's result). FAILED_PRECONDITION
-  // when none is submitted.
+  // The oldest submitted decode's answer, waiting for it unless it was read out already (as
+  // Decode's result). FAILED_PRECONDITION when none is submitted.
   absl::StatusOr<std::vector<DecodeResult>> AwaitDecode();
   size_t submitted() const { return pending_.size(); }
 
@@ -219,6 +221,8 @@ class RingClient {
     bool ordered = false;  // on the device: its stream waits for "done" once answered
     absl::Time deadline;
     std::vector<std::optional<v1::RegionRef>> outputs;  // a decode's entries' output regions
+    // A submitted decode's answer, read out of its slot before a later request reused it.
+    std::optional<absl::StatusOr<std::vector<DecodeResult>>> result;
   };
   uint32_t slot_count() const { return ring::SlotCount(options_.slots); }
   // Waits until response_seq has reached `want` (wrapping); the status says why not.
@@ -240,8 +244,11 @@ class RingClient {
   template <typename Plan>
   absl::StatusOr<Pending> PostFrame(Plan* plan, uint32_t ahead = 0, bool publish = true);
   absl::StatusOr<absl::string_view> AwaitFrame(const Pending& pending);
-  // FAILED_PRECONDITION while submitted decodes are uncollected.
-  absl::Status NothingSubmitted(absl::string_view call) const;
+  // A decode frame's answer as Decode's result.
+  absl::StatusOr<std::vector<DecodeResult>> CollectDecode(Pending& pending);
+  // Before request `next` is written: reads out the answer of each submitted decode whose slot it
+  // reuses (kept in Pending::result), so that the write never overwrites an uncollected answer.
+  void KeepAnswersOfSlot(uint32_t next);
   absl::StatusOr<PrefillResult> PrefillV2(const PrefillInput& input);
 
   std::unique_ptr<ShmBuffer> buffer_;
