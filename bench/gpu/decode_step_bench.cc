@@ -73,6 +73,7 @@ CudaEngineOptions Options(int32_t layers, int64_t pages, bool graphs, DType kv_d
   CudaEngineOptions o;
   o.geometry = Qwen7bGeometry();
   if (rotary) {  // Qwen2.5-7B-1M's (rope_theta 1e7 on every dim): the engine takes pre-rotary rows
+    o.geometry.chunk_size = 262144;
     o.geometry.rope_theta = 10000000.0;
     o.geometry.rotary_dim = kD;
   }
