@@ -175,13 +175,13 @@ struct DecodeStageRow {
   // 1: a pre-rotary row (rotary_cuda.h, LaunchDecodeRotary): its q slot holds q [Hq, D] and its k
   // slot k [Hkv, D], both before the rotary, in q_dtype / k_dtype. The rotary kernel, launched
   // before this one, wrote the row's three bf16 variants into `q` and its rotated key as fp32 into
-  // the k slot, so the stage leaves q alone and reads k as fp32.
+  // CudaDecodeStageParams::rotated_k, so the stage leaves q alone and reads k from there.
   int32_t rotary = 0;
   // Device rows (CUDA IPC regions, docs/regions.md): tensors in device memory of the launching
   // device are read in place, any alignment of their dtype. Null: the row's pinned slot. A device
   // q is the row's first three variants, variant rows q_pitch bytes apart ([Hq, D] for a
   // pre-rotary row, read by the rotary kernel); a device k of a pre-rotary row is read by the
-  // rotary kernel, which still leaves the rotated key in the k slot.
+  // rotary kernel, which leaves the rotated key in rotated_k.
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
@@ -210,6 +210,9 @@ struct CudaDecodeStageParams {
   int32_t* lengths = nullptr;        // device [batch]
   Bf16* q = nullptr;                 // device [batch, 3, num_q_heads, head_dim]
   DecodeRowOut* row_outs = nullptr;  // device [batch], or null: not written
+  // Device [batch, num_kv_heads, head_dim] fp32: the pre-rotary rows' rotated keys
+  // (CudaDecodeRotaryParams::k_out). Null only when no row is pre-rotary.
+  const float* rotated_k = nullptr;
   int32_t num_q_heads = 0;
   int32_t batch = 0;
   int64_t original_max_position_embeddings = 0;

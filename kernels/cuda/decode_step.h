@@ -34,6 +34,7 @@ struct CudaDecodeStepLayout {
   size_t host_q = 0, host_k = 0, host_v = 0;  // offsets of the slots in the pinned block
   size_t host_bytes = 0;
   size_t device_q = 0;  // offset of q in the device block (lengths at 0)
+  size_t device_k = 0;  // offset of the pre-rotary rows' rotated keys (fp32) in the device block
   size_t device_bytes = 0;
   size_t table_bytes = 0;   // each of the pinned and the device tables
   size_t output_bytes = 0;  // the pinned output

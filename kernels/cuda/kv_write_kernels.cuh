@@ -296,7 +296,8 @@ __device__ __forceinline__ void DecodeStage(PagedKvBatch kvb, const DecodeStageR
                                             const char* host_k, const char* host_v,
                                             int64_t q_row_bytes, int64_t kv_row_bytes,
                                             int32_t* lengths, Bf16* q, DecodeRowOut* row_outs,
-                                            int32_t num_q_heads, int64_t orig, float* kv_rows) {
+                                            int32_t num_q_heads, int64_t orig, float* kv_rows,
+                                            const float* rotated_k) {
   cuda_common::StepKernelEntry();
   const int32_t r = blockIdx.y;
   __shared__ DecodeStageRow row;
@@ -319,7 +320,7 @@ __device__ __forceinline__ void DecodeStage(PagedKvBatch kvb, const DecodeStageR
   const int32_t* host_table = host_tables + r * stride;
   const int D = kvb.head_dim;
   const int64_t q_elems = int64_t{3} * num_q_heads * D, kv_elems = int64_t{kvb.num_kv_heads} * D;
-  // A pre-rotary row's q is already in place and its k slot holds the rotated key as fp32.
+  // A pre-rotary row's q is already in place and its rotated key is in rotated_k as fp32.
   const int k_dtype = row.rotary != 0 ? static_cast<int>(DType::kFp32) : row.k_dtype;
   const int64_t n_q = row.rotary != 0 ? 0 : q_elems * DTypeBytes(row.q_dtype) / 16;
   const int64_t n_t = (row.num_pages + 3) / 4;
@@ -332,12 +333,13 @@ __device__ __forceinline__ void DecodeStage(PagedKvBatch kvb, const DecodeStageR
   const PageIndexer pages(kvb.page_size);
   const float key_scale = LengthScale(row.length, orig);
   // Where the row's pieces come from: its pinned slots, or its device tensors. q's variant rows
-  // may be apart (a device q's pitch); a slot's are dense. A pre-rotary row's key is in its slot.
+  // may be apart (a device q's pitch); a slot's are dense. A pre-rotary row's key is in rotated_k.
   const int64_t q_variant_bytes = int64_t{num_q_heads} * D * DTypeBytes(row.q_dtype);
   const char* q_src = row.q != nullptr ? static_cast<const char*>(row.q) : host_q + r * q_row_bytes;
   const int64_t q_pitch = row.q != nullptr ? row.q_pitch : q_variant_bytes;
-  const char* k_src = row.k != nullptr && row.rotary == 0 ? static_cast<const char*>(row.k)
-                                                          : host_k + r * kv_row_bytes;
+  const char* k_src = row.rotary != 0 ? reinterpret_cast<const char*>(rotated_k + r * kv_elems)
+                                      : (row.k != nullptr ? static_cast<const char*>(row.k)
+                                                          : host_k + r * kv_row_bytes);
   const char* v_src =
       row.v != nullptr ? static_cast<const char*>(row.v) : host_v + r * kv_row_bytes;
   for (int64_t base = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; base < total;
@@ -408,18 +410,20 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
     DecodeStageKernel(PagedKvBatch kvb, const DecodeStageRow* rows, const int32_t* host_tables,
                       const char* host_q, const char* host_k, const char* host_v,
                       int64_t q_row_bytes, int64_t kv_row_bytes, int32_t* lengths, Bf16* q,
-                      DecodeRowOut* row_outs, int32_t num_q_heads, int64_t orig) {
+                      DecodeRowOut* row_outs, int32_t num_q_heads, int64_t orig,
+                      const float* rotated_k) {
   DecodeStage<false>(kvb, rows, host_tables, host_q, host_k, host_v, q_row_bytes, kv_row_bytes,
-                     lengths, q, row_outs, num_q_heads, orig, nullptr);
+                     lengths, q, row_outs, num_q_heads, orig, nullptr, rotated_k);
 }
 __global__ void __launch_bounds__(kDecodeStageThreads)
     DecodeStageFloatRowsKernel(PagedKvBatch kvb, const DecodeStageRow* rows,
                                const int32_t* host_tables, const char* host_q, const char* host_k,
                                const char* host_v, int64_t q_row_bytes, int64_t kv_row_bytes,
                                int32_t* lengths, Bf16* q, DecodeRowOut* row_outs,
-                               int32_t num_q_heads, int64_t orig, float* kv_rows) {
+                               int32_t num_q_heads, int64_t orig, float* kv_rows,
+                               const float* rotated_k) {
   DecodeStage<true>(kvb, rows, host_tables, host_q, host_k, host_v, q_row_bytes, kv_row_bytes,
-                    lengths, q, row_outs, num_q_heads, orig, kv_rows);
+                    lengths, q, row_outs, num_q_heads, orig, kv_rows, rotated_k);
 }
 
 __global__ void ConvertToBf16Kernel(const void* src, int dtype, int64_t n, Bf16* dst) {

@@ -34,7 +34,7 @@ absl::Status LaunchDecodeRotary(const DcaGeometry& g, const CudaDecodeRotaryPara
                                 cudaStream_t stream) {
   if (absl::Status s = CheckRotaryGeometry(g); !s.ok()) return s;
   if (p.rows == nullptr || p.host_q == nullptr || p.host_k == nullptr || p.q == nullptr ||
-      p.inv_freq == nullptr || p.batch < 0 || p.batch > 65535 ||
+      p.k_out == nullptr || p.inv_freq == nullptr || p.batch < 0 || p.batch > 65535 ||
       p.kv_row_bytes < int64_t{g.num_kv_heads} * g.head_dim * 4 ||
       p.q_row_bytes < int64_t{g.num_q_heads} * g.head_dim * 4) {
     return absl::InvalidArgumentError("decode rotary: bad params");

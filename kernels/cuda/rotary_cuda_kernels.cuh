@@ -120,7 +120,8 @@ inline constexpr int kDecodeRotaryHeadsPerBlock = 4;
 
 // Grid: (batch, ceil(num_q_heads / kDecodeRotaryHeadsPerBlock)), 256 threads; dynamic shared
 // memory: 2 * 3 * half floats, then (block y = 0, which also rotates the key) the row's raw key as
-// fp32 (num_kv_heads * head_dim floats), read before the slot is overwritten.
+// fp32 (num_kv_heads * head_dim floats), read once (each rotated element needs two of them, and a
+// host row's key is a PCIe read away).
 __global__ void DecodeRotaryKernel(DecodeRotaryArgs a) {
   cuda_common::StepKernelEntry();
   extern __shared__ float smem[];
@@ -134,11 +135,11 @@ __global__ void DecodeRotaryKernel(DecodeRotaryArgs a) {
   float* raw_k = smem + 2 * kNv * half;
   const int64_t pos = row.length - 1;
   FillCosSin(kNv, pos, half, a.chunk_size, a.chunk_len, a.p.inv_freq, cos_v, sin_v);
-  // A device row's q and k are read in place; the rotated key always goes to the row's k slot.
+  // A device row's q and k are read in place, a host row's from its slots.
   const char* qrow = row.q != nullptr ? static_cast<const char*>(row.q)
                                       : static_cast<const char*>(a.p.host_q) + r * a.p.q_row_bytes;
-  char* krow = static_cast<char*>(a.p.host_k) + r * a.p.kv_row_bytes;
-  const void* k_src = row.k != nullptr ? row.k : krow;
+  const void* k_src =
+      row.k != nullptr ? row.k : static_cast<const char*>(a.p.host_k) + r * a.p.kv_row_bytes;
   const bool does_key = blockIdx.y == 0;
   const int kv_elems = a.num_kv_heads * d;
   for (int e = threadIdx.x; does_key && e < kv_elems; e += blockDim.x) {
@@ -161,8 +162,8 @@ __global__ void DecodeRotaryKernel(DecodeRotaryArgs a) {
     const float x = cuda_common::LoadAsFloat(qrow, row.q_dtype, h * d + i);
     for (int v = 0; v < kNv; ++v) out[v * row_elems + h * d + i] = __float2bfloat16_rn(x);
   }
-  // The key by the intra position, as fp32 into its own slot (the stage reads it from there).
-  float* kout = reinterpret_cast<float*>(krow);
+  // The key by the intra position, as fp32 into k_out (the stage reads it from there).
+  float* kout = a.p.k_out + static_cast<int64_t>(r) * kv_elems;
   for (int e = threadIdx.x; does_key && e < kv_elems; e += blockDim.x) {
     const int h = e / d, i = e - h * d;
     const float* k = raw_k + h * d;
