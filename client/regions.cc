@@ -715,6 +715,11 @@ absl::Status PlanDecodeFrame(int32_t layer, const std::vector<DecodeInput>& entr
 
 }  // namespace
 
+void RingClient::KeepOutputRegions(const std::vector<DecodeInput>& entries, Pending* pending) {
+  pending->outputs.reserve(entries.size());
+  for (const DecodeInput& e : entries) pending->outputs.push_back(e.output_region);
+}
+
 absl::Status RingClient::SubmitDecode(int32_t layer, const std::vector<DecodeInput>& entries) {
   return SubmitDecodes(layer, {entries});
 }
@@ -745,8 +750,7 @@ absl::Status RingClient::SubmitDecodes(int32_t layer,
       pending_.resize(pending_.size() - i);
       return pending.status();
     }
-    pending->outputs.reserve(micro_batches[i].size());
-    for (const DecodeInput& e : micro_batches[i]) pending->outputs.push_back(e.output_region);
+    KeepOutputRegions(micro_batches[i], &*pending);
     pending_.push_back(*std::move(pending));
   }
   return absl::OkStatus();
@@ -830,8 +834,7 @@ absl::StatusOr<std::vector<DecodeResult>> RingClient::Decode(
     FramePlan plan;
     ATTND_RETURN_IF_ERROR(PlanDecodeFrame(layer, entries, next_tag_++, &plan));
     ATTND_ASSIGN_OR_RETURN(Pending pending, PostFrame(&plan));
-    pending.outputs.reserve(entries.size());
-    for (const DecodeInput& e : entries) pending.outputs.push_back(e.output_region);
+    KeepOutputRegions(entries, &pending);
     return CollectDecode(pending);
   }
   v1::SessionRequest request;

@@ -244,6 +244,9 @@ class RingClient {
   template <typename Plan>
   absl::StatusOr<Pending> PostFrame(Plan* plan, uint32_t ahead = 0, bool publish = true);
   absl::StatusOr<absl::string_view> AwaitFrame(const Pending& pending);
+  // Keeps the entries' output regions in `pending`: a decode answered in place hands them back in
+  // its results.
+  static void KeepOutputRegions(const std::vector<DecodeInput>& entries, Pending* pending);
   // A decode frame's answer as Decode's result.
   absl::StatusOr<std::vector<DecodeResult>> CollectDecode(Pending& pending);
   // Before request `next` is written: reads out the answer of each submitted decode whose slot it

@@ -102,15 +102,31 @@ class PlayedServer:
     def futex_wake(self, offset):
         self.syscall(202, self.base + offset, 1, 0x7FFFFFFF, None, None, 0)
 
+    def request_seq_past(self, seen):
+        """request_seq once it has moved past `seen`; else None, after sleeping on its futex (as attnd does) for
+        up to 50 ms."""
+        seq = word(self.ring, REQUEST_SEQ)
+        if seq != seen:
+            return seq
+        set_word(self.ring, SERVER_SLEEPING, 1)
+        if word(self.ring, REQUEST_SEQ) == seen:
+            self.futex_wait(REQUEST_SEQ, seen, 0.05)
+        set_word(self.ring, SERVER_SLEEPING, 0)
+        return None
+
+    def publish(self, off, body, seq):
+        """Writes answer `body` (length first) at `off`, moves response_seq to seq and wakes a sleeping client."""
+        struct.pack_into("<Q", self.ring._mm, off, len(body))
+        self.ring._mm[off + 8:off + 8 + len(body)] = body
+        set_word(self.ring, RESPONSE_SEQ, seq)
+        if word(self.ring, CLIENT_SLEEPING):
+            self.futex_wake(RESPONSE_SEQ)
+
     def run(self):
         last = word(self.ring, REQUEST_SEQ)
         while not self.stop:
-            seq = word(self.ring, REQUEST_SEQ)
-            if seq == last:
-                set_word(self.ring, SERVER_SLEEPING, 1)
-                if word(self.ring, REQUEST_SEQ) == last:
-                    self.futex_wait(REQUEST_SEQ, last, 0.05)
-                set_word(self.ring, SERVER_SLEEPING, 0)
+            seq = self.request_seq_past(last)
+            if seq is None:
                 continue
             last = seq
             request = pb.SessionRequest.FromString(request_bytes(self.ring))
@@ -119,13 +135,7 @@ class PlayedServer:
             response = self.answer(request)
             if response is None:
                 continue
-            body = response.SerializeToString()
-            off = HEADER + self.ring.half_bytes
-            struct.pack_into("<Q", self.ring._mm, off, len(body))
-            self.ring._mm[off + 8:off + 8 + len(body)] = body
-            set_word(self.ring, RESPONSE_SEQ, seq)
-            if word(self.ring, CLIENT_SLEEPING):
-                self.futex_wake(RESPONSE_SEQ)
+            self.publish(HEADER + self.ring.half_bytes, response.SerializeToString(), seq)
 
     def close(self):
         self.stop = True
@@ -468,12 +478,8 @@ class PlayedSlotServer(PlayedServer):
     def serve(self):
         answered = word(self.ring, RESPONSE_SEQ)
         while not self.stop:
-            seq = word(self.ring, REQUEST_SEQ)
-            if seq == answered:
-                set_word(self.ring, SERVER_SLEEPING, 1)
-                if word(self.ring, REQUEST_SEQ) == answered:
-                    self.futex_wait(REQUEST_SEQ, answered, 0.05)
-                set_word(self.ring, SERVER_SLEEPING, 0)
+            seq = self.request_seq_past(answered)
+            if seq is None:
                 continue
             if (seq - word(self.ring, RESPONSE_SEQ)) & SEQ_MASK > self.slots:
                 self.violations.append((seq, word(self.ring, RESPONSE_SEQ)))
@@ -489,12 +495,7 @@ class PlayedSlotServer(PlayedServer):
             answered = n
             if body is None:
                 continue
-            off = at + self.half
-            struct.pack_into("<Q", self.ring._mm, off, len(body))
-            self.ring._mm[off + 8:off + 8 + len(body)] = body
-            set_word(self.ring, RESPONSE_SEQ, n)
-            if word(self.ring, CLIENT_SLEEPING):
-                self.futex_wake(RESPONSE_SEQ)
+            self.publish(at + self.half, body, n)
 
 
 class Slots(unittest.TestCase):
