@@ -4,7 +4,7 @@
 // CUDA graph, Qwen2.5-7B-1M geometry, bf16 inputs in pinned host memory, sequences of --context
 // tokens on shuffled pages of a pool sized like decode_step_bench's.
 //
-//   decode_launch_bench [--context 4096] [--batches 1,8] [--iters 2000]
+//   decode_launch_bench [--context 4096] [--batches 1,8] [--iters 2000] [--min_split_keys 256,64]
 //
 // Per batch size and mode, medians over --iters steps of:
 //   enqueue   host time of the launch calls (eager: the three kernel launches with their argument
@@ -30,6 +30,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "bench/gpu/bench_util.h"
 #include "bench/gpu/decode_bench_common.h"
 #include "kernels/cuda/dca_cuda.h"
@@ -37,6 +39,9 @@
 ABSL_FLAG(int64_t, context, 4096, "tokens in each sequence");
 ABSL_FLAG(std::string, batches, "1,8", "decode batch sizes");
 ABSL_FLAG(int32_t, iters, 2000, "timed steps per batch size and mode");
+ABSL_FLAG(std::string, min_split_keys, "0",
+          "fewest keys in a decode split, comma-separated (each a multiple of 64, 0 = the "
+          "kernels' default): one plan each");
 
 namespace attnd {
 namespace {
@@ -70,7 +75,15 @@ int Main() {
   const int64_t max_length = pages * kPage;
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
-  const CudaKernelPlan plan = CHECK_OK_VALUE(CudaKernelPlan::Create(g, device));
+  std::vector<CudaKernelPlan> plans;
+  for (absl::string_view v : absl::StrSplit(absl::GetFlag(FLAGS_min_split_keys), ',')) {
+    CudaKernelPlanOptions o;
+    if (!absl::SimpleAtoi(v, &o.decode_min_split_keys)) {
+      std::fprintf(stderr, "decode_launch_bench: --min_split_keys takes integers\n");
+      return 2;
+    }
+    plans.push_back(CHECK_OK_VALUE(CudaKernelPlan::Create(g, device, o)));
+  }
 
   const size_t token_elems = static_cast<size_t>(kHkv) * kD;
   Bf16 *k_pool = nullptr, *v_pool = nullptr;
@@ -109,9 +122,11 @@ int Main() {
   float* h_out = nullptr;
   CHECK_CUDA(cudaMallocHost(&h_out, max_b * kHq * kD * 4));
   size_t workspace = 0;
-  for (int b = 1; b <= max_b; ++b) {
-    const int32_t splits = plan.DecodeSplits(b, max_length);
-    workspace = std::max(workspace, plan.DecodeWorkspaceFloats(b, splits));
+  for (const CudaKernelPlan& plan : plans) {
+    for (int b = 1; b <= max_b; ++b) {
+      const int32_t splits = plan.DecodeSplits(b, max_length);
+      workspace = std::max(workspace, plan.DecodeWorkspaceFloats(b, splits));
+    }
   }
   float* d_work = nullptr;
   CHECK_CUDA(cudaMalloc(&d_work, workspace * 4));
@@ -132,86 +147,88 @@ int Main() {
   std::printf("decode_launch_bench: context %lld, 7B geometry, %d steps per point\n",
               static_cast<long long>(context), iters);
   std::printf("floor: a one-element kernel, launch + sync, median %.1f us\n", Median(floor_us));
-  std::printf("batch  mode    enqueue_us  step_us  device_us\n");
+  std::printf("min_keys  batch  splits  mode    enqueue_us  step_us  device_us\n");
 
-  for (int32_t b : batches) {
-    PagedKvBatch kvb;
-    kvb.k = k_pool;
-    kvb.v = v_pool;
-    kvb.page_tables = d_tables;
-    kvb.page_table_stride = stride;
-    kvb.page_size = kPage;
-    kvb.num_kv_heads = kHkv;
-    kvb.head_dim = kD;
-    CudaDecodeStageParams sp;
-    sp.kv = kvb;
-    sp.rows = rows;
-    sp.host_tables = h_tables;
-    sp.host_q = h_q;
-    sp.host_k = h_k;
-    sp.host_v = h_v;
-    sp.q_row_bytes = q_row;
-    sp.kv_row_bytes = kv_row;
-    sp.lengths = d_len;
-    sp.q = d_q;
-    sp.num_q_heads = kHq;
-    sp.batch = b;
-    sp.original_max_position_embeddings = g.original_max_position_embeddings;
-    CudaDecodeParams dp;
-    dp.kv = kvb;
-    dp.lengths = d_len;
-    dp.q = d_q;
-    dp.out = h_out;
-    dp.out_dtype = DType::kFp32;
-    dp.batch = b;
-    dp.max_splits = plan.DecodeSplits(b, max_length);
-    dp.partial_out = d_work;
-    dp.partial_lse = d_work + static_cast<size_t>(b) * kHq * dp.max_splits * kD;
-    auto enqueue = [&] {
-      CHECK_OK(LaunchDecodeStage(sp, stream));
-      CHECK_OK(LaunchDcaDecode(plan, dp, stream));
-    };
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    enqueue();
-    CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-    CHECK_CUDA(cudaGraphUpload(exec, stream));
-    for (const bool use_graph : {true, false}) {
-      std::vector<double> enq, step, dev;
-      for (int i = 0; i < iters + 50; ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        if (use_graph) {
-          CHECK_CUDA(cudaGraphLaunch(exec, stream));
-        } else {
-          enqueue();
+  for (const CudaKernelPlan& plan : plans)
+    for (int32_t b : batches) {
+      PagedKvBatch kvb;
+      kvb.k = k_pool;
+      kvb.v = v_pool;
+      kvb.page_tables = d_tables;
+      kvb.page_table_stride = stride;
+      kvb.page_size = kPage;
+      kvb.num_kv_heads = kHkv;
+      kvb.head_dim = kD;
+      CudaDecodeStageParams sp;
+      sp.kv = kvb;
+      sp.rows = rows;
+      sp.host_tables = h_tables;
+      sp.host_q = h_q;
+      sp.host_k = h_k;
+      sp.host_v = h_v;
+      sp.q_row_bytes = q_row;
+      sp.kv_row_bytes = kv_row;
+      sp.lengths = d_len;
+      sp.q = d_q;
+      sp.num_q_heads = kHq;
+      sp.batch = b;
+      sp.original_max_position_embeddings = g.original_max_position_embeddings;
+      CudaDecodeParams dp;
+      dp.kv = kvb;
+      dp.lengths = d_len;
+      dp.q = d_q;
+      dp.out = h_out;
+      dp.out_dtype = DType::kFp32;
+      dp.batch = b;
+      dp.max_splits = plan.DecodeSplits(b, max_length);
+      dp.partial_out = d_work;
+      dp.partial_lse = d_work + static_cast<size_t>(b) * kHq * dp.max_splits * kD;
+      auto enqueue = [&] {
+        CHECK_OK(LaunchDecodeStage(sp, stream));
+        CHECK_OK(LaunchDcaDecode(plan, dp, stream));
+      };
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      enqueue();
+      CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+      CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+      CHECK_CUDA(cudaGraphUpload(exec, stream));
+      for (const bool use_graph : {true, false}) {
+        std::vector<double> enq, step, dev;
+        for (int i = 0; i < iters + 50; ++i) {
+          const auto t0 = std::chrono::steady_clock::now();
+          if (use_graph) {
+            CHECK_CUDA(cudaGraphLaunch(exec, stream));
+          } else {
+            enqueue();
+          }
+          const double e = UsSince(t0);
+          CHECK_CUDA(cudaStreamSynchronize(stream));
+          const double s = UsSince(t0);
+          // Device time in a separate step (recording events would add to the host-timed one).
+          CHECK_CUDA(cudaEventRecord(e0, stream));
+          if (use_graph) {
+            CHECK_CUDA(cudaGraphLaunch(exec, stream));
+          } else {
+            enqueue();
+          }
+          CHECK_CUDA(cudaEventRecord(e1, stream));
+          CHECK_CUDA(cudaEventSynchronize(e1));
+          float ms = 0;
+          CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+          if (i < 50) continue;  // warm-up
+          enq.push_back(e);
+          step.push_back(s);
+          dev.push_back(ms * 1000.0);
         }
-        const double e = UsSince(t0);
-        CHECK_CUDA(cudaStreamSynchronize(stream));
-        const double s = UsSince(t0);
-        // Device time in a separate step (recording events would add to the host-timed one).
-        CHECK_CUDA(cudaEventRecord(e0, stream));
-        if (use_graph) {
-          CHECK_CUDA(cudaGraphLaunch(exec, stream));
-        } else {
-          enqueue();
-        }
-        CHECK_CUDA(cudaEventRecord(e1, stream));
-        CHECK_CUDA(cudaEventSynchronize(e1));
-        float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-        if (i < 50) continue;  // warm-up
-        enq.push_back(e);
-        step.push_back(s);
-        dev.push_back(ms * 1000.0);
+        std::printf("%-8d  %-5d  %-6d  %-6s  %10.1f  %7.1f  %9.1f\n", plan.DecodeMinSplitKeys(), b,
+                    dp.max_splits, use_graph ? "graph" : "eager", Median(enq), Median(step),
+                    Median(dev));
       }
-      std::printf("%-5d  %-6s  %10.1f  %7.1f  %9.1f\n", b, use_graph ? "graph" : "eager",
-                  Median(enq), Median(step), Median(dev));
+      CHECK_CUDA(cudaGraphExecDestroy(exec));
+      CHECK_CUDA(cudaGraphDestroy(graph));
     }
-    CHECK_CUDA(cudaGraphExecDestroy(exec));
-    CHECK_CUDA(cudaGraphDestroy(graph));
-  }
   return 0;
 }
 

@@ -57,6 +57,8 @@ ABSL_FLAG(std::string, kv_dtype, "bf16", "KV dtypes to time, comma-separated: bf
 ABSL_FLAG(std::string, inputs, "host",
           "where the decode entries' q, k, v and outputs live: host or device (the engine's GPU)");
 ABSL_FLAG(std::string, q_layout, "variants", "decode q layout: variants or pre_rotary");
+ABSL_FLAG(int32_t, decode_min_split_keys, 0,
+          "fewest keys in a decode split (a multiple of 64; 0 = the kernels' default)");
 
 namespace attnd {
 namespace {
@@ -85,6 +87,7 @@ CudaEngineOptions Options(int32_t layers, int64_t pages, bool graphs, DType kv_d
   o.layout.num_pages = pages;
   o.max_decode_batch = 256;
   o.cuda_graphs = graphs;
+  o.decode_min_split_keys = absl::GetFlag(FLAGS_decode_min_split_keys);
   return o;
 }
 

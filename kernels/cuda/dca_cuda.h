@@ -172,16 +172,15 @@ struct DecodeStageRow {
   int32_t q_dtype = 0;  // static_cast<int32_t>(DType)
   int32_t k_dtype = 0;
   int32_t v_dtype = 0;
-  // 1: a pre-rotary row (rotary_cuda.h, LaunchDecodeRotary): its q slot holds q [Hq, D] and its k
-  // slot k [Hkv, D], both before the rotary, in q_dtype / k_dtype. The rotary kernel, launched
-  // before this one, wrote the row's three bf16 variants into `q` and its rotated key as fp32 into
-  // CudaDecodeStageParams::rotated_k, so the stage leaves q alone and reads k from there.
+  // 1: a pre-rotary row: its q slot holds q [Hq, D] and its k slot k [Hkv, D], both before the
+  // rotary, in q_dtype / k_dtype. The stage applies the dual-chunk rotary
+  // (CudaDecodeStageParams::rotary) on the way: the three bf16 variants of q, each by its
+  // position, and the key by the intra position before it is scaled and appended.
   int32_t rotary = 0;
   // Device rows (CUDA IPC regions, docs/regions.md): tensors in device memory of the launching
   // device are read in place, any alignment of their dtype. Null: the row's pinned slot. A device
   // q is the row's first three variants, variant rows q_pitch bytes apart ([Hq, D] for a
-  // pre-rotary row, read by the rotary kernel); a device k of a pre-rotary row is read by the
-  // rotary kernel, which leaves the rotated key in rotated_k.
+  // pre-rotary row).
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
@@ -210,9 +209,15 @@ struct CudaDecodeStageParams {
   int32_t* lengths = nullptr;        // device [batch]
   Bf16* q = nullptr;                 // device [batch, 3, num_q_heads, head_dim]
   DecodeRowOut* row_outs = nullptr;  // device [batch], or null: not written
-  // Device [batch, num_kv_heads, head_dim] fp32: the pre-rotary rows' rotated keys
-  // (CudaDecodeRotaryParams::k_out). Null only when no row is pre-rotary.
-  const float* rotated_k = nullptr;
+  // The dual-chunk rotary of pre-rotary rows (kernels/dual_chunk_rotary.h: positions, fp32 angle,
+  // fp64 sincos rounded to fp32, as the prefill's LaunchDualChunkRotary). inv_freq null: the
+  // model has no rotary, and no row may be pre-rotary.
+  struct Rotary {
+    const float* inv_freq = nullptr;  // device [half]
+    int32_t half = 0;                 // rotary_dim / 2
+    int64_t chunk_size = 0;
+    int64_t chunk_len = 0;
+  } rotary;
   int32_t num_q_heads = 0;
   int32_t batch = 0;
   int64_t original_max_position_embeddings = 0;
@@ -287,15 +292,22 @@ struct CudaKernelPlanOptions {
   // The pool's element type, kBf16, kInt8 or kFp8E4m3: the decode kernel whose occupancy sets the
   // ring depth and split-K plan (the one-byte kernels' shared memory differs).
   DType kv_dtype = DType::kBf16;
+  // Fewest keys in a decode split (a multiple of 64, 64..65536; 0 = kMinSplitKeys): a row shorter
+  // than max_splits times this runs on fewer, longer splits.
+  int32_t decode_min_split_keys = 0;
 };
+
+// Fewest keys in a decode split unless the plan says otherwise (CudaKernelPlanOptions): two
+// 64-key tiles. A short row then spreads over more multiprocessors, each block's load latency
+// shorter, for a few more partials to merge (docs/BENCHMARKS.md has the 64 / 128 / 256 sweep).
+inline constexpr int32_t kMinSplitKeys = 128;
 
 // The split-K rule for `batch` sequences of up to max_length keys when `blocks_per_sm` decode
 // blocks fit on each of `num_sms` multiprocessors: as many splits as keep every (batch x kv head x
-// split) block resident in one wave, at least 1, at most 1024, with at least the kernels' minimum
-// keys per split (256) at max_length. CudaKernelPlan::DecodeSplits applies it; so does the tuning
-// lab.
+// split) block resident in one wave, at least 1, at most 1024, with at least min_split_keys keys
+// per split at max_length. CudaKernelPlan::DecodeSplits applies it; so does the tuning lab.
 int32_t DecodeSplitsFor(const DcaGeometry& geometry, int32_t num_sms, int32_t blocks_per_sm,
-                        int32_t batch, int64_t max_length);
+                        int32_t batch, int64_t max_length, int32_t min_split_keys = kMinSplitKeys);
 
 // Everything about the launches that depends on the device and the geometry, decided once: the
 // prefill kernel, the decode ring depth per batch size and its split-K plan (from the occupancy the
@@ -322,8 +334,10 @@ class CudaKernelPlan {
   // occupancy calculator reports it.
   int32_t DecodeBlocksPerSm(int32_t stages) const { return stages == 3 ? blocks_s3_ : blocks_s2_; }
   // Split-K plan: as many splits as keep every (batch x kv head x split) block resident in one
-  // wave, at least 1, with at least 256 keys per split at max_length.
+  // wave, at least 1, with at least DecodeMinSplitKeys() keys per split at max_length.
   int32_t DecodeSplits(int32_t batch, int64_t max_length) const;
+  // Fewest keys in a split of any row (the kernels' and the reduction's split rule).
+  int32_t DecodeMinSplitKeys() const { return decode_min_split_keys_; }
   // Workspace floats a decode of (batch, max_splits) needs: partial_out then partial_lse.
   size_t DecodeWorkspaceFloats(int32_t batch, int32_t max_splits) const;
 
@@ -333,6 +347,7 @@ class CudaKernelPlan {
   int32_t num_sms_ = 0;
   PrefillKernel prefill_ = PrefillKernel::kWgmma;
   int32_t decode_stages_ = 0;
+  int32_t decode_min_split_keys_ = kMinSplitKeys;
   DType kv_dtype_ = DType::kBf16;
   int32_t blocks_s2_ = 1;
   int32_t blocks_s3_ = 1;

@@ -507,21 +507,25 @@ struct DecodeArgsOf {
   float scale_log2;    // softmax_scale * log2(e); times s(L) per sequence
   float* partial_out;  // [batch, Hq, max_splits, D]
   float* partial_lse;  // [batch, Hq, max_splits], log2 domain; -inf = empty split
+  int32_t min_split_keys = kMinSplitKeys;  // the plan's (CudaKernelPlan::DecodeMinSplitKeys)
 };
+
 using DecodeArgs = DecodeArgsOf<Bf16>;
 
-// Keys per split of a row of L keys: ceil(L / max_splits), at least kMinSplitKeys, rounded up to
-// the kernel's tile. Splits are a prefix: split s has keys iff s < DecodeLiveSplits. The minimum
-// keeps short rows to a few full splits, so the reduction reads a few partials, not max_splits
-// (which is planned for the longest sequence the pool holds).
-constexpr int32_t kMinSplitKeys = 256;
-__device__ __forceinline__ int32_t DecodeSplitLen(int32_t len, int32_t max_splits, int32_t tile) {
-  const int32_t per_split = max((len + max_splits - 1) / max_splits, kMinSplitKeys);
+// Keys per split of a row of L keys: ceil(L / max_splits), at least min_keys, rounded up to the
+// kernel's tile. Splits are a prefix: split s has keys iff s < DecodeLiveSplits. The minimum keeps
+// short rows to a few full splits, so the reduction reads a few partials, not max_splits (which is
+// planned for the longest sequence the pool holds); a smaller one spreads a short row over more
+// multiprocessors (less latency per block, more partials to merge).
+__device__ __forceinline__ int32_t DecodeSplitLen(int32_t len, int32_t max_splits, int32_t tile,
+                                                  int32_t min_keys) {
+  const int32_t per_split = max((len + max_splits - 1) / max_splits, min_keys);
   return (per_split + tile - 1) / tile * tile;
 }
-__device__ __forceinline__ int32_t DecodeLiveSplits(int32_t len, int32_t max_splits, int32_t tile) {
+__device__ __forceinline__ int32_t DecodeLiveSplits(int32_t len, int32_t max_splits, int32_t tile,
+                                                    int32_t min_keys) {
   if (len < 1) return 0;
-  const int32_t split_len = DecodeSplitLen(len, max_splits, tile);
+  const int32_t split_len = DecodeSplitLen(len, max_splits, tile, min_keys);
   return min(max_splits, (len + split_len - 1) / split_len);
 }
 
@@ -875,7 +879,7 @@ __device__ __forceinline__ void DcaDecodePipeBody(const DecodeArgsOf<KvT> a, Pro
 
   const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int32_t len = a.lengths[b];
-  const int32_t split_len = DecodeSplitLen(len, a.max_splits, BN);
+  const int32_t split_len = DecodeSplitLen(len, a.max_splits, BN, a.min_split_keys);
   const int32_t k_begin = split * split_len;
   const int32_t k_end = min(len, k_begin + split_len);
   if (k_begin >= k_end) {  // empty split (or a length-0 padding row): mark it and leave
@@ -1177,36 +1181,114 @@ __global__ void __launch_bounds__(Warps * 32) DcaDecodePipeKernel(const DecodeAr
   DcaDecodePipeBody<D, Warps, Stages, KvT>(a, probe);
 }
 
-// grid (batch, num_q_heads), block D threads: out = sum_s w_s * partial_out_s with
+// grid (batch, num_q_heads), block kDecodeReduceThreads: out = sum_s w_s * partial_out_s with
 // w_s = 2^(lse_s - max) / sum over the row's live splits (DecodeLiveSplits with the split kernel's
-// tile), skipping empty ones. A row with a row_outs entry is stored there, in its dtype.
+// tile and minimum), skipping empty ones. A row with a row_outs entry is stored there, in its
+// dtype. Latency-bound at small batches (a few blocks, each a chain of loads): the weights are
+// computed once into shared memory by the whole block, then groups of D / 4 threads (a float4
+// each) take every kGroups-th split, four loads in flight per thread, and the groups' sums meet in
+// shared memory. A single thread walking the splits in order waited out one load per split.
+inline constexpr int kDecodeReduceThreads = 256;
+inline constexpr int kDecodeReduceMaxSplits = 1024;  // DecodeSplitsFor's ceiling
 template <int D>
-__global__ void __launch_bounds__(D)
+__global__ void __launch_bounds__(kDecodeReduceThreads)
     DcaDecodeReduceKernel(const float* partial_out, const float* partial_lse,
-                          const int32_t* lengths, int max_splits, int split_tile, void* out,
-                          int out_dtype, const DecodeRowOut* row_outs = nullptr) {
+                          const int32_t* lengths, int max_splits, int split_tile,
+                          int min_split_keys, void* out, int out_dtype,
+                          const DecodeRowOut* row_outs = nullptr) {
+  constexpr int kT = kDecodeReduceThreads, kWarps = kT / 32;
+  constexpr int kLanes = D / 4, kGroups = kT / kLanes;  // threads per split row, rows at once
+  static_assert(kT % kLanes == 0, "a whole number of split rows per pass");
+  __shared__ float weight[kDecodeReduceMaxSplits];
+  __shared__ float4 sums[kGroups][kLanes];
+  __shared__ float red[kWarps];
   cuda_common::StepKernelEntry();
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int64_t slot = static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y;
-  const int live = DecodeLiveSplits(lengths[blockIdx.x], max_splits, split_tile);
+  const int live = min(kDecodeReduceMaxSplits, DecodeLiveSplits(lengths[blockIdx.x], max_splits,
+                                                                split_tile, min_split_keys));
   const float* lse = partial_lse + slot * max_splits;
-  float mx = -CUDART_INF_F;
-  for (int s = 0; s < live; ++s) mx = fmaxf(mx, lse[s]);
-  float wsum = 0.f, acc = 0.f;
-  for (int s = 0; s < live; ++s) {
-    if (lse[s] == -CUDART_INF_F) continue;
-    const float w = exp2f(lse[s] - mx);
-    wsum += w;
-    acc += w * partial_out[(slot * max_splits + s) * D + threadIdx.x];
+  if (live <= 1) {  // one split (or none): its partial is the output (weight 1 / 1, or zeros)
+    if (tid >= D) return;
+    const float o =
+        live == 1 && lse[0] != -CUDART_INF_F ? partial_out[slot * max_splits * D + tid] : 0.f;
+    if (row_outs != nullptr) {
+      const DecodeRowOut dst = row_outs[blockIdx.x];
+      if (dst.out != nullptr) {
+        StoreOne(dst.out, dst.dtype, static_cast<int64_t>(blockIdx.y) * D + tid, o);
+        return;
+      }
+    }
+    StoreOne(out, out_dtype, slot * D + tid, o);
+    return;
   }
-  const float o = wsum > 0.f ? acc / wsum : 0.f;
+  // The block's maximum, then each split's weight and the weights' sum.
+  float mx = -CUDART_INF_F;
+  for (int s = tid; s < live; s += kT) mx = fmaxf(mx, lse[s]);
+  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) red[warp] = mx;
+  __syncthreads();
+  mx = red[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, red[w]);
+  __syncthreads();  // red is reused for the sum
+  float wsum = 0.f;
+  for (int s = tid; s < live; s += kT) {
+    const float x = lse[s];
+    const float w = x == -CUDART_INF_F ? 0.f : exp2f(x - mx);
+    weight[s] = w;
+    wsum += w;
+  }
+  for (int o = 16; o > 0; o /= 2) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
+  if (lane == 0) red[warp] = wsum;
+  __syncthreads();  // also publishes the weights
+  wsum = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) wsum += red[w];
+  // Group g sums splits g, g + kGroups, ...; an empty split (weight 0) may hold stale values, so
+  // its term is selected away rather than multiplied by zero.
+  const int group = tid / kLanes, d4 = (tid % kLanes) * 4;
+  const float* po = partial_out + slot * max_splits * D + d4;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = group; s0 < live; s0 += 4 * kGroups) {
+    float w[4];
+    float4 x[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // every load issued before the first is used
+      const int s = s0 + k * kGroups;
+      w[k] = s < live ? weight[s] : 0.f;
+      x[k] = s < live ? *reinterpret_cast<const float4*>(po + static_cast<int64_t>(s) * D)
+                      : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (w[k] > 0.f) {
+        acc.x += w[k] * x[k].x;
+        acc.y += w[k] * x[k].y;
+        acc.z += w[k] * x[k].z;
+        acc.w += w[k] * x[k].w;
+      }
+    }
+  }
+  sums[group][tid % kLanes] = acc;
+  __syncthreads();
+  if (tid >= D) return;
+  const int lane4 = tid / 4, e = tid % 4;  // output element tid = 4 * lane4 + e
+  float o = 0.f;
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    const float4 v = sums[g][lane4];
+    o += e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
+  }
+  o = wsum > 0.f ? o / wsum : 0.f;
   if (row_outs != nullptr) {
     const DecodeRowOut dst = row_outs[blockIdx.x];
     if (dst.out != nullptr) {
-      StoreOne(dst.out, dst.dtype, static_cast<int64_t>(blockIdx.y) * D + threadIdx.x, o);
+      StoreOne(dst.out, dst.dtype, static_cast<int64_t>(blockIdx.y) * D + tid, o);
       return;
     }
   }
-  StoreOne(out, out_dtype, slot * D + threadIdx.x, o);
+  StoreOne(out, out_dtype, slot * D + tid, o);
 }
 
 }  // namespace cuda_kernels

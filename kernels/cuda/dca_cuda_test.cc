@@ -759,6 +759,35 @@ TEST_P(DecodeTest, MatchesFp64Reference) {
         ExpectWithinBars(e, what);
         ExpectWithinBars(vs_simple, what + " vs simple");
       }
+      // Per-row destinations (row_outs): every other row to its own buffer at an offset of one
+      // element (aligned only to its dtype), the rest to `out`; each must hold exactly what `out`
+      // held for that row.
+      const size_t row_n = static_cast<size_t>(c.hq) * c.d, esize = ElementSize(c.out_dtype);
+      DevBuf dests(static_cast<size_t>(c.batch) * (row_n + 1) * esize);
+      dests.Poison();
+      std::vector<DecodeRowOut> outs(c.batch);
+      for (int b = 0; b < c.batch; b += 2) {
+        outs[b].out = dests.get<char>() + (static_cast<size_t>(b) * (row_n + 1) + 1) * esize;
+        outs[b].dtype = static_cast<int32_t>(c.out_dtype);
+      }
+      DevBuf d_outs(outs.size() * sizeof(DecodeRowOut));
+      d_outs.Upload(outs.data());
+      ws.Poison();
+      dp.row_outs = d_outs.get<DecodeRowOut>();
+      st = kernel.launch(g, dp, nullptr);
+      ASSERT_TRUE(st.ok()) << what << " row_outs: " << st;
+      CUDA_ASSERT(cudaDeviceSynchronize());
+      std::vector<uint8_t> dest_raw(dests.bytes()), raw2(out_bytes);
+      CUDA_ASSERT(
+          cudaMemcpy(dest_raw.data(), dests.get(), dest_raw.size(), cudaMemcpyDeviceToHost));
+      CUDA_ASSERT(cudaMemcpy(raw2.data(), out.get(), out_bytes, cudaMemcpyDeviceToHost));
+      size_t mismatches = 0;
+      for (int b = 0; b < c.batch; ++b) {
+        const uint8_t* at = b % 2 == 0 ? dest_raw.data() + (b * (row_n + 1) + 1) * esize
+                                       : raw2.data() + b * row_n * esize;
+        mismatches += std::memcmp(at, raw.data() + b * row_n * esize, row_n * esize) != 0;
+      }
+      EXPECT_EQ(mismatches, 0u) << what << ": rows whose row_outs destination differs from out";
     }
 }
 

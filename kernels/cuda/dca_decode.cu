@@ -57,18 +57,21 @@ absl::Status PrepareDecodeKernelsFor(const DcaGeometry& g, int32_t* blocks_s2, i
 }
 
 template <int D, int Stages, typename KvT>
-absl::Status LaunchDecodeTyped(const DcaGeometry& g, const CudaDecodeParamsOf<KvT>& p,
+absl::Status LaunchDecodeTyped(const CudaKernelPlan& plan, const CudaDecodeParamsOf<KvT>& p,
                                cudaStream_t stream) {
-  const cuda_kernels::DecodeArgsOf<KvT> a = DecodeArgsFor(g, p);
+  const DcaGeometry& g = plan.geometry();
+  cuda_kernels::DecodeArgsOf<KvT> a = DecodeArgsFor(g, p);
+  a.min_split_keys = plan.DecodeMinSplitKeys();
   const auto kernel = DecodeKernel<D, Stages, KvT>();
   ATTND_CUDA_RETURN_IF_ERROR(
       LaunchAfterPrevious(kernel, dim3(p.max_splits, g.num_kv_heads, p.batch),
                           dim3(32 * kDecodeWarps), DecodeSmemBytes<KvT>(g, Stages), stream, a));
   ATTND_CUDA_RETURN_IF_ERROR(LaunchAfterPrevious(
-      cuda_kernels::DcaDecodeReduceKernel<D>, dim3(p.batch, g.num_q_heads), dim3(D), 0, stream,
-      static_cast<const float*>(p.partial_out), static_cast<const float*>(p.partial_lse),
-      static_cast<const int32_t*>(p.lengths), static_cast<int>(p.max_splits), 16 * kDecodeWarps,
-      p.out, static_cast<int>(p.out_dtype), static_cast<const DecodeRowOut*>(p.row_outs)));
+      cuda_kernels::DcaDecodeReduceKernel<D>, dim3(p.batch, g.num_q_heads),
+      dim3(cuda_kernels::kDecodeReduceThreads), 0, stream, static_cast<const float*>(p.partial_out),
+      static_cast<const float*>(p.partial_lse), static_cast<const int32_t*>(p.lengths),
+      static_cast<int>(p.max_splits), 16 * kDecodeWarps, static_cast<int>(a.min_split_keys), p.out,
+      static_cast<int>(p.out_dtype), static_cast<const DecodeRowOut*>(p.row_outs)));
   return absl::OkStatus();
 }
 
@@ -106,14 +109,15 @@ absl::Status LaunchDcaDecodeOf(const CudaKernelPlan& plan, const CudaDecodeParam
                                cudaStream_t stream) {
   const DcaGeometry& g = plan.geometry();
   ATTND_RETURN_IF_ERROR(CheckDecode(g, p));
-  if (p.max_splits < 1 || p.max_splits > 65535 || p.partial_out == nullptr ||
-      p.partial_lse == nullptr) {
+  if (p.max_splits < 1 || p.max_splits > cuda_kernels::kDecodeReduceMaxSplits ||
+      p.partial_out == nullptr || p.partial_lse == nullptr) {
     return absl::InvalidArgumentError("decode: bad max_splits or null workspace");
   }
   const bool three = plan.DecodeStages(p.planned_batch > 0 ? p.planned_batch : p.batch) == 3;
   return WithHeadDim(g.head_dim, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
-    return three ? LaunchDecodeTyped<D, 3>(g, p, stream) : LaunchDecodeTyped<D, 2>(g, p, stream);
+    return three ? LaunchDecodeTyped<D, 3>(plan, p, stream)
+                 : LaunchDecodeTyped<D, 2>(plan, p, stream);
   });
 }
 

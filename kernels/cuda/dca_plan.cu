@@ -61,8 +61,14 @@ absl::StatusOr<CudaKernelPlan> CudaKernelPlan::Create(const DcaGeometry& g, int 
                                                    DTypeName(options.kv_dtype),
                                                    " unsupported (bf16, int8 or fp8_e4m3)"));
   }
+  const int32_t min_keys = options.decode_min_split_keys;
+  if (min_keys != 0 && (min_keys < 64 || min_keys > 65536 || min_keys % 64 != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("kernel plan: decode_min_split_keys ", min_keys,
+                                                   " not a multiple of 64 in 64..65536 (or 0)"));
+  }
   CudaKernelPlan plan;
   plan.geometry_ = g;
+  plan.decode_min_split_keys_ = min_keys != 0 ? min_keys : kMinSplitKeys;
   plan.kv_dtype_ = options.kv_dtype;
   plan.device_ = device;
   plan.decode_stages_ = options.decode_stages;
@@ -94,19 +100,19 @@ int32_t CudaKernelPlan::DecodeStages(int32_t batch) const {
 }
 
 int32_t DecodeSplitsFor(const DcaGeometry& g, int32_t num_sms, int32_t blocks_per_sm, int32_t batch,
-                        int64_t max_length) {
+                        int64_t max_length, int32_t min_split_keys) {
   const int64_t resident = int64_t{std::max(1, num_sms)} * std::max(1, blocks_per_sm);
   const int64_t blocks = std::max<int64_t>(1, int64_t{batch} * std::max(1, g.num_kv_heads));
   const int64_t want = resident / blocks;  // splits that still fit in one wave
-  // At least the kernel's minimum keys per split (DecodeSplitLen) in every split.
-  constexpr int64_t kMinKeys = cuda_kernels::kMinSplitKeys;
-  const int64_t cap = std::max<int64_t>(1, (max_length + kMinKeys - 1) / kMinKeys);
+  // At least the minimum keys per split (DecodeSplitLen) in every split.
+  const int64_t min_keys = std::max(1, min_split_keys);
+  const int64_t cap = std::max<int64_t>(1, (max_length + min_keys - 1) / min_keys);
   return static_cast<int32_t>(std::clamp<int64_t>(want, 1, std::min<int64_t>(cap, 1024)));
 }
 
 int32_t CudaKernelPlan::DecodeSplits(int32_t batch, int64_t max_length) const {
   return DecodeSplitsFor(geometry_, num_sms_, DecodeBlocksPerSm(DecodeStages(batch)), batch,
-                         max_length);
+                         max_length, decode_min_split_keys_);
 }
 
 size_t CudaKernelPlan::DecodeWorkspaceFloats(int32_t batch, int32_t max_splits) const {

@@ -4,7 +4,7 @@
 #include <cstdint>
 
 #include "base/status_macros.h"
-#include "kernels/cuda/rotary_cuda.h"
+#include "kernels/dual_chunk_rotary.h"
 
 namespace attnd {
 namespace {
@@ -80,8 +80,7 @@ CudaDecodeStepLayout CudaDecodeStepLayout::For(const CudaKernelPlan& plan, int32
   l.host_v = l.host_k + b * l.kv_slot;
   l.host_bytes = l.host_v + b * l.kv_slot;
   l.device_q = AlignUp(b * 4);
-  l.device_k = l.device_q + AlignUp(b * kNumDecodeVariants * hq * d * 2);
-  l.device_bytes = l.device_k + b * hkv * d * 4;
+  l.device_bytes = l.device_q + b * kNumDecodeVariants * hq * d * 2;
   l.table_bytes = b * static_cast<size_t>(l.table_stride) * 4;
   l.output_bytes = b * hq * d * 4;
   for (int32_t batch = 1; batch <= max_batch; ++batch) {
@@ -117,7 +116,6 @@ absl::Status LaunchDecodeStep(const CudaKernelPlan& plan, const CudaDecodeStepLa
   kvb.head_dim = g.head_dim;
   int32_t* lengths = static_cast<int32_t*>(p.device);
   Bf16* q = reinterpret_cast<Bf16*>(At(p.device, layout.device_q));
-  float* rotated_k = reinterpret_cast<float*>(At(p.device, layout.device_k));
 
   CudaDecodeStageParams sp;
   sp.kv = kvb;
@@ -136,18 +134,11 @@ absl::Status LaunchDecodeStep(const CudaKernelPlan& plan, const CudaDecodeStepLa
   sp.original_max_position_embeddings = g.original_max_position_embeddings;
   if (scaled) sp.kv_rows = p.kv_rows;
   if (p.inv_freq != nullptr) {  // the model has a rotary: pre-rotary rows may come
-    CudaDecodeRotaryParams rp;
-    rp.rows = sp.rows;
-    rp.host_q = sp.host_q;
-    rp.host_k = sp.host_k;
-    rp.q_row_bytes = sp.q_row_bytes;
-    rp.kv_row_bytes = sp.kv_row_bytes;
-    rp.q = q;
-    rp.k_out = rotated_k;
-    rp.inv_freq = p.inv_freq;
-    rp.batch = p.rows;
-    ATTND_RETURN_IF_ERROR(LaunchDecodeRotary(g, rp, stream));
-    sp.rotated_k = rotated_k;
+    ATTND_RETURN_IF_ERROR(CheckRotaryGeometry(g));
+    sp.rotary.inv_freq = p.inv_freq;
+    sp.rotary.half = g.rotary_dim / 2;
+    sp.rotary.chunk_size = g.chunk_size;
+    sp.rotary.chunk_len = g.chunk_len;
   }
   ATTND_RETURN_IF_ERROR(LaunchDecodeStage(sp, stream));
 

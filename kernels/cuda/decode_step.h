@@ -1,9 +1,10 @@
 // One decode step of one layer as the CUDA engine runs it, planned once and launched with one
 // params struct: the memory layout of the step (pinned slots the host fills, device buffers the
-// stage kernel fills, the split-K workspace) and the kernels in order on one stream, the rotary of
-// pre-rotary rows (rotary_cuda.h), the stage (dca_cuda.h, LaunchDecodeStage), for a one-byte pool
-// the quantiser of the new rows, the split-K kernel and the reduction. Every address comes from
-// the layout, so a step captured into a CUDA graph serves any later step of its batch size.
+// stage kernel fills, the split-K workspace) and the kernels in order on one stream: the stage
+// (dca_cuda.h, LaunchDecodeStage, which also applies the dual-chunk rotary to pre-rotary rows),
+// for a one-byte pool the quantiser of the new rows, the split-K kernel and the reduction. Every
+// address comes from the layout, so a step captured into a CUDA graph serves any later step of its
+// batch size.
 #ifndef ATTND_KERNELS_CUDA_DECODE_STEP_H_
 #define ATTND_KERNELS_CUDA_DECODE_STEP_H_
 
@@ -34,7 +35,6 @@ struct CudaDecodeStepLayout {
   size_t host_q = 0, host_k = 0, host_v = 0;  // offsets of the slots in the pinned block
   size_t host_bytes = 0;
   size_t device_q = 0;  // offset of q in the device block (lengths at 0)
-  size_t device_k = 0;  // offset of the pre-rotary rows' rotated keys (fp32) in the device block
   size_t device_bytes = 0;
   size_t table_bytes = 0;   // each of the pinned and the device tables
   size_t output_bytes = 0;  // the pinned output

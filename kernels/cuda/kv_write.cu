@@ -165,8 +165,15 @@ absl::Status LaunchDecodeAppendKv(const CudaDecodeAppendParams& p, cudaStream_t 
 absl::Status LaunchDecodeStage(const CudaDecodeStageParams& p, cudaStream_t stream) {
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const bool float_rows = p.kv_rows != nullptr;
+  const CudaDecodeStageParams::Rotary& rot = p.rotary;
+  if (rot.inv_freq != nullptr && (rot.half < 1 || 2 * rot.half > p.kv.head_dim ||
+                                  rot.chunk_len < 1 || rot.chunk_size < rot.chunk_len)) {
+    return absl::InvalidArgumentError(
+        "decode stage: bad rotary (half of rotary_dim in 1..head_dim / 2, 1 <= chunk_len <= "
+        "chunk_size)");
+  }
   if ((!float_rows && (p.kv.k == nullptr || p.kv.v == nullptr)) || !aligned(p.kv_rows) ||
-      !aligned(p.rotated_k) || p.kv.page_tables == nullptr || p.kv.page_table_stride < 4 ||
+      p.kv.page_tables == nullptr || p.kv.page_table_stride < 4 ||
       p.kv.page_table_stride % 4 != 0 || p.kv.head_dim % 8 != 0 || p.rows == nullptr ||
       p.host_tables == nullptr || p.host_q == nullptr || p.host_k == nullptr ||
       p.host_v == nullptr || p.lengths == nullptr || p.q == nullptr || !aligned(p.kv.page_tables) ||
@@ -186,7 +193,7 @@ absl::Status LaunchDecodeStage(const CudaDecodeStageParams& p, cudaStream_t stre
         dim3(cuda_kernels::kDecodeStageThreads), 0, stream, p.kv, p.rows, p.host_tables,
         static_cast<const char*>(p.host_q), static_cast<const char*>(p.host_k),
         static_cast<const char*>(p.host_v), p.q_row_bytes, p.kv_row_bytes, p.lengths, p.q,
-        p.row_outs, p.num_q_heads, p.original_max_position_embeddings, p.kv_rows, p.rotated_k));
+        p.row_outs, p.num_q_heads, p.original_max_position_embeddings, p.kv_rows, p.rotary));
     return absl::OkStatus();
   }
   ATTND_CUDA_RETURN_IF_ERROR(LaunchAfterPrevious(
@@ -194,7 +201,7 @@ absl::Status LaunchDecodeStage(const CudaDecodeStageParams& p, cudaStream_t stre
       dim3(cuda_kernels::kDecodeStageThreads), 0, stream, p.kv, p.rows, p.host_tables,
       static_cast<const char*>(p.host_q), static_cast<const char*>(p.host_k),
       static_cast<const char*>(p.host_v), p.q_row_bytes, p.kv_row_bytes, p.lengths, p.q, p.row_outs,
-      p.num_q_heads, p.original_max_position_embeddings, p.rotated_k));
+      p.num_q_heads, p.original_max_position_embeddings, p.rotary));
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DecodeStageKernel");
   return absl::OkStatus();
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/dca_cuda_kernels.cuh"
+#include "kernels/cuda/rotary_device.cuh"
 
 namespace attnd {
 namespace cuda_kernels {
@@ -287,6 +288,60 @@ __device__ __forceinline__ uint4 LoadPiece(const char* src) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// The dual-chunk rotary of one pre-rotary row at position pos, spread over the row's stage
+// blocks: q [Hq, D] (q_dtype at q_src) becomes its three bf16 decode variants at qv ([3, Hq, D]),
+// each variant by its own position, and the key [Hkv, D] (k_dtype at k_src) is rotated by the
+// intra position and handed to store_key(element, value). One unit per thread per pass: a q dim
+// pair (its three variants), a key dim pair, then the dims past rotary_dim (copied). Each thread
+// computes the cos and sin it needs (RotaryCosSin, fp64): no shared table, so no barrier between
+// a row's loads and its stores.
+template <typename StoreKey>
+__device__ __forceinline__ void DecodeStageRotary(const CudaDecodeStageParams::Rotary& rot,
+                                                  int64_t pos, const char* q_src, int q_dtype,
+                                                  const char* k_src, int k_dtype, int hq, int hkv,
+                                                  int D, Bf16* qv, StoreKey&& store_key) {
+  const int half = rot.half, rd = 2 * half, rest = D - rd;
+  const int64_t n_qp = int64_t{hq} * half, n_kp = int64_t{hkv} * half;
+  const int64_t n_qr = int64_t{hq} * rest, n_kr = int64_t{hkv} * rest;
+  const int64_t variant_elems = int64_t{hq} * D;
+  const int64_t step = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t u = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; u < n_qp + n_kp + n_qr + n_kr;
+       u += step) {
+    if (u < n_qp) {
+      const int h = static_cast<int>(u / half), i = static_cast<int>(u % half);
+      const int64_t e = int64_t{h} * D + i;
+      const float x1 = LoadAsFloat(q_src, q_dtype, e), x2 = LoadAsFloat(q_src, q_dtype, e + half);
+#pragma unroll
+      for (int v = 0; v < kNumDecodeVariants; ++v) {
+        float c, s;
+        cuda_common::RotaryCosSin(v, pos, i, rot.chunk_size, rot.chunk_len, rot.inv_freq, &c, &s);
+        qv[v * variant_elems + e] = __float2bfloat16_rn(x1 * c - x2 * s);
+        qv[v * variant_elems + e + half] = __float2bfloat16_rn(x2 * c + x1 * s);
+      }
+    } else if (u < n_qp + n_kp) {
+      const int64_t k = u - n_qp;
+      const int h = static_cast<int>(k / half), i = static_cast<int>(k % half);
+      const int64_t e = int64_t{h} * D + i;
+      const float x1 = LoadAsFloat(k_src, k_dtype, e), x2 = LoadAsFloat(k_src, k_dtype, e + half);
+      float c, s;
+      cuda_common::RotaryCosSin(kIntra, pos, i, rot.chunk_size, rot.chunk_len, rot.inv_freq, &c,
+                                &s);
+      store_key(e, x1 * c - x2 * s);
+      store_key(e + half, x2 * c + x1 * s);
+    } else if (u < n_qp + n_kp + n_qr) {
+      const int64_t k = u - n_qp - n_kp;
+      const int64_t e = (k / rest) * D + rd + k % rest;
+      const Bf16 x = __float2bfloat16_rn(LoadAsFloat(q_src, q_dtype, e));
+#pragma unroll
+      for (int v = 0; v < kNumDecodeVariants; ++v) qv[v * variant_elems + e] = x;
+    } else {
+      const int64_t k = u - n_qp - n_kp - n_qr;
+      const int64_t e = (k / rest) * D + rd + k % rest;
+      store_key(e, LoadAsFloat(k_src, k_dtype, e));
+    }
+  }
+}
+
 // kFloatRows: the stage of a pool of scaled codes (CudaDecodeStageParams::kv_rows): the new token's
 // K/V rows go to kv_rows as fp32 (the key length-scaled), not into the pool, and the new token's
 // page id is not read.
@@ -297,7 +352,7 @@ __device__ __forceinline__ void DecodeStage(PagedKvBatch kvb, const DecodeStageR
                                             int64_t q_row_bytes, int64_t kv_row_bytes,
                                             int32_t* lengths, Bf16* q, DecodeRowOut* row_outs,
                                             int32_t num_q_heads, int64_t orig, float* kv_rows,
-                                            const float* rotated_k) {
+                                            CudaDecodeStageParams::Rotary rot) {
   cuda_common::StepKernelEntry();
   const int32_t r = blockIdx.y;
   __shared__ DecodeStageRow row;
@@ -320,11 +375,12 @@ __device__ __forceinline__ void DecodeStage(PagedKvBatch kvb, const DecodeStageR
   const int32_t* host_table = host_tables + r * stride;
   const int D = kvb.head_dim;
   const int64_t q_elems = int64_t{3} * num_q_heads * D, kv_elems = int64_t{kvb.num_kv_heads} * D;
-  // A pre-rotary row's q is already in place and its rotated key is in rotated_k as fp32.
-  const int k_dtype = row.rotary != 0 ? static_cast<int>(DType::kFp32) : row.k_dtype;
-  const int64_t n_q = row.rotary != 0 ? 0 : q_elems * DTypeBytes(row.q_dtype) / 16;
+  // A pre-rotary row's q and k go through DecodeStageRotary below, not as pieces.
+  const bool rotary = row.rotary != 0;
+  const int k_dtype = row.k_dtype;
+  const int64_t n_q = rotary ? 0 : q_elems * DTypeBytes(row.q_dtype) / 16;
   const int64_t n_t = (row.num_pages + 3) / 4;
-  const int64_t n_k = kv_elems * DTypeBytes(k_dtype) / 16;
+  const int64_t n_k = rotary ? 0 : kv_elems * DTypeBytes(k_dtype) / 16;
   const int64_t n_v = kv_elems * DTypeBytes(row.v_dtype) / 16;
   const int64_t total = n_q + n_t + n_k + n_v;
   const int64_t step = int64_t{gridDim.x} * blockDim.x;
@@ -333,15 +389,30 @@ __device__ __forceinline__ void DecodeStage(PagedKvBatch kvb, const DecodeStageR
   const PageIndexer pages(kvb.page_size);
   const float key_scale = LengthScale(row.length, orig);
   // Where the row's pieces come from: its pinned slots, or its device tensors. q's variant rows
-  // may be apart (a device q's pitch); a slot's are dense. A pre-rotary row's key is in rotated_k.
+  // may be apart (a device q's pitch); a slot's are dense.
   const int64_t q_variant_bytes = int64_t{num_q_heads} * D * DTypeBytes(row.q_dtype);
   const char* q_src = row.q != nullptr ? static_cast<const char*>(row.q) : host_q + r * q_row_bytes;
   const int64_t q_pitch = row.q != nullptr ? row.q_pitch : q_variant_bytes;
-  const char* k_src = row.rotary != 0 ? reinterpret_cast<const char*>(rotated_k + r * kv_elems)
-                                      : (row.k != nullptr ? static_cast<const char*>(row.k)
-                                                          : host_k + r * kv_row_bytes);
+  const char* k_src =
+      row.k != nullptr ? static_cast<const char*>(row.k) : host_k + r * kv_row_bytes;
   const char* v_src =
       row.v != nullptr ? static_cast<const char*>(row.v) : host_v + r * kv_row_bytes;
+  if (rotary) {
+    // Where the new key's element e (head e / D) goes: the pool (bf16, length-scaled) or, for a
+    // pool of scaled codes, kv_rows as fp32.
+    const int32_t new_page = kFloatRows ? 0 : host_table[pages.Page(static_cast<uint32_t>(pos))];
+    const int64_t new_slot =
+        (int64_t{new_page} * ps + pages.Slot(static_cast<uint32_t>(pos))) * kvb.num_kv_heads * D;
+    auto store_key = [&](int64_t e, float x) {
+      if constexpr (kFloatRows) {
+        kv_rows[int64_t{r} * 2 * kv_elems + e] = x * key_scale;
+      } else {
+        kvb.k[new_slot + e] = __float2bfloat16_rn(x * key_scale);
+      }
+    };
+    DecodeStageRotary(rot, pos, q_src, row.q_dtype, k_src, k_dtype, num_q_heads, kvb.num_kv_heads,
+                      D, q + r * q_elems, store_key);
+  }
   for (int64_t base = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; base < total;
        base += step * kDecodeStageUnroll) {
     // Loads first: every piece (and the new token's page id) in flight at once.
@@ -411,9 +482,9 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
                       const char* host_q, const char* host_k, const char* host_v,
                       int64_t q_row_bytes, int64_t kv_row_bytes, int32_t* lengths, Bf16* q,
                       DecodeRowOut* row_outs, int32_t num_q_heads, int64_t orig,
-                      const float* rotated_k) {
+                      CudaDecodeStageParams::Rotary rot) {
   DecodeStage<false>(kvb, rows, host_tables, host_q, host_k, host_v, q_row_bytes, kv_row_bytes,
-                     lengths, q, row_outs, num_q_heads, orig, nullptr, rotated_k);
+                     lengths, q, row_outs, num_q_heads, orig, nullptr, rot);
 }
 __global__ void __launch_bounds__(kDecodeStageThreads)
     DecodeStageFloatRowsKernel(PagedKvBatch kvb, const DecodeStageRow* rows,
@@ -421,9 +492,9 @@ __global__ void __launch_bounds__(kDecodeStageThreads)
                                const char* host_v, int64_t q_row_bytes, int64_t kv_row_bytes,
                                int32_t* lengths, Bf16* q, DecodeRowOut* row_outs,
                                int32_t num_q_heads, int64_t orig, float* kv_rows,
-                               const float* rotated_k) {
+                               CudaDecodeStageParams::Rotary rot) {
   DecodeStage<true>(kvb, rows, host_tables, host_q, host_k, host_v, q_row_bytes, kv_row_bytes,
-                    lengths, q, row_outs, num_q_heads, orig, kv_rows, rotated_k);
+                    lengths, q, row_outs, num_q_heads, orig, kv_rows, rot);
 }
 
 __global__ void ConvertToBf16Kernel(const void* src, int dtype, int64_t n, Bf16* dst) {

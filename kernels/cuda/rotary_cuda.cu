@@ -30,34 +30,4 @@ absl::Status LaunchDualChunkRotary(const DcaGeometry& g, const CudaRotaryParams&
   return absl::OkStatus();
 }
 
-absl::Status LaunchDecodeRotary(const DcaGeometry& g, const CudaDecodeRotaryParams& p,
-                                cudaStream_t stream) {
-  if (absl::Status s = CheckRotaryGeometry(g); !s.ok()) return s;
-  if (p.rows == nullptr || p.host_q == nullptr || p.host_k == nullptr || p.q == nullptr ||
-      p.k_out == nullptr || p.inv_freq == nullptr || p.batch < 0 || p.batch > 65535 ||
-      p.kv_row_bytes < int64_t{g.num_kv_heads} * g.head_dim * 4 ||
-      p.q_row_bytes < int64_t{g.num_q_heads} * g.head_dim * 4) {
-    return absl::InvalidArgumentError("decode rotary: bad params");
-  }
-  if (p.batch == 0) return absl::OkStatus();
-  rotary_kernels::DecodeRotaryArgs a;
-  a.p = p;
-  a.num_q_heads = g.num_q_heads;
-  a.num_kv_heads = g.num_kv_heads;
-  a.head_dim = g.head_dim;
-  a.half = g.rotary_dim / 2;
-  a.chunk_size = g.chunk_size;
-  a.chunk_len = g.chunk_len;
-  const size_t shared =
-      (2 * kNumDecodeVariants * a.half + static_cast<size_t>(g.num_kv_heads) * g.head_dim) *
-      sizeof(float);
-  const dim3 grid(
-      static_cast<unsigned>(p.batch),
-      static_cast<unsigned>((g.num_q_heads + rotary_kernels::kDecodeRotaryHeadsPerBlock - 1) /
-                            rotary_kernels::kDecodeRotaryHeadsPerBlock));
-  rotary_kernels::DecodeRotaryKernel<<<grid, 256, shared, stream>>>(a);
-  ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DecodeRotaryKernel");
-  return absl::OkStatus();
-}
-
 }  // namespace attnd

@@ -38,30 +38,6 @@ struct CudaRotaryParams {
 absl::Status LaunchDualChunkRotary(const DcaGeometry& geometry, const CudaRotaryParams& params,
                                    cudaStream_t stream);
 
-// The dual-chunk rotary of a decode batch's pre-rotary rows (DecodeStageRow::rotary), launched
-// right before LaunchDecodeStage on the same slots (and captured with it in the decode graphs):
-// for each such row r, at position rows[r].length - 1, the three decode variants (intra, succ,
-// inter) of its q go to q[r] as bf16, and its key, rotated by the intra position, goes to k_out[r]
-// as fp32 (q and k read from the row's device tensors when it has them, DecodeStageRow::q / k,
-// else from the row's slots). Rows without the flag (and padding rows) are left alone. Same
-// positions and numerics as LaunchDualChunkRotary (fp32 angle, fp64 sincos rounded to fp32).
-struct CudaDecodeRotaryParams {
-  const DecodeStageRow* rows = nullptr;  // pinned host [batch]
-  const void* host_q = nullptr;          // pinned host, row r at r * q_row_bytes
-  const void* host_k = nullptr;          // pinned host, row r at r * kv_row_bytes
-  int64_t q_row_bytes = 0;
-  int64_t kv_row_bytes = 0;
-  Bf16* q = nullptr;  // device [batch, 3, num_q_heads, head_dim]
-  // Device [batch, num_kv_heads, head_dim]: each pre-rotary row's rotated key, which the stage
-  // (CudaDecodeStageParams::rotated_k) appends. Device memory, not the pinned slot the key came
-  // from: the stage reads it back right away, and over PCIe that is a round trip each way.
-  float* k_out = nullptr;
-  const float* inv_freq = nullptr;  // device [rotary_dim / 2]
-  int32_t batch = 0;
-};
-absl::Status LaunchDecodeRotary(const DcaGeometry& geometry, const CudaDecodeRotaryParams& params,
-                                cudaStream_t stream);
-
 }  // namespace attnd
 
 #endif  // ATTND_KERNELS_CUDA_ROTARY_CUDA_H_

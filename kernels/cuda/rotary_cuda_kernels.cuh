@@ -8,6 +8,7 @@
 
 #include "kernels/cuda/device_common.cuh"
 #include "kernels/cuda/rotary_cuda.h"
+#include "kernels/cuda/rotary_device.cuh"
 #include "kernels/dual_chunk_rotary.h"
 
 namespace attnd {
@@ -24,19 +25,13 @@ struct RotaryArgs {
 };
 
 // cos/sin of `num_variants` rotary positions of the token at `pos` into cos_v / sin_v ([variant]
-// [half] each), the block's threads together: fp32 angle (as the reference's fp32 cache), fp64
-// sincos rounded to fp32, as on the CPU (kernels/dual_chunk_rotary.cc).
+// [half] each), the block's threads together (RotaryCosSin's numerics).
 __device__ __forceinline__ void FillCosSin(int num_variants, int64_t pos, int half,
                                            int64_t chunk_size, int64_t chunk_len,
                                            const float* inv_freq, float* cos_v, float* sin_v) {
   for (int j = threadIdx.x; j < num_variants * half; j += blockDim.x) {
     const int v = j / half, i = j - v * half;
-    const int64_t t = DualChunkRotaryPosition(v, pos, chunk_size, chunk_len);
-    const float angle = __fmul_rn(static_cast<float>(t), inv_freq[i]);
-    double s, c;
-    sincos(static_cast<double>(angle), &s, &c);
-    cos_v[j] = static_cast<float>(c);
-    sin_v[j] = static_cast<float>(s);
+    cuda_common::RotaryCosSin(v, pos, i, chunk_size, chunk_len, inv_freq, &cos_v[j], &sin_v[j]);
   }
 }
 
@@ -101,81 +96,6 @@ __global__ void DualChunkRotaryKernel(RotaryArgs a) {
     const float x2 = cuda_common::LoadAsFloat(a.p.k, dtype, row + i + half);
     cuda_common::StoreOne(a.p.k, dtype, row + i, x1 * cos_v[i] - x2 * sin_v[i]);
     cuda_common::StoreOne(a.p.k, dtype, row + i + half, x2 * cos_v[i] + x1 * sin_v[i]);
-  }
-}
-
-struct DecodeRotaryArgs {
-  CudaDecodeRotaryParams p;
-  int32_t num_q_heads;
-  int32_t num_kv_heads;
-  int32_t head_dim;
-  int32_t half;
-  int64_t chunk_size;
-  int64_t chunk_len;
-};
-
-// Heads of q per block of the decode rotary: q comes from pinned host memory, so each load is a
-// PCIe round trip; spreading a row over blocks keeps one round trip per thread.
-inline constexpr int kDecodeRotaryHeadsPerBlock = 4;
-
-// Grid: (batch, ceil(num_q_heads / kDecodeRotaryHeadsPerBlock)), 256 threads; dynamic shared
-// memory: 2 * 3 * half floats, then (block y = 0, which also rotates the key) the row's raw key as
-// fp32 (num_kv_heads * head_dim floats), read once (each rotated element needs two of them, and a
-// host row's key is a PCIe read away).
-__global__ void DecodeRotaryKernel(DecodeRotaryArgs a) {
-  cuda_common::StepKernelEntry();
-  extern __shared__ float smem[];
-  const int r = blockIdx.x;
-  const DecodeStageRow row = a.p.rows[r];
-  if (row.rotary == 0 || row.length < 1) return;
-  constexpr int kNv = kNumDecodeVariants;
-  const int half = a.half, d = a.head_dim, rd = 2 * a.half;
-  float* cos_v = smem;
-  float* sin_v = smem + kNv * half;
-  float* raw_k = smem + 2 * kNv * half;
-  const int64_t pos = row.length - 1;
-  FillCosSin(kNv, pos, half, a.chunk_size, a.chunk_len, a.p.inv_freq, cos_v, sin_v);
-  // A device row's q and k are read in place, a host row's from its slots.
-  const char* qrow = row.q != nullptr ? static_cast<const char*>(row.q)
-                                      : static_cast<const char*>(a.p.host_q) + r * a.p.q_row_bytes;
-  const void* k_src =
-      row.k != nullptr ? row.k : static_cast<const char*>(a.p.host_k) + r * a.p.kv_row_bytes;
-  const bool does_key = blockIdx.y == 0;
-  const int kv_elems = a.num_kv_heads * d;
-  for (int e = threadIdx.x; does_key && e < kv_elems; e += blockDim.x) {
-    raw_k[e] = cuda_common::LoadAsFloat(k_src, row.k_dtype, e);
-  }
-  __syncthreads();
-  const int row_elems = a.num_q_heads * d;
-  Bf16* out = a.p.q + static_cast<int64_t>(r) * kNv * row_elems;
-  const int h0 = blockIdx.y * kDecodeRotaryHeadsPerBlock;
-  const int heads = min(kDecodeRotaryHeadsPerBlock, a.num_q_heads - h0);
-  for (int e = threadIdx.x; e < heads * half; e += blockDim.x) {
-    const int h = h0 + e / half, i = e % half;
-    StoreRotatedPair<kNv>(cuda_common::LoadAsFloat(qrow, row.q_dtype, h * d + i),
-                          cuda_common::LoadAsFloat(qrow, row.q_dtype, h * d + i + half), i, half,
-                          cos_v, sin_v, out + h * d + i, row_elems);
-  }
-  const int rest = d - rd;
-  for (int e = threadIdx.x; rest > 0 && e < heads * rest; e += blockDim.x) {
-    const int h = h0 + e / rest, i = rd + e % rest;
-    const float x = cuda_common::LoadAsFloat(qrow, row.q_dtype, h * d + i);
-    for (int v = 0; v < kNv; ++v) out[v * row_elems + h * d + i] = __float2bfloat16_rn(x);
-  }
-  // The key by the intra position, as fp32 into k_out (the stage reads it from there).
-  float* kout = a.p.k_out + static_cast<int64_t>(r) * kv_elems;
-  for (int e = threadIdx.x; does_key && e < kv_elems; e += blockDim.x) {
-    const int h = e / d, i = e - h * d;
-    const float* k = raw_k + h * d;
-    float x;
-    if (i < half) {
-      x = k[i] * cos_v[i] - k[i + half] * sin_v[i];
-    } else if (i < rd) {
-      x = k[i] * cos_v[i - half] + k[i - half] * sin_v[i - half];
-    } else {
-      x = k[i];
-    }
-    kout[e] = x;
   }
 }
 

@@ -273,6 +273,7 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
         use_graphs_(options.cuda_graphs),
         prefill_step_keys_(std::max<int64_t>(1, options.prefill_step_keys)),
         decode_reserved_sms_(std::max(0, options.decode_reserved_sms)),
+        decode_min_split_keys_(options.decode_min_split_keys),
         sparse_(options.sparse) {
     for (int32_t size : options.graph_batch_sizes) {
       if (size >= 1 && size <= max_decode_batch_ && (sizes_.empty() || size > sizes_.back())) {
@@ -376,6 +377,7 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   const bool use_graphs_;
   const int64_t prefill_step_keys_;
   const int32_t decode_reserved_sms_;
+  const int32_t decode_min_split_keys_;
   CUgreenCtx prefill_green_ = nullptr;  // the prefill lane's SMs with decode_reserved_sms_ > 0
   const std::shared_ptr<const SparseAttentionConfig> sparse_;
   std::vector<int32_t> sizes_;  // captured sizes, ascending, <= max_decode_batch_
@@ -449,14 +451,17 @@ class CudaEngine : public Engine, public DeviceMemoryOpener {
   // Decode: the host writes each row's inputs in their own dtype into fixed slots of pinned
   // memory (h_decode_) and its page table into h_tables_ at a fixed stride; the stage kernel reads
   // them through their mapped addresses and fills d_decode_ (lengths, bf16 q) and d_tables_; the
-  // reduction writes h_decode_out_. step_ lays them out (kernels/cuda/decode_step.h): every
-  // address and stride is fixed, so captured kernels never change.
+  // last kernel writes host rows' outputs into h_decode_out_. step_ lays them out
+  // (kernels/cuda/decode_step.h): every address and stride is fixed, so captured kernels never
+  // change.
   CudaDecodeStepLayout step_;
   PinnedPtr h_decode_ ABSL_GUARDED_BY(mu_);
   DevicePtr d_decode_ ABSL_GUARDED_BY(mu_);
-  PinnedPtr h_tables_ ABSL_GUARDED_BY(mu_);      // [B, step_.table_stride]
-  DevicePtr d_tables_ ABSL_GUARDED_BY(mu_);      // [B, step_.table_stride]
-  PinnedPtr h_decode_out_ ABSL_GUARDED_BY(mu_);  // [B, Hq, D] fp32, written by the device
+  PinnedPtr h_tables_ ABSL_GUARDED_BY(mu_);  // [B, step_.table_stride]
+  DevicePtr d_tables_ ABSL_GUARDED_BY(mu_);  // [B, step_.table_stride]
+  // [B, Hq, D] fp32-sized slots, written by the device: a host row's output in its own dtype
+  // (DecodeStageRow::out points here), fp32 for a row whose output is on another GPU.
+  PinnedPtr h_decode_out_ ABSL_GUARDED_BY(mu_);
   // Device rows (CUDA IPC regions): their q/k/v/out addresses go in their DecodeStageRow, and the
   // stage kernel leaves each row's output address here for the reduction (DecodeRowOut [B]).
   DevicePtr d_row_outs_ ABSL_GUARDED_BY(mu_);
@@ -543,6 +548,7 @@ absl::Status CudaEngine::Init(int64_t staging_bytes) {
   }
   CudaKernelPlanOptions plan_options;
   plan_options.kv_dtype = layout_.kv_dtype;
+  plan_options.decode_min_split_keys = decode_min_split_keys_;
   ATTND_ASSIGN_OR_RETURN(kernel_plan_, CudaKernelPlan::Create(geometry_, device_, plan_options));
   int least = 0, greatest = 0;  // numerically, greatest < least
   ATTND_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
@@ -1429,7 +1435,7 @@ absl::Status CudaEngine::DecodeBatch(const DecodeJob& job, size_t first, size_t 
 absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t count,
                                       DecodeStats* stats) {
   const int64_t hkv = geometry_.num_kv_heads, d = geometry_.head_dim;
-  const int64_t kv_n = hkv * d;
+  const int64_t kv_n = hkv * d, out_n = int64_t{geometry_.num_q_heads} * d;
   const int32_t b = static_cast<int32_t>(count);
   const auto size = std::lower_bound(sizes_.begin(), sizes_.end(), b);
   const int32_t plan = size == sizes_.end() ? b : *size;
@@ -1452,9 +1458,8 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
     DecodeStageRow row;
     row.length = static_cast<int32_t>(e.length);
     row.num_pages = static_cast<int32_t>(e.num_pages);
-    // A pre-rotary row's q is [Hq, D] (one variant's worth): the decode rotary kernel, first in
-    // the step, turns it into the three bf16 variants and rotates k into its slot
-    // (DecodeStageRow::rotary).
+    // A pre-rotary row's q is [Hq, D] (one variant's worth): the stage kernel turns it into the
+    // three bf16 variants and rotates k before appending it (DecodeStageRow::rotary).
     const bool rotary = e.q_layout == QLayout::kPreRotary;
     row.rotary = rotary ? 1 : 0;
     row.q_dtype = static_cast<int32_t>(e.q.dtype);
@@ -1490,6 +1495,12 @@ absl::Status CudaEngine::DecodeLaunch(const DecodeJob& job, size_t first, size_t
       row.out_dtype = static_cast<int32_t>(e.out_dtype);
     } else if (e.out_on_device) {
       copy_out_[i] = 1;
+    } else {
+      // A host output is written in its own dtype into the row's pinned slot (the kernels store
+      // through the slot's mapped address), so the bus carries bf16 rather than fp32 and the
+      // host only copies it out.
+      row.out = At(h_decode_out_, static_cast<size_t>(i) * out_n * sizeof(float));
+      row.out_dtype = static_cast<int32_t>(e.out_dtype);
     }
     rows[i] = row;
     std::memcpy(tables + i * step_.table_stride, e.page_table, e.num_pages * 4);
@@ -1579,11 +1590,11 @@ absl::Status CudaEngine::DecodeFinish(const DecodeJob& job, size_t first, size_t
     return absl::OkStatus();
   }
   ATTND_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  // Host outputs are converted from the pinned fp32 rows; device outputs are already written.
+  // Host outputs are in their pinned slots in their dtype; device outputs are already written.
   const float* out = static_cast<const float*>(h_decode_out_.get());
   auto unpack = [&](int64_t i) {
     const DecodeJob::Entry& e = job.entries[first + i];
-    if (!e.out_on_device) ConvertFromFloat(out + i * out_n, out_n, e.out_dtype, e.out);
+    if (!e.out_on_device) std::memcpy(e.out, out + i * out_n, out_n * ElementSize(e.out_dtype));
   };
   if (host_outs >= kParallelCopyRows) {
     copy_pool_.ParallelFor(b, unpack);

@@ -69,6 +69,9 @@ struct CudaEngineOptions {
   // stream keeps every SM. 0: prefill may use every SM (its blocks then hold the SMs a decode
   // needs until they finish: docs/scheduling.md). Needs a driver with green contexts (CUDA 12.4).
   int32_t decode_reserved_sms = 0;
+  // Fewest keys in a decode split (CudaKernelPlanOptions::decode_min_split_keys; 0 = the kernels'
+  // default). For benchmarks that compare split plans.
+  int32_t decode_min_split_keys = 0;
 };
 
 // INVALID_ARGUMENT for a geometry/layout the CUDA kernels do not support (kernels/cuda/dca_cuda.h:

@@ -346,13 +346,12 @@ class DeviceBuffer {
 // through captured graphs (4, 3 -> 4) and eager launches (12 > the largest size, 8). Rows mix
 // kVariants and kPreRotary queries, bf16/fp16/fp32 inputs and outputs, q with a row pitch and
 // device addresses that are not 16-byte aligned (only element aligned). The device engine's
-// outputs are also checked against the fp64 reference.
-TEST(CudaEngine, DeviceRowsMatchHostRowsBitForBit) {
-  REQUIRE_GPU();
+// outputs are also checked against the fp64 reference. Pre-rotary rows rotate rotary_dim dims.
+void CheckDeviceRowsMatchHostRows(int32_t rotary_dim) {
   CudaEngineOptions opts = TestOptions();
   opts.geometry.chunk_size = opts.geometry.chunk_len + 16;
   opts.geometry.rope_theta = 10000.0;
-  opts.geometry.rotary_dim = 128;
+  opts.geometry.rotary_dim = rotary_dim;
   opts.layout.num_pages = 640;
   opts.max_decode_batch = 16;
   opts.graph_batch_sizes = {1, 2, 4, 8};
@@ -568,6 +567,17 @@ TEST(CudaEngine, DeviceRowsMatchHostRowsBitForBit) {
   EXPECT_NE(std::string(st.message()).find("device tensor k (fp32, row pitch 0) is not aligned"),
             std::string::npos)
       << st;
+}
+
+TEST(CudaEngine, DeviceRowsMatchHostRowsBitForBit) {
+  REQUIRE_GPU();
+  CheckDeviceRowsMatchHostRows(128);
+}
+
+// The same with a partial rotary (dims past rotary_dim are copied, not rotated).
+TEST(CudaEngine, DeviceRowsMatchHostRowsBitForBitPartialRotary) {
+  REQUIRE_GPU();
+  CheckDeviceRowsMatchHostRows(96);
 }
 
 // A prefill cut into steps of one key tile per window (and staging chunks of 48 tokens) writes the

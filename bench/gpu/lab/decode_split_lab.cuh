@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kThreads) DcaDecodeSplitKernel(const DecodeArg
 
   const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int32_t len = a.lengths[b];
-  const int32_t split_len = DecodeSplitLen(len, a.max_splits, kBlockN);
+  const int32_t split_len = DecodeSplitLen(len, a.max_splits, kBlockN, a.min_split_keys);
   const int32_t k_begin = split * split_len;
   const int32_t k_end = min(len, k_begin + split_len);
   if (k_begin >= k_end) {  // empty split: mark it and leave

@@ -152,9 +152,10 @@ absl::Status LaunchDecodeConfig(const DcaGeometry& g, const CudaDecodeParams& p,
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   kernel<<<dim3(p.max_splits, g.num_kv_heads, p.batch), K::kThreads, smem, stream>>>(a);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("lab decode kernel");
-  ck::DcaDecodeReduceKernel<D><<<dim3(p.batch, g.num_q_heads), D, 0, stream>>>(
-      p.partial_out, p.partial_lse, p.lengths, p.max_splits, K::kSplitTile, p.out,
-      static_cast<int>(p.out_dtype));
+  ck::DcaDecodeReduceKernel<D>
+      <<<dim3(p.batch, g.num_q_heads), ck::kDecodeReduceThreads, 0, stream>>>(
+          p.partial_out, p.partial_lse, p.lengths, p.max_splits, K::kSplitTile, a.min_split_keys,
+          p.out, static_cast<int>(p.out_dtype), p.row_outs);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReduceKernel");
   return absl::OkStatus();
 }
@@ -232,7 +233,7 @@ int32_t LabDecodeSplits(const DcaGeometry& g, int32_t batch, int64_t max_length,
 absl::Status LaunchLabDecode(const DcaGeometry& g, const CudaDecodeParams& p, int config,
                              cudaStream_t stream) {
   ATTND_RETURN_IF_ERROR(cuda_launch::CheckDecode(g, p));
-  if (p.max_splits < 1 || p.max_splits > 65535 || p.partial_out == nullptr ||
+  if (p.max_splits < 1 || p.max_splits > ck::kDecodeReduceMaxSplits || p.partial_out == nullptr ||
       p.partial_lse == nullptr) {
     return absl::InvalidArgumentError("lab decode: bad max_splits or null workspace");
   }
@@ -315,9 +316,10 @@ absl::Status LaunchVRegs(const DcaGeometry& g, const CudaDecodeParamsOf<KvT>& p,
   kernel<<<dim3(p.max_splits, g.num_kv_heads, p.batch), kProductDecodeWarps * 32, smem, stream>>>(
       cuda_launch::DecodeArgsFor(g, p));
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("VRegsDecodeKernel");
-  ck::DcaDecodeReduceKernel<D><<<dim3(p.batch, g.num_q_heads), D, 0, stream>>>(
-      p.partial_out, p.partial_lse, p.lengths, p.max_splits, 16 * kProductDecodeWarps, p.out,
-      static_cast<int>(p.out_dtype), p.row_outs);
+  ck::DcaDecodeReduceKernel<D>
+      <<<dim3(p.batch, g.num_q_heads), ck::kDecodeReduceThreads, 0, stream>>>(
+          p.partial_out, p.partial_lse, p.lengths, p.max_splits, 16 * kProductDecodeWarps,
+          kMinSplitKeys, p.out, static_cast<int>(p.out_dtype), p.row_outs);
   ATTND_CUDA_RETURN_IF_LAUNCH_ERROR("DcaDecodeReduceKernel");
   return absl::OkStatus();
 }
@@ -325,7 +327,7 @@ absl::Status LaunchVRegs(const DcaGeometry& g, const CudaDecodeParamsOf<KvT>& p,
 template <typename KvT>
 absl::Status CheckProbedParams(const DcaGeometry& g, const CudaDecodeParamsOf<KvT>& p) {
   ATTND_RETURN_IF_ERROR(cuda_launch::CheckDecode(g, p));
-  if (p.max_splits < 1 || p.max_splits > 65535 || p.partial_out == nullptr ||
+  if (p.max_splits < 1 || p.max_splits > ck::kDecodeReduceMaxSplits || p.partial_out == nullptr ||
       p.partial_lse == nullptr) {
     return absl::InvalidArgumentError("lab decode: bad max_splits or null workspace");
   }

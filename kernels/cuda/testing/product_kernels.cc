@@ -34,10 +34,15 @@ std::vector<PrefillKernelUnderTest> PrefillKernelsUnderTest() {
 
 std::vector<DecodeKernelUnderTest> DecodeKernelsUnderTest() {
   std::vector<DecodeKernelUnderTest> kernels;
-  for (int stages : {2, 3}) {
+  // Both ring depths at the default split minimum, and each with another (more or fewer splits on
+  // short rows: more or fewer partials for the reduction).
+  const std::pair<int, int32_t> configs[] = {{2, 0}, {3, 0}, {2, 64}, {3, 256}};
+  for (const auto& [stages, min_keys] : configs) {
     CudaKernelPlanOptions options;
     options.decode_stages = stages;
-    kernels.push_back({"product ring " + std::to_string(stages),
+    options.decode_min_split_keys = min_keys;
+    kernels.push_back({"product ring " + std::to_string(stages) +
+                           (min_keys != 0 ? ", splits of >= " + std::to_string(min_keys) : ""),
                        [options](const DcaGeometry& g, int32_t batch, int64_t max_length) {
                          absl::StatusOr<CudaKernelPlan> plan = PlanOnCurrentDevice(g, options);
                          return plan.ok() ? plan->DecodeSplits(batch, max_length) : 0;
