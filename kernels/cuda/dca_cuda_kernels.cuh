@@ -1208,10 +1208,8 @@ __global__ void __launch_bounds__(kDecodeReduceThreads)
   const int live = min(kDecodeReduceMaxSplits, DecodeLiveSplits(lengths[blockIdx.x], max_splits,
                                                                 split_tile, min_split_keys));
   const float* lse = partial_lse + slot * max_splits;
-  if (live <= 1) {  // one split (or none): its partial is the output (weight 1 / 1, or zeros)
-    if (tid >= D) return;
-    const float o =
-        live == 1 && lse[0] != -CUDART_INF_F ? partial_out[slot * max_splits * D + tid] : 0.f;
+  // Output element tid of this (row, head): to the row's own destination if it has one.
+  auto store = [&](float o) {
     if (row_outs != nullptr) {
       const DecodeRowOut dst = row_outs[blockIdx.x];
       if (dst.out != nullptr) {
@@ -1220,6 +1218,11 @@ __global__ void __launch_bounds__(kDecodeReduceThreads)
       }
     }
     StoreOne(out, out_dtype, slot * D + tid, o);
+  };
+  if (live <= 1) {  // one split (or none): its partial is the output (weight 1 / 1, or zeros)
+    if (tid < D) {
+      store(live == 1 && lse[0] != -CUDART_INF_F ? partial_out[slot * max_splits * D + tid] : 0.f);
+    }
     return;
   }
   // The block's maximum, then each split's weight and the weights' sum.
@@ -1280,15 +1283,7 @@ __global__ void __launch_bounds__(kDecodeReduceThreads)
     const float4 v = sums[g][lane4];
     o += e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
   }
-  o = wsum > 0.f ? o / wsum : 0.f;
-  if (row_outs != nullptr) {
-    const DecodeRowOut dst = row_outs[blockIdx.x];
-    if (dst.out != nullptr) {
-      StoreOne(dst.out, dst.dtype, static_cast<int64_t>(blockIdx.y) * D + tid, o);
-      return;
-    }
-  }
-  StoreOne(out, out_dtype, slot * D + tid, o);
+  store(wsum > 0.f ? o / wsum : 0.f);
 }
 
 }  // namespace cuda_kernels
