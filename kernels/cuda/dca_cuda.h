@@ -185,8 +185,9 @@ struct DecodeStageRow {
   const void* k = nullptr;
   const void* v = nullptr;
   int64_t q_pitch = 0;
-  // Null: the reduction writes the row's fp32 output into CudaDecodeParams::out. Else device
-  // memory [Hq, D] of out_dtype, which the reduction writes instead (the same fp32 values,
+  // Null: the reduction writes the row's fp32 output into CudaDecodeParams::out. Else memory the
+  // device can write, [Hq, D] of out_dtype (a device tensor, or mapped pinned memory such as the
+  // engine's slot for a host row), which the reduction writes instead (the same fp32 values,
   // converted on the device).
   void* out = nullptr;
   int32_t out_dtype = 0;  // static_cast<int32_t>(DType)
