@@ -23,6 +23,19 @@
 namespace attnd {
 namespace {
 
+// Built with ThreadSanitizer or AddressSanitizer: timing-based claims do not hold there.
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+#else
+constexpr bool kSanitized = false;
+#endif
+
 using client::DecodeInput;
 using client::HostTensor;
 using client::PrefillInput;
@@ -495,10 +508,17 @@ TEST_F(RingV2Test, SlotsHoldSeveralMicroBatchesInFlight) {
     ASSERT_TRUE(after.ok()) << after.status();
     ASSERT_TRUE(after->decode_batching().enabled());
     // Posted together, the ring's four micro-batches run as one batch (the Session twins'
-    // decodes are one each).
+    // decodes are one each). Under a sanitizer the ring's thread may take longer than the
+    // batcher's wait for followers (500 us) between two posted frames, so there they may run
+    // apart, each at most once.
     if (step > 0) {
-      EXPECT_EQ(after->decode_batching().batches() - before->decode_batching().batches(),
-                1 + kBatches);
+      const int64_t batches =
+          after->decode_batching().batches() - before->decode_batching().batches();
+      if (kSanitized) {
+        EXPECT_LE(batches, 2 * kBatches);
+      } else {
+        EXPECT_EQ(batches, 1 + kBatches);
+      }
     }
     EXPECT_EQ(after->decode_batching().entries() - before->decode_batching().entries(),
               2 * kBatches * kRows);
