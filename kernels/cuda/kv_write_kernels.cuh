@@ -230,7 +230,8 @@ __global__ void DecodeAppendKvKernel(PagedKvBatch kvb, const int32_t* lengths, c
 // grid (kDecodeStageBlocks, batch), block kDecodeStageThreads: CudaDecodeStageParams. Host memory
 // is read over the bus, where every read is a round trip of microseconds, so the kernel makes two:
 // the row's header, then every 16-byte piece of the row (q, page table, k, v, and the page id of
-// the new token) loaded by its own thread before any of them is stored. A row's pieces, in order:
+// the new token) loaded by its own thread before any of them is stored; a pre-rotary row's rotary
+// loads (its q and k, the new page id) go out with the first pieces. A row's pieces, in order:
 // q (3 * Hq * D elements of its dtype), its page table (4 ids a piece; tables are 16-byte
 // aligned, so the last piece may carry up to 3 ids past num_pages, which nobody reads), k, v.
 constexpr int kDecodeStageBlocks = 16;
@@ -342,6 +343,20 @@ __device__ __forceinline__ void DecodeStageRotary(const CudaDecodeStageParams::R
   }
 }
 
+// Whether this thread has a key unit (a rotated pair or a copied dim) in DecodeStageRotary's walk.
+__device__ __forceinline__ bool DecodeStageRotaryStoresKey(const CudaDecodeStageParams::Rotary& rot,
+                                                           int hq, int hkv, int D) {
+  const int half = rot.half, rest = D - 2 * half;
+  const int64_t n_qp = int64_t{hq} * half, n_kp = int64_t{hkv} * half;
+  const int64_t n_qr = int64_t{hq} * rest, n_kr = int64_t{hkv} * rest;
+  const int64_t step = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t u = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; u < n_qp + n_kp + n_qr + n_kr;
+       u += step) {
+    if ((u >= n_qp && u < n_qp + n_kp) || u >= n_qp + n_kp + n_qr) return true;
+  }
+  return false;
+}
+
 // kFloatRows: the stage of a pool of scaled codes (CudaDecodeStageParams::kv_rows): the new token's
 // K/V rows go to kv_rows as fp32 (the key length-scaled), not into the pool, and the new token's
 // page id is not read.
@@ -397,27 +412,12 @@ __device__ __forceinline__ void DecodeStage(PagedKvBatch kvb, const DecodeStageR
       row.k != nullptr ? static_cast<const char*>(row.k) : host_k + r * kv_row_bytes;
   const char* v_src =
       row.v != nullptr ? static_cast<const char*>(row.v) : host_v + r * kv_row_bytes;
-  if (rotary) {
-    // Where the new key's element e (head e / D) goes: the pool (bf16, length-scaled) or, for a
-    // pool of scaled codes, kv_rows as fp32.
-    const int32_t new_page = kFloatRows ? 0 : host_table[pages.Page(static_cast<uint32_t>(pos))];
-    const int64_t new_slot =
-        (int64_t{new_page} * ps + pages.Slot(static_cast<uint32_t>(pos))) * kvb.num_kv_heads * D;
-    auto store_key = [&](int64_t e, float x) {
-      if constexpr (kFloatRows) {
-        kv_rows[int64_t{r} * 2 * kv_elems + e] = x * key_scale;
-      } else {
-        kvb.k[new_slot + e] = __float2bfloat16_rn(x * key_scale);
-      }
-    };
-    DecodeStageRotary(rot, pos, q_src, row.q_dtype, k_src, k_dtype, num_q_heads, kvb.num_kv_heads,
-                      D, q + r * q_elems, store_key);
-  }
-  for (int64_t base = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; base < total;
-       base += step * kDecodeStageUnroll) {
-    // Loads first: every piece (and the new token's page id) in flight at once.
-    uint4 piece[kDecodeStageUnroll];
-    int32_t page = 0;
+  const int64_t new_slot_in_page = pages.Slot(static_cast<uint32_t>(pos));
+  const int32_t* new_page_id = host_table + pages.Page(static_cast<uint32_t>(pos));
+  // Pieces [base, base + kDecodeStageUnroll * step) of this thread, and the new token's page id
+  // when one of them is k or v: loads only (stores come in store_pieces), so that a caller can
+  // have them in flight beside other loads.
+  auto load_pieces = [&](int64_t base, uint4(&piece)[kDecodeStageUnroll], int32_t& page) {
     bool appends = false;
 #pragma unroll
     for (int u = 0; u < kDecodeStageUnroll; ++u) {
@@ -439,8 +439,9 @@ __device__ __forceinline__ void DecodeStage(PagedKvBatch kvb, const DecodeStageR
       }
       piece[u] = LoadPiece(src);
     }
-    if (!kFloatRows && appends) page = host_table[pages.Page(static_cast<uint32_t>(pos))];
-      // Then the stores.
+    if (!kFloatRows && appends) page = *new_page_id;
+  };
+  auto store_pieces = [&](int64_t base, const uint4(&piece)[kDecodeStageUnroll], int32_t page) {
 #pragma unroll
     for (int u = 0; u < kDecodeStageUnroll; ++u) {
       const int64_t i = base + u * step;
@@ -467,13 +468,40 @@ __device__ __forceinline__ void DecodeStage(PagedKvBatch kvb, const DecodeStageR
           continue;
         }
         const int64_t off =
-            ((int64_t{page} * ps + pages.Slot(static_cast<uint32_t>(pos))) * kvb.num_kv_heads +
-             e / D) *
-                D +
-            e % D;
+            ((int64_t{page} * ps + new_slot_in_page) * kvb.num_kv_heads + e / D) * D + e % D;
         StoreBf16Piece((is_k ? kvb.k : kvb.v) + off, x, n, is_k ? key_scale : 1.f);
       }
     }
+  };
+
+  int64_t base = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  uint4 piece[kDecodeStageUnroll];
+  int32_t page = 0;
+  // The first round of pieces is loaded before a pre-rotary row's rotary, whose loads (q, k, the
+  // new page id) then travel with them: one bus round trip after the row's header, not two.
+  if (base < total) load_pieces(base, piece, page);
+  if (rotary) {
+    // Where the new key's element e (head e / D) goes: the pool (bf16, length-scaled) or, for a
+    // pool of scaled codes, kv_rows as fp32. Only the threads that store a key element read the
+    // page id (over the bus, beside the rotary's own loads).
+    const int32_t new_page =
+        !kFloatRows && DecodeStageRotaryStoresKey(rot, num_q_heads, kvb.num_kv_heads, D)
+            ? *new_page_id
+            : 0;
+    const int64_t new_slot = (int64_t{new_page} * ps + new_slot_in_page) * kvb.num_kv_heads * D;
+    auto store_key = [&](int64_t e, float x) {
+      if constexpr (kFloatRows) {
+        kv_rows[int64_t{r} * 2 * kv_elems + e] = x * key_scale;
+      } else {
+        kvb.k[new_slot + e] = __float2bfloat16_rn(x * key_scale);
+      }
+    };
+    DecodeStageRotary(rot, pos, q_src, row.q_dtype, k_src, k_dtype, num_q_heads, kvb.num_kv_heads,
+                      D, q + r * q_elems, store_key);
+  }
+  for (; base < total; base += step * kDecodeStageUnroll) {
+    if (base != int64_t{blockIdx.x} * blockDim.x + threadIdx.x) load_pieces(base, piece, page);
+    store_pieces(base, piece, page);
   }
 }
 
