@@ -437,7 +437,8 @@ using CudaDecodeParams = CudaDecodeParamsOf<Bf16>;
 // Split-K (flash-decoding) kernel, grid (max_splits, num_kv_heads, batch): each block walks its key
 // range (64-key tiles, page indices loaded a tile ahead, a plan.DecodeStages(batch)-deep cp.async
 // ring) with the group's q heads as the M dimension of mma tiles; then a reduction kernel, grid
-// (batch, num_q_heads), merges the splits by log-sum-exp.
+// (batch, num_q_heads), merges the splits by log-sum-exp. With max_splits 1 there is nothing to
+// merge: the split kernel stores the outputs itself (as the reduction would) and no reduction runs.
 // The int8 and fp8 kernels (plan built with that kv_dtype) copy each tile's codes and scales with
 // cp.async (half the bytes of bf16) and compute on the codes' exact values in fp16 (every int8 and
 // every E4M3 value is an fp16): Q K^T with the query in fp16 (each row scaled by a power of two

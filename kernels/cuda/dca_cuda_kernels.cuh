@@ -508,7 +508,36 @@ struct DecodeArgsOf {
   float* partial_out;  // [batch, Hq, max_splits, D]
   float* partial_lse;  // [batch, Hq, max_splits], log2 domain; -inf = empty split
   int32_t min_split_keys = kMinSplitKeys;  // the plan's (CudaKernelPlan::DecodeMinSplitKeys)
+  // With one split per row the block's own merge is the row's output: when set (max_splits 1),
+  // the kernel stores it as the reduction would (out / out_dtype, or the row's row_outs entry)
+  // and no reduction runs.
+  bool direct_out = false;
+  void* out = nullptr;
+  int32_t out_dtype = 0;
+  const DecodeRowOut* row_outs = nullptr;
 };
+
+// A direct-output decode's store of elements d .. d + 3 of q head `head` of row b: into the row's
+// own destination (row_outs) or the batch output, as DcaDecodeReduceKernel stores them. One
+// vector store where the address allows (a warp then writes whole contiguous lines, which matters
+// when the destination is pinned host memory across the bus), else one store per element (a
+// device output need only be aligned to its dtype).
+template <int D, typename KvT>
+__device__ __forceinline__ void StoreDirect(const DecodeArgsOf<KvT>& a, int b, int64_t head, int d,
+                                            float4 x) {
+  void* out = a.out;
+  int dtype = a.out_dtype;
+  int64_t i = (static_cast<int64_t>(b) * a.num_q_heads + head) * D + d;
+  if (a.row_outs != nullptr) {
+    const DecodeRowOut dst = a.row_outs[b];
+    if (dst.out != nullptr) {
+      out = dst.out;
+      dtype = dst.dtype;
+      i = head * D + d;
+    }
+  }
+  cuda_common::StoreQuad(out, dtype, i, x);
+}
 
 using DecodeArgs = DecodeArgsOf<Bf16>;
 
@@ -883,6 +912,13 @@ __device__ __forceinline__ void DcaDecodePipeBody(const DecodeArgsOf<KvT> a, Pro
   const int32_t k_begin = split * split_len;
   const int32_t k_end = min(len, k_begin + split_len);
   if (k_begin >= k_end) {  // empty split (or a length-0 padding row): mark it and leave
+    if (a.direct_out) {    // the row's output is zeros, as the reduction writes it
+      for (int e = 4 * threadIdx.x; e < group * D; e += 4 * kT) {
+        StoreDirect<D>(a, b, int64_t{kv_head} * group + e / D, e % D,
+                       make_float4(0.f, 0.f, 0.f, 0.f));
+      }
+      return;
+    }
     if (threadIdx.x < group) {
       const int64_t head = kv_head * group + threadIdx.x;
       a.partial_lse[(static_cast<int64_t>(b) * a.num_q_heads + head) * a.max_splits + split] =
@@ -1167,6 +1203,11 @@ __device__ __forceinline__ void DcaDecodePipeBody(const DecodeArgsOf<KvT> a, Pro
     }
     const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
     const int64_t head = kv_head * group + r;
+    if (a.direct_out) {
+      StoreDirect<D>(a, b, head, d4,
+                     make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+      continue;
+    }
     const int64_t slot = (static_cast<int64_t>(b) * a.num_q_heads + head) * a.max_splits + split;
     *reinterpret_cast<float4*>(&a.partial_out[slot * D + d4]) =
         make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);

@@ -62,10 +62,16 @@ absl::Status LaunchDecodeTyped(const CudaKernelPlan& plan, const CudaDecodeParam
   const DcaGeometry& g = plan.geometry();
   cuda_kernels::DecodeArgsOf<KvT> a = DecodeArgsFor(g, p);
   a.min_split_keys = plan.DecodeMinSplitKeys();
+  // One split per row (large batches): each block's merge is its rows' output, stored directly.
+  a.direct_out = p.max_splits == 1;
+  a.out = p.out;
+  a.out_dtype = static_cast<int32_t>(p.out_dtype);
+  a.row_outs = p.row_outs;
   const auto kernel = DecodeKernel<D, Stages, KvT>();
   ATTND_CUDA_RETURN_IF_ERROR(
       LaunchAfterPrevious(kernel, dim3(p.max_splits, g.num_kv_heads, p.batch),
                           dim3(32 * kDecodeWarps), DecodeSmemBytes<KvT>(g, Stages), stream, a));
+  if (a.direct_out) return absl::OkStatus();
   ATTND_CUDA_RETURN_IF_ERROR(LaunchAfterPrevious(
       cuda_kernels::DcaDecodeReduceKernel<D>, dim3(p.batch, g.num_q_heads),
       dim3(cuda_kernels::kDecodeReduceThreads), 0, stream, static_cast<const float*>(p.partial_out),

@@ -56,6 +56,38 @@ __device__ __forceinline__ void StoreOne(void* out, int dtype, int64_t i, float 
   }
 }
 
+// Stores four adjacent outputs as out_dtype: one vector store when out + i is aligned to it, else
+// four element stores.
+__device__ __forceinline__ void StoreQuad(void* out, int dtype, int64_t i, float4 x) {
+  const bool wide =
+      dtype != static_cast<int>(DType::kBf16) && dtype != static_cast<int>(DType::kFp16);
+  char* at = static_cast<char*>(out) + i * (wide ? 4 : 2);
+  if (reinterpret_cast<uintptr_t>(at) % (wide ? 16 : 8) != 0) {
+    StoreOne(out, dtype, i, x.x);
+    StoreOne(out, dtype, i + 1, x.y);
+    StoreOne(out, dtype, i + 2, x.z);
+    StoreOne(out, dtype, i + 3, x.w);
+    return;
+  }
+  switch (dtype) {
+    case static_cast<int>(DType::kBf16): {
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(x.x, x.y);
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(x.z, x.w);
+      *reinterpret_cast<uint2*>(at) = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                                                 *reinterpret_cast<const uint32_t*>(&hi));
+      break;
+    }
+    case static_cast<int>(DType::kFp16): {
+      const __half2 lo = __floats2half2_rn(x.x, x.y), hi = __floats2half2_rn(x.z, x.w);
+      *reinterpret_cast<uint2*>(at) = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                                                 *reinterpret_cast<const uint32_t*>(&hi));
+      break;
+    }
+    default:
+      *reinterpret_cast<float4*>(at) = x;
+  }
+}
+
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
