@@ -828,6 +828,60 @@ class Slots(unittest.TestCase):
             finally:
                 server.close()
 
+    def test_twin_calls_write_and_read_as_full_calls(self):
+        """A decode loop's calls after the first are twins (same ids, shapes and dtypes), which skip to writing
+        the frame and read an answer like their twin's without its checks. Each step of one ring taking that
+        shortcut and of one made to take the full path every time: the same request bytes, outputs (dtype,
+        shape, read-only), lengths and errors; with one slot and with two (alternating halves)."""
+        def answer(n, req):
+            if n == 4:
+                return frame_answer(n, req, code=5, message="seq gone")
+            if n == 5:
+                return frame_answer(n, req, tag_delta=3)
+            return frame_answer(n, req)
+
+        for slots, dtype in ((1, np.float32), (2, np.uint16)):
+            steps = [(layer, self.q().astype(dtype), self.kv.astype(dtype), (self.kv + layer).astype(dtype))
+                     for layer in (0, 7, 3, 1, 2, 5, 4)]
+            runs = []
+            for full in (False, True):
+                with _ring.Ring(self.client, half_bytes=2 * 4096, version=2, slots=slots) as ring:
+                    requests = []
+
+                    def recorded(n, req, ring=ring, requests=requests):
+                        at = slot_request_offset(ring.half_bytes, slots, n)
+                        requests.append(bytes(ring._mm[at:at + 8 + struct.unpack_from("<Q", ring._mm, at)[0]]))
+                        return answer(n, req)
+                    server = PlayedSlotServer(ring, slots, answer=recorded)
+                    results = []
+                    try:
+                        for layer, q, k, v in steps:
+                            if full:
+                                ring._v2_last = None
+                            twin = ring._v2_last
+                            try:
+                                out, lengths = ring.decode(layer, self.seqs, q, k, v, return_lengths=True)
+                                results.append((out.dtype, out.shape, out.flags.writeable, out.tobytes(), lengths))
+                            except attnd.AttndError as err:
+                                results.append((err.code, err.message))
+                            if not full and twin is not None:
+                                self.assertIs(ring._v2_last, twin, "step %d is its twin's" % len(results))
+                    finally:
+                        server.close()
+                runs.append((requests, results))
+            (twin_requests, twin_results), (full_requests, full_results) = runs
+            self.assertEqual(len(twin_requests), len(steps))
+            for i, (a, b) in enumerate(zip(twin_requests, full_requests)):
+                self.assertEqual(a, b, "request %d (slots=%d)" % (i + 1, slots))
+            self.assertEqual(twin_results, full_results)
+            self.assertEqual(full_results[3], (SC.NOT_FOUND, "seq gone"))
+            self.assertIs(full_results[4][0], SC.INTERNAL)
+            for i, (_, q, _, _) in enumerate(steps):
+                if i not in (3, 4):
+                    self.assertEqual(full_results[i][:3], (np.dtype(dtype), (2, 4, 8), False))
+                    self.assertEqual(full_results[i][3], np.ascontiguousarray(q[:, 0]).tobytes())
+                    self.assertEqual(full_results[i][4], frame_lengths(i + 1, 2))
+
 
 class RingAdapter:
     """A Ring where test_golden.run_golden expects a client: sequences are created and released over gRPC."""
@@ -1128,7 +1182,7 @@ class LiveRingV2(LiveRing):
                     np.testing.assert_array_equal(got, self.client.decode(0, b, q, k, v), "step %d" % step)
                     if step == 1:
                         self.assertIsNotNone(ring._v2_last, "a plain call is remembered for its twin")
-                self.assertEqual(ring._v2_last[0][5], np.float32, "reinterpreted inputs are never remembered")
+                self.assertEqual(ring._v2_last.sig[5], np.float32, "reinterpreted inputs are never remembered")
                 q, k, v = self.tokens(None, 3, lead=(n,))
                 with self.assertRaises(attnd.AttndError) as ctx:
                     ring.decode(0, a[:2] + [7], q, k, v)

@@ -93,7 +93,6 @@ def _fail(code, message):
 
 
 _U64 = struct.Struct("<Q")
-_I32 = struct.Struct("<i")
 # Tags cycle through 1..127 (one-byte varints, precomputed): at most MAX_SLOTS requests are in flight, so an
 # answer for any other request (a late one left in the slot, say) still shows as another tag.
 _TAG_CYCLE = 127
@@ -155,9 +154,23 @@ _V2_MAX_RANK = 4
 _V2_HEAD = struct.Struct("<IHHQiIIIqQ")   # RequestHeader up to q: 48 bytes
 _V2_TENSOR = struct.Struct("<HHiQQII4q")  # Tensor: 64 bytes
 _V2_REQUEST_BYTES = _V2_HEAD.size + 4 * _V2_TENSOR.size  # 304
-_V2_TAG_AT, _V2_LAYER_AT = 8, 16
+_V2_TAG_AT = 8  # the RequestHeader's tag, the layer right after it (byte 16)
+_V2_TAG_LAYER = struct.Struct("<Qi")  # both in one store per request
 _V2_RESPONSE = struct.Struct("<IiQHHiIIQQQQQ4q")  # ResponseHeader: 104 bytes
+# A response half's length word and the ResponseHeader after it, read with one unpack.
+_V2_ANSWER = struct.Struct("<Q" + _V2_RESPONSE.format[1:])
+# The same bytes as (length word, magic and code; tag; the rest of the header): an answer whose bytes but the
+# tag equal those of an answer already checked passes the same checks (_Twin).
+_V2_ANSWER_SPLIT = struct.Struct("<16sQ%ds" % (_V2_ANSWER.size - 24))
 _V2_OPS = {_V2_PREFILL: "prefill", _V2_DECODE: "decode"}
+_INT64S = {}  # struct.Struct("<{n}q") by n: a frame's n lengths (n <= 4096), unpacked in one call
+
+
+def _int64s(n):
+    s = _INT64S.get(n)
+    if s is None:
+        s = _INT64S[n] = struct.Struct("<%dq" % n)
+    return s
 
 
 _CLIENT = []
@@ -178,10 +191,11 @@ def _align64(n):
 
 class _Frame:
     """A version 2 request frame without its tensors' inline bytes: `head` (header, id table, ids and region
-    names, tag and layer 0) and where each inline tensor's bytes go. Built once per shape of request and reused
-    (only the tag and the layer change between a model's layers)."""
+    names, tag and layer 0) and where each inline tensor's bytes go, as (start, end) from the frame's start.
+    Built once per shape of request and reused (only the tag and the layer change between a model's layers).
+    `prefix` is what a request half starts with: the frame's length, then its head (one copy per request)."""
 
-    __slots__ = ("head", "inline", "size")
+    __slots__ = ("head", "inline", "size", "prefix")
 
     def __init__(self, op, layer, q_layout, seqs, tensors, out, prompt_len, ordered=False):
         ids = [s.encode("ascii") for s in seqs]
@@ -210,7 +224,7 @@ class _Frame:
             else:
                 a, dtype = t
                 descs.append((_V2_INLINE, a.ndim, dtype, pos, a.nbytes, 0, 0) + _shape4(a.shape))
-                self.inline.append((pos, a.nbytes))
+                self.inline.append((pos, pos + a.nbytes))
                 pos = _align64(pos + a.nbytes)
         if out is None:
             descs.append((_V2_ABSENT, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
@@ -226,6 +240,21 @@ class _Frame:
         head += strings
         self.head = bytes(head)
         self.size = pos if self.inline else len(self.head)
+        self.prefix = _U64.pack(self.size) + self.head
+
+
+class _Twin:
+    """The last plain version 2 call (numpy q, k, v sent as given: no regions, no out=), for its twins, the calls
+    with the same `sig` (op, ids, layout, prompt_len, shapes and dtypes) that a decode loop makes layer after
+    layer: they skip the checks and the frame lookup it passed and reuse its `frame` and `like`. `answer`, once
+    an answer to one of them was read in full: its header's bytes but the tag, where its lengths and output lie
+    and the output's dtype and shape, so that a later answer with the same header bytes skips the checks too
+    (its tag is compared; only its lengths and its output are read)."""
+
+    __slots__ = ("sig", "frame", "like", "answer")
+
+    def __init__(self, sig, frame, like):
+        self.sig, self.frame, self.like, self.answer = sig, frame, like, None
 
 
 def _shape4(shape):
@@ -373,9 +402,7 @@ class Ring:
         self._unposted = None
         self._events = None  # (ready, done): torch CUDA events opened from attnd's handles
         self._frames = {}  # _Frame by the request's shape (version 2)
-        # The last plain version 2 call (inline numpy tensors, no regions): (its signature, its frame, dtypes),
-        # so that a decode loop's next call skips the checks and the frame lookup its twin passed.
-        self._v2_last = None
+        self._v2_last = None  # _Twin: the last plain version 2 call, for the decode loop's next one
         half_bytes = int(half_bytes)
         if half_bytes <= LENGTH_BYTES or half_bytes % 4096 != 0:
             raise invalid_argument("ring half_bytes must be a positive multiple of 4096, got %d" % half_bytes)
@@ -624,7 +651,7 @@ class Ring:
             if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or len(self._plans) >= 64:
                 return None
             plan = self._plans[key] = _PackedPlan(int(layer), q, k, v, dtype, layout, len(ids))
-        tag, size, seq, deadline = self._start(plan.size)
+        tag, size, seq, deadline = self._start(plan.size(self._next_tag))
         mv = self._mv
         pos = HEADER_BYTES
         head = _U64.pack(size) + _TAG_FIELDS[tag] + plan.head + ids + plan.q_head
@@ -665,11 +692,10 @@ class Ring:
             q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous
         if plain:
             sig = (op, seqs, q_layout, prompt_len, q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype)
-            last = self._v2_last
-            if last is not None and last[0] == sig:
-                frame, (qdt, kdt, vdt), like = last[1], last[2], last[3]
-                return self._v2_send(op, layer, seqs, frame, ((q, qdt), (k, kdt), (v, vdt)), None, False, like,
-                                     None, pending)
+            twin = self._v2_last
+            if twin is not None and twin.sig == sig:
+                return self._v2_send(op, layer, len(seqs), twin.frame, (q, k, v), None, False, twin.like, None,
+                                     pending, twin)
         c = _client_module()
         _out_ref, _q_layout, _sync, _tensor_arg = c._out_ref, c._q_layout, c._sync, c._tensor_arg
         # The unary client's checks and messages, so a call fails the same way on either.
@@ -720,65 +746,75 @@ class Ring:
             if len(self._frames) >= 256:
                 self._frames.clear()
             self._frames[key] = frame
+        twin = None
         if plain and qa is q and ka is k and va is v:  # sent as given: the next twin may skip to sending
-            self._v2_last = (sig, frame, (qdt, kdt, vdt), like)
+            twin = self._v2_last = _Twin(sig, frame, like)
         if ordered:
             stream = _tensors._torch().cuda.current_stream(used[0].device)
             self._events[0].record(stream)
         else:
             stream = None
             _sync(used)
-        return self._v2_send(op, layer, seqs, frame, tensors, out, ordered, like, stream, pending)
+        inline = [t[0] for t in tensors if not isinstance(t, _wire.RegionTensor)]
+        return self._v2_send(op, layer, len(seqs), frame, inline, out, ordered, like, stream, pending, twin)
 
-    def _v2_send(self, op, layer, seqs, frame, tensors, out, ordered, like, stream=None, pending=None):
-        """Writes the frame's request (its cached head, the tag, the layer and the inline tensors' bytes) into
-        its slot's request half and posts it; reads the answer -> (output, lengths), or with `pending` (a
-        RingPending) queues it to be read later and returns it."""
-        tag, size, seq, deadline = self._start(lambda _: frame.size)
+    def _v2_send(self, op, layer, num_seqs, frame, inline, out, ordered, like, stream=None, pending=None,
+                 twin=None):
+        """Writes the frame's request (its cached prefix, the tag, the layer and the bytes of `inline`, the
+        arrays of its inline tensors in order) into its slot's request half and posts it; reads the answer ->
+        (output, lengths), or with `pending` (a RingPending) queues it to be read later and returns it. `twin`:
+        the _Twin of a plain call, whose answer is read as its twins' was when its header's bytes are theirs."""
+        tag, size, seq, deadline = self._start(frame.size)
         nxt = (seq + 1) & _SEQ_MASK
         half = self._request_offs[nxt & (self.slots - 1)]
         base = half + LENGTH_BYTES
-        mv = self._mv
-        _U64.pack_into(self._mm, half, size)
-        mv[base:base + len(frame.head)] = frame.head
-        _U64.pack_into(self._mm, base + _V2_TAG_AT, tag)
-        _I32.pack_into(self._mm, base + _V2_LAYER_AT, int(layer))
-        inline = iter(frame.inline)
-        for t in tensors:
-            if not isinstance(t, _wire.RegionTensor):
-                pos, n = next(inline)
-                mv[base + pos:base + pos + n] = memoryview(t[0]).cast("B")
+        # Written through the mmap itself: its slice assignment takes any C-contiguous buffer's bytes as they
+        # are, where a memoryview's needs a cast of each array to bytes first.
+        mm = self._mm
+        prefix = frame.prefix
+        mm[half:half + len(prefix)] = prefix
+        _V2_TAG_LAYER.pack_into(mm, base + _V2_TAG_AT, tag, layer)
+        for (a, b), array in zip(frame.inline, inline):
+            mm[base + a:base + b] = array
         self._post(nxt)
         half += self.half_bytes  # the slot's response half
         if pending is not None:
-            pending._posted(nxt, deadline, (op, tag, len(seqs), out, ordered, like, stream, half))
+            pending._posted(nxt, deadline, (op, tag, num_seqs, out, ordered, like, stream, half))
             self._pending.append(pending)
             return pending
         self._wait(nxt, deadline, True)
-        return self._v2_answer(op, tag, len(seqs), out, ordered, like, stream, half)
+        if twin is not None and twin.answer is not None:
+            head, rest, o_lo, o_hi, o_dtype, o_shape, lengths_at, lengths = twin.answer
+            got_head, got_tag, got_rest = _V2_ANSWER_SPLIT.unpack_from(mm, half)
+            if got_tag == tag and got_head == head and got_rest == rest:
+                # What _v2_answer returns for it: a read-only array over the output's bytes, copied out.
+                return (np.ndarray(o_shape, o_dtype, mm[half + o_lo:half + o_hi]),
+                        list(lengths.unpack_from(mm, half + lengths_at)))
+        return self._v2_answer(op, tag, num_seqs, out, ordered, like, stream, half, twin)
 
-    def _v2_answer(self, op, tag, num_seqs, out, ordered, like, stream, half):
-        """The answer in the response half at offset `half` to the request of `tag`. -> (output, lengths)."""
-        mv = self._mv
+    def _v2_answer(self, op, tag, num_seqs, out, ordered, like, stream, half, twin=None):
+        """The answer in the response half at offset `half` to the request of `tag`. -> (output, lengths). With
+        `twin`, an inline numpy output's answer is kept as twin.answer for the answers to its twins."""
+        mm = self._mm
         start = half + LENGTH_BYTES
-        n = _U64.unpack_from(self._mm, half)[0]
+        # The header is read with the length before the length is checked: the half holds it either way.
+        (n, magic, code, got_tag, got_op, rank, dtype, num_lengths, flags, msg_off, msg_bytes, o_off, o_bytes,
+         lengths_off, *shape) = _V2_ANSWER.unpack_from(mm, half)
         if n > self.capacity or n < _V2_RESPONSE.size:
             raise _fail(grpc.StatusCode.INTERNAL, "the ring's response claims %d bytes; a frame is %d to %d"
                         % (n, _V2_RESPONSE.size, self.capacity))
-        (magic, code, got_tag, got_op, rank, dtype, num_lengths, flags, msg_off, msg_bytes, o_off, o_bytes,
-         lengths_off, *shape) = _V2_RESPONSE.unpack_from(self._mm, start)
         if magic != _V2_RESPONSE_MAGIC or got_tag != tag:
             raise _fail(grpc.StatusCode.INTERNAL, "the ring answered tag %d (magic %#x) for request tag %d"
                         % (got_tag, magic, tag))
         # Every [offset, offset + bytes) must lie inside the frame's n bytes (checked without overflow).
         if code != 0:
-            message = bytes(mv[start + msg_off:start + msg_off + msg_bytes]).decode("utf-8", "replace") \
+            message = mm[start + msg_off:start + msg_off + msg_bytes].decode("utf-8", "replace") \
                 if msg_off <= n and msg_bytes <= n - msg_off else ""
             raise AttndError(code, message)
         if got_op != op or lengths_off > n or 8 * num_lengths > n - lengths_off or num_lengths != num_seqs:
             raise _fail(grpc.StatusCode.INTERNAL, "the ring answered a %s with %d lengths to a %s of %d sequences"
                         % (_V2_OPS.get(got_op, got_op), num_lengths, _V2_OPS[op], num_seqs))
-        lengths = np.frombuffer(self._mm, np.int64, num_lengths, start + lengths_off).tolist()
+        lengths = list(_int64s(num_lengths).unpack_from(mm, start + lengths_off))  # at most 4096 (checked)
         if ordered:  # attnd queued the work: the output is there once its event is
             stream.wait_event(self._events[1])
             self.stats.device_ordered += 1
@@ -789,8 +825,13 @@ class Ring:
             return out, lengths
         if flags & _V2_OUTPUT_IN_REGION or rank > _V2_MAX_RANK or o_off > n or o_bytes > n - o_off:
             raise _fail(grpc.StatusCode.INTERNAL, "the ring's answer has no output bytes where it says")
-        data = bytes(mv[start + o_off:start + o_off + o_bytes])
-        return _tensors.from_bytes(data, dtype, list(shape[:rank]), like), lengths
+        o = _tensors.from_bytes(mm[start + o_off:start + o_off + o_bytes], dtype, shape[:rank], like)
+        if twin is not None and type(o) is np.ndarray:
+            head, _, rest = _V2_ANSWER_SPLIT.unpack_from(mm, half)
+            o_lo = LENGTH_BYTES + o_off
+            twin.answer = (head, rest, o_lo, o_lo + o_bytes, o.dtype, o.shape, LENGTH_BYTES + lengths_off,
+                           _int64s(num_lengths))
+        return o, lengths
 
     def _lengths(self, mv, p, end, b):
         if p < end and mv[p] == _LENGTHS_KEY:
@@ -822,17 +863,16 @@ class Ring:
         result = self._own(result)
         return (result, lengths) if return_lengths else result
 
-    def _start(self, size_of):
+    def _start(self, size):
         """The start of every request: the ring must be open on both sides; the next tag is taken for a
-        request of size_of(tag) bytes, refused when larger than the half; a pending request whose slot this
-        request takes has its answer read (and kept for its result()) first, with those before it; and the
-        request must fit in flight: with one slot, a request abandoned past its deadline is answered first, so
-        nothing is; with S, request n waits until response_seq reaches n - S. -> (tag, size, request_seq,
-        deadline)."""
+        request of `size` bytes (its size with that tag), refused when larger than the half; a pending request
+        whose slot this request takes has its answer read (and kept for its result()) first, with those before
+        it; and the request must fit in flight: with one slot, a request abandoned past its deadline is answered
+        first, so nothing is; with S, request n waits until response_seq reaches n - S. -> (tag, size,
+        request_seq, deadline)."""
         if self._mm is None:
             raise _fail(grpc.StatusCode.FAILED_PRECONDITION, "the ring is closed")
         tag = self._next_tag
-        size = size_of(tag)
         if size > self.capacity:
             raise self._too_large(size)
         w = self._words
@@ -909,7 +949,7 @@ class Ring:
         """Sends SessionRequest{tag, <kind>: body} (a _wire.Msg) and waits for its answer. Returns (memoryview of
         the SessionResponse in the response half, span of its payload); raises the answer's code as AttndError."""
         request = _wire.session_request(self._next_tag, **{kind: body})  # the tag _start takes
-        tag, size, seq, deadline = self._start(lambda _: request.size)
+        tag, size, seq, deadline = self._start(request.size)
         # The request, its length first, each part copied once from its buffer.
         mv = self._mv
         struct.pack_into("<Q", self._mm, HEADER_BYTES, size)
