@@ -818,18 +818,17 @@ INSTANTIATE_TEST_SUITE_P(
 // K/V against LaunchDecodeAppendKv (device inputs, checked against fp64 by DecodeTest) on a second
 // pool, compared whole, so a stray write anywhere fails. Rows mix input dtypes, one is padding,
 // and one has a 70000-page table, which takes the kernel more than one pass over its pieces.
-TEST(CudaDecodeStage, MatchesTheDeviceAppendAndTheHostRounding) {
-  REQUIRE_GPU();
-  const int hq = 28, hkv = 4, d = 128, ps = 16, pool_pages = 64;
+struct StageRow {
+  int32_t pages;  // 0: a padding row
+  DType q, k, v;
+};
+
+// Stages `rows` (tables of `stride` ids, a multiple of 4) into a pool of pool_pages pages and
+// checks the result: each non-padding row's new token goes to its own page (pool_pages and 31
+// coprime, pool_pages >= the rows).
+void CheckDecodeStage(const std::vector<StageRow>& rows, int64_t stride, int pool_pages) {
+  const int hq = 28, hkv = 4, d = 128, ps = 16;
   const int64_t orig = 4096;
-  const int64_t stride = 70004;  // a multiple of 4, >= every row's pages
-  struct Row {
-    int32_t pages;
-    DType q, k, v;
-  };
-  const std::vector<Row> rows = {{70000, DType::kFp32, DType::kBf16, DType::kFp16},
-                                 {0, DType::kBf16, DType::kBf16, DType::kBf16},  // padding
-                                 {3, DType::kBf16, DType::kFp32, DType::kFp32}};
   const int batch = static_cast<int>(rows.size());
   std::mt19937 rng(77);
   std::uniform_int_distribution<int32_t> page_id(0, pool_pages - 1);
@@ -846,12 +845,12 @@ TEST(CudaDecodeStage, MatchesTheDeviceAppendAndTheHostRounding) {
   std::vector<std::vector<double>> q_val(batch), k_val(batch), v_val(batch);
   std::vector<int32_t> lengths(batch, 0);
   for (int r = 0; r < batch; ++r) {
-    const Row& row = rows[r];
+    const StageRow& row = rows[r];
     lengths[r] = row.pages == 0 ? 0 : (row.pages - 1) * ps + 5;  // the new token in the last page
     h_rows[r] = DecodeStageRow{lengths[r], row.pages, static_cast<int32_t>(row.q),
                                static_cast<int32_t>(row.k), static_cast<int32_t>(row.v)};
     for (int64_t i = 0; i < stride; ++i) h_tables[r * stride + i] = page_id(rng);
-    h_tables[r * stride + std::max(0, row.pages - 1)] = r == 0 ? 11 : 42;  // distinct target pages
+    h_tables[r * stride + std::max(0, row.pages - 1)] = (11 + 31 * r) % pool_pages;  // distinct
     std::vector<uint8_t> raw;
     RandomTensor(q_n, row.q, &rng, &raw, &q_val[r]);
     std::memcpy(h_q + r * q_slot, raw.data(), raw.size());
@@ -949,6 +948,30 @@ TEST(CudaDecodeStage, MatchesTheDeviceAppendAndTheHostRounding) {
   cudaFreeHost(h_q);
   cudaFreeHost(h_k);
   cudaFreeHost(h_v);
+}
+
+TEST(CudaDecodeStage, MatchesTheDeviceAppendAndTheHostRounding) {
+  REQUIRE_GPU();
+  CheckDecodeStage({{70000, DType::kFp32, DType::kBf16, DType::kFp16},
+                    {0, DType::kBf16, DType::kBf16, DType::kBf16},  // padding
+                    {3, DType::kBf16, DType::kFp32, DType::kFp32}},
+                   /*stride=*/70004, /*pool_pages=*/64);
+}
+
+// Larger batches spread each row over fewer blocks (down to one at 256 rows and up): every row
+// must still be staged whole.
+TEST(CudaDecodeStage, LargeBatchesMatchWithFewerBlocksPerRow) {
+  REQUIRE_GPU();
+  const DType dtypes[] = {DType::kBf16, DType::kFp32, DType::kFp16};
+  for (const int batch : {40, 300}) {
+    SCOPED_TRACE("batch " + std::to_string(batch));
+    std::vector<StageRow> rows;
+    for (int r = 0; r < batch; ++r) {
+      rows.push_back(
+          {r % 7 == 6 ? 0 : 1 + r % 60, dtypes[r % 3], dtypes[(r + 1) % 3], dtypes[(r + 2) % 3]});
+    }
+    CheckDecodeStage(rows, /*stride=*/64, /*pool_pages=*/307);
+  }
 }
 
 // ---- host-only checks (run in CI without a GPU)

@@ -189,7 +189,8 @@ absl::Status LaunchDecodeStage(const CudaDecodeStageParams& p, cudaStream_t stre
   if (p.batch == 0) return absl::OkStatus();
   if (float_rows) {
     ATTND_CUDA_RETURN_IF_ERROR(LaunchAfterPrevious(
-        cuda_kernels::DecodeStageFloatRowsKernel, dim3(cuda_kernels::kDecodeStageBlocks, p.batch),
+        cuda_kernels::DecodeStageFloatRowsKernel,
+        dim3(cuda_kernels::DecodeStageBlocksPerRow(p.batch), p.batch),
         dim3(cuda_kernels::kDecodeStageThreads), 0, stream, p.kv, p.rows, p.host_tables,
         static_cast<const char*>(p.host_q), static_cast<const char*>(p.host_k),
         static_cast<const char*>(p.host_v), p.q_row_bytes, p.kv_row_bytes, p.lengths, p.q,
@@ -197,7 +198,8 @@ absl::Status LaunchDecodeStage(const CudaDecodeStageParams& p, cudaStream_t stre
     return absl::OkStatus();
   }
   ATTND_CUDA_RETURN_IF_ERROR(LaunchAfterPrevious(
-      cuda_kernels::DecodeStageKernel, dim3(cuda_kernels::kDecodeStageBlocks, p.batch),
+      cuda_kernels::DecodeStageKernel,
+      dim3(cuda_kernels::DecodeStageBlocksPerRow(p.batch), p.batch),
       dim3(cuda_kernels::kDecodeStageThreads), 0, stream, p.kv, p.rows, p.host_tables,
       static_cast<const char*>(p.host_q), static_cast<const char*>(p.host_k),
       static_cast<const char*>(p.host_v), p.q_row_bytes, p.kv_row_bytes, p.lengths, p.q, p.row_outs,

@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/cuda/dca_cuda_kernels.cuh"
@@ -227,16 +228,27 @@ __global__ void DecodeAppendKvKernel(PagedKvBatch kvb, const int32_t* lengths, c
   }
 }
 
-// grid (kDecodeStageBlocks, batch), block kDecodeStageThreads: CudaDecodeStageParams. Host memory
-// is read over the bus, where every read is a round trip of microseconds, so the kernel makes two:
-// the row's header, then every 16-byte piece of the row (q, page table, k, v, and the page id of
-// the new token) loaded by its own thread before any of them is stored; a pre-rotary row's rotary
-// loads (its q and k, the new page id) go out with the first pieces. A row's pieces, in order:
-// q (3 * Hq * D elements of its dtype), its page table (4 ids a piece; tables are 16-byte
-// aligned, so the last piece may carry up to 3 ids past num_pages, which nobody reads), k, v.
-constexpr int kDecodeStageBlocks = 16;
+// grid (DecodeStageBlocksPerRow(batch), batch), block kDecodeStageThreads: CudaDecodeStageParams.
+// Host memory is read over the bus, where every read is a round trip of microseconds, so a row at
+// small batches takes two: its header, then every 16-byte piece of the row (q, page table, k, v,
+// and the page id of the new token) loaded by its own thread before any of them is stored; a
+// pre-rotary row's rotary loads (its q and k, the new page id) go out with the first pieces. A
+// row's pieces, in order: q (3 * Hq * D elements of its dtype), its page table (4 ids a piece;
+// tables are 16-byte aligned, so the last piece may carry up to 3 ids past num_pages, which nobody
+// reads), k, v.
+constexpr int kDecodeStageBlocks = 16;  // per row, at most
 constexpr int kDecodeStageThreads = 256;
 constexpr int kDecodeStageUnroll = 4;  // pieces in flight per thread: 16 * 256 * 4 * 16 B = 256 KB
+// Blocks per row for a batch: kDecodeStageBlocks at small batches, fewer as the batch grows (a
+// thread then takes more of its row, in more rounds) so that the grid stays within about one wave
+// of resident blocks (two per multiprocessor at this kernel's registers, 132 multiprocessors on
+// an H100 or H200): every further wave would pay the round trips again, for all its rows.
+constexpr int kDecodeStageGridBlocks = 256;
+inline int DecodeStageBlocksPerRow(int batch) {
+  return batch >= kDecodeStageGridBlocks
+             ? 1
+             : std::min(kDecodeStageBlocks, kDecodeStageGridBlocks / std::max(batch, 1));
+}
 
 // The `n` (16 / element size) values of one 16-byte piece of `dtype` elements, as floats.
 __device__ __forceinline__ int PieceToFloats(const uint4& piece, int dtype, float (&x)[8]) {
