@@ -37,8 +37,9 @@ if [[ -z $ncu ]]; then
 fi
 for b in ${NCU_BATCHES:-1 64}; do
   echo "## kernels of the device-input pre-rotary step at batch $b (ncu, median device time)"
-  timeout 150 "$ncu" --clock-control none --graph-profiling node -k regex:Decode \
-    --metrics gpu__time_duration.sum --csv decode_step_bench --context 4096 --batches "$b" \
+  # No cache flush before each kernel: a flush inflates small kernels by a few microseconds.
+  timeout 150 "$ncu" --clock-control none --cache-control none --graph-profiling node \
+    -k regex:Decode --metrics gpu__time_duration.sum --csv decode_step_bench --context 4096 --batches "$b" \
     --iters 4 --capture_layers 0 --inputs device --q_layout pre_rotary \
     >"$out/ncu_b$b.csv" 2>"$out/ncu_b$b.err" || status=1
   python3 "$here/bench/gpu/ncu_kernels.py" "$out/ncu_b$b.csv" || status=1
