@@ -33,6 +33,14 @@ struct PageIndexer {
   }
 };
 
+// Index of a token's row in a pool of [num_pages, page_size, ...] rows: slot `slot` of page `page`
+// (a page id from a page table and PageIndexer::Slot of the position). A kernel that has loaded the
+// page id ahead, or that holds one row's page, multiplies this by its row stride (num_kv_heads *
+// head_dim elements, or num_kv_heads scales).
+ATTND_HOST_DEVICE int64_t PagedTokenIndex(int64_t page, int64_t slot, int64_t page_size) {
+  return page * page_size + slot;
+}
+
 // Layout of one layer in the pool: K and V each [num_pages, page_size, num_kv_heads, head_dim],
 // row-major; a sequence's token at position p lives in page page_table[p / page_size], slot
 // p % page_size. An fp8 or int8 pool (T = Fp8E4m3 or Int8Kv: base/fp8.h, base/int8_kv.h) also has

@@ -964,7 +964,7 @@ __device__ __forceinline__ void DcaDecodePipeBody(const DecodeArgsOf<KvT> a, Pro
       const int row = ld_row0 + i * kRowsPerPass;
       const int32_t pos = k0 + row;
       const bool valid = pos < k_end;
-      const int64_t tok = static_cast<int64_t>(pg[i]) * ps + in_page(static_cast<uint32_t>(pos));
+      const int64_t tok = PagedTokenIndex(pg[i], in_page(static_cast<uint32_t>(pos)), ps);
       const int64_t off = valid ? tok * row_stride + ld_chunk * (16 / sizeof(KvT)) : 0;
       const int so = slot * kTile + row * kPitch + ld_col;
       CpAsync16(ks + so, kbase + off, valid);

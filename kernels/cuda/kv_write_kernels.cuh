@@ -480,7 +480,7 @@ __device__ __forceinline__ void DecodeStage(PagedKvBatch kvb, const DecodeStageR
           continue;
         }
         const int64_t off =
-            ((int64_t{page} * ps + new_slot_in_page) * kvb.num_kv_heads + e / D) * D + e % D;
+            (PagedTokenIndex(page, new_slot_in_page, ps) * kvb.num_kv_heads + e / D) * D + e % D;
         StoreBf16Piece((is_k ? kvb.k : kvb.v) + off, x, n, is_k ? key_scale : 1.f);
       }
     }
@@ -500,7 +500,7 @@ __device__ __forceinline__ void DecodeStage(PagedKvBatch kvb, const DecodeStageR
         !kFloatRows && DecodeStageRotaryStoresKey(rot, num_q_heads, kvb.num_kv_heads, D)
             ? *new_page_id
             : 0;
-    const int64_t new_slot = (int64_t{new_page} * ps + new_slot_in_page) * kvb.num_kv_heads * D;
+    const int64_t new_slot = PagedTokenIndex(new_page, new_slot_in_page, ps) * kvb.num_kv_heads * D;
     auto store_key = [&](int64_t e, float x) {
       if constexpr (kFloatRows) {
         kv_rows[int64_t{r} * 2 * kv_elems + e] = x * key_scale;

@@ -210,7 +210,7 @@ __device__ __forceinline__ void LoadKvTileRows(const PagedKv<Bf16>& kv, int32_t 
       const bool valid = pos < k_hi;
       const int32_t pidx = pos / ps;
       const int64_t e = valid ? kv.page_table[pidx] : 0;
-      const int64_t off = (e * ps + (pos - pidx * ps)) * row_stride + head_off;
+      const int64_t off = PagedTokenIndex(e, pos - pidx * ps, ps) * row_stride + head_off;
       const uint32_t dst = SwizzledOffset(BN, row0 + i, chunk);
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(ks + dst),
                    "l"(kv.k + off), "r"(valid ? 16 : 0));
