@@ -68,16 +68,23 @@ def compile_cu(tree, source, arch, cubin):
     return usage
 
 
+def stable_name(name):
+    """A kernel's name without the hash that nvcc puts in the names of anonymous namespaces, which
+    depends on the file's path: the base tree and the working tree would otherwise never match."""
+    return re.sub(r"_GLOBAL__N__[0-9a-f]+_", "_GLOBAL__N__", name)
+
+
 def compile_all(tree, sources, arch, tmp):
     """compile_cu of each source; the union of their usage and of their kernels' sections (a kernel
-    in two of them is a ValueError: one file each)."""
+    in two of them is a ValueError: one file each), by stable_name."""
     usage, text = {}, {}
     for i, source in enumerate(sources):
         cubin = os.path.join(tmp, f"{os.path.basename(tree)}_{i}.cubin")
-        usage.update(compile_cu(tree, source, arch, cubin))
+        usage.update({stable_name(k): v for k, v in compile_cu(tree, source, arch, cubin).items()})
         for name, data in sections(cubin).items():
             if not name.startswith(".text."):
                 continue
+            name = stable_name(name)
             if name in text:
                 raise ValueError(f"{name[len('.text.'):]} is in more than one of {sources}")
             text[name] = data
