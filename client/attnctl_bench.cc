@@ -595,7 +595,13 @@ int RunTransport(AttndClient& client, Transport& transport, const v1::GetServerI
       row.skipped = absl::StrCat("context + decode steps > max sequence length ",
                                  info->limits().max_sequence_length());
     } else if (pages_needed > pages_free) {
-      row.skipped = absl::StrCat("needs ", pages_needed, " KV pages, ", pages_free, " free");
+      // Say what the pages are for and the two ways out: a long --decode-steps run at a large
+      // --batch needs its whole length in pages from the start.
+      row.skipped =
+          absl::StrCat("needs ", pages_needed, " KV pages (", options.batch, " sequences of ",
+                       context, " + ", options.decode_steps, " decode steps), ", pages_free,
+                       " free: fewer --decode-steps or --batch, or a larger attnd "
+                       "--kv-cache-bytes");
     }
     if (!row.skipped.empty()) {
       rows.push_back(row);

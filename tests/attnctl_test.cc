@@ -217,6 +217,18 @@ TEST_F(AttnctlTest, BenchPrintsATableAndReleasesEverything) {
   EXPECT_THAT(s, ContainsRegex("\n +300( +[0-9.]+){7}\n"));
   EXPECT_THAT(s, HasSubstr("100000  skipped: context + decode steps > max sequence length 4096"));
   ExpectNothingLeft();
+
+  // A run the pool cannot hold is skipped with what it needs and how to fit it.
+  std::ostringstream big_out, big_err;
+  options.contexts = {4000};
+  options.decode_steps = 90;
+  options.batch = 64;
+  EXPECT_EQ(client::RunBench(daemon_->client(), options, big_out, big_err), 0) << big_err.str();
+  EXPECT_THAT(big_out.str(),
+              ContainsRegex("4000  skipped: needs 16384 KV pages \\(64 sequences of 4000 \\+ 90 "
+                            "decode steps\\), [0-9]+ free: fewer --decode-steps or --batch, or a "
+                            "larger attnd --kv-cache-bytes"));
+  ExpectNothingLeft();
 }
 
 TEST_F(AttnctlTest, BenchOverASessionAndUnknownTransports) {
