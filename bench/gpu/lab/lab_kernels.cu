@@ -211,8 +211,9 @@ absl::Status LaunchLabPrefill(const DcaGeometry& g, const CudaPrefillParams& p, 
                               cudaStream_t stream) {
   ATTND_RETURN_IF_ERROR(cuda_launch::CheckPrefill(g, p));
   constexpr auto kAll = std::make_integer_sequence<int, kNumPrefillConfigs>();
-  return g.head_dim == 128 ? DispatchPrefill<128>(g, p, config, stream, kAll)
-                           : DispatchPrefill<64>(g, p, config, stream, kAll);
+  return WithHeadDim(g.head_dim, [&](auto dim) {
+    return DispatchPrefill<decltype(dim)::value>(g, p, config, stream, kAll);
+  });
 }
 
 int32_t LabDecodeSplits(const DcaGeometry& g, int32_t batch, int64_t max_length, int config) {
@@ -224,8 +225,9 @@ int32_t LabDecodeSplits(const DcaGeometry& g, int32_t batch, int64_t max_length,
     return 0;
   }
   constexpr auto kAll = std::make_integer_sequence<int, kNumDecodeConfigs>();
-  const int32_t per_sm = g.head_dim == 128 ? DispatchBlocksPerSm<128>(g, config, kAll)
-                                           : DispatchBlocksPerSm<64>(g, config, kAll);
+  const int32_t per_sm = WithHeadDim(g.head_dim, [&](auto dim) {
+    return DispatchBlocksPerSm<decltype(dim)::value>(g, config, kAll);
+  });
   if (per_sm < 1) return 0;
   return DecodeSplitsFor(g, sms, per_sm, batch, max_length);
 }
@@ -238,8 +240,9 @@ absl::Status LaunchLabDecode(const DcaGeometry& g, const CudaDecodeParams& p, in
     return absl::InvalidArgumentError("lab decode: bad max_splits or null workspace");
   }
   constexpr auto kAll = std::make_integer_sequence<int, kNumDecodeConfigs>();
-  return g.head_dim == 128 ? DispatchDecode<128>(g, p, config, stream, kAll)
-                           : DispatchDecode<64>(g, p, config, stream, kAll);
+  return WithHeadDim(g.head_dim, [&](auto dim) {
+    return DispatchDecode<decltype(dim)::value>(g, p, config, stream, kAll);
+  });
 }
 
 namespace {
